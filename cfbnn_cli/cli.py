@@ -1,0 +1,195 @@
+"""The ``cfbnn`` command: subcommand dispatch onto Hydra applications.
+
+``cfbnn <subcommand> [hydra arguments]``: the words of the subcommand pick a
+top-level config in ``conf/`` and a pipeline module; everything after them goes
+to Hydra untouched, so overrides (``trainer.epochs=3``), ``--cfg job``,
+``-m``/``--multirun`` and ``hydra/launcher=...`` work as in any Hydra app.
+
+The task function is the only place that knows about Hydra: it validates the
+shared config keys, calls ``pipeline.run(cfg, run_dir)`` (a plain function) and
+writes ``results.json`` + ``done``. A :class:`CfbnnError` becomes one line on
+stderr and a non-zero exit (the traceback too with ``HYDRA_FULL_ERROR=1``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from .runtime.errors import CfbnnError, NotBuiltError
+
+log = logging.getLogger("cfbnn")
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    words: Tuple[str, ...]
+    config_name: str
+    pipeline: str
+    summary: str
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.words)
+
+
+SUBCOMMANDS: Tuple[Subcommand, ...] = (
+    Subcommand(
+        ("train", "regression"),
+        "train_regression",
+        "cfbnn_cli.pipelines.regression",
+        "train a BNN regressor; gradient variance of analytic vs sampling ELBO (paper Table 1)",
+    ),
+    Subcommand(
+        ("vae",),
+        "vae",
+        "cfbnn_cli.pipelines.vae",
+        "VAE with a Bayesian decoder, variants v1/v2/v3 (paper Table 2)",
+    ),
+    Subcommand(
+        ("imagenet-predict",),
+        "imagenet_predict",
+        "cfbnn_cli.pipelines.imagenet",
+        "ResNet50 features + Bayesian head: Monte Carlo vs deterministic prediction (paper Figure 1)",
+    ),
+)
+
+USAGE = """usage: cfbnn <command> [hydra overrides and flags]
+
+commands:
+{commands}
+
+Everything after the command goes to Hydra, e.g.
+  cfbnn train regression trainer.epochs=5 device=cpu
+  cfbnn train regression --cfg job          # print the composed config
+  cfbnn train regression -m seed=0,1,2      # a sweep (--multirun)
+  cfbnn vae --help                          # the command's config groups
+
+Outputs go to outputs/<command>/<date>/<time>/ (set hydra.run.dir=... to change).
+"""
+
+
+def usage() -> str:
+    width = max(len(s.name) for s in SUBCOMMANDS)
+    commands = "\n".join(f"  {s.name.ljust(width)}  {s.summary}" for s in SUBCOMMANDS)
+    return USAGE.format(commands=commands)
+
+
+def find_subcommand(argv: Sequence[str]) -> Tuple[Optional[Subcommand], List[str]]:
+    for sub in SUBCOMMANDS:
+        n = len(sub.words)
+        if tuple(argv[:n]) == sub.words:
+            return sub, list(argv[n:])
+    return None, list(argv)
+
+
+def config_dir() -> Path:
+    """The ``conf/`` directory: ``$CFBNN_CONFIG_DIR``, else the one beside the package."""
+    override = os.environ.get("CFBNN_CONFIG_DIR")
+    candidates = [Path(override)] if override else []
+    candidates.append(Path(__file__).resolve().parent.parent / "conf")
+    for candidate in candidates:
+        if (candidate / "train_regression.yaml").is_file():
+            return candidate
+    raise CfbnnError(
+        "cannot find the cfbnn config directory (conf/); install cfbnn from a source checkout with "
+        "`pip install -e .` or point CFBNN_CONFIG_DIR at the checkout's conf/ folder"
+    )
+
+
+def _report_error(error: CfbnnError) -> None:
+    """One line for the user: through the job log (console + <job>.log) when Hydra set
+    logging up, else straight to stderr."""
+    if logging.getLogger().handlers:
+        log.error("%s", error)
+    else:
+        print(f"cfbnn: error: {error}", file=sys.stderr)
+
+
+def make_task(sub: Subcommand):
+    """The Hydra task function for one subcommand."""
+
+    def task(cfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from .report.results import write_results
+        from .runtime.checks import validate_common
+        from .runtime.device import resolve_device
+
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        try:
+            validate_common(cfg)
+            try:
+                pipeline = importlib.import_module(sub.pipeline)
+            except ModuleNotFoundError as error:
+                if error.name is None or not sub.pipeline.startswith(error.name):
+                    raise
+                raise NotBuiltError(
+                    f"`cfbnn {sub.name}` is not built yet: its pipeline ({sub.pipeline}) arrives in a later "
+                    f"release. The config was composed and the run directory created: {run_dir}"
+                ) from None
+            if cfg.resume and (run_dir / "done").exists():
+                log.info("resume=true and %s/done exists: this job already finished, skipping", run_dir)
+                return
+            started = time.perf_counter()
+            result = pipeline.run(cfg, run_dir)
+            write_results(
+                run_dir,
+                pipeline=sub.config_name,
+                cfg=cfg,
+                metrics=result.get("metrics", {}),
+                tables=result.get("tables", {}),
+                figures=result.get("figures", {}),
+                device=result.get("device", resolve_device(cfg.device)),
+                wall_s=time.perf_counter() - started,
+            )
+        except CfbnnError as error:
+            _report_error(error)
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            sys.exit(error.exit_code)
+
+    task.__name__ = sub.config_name
+    return task
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage(), end="")
+        sys.exit(0 if argv else 2)
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(f"cfbnn {__version__}")
+        sys.exit(0)
+    sub, rest = find_subcommand(argv)
+    if sub is None:
+        completions = [s.name for s in SUBCOMMANDS if len(s.words) > 1 and s.words[0] == argv[0]]
+        if completions:
+            print(f"cfbnn: error: incomplete command {argv[0]!r}; did you mean {' or '.join(completions)!r}?\n", file=sys.stderr)
+        else:
+            print(f"cfbnn: error: unknown command {' '.join(argv[:2])!r}\n", file=sys.stderr)
+        print(usage(), end="", file=sys.stderr)
+        sys.exit(2)
+    try:
+        conf = config_dir()
+    except CfbnnError as error:
+        print(f"cfbnn: error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+
+    import hydra
+
+    # Hydra reads sys.argv; give it only the arguments after the subcommand.
+    sys.argv = [f"cfbnn {sub.name}"] + rest
+    hydra.main(config_path=str(conf), config_name=sub.config_name, version_base="1.3")(make_task(sub))()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,54 @@
+"""``results.json``: the machine-readable record every run writes last.
+
+Layout (schema 1): ``{"pipeline", "schema", "status", "config", "metrics",
+"tables", "figures", "environment", "timing"}``; then an empty ``done`` marker.
+Both are written atomically so that a sweep can tell finished jobs from killed ones.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..runtime.environment import environment_record
+from ..runtime.io import atomic_write_json, atomic_write_text
+
+RESULTS_SCHEMA = 1
+
+
+def _flat_number(value):
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def write_results(
+    run_dir,
+    pipeline: str,
+    cfg: DictConfig,
+    metrics: Mapping[str, float],
+    wall_s: float,
+    device=None,
+    tables: Optional[Mapping[str, str]] = None,
+    figures: Optional[Mapping[str, str]] = None,
+    status: str = "complete",
+) -> Path:
+    """Write ``results.json`` and then the ``done`` marker into ``run_dir``."""
+    run_dir = Path(run_dir)
+    record = {
+        "pipeline": pipeline,
+        "schema": RESULTS_SCHEMA,
+        "status": status,
+        "config": OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg),
+        "metrics": {str(k): _flat_number(v) for k, v in metrics.items()},
+        "tables": dict(tables or {}),
+        "figures": dict(figures or {}),
+        "environment": environment_record(device),
+        "timing": {"wall_s": float(wall_s)},
+    }
+    path = atomic_write_json(run_dir / "results.json", record)
+    if status == "complete":
+        atomic_write_text(run_dir / "done", "")
+    return path

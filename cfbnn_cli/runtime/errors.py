@@ -1,0 +1,30 @@
+"""The one user-facing exception family.
+
+A :class:`CfbnnError` carries a message that names the value, file or key at fault
+and says how to fix it; the CLI prints only that message (no traceback unless
+``HYDRA_FULL_ERROR=1``) and exits with ``exit_code``.
+"""
+
+
+class CfbnnError(Exception):
+    """An error the user can fix; ``str(error)`` is the whole message shown."""
+
+    exit_code = 1
+
+
+class ConfigError(CfbnnError):
+    """A configuration value is invalid (exit code 2, like a usage error)."""
+
+    exit_code = 2
+
+
+class DataError(CfbnnError):
+    """A data file is missing or malformed."""
+
+    exit_code = 1
+
+
+class NotBuiltError(CfbnnError):
+    """A subcommand whose pipeline has not been implemented yet."""
+
+    exit_code = 2

@@ -1,0 +1,52 @@
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from cfbnn_cli.report.results import write_results
+from cfbnn_cli.runtime import ConfigError, atomic_torch_save, atomic_write_json, resolve_device
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path):
+    target = tmp_path / "sub" / "a.json"
+    atomic_write_json(target, {"x": 1})
+    atomic_write_json(target, {"x": 2})
+    assert json.loads(target.read_text()) == {"x": 2}
+    assert [p.name for p in target.parent.iterdir()] == ["a.json"]
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    target = tmp_path / "a.json"
+    atomic_write_json(target, {"x": 1})
+    with pytest.raises(TypeError):
+        atomic_write_json(target, {"x": object()})
+    assert json.loads(target.read_text()) == {"x": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_atomic_torch_save_roundtrip(tmp_path):
+    atomic_torch_save({"w": torch.arange(3)}, tmp_path / "c.pt")
+    assert torch.equal(torch.load(tmp_path / "c.pt")["w"], torch.arange(3))
+
+
+def test_write_results_schema_and_done_marker(tmp_path):
+    cfg = OmegaConf.create({"seed": 1, "trainer": {"epochs": 2}, "ref": "${seed}"})
+    write_results(tmp_path, "train_regression", cfg, {"rmse": 0.5, "bad": float("nan")}, wall_s=1.5, device="cpu")
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert record["pipeline"] == "train_regression" and record["schema"] == 1 and record["status"] == "complete"
+    assert record["config"]["ref"] == 1  # resolved
+    assert record["metrics"] == {"rmse": 0.5, "bad": None}
+    assert record["environment"]["device"] == "cpu" and record["environment"]["torch"] == torch.__version__
+    assert record["timing"]["wall_s"] == 1.5
+    assert (tmp_path / "done").exists()
+
+
+def test_resolve_device():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            resolve_device("cuda")
