@@ -1,0 +1,126 @@
+"""Pyro integration: the same network as a Pyro model + guide, and a closed-form loss.
+
+* :class:`BNNRegressionModel` (``PyroModule``): priors ``A ~ N(0, s^2)``,
+  ``B ~ N(0, s^2)``, likelihood ``y ~ N(B g(A [x, 1]), 1/beta)``.
+* :class:`BNNRegressionGuide` (``PyroModule``): ``q(a_h) = MVN(a_loc_h, L_h L_h^T)``
+  (independent rows), ``q(B) = MVN(b_loc, L_B L_B^T)``.
+* :class:`ClosedFormELBO`: a drop-in for ``pyro.infer.Trace_ELBO`` with the ELBO
+  interface (``loss``, ``differentiable_loss``, ``loss_and_grads``) that computes
+  ``-(ELL - KL)`` exactly from the guide's distribution parameters -- no sampling.
+
+``SVI(model, guide, optim, Trace_ELBO())`` and ``SVI(model, guide, optim,
+ClosedFormELBO())`` optimize the same parameters; the Monte Carlo loss of the
+former averages to the latter (tests/test_pyro_glue.py).
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.infer import ELBO
+from pyro.nn import PyroModule, PyroParam
+from torch.distributions import constraints
+
+from ..moments import get_activation
+from .functional import kl_normal_rows, regression_expected_log_likelihood
+from .layers import augment
+
+
+class BNNRegressionModel(PyroModule):
+    def __init__(self, input_dim: int, hidden_dim: int, activation="relu", prior_scale: float = 1.0, precision: float = 1.0):
+        super().__init__()
+        self.input_dim = input_dim
+        self.hidden_dim = hidden_dim
+        self.activation = get_activation(activation)
+        self.prior_scale = float(prior_scale)
+        self.precision = float(precision)
+
+    def forward(self, x, y=None):
+        xa = augment(x)
+        H, D = self.hidden_dim, self.input_dim + 1
+        A = pyro.sample("A", dist.Normal(xa.new_zeros(()), self.prior_scale).expand([H, D]).to_event(2))
+        B = pyro.sample("B", dist.Normal(xa.new_zeros(()), self.prior_scale).expand([H]).to_event(1))
+        hidden = self.activation(xa @ A.transpose(-1, -2))  # (..., N, H)
+        f = (hidden * B.unsqueeze(-2)).sum(-1)
+        if A.dim() > 2:
+            # vectorized particles put A's batch dims (..., 1) left of the data plate
+            # (dim -1); drop that singleton so f is (..., N) under the plate.
+            f = f.squeeze(-2)
+        with pyro.plate("data", x.shape[0], dim=-1):
+            pyro.sample("y", dist.Normal(f, self.precision**-0.5), obs=y)
+        return f
+
+
+class BNNRegressionGuide(PyroModule):
+    def __init__(self, input_dim: int, hidden_dim: int, init_scale: float = 0.1, generator=None):
+        super().__init__()
+        D, H = input_dim + 1, hidden_dim
+        self.a_loc = PyroParam(torch.randn(H, D, generator=generator) / D**0.5)
+        self.a_scale_tril = PyroParam(init_scale * torch.eye(D).expand(H, D, D).clone(), constraint=constraints.lower_cholesky)
+        self.b_loc = PyroParam(torch.randn(H, generator=generator) / H**0.5)
+        self.b_scale_tril = PyroParam(init_scale * torch.eye(H), constraint=constraints.lower_cholesky)
+
+    def forward(self, x, y=None):
+        pyro.sample("A", dist.MultivariateNormal(self.a_loc, scale_tril=self.a_scale_tril).to_event(1))
+        pyro.sample("B", dist.MultivariateNormal(self.b_loc, scale_tril=self.b_scale_tril))
+
+
+def _mvn_parts(fn):
+    while isinstance(fn, dist.Independent):
+        fn = fn.base_dist
+    if not isinstance(fn, torch.distributions.MultivariateNormal):
+        raise ValueError(f"ClosedFormELBO needs MultivariateNormal guide sites for A and B; got {type(fn).__name__}")
+    return fn.loc, fn.scale_tril
+
+
+def _normal_scale(fn):
+    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution)):
+        fn = fn.base_dist
+    if not isinstance(fn, torch.distributions.Normal):
+        raise ValueError(f"ClosedFormELBO needs Normal priors and likelihood; got {type(fn).__name__}")
+    return fn.scale
+
+
+class ClosedFormELBO(ELBO):
+    """The exact negative ELBO of the one-hidden-layer regression BNN, as a Pyro loss.
+
+    Reads ``q(A)``, ``q(B)`` from the guide's sample sites ``"A"`` and ``"B"``, the
+    prior scale and the likelihood precision from the model's sites, the inputs from
+    the first argument and the observations from site ``"y"``; the activation from
+    ``model.activation``. A plate scale on ``"y"`` (subsampling) multiplies the ELL.
+    """
+
+    def __init__(self):
+        super().__init__(num_particles=1, max_plate_nesting=1)
+
+    def differentiable_loss(self, model, guide, *args, **kwargs):
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+        a_loc, a_scale_tril = _mvn_parts(guide_trace.nodes["A"]["fn"])
+        b_loc, b_scale_tril = _mvn_parts(guide_trace.nodes["B"]["fn"])
+        prior_a = _normal_scale(model_trace.nodes["A"]["fn"])
+        prior_b = _normal_scale(model_trace.nodes["B"]["fn"])
+        obs = model_trace.nodes["y"]
+        precision = _normal_scale(obs["fn"]).reshape(-1)[0] ** -2
+        x = args[0]
+        ell = regression_expected_log_likelihood(
+            augment(x), obs["value"], a_loc, a_scale_tril, b_loc, b_scale_tril, precision, model.activation
+        )
+        kl = kl_normal_rows(a_loc, a_scale_tril, prior_a.reshape(-1)[0]) + kl_normal_rows(
+            b_loc.unsqueeze(0), b_scale_tril.unsqueeze(0), prior_b.reshape(-1)[0]
+        )
+        return -(obs["scale"] * ell - kl)
+
+    def _get_trace(self, model, guide, args, kwargs):  # pragma: no cover - nothing is sampled
+        raise NotImplementedError("ClosedFormELBO computes the ELBO exactly and draws no traces")
+
+    def loss(self, model, guide, *args, **kwargs):
+        with torch.no_grad():
+            return self.differentiable_loss(model, guide, *args, **kwargs).item()
+
+    def loss_and_grads(self, model, guide, *args, **kwargs):
+        loss = self.differentiable_loss(model, guide, *args, **kwargs)
+        loss.backward()
+        return loss.item()
