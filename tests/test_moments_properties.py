@@ -181,3 +181,22 @@ def test_cuda_matches_cpu():
         for a, b in zip(cpu, gpu):
             assert b.device.type == "cuda"
             torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6)
+
+
+def test_float32_relu_fast_path_gradients_match_float64():
+    """The float32 ReLU path saves its Gaussian factors for the backward pass; first and
+    second derivatives must agree with the (independent) float64 kernel path."""
+    relu = get_activation("relu")
+    generator = torch.Generator().manual_seed(8)
+    mean32 = (2 * torch.randn(40, generator=generator)).requires_grad_()
+    std32 = (0.1 + torch.rand(40, generator=generator)).requires_grad_()
+    mean64 = mean32.detach().double().requires_grad_()
+    std64 = std32.detach().double().requires_grad_()
+    totals = []
+    for m, s in ((mean32, std32), (mean64, std64)):
+        out = relu.moments(m, s, return_variance=True)
+        first = torch.autograd.grad(sum(o.sum() for o in out), (m, s), create_graph=True)
+        second = torch.autograd.grad(first[0].sum() + first[1].sum(), (m, s))
+        totals.append([t.double() for t in first + second])
+    for a, b in zip(*totals):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

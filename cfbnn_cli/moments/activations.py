@@ -132,7 +132,7 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 
 
 def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
-    """(Phi, Upsilon, Var) of relu for one block, computed in float64.
+    """(Phi, Upsilon, Var, Phi_N(t), Phi_N(-t), phi(t)) of relu for one block, in float64.
 
     With ``x = |mean|/std`` and the small tail ``s_k = E[w^k 1{w>0}] / std^k``,
     ``w ~ N(-|mean|, std^2)``: ``s_0 = Phi_N(-x)``, ``s_1 = phi(x) - x s_0``,
@@ -144,6 +144,7 @@ def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
     for a float32 result (1e-10 at x = 40, beyond which everything underflows).
     Float64 arithmetic also keeps ``x`` and ``x^2/2`` exact enough: in float32 their
     rounding alone costs ``x^2 * 6e-8`` relative error in ``exp(-x^2/2)``.
+    The last three outputs are what the backward pass needs (saved, not recomputed).
     The ops are fused and in place because this is the throughput path.
     """
     mean = mean.double()
@@ -154,12 +155,18 @@ def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
     s1 = torch.addcmul(pdf, x, s0, value=-1.0)
     s2 = torch.addcmul(s0, x, s1, value=-1.0)
     s1_sq = s1 * s1
+    upper = mean >= 0
     phi = torch.addcmul(mean.clamp(min=0.0), std, s1)
     upper_bracket = torch.rsub(s2, 1.0).addcmul_(x, s1, value=-2.0).sub_(s1_sq)
     lower_bracket = s2.sub_(s1_sq)
-    variance = (std * std).mul_(torch.where(mean >= 0, upper_bracket, lower_bracket)).clamp_(min=0.0)
+    variance = (std * std).mul_(torch.where(upper, upper_bracket, lower_bracket)).clamp_(min=0.0)
     upsilon = torch.addcmul(variance, phi, phi)
-    return phi, upsilon, variance
+    big = torch.rsub(s0, 1.0)
+    cdf = torch.where(upper, big, s0)
+    cdf_neg = torch.where(upper, s0, big)
+    # std == 0: the density factor is 0 (a point mass), except at mean == 0 where phi(0)
+    # is the one-sided derivative of Phi = std phi(0).
+    return phi, upsilon, variance, cdf, cdf_neg, pdf
 
 
 def _relu_forward(mean, std):
@@ -167,7 +174,7 @@ def _relu_forward(mean, std):
     shape, dtype = mean.shape, mean.dtype
     flat_mean = mean.reshape(-1)
     flat_std = std.reshape(-1)
-    outputs = [torch.empty(flat_mean.shape, dtype=dtype, device=mean.device) for _ in range(3)]
+    outputs = [torch.empty(flat_mean.shape, dtype=dtype, device=mean.device) for _ in range(6)]
     for start in range(0, flat_mean.numel(), _CHUNK):
         block = slice(start, start + _CHUNK)
         for out, value in zip(outputs, _relu_forward_block(flat_mean[block], flat_std[block])):
@@ -176,11 +183,13 @@ def _relu_forward(mean, std):
 
 
 class _ReLUMoments(torch.autograd.Function):
-    """(mean, std) -> (Phi, Upsilon, Var) of relu, with the analytic backward.
+    """(mean, std) -> (Phi, Upsilon, Var, [cdf, cdf(-t), pdf]) of relu, with the analytic backward.
 
     ``dPhi/dmean = Phi_N(t)``, ``dPhi/dstd = phi(t)`` (Stein / heat equation) and
     ``dUpsilon/dmean = 2 Phi``, ``dUpsilon/dstd = 2 std Phi_N(t)``, so
     ``dVar/dmean = 2 Phi Phi_N(-t)`` and ``dVar/dstd = 2 (std Phi_N(t) - Phi phi(t))``.
+    The three Gaussian factors are saved from the forward pass; a double backward
+    (``create_graph=True``) recomputes them differentiably instead.
     """
 
     @staticmethod
@@ -190,22 +199,25 @@ class _ReLUMoments(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         mean, std = inputs
-        ctx.save_for_backward(mean, std, output[0])
+        phi, _, _, cdf, cdf_neg, pdf = output
+        ctx.mark_non_differentiable(cdf, cdf_neg, pdf)
+        ctx.save_for_backward(mean, std, phi, cdf, cdf_neg, pdf)
 
     @staticmethod
-    def backward(ctx, grad_phi, grad_upsilon, grad_var):
-        mean, std, phi = ctx.saved_tensors
-        t, _, _ = _standardize(mean, std)
-        cdf = standard_normal_cdf(t)
-        pdf = standard_normal_pdf(t)
-        grad_mean = grad_phi * cdf + 2.0 * phi * (grad_upsilon + grad_var * standard_normal_cdf(-t))
-        grad_std = grad_phi * pdf + 2.0 * (grad_upsilon * std * cdf + grad_var * (std * cdf - phi * pdf))
+    def backward(ctx, grad_phi, grad_upsilon, grad_var, *_):
+        mean, std, phi, cdf, cdf_neg, pdf = ctx.saved_tensors
+        if torch.is_grad_enabled():  # double backward: keep every factor differentiable
+            t, _, _ = _standardize(mean, std)
+            cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)
+        twice_phi = 2.0 * phi
+        grad_mean = grad_phi * cdf + twice_phi * (grad_upsilon + grad_var * cdf_neg)
+        grad_std = grad_phi * pdf + 2.0 * std * cdf * (grad_upsilon + grad_var) - twice_phi * pdf * grad_var
         return _sum_to(grad_mean, mean.shape), _sum_to(grad_std, std.shape)
 
     @staticmethod
     def vmap(info, in_dims, mean, std):
         mean, std = _align_batched(mean, std, in_dims)
-        return _ReLUMoments.apply(mean, std), (0, 0, 0)
+        return _ReLUMoments.apply(mean, std), (0,) * 6
 
 
 class ReLU(Activation):
@@ -224,14 +236,14 @@ class ReLU(Activation):
     def _moments(self, mean, std):
         if mean.dtype == torch.float64:
             return self._moments_float64(mean, std)
-        phi, _, variance = _ReLUMoments.apply(mean, std)
+        phi, _, variance, *_ = _ReLUMoments.apply(mean, std)
         return phi, variance
 
     def moments(self, mean, std, return_variance: bool = False):
         mean, std = check_mean_std(mean, std)
         if mean.dtype == torch.float64:
             return super().moments(mean, std, return_variance)
-        phi, upsilon, variance = _ReLUMoments.apply(mean, std)
+        phi, upsilon, variance, *_ = _ReLUMoments.apply(mean, std)
         return (phi, upsilon, variance) if return_variance else (phi, upsilon)
 
     @staticmethod

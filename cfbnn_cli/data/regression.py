@@ -1,0 +1,214 @@
+"""Tabular regression data: the embedded synthetic default, scikit-learn's diabetes,
+UCI YearPredictionMSD and any numeric CSV/NPZ file.
+
+Every loader returns a :class:`RegressionData` with inputs and targets standardized
+by *training* statistics; ``target_mean``/``target_std`` convert predictions and
+log-likelihoods back to the original units.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..runtime.errors import ConfigError, DataError
+
+MSD_SCRIPT = "python data_scripts/fetch_year_prediction_msd.py"
+MSD_ROWS = 515_345
+MSD_TRAIN_ROWS = 463_715
+
+
+@dataclass
+class RegressionData:
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    target_mean: float
+    target_std: float
+
+    @property
+    def input_dim(self) -> int:
+        return self.x_train.shape[1]
+
+    @property
+    def num_train(self) -> int:
+        return self.x_train.shape[0]
+
+
+def _standardize(name, x_train, y_train, x_test, y_test) -> RegressionData:
+    x_mean = x_train.mean(0)
+    x_std = x_train.std(0)
+    x_std[x_std == 0] = 1.0  # constant columns carry no information; keep them finite
+    y_mean = float(y_train.mean())
+    y_std = float(y_train.std())
+    if not y_std > 0:
+        raise DataError(f"the target of data `{name}` is constant on the training split; nothing to regress")
+
+    def tensor(a):
+        return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.float32)
+
+    return RegressionData(
+        name=name,
+        x_train=tensor((x_train - x_mean) / x_std),
+        y_train=tensor((y_train - y_mean) / y_std),
+        x_test=tensor((x_test - x_mean) / x_std),
+        y_test=tensor((y_test - y_mean) / y_std),
+        target_mean=y_mean,
+        target_std=y_std,
+    )
+
+
+def _random_split(n: int, test_fraction: float, seed: int):
+    if not 0 < test_fraction < 1:
+        raise ConfigError(f"data.test_fraction={test_fraction} must be between 0 and 1")
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = max(1, int(round(test_fraction * n)))
+    if n - n_test < 2:
+        raise DataError(f"only {n} rows: too few to split into train and test")
+    return order[n_test:], order[:n_test]
+
+
+def synthetic_teacher(input_dim=90, n_train=4000, n_test=1000, teacher_hidden=50, noise_std=0.5, seed=0) -> RegressionData:
+    """A random one-hidden-layer tanh teacher network plus Gaussian noise, from ``seed``.
+
+    Deterministic: the same arguments always give the same data.
+    """
+    rng = np.random.default_rng(seed)
+    n = n_train + n_test
+    x = rng.standard_normal((n, input_dim))
+    w1 = rng.standard_normal((input_dim, teacher_hidden)) / math.sqrt(input_dim)
+    w2 = rng.standard_normal(teacher_hidden) * 2.0 / math.sqrt(teacher_hidden)
+    y = np.tanh(x @ w1) @ w2 + noise_std * rng.standard_normal(n)
+    return _standardize("synthetic", x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+def diabetes(test_fraction=0.1, seed=0) -> RegressionData:
+    """scikit-learn's bundled diabetes data (442 x 10), split at random from ``seed``."""
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)
+    train, test = _random_split(len(y), test_fraction, seed)
+    return _standardize("diabetes", x[train], y[train], x[test], y[test])
+
+
+def _parse_numeric_rows(lines, source: str, expected_columns: Optional[int] = None, first_line: int = 1):
+    rows = []
+    for offset, row in enumerate(csv.reader(lines)):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        line = first_line + offset
+        try:
+            values = [float(cell) for cell in row]
+        except ValueError:
+            raise DataError(f"{source}, line {line}: non-numeric value in {row[:6]}{'...' if len(row) > 6 else ''}") from None
+        if not all(math.isfinite(v) for v in values):
+            raise DataError(f"{source}, line {line}: NaN or infinite value")
+        if expected_columns is not None and len(values) != expected_columns:
+            raise DataError(f"{source}, line {line}: expected {expected_columns} columns, found {len(values)}")
+        rows.append(values)
+    return np.asarray(rows, dtype=np.float64)
+
+
+def year_prediction_msd(path="data/YearPredictionMSD.txt", n_train=MSD_TRAIN_ROWS, expected_rows: Optional[int] = MSD_ROWS) -> RegressionData:
+    """UCI YearPredictionMSD: first column the year, then 90 audio features.
+
+    The standard split: the first ``n_train`` (463,715) rows train, the rest (51,630)
+    test -- no song's artist appears in both. Reads the ``.txt`` or the ``.txt.zip``.
+    """
+    path = Path(path)
+    candidates = [path, path.with_name(path.name + ".zip")] if path.suffix != ".zip" else [path]
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None:
+        raise DataError(
+            f"YearPredictionMSD not found at {path} (or {path.name}.zip); download and verify it with "
+            f"`{MSD_SCRIPT} --out {path.parent}`, or set data.path=/path/to/YearPredictionMSD.txt"
+        )
+    if found.suffix == ".zip":
+        with zipfile.ZipFile(found) as archive:
+            member = next((n for n in archive.namelist() if n.endswith(".txt")), None)
+            if member is None:
+                raise DataError(f"{found}: the zip holds no .txt file")
+            text = io.TextIOWrapper(archive.open(member), encoding="utf-8")
+            table = _parse_numeric_rows(text, f"{found}:{member}", expected_columns=91)
+    else:
+        with open(found, newline="") as handle:
+            table = _parse_numeric_rows(handle, str(found), expected_columns=91)
+    if expected_rows is not None and len(table) != expected_rows:
+        raise DataError(
+            f"{found} has {len(table)} rows, expected {expected_rows}; the file is incomplete -- re-run `{MSD_SCRIPT}`"
+        )
+    if not 0 < n_train < len(table):
+        raise ConfigError(f"data.n_train={n_train} must be between 1 and the number of rows - 1 ({len(table) - 1})")
+    y, x = table[:, 0], table[:, 1:]
+    return _standardize("year_prediction_msd", x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+def tabular_file(path, target, test_fraction=0.1, seed=0) -> RegressionData:
+    """Any numeric ``.csv`` (with a header row) or ``.npz`` file with a named target column.
+
+    For ``.npz``: either arrays ``x`` and ``y`` (``target`` names the ``y`` array), or
+    one array per column. Non-numeric or NaN cells raise an error naming the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path} (set data.path=...)")
+    if path.suffix == ".npz":
+        with np.load(path) as arrays:
+            if "x" in arrays and target in arrays:
+                x = np.asarray(arrays["x"], dtype=np.float64)
+                y = np.asarray(arrays[target], dtype=np.float64)
+            elif target in arrays:
+                columns = [k for k in arrays.files if k != target]
+                x = np.stack([np.asarray(arrays[k], dtype=np.float64) for k in columns], 1)
+                y = np.asarray(arrays[target], dtype=np.float64)
+            else:
+                raise DataError(f"{path}: no array named `{target}` (data.target); it holds {arrays.files}")
+        bad = ~np.isfinite(x).all(1) | ~np.isfinite(y)
+        if bad.any():
+            raise DataError(f"{path}: row {int(np.argmax(bad))} has NaN or infinite values")
+    else:
+        with open(path, newline="") as handle:
+            reader = csv.reader(handle)
+            try:
+                header = [h.strip() for h in next(reader)]
+            except StopIteration:
+                raise DataError(f"{path} is empty") from None
+            if target not in header:
+                raise DataError(f"{path}: no column named `{target}` (data.target); columns are {header}")
+            table = _parse_numeric_rows(handle, str(path), expected_columns=len(header), first_line=2)
+        column = header.index(target)
+        y = table[:, column]
+        x = np.delete(table, column, axis=1)
+    if len(y) < 3:
+        raise DataError(f"{path}: {len(y)} rows is too few to train and test on")
+    train, test = _random_split(len(y), test_fraction, seed)
+    return _standardize(path.stem, x[train], y[train], x[test], y[test])
+
+
+def load_regression_data(cfg, seed: int) -> RegressionData:
+    """Dispatch on ``cfg.name`` (a ``conf/data/*.yaml`` group)."""
+    name = cfg.get("name")
+    if name == "synthetic":
+        return synthetic_teacher(
+            cfg.get("input_dim", 90), cfg.get("n_train", 4000), cfg.get("n_test", 1000),
+            cfg.get("teacher_hidden", 50), cfg.get("noise_std", 0.5), cfg.get("seed", seed),
+        )
+    if name == "diabetes":
+        return diabetes(cfg.get("test_fraction", 0.1), cfg.get("seed", seed))
+    if name == "year_prediction_msd":
+        return year_prediction_msd(cfg.get("path"), cfg.get("n_train", MSD_TRAIN_ROWS), cfg.get("expected_rows", MSD_ROWS))
+    if name == "csv":
+        if not cfg.get("path") or not cfg.get("target"):
+            raise ConfigError("data=csv needs data.path=/path/to/file.csv and data.target=<column name>")
+        return tabular_file(cfg.path, cfg.target, cfg.get("test_fraction", 0.1), cfg.get("seed", seed))
+    raise ConfigError(f"data.name={name!r} is not one of synthetic, diabetes, year_prediction_msd, csv")

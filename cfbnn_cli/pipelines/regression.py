@@ -1,0 +1,285 @@
+"""`cfbnn train regression`: train a BNN regressor; gradient variance (paper Table 1).
+
+``run(cfg, run_dir) -> dict``; no Hydra here. Per epoch it logs and records the
+ELBO, test RMSE and test log-likelihood (original units) under the closed-form
+predictive (mixture over samples of the sampled earlier layers) and under Monte
+Carlo (every layer sampled), writes ``metrics.csv`` and ``checkpoints/last.pt``
+atomically; ``resume=true`` continues from that checkpoint. At the configured epochs
+it measures the gradient variance of both estimators on one fixed minibatch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from ..bnn.deep import ESTIMATORS, MeanFieldMLP, mixture_log_likelihood
+from ..bnn.gradient_variance import gradient_variance
+from ..data.regression import RegressionData, load_regression_data
+from ..moments import ACTIVATIONS
+from ..report.figures import new_figure, save_figure
+from ..report.tables import write_table
+from ..runtime.checks import require_choice, require_int, require_positive_float
+from ..runtime.device import resolve_device
+from ..runtime.errors import ConfigError, DataError
+from ..runtime.io import atomic_torch_save, atomic_write_text
+from ..runtime.numerics import ensure_finite
+from ..runtime.seed import seed_everything
+
+log = logging.getLogger(__name__)
+ESTIMATOR_LABELS = {"analytic": "Analytic", "sampling": "Sampling"}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every check that needs no data, before any work starts."""
+    require_choice(cfg, "estimator.name", ESTIMATORS)
+    require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
+    sizes = OmegaConf.select(cfg, "model.hidden_sizes")
+    if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
+        raise ConfigError(f"model.hidden_sizes={sizes} must be a non-empty list of positive integers, e.g. [200,200]")
+    require_positive_float(cfg, "model.prior_scale")
+    require_positive_float(cfg, "model.init_scale")
+    require_positive_float(cfg, "model.precision")
+    require_int(cfg, "evaluation.num_samples", minimum=1)
+    require_int(cfg, "gradient_variance.num_samples", minimum=0)
+    require_int(cfg, "gradient_variance.batch_size", minimum=1)
+    require_int(cfg, "gradient_variance.chunk_size", minimum=1)
+    gradient_variance_epochs(cfg)
+
+
+def gradient_variance_epochs(cfg) -> List[int]:
+    """``gradient_variance.epochs`` with ``last`` resolved; each in 0..trainer.epochs."""
+    epochs = cfg.trainer.epochs
+    resolved = []
+    for value in cfg.gradient_variance.epochs or []:
+        epoch = epochs if value == "last" else value
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= epochs:
+            raise ConfigError(
+                f"gradient_variance.epochs contains {value!r}; use integers in 0..trainer.epochs ({epochs}) or 'last'"
+            )
+        if epoch not in resolved:
+            resolved.append(epoch)
+    return sorted(resolved)
+
+
+def _check_against_data(cfg, data: RegressionData) -> None:
+    if cfg.trainer.batch_size > data.num_train:
+        raise ConfigError(
+            f"trainer.batch_size={cfg.trainer.batch_size} is larger than the {data.num_train} training rows of "
+            f"data={data.name}; lower it"
+        )
+    if cfg.gradient_variance.num_samples and cfg.gradient_variance.batch_size > data.num_train:
+        raise ConfigError(
+            f"gradient_variance.batch_size={cfg.gradient_variance.batch_size} is larger than the "
+            f"{data.num_train} training rows; lower it"
+        )
+
+
+@torch.no_grad()
+def evaluate(model: MeanFieldMLP, data: RegressionData, num_samples: int, generator) -> Dict[str, float]:
+    """Test RMSE and per-point log-likelihood in the target's original units."""
+    x, y = data.x_test, data.y_test
+    log_scale = math.log(data.target_std)
+    noise_var = 1.0 / model.precision
+    means, variances = model.predict(x, num_samples, generator)
+    mean = means.mean(0)
+    closed_ll = mixture_log_likelihood(y, means, variances + noise_var).mean().item() - log_scale
+    outputs = model.sample_outputs(x, num_samples, generator)
+    mc_ll = mixture_log_likelihood(y, outputs, noise_var.expand_as(outputs)).mean().item() - log_scale
+    rmse = (mean - y).square().mean().sqrt().item() * data.target_std
+    return {"test_rmse": rmse, "test_ll_closed_form": closed_ll, "test_ll_monte_carlo": mc_ll}
+
+
+def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """{estimator: {layer: {"mean": v, "scale": v}}} at the current parameters."""
+    names = model.layer_names()
+    out = {}
+    for estimator in ESTIMATORS:
+        started = time.perf_counter()
+        with tqdm(total=cfg.gradient_variance.num_samples, desc=f"grad var {estimator} @ epoch {epoch}", leave=False) as bar:
+            per_param = gradient_variance(
+                model, x, y, num_data, estimator, cfg.gradient_variance.num_samples,
+                cfg.gradient_variance.chunk_size, generator, progress=bar,
+            )
+        out[estimator] = {
+            names[i]: {"mean": per_param[f"layers.{i}.loc"], "scale": per_param[f"layers.{i}.log_scale"]}
+            for i in range(len(names))
+        }
+        log.info(
+            "gradient variance, %s, epoch %d (%d samples, %.1fs): %s", estimator, epoch,
+            cfg.gradient_variance.num_samples, time.perf_counter() - started,
+            ", ".join(f"{k} {v['mean']:.3g}/{v['scale']:.3g}" for k, v in out[estimator].items()),
+        )
+    return out
+
+
+def _format(value: float) -> str:
+    if value == 0:
+        return "0"
+    exponent = math.floor(math.log10(abs(value)))
+    return f"{value:.3g}" if -2 <= exponent <= 3 else f"{value:.1e}"
+
+
+def gradient_variance_table(results: Dict[int, dict], last_epoch: int) -> pd.DataFrame:
+    """Paper Table 1 layout: rows Analytic/Sampling; columns epoch x layer; "mean / scale"."""
+    columns = {}
+    for epoch in sorted(results):
+        when = "Upon initialization" if epoch == 0 else ("Late in training" if epoch == last_epoch else f"Epoch {epoch}")
+        when = f"{when} (epoch {epoch})"
+        for layer in next(iter(results[epoch].values())):
+            columns[f"{when}: {layer.capitalize()} Layer"] = [
+                f"{_format(results[epoch][e][layer]['mean'])} / {_format(results[epoch][e][layer]['scale'])}" for e in ESTIMATORS
+            ]
+    frame = pd.DataFrame(columns, index=[ESTIMATOR_LABELS[e] for e in ESTIMATORS])
+    frame.index.name = "Estimator"
+    return frame
+
+
+def _plot_gradient_variance(results, path):
+    epochs = sorted(results)
+    fig, axes = new_figure(len(epochs), width=3.3 * len(epochs), height=2.6)
+    for ax, epoch in zip(axes, epochs):
+        layers = list(next(iter(results[epoch].values())))
+        labels = [f"{layer}\n{kind}" for layer in layers for kind in ("mean", "scale")]
+        width = 0.38
+        for offset, estimator in ((-width / 2, "analytic"), (width / 2, "sampling")):
+            values = [results[epoch][estimator][layer][kind] for layer in layers for kind in ("mean", "scale")]
+            ax.bar([i + offset for i in range(len(values))], values, width, label=ESTIMATOR_LABELS[estimator])
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_title(f"epoch {epoch}")
+        ax.set_ylabel("mean gradient variance")
+        ax.legend()
+    return save_figure(fig, path)
+
+
+def _plot_training(history: List[dict], path):
+    fig, axes = new_figure(3, width=7.0, height=2.3)
+    epochs = [h["epoch"] for h in history]
+    axes[0].plot(epochs, [-h["train_elbo_per_point"] for h in history])
+    axes[0].set_ylabel("-ELBO per point")
+    axes[1].plot(epochs, [h["test_rmse"] for h in history])
+    axes[1].set_ylabel("test RMSE")
+    axes[2].plot(epochs, [h["test_ll_closed_form"] for h in history], label="closed form")
+    axes[2].plot(epochs, [h["test_ll_monte_carlo"] for h in history], label="Monte Carlo", linestyle="--")
+    axes[2].set_ylabel("test log-likelihood")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xlabel("epoch")
+    return save_figure(fig, path)
+
+
+def run(cfg: DictConfig, run_dir) -> dict:
+    run_dir = Path(run_dir)
+    validate(cfg)
+    device = resolve_device(cfg.device)
+    generator = seed_everything(cfg.seed)
+    data = load_regression_data(cfg.data, cfg.seed)
+    _check_against_data(cfg, data)
+    gv_epochs = gradient_variance_epochs(cfg) if cfg.gradient_variance.num_samples else []
+    estimator = cfg.estimator.name
+    model = MeanFieldMLP(
+        data.input_dim, list(cfg.model.hidden_sizes), cfg.model.activation, cfg.model.prior_scale,
+        cfg.model.init_scale, cfg.model.precision, cfg.model.get("learn_precision", True), generator,
+    ).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
+    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
+    data.x_test, data.y_test = data.x_test.to(device), data.y_test.to(device)
+    num_data = data.num_train
+    batch_size = cfg.trainer.batch_size
+    # one fixed minibatch for the gradient variances (paper: 500 random training points)
+    gv_index = torch.randperm(num_data, generator=torch.Generator().manual_seed(cfg.seed + 1))[: cfg.gradient_variance.batch_size]
+    gv_x, gv_y = x_train[gv_index.to(device)], y_train[gv_index.to(device)]
+    sample_generator = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+
+    checkpoint_path = run_dir / "checkpoints" / "last.pt"
+    history: List[dict] = []
+    gv_results: Dict[int, dict] = {}
+    start_epoch = 0
+    if cfg.resume and checkpoint_path.exists():
+        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        history, gv_results, start_epoch = state["history"], state["gradient_variance"], state["epoch"]
+        generator.set_state(state["generator"])
+        sample_generator.set_state(state["sample_generator"].to(sample_generator.get_state().device))
+        log.info("resumed from %s after epoch %d", checkpoint_path, start_epoch)
+    elif checkpoint_path.exists():
+        log.warning("%s exists but resume=false: starting afresh (it will be overwritten)", checkpoint_path)
+
+    log.info(
+        "data=%s (%d train, %d test, %d features), network %d-%s-1, estimator=%s, device=%s",
+        data.name, num_data, data.x_test.shape[0], data.input_dim, data.input_dim,
+        "-".join(str(h) for h in cfg.model.hidden_sizes), estimator, device,
+    )
+    if 0 in gv_epochs and 0 not in gv_results:
+        gv_results[0] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, 0)
+
+    steps_per_epoch = math.ceil(num_data / batch_size)
+    for epoch in range(start_epoch + 1, cfg.trainer.epochs + 1):
+        model.train()
+        permutation = torch.randperm(num_data, generator=generator).to(device)
+        total_elbo = 0.0
+        started = time.perf_counter()
+        with tqdm(total=steps_per_epoch, desc=f"epoch {epoch}/{cfg.trainer.epochs}", leave=False) as bar:
+            for step in range(steps_per_epoch):
+                index = permutation[step * batch_size : (step + 1) * batch_size]
+                optimizer.zero_grad(set_to_none=True)
+                loss = -model.elbo(x_train[index], y_train[index], num_data, estimator, generator=sample_generator)
+                ensure_finite(loss, epoch=epoch, step=step, what="negative ELBO")
+                loss.backward()
+                optimizer.step()
+                total_elbo += -loss.item() * index.numel() / num_data
+                bar.update(1)
+        metrics = {"epoch": epoch, "train_elbo_per_point": total_elbo / num_data, "epoch_seconds": time.perf_counter() - started}
+        metrics.update(evaluate(model, data, cfg.evaluation.num_samples, sample_generator))
+        metrics["noise_std"] = float(model.precision.item() ** -0.5 * data.target_std)
+        history.append(metrics)
+        log.info(
+            "epoch %d: ELBO/point %.4f, test RMSE %.4f, test LL %.4f (closed form) %.4f (Monte Carlo), %.1fs",
+            epoch, metrics["train_elbo_per_point"], metrics["test_rmse"], metrics["test_ll_closed_form"],
+            metrics["test_ll_monte_carlo"], metrics["epoch_seconds"],
+        )
+        if epoch in gv_epochs:
+            gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
+        atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
+        atomic_torch_save(
+            {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+                "history": history, "gradient_variance": gv_results, "generator": generator.get_state(),
+                "sample_generator": sample_generator.get_state(), "config": OmegaConf.to_container(cfg, resolve=True),
+            },
+            checkpoint_path,
+        )
+
+    tables, figures, metrics_out = {}, {}, {}
+    if history:
+        figures["training"] = _plot_training(history, run_dir / "training.png")
+        metrics_out.update({f"final_{k}": v for k, v in history[-1].items() if k != "epoch"})
+    if gv_results:
+        frame = gradient_variance_table(gv_results, cfg.trainer.epochs)
+        tables.update(write_table(frame, run_dir, "gradient_variance", caption="Mean gradient variances (weight means / log scales)"))
+        log.info("gradient variance (weight means / log scales):\n%s", frame.to_markdown())
+        figures["gradient_variance"] = _plot_gradient_variance(gv_results, run_dir / "gradient_variance.png")
+        for epoch, by_estimator in gv_results.items():
+            for est, layers in by_estimator.items():
+                for layer, kinds in layers.items():
+                    for kind, value in kinds.items():
+                        metrics_out[f"gradvar/{est}/epoch{epoch}/{layer}/{kind}"] = value
+            for layer in by_estimator["analytic"]:
+                for kind in ("mean", "scale"):
+                    analytic = by_estimator["analytic"][layer][kind]
+                    sampling = by_estimator["sampling"][layer][kind]
+                    metrics_out[f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}"] = (
+                        sampling / analytic if analytic > 0 else float("inf")
+                    )
+    return {"metrics": metrics_out, "tables": tables, "figures": figures, "device": device}
