@@ -1,6 +1,5 @@
 """ClosedFormBNN: minibatch scaling, learned precision, predictive decomposition, NaN check."""
 
-import math
 
 import pytest
 import torch

@@ -1,10 +1,8 @@
 """The cfbnn command: dispatch, config composition, run directories, errors."""
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml

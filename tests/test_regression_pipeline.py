@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from cfbnn_cli.cli import config_dir
 from cfbnn_cli.data.regression import load_regression_data, tabular_file, year_prediction_msd

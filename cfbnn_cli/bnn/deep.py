@@ -26,12 +26,12 @@ from torch import nn
 
 from ..moments import get_activation
 from .functional import gaussian_log_likelihood, output_moments_given_hidden, preactivation_moments
-from .layers import GaussianMatrix, augment
+from .layers import GaussianMatrix, LearnablePrecision, augment
 
 ESTIMATORS = ("analytic", "sampling")
 
 
-class MeanFieldMLP(nn.Module):
+class MeanFieldMLP(LearnablePrecision):
     """``D -> H_1 -> ... -> H_L -> 1`` with ``q(W_l) = N(loc, diag(exp(log_scale))^2)``."""
 
     def __init__(
@@ -45,14 +45,12 @@ class MeanFieldMLP(nn.Module):
         learn_precision: bool = True,
         generator: Optional[torch.Generator] = None,
     ):
-        super().__init__()
+        super().__init__(precision, learn_precision)
         hidden_sizes = list(hidden_sizes)
         if not hidden_sizes or any(int(h) < 1 for h in hidden_sizes):
             raise ValueError(f"`hidden_sizes` must be a non-empty list of positive widths; got {hidden_sizes}")
         if not prior_scale > 0:
             raise ValueError(f"`prior_scale` must be > 0; got {prior_scale!r}")
-        if not precision > 0:
-            raise ValueError(f"`precision` must be > 0; got {precision!r}")
         self.activation = get_activation(activation)
         self.prior_scale = float(prior_scale)
         widths = [input_dim] + hidden_sizes + [1]
@@ -60,15 +58,6 @@ class MeanFieldMLP(nn.Module):
             GaussianMatrix(out, inp + 1, "diagonal", init_scale=init_scale, generator=generator)
             for inp, out in zip(widths[:-1], widths[1:])
         )
-        log_precision = torch.tensor(math.log(precision))
-        if learn_precision:
-            self.log_precision = nn.Parameter(log_precision)
-        else:
-            self.register_buffer("log_precision", log_precision)
-
-    @property
-    def precision(self):
-        return self.log_precision.exp()
 
     def layer_names(self):
         names = ["first", "second", "third", "fourth", "fifth"]

@@ -36,7 +36,7 @@ from typing import NamedTuple, Tuple, Union
 
 import torch
 
-from ..moments import Activation, get_activation
+from ..moments import get_activation
 
 __all__ = [
     "LowRankScale",

@@ -39,6 +39,24 @@ def augment(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.ones(x.shape[:-1] + (1,), dtype=x.dtype, device=x.device)], dim=-1)
 
 
+class LearnablePrecision(nn.Module):
+    """The Normal likelihood's precision beta, stored as its log; learned or fixed."""
+
+    def __init__(self, precision: float = 1.0, learn: bool = True):
+        super().__init__()
+        if not precision > 0:
+            raise ValueError(f"`precision` must be > 0; got {precision!r}")
+        log_precision = torch.tensor(math.log(precision))
+        if learn:
+            self.log_precision = nn.Parameter(log_precision)
+        else:
+            self.register_buffer("log_precision", log_precision)
+
+    @property
+    def precision(self) -> torch.Tensor:
+        return self.log_precision.exp()
+
+
 class GaussianMatrix(nn.Module):
     """``q`` over an ``(rows, cols)`` matrix with independent rows."""
 
@@ -84,7 +102,7 @@ class GaussianMatrix(nn.Module):
         return F.kl_normal_rows(self.loc, self.scale(), prior_scale)
 
 
-class ClosedFormBNN(nn.Module):
+class ClosedFormBNN(LearnablePrecision):
     """One hidden layer, both weight matrices integrated out in closed form.
 
     ``input_dim`` excludes the bias column (added here). ``likelihood="normal"`` uses
@@ -110,15 +128,13 @@ class ClosedFormBNN(nn.Module):
         init_scale: float = 1e-2,
         generator: Optional[torch.Generator] = None,
     ):
-        super().__init__()
+        super().__init__(precision, learn_precision)
         if likelihood not in LIKELIHOODS:
             raise ValueError(f"`likelihood` must be one of {LIKELIHOODS}; got {likelihood!r}")
         if b_covariance not in ("diagonal", "full"):
             raise ValueError(f"`b_covariance` must be 'diagonal' or 'full'; got {b_covariance!r}")
         if not prior_scale > 0:
             raise ValueError(f"`prior_scale` must be > 0; got {prior_scale!r}")
-        if not precision > 0:
-            raise ValueError(f"`precision` must be > 0; got {precision!r}")
         if likelihood == "logistic" and output_dim != 1:
             raise ValueError(f"`output_dim` must be 1 for the logistic likelihood; got {output_dim}")
         self.activation = get_activation(activation)
@@ -127,15 +143,6 @@ class ClosedFormBNN(nn.Module):
         self.output_dim = output_dim
         self.a = GaussianMatrix(hidden_dim, input_dim + 1, a_covariance, rank, init_scale, generator=generator)
         self.b = GaussianMatrix(output_dim, hidden_dim, b_covariance, rank, init_scale, generator=generator)
-        log_precision = torch.tensor(math.log(precision))
-        if learn_precision:
-            self.log_precision = nn.Parameter(log_precision)
-        else:
-            self.register_buffer("log_precision", log_precision)
-
-    @property
-    def precision(self) -> torch.Tensor:
-        return self.log_precision.exp()
 
     def _b(self):
         loc, scale = self.b.loc, self.b.scale()

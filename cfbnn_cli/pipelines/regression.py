@@ -29,7 +29,7 @@ from ..report.figures import new_figure, save_figure
 from ..report.tables import write_table
 from ..runtime.checks import require_choice, require_int, require_positive_float
 from ..runtime.device import resolve_device
-from ..runtime.errors import ConfigError, DataError
+from ..runtime.errors import ConfigError
 from ..runtime.io import atomic_torch_save, atomic_write_text
 from ..runtime.numerics import ensure_finite
 from ..runtime.seed import seed_everything
