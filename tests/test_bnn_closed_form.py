@@ -87,10 +87,11 @@ def test_predictive_mean_and_variance_match_monte_carlo():
 
 
 def test_variance_decomposition_parts():
-    """var_B is the variance with A's pre-activations at their means... checked by
-    sampling B only with the hidden activations fixed at their expectations is NOT
-    the same thing; instead check the law of total variance: Var[f] = E_A[Var_B f]
-    + Var_A[E_B f], with E_A[Var_B f] = E_A[g^T Sigma_B g] = var_B + tr(Sigma_B diag Var)."""
+    """The parts of the decomposition, through the law of total variance:
+    Var[f] = Var_A[E_B f] + E_A[Var_B f] with Var_A[E_B f] = b0^T diag(Var_g) b0 and
+    E_A[Var_B f] = var_B + tr(Sigma_B diag(Var_g)); so var_A - tr(Sigma_B diag(Var_g))
+    must equal the Monte Carlo variance of E_B f = g^T b0 over samples of A.
+    (The per-unit Var_g come from predictive_moments with B = I, Sigma_B = 0.)"""
     x, _, a_loc, a_scale, b_loc, b_scale = _problem("diagonal", "full", seed=8)
     mean, var_a, var_b = predictive_moments(x, a_loc, a_scale, b_loc, b_scale, "relu")
     hidden = sample_hidden_local(x, a_loc, a_scale, "relu", 400_000, torch.Generator().manual_seed(4))
@@ -100,7 +101,6 @@ def test_variance_decomposition_parts():
     hidden_var = predictive_moments(x, a_loc, a_scale, torch.eye(H, dtype=DT), torch.zeros(H, H, dtype=DT), "relu")[1]
     for n in range(N):
         _within((var_a[n] - (torch.diagonal(sigma_b) * hidden_var[n]).sum()).item(), var_a_part[:, n])
-        del n
     assert (var_b > 0).all() and (var_a > 0).all()
 
 
