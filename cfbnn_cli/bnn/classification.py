@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "as_two_class",
     "softmax_ell_approximation",
     "softmax_ell_analytic_numerator",
     "softmax_ell_control_variate",
@@ -111,33 +112,28 @@ def softmax_ell_monte_carlo(logit_samples, labels, per_sample: bool = False):
     return estimates if per_sample else estimates.mean(0)
 
 
-def _binary(logit_mean, logit_variance=None, logit_samples=None):
-    zeros = torch.zeros_like(logit_mean)
-    mean = torch.stack([zeros, logit_mean], dim=-1)
-    variance = None if logit_variance is None else torch.stack([torch.zeros_like(logit_variance), logit_variance], dim=-1)
-    samples = None if logit_samples is None else torch.stack([torch.zeros_like(logit_samples), logit_samples], dim=-1)
-    return mean, variance, samples
+def as_two_class(values: torch.Tensor) -> torch.Tensor:
+    """Logistic -> softmax: stack a constant 0 logit (zero variance) before each value."""
+    return torch.stack([torch.zeros_like(values), values], dim=-1)
 
 
 def logistic_ell_approximation(logit_mean, logit_variance, labels):
     """``y f_hat - log(1 + e^{f_hat}(1 + var/2))`` (paper, logistic Bernoulli); an approximation."""
-    mean, variance, _ = _binary(logit_mean, logit_variance)
-    return softmax_ell_approximation(mean, variance, labels)
+    return softmax_ell_approximation(as_two_class(logit_mean), as_two_class(logit_variance), labels)
 
 
 def logistic_ell_analytic_numerator(logit_mean, logit_samples, labels):
-    mean, _, samples = _binary(logit_mean, logit_samples=logit_samples)
-    return softmax_ell_analytic_numerator(mean, samples, labels)
+    return softmax_ell_analytic_numerator(as_two_class(logit_mean), as_two_class(logit_samples), labels)
 
 
 def logistic_ell_control_variate(logit_mean, logit_variance, logit_samples, labels, per_sample=False):
-    mean, variance, samples = _binary(logit_mean, logit_variance, logit_samples)
-    return softmax_ell_control_variate(mean, variance, samples, labels, per_sample)
+    return softmax_ell_control_variate(
+        as_two_class(logit_mean), as_two_class(logit_variance), as_two_class(logit_samples), labels, per_sample
+    )
 
 
 def logistic_ell_monte_carlo(logit_samples, labels, per_sample=False):
-    _, _, samples = _binary(logit_samples, logit_samples=logit_samples)
-    return softmax_ell_monte_carlo(samples, labels, per_sample)
+    return softmax_ell_monte_carlo(as_two_class(logit_samples), labels, per_sample)
 
 
 def predict_classes(logit_mean: torch.Tensor) -> torch.Tensor:

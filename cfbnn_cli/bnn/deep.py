@@ -137,24 +137,23 @@ class MeanFieldMLP(LearnablePrecision):
         if len(self.layers) == 2:
             mean, variance = self.output_moments(x, "analytic", ())
             return mean.unsqueeze(0), variance.unsqueeze(0)
-        means, variances = [], []
-        for start in range(0, num_samples, chunk):
-            count = min(chunk, num_samples - start)
-            noise = self.sample_noise(x.shape[0], "analytic", generator, num_samples=count)
-            mean, variance = self.output_moments(x.unsqueeze(0).expand(count, *x.shape), "analytic", noise)
-            means.append(mean)
-            variances.append(variance)
-        return torch.cat(means), torch.cat(variances)
+        return self._sampled_output_moments(x, "analytic", num_samples, generator, chunk)
 
     @torch.no_grad()
     def sample_outputs(self, x, num_samples: int = 32, generator=None, chunk: int = 8):
         """Monte Carlo outputs ``(S, N)`` with every layer sampled (local reparameterization)."""
-        outputs = []
+        return self._sampled_output_moments(x, "sampling", num_samples, generator, chunk)[0]
+
+    def _sampled_output_moments(self, x, estimator, num_samples, generator, chunk):
+        """``output_moments`` for ``num_samples`` noise draws, ``chunk`` at a time: ``(S, N)`` each."""
+        means, variances = [], []
         for start in range(0, num_samples, chunk):
             count = min(chunk, num_samples - start)
-            noise = self.sample_noise(x.shape[0], "sampling", generator, num_samples=count)
-            outputs.append(self.output_moments(x.unsqueeze(0).expand(count, *x.shape), "sampling", noise)[0])
-        return torch.cat(outputs)
+            noise = self.sample_noise(x.shape[0], estimator, generator, num_samples=count)
+            mean, variance = self.output_moments(x.unsqueeze(0).expand(count, *x.shape), estimator, noise)
+            means.append(mean)
+            variances.append(variance)
+        return torch.cat(means), torch.cat(variances)
 
 
 def _check_estimator(estimator):

@@ -178,8 +178,10 @@ def predictive_moments(x, a_loc, a_scale, b_loc, b_scale, activation):
 
 
 def _check_precision(precision):
+    """beta as a tensor (a Python number becomes a float64 scalar, which keeps the
+    dtype of whatever it multiplies); ValueError unless it is > 0."""
     if not isinstance(precision, torch.Tensor):
-        precision = torch.as_tensor(float(precision))
+        precision = torch.as_tensor(float(precision), dtype=torch.float64)
     if precision.numel() == 1 and not torch._C._functorch.is_functorch_wrapped_tensor(precision):
         if not bool(precision.detach() > 0):
             raise ValueError(f"`precision` (the likelihood precision beta) must be > 0; got {precision.item()!r}")

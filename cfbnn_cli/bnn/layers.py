@@ -22,6 +22,7 @@ from torch import nn
 from ..moments import get_activation
 from . import functional as F
 from .classification import (
+    as_two_class,
     softmax_ell_analytic_numerator,
     softmax_ell_approximation,
     softmax_ell_control_variate,
@@ -172,13 +173,12 @@ class ClosedFormBNN(LearnablePrecision):
         mean, var_a, var_b = F.predictive_moments(xa, self.a.loc, self.a.scale(), b_loc, b_scale, self.activation)
         variance = var_a + var_b
         if self.likelihood == "logistic":
-            zeros = torch.zeros_like(mean)
-            mean, variance = torch.stack([zeros, mean], -1), torch.stack([zeros, variance], -1)
+            mean, variance = as_two_class(mean), as_two_class(variance)
         if objective == "approximation":
             return softmax_ell_approximation(mean, variance, y).sum()
         samples = sample_outputs_local(xa, self.a.loc, self.a.scale(), b_loc, b_scale, self.activation, num_samples, generator)
         if self.likelihood == "logistic":
-            samples = torch.stack([torch.zeros_like(samples), samples], -1)
+            samples = as_two_class(samples)
         if objective == "control_variate":
             return softmax_ell_control_variate(mean, variance, samples, y).sum()
         if objective == "analytic_numerator":

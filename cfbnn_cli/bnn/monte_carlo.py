@@ -18,10 +18,12 @@ import torch
 from ..moments import get_activation
 from .functional import (
     _b_parts,
+    _check_precision,
     covariance_kind,
     gaussian_log_likelihood,
     output_moments_given_hidden,
     preactivation_moments,
+    regression_ell_given_hidden,
 )
 
 __all__ = [
@@ -82,11 +84,9 @@ def sample_outputs_weight_space(x, a_loc, a_scale, b_loc, b_scale, activation, n
     return outputs.squeeze(-1) if b_loc.dim() == 1 else outputs
 
 
-def _per_sample_log_likelihood(y, outputs, precision, variance_terms=0.0):
-    """``sum_n log N(y_n | outputs_sn, 1/beta)`` (plus known variance terms) per sample: ``(S,)``."""
-    if not isinstance(precision, torch.Tensor):
-        precision = torch.as_tensor(float(precision), dtype=outputs.dtype, device=outputs.device)
-    return gaussian_log_likelihood(y, outputs, variance_terms, precision, data_dims=outputs.dim() - 1)
+def _per_sample_log_likelihood(y, outputs, precision):
+    """``sum_n log N(y_n | outputs_sn, 1/beta)`` per sample: ``(S,)``."""
+    return gaussian_log_likelihood(y, outputs, 0.0, _check_precision(precision), data_dims=outputs.dim() - 1)
 
 
 def regression_ell_local_reparameterization(x, y, a_loc, a_scale, b_loc, b_scale, precision, activation, num_samples, generator=None):
@@ -104,7 +104,4 @@ def regression_ell_weight_space(x, y, a_loc, a_scale, b_loc, b_scale, precision,
 def regression_ell_sample_a(x, y, a_loc, a_scale, b_loc, b_scale, precision, activation, num_samples, generator=None):
     """Per-sample estimates ``(S,)``: sample A's pre-activations, integrate B exactly."""
     hidden = sample_hidden_local(x, a_loc, a_scale, activation, num_samples, generator)
-    mean, _, var_b = output_moments_given_hidden(hidden, torch.zeros_like(hidden), b_loc, b_scale)
-    if b_loc.dim() == 1:
-        mean, var_b = mean.squeeze(-1), var_b.squeeze(-1)
-    return _per_sample_log_likelihood(y, mean, precision, var_b)
+    return regression_ell_given_hidden(hidden, y, b_loc, b_scale, precision)
