@@ -11,7 +11,8 @@ forward + backward pass of
   (iii) Pyro's Trace_ELBO on a PyroModule BNN with an AutoNormal guide (weight-space sampling),
   (iv)  a plain deterministic MLP of the same shape (MSE loss),
 
-and prints each as a ratio to (iv). Full covariance stores H*(D+1)^2 numbers; when
+and prints each as a ratio to (iv). ``--compile`` adds torch.compile'd (i, diagonal)
+and (iv) rows (still as ratios to the eager plain MLP). Full covariance stores H*(D+1)^2 numbers; when
 that exceeds --full-limit (default 2e8) the row is skipped with the memory it would
 need. It then prints the per-element Monte Carlo gradient variance of (ii), of the
 "sample A, integrate B" estimator and of (i) (zero: deterministic) on one minibatch.
@@ -36,25 +37,31 @@ from cfbnn_cli.bnn.monte_carlo import regression_ell_local_reparameterization, r
 from cfbnn_cli.moments import set_validate_args
 
 
-def best_time(fn, repeats):
+def best_time(fn, repeats, device):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
 class PyroBNN(PyroModule):
-    def __init__(self, D, H):
+    def __init__(self, D, H, device):
         super().__init__()
+        zero, one = torch.zeros((), device=device), torch.ones((), device=device)
         self.fc1 = PyroModule[nn.Linear](D, H)
-        self.fc1.weight = PyroSample(dist.Normal(0.0, 1.0).expand([H, D]).to_event(2))
-        self.fc1.bias = PyroSample(dist.Normal(0.0, 1.0).expand([H]).to_event(1))
+        self.fc1.weight = PyroSample(dist.Normal(zero, one).expand([H, D]).to_event(2))
+        self.fc1.bias = PyroSample(dist.Normal(zero, one).expand([H]).to_event(1))
         self.fc2 = PyroModule[nn.Linear](H, 1)
-        self.fc2.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, H]).to_event(2))
-        self.fc2.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+        self.fc2.weight = PyroSample(dist.Normal(zero, one).expand([1, H]).to_event(2))
+        self.fc2.bias = PyroSample(dist.Normal(zero, one).expand([1]).to_event(1))
+        self.to(device)
 
     def forward(self, x, y=None):
         f = self.fc2(torch.relu(self.fc1(x))).squeeze(-1)
@@ -85,25 +92,29 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--full-limit", type=float, default=2e8)
     parser.add_argument("--variance-draws", type=int, default=200)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile'd closed form (diagonal) and plain MLP")
     args = parser.parse_args(argv)
     set_validate_args(False)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch}, CPU float32")
+    device = torch.device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, batch {args.batch}, float32")
     for size in args.sizes:
         D, H = (int(v) for v in size.split("x"))
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(args.batch, D, generator=g)
-        y = torch.randn(args.batch, generator=g)
+        x = torch.randn(args.batch, D, generator=g).to(device)
+        y = torch.randn(args.batch, generator=g).to(device)
         num_data = 10 * args.batch
         rows = []
 
-        mlp = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, 1))
+        mlp = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, 1)).to(device)
 
         def mlp_step():
             loss = (mlp(x).squeeze(-1) - y).pow(2).mean()
             loss.backward()
 
-        plain = best_time(mlp_step, args.repeats)
+        plain = best_time(mlp_step, args.repeats, device)
         rows.append(("(iv) plain MLP", plain))
         for covariance in ("diagonal", "full", "lowrank"):
             numbers = H * (D + 1) ** 2
@@ -111,28 +122,35 @@ def main(argv=None):
                 rows.append((f"(i) closed form, full  [skipped: {numbers:.1e} covariance entries, "
                              f"{numbers * 4 * 4 / 1e9:.0f} GB with Adam state]", None))
                 continue
-            model = ClosedFormBNN(D, H, a_covariance=covariance, rank=10)
+            model = ClosedFormBNN(D, H, a_covariance=covariance, rank=10).to(device)
 
             def closed_step(model=model):
                 (-model.elbo(x, y, num_data)).backward()
 
-            rows.append((f"(i) closed form, {covariance}", best_time(closed_step, args.repeats)))
-        model = ClosedFormBNN(D, H)
-        sampler = torch.Generator().manual_seed(1)
+            rows.append((f"(i) closed form, {covariance}", best_time(closed_step, args.repeats, device)))
+        model = ClosedFormBNN(D, H).to(device)
+        sampler = torch.Generator(device=device).manual_seed(1)
 
         def local_step():
             (-local_reparam_elbo(model, x, y, num_data, sampler)).backward()
 
-        rows.append(("(ii) local reparameterization, 1 sample", best_time(local_step, args.repeats)))
+        rows.append(("(ii) local reparameterization, 1 sample", best_time(local_step, args.repeats, device)))
+        if args.compile:
+            # fused kernels: what the closed form costs once launch overhead is gone
+            compiled_mlp_loss = torch.compile(lambda: (mlp(x).squeeze(-1) - y).pow(2).mean())
+            rows.append(("(iv) plain MLP, torch.compile", best_time(lambda: compiled_mlp_loss().backward(), args.repeats, device)))
+            compiled_model = ClosedFormBNN(D, H).to(device)
+            compiled_elbo = torch.compile(lambda: -compiled_model.elbo(x, y, num_data))
+            rows.append(("(i) closed form, diagonal, torch.compile", best_time(lambda: compiled_elbo().backward(), args.repeats, device)))
         pyro.clear_param_store()
-        pyro_model = PyroBNN(D, H)
+        pyro_model = PyroBNN(D, H, device)
         guide = AutoNormal(pyro_model)
         elbo = Trace_ELBO()
 
         def pyro_step():
             elbo.loss_and_grads(pyro_model, guide, x, y)
 
-        rows.append(("(iii) Pyro Trace_ELBO + AutoNormal", best_time(pyro_step, args.repeats)))
+        rows.append(("(iii) Pyro Trace_ELBO + AutoNormal", best_time(pyro_step, args.repeats, device)))
         print(f"\nD={D}, H={H}: forward+backward per step, ratio to the plain MLP")
         for name, seconds in rows:
             if seconds is None:
@@ -141,7 +159,7 @@ def main(argv=None):
                 print(f"  {name:<45} {seconds * 1e3:9.2f} ms   {seconds / plain:7.2f}x")
 
         # gradient variance on one minibatch (diagonal q, the paper's mean field)
-        model = ClosedFormBNN(D, H)
+        model = ClosedFormBNN(D, H).to(device)
         params = [model.a.loc, model.a.log_scale, model.b.loc, model.b.log_scale]
         draws = max(10, args.variance_draws if D * H < 1e6 else args.variance_draws // 4)
         variance_local = gradient_variance(lambda: -local_reparam_elbo(model, x, y, num_data, sampler), params, draws)

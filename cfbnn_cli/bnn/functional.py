@@ -36,7 +36,7 @@ from typing import NamedTuple, Tuple, Union
 
 import torch
 
-from ..moments import get_activation
+from ..moments import get_activation, validating_args
 
 __all__ = [
     "LowRankScale",
@@ -179,10 +179,13 @@ def predictive_moments(x, a_loc, a_scale, b_loc, b_scale, activation):
 
 def _check_precision(precision):
     """beta as a tensor (a Python number becomes a float64 scalar, which keeps the
-    dtype of whatever it multiplies); ValueError unless it is > 0."""
+    dtype of whatever it multiplies); ValueError unless it is > 0 (a tensor is checked
+    only while :func:`cfbnn_cli.moments.set_validate_args` is on: the check synchronizes)."""
     if not isinstance(precision, torch.Tensor):
         precision = torch.as_tensor(float(precision), dtype=torch.float64)
-    if precision.numel() == 1 and not torch._C._functorch.is_functorch_wrapped_tensor(precision):
+        if not precision > 0:
+            raise ValueError(f"`precision` (the likelihood precision beta) must be > 0; got {precision.item()!r}")
+    elif validating_args() and precision.numel() == 1 and not torch._C._functorch.is_functorch_wrapped_tensor(precision):
         if not bool(precision.detach() > 0):
             raise ValueError(f"`precision` (the likelihood precision beta) must be > 0; got {precision.item()!r}")
     return precision

@@ -25,6 +25,8 @@ from .gaussian import (
     set_validate_args,
     standard_normal_cdf,
     standard_normal_pdf,
+    validate_args,
+    validating_args,
 )
 
 __all__ = [
@@ -45,4 +47,6 @@ __all__ = [
     "set_validate_args",
     "standard_normal_cdf",
     "standard_normal_pdf",
+    "validate_args",
+    "validating_args",
 ]

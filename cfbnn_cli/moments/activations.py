@@ -46,6 +46,7 @@ import torch
 
 from .gaussian import (
     _T_MAX,
+    block_size,
     _align_batched,
     _standardize,
     _sum_to,
@@ -124,7 +125,6 @@ def _small_tail(mean, std, order):
     return positive_part_moments(order, -mean.abs(), std)
 
 
-_CHUNK = 1 << 16  # elements per block: the temporaries of one block stay in cache
 
 
 _LOG_INV_SQRT_2PI = -0.5 * math.log(2.0 * math.pi)
@@ -172,11 +172,14 @@ def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
 def _relu_forward(mean, std):
     mean, std = torch.broadcast_tensors(mean, std)
     shape, dtype = mean.shape, mean.dtype
+    chunk = block_size(mean)
+    if mean.numel() <= chunk:
+        return tuple(value.to(dtype) for value in _relu_forward_block(mean, std))
     flat_mean = mean.reshape(-1)
     flat_std = std.reshape(-1)
     outputs = [torch.empty(flat_mean.shape, dtype=dtype, device=mean.device) for _ in range(6)]
-    for start in range(0, flat_mean.numel(), _CHUNK):
-        block = slice(start, start + _CHUNK)
+    for start in range(0, flat_mean.numel(), chunk):
+        block = slice(start, start + chunk)
         for out, value in zip(outputs, _relu_forward_block(flat_mean[block], flat_std[block])):
             out[block] = value
     return tuple(out.reshape(shape) for out in outputs)
