@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from cfbnn_cli.cli import config_dir
 from cfbnn_cli.data.regression import load_regression_data, tabular_file, year_prediction_msd
+from cfbnn_cli.bnn.deep import MeanFieldMLP
 from cfbnn_cli.pipelines import regression
 from cfbnn_cli.runtime.errors import ConfigError, DataError
 from cfbnn_cli.runtime.numerics import NonFiniteLossError
@@ -72,7 +73,7 @@ def test_resume_continues_from_checkpoint(tmp_path):
 
 def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monkeypatch):
     cfg = tiny_cfg("gradient_variance.num_samples=0")
-    original = regression.MeanFieldMLP.elbo
+    original = MeanFieldMLP.elbo
     calls = {"n": 0}
 
     def flaky(self, *args, **kwargs):
@@ -80,7 +81,7 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monke
         value = original(self, *args, **kwargs)
         return value * float("nan") if calls["n"] > 5 else value  # 4 steps per epoch: fails in epoch 2
 
-    monkeypatch.setattr(regression.MeanFieldMLP, "elbo", flaky)
+    monkeypatch.setattr(MeanFieldMLP, "elbo", flaky)
     with pytest.raises(NonFiniteLossError, match="epoch 2, step 1"):
         regression.run(cfg, tmp_path)
     assert torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)["epoch"] == 1

@@ -1,10 +1,13 @@
 """Deeper mean-field BNNs whose last two weight matrices are integrated in closed form.
 
 The paper's "Variance Reduction" network is ``D - H1 - H2 - 1`` with ReLU and a
-mean-field Normal ``q`` on every weight matrix (biases via augmented inputs). Two
-estimators of the same ELBO:
+mean-field Normal ``q`` on every weight matrix (biases via augmented inputs); the
+VAE's Bayesian decoder is ``latent - 500 - D`` (``output_dim = D``, independent
+outputs). Three estimators of the same ELBO:
 
 * ``sampling``: every layer by local reparameterization (pre-activations sampled);
+* ``integrate_output_layer``: every layer but the output layer sampled; the output
+  layer's weights integrated exactly given the sampled activations (paper VAE "v2");
 * ``analytic``: the layers before the last hidden layer sampled by local
   reparameterization; the last two weight matrices integrated out exactly -- the
   one-hidden-layer closed form applied to the sampled activations (paper Sec. 4.1).
@@ -28,11 +31,15 @@ from ..moments import get_activation
 from .functional import gaussian_log_likelihood, output_moments_given_hidden, preactivation_moments
 from .layers import GaussianMatrix, LearnablePrecision, augment
 
-ESTIMATORS = ("analytic", "sampling")
+ESTIMATORS = ("analytic", "integrate_output_layer", "sampling")
+_SAMPLED_FROM_THE_END = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0}
 
 
 class MeanFieldMLP(LearnablePrecision):
-    """``D -> H_1 -> ... -> H_L -> 1`` with ``q(W_l) = N(loc, diag(exp(log_scale))^2)``."""
+    """``D -> H_1 -> ... -> H_L -> O`` with ``q(W_l) = N(loc, diag(exp(log_scale))^2)``.
+
+    Outputs are ``(..., N)`` for ``output_dim = 1`` and ``(..., N, O)`` otherwise.
+    """
 
     def __init__(
         self,
@@ -44,8 +51,12 @@ class MeanFieldMLP(LearnablePrecision):
         precision: float = 1.0,
         learn_precision: bool = True,
         generator: Optional[torch.Generator] = None,
+        output_dim: int = 1,
     ):
         super().__init__(precision, learn_precision)
+        if int(output_dim) < 1:
+            raise ValueError(f"`output_dim` must be >= 1; got {output_dim}")
+        self.output_dim = int(output_dim)
         hidden_sizes = list(hidden_sizes)
         if not hidden_sizes or any(int(h) < 1 for h in hidden_sizes):
             raise ValueError(f"`hidden_sizes` must be a non-empty list of positive widths; got {hidden_sizes}")
@@ -53,7 +64,7 @@ class MeanFieldMLP(LearnablePrecision):
             raise ValueError(f"`prior_scale` must be > 0; got {prior_scale!r}")
         self.activation = get_activation(activation)
         self.prior_scale = float(prior_scale)
-        widths = [input_dim] + hidden_sizes + [1]
+        widths = [input_dim] + hidden_sizes + [self.output_dim]
         self.layers = nn.ModuleList(
             GaussianMatrix(out, inp + 1, "diagonal", init_scale=init_scale, generator=generator)
             for inp, out in zip(widths[:-1], widths[1:])
@@ -67,7 +78,7 @@ class MeanFieldMLP(LearnablePrecision):
     def noise_shapes(self, batch: int, estimator: str) -> Tuple[Tuple[int, ...], ...]:
         """Shapes of the standard-normal noise one ELL evaluation consumes."""
         _check_estimator(estimator)
-        sampled = len(self.layers) - (2 if estimator == "analytic" else 0)
+        sampled = len(self.layers) - _SAMPLED_FROM_THE_END[estimator]
         return tuple((batch, layer.loc.shape[0]) for layer in self.layers[:sampled])
 
     def sample_noise(self, batch: int, estimator: str, generator=None, num_samples: Optional[int] = None):
@@ -88,18 +99,30 @@ class MeanFieldMLP(LearnablePrecision):
         return h
 
     def output_moments(self, x, estimator: str, noise):
-        """Mean and variance of the output given the noise of the sampled layers: ``(..., N)``.
+        """Mean and variance of the outputs given the noise of the sampled layers.
 
-        ``sampling``: the final layer's local-reparameterization draw is part of
-        ``noise``, so the variance is 0 and the mean is the sampled output.
+        ``(..., N)`` each for one output, ``(..., N, O)`` for several. ``sampling``: the
+        final layer's local-reparameterization draw is part of ``noise``, so the
+        variance is 0 and the mean is the sampled output. ``integrate_output_layer``:
+        the variance is the output layer's weight uncertainty given the sampled
+        activations.
         """
         _check_estimator(estimator)
-        if estimator == "sampling":
-            hidden = self._sample_through(x, self.layers[:-1], noise[:-1])
+        mean, variance = self._output_moments(x, estimator, noise)
+        if self.output_dim == 1:
+            return mean[..., 0], variance[..., 0]
+        return mean, variance
+
+    def _output_moments(self, x, estimator, noise):
+        if estimator != "analytic":
+            sampled_layers = self.layers[:-1]
+            hidden = self._sample_through(x, sampled_layers, noise[: len(sampled_layers)])
             final = self.layers[-1]
             gamma, xi = preactivation_moments(augment(hidden), final.loc, final.scale())
-            out = (gamma + xi * noise[-1])[..., 0]
-            return out, torch.zeros_like(out)
+            if estimator == "sampling":
+                out = gamma + xi * noise[-1]
+                return out, torch.zeros_like(out)
+            return gamma, xi.square()
         hidden = self._sample_through(x, self.layers[:-2], noise)
         a, b = self.layers[-2], self.layers[-1]
         gamma, xi = preactivation_moments(augment(hidden), a.loc, a.scale())
@@ -107,15 +130,18 @@ class MeanFieldMLP(LearnablePrecision):
         # the final layer's bias acts on a constant "hidden unit": Phi = 1, Var = 0
         phi = augment(phi)
         variance = torch.cat([variance, torch.zeros_like(variance[..., :1])], -1)
-        mean, var_a, var_b = output_moments_given_hidden(phi, variance, b.loc[0], b.scale()[0])
-        return mean[..., 0], (var_a + var_b)[..., 0]
+        mean, var_a, var_b = output_moments_given_hidden(phi, variance, b.loc, b.scale())
+        return mean, var_a + var_b
 
     def expected_log_likelihood(self, x, y, estimator: str, noise=None, generator=None):
-        """One-sample (or exact, for one hidden layer + analytic) estimate of the summed ELL."""
+        """One-sample (or exact, for one hidden layer + analytic) estimate of the summed ELL.
+
+        ``y`` is ``(N,)`` for one output, ``(N, O)`` for several; summed over both.
+        """
         if noise is None:
             noise = self.sample_noise(x.shape[0], estimator, generator)
         mean, variance = self.output_moments(x, estimator, noise)
-        return gaussian_log_likelihood(y, mean, variance, self.precision)
+        return gaussian_log_likelihood(y, mean, variance, self.precision, data_dims=1 if self.output_dim == 1 else 2)
 
     def elbo(self, x, y, num_data: int, estimator: str, noise=None, generator=None):
         """``(num_data / batch) * ELL - KL``."""

@@ -4,6 +4,8 @@
   ``B ~ N(0, s^2)``, likelihood ``y ~ N(B g(A [x, 1]), 1/beta)``.
 * :class:`BNNRegressionGuide` (``PyroModule``): ``q(a_h) = MVN(a_loc_h, L_h L_h^T)``
   (independent rows), ``q(B) = MVN(b_loc, L_B L_B^T)``.
+* :class:`PyroMLPRegression`: Pyro's standard ``nn.Linear`` + ``PyroSample`` BNN (the peer
+  in benchmarks and the UCI protocol).
 * :class:`ClosedFormELBO`: a drop-in for ``pyro.infer.Trace_ELBO`` with the ELBO
   interface (``loss``, ``differentiable_loss``, ``loss_and_grads``) that computes
   ``-(ELL - KL)`` exactly from the guide's distribution parameters -- no sampling.
@@ -20,7 +22,7 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.infer import ELBO
-from pyro.nn import PyroModule, PyroParam
+from pyro.nn import PyroModule, PyroParam, PyroSample
 from torch.distributions import constraints
 
 from ..moments import get_activation
@@ -124,3 +126,37 @@ class ClosedFormELBO(ELBO):
         loss = self.differentiable_loss(model, guide, *args, **kwargs)
         loss.backward()
         return loss.item()
+
+
+class PyroMLPRegression(PyroModule):
+    """Pyro's standard BNN recipe, as a peer to compare against (not used by cfbnn's objectives).
+
+    ``nn.Linear`` layers ``D -> H -> 1`` whose weights and biases are ``PyroSample``
+    sites with ``N(0, prior_scale^2)`` priors, an activation in between, and a
+    Normal likelihood whose scale ``noise_scale`` is a learned ``PyroParam``
+    (type-II maximum likelihood, as cfbnn learns its precision). Pair it with
+    ``AutoNormal`` and ``Trace_ELBO`` (weight-space sampling) and predict with
+    ``pyro.infer.Predictive``. ``num_data`` scales a minibatch's likelihood.
+    """
+
+    def __init__(self, input_dim: int, hidden_dim: int, activation="relu", prior_scale: float = 1.0, device=None):
+        super().__init__()
+        zero = torch.zeros((), device=device)
+        prior = dist.Normal(zero, zero + prior_scale)
+        self.activation = get_activation(activation)
+        self.fc1 = PyroModule[torch.nn.Linear](input_dim, hidden_dim)
+        self.fc1.weight = PyroSample(prior.expand([hidden_dim, input_dim]).to_event(2))
+        self.fc1.bias = PyroSample(prior.expand([hidden_dim]).to_event(1))
+        self.fc2 = PyroModule[torch.nn.Linear](hidden_dim, 1)
+        self.fc2.weight = PyroSample(prior.expand([1, hidden_dim]).to_event(2))
+        self.fc2.bias = PyroSample(prior.expand([1]).to_event(1))
+        self.noise_scale = PyroParam(torch.ones((), device=device), constraint=constraints.positive)
+        self.to(device)
+
+    def forward(self, x, y=None, num_data=None):
+        f = self.fc2(self.activation(self.fc1(x))).squeeze(-1)
+        size = x.shape[0] if num_data is None else int(num_data)
+        # an explicit subsample: the caller already drew the minibatch; the plate scales by size/batch
+        with pyro.plate("data", size, subsample=torch.arange(x.shape[0], device=x.device)):
+            pyro.sample("y", dist.Normal(f, self.noise_scale), obs=y)
+        return f

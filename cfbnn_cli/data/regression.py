@@ -160,6 +160,30 @@ def tabular_file(path, target, test_fraction=0.1, seed=0) -> RegressionData:
     one array per column. Non-numeric or NaN cells raise an error naming the line.
     """
     path = Path(path)
+    x, y = _read_tabular(path, target)
+    if len(y) < 3:
+        raise DataError(f"{path}: {len(y)} rows is too few to train and test on")
+    train, test = _random_split(len(y), test_fraction, seed)
+    return _standardize(path.stem, x[train], y[train], x[test], y[test])
+
+
+@dataclass
+class RegressionTable:
+    """A whole unsplit data set in original units (for protocols that split it themselves)."""
+
+    name: str
+    x: np.ndarray  # (N, D) float64
+    y: np.ndarray  # (N,) float64
+    target: str = "y"
+
+    def split(self, train_index, test_index) -> RegressionData:
+        """Standardize by the training rows' statistics; see :class:`RegressionData`."""
+        return _standardize(self.name, self.x[train_index], self.y[train_index], self.x[test_index], self.y[test_index])
+
+
+def _read_tabular(path, target):
+    """``(x, y)`` of a numeric CSV (header row) or NPZ file; errors name the column or line."""
+    path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path} (set data.path=...)")
     if path.suffix == ".npz":
@@ -186,13 +210,43 @@ def tabular_file(path, target, test_fraction=0.1, seed=0) -> RegressionData:
             if target not in header:
                 raise DataError(f"{path}: no column named `{target}` (data.target); columns are {header}")
             table = _parse_numeric_rows(handle, str(path), expected_columns=len(header), first_line=2)
+        if table.size == 0:
+            raise DataError(f"{path} has a header but no data rows")
         column = header.index(target)
         y = table[:, column]
         x = np.delete(table, column, axis=1)
-    if len(y) < 3:
-        raise DataError(f"{path}: {len(y)} rows is too few to train and test on")
-    train, test = _random_split(len(y), test_fraction, seed)
-    return _standardize(path.stem, x[train], y[train], x[test], y[test])
+    if len(y) and np.all(y == y[0]):
+        raise DataError(f"{path}: the target column `{target}` is constant ({y[0]:g}); nothing to regress")
+    return x, y
+
+
+def load_regression_table(cfg, seed: int) -> RegressionTable:
+    """The whole data set named by ``cfg.name``, unsplit and in original units."""
+    name = cfg.get("name")
+    if name == "synthetic":
+        data = synthetic_teacher(
+            cfg.get("input_dim", 90), cfg.get("n_train", 4000), cfg.get("n_test", 1000),
+            cfg.get("teacher_hidden", 50), cfg.get("noise_std", 0.5), cfg.get("seed", seed),
+        )
+        x = torch.cat([data.x_train, data.x_test]).double().numpy()
+        y = (torch.cat([data.y_train, data.y_test]).double() * data.target_std + data.target_mean).numpy()
+        return RegressionTable("synthetic", x, y)
+    if name == "diabetes":
+        from sklearn.datasets import load_diabetes
+
+        x, y = load_diabetes(return_X_y=True)
+        return RegressionTable("diabetes", x, y, "disease_progression")
+    if name == "year_prediction_msd":
+        data = year_prediction_msd(cfg.get("path"), cfg.get("n_train", MSD_TRAIN_ROWS), cfg.get("expected_rows", MSD_ROWS))
+        x = torch.cat([data.x_train, data.x_test]).double().numpy()
+        y = (torch.cat([data.y_train, data.y_test]).double() * data.target_std + data.target_mean).numpy()
+        return RegressionTable("year_prediction_msd", x, y, "year")
+    if name == "csv":
+        if not cfg.get("path") or not cfg.get("target"):
+            raise ConfigError("data=csv needs data.path=/path/to/file.csv and data.target=<column name>")
+        x, y = _read_tabular(cfg.path, cfg.target)
+        return RegressionTable(Path(cfg.path).stem, x, y, cfg.target)
+    raise ConfigError(f"data.name={name!r} is not one of synthetic, diabetes, year_prediction_msd, csv")
 
 
 def load_regression_data(cfg, seed: int) -> RegressionData:
