@@ -25,15 +25,17 @@ import argparse
 import time
 
 import pyro
-import pyro.distributions as dist
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
-from pyro.nn import PyroModule, PyroSample
 from torch import nn
 
 from cfbnn_cli.bnn import ClosedFormBNN, augment
-from cfbnn_cli.bnn.monte_carlo import regression_ell_local_reparameterization, regression_ell_sample_a
+from cfbnn_cli.bnn.monte_carlo import (
+    regression_ell_local_reparameterization,
+    regression_ell_sample_a,
+)
+from cfbnn_cli.bnn.pyro_glue import PyroMLPRegression
 from cfbnn_cli.moments import set_validate_args
 
 
@@ -49,25 +51,6 @@ def best_time(fn, repeats, device):
         sync()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-class PyroBNN(PyroModule):
-    def __init__(self, D, H, device):
-        super().__init__()
-        zero, one = torch.zeros((), device=device), torch.ones((), device=device)
-        self.fc1 = PyroModule[nn.Linear](D, H)
-        self.fc1.weight = PyroSample(dist.Normal(zero, one).expand([H, D]).to_event(2))
-        self.fc1.bias = PyroSample(dist.Normal(zero, one).expand([H]).to_event(1))
-        self.fc2 = PyroModule[nn.Linear](H, 1)
-        self.fc2.weight = PyroSample(dist.Normal(zero, one).expand([1, H]).to_event(2))
-        self.fc2.bias = PyroSample(dist.Normal(zero, one).expand([1]).to_event(1))
-        self.to(device)
-
-    def forward(self, x, y=None):
-        f = self.fc2(torch.relu(self.fc1(x))).squeeze(-1)
-        with pyro.plate("data", x.shape[0]):
-            pyro.sample("obs", dist.Normal(f, 1.0), obs=y)
-        return f
 
 
 def local_reparam_elbo(model, x, y, num_data, generator):
@@ -143,7 +126,7 @@ def main(argv=None):
             compiled_elbo = torch.compile(lambda: -compiled_model.elbo(x, y, num_data))
             rows.append(("(i) closed form, diagonal, torch.compile", best_time(lambda: compiled_elbo().backward(), args.repeats, device)))
         pyro.clear_param_store()
-        pyro_model = PyroBNN(D, H, device)
+        pyro_model = PyroMLPRegression(D, H, device=device)
         guide = AutoNormal(pyro_model)
         elbo = Trace_ELBO()
 
