@@ -90,3 +90,31 @@ def test_regression_pipeline_runs_on_cuda(tmp_path):
     result = regression.run(tiny_cfg("device=cuda"), tmp_path)
     assert str(result["device"]).startswith("cuda")
     assert result["metrics"]["final_test_rmse"] > 0
+
+
+def test_vae_decoder_closed_form_on_cuda_matches_cpu_and_pipeline_runs(tmp_path):
+    from test_vae import _model, tiny_cfg
+
+    from cfbnn_cli.pipelines import vae
+
+    model = _model("v3")
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    x = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    gpu = _copy_to(model, "cuda")
+    torch.testing.assert_close(gpu.decoder_expected_log_likelihood(z.cuda(), x.cuda()).cpu(), model.decoder_expected_log_likelihood(z, x))
+    estimate = gpu.importance_weighted_log_likelihood(x.cuda(), 50, torch.Generator(device="cuda").manual_seed(0))
+    assert estimate.device.type == "cuda" and bool(torch.isfinite(estimate).all())
+    result = vae.run(tiny_cfg("device=cuda", "trainer.epochs=2"), tmp_path)
+    assert str(result["device"]).startswith("cuda")
+    assert all(torch.isfinite(torch.tensor(result["metrics"][f"vae/{v}/test_ll"])) for v in ("v1", "v2", "v3"))
+
+
+def test_uci_protocol_runs_every_method_on_cuda(tmp_path):
+    from test_uci_protocol import uci_cfg
+
+    from cfbnn_cli.pipelines import regression
+
+    result = regression.run(uci_cfg("device=cuda", "uci.steps=50", "uci.predictive_samples=20"), tmp_path)
+    for method in ("closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro", "plain_mlp"):
+        assert torch.isfinite(torch.tensor(result["metrics"][f"uci/{method}/test_ll_mean"])), method

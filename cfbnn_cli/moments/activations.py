@@ -155,15 +155,17 @@ def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
     s1 = torch.addcmul(pdf, x, s0, value=-1.0)
     s2 = torch.addcmul(s0, x, s1, value=-1.0)
     s1_sq = s1 * s1
-    upper = mean >= 0
+    # the branch as a 0/1 factor: blending arithmetically is ~4x faster than torch.where on CPU
+    upper = (mean >= 0).to(mean.dtype)
     phi = torch.addcmul(mean.clamp(min=0.0), std, s1)
-    upper_bracket = torch.rsub(s2, 1.0).addcmul_(x, s1, value=-2.0).sub_(s1_sq)
-    lower_bracket = s2.sub_(s1_sq)
-    variance = (std * std).mul_(torch.where(upper, upper_bracket, lower_bracket)).clamp_(min=0.0)
+    # upper bracket 1 - s2 - 2 x s1 - s1^2, lower bracket s2 - s1^2: lower + upper * (1 - 2 s2 - 2 x s1)
+    lower_bracket = s2 - s1_sq
+    difference = torch.addcmul(s2.mul_(-2.0).add_(1.0), x, s1, value=-2.0)
+    variance = (std * std).mul_(lower_bracket.addcmul_(upper, difference)).clamp_(min=0.0)
     upsilon = torch.addcmul(variance, phi, phi)
-    big = torch.rsub(s0, 1.0)
-    cdf = torch.where(upper, big, s0)
-    cdf_neg = torch.where(upper, s0, big)
+    # cdf = Phi_N(t): 1 - s0 above 0, s0 below; cdf_neg = 1 - cdf
+    cdf = torch.addcmul(s0, upper, torch.rsub(s0, 1.0).sub_(s0))
+    cdf_neg = torch.rsub(cdf, 1.0)
     # std == 0: the density factor is 0 (a point mass), except at mean == 0 where phi(0)
     # is the one-sided derivative of Phi = std phi(0).
     return phi, upsilon, variance, cdf, cdf_neg, pdf

@@ -1,0 +1,111 @@
+"""Unsupervised continuous data for the VAE: digits (embedded), a synthetic latent
+model, YearPredictionMSD's 90 features and Fashion-MNIST.
+
+Every loader returns :class:`UnsupervisedData`: rows split at random (from the seed)
+into train / test / validation in the proportions 7:2:1 (paper), each column
+standardized by the training rows; ``log_scale`` (the sum of the log standard
+deviations) converts a log-density of standardized rows back to original units.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..runtime.errors import ConfigError, DataError
+from .regression import load_regression_table
+
+FASHION_MNIST_SCRIPT = "python data_scripts/prepare_fashion_mnist.py"
+FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte")
+
+
+@dataclass
+class UnsupervisedData:
+    name: str
+    x_train: torch.Tensor
+    x_val: torch.Tensor
+    x_test: torch.Tensor
+    log_scale: float  # sum_d log std_d: log p(x_original) = log p(x_standardized) - log_scale
+
+    @property
+    def dim(self) -> int:
+        return self.x_train.shape[1]
+
+
+def split_and_standardize(name: str, x: np.ndarray, seed: int, fractions=(0.7, 0.2, 0.1)) -> UnsupervisedData:
+    """Random train/test/validation split in ``fractions`` (paper 7:2:1), standardized by train."""
+    n = len(x)
+    n_test = int(round(fractions[1] * n))
+    n_val = int(round(fractions[2] * n))
+    n_train = n - n_test - n_val
+    if n_train < 2 or n_test < 1 or n_val < 1:
+        raise DataError(f"data `{name}` has {n} rows: too few for a 7:2:1 train/test/validation split")
+    order = np.random.default_rng(seed).permutation(n)
+    train, test, val = order[:n_train], order[n_train : n_train + n_test], order[n_train + n_test :]
+    mean = x[train].mean(0)
+    std = x[train].std(0)
+    std[std == 0] = 1.0  # a constant column (e.g. a blank pixel) carries nothing; keep it finite
+
+    def tensor(rows):
+        return torch.as_tensor(np.ascontiguousarray((x[rows] - mean) / std), dtype=torch.float32)
+
+    return UnsupervisedData(name, tensor(train), tensor(val), tensor(test), float(np.log(std).sum()))
+
+
+def synthetic_latent(dim=90, rows=5000, latent_dim=5, hidden=50, noise_std=0.5, seed=0) -> np.ndarray:
+    """Rows ``x = tanh(z W1) W2 + noise`` with ``z ~ N(0, I_latent)``: a nonlinear latent model."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((rows, latent_dim))
+    w1 = rng.standard_normal((latent_dim, hidden)) / math.sqrt(latent_dim) * 2.0
+    w2 = rng.standard_normal((hidden, dim)) / math.sqrt(hidden)
+    return np.tanh(z @ w1) @ w2 + noise_std * rng.standard_normal((rows, dim))
+
+
+def fashion_mnist_pixels(root) -> np.ndarray:
+    """All 70,000 Fashion-MNIST images as ``(70000, 784)`` floats in [0, 1] (labels unused).
+
+    Reads torchvision's layout ``<root>/FashionMNIST/raw/`` (prepared from Debian's
+    ``dataset-fashion-mnist`` by ``data_scripts/prepare_fashion_mnist.py``).
+    """
+    raw = Path(root) / "FashionMNIST" / "raw"
+    missing = [name for name in FASHION_MNIST_FILES if not (raw / name).is_file()]
+    if missing:
+        raise DataError(
+            f"Fashion-MNIST not found: {', '.join(str(raw / m) for m in missing)} missing. Install it with "
+            f"`apt-get install dataset-fashion-mnist` and run `{FASHION_MNIST_SCRIPT} --out {root}`, "
+            f"or set data.root=<a folder holding FashionMNIST/raw>"
+        )
+    from torchvision.datasets import FashionMNIST
+
+    parts = []
+    for train in (True, False):
+        try:
+            images = FashionMNIST(str(root), train=train, download=False).data
+        except Exception as error:  # torchvision raises RuntimeError/ValueError on a truncated file
+            raise DataError(f"Fashion-MNIST files under {raw} could not be read ({error}); re-run `{FASHION_MNIST_SCRIPT}`") from error
+        parts.append(images.reshape(images.shape[0], -1).numpy().astype(np.float64) / 255.0)
+    return np.concatenate(parts)
+
+
+def load_unsupervised_data(cfg, seed: int) -> UnsupervisedData:
+    """Dispatch on ``cfg.name`` (a ``conf/data/*.yaml`` group) for the VAE."""
+    name = cfg.get("name")
+    split_seed = cfg.get("seed", seed)
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        return split_and_standardize("digits", load_digits().data.astype(np.float64), split_seed)
+    if name == "synthetic":
+        rows = cfg.get("n_train", 4000) + cfg.get("n_test", 1000)
+        x = synthetic_latent(cfg.get("input_dim", 90), rows, cfg.get("latent_dim", 5), cfg.get("teacher_hidden", 50),
+                             cfg.get("noise_std", 0.5), split_seed)
+        return split_and_standardize("synthetic", x, split_seed)
+    if name == "year_prediction_msd":
+        return split_and_standardize("year_prediction_msd", load_regression_table(cfg, seed).x, split_seed)
+    if name == "fashion_mnist":
+        return split_and_standardize("fashion_mnist", fashion_mnist_pixels(cfg.get("root", "data/fashion_mnist")), split_seed)
+    raise ConfigError(f"data.name={name!r} is not one of digits, synthetic, year_prediction_msd, fashion_mnist (for the VAE)")
