@@ -29,6 +29,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-rows", type=int, default=2000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="also time each variant's loss under torch.compile")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -44,21 +45,29 @@ def main(argv=None):
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
             generator = torch.Generator(device=device).manual_seed(0)
 
-            def step(batch):
-                loss = -model.elbo(batch, MSD_TRAIN_ROWS, generator) / MSD_TRAIN_ROWS
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+            def loss_fn(batch):
+                return -model.elbo(batch, MSD_TRAIN_ROWS, generator) / MSD_TRAIN_ROWS
 
-            for i in range(3):
-                step(x[i])
-            sync()
-            start = time.perf_counter()
-            for i in range(args.steps):
-                step(x[i])
-            sync()
-            per_step = (time.perf_counter() - start) / args.steps
+            def timed(loss_fn):
+                def step(batch):
+                    loss = loss_fn(batch)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+
+                for i in range(3):
+                    step(x[i])
+                sync()
+                start = time.perf_counter()
+                for i in range(args.steps):
+                    step(x[i])
+                sync()
+                return (time.perf_counter() - start) / args.steps
+
+            per_step = timed(loss_fn)
             times[variant] = per_step
+            if args.compile:
+                times[variant + "+compile"] = timed(torch.compile(loss_fn))
             rows = torch.randn(args.eval_rows, 90, device=device)
             model.importance_weighted_log_likelihood(rows[:10], 100, generator)
             sync()
@@ -70,6 +79,10 @@ def main(argv=None):
                 f"  {variant}: {per_step * 1e3:8.1f} ms/step -> {per_step * steps_per_epoch:7.1f} s/epoch of MSD   "
                 f"{per_step / times['v1']:5.2f}x v1   IW test LL (K=100, {args.eval_rows} rows): {evaluation * 1e3:7.1f} ms"
             )
+            if args.compile:
+                compiled = times[variant + "+compile"]
+                print(f"  {variant} torch.compile: {compiled * 1e3:6.1f} ms/step   {compiled / times['v1+compile']:5.2f}x compiled v1"
+                      f"   {compiled / times['v1']:5.2f}x eager v1")
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def test_nan_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path, monkey
     "override, message",
     [("variant=v4", "variant='v4'"), ("model.latent_dim=0", "model.latent_dim=0"),
      ("model.encoder_hidden=[]", "model.encoder_hidden"), ("trainer.batch_size=100000", "exceeds"),
-     ("evaluation.inner_samples=0", "evaluation.inner_samples=0")],
+     ("evaluation.inner_samples=0", "evaluation.inner_samples=0"), ("trainer.compile=maybe", "trainer.compile")],
 )
 def test_bad_config_is_rejected_before_training(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -230,3 +230,13 @@ def test_cli_sweep_over_variants_writes_one_result_per_variant(tmp_path):
     for result, variant in zip(results, ("v1", "v2", "v3")):
         assert math.isfinite(result["metrics"][f"vae/{variant}/test_ll"])
         assert (sweep / str(results.index(result)) / "done").exists()
+
+
+@pytest.mark.slow
+def test_compiled_objective_trains_like_the_eager_one(tmp_path):
+    eager = pipeline.run(tiny_cfg("variant=v3", "trainer.epochs=1"), tmp_path / "eager")
+    compiled = pipeline.run(tiny_cfg("variant=v3", "trainer.epochs=1", "trainer.compile=true"), tmp_path / "compiled")
+    a = pd.read_csv(tmp_path / "eager" / "metrics.csv")["train_elbo_per_point"].iloc[0]
+    b = pd.read_csv(tmp_path / "compiled" / "metrics.csv")["train_elbo_per_point"].iloc[0]
+    assert b == pytest.approx(a, rel=1e-3)
+    assert compiled["metrics"]["vae/v3/test_ll"] == pytest.approx(eager["metrics"]["vae/v3/test_ll"], rel=1e-2)

@@ -54,6 +54,8 @@ def validate(cfg: DictConfig) -> List[str]:
     require_int(cfg, "evaluation.inner_samples", minimum=1)
     require_int(cfg, "evaluation.trials", minimum=1)
     require_int(cfg, "evaluation.batch_size", minimum=1)
+    if not isinstance(cfg.trainer.get("compile", False), bool):
+        raise ConfigError(f"trainer.compile={cfg.trainer.compile!r} must be true or false")
     return list(VARIANTS) if variant == "all" else [variant]
 
 
@@ -109,6 +111,14 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
         log.info("%s: resumed from %s after epoch %d", variant, last_path, start_epoch)
     x_train = data.x_train
     num_data, batch_size = len(x_train), cfg.trainer.batch_size
+
+    def negative_elbo_per_point(batch):
+        # per data point, so that trainer.lr means the same for any data size
+        return -model.elbo(batch, num_data, sampler) / num_data
+
+    if cfg.trainer.get("compile", False):
+        # fuses the closed form's elementwise work (on an H200: v3 1.90x -> 1.35x the eager v1 step)
+        negative_elbo_per_point = torch.compile(negative_elbo_per_point)
     steps = math.ceil(num_data / batch_size)
     for epoch in range(start_epoch + 1, cfg.trainer.epochs + 1):
         model.train()
@@ -117,8 +127,7 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
         with tqdm(total=steps, desc=f"{variant} epoch {epoch}/{cfg.trainer.epochs}", leave=False) as bar:
             for step in range(steps):
                 index = permutation[step * batch_size : (step + 1) * batch_size]
-                # per data point, so that trainer.lr means the same for any data size
-                loss = -model.elbo(x_train[index], num_data, sampler) / num_data
+                loss = negative_elbo_per_point(x_train[index])
                 ensure_finite(loss, epoch=epoch, step=step, what=f"{variant} negative ELBO")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
