@@ -82,17 +82,39 @@ def test_cfg_job_prints_composed_config():
     assert cfg["variant"] == "v2" and "trainer" in cfg
 
 
-def test_run_creates_output_dir_and_reports_unbuilt_pipeline(tmp_path):
+def test_a_missing_pipeline_module_is_reported_as_not_built(tmp_path, monkeypatch, capsys, caplog):
+    """A subcommand whose pipeline module is absent: exit 2 with a message, after the
+    config was composed and the run dir created (every shipped pipeline exists now)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from cfbnn_cli.cli import Subcommand, make_task
+
+    sub = Subcommand(("future",), "vae", "cfbnn_cli.pipelines.not_there_yet", "a later pipeline")
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="vae", overrides=["device=cpu"], return_hydra_config=True)
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: OmegaConf.create({"runtime": {"output_dir": str(tmp_path)}})))
+    with open_dict(cfg):
+        del cfg["hydra"]
+    with pytest.raises(SystemExit) as exit_info:
+        make_task(sub)(cfg)
+    assert exit_info.value.code == 2
+    assert "`cfbnn future` is not built yet" in capsys.readouterr().err + caplog.text
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path):
     run_dir = tmp_path / "run"
-    out = cfbnn("imagenet-predict", f"hydra.run.dir={run_dir}", "trainer.epochs=2")
-    # this pipeline arrives in a later issue: exit 2 with a message, after composing
-    # the config and creating the run dir with Hydra's record and the job log
-    assert out.returncode == 2
-    assert "not built yet" in out.stdout + out.stderr
+    args = ["imagenet-predict", f"hydra.run.dir={run_dir}", f"features.cache_dir={tmp_path / 'cache'}", "device=cpu",
+            "trainer.epochs=1", "model.hidden_sizes=[16,16]", "evaluation.total_samples=16", "evaluation.inner_samples=[1,16]"]
+    out = cfbnn(*args)
+    assert out.returncode == 0, out.stderr[-2000:]
     saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    assert saved.trainer.epochs == 2
-    assert (run_dir / "imagenet_predict.log").exists()
-    assert not (run_dir / "results.json").exists()
+    assert saved.trainer.epochs == 1
+    assert (run_dir / "imagenet_predict.log").exists() and (run_dir / "done").exists()
+    results = yaml.safe_load((run_dir / "results.json").read_text())
+    assert results["pipeline"] == "imagenet_predict" and results["status"] == "complete"
+    again = cfbnn(*args, "resume=true")
+    assert again.returncode == 0 and "already finished, skipping" in again.stdout + again.stderr
 
 
 def test_invalid_value_exits_2_before_work(tmp_path):
@@ -104,12 +126,13 @@ def test_invalid_value_exits_2_before_work(tmp_path):
 
 def test_multirun_makes_one_dir_per_job(tmp_path):
     sweep = tmp_path / "sweep"
-    out = cfbnn("imagenet-predict", "-m", "seed=0,1", f"hydra.sweep.dir={sweep}")
-    # the pipeline is not built yet, so the first job stops the sweep with exit 2 --
-    # but the sweep dir and the first job's dir with its composed config exist
-    assert out.returncode == 2
+    out = cfbnn("imagenet-predict", "-m", "seed=0,1", f"hydra.sweep.dir={sweep}", "stage=features", "device=cpu",
+                f"features.cache_dir={tmp_path / 'cache'}")
+    assert out.returncode == 0, out.stderr[-2000:]
     assert (sweep / "multirun.yaml").exists()
-    assert OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml").seed == 0
+    for job in (0, 1):
+        assert OmegaConf.load(sweep / str(job) / ".hydra" / "config.yaml").seed == job
+        assert (sweep / str(job) / "results.json").exists()
     assert OmegaConf.load(sweep / "0" / ".hydra" / "hydra.yaml").hydra.job.name == "imagenet_predict"
 
 

@@ -118,3 +118,15 @@ def test_uci_protocol_runs_every_method_on_cuda(tmp_path):
     result = regression.run(uci_cfg("device=cuda", "uci.steps=50", "uci.predictive_samples=20"), tmp_path)
     for method in ("closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro", "plain_mlp"):
         assert torch.isfinite(torch.tensor(result["metrics"][f"uci/{method}/test_ll_mean"])), method
+
+
+def test_imagenet_predict_runs_on_cuda_and_resnet50_features_match_cpu(tmp_path):
+    from test_imagenet import _fake_cfg, cfg_for
+
+    from cfbnn_cli.pipelines import imagenet
+
+    result = imagenet.run(cfg_for(tmp_path, "device=cuda"), tmp_path / "run")
+    assert str(result["device"]).startswith("cuda") and result["metrics"]["deterministic/top1"] > 0.5
+    cpu = imagenet.compute_features(_fake_cfg(tmp_path / "cpu"), torch.device("cpu"))["train"][0].float()
+    gpu = imagenet.compute_features(_fake_cfg(tmp_path / "gpu"), torch.device("cuda"))["train"][0].float()
+    torch.testing.assert_close(gpu, cpu, rtol=2e-2, atol=2e-2)

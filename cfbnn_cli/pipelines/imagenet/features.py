@@ -1,0 +1,126 @@
+"""Frozen-backbone features, extracted once and cached on disk in float16 shards.
+
+The cache folder's name is a hash of everything that changes the features (data
+source and preprocessing, backbone and its weights file); ``manifest.json`` inside
+records those fields and is checked on every use, so features from another backbone
+or preprocessing are never silently reused -- a different configuration gets its
+own folder and is rebuilt. Shards are written atomically one by one, so an
+interrupted extraction resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+from tqdm.auto import tqdm
+
+from ...runtime.errors import DataError
+from ...runtime.io import atomic_torch_save, atomic_write_json
+
+log = logging.getLogger(__name__)
+RANDOM_BACKBONE_SEED = 0
+RESNET50_FILES = ("resnet50-11ad3fa6.pth", "resnet50-0676ba61.pth")  # torchvision's IMAGENET1K_V2 and _V1
+
+
+def _weights_file(weights) -> Optional[Path]:
+    if weights in (None, "", "random"):
+        return None
+    if weights == "torchvision":
+        checkpoints = Path(torch.hub.get_dir()) / "checkpoints"
+        for name in RESNET50_FILES:
+            if (checkpoints / name).is_file():
+                return checkpoints / name
+        raise DataError(
+            f"backbone.weights=torchvision: no ResNet50 weights in torchvision's cache {checkpoints} "
+            f"(looked for {', '.join(RESNET50_FILES)}); nothing is downloaded at run time -- copy the file there, "
+            "or set backbone.weights=/path/to/resnet50.pth"
+        )
+    path = Path(weights)
+    if not path.is_file():
+        raise DataError(
+            f"backbone.weights={weights}: file not found; put a torchvision ResNet50 state dict there "
+            f"(e.g. {RESNET50_FILES[0]} from torchvision's model zoo), or use backbone.weights=torchvision"
+        )
+    return path
+
+
+def build_backbone(name: str, weights, device) -> Tuple[Optional[nn.Module], dict]:
+    """``(module or None for identity, description)``; ResNet50 with its final layer removed (2048 features)."""
+    if name == "identity":
+        return None, {"backbone": "identity"}
+    from torchvision.models import resnet50
+
+    path = _weights_file(weights)
+    # a random backbone is seeded: every shard of a cache (also one resumed later) must
+    # come from the same network
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(RANDOM_BACKBONE_SEED)
+        model = resnet50(weights=None)
+    if path is None:
+        log.warning("backbone.weights is not set: a randomly initialized ResNet50 (features are not meaningful; "
+                    "set backbone.weights=/path/to/resnet50.pth or backbone.weights=torchvision)")
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            model.load_state_dict(state.get("state_dict", state) if isinstance(state, dict) else state)
+        except Exception as error:
+            raise DataError(f"backbone.weights={path} is not a torchvision ResNet50 state dict ({error})") from error
+    model.fc = nn.Identity()
+    model.eval().to(device)
+    stat = path.stat() if path is not None else None
+    description = {"backbone": "resnet50", "weights": str(path) if path else f"random (seed {RANDOM_BACKBONE_SEED})",
+                   "weights_bytes": stat.st_size if stat else None, "weights_mtime": int(stat.st_mtime) if stat else None}
+    return model, description
+
+
+def cache_folder(cache_dir, fields: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{fields.get('data', 'data')}-{fields.get('backbone', 'backbone')}-{digest}"
+
+
+def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fields: dict, device,
+            batch_size: int = 128, shard_size: int = 4096, num_workers: int = 0):
+    """``(features float16 (N, F), labels (N,), skipped)`` for ``dataset``, cached in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest_path = folder / "manifest.json"
+    if manifest_path.exists():
+        recorded = json.loads(manifest_path.read_text())["fields"]
+        if recorded != json.loads(json.dumps(fields, default=str)):
+            raise DataError(f"{folder}: its manifest records other settings than this run's; delete the folder to rebuild")
+    else:
+        atomic_write_json(manifest_path, {"fields": fields})
+    shards = math.ceil(len(dataset) / shard_size)
+    paths = [folder / f"{split}_{index:05d}.pt" for index in range(shards)]
+    todo = [index for index, path in enumerate(paths) if not path.exists()]
+    if todo:
+        log.info("extracting %s features: %d of %d shards to do, into %s", split, len(todo), shards, folder)
+        with tqdm(total=sum(min(shard_size, len(dataset) - i * shard_size) for i in todo), desc=f"features {split}", leave=False) as bar:
+            for index in todo:
+                rows = range(index * shard_size, min((index + 1) * shard_size, len(dataset)))
+                loader = DataLoader(Subset(dataset, list(rows)), batch_size=batch_size, num_workers=num_workers)
+                features, labels, ok = [], [], []
+                with torch.inference_mode():
+                    for images, label, good in loader:
+                        images = images.to(device, non_blocking=True)
+                        out = images.flatten(1) if backbone is None else backbone(images)
+                        features.append(out.float().cpu().to(torch.float16))
+                        labels.append(label)
+                        ok.append(good)
+                        bar.update(len(label))
+                atomic_torch_save({"features": torch.cat(features), "labels": torch.cat(labels), "ok": torch.cat(ok)}, paths[index])
+    parts = [torch.load(path, weights_only=True) for path in paths]
+    features = torch.cat([p["features"] for p in parts])
+    labels = torch.cat([p["labels"] for p in parts])
+    ok = torch.cat([p["ok"] for p in parts]).bool()
+    skipped = int((~ok).sum())
+    if skipped:
+        log.warning("%s: %d unreadable images skipped", split, skipped)
+    return features[ok], labels[ok], skipped
