@@ -72,7 +72,14 @@ Everything after the command goes to Hydra, e.g.
   cfbnn vae --help                          # the command's config groups
 
 Outputs go to outputs/<command>/<date>/<time>/ (set hydra.run.dir=... to change).
+
+  cfbnn report PATH                         # aggregate every results.json under PATH
+  cfbnn train regression -m seed=0,1 hydra/launcher=joblib   # parallel jobs (README: Sweeps)
 """
+LAUNCHER_HINT = (
+    "cfbnn: see the README section 'Sweeps and launchers' for hydra/launcher=joblib|slurm|submitit_local "
+    "and the options each needs (e.g. hydra.launcher.partition=... for SLURM)"
+)
 
 
 def usage() -> str:
@@ -112,6 +119,23 @@ def _report_error(error: CfbnnError) -> None:
         print(f"cfbnn: error: {error}", file=sys.stderr)
 
 
+def _share_cores_between_parallel_jobs() -> None:
+    """Under the joblib launcher, give each of the ``n_jobs`` parallel jobs its share of
+    the cores, so that torch's thread pools do not oversubscribe them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    launcher = HydraConfig.get().get("launcher") or {}
+    if "joblib" not in str(launcher.get("_target_", "")).lower():
+        return
+    import torch
+
+    cores = os.cpu_count() or 1
+    n_jobs = int(launcher.get("n_jobs", -1) or -1)
+    n_jobs = cores if n_jobs < 1 else min(n_jobs, cores)
+    torch.set_num_threads(max(1, cores // n_jobs))
+    log.info("joblib launcher: %d parallel jobs on %d cores -> %d torch threads per job", n_jobs, cores, torch.get_num_threads())
+
+
 def make_task(sub: Subcommand):
     """The Hydra task function for one subcommand."""
 
@@ -123,6 +147,7 @@ def make_task(sub: Subcommand):
         from .runtime.device import resolve_device
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
+        _share_cores_between_parallel_jobs()
         try:
             validate_common(cfg)
             try:
@@ -164,6 +189,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage(), end="")
         sys.exit(0 if argv else 2)
+    if argv[0] == "report":
+        from .report.aggregate import main as report_main
+
+        sys.exit(report_main(argv[1:]))
     if argv[0] == "--version":
         from . import __version__
 
@@ -188,7 +217,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     # Hydra reads sys.argv; give it only the arguments after the subcommand.
     sys.argv = [f"cfbnn {sub.name}"] + rest
-    hydra.main(config_path=str(conf), config_name=sub.config_name, version_base="1.3")(make_task(sub))()
+    try:
+        hydra.main(config_path=str(conf), config_name=sub.config_name, version_base="1.3")(make_task(sub))()
+    except SystemExit as exit:
+        if exit.code not in (0, None) and any(a.startswith(("hydra/launcher", "hydra.launcher")) for a in rest):
+            print(LAUNCHER_HINT, file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

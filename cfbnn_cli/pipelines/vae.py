@@ -32,6 +32,7 @@ from ..report.tables import write_table
 from ..runtime.checks import require_choice, require_int, require_positive_float
 from ..runtime.device import resolve_device
 from ..runtime.errors import ConfigError
+from ..runtime.checkpoints import restore_training_state, save_training_state
 from ..runtime.io import atomic_torch_save, atomic_write_text
 from ..runtime.numerics import ensure_finite
 from ..runtime.seed import seed_everything
@@ -101,13 +102,10 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
     sampler = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     history: List[dict] = []
     start_epoch, best = 0, {"epoch": 0, "val_elbo": -math.inf}
-    if cfg.resume and last_path.exists():
-        state = torch.load(last_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    generators = {"data_order": generator, "sampler": sampler}
+    state = restore_training_state(last_path, model, optimizer, generators, device) if cfg.resume else None
+    if state is not None:
         history, start_epoch, best = state["history"], state["epoch"], state["best"]
-        generator.set_state(state["generator"])
-        sampler.set_state(state["sampler"].to(sampler.get_state().device))
         log.info("%s: resumed from %s after epoch %d", variant, last_path, start_epoch)
     x_train = data.x_train
     num_data, batch_size = len(x_train), cfg.trainer.batch_size
@@ -146,12 +144,8 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
         if row["val_elbo_per_point"] > best["val_elbo"]:
             best = {"epoch": epoch, "val_elbo": row["val_elbo_per_point"]}
             atomic_torch_save({"model": model.state_dict(), "epoch": epoch}, best_path)
-        atomic_torch_save(
-            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "history": history,
-             "best": best, "generator": generator.get_state(), "sampler": sampler.get_state(),
-             "config": OmegaConf.to_container(cfg, resolve=True)},
-            last_path,
-        )
+        save_training_state(last_path, model, optimizer, epoch, generators, history=history, best=best,
+                            config=OmegaConf.to_container(cfg, resolve=True))
     if best_path.exists():
         model.load_state_dict(torch.load(best_path, map_location=device, weights_only=False)["model"])
     model.eval()

@@ -43,6 +43,7 @@ from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
+from ...runtime.checkpoints import restore_training_state, save_training_state
 from ...runtime.io import atomic_torch_save, atomic_write_text
 from ...runtime.numerics import ensure_finite
 from ...runtime.seed import seed_everything
@@ -140,13 +141,10 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
     sampler = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     history, start_epoch, best = [], 0, {"epoch": 0, "val_top1": -1.0}
-    if cfg.resume and last_path.exists():
-        state = torch.load(last_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    generators = {"data_order": generator, "sampler": sampler}
+    state = restore_training_state(last_path, model, optimizer, generators, device) if cfg.resume else None
+    if state is not None:
         history, start_epoch, best = state["history"], state["epoch"], state["best"]
-        generator.set_state(state["generator"])
-        sampler.set_state(state["sampler"].to(sampler.get_state().device))
         log.info("resumed from %s after epoch %d", last_path, start_epoch)
     num_data, batch_size = len(y), cfg.trainer.batch_size
     steps = math.ceil(num_data / batch_size)
@@ -176,9 +174,7 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         if val_top1 > best["val_top1"]:
             best = {"epoch": epoch, "val_top1": val_top1}
             atomic_torch_save({"model": model.state_dict(), "epoch": epoch, "sizes": _sizes(model, data)}, best_path)
-        atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                           "history": history, "best": best, "generator": generator.get_state(),
-                           "sampler": sampler.get_state()}, last_path)
+        save_training_state(last_path, model, optimizer, epoch, generators, history=history, best=best)
         atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
     return {"history": history, "best": best}
 

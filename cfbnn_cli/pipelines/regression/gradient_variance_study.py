@@ -30,7 +30,8 @@ from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
-from ...runtime.io import atomic_torch_save, atomic_write_text
+from ...runtime.checkpoints import restore_training_state, save_training_state
+from ...runtime.io import atomic_write_text
 from ...runtime.numerics import ensure_finite
 from ...runtime.seed import seed_everything
 
@@ -206,13 +207,10 @@ def run(cfg: DictConfig, run_dir) -> dict:
     history: List[dict] = []
     gv_results: Dict[int, dict] = {}
     start_epoch = 0
-    if cfg.resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    generators = {"data_order": generator, "sampler": sample_generator}
+    state = restore_training_state(checkpoint_path, model, optimizer, generators, device) if cfg.resume else None
+    if state is not None:
         history, gv_results, start_epoch = state["history"], state["gradient_variance"], state["epoch"]
-        generator.set_state(state["generator"])
-        sample_generator.set_state(state["sample_generator"].to(sample_generator.get_state().device))
         log.info("resumed from %s after epoch %d", checkpoint_path, start_epoch)
     elif checkpoint_path.exists():
         log.warning("%s exists but resume=false: starting afresh (it will be overwritten)", checkpoint_path)
@@ -253,14 +251,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
         if epoch in gv_epochs:
             gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
         atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
-        atomic_torch_save(
-            {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                "history": history, "gradient_variance": gv_results, "generator": generator.get_state(),
-                "sample_generator": sample_generator.get_state(), "config": OmegaConf.to_container(cfg, resolve=True),
-            },
-            checkpoint_path,
-        )
+        save_training_state(checkpoint_path, model, optimizer, epoch, generators, history=history,
+                            gradient_variance=gv_results, config=OmegaConf.to_container(cfg, resolve=True))
 
     tables, figures, metrics_out = {}, {}, {}
     if history:
