@@ -101,6 +101,10 @@ class BayesianHead(nn.Module):
         ell = self.expected_log_likelihood(features, labels, objective, num_samples, generator)
         return num_data * ell.mean() - self.kl()
 
+    def forward(self, features, labels, num_data: int, objective: str, num_samples: int = 1, generator=None):
+        """The ELBO (:meth:`elbo`), so that ``DistributedDataParallel(head)(...)`` trains it."""
+        return self.elbo(features, labels, num_data, objective, num_samples, generator)
+
     @torch.no_grad()
     def deterministic_probabilities(self, features):
         """The variance-corrected softmax of eq. softmaxapprox ``(N, O)``; its argmax is ``argmax y_hat``

@@ -43,6 +43,7 @@ from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
+from ...runtime import distributed
 from ...runtime.checkpoints import restore_training_state, save_training_state
 from ...runtime.io import atomic_torch_save, atomic_write_text
 from ...runtime.numerics import ensure_finite
@@ -139,7 +140,11 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
     model = BayesianHead(x.shape[1], list(cfg.model.hidden_sizes), data["num_classes"], cfg.model.activation,
                          cfg.model.prior_scale, cfg.model.init_scale, generator).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
-    sampler = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+    # each rank draws its own logit samples; the data order is shared (same seed everywhere)
+    sampler = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1000 * distributed.rank())
+    trained = model
+    if distributed.world_size() > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     history, start_epoch, best = [], 0, {"epoch": 0, "val_top1": -1.0}
     generators = {"data_order": generator, "sampler": sampler}
     state = restore_training_state(last_path, model, optimizer, generators, device) if cfg.resume else None
@@ -152,16 +157,18 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         model.train()
         permutation = torch.randperm(num_data, generator=generator).to(device)
         started, total = time.perf_counter(), 0.0
-        with tqdm(total=steps, desc=f"head epoch {epoch}/{cfg.trainer.epochs}", leave=False) as bar:
+        with tqdm(total=steps, desc=f"head epoch {epoch}/{cfg.trainer.epochs}", leave=False, disable=not distributed.is_main()) as bar:
             for step in range(steps):
-                index = permutation[step * batch_size : (step + 1) * batch_size]
-                loss = -model.elbo(x[index], y[index], num_data, cfg.objective, cfg.trainer.num_samples, sampler) / num_data
+                # under torchrun: this rank's rows of the global batch; DDP averages the gradients
+                index = distributed.local_rows(permutation[step * batch_size : (step + 1) * batch_size])
+                loss = -trained(x[index], y[index], num_data, cfg.objective, cfg.trainer.num_samples, sampler) / num_data
                 ensure_finite(loss, epoch=epoch, step=step, what=f"negative ELBO ({cfg.objective})")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
                 total -= float(loss.detach()) * len(index)
                 bar.update(1)
+        total = distributed.all_reduce_sum(total, device)
         model.eval()
         with torch.no_grad():
             means = torch.cat([m for m, _ in _batched(model.logit_moments, data["x_val"], cfg.evaluation.batch_size)])
@@ -171,11 +178,15 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         history.append(row)
         log.info("epoch %d: ELBO/point %.4f, validation top-1 %.4f (deterministic), %.1fs", epoch,
                  row["train_elbo_per_point"], val_top1, row["epoch_seconds"])
-        if val_top1 > best["val_top1"]:
+        improved = val_top1 > best["val_top1"]
+        if improved:
             best = {"epoch": epoch, "val_top1": val_top1}
-            atomic_torch_save({"model": model.state_dict(), "epoch": epoch, "sizes": _sizes(model, data)}, best_path)
-        save_training_state(last_path, model, optimizer, epoch, generators, history=history, best=best)
-        atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
+        if distributed.is_main():  # only rank 0 writes
+            if improved:
+                atomic_torch_save({"model": model.state_dict(), "epoch": epoch, "sizes": _sizes(model, data)}, best_path)
+            save_training_state(last_path, model, optimizer, epoch, generators, history=history, best=best)
+            atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
+        distributed.barrier()
     return {"history": history, "best": best}
 
 
@@ -330,6 +341,9 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
 def run(cfg: DictConfig, run_dir) -> dict:
     run_dir = Path(run_dir)
     validate(cfg)
+    launched = distributed.launch_if_requested(cfg, run_dir, __name__)
+    if launched is not None:  # torchrun workers did the work; this is rank 0's result
+        return launched
     device = resolve_device(cfg.device)
     computed = compute_features(cfg, device)
     (x_train, y_train, skipped_train), (x_held, y_held, skipped_held) = computed["train"], computed["held_out"]
@@ -358,7 +372,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
             trained = train_head(cfg, data, run_dir, device)
             metrics["train/best_epoch"] = trained["best"]["epoch"]
             metrics["train/best_val_top1"] = trained["best"]["val_top1"]
-        if cfg.stage in ("evaluate", "all"):
+        if cfg.stage in ("evaluate", "all") and distributed.is_main():  # evaluation is cheap: rank 0 alone
             model = load_head(cfg, data, run_dir, device)
             evaluated = evaluate(cfg, model, data, run_dir, device)
             metrics.update(evaluated["metrics"])

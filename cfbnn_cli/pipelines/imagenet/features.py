@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
+from ...runtime import distributed
 from ...runtime.errors import DataError
 from ...runtime.io import atomic_torch_save, atomic_write_json
 
@@ -99,10 +100,12 @@ def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fi
         atomic_write_json(manifest_path, {"fields": fields})
     shards = math.ceil(len(dataset) / shard_size)
     paths = [folder / f"{split}_{index:05d}.pt" for index in range(shards)]
-    todo = [index for index, path in enumerate(paths) if not path.exists()]
+    # under torchrun each rank extracts every world_size-th missing shard
+    todo = [index for index, path in enumerate(paths) if not path.exists()][distributed.rank() :: distributed.world_size()]
     if todo:
         log.info("extracting %s features: %d of %d shards to do, into %s", split, len(todo), shards, folder)
-        with tqdm(total=sum(min(shard_size, len(dataset) - i * shard_size) for i in todo), desc=f"features {split}", leave=False) as bar:
+        with tqdm(total=sum(min(shard_size, len(dataset) - i * shard_size) for i in todo), desc=f"features {split}",
+                  leave=False, disable=not distributed.is_main()) as bar:
             for index in todo:
                 rows = range(index * shard_size, min((index + 1) * shard_size, len(dataset)))
                 loader = DataLoader(Subset(dataset, list(rows)), batch_size=batch_size, num_workers=num_workers)
@@ -116,6 +119,7 @@ def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fi
                         ok.append(good)
                         bar.update(len(label))
                 atomic_torch_save({"features": torch.cat(features), "labels": torch.cat(labels), "ok": torch.cat(ok)}, paths[index])
+    distributed.barrier()  # every rank's shards are on disk before anyone reads them
     parts = [torch.load(path, weights_only=True) for path in paths]
     features = torch.cat([p["features"] for p in parts])
     labels = torch.cat([p["labels"] for p in parts])

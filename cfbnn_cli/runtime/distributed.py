@@ -1,0 +1,117 @@
+"""Multi-process data parallelism with ``torchrun`` (DistributedDataParallel).
+
+A pipeline that supports it calls :func:`launch_if_requested` first: with
+``distributed.nproc > 1`` in a single (non-distributed) process, the config -- already
+resolved once by Hydra -- is written to ``<run dir>/distributed/config.yaml`` and
+``torchrun --standalone --nproc_per_node=N`` starts N workers
+(:func:`worker_main`), each with ``RANK``/``WORLD_SIZE`` set; the backend is NCCL
+when the workers have GPUs, gloo otherwise. Workers run the same pipeline; only
+rank 0 writes outputs, and its result comes back to the launching process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import CfbnnError, ConfigError
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(value: float, device) -> float:
+    if world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor)
+
+
+def local_rows(global_index: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a global minibatch (rows ``rank, rank + world, ...``): together the
+    ranks see exactly the global batch a single process would."""
+    return global_index[rank() :: world_size()]
+
+
+def launch_if_requested(cfg, run_dir, pipeline: str) -> Optional[dict]:
+    """Start ``cfg.distributed.nproc`` workers under torchrun and return rank 0's result;
+    ``None`` when this process should just run (one process, or already a worker)."""
+    nproc = int(cfg.get("distributed", {}).get("nproc", 1) or 1)
+    if nproc < 1:
+        raise ConfigError(f"distributed.nproc={nproc} must be >= 1")
+    if nproc == 1 or "RANK" in os.environ:
+        return None
+    from omegaconf import OmegaConf
+
+    folder = Path(run_dir) / "distributed"
+    folder.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml", resolve=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "cfbnn_cli.runtime.distributed", "--pipeline", pipeline, "--config", str(folder / "config.yaml"),
+               "--run-dir", str(run_dir)]
+    finished = subprocess.run(command)
+    if finished.returncode != 0:
+        raise CfbnnError(f"the {nproc} distributed workers failed (exit {finished.returncode}); "
+                         f"see their output above and {run_dir}")
+    with open(folder / "result.pkl", "rb") as handle:
+        return pickle.load(handle)
+
+
+def worker_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="one torchrun worker of a cfbnn pipeline")
+    parser.add_argument("--pipeline", required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(args.config)
+    use_cuda = torch.cuda.is_available() and str(cfg.get("device", "auto")) in ("auto", "cuda")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        cfg.device = f"cuda:{local_rank}"
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    try:
+        import logging
+
+        logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING,
+                            format=f"[rank {rank()}][%(name)s][%(levelname)s] - %(message)s")
+        result = importlib.import_module(args.pipeline).run(cfg, Path(args.run_dir))
+        if is_main():
+            result = dict(result)
+            result["device"] = str(result.get("device"))
+            with open(Path(args.run_dir) / "distributed" / "result.pkl", "wb") as handle:
+                pickle.dump(result, handle)
+        barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
