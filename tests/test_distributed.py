@@ -34,3 +34,19 @@ def test_two_gloo_processes_match_one_process(tmp_path, objective):
     assert (tmp_path / "two" / "distributed" / "config.yaml").exists()  # resolved once, before the workers
     assert double["metrics"]["deterministic/top1"] == pytest.approx(single["metrics"]["deterministic/top1"], abs=0.01)
     assert (tmp_path / "two" / "prediction.csv").exists()
+
+
+def test_train_regression_with_two_gloo_processes_matches_one(tmp_path):
+    """One hidden layer + analytic: nothing is sampled, so 2 ranks must equal 1 process."""
+    from test_regression_pipeline import tiny_cfg
+
+    from cfbnn_cli.pipelines import regression
+
+    common = ["model.hidden_sizes=[16]", "estimator=analytic", "trainer.epochs=2", "gradient_variance.num_samples=0"]
+    single = regression.run(tiny_cfg(*common), tmp_path / "one")
+    double = regression.run(tiny_cfg(*common, "distributed.nproc=2"), tmp_path / "two")
+    one = pd.read_csv(tmp_path / "one" / "metrics.csv")
+    two = pd.read_csv(tmp_path / "two" / "metrics.csv")
+    for column in ("train_elbo_per_point", "test_rmse", "test_ll_closed_form"):
+        pd.testing.assert_series_equal(one[column], two[column], rtol=1e-4)
+    assert double["metrics"]["final_test_rmse"] == pytest.approx(single["metrics"]["final_test_rmse"], rel=1e-4)

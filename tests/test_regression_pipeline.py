@@ -73,7 +73,7 @@ def test_resume_continues_from_checkpoint(tmp_path):
 
 def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monkeypatch):
     cfg = tiny_cfg("gradient_variance.num_samples=0")
-    original = MeanFieldMLP.elbo
+    original = MeanFieldMLP.forward  # the training step's expected log-likelihood
     calls = {"n": 0}
 
     def flaky(self, *args, **kwargs):
@@ -81,7 +81,7 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monke
         value = original(self, *args, **kwargs)
         return value * float("nan") if calls["n"] > 5 else value  # 4 steps per epoch: fails in epoch 2
 
-    monkeypatch.setattr(MeanFieldMLP, "elbo", flaky)
+    monkeypatch.setattr(MeanFieldMLP, "forward", flaky)
     with pytest.raises(NonFiniteLossError, match="epoch 2, step 1"):
         regression.run(cfg, tmp_path)
     assert torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)["epoch"] == 1

@@ -30,6 +30,7 @@ from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
+from ...runtime import distributed
 from ...runtime.checkpoints import restore_training_state, save_training_state
 from ...runtime.io import atomic_write_text
 from ...runtime.numerics import ensure_finite
@@ -183,6 +184,9 @@ def _plot_training(history: List[dict], path):
 def run(cfg: DictConfig, run_dir) -> dict:
     run_dir = Path(run_dir)
     validate(cfg)
+    launched = distributed.launch_if_requested(cfg, run_dir, "cfbnn_cli.pipelines.regression")
+    if launched is not None:  # torchrun workers did the work; this is rank 0's result
+        return launched
     device = resolve_device(cfg.device)
     generator = seed_everything(cfg.seed)
     data = load_regression_data(cfg.data, cfg.seed)
@@ -201,7 +205,11 @@ def run(cfg: DictConfig, run_dir) -> dict:
     # one fixed minibatch for the gradient variances (paper: 500 random training points)
     gv_index = torch.randperm(num_data, generator=torch.Generator().manual_seed(cfg.seed + 1))[: cfg.gradient_variance.batch_size]
     gv_x, gv_y = x_train[gv_index.to(device)], y_train[gv_index.to(device)]
-    sample_generator = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    # each rank draws its own noise (rank 0's stream is the single-process one)
+    sample_generator = torch.Generator(device=device).manual_seed(cfg.seed + 2 + 1000 * distributed.rank())
+    trained = model
+    if distributed.world_size() > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     checkpoint_path = run_dir / "checkpoints" / "last.pt"
     history: List[dict] = []
@@ -220,7 +228,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         data.name, num_data, data.x_test.shape[0], data.input_dim, data.input_dim,
         "-".join(str(h) for h in cfg.model.hidden_sizes), estimator, device,
     )
-    if 0 in gv_epochs and 0 not in gv_results:
+    if 0 in gv_epochs and 0 not in gv_results and distributed.is_main():
         gv_results[0] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, 0)
 
     steps_per_epoch = math.ceil(num_data / batch_size)
@@ -229,16 +237,22 @@ def run(cfg: DictConfig, run_dir) -> dict:
         permutation = torch.randperm(num_data, generator=generator).to(device)
         total_elbo = 0.0
         started = time.perf_counter()
-        with tqdm(total=steps_per_epoch, desc=f"epoch {epoch}/{cfg.trainer.epochs}", leave=False) as bar:
+        with tqdm(total=steps_per_epoch, desc=f"epoch {epoch}/{cfg.trainer.epochs}", leave=False, disable=not distributed.is_main()) as bar:
             for step in range(steps_per_epoch):
                 index = permutation[step * batch_size : (step + 1) * batch_size]
+                # under torchrun: this rank's rows of the global batch (DDP averages the gradients,
+                # and the mean over ranks of these minibatch ELBOs is the global batch's)
+                rows = distributed.local_rows(index)
                 optimizer.zero_grad(set_to_none=True)
-                loss = -model.elbo(x_train[index], y_train[index], num_data, estimator, generator=sample_generator)
+                noise = model.sample_noise(rows.numel(), estimator, sample_generator)
+                ell = trained(x_train[rows], y_train[rows], estimator, noise)
+                loss = -(num_data / rows.numel() * ell - model.kl())
                 ensure_finite(loss, epoch=epoch, step=step, what="negative ELBO")
                 loss.backward()
                 optimizer.step()
                 total_elbo += -loss.item() * index.numel() / num_data
                 bar.update(1)
+        total_elbo = distributed.all_reduce_sum(total_elbo, device) / distributed.world_size()
         metrics = {"epoch": epoch, "train_elbo_per_point": total_elbo / num_data, "epoch_seconds": time.perf_counter() - started}
         metrics.update(evaluate(model, data, cfg.evaluation.num_samples, sample_generator))
         metrics["noise_std"] = float(model.precision.item() ** -0.5 * data.target_std)
@@ -248,11 +262,15 @@ def run(cfg: DictConfig, run_dir) -> dict:
             epoch, metrics["train_elbo_per_point"], metrics["test_rmse"], metrics["test_ll_closed_form"],
             metrics["test_ll_monte_carlo"], metrics["epoch_seconds"],
         )
-        if epoch in gv_epochs:
-            gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
-        atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
-        save_training_state(checkpoint_path, model, optimizer, epoch, generators, history=history,
-                            gradient_variance=gv_results, config=OmegaConf.to_container(cfg, resolve=True))
+        if distributed.is_main():  # only rank 0 measures and writes
+            if epoch in gv_epochs:
+                gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
+            atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
+            save_training_state(checkpoint_path, model, optimizer, epoch, generators, history=history,
+                                gradient_variance=gv_results, config=OmegaConf.to_container(cfg, resolve=True))
+        distributed.barrier()
+    if not distributed.is_main():
+        return {"metrics": {}, "tables": {}, "figures": {}, "device": device}
 
     tables, figures, metrics_out = {}, {}, {}
     if history:
