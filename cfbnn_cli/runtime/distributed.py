@@ -65,6 +65,12 @@ def launch_if_requested(cfg, run_dir, pipeline: str) -> Optional[dict]:
         raise ConfigError(f"distributed.nproc={nproc} must be >= 1")
     if nproc == 1 or "RANK" in os.environ:
         return None
+    wants_cuda = torch.cuda.is_available() and str(cfg.get("device", "auto")) in ("auto", "cuda")
+    if wants_cuda and nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"distributed.nproc={nproc} needs {nproc} GPUs (one per process) but {torch.cuda.device_count()} are visible; "
+            "lower it, or set device=cpu for gloo processes on the CPU"
+        )
     from omegaconf import OmegaConf
 
     folder = Path(run_dir) / "distributed"
