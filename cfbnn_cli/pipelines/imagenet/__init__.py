@@ -35,6 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from ...bnn.classification import approximate_class_probabilities
 from ...bnn.head import OBJECTIVES, BayesianHead
 from ...data.images import load_image_datasets
 from ...moments import ACTIVATIONS, validate_args
@@ -183,14 +184,14 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
             best = {"epoch": epoch, "val_top1": val_top1}
         if distributed.is_main():  # only rank 0 writes
             if improved:
-                atomic_torch_save({"model": model.state_dict(), "epoch": epoch, "sizes": _sizes(model, data)}, best_path)
+                atomic_torch_save({"model": model.state_dict(), "epoch": epoch, "sizes": _sizes(data)}, best_path)
             save_training_state(last_path, model, optimizer, epoch, generators, history=history, best=best)
             atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
         distributed.barrier()
     return {"history": history, "best": best}
 
 
-def _sizes(model, data):
+def _sizes(data):
     return {"feature_dim": data["x_train"].shape[1], "num_classes": data["num_classes"]}
 
 
@@ -287,7 +288,7 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
     means, variances = (torch.cat(parts) for parts in zip(*_batched(model.logit_moments, x, batch)))
     deterministic = {"top-1": float(top_k_correct(means, y, 1).double().mean()),
                      "top-5": float(top_k_correct(means, y, 5).double().mean())}
-    corrected = torch.cat(_batched(model.deterministic_probabilities, x, batch))
+    corrected = approximate_class_probabilities(means, variances)  # the logits' moments are already here
     plain = torch.softmax(means, -1)
     calibration = {}
     for name, probabilities in (("variance_corrected", corrected), ("plain_softmax", plain)):
