@@ -218,6 +218,17 @@ def _fit_local_reparameterization(data, schedule, cfg, device, bar, generator):
     return Fitted(predict, float(model.precision.detach()) ** -0.5)
 
 
+def _starting_means(D: int, H: int, generator) -> Dict[str, torch.Tensor]:
+    """``D -> H -> 1`` weights drawn like cfbnn's means (``randn / sqrt(fan_in)``, the bias
+    column counted in the first layer's fan-in), named as ``nn.Linear`` layers ``fc1``/``fc2``."""
+    return {
+        "fc1.weight": torch.randn(H, D, generator=generator) / math.sqrt(D + 1),
+        "fc1.bias": torch.randn(H, generator=generator) / math.sqrt(D + 1),
+        "fc2.weight": torch.randn(1, H, generator=generator) / math.sqrt(H),
+        "fc2.bias": torch.zeros(1),
+    }
+
+
 def _fit_pyro(data, schedule, cfg, device, bar, generator):
     import pyro
     from pyro.infer import SVI, Predictive, Trace_ELBO
@@ -231,12 +242,7 @@ def _fit_pyro(data, schedule, cfg, device, bar, generator):
     D, H = data.input_dim, cfg.uci.hidden_size
     model = PyroMLPRegression(D, H, cfg.uci.activation, cfg.uci.prior_scale, device=device)
     # the same starting means as cfbnn's (randn / sqrt(fan_in)), not Pyro's all-zero default
-    start = {
-        "fc1.weight": torch.randn(H, D, generator=generator) / math.sqrt(D + 1),
-        "fc1.bias": torch.randn(H, generator=generator) / math.sqrt(D + 1),
-        "fc2.weight": torch.randn(1, H, generator=generator) / math.sqrt(H),
-        "fc2.bias": torch.zeros(1),
-    }
+    start = _starting_means(D, H, generator)
     guide = AutoNormal(model, init_loc_fn=init_to_value(values={k: v.to(device) for k, v in start.items()}), init_scale=cfg.uci.init_scale)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": cfg.trainer.lr}), Trace_ELBO())
     num_data = data.num_train
@@ -259,11 +265,11 @@ def _fit_plain_mlp(data, schedule, cfg, device, bar, generator):
     D, H = data.input_dim, cfg.uci.hidden_size
     first = torch.nn.Linear(D, H)
     second = torch.nn.Linear(H, 1)
+    start = _starting_means(D, H, generator)
     with torch.no_grad():  # the same starting means as the Bayesian methods
-        first.weight.copy_(torch.randn(H, D, generator=generator) / math.sqrt(D + 1))
-        first.bias.copy_(torch.randn(H, generator=generator) / math.sqrt(D + 1))
-        second.weight.copy_(torch.randn(1, H, generator=generator) / math.sqrt(H))
-        second.bias.zero_()
+        for name, value in start.items():
+            layer, parameter = name.split(".")
+            getattr({"fc1": first, "fc2": second}[layer], parameter).copy_(value)
     first, second = first.to(device), second.to(device)
     log_noise = torch.zeros((), device=device, requires_grad=True)
     optimizer = torch.optim.Adam([*first.parameters(), *second.parameters(), log_noise], lr=cfg.trainer.lr)
