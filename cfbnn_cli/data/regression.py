@@ -83,13 +83,18 @@ def synthetic_teacher(input_dim=90, n_train=4000, n_test=1000, teacher_hidden=50
 
     Deterministic: the same arguments always give the same data.
     """
+    x, y = _synthetic_teacher_rows(input_dim, n_train + n_test, teacher_hidden, noise_std, seed)
+    return _standardize("synthetic", x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+def _synthetic_teacher_rows(input_dim, rows, teacher_hidden, noise_std, seed):
+    """``(x, y)`` of the teacher network in original units (see :func:`synthetic_teacher`)."""
     rng = np.random.default_rng(seed)
-    n = n_train + n_test
-    x = rng.standard_normal((n, input_dim))
+    x = rng.standard_normal((rows, input_dim))
     w1 = rng.standard_normal((input_dim, teacher_hidden)) / math.sqrt(input_dim)
     w2 = rng.standard_normal(teacher_hidden) * 2.0 / math.sqrt(teacher_hidden)
-    y = np.tanh(x @ w1) @ w2 + noise_std * rng.standard_normal(n)
-    return _standardize("synthetic", x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+    y = np.tanh(x @ w1) @ w2 + noise_std * rng.standard_normal(rows)
+    return x, y
 
 
 def diabetes(test_fraction=0.1, seed=0) -> RegressionData:
@@ -125,6 +130,15 @@ def year_prediction_msd(path="data/YearPredictionMSD.txt", n_train=MSD_TRAIN_ROW
     The standard split: the first ``n_train`` (463,715) rows train, the rest (51,630)
     test -- no song's artist appears in both. Reads the ``.txt`` or the ``.txt.zip``.
     """
+    table = _read_year_prediction_msd(path, expected_rows)
+    if not 0 < n_train < len(table):
+        raise ConfigError(f"data.n_train={n_train} must be between 1 and the number of rows - 1 ({len(table) - 1})")
+    y, x = table[:, 0], table[:, 1:]
+    return _standardize("year_prediction_msd", x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+def _read_year_prediction_msd(path, expected_rows: Optional[int]) -> np.ndarray:
+    """The whole UCI file (or its zip) as a ``(rows, 91)`` float64 array: year, then features."""
     path = Path(path)
     candidates = [path, path.with_name(path.name + ".zip")] if path.suffix != ".zip" else [path]
     found = next((p for p in candidates if p.is_file()), None)
@@ -147,10 +161,7 @@ def year_prediction_msd(path="data/YearPredictionMSD.txt", n_train=MSD_TRAIN_ROW
         raise DataError(
             f"{found} has {len(table)} rows, expected {expected_rows}; the file is incomplete -- re-run `{MSD_SCRIPT}`"
         )
-    if not 0 < n_train < len(table):
-        raise ConfigError(f"data.n_train={n_train} must be between 1 and the number of rows - 1 ({len(table) - 1})")
-    y, x = table[:, 0], table[:, 1:]
-    return _standardize("year_prediction_msd", x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+    return table
 
 
 def tabular_file(path, target, test_fraction=0.1, seed=0) -> RegressionData:
@@ -224,12 +235,10 @@ def load_regression_table(cfg, seed: int) -> RegressionTable:
     """The whole data set named by ``cfg.name``, unsplit and in original units."""
     name = cfg.get("name")
     if name == "synthetic":
-        data = synthetic_teacher(
-            cfg.get("input_dim", 90), cfg.get("n_train", 4000), cfg.get("n_test", 1000),
+        x, y = _synthetic_teacher_rows(
+            cfg.get("input_dim", 90), cfg.get("n_train", 4000) + cfg.get("n_test", 1000),
             cfg.get("teacher_hidden", 50), cfg.get("noise_std", 0.5), cfg.get("seed", seed),
         )
-        x = torch.cat([data.x_train, data.x_test]).double().numpy()
-        y = (torch.cat([data.y_train, data.y_test]).double() * data.target_std + data.target_mean).numpy()
         return RegressionTable("synthetic", x, y)
     if name == "diabetes":
         from sklearn.datasets import load_diabetes
@@ -237,10 +246,8 @@ def load_regression_table(cfg, seed: int) -> RegressionTable:
         x, y = load_diabetes(return_X_y=True)
         return RegressionTable("diabetes", x, y, "disease_progression")
     if name == "year_prediction_msd":
-        data = year_prediction_msd(cfg.get("path"), cfg.get("n_train", MSD_TRAIN_ROWS), cfg.get("expected_rows", MSD_ROWS))
-        x = torch.cat([data.x_train, data.x_test]).double().numpy()
-        y = (torch.cat([data.y_train, data.y_test]).double() * data.target_std + data.target_mean).numpy()
-        return RegressionTable("year_prediction_msd", x, y, "year")
+        table = _read_year_prediction_msd(cfg.get("path"), cfg.get("expected_rows", MSD_ROWS))
+        return RegressionTable("year_prediction_msd", table[:, 1:], table[:, 0], "year")
     if name == "csv":
         if not cfg.get("path") or not cfg.get("target"):
             raise ConfigError("data=csv needs data.path=/path/to/file.csv and data.target=<column name>")
