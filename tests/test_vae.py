@@ -208,6 +208,12 @@ def test_fashion_mnist_prepare_script_and_loader_on_small_local_files(tmp_path):
     assert pixels.shape == (40, 784) and 0 <= pixels.min() and pixels.max() <= 1
     data = load_unsupervised_data({"name": "fashion_mnist", "root": str(root)}, seed=0)
     assert data.dim == 784 and len(data.x_train) == 28
+    from cfbnn_cli.data.images import load_image_datasets
+
+    train, held_out, classes = load_image_datasets({"name": "fashion_mnist", "root": str(root)}, "identity")
+    assert (len(train), len(held_out), classes) == (30, 10, 10)  # the package's train / test files
+    image, label, ok = train[0]
+    assert image.shape == (1, 28, 28) and 0 <= label < 10 and ok
 
 
 def test_missing_fashion_mnist_names_the_install_step(tmp_path):

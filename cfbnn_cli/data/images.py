@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..runtime.errors import ConfigError, DataError
-from .unsupervised import fashion_mnist_pixels
+from .unsupervised import fashion_mnist_arrays
 
 log = logging.getLogger(__name__)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -89,13 +89,10 @@ def _digits(cfg, transform):
 
 
 def _fashion_mnist(cfg, transform):
-    root = cfg.get("root", "data/fashion_mnist")
-    pixels = fashion_mnist_pixels(root)  # checks the files, names the install step when missing
+    # checks the files and names the install step when they are missing
+    pixels, labels, n_train = fashion_mnist_arrays(cfg.get("root", "data/fashion_mnist"))
     images = torch.as_tensor(pixels, dtype=torch.float32).view(-1, 1, 28, 28)
-    from torchvision.datasets import FashionMNIST
-
-    labels = torch.cat([FashionMNIST(str(root), train=t, download=False).targets for t in (True, False)])
-    n_train = len(images) - 10_000
+    labels = torch.as_tensor(labels)
     return (TensorImages(images[:n_train], labels[:n_train], transform),
             TensorImages(images[n_train:], labels[n_train:], transform), 10)
 

@@ -66,7 +66,13 @@ def synthetic_latent(dim=90, rows=5000, latent_dim=5, hidden=50, noise_std=0.5, 
 
 
 def fashion_mnist_pixels(root) -> np.ndarray:
-    """All 70,000 Fashion-MNIST images as ``(70000, 784)`` floats in [0, 1] (labels unused).
+    """All 70,000 Fashion-MNIST images as ``(70000, 784)`` floats in [0, 1] (labels unused)."""
+    return fashion_mnist_arrays(root)[0]
+
+
+def fashion_mnist_arrays(root):
+    """``(pixels (70000, 784) in [0, 1], labels (70000,), n_train)``: the ``n_train`` (60k) training
+    images first, then the 10k test ones.
 
     Reads torchvision's layout ``<root>/FashionMNIST/raw/`` (prepared from Debian's
     ``dataset-fashion-mnist`` by ``data_scripts/prepare_fashion_mnist.py``).
@@ -81,14 +87,15 @@ def fashion_mnist_pixels(root) -> np.ndarray:
         )
     from torchvision.datasets import FashionMNIST
 
-    parts = []
+    parts, labels = [], []
     for train in (True, False):
         try:
-            images = FashionMNIST(str(root), train=train, download=False).data
+            dataset = FashionMNIST(str(root), train=train, download=False)
         except Exception as error:  # torchvision raises RuntimeError/ValueError on a truncated file
             raise DataError(f"Fashion-MNIST files under {raw} could not be read ({error}); re-run `{FASHION_MNIST_SCRIPT}`") from error
-        parts.append(images.reshape(images.shape[0], -1).numpy().astype(np.float64) / 255.0)
-    return np.concatenate(parts)
+        parts.append(dataset.data.reshape(dataset.data.shape[0], -1).numpy().astype(np.float64) / 255.0)
+        labels.append(dataset.targets.numpy())
+    return np.concatenate(parts), np.concatenate(labels), len(labels[0])
 
 
 def load_unsupervised_data(cfg, seed: int) -> UnsupervisedData:
