@@ -14,7 +14,7 @@ timeout 120 $PY benchmarks/bench_moments.py --devices cuda 2>&1 | tee "$OUT/benc
 timeout 300 $PY benchmarks/bench_elbo.py --device cuda --compile 2>&1 | grep -Ev "^W1|^ *$" | tee "$OUT/bench_elbo.log"
 timeout 300 $PY benchmarks/bench_gradvar.py --device cuda --loop-samples 300 2>&1 | tee "$OUT/bench_gradvar.log"
 timeout 200 $PY benchmarks/bench_vae.py --device cuda 2>&1 | tee "$OUT/bench_vae.log"
-timeout 200 $PY benchmarks/bench_predict.py --device cuda 2>&1 | tee "$OUT/bench_predict.log"
+timeout 300 $PY benchmarks/bench_predict.py --device cuda --compile 2>&1 | grep -Ev "^W1|^ *$" | tee "$OUT/bench_predict.log"
 start=$(date +%s)
 timeout 300 $PY -m cfbnn_cli.cli train regression device=cuda hydra.run.dir=/tmp/cfbnn-gpu-run 2>&1 | tail -5 | tee "$OUT/train_regression.log"
 echo "cfbnn train regression device=cuda: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/train_regression.log"

@@ -57,3 +57,41 @@ def test_module_bad_arguments():
         ClosedFormBNN(2, 3, precision=-1.0)
     with pytest.raises(ValueError, match="b_covariance"):
         ClosedFormBNN(2, 3, b_covariance="lowrank")
+
+
+def test_gaussian_matrix_loc_and_variance_is_cached_only_while_the_parameters_stay_put():
+    """Prediction reuses ``loc_and_variance()`` across batches; any change of a parameter must show."""
+    from cfbnn_cli.bnn.layers import GaussianMatrix
+
+    matrix = GaussianMatrix(4, 3, init_scale=0.5, generator=torch.Generator().manual_seed(0))
+
+    def expected():
+        return torch.stack([matrix.loc, matrix.log_scale.exp() ** 2]).detach()
+
+    with torch.no_grad():
+        first = matrix.loc_and_variance()
+        assert matrix.loc_and_variance() is first  # reused, not recomputed
+        torch.testing.assert_close(first, expected())
+    optimizer = torch.optim.SGD(matrix.parameters(), lr=0.1)
+    with_grad = matrix.loc_and_variance()
+    assert with_grad.requires_grad  # with autograd on: a fresh, differentiable value
+    (with_grad[0].sum() + with_grad[1].sum()).backward()
+    assert matrix.loc.grad is not None and matrix.log_scale.grad is not None
+    optimizer.step()
+    with torch.no_grad():
+        stepped = matrix.loc_and_variance()
+        torch.testing.assert_close(stepped, expected())
+        assert not torch.allclose(stepped, first)
+    state = {k: v.clone() for k, v in matrix.state_dict().items()}
+    state["log_scale"].fill_(0.0)
+    matrix.load_state_dict(state)
+    with torch.inference_mode():
+        torch.testing.assert_close(matrix.loc_and_variance()[1], torch.ones(4, 3))
+    with torch.no_grad():
+        matrix.loc.add_(1.0)  # an in-place change of the means alone
+        torch.testing.assert_close(matrix.loc_and_variance(), expected())
+    matrix.double()
+    with torch.no_grad():
+        assert matrix.loc_and_variance().dtype == torch.float64
+    with pytest.raises(ValueError, match="diagonal"):
+        GaussianMatrix(2, 2, covariance="full").loc_and_variance()

@@ -130,3 +130,20 @@ def test_imagenet_predict_runs_on_cuda_and_resnet50_features_match_cpu(tmp_path)
     cpu = imagenet.compute_features(_fake_cfg(tmp_path / "cpu"), torch.device("cpu"))["train"][0].float()
     gpu = imagenet.compute_features(_fake_cfg(tmp_path / "gpu"), torch.device("cuda"))["train"][0].float()
     torch.testing.assert_close(gpu, cpu, rtol=2e-2, atol=2e-2)
+
+
+def test_head_prediction_on_cuda_matches_cpu_float64():
+    """``logit_mean`` on CUDA (mean-only ReLU kernel, cached variances) in float32 and float64."""
+    from cfbnn_cli.bnn.head import BayesianHead
+
+    torch.manual_seed(0)
+    head = BayesianHead(64, [128, 128], 10, init_scale=0.3).double()
+    x = torch.randn(512, 64, dtype=torch.float64)
+    with torch.no_grad():
+        reference = head.logit_mean(x)
+        for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+            on_gpu = _copy_to(head, "cuda").to(dtype)
+            for _ in range(2):  # the second call reuses the cached variances
+                logits = on_gpu.logit_mean(x.to("cuda", dtype))
+                assert logits.device.type == "cuda" and logits.dtype == dtype
+                torch.testing.assert_close(logits.cpu().double(), reference, rtol=tolerance, atol=tolerance)

@@ -77,6 +77,25 @@ def test_deterministic_prediction_is_the_monte_carlo_limit_for_a_narrow_posterio
     assert float(agreement[512][0].mean()) > 0.99 and float(agreement[1][0].mean()) <= float(agreement[512][0].mean())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_logit_mean_is_the_mean_of_sampled_logits(dtype):
+    """``logit_mean`` (prediction's mean-only ReLU kernel, cached variances) against the sample
+    mean of 2^17 local-reparameterization draws, within 5 standard errors, on a wide posterior."""
+    torch.manual_seed(0)
+    head = BayesianHead(6, [16, 16], 5, init_scale=0.5).to(dtype)
+    x = torch.randn(8, 6, dtype=dtype)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        mean = head.logit_mean(x)
+        draws = torch.cat([head.sample_logits(x, 8192, generator).double() for _ in range(16)])
+    sample_mean, standard_error = draws.mean(0), draws.std(0) / math.sqrt(len(draws))
+    assert mean.dtype == dtype and mean.shape == (8, 5)
+    assert float(standard_error.min()) > 0  # the posterior is wide: the check has teeth
+    assert ((mean.double() - sample_mean).abs() <= 5 * standard_error).all()
+    # the same mean as the training path's moments (autograd kernel, variances recomputed)
+    torch.testing.assert_close(mean, head.logit_moments(x)[0].detach())
+
+
 @pytest.mark.parametrize("objective", ["sampling", "analytic_approx", "control_variate"])
 def test_each_objective_trains_and_writes_the_figure_and_tables(tmp_path, objective):
     result = pipeline.run(cfg_for(tmp_path, f"objective={objective}"), tmp_path / "run")

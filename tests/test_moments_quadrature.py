@@ -75,6 +75,29 @@ def test_moments_match_quadrature(name, params):
                 assert var >= 0.0
 
 
+@pytest.mark.parametrize("name,params", CASES, ids=lambda v: str(v))
+def test_mean_without_autograd_matches_quadrature(name, params):
+    """``g.mean`` under ``torch.no_grad()`` (ReLU's prediction-only kernel) against the same
+    reference, on the grid and as one batch larger than a CPU block (the blocked path)."""
+    activation = get_activation(name, **params)
+    points = list(_points(name, params))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quad's roundoff notes at the extreme points, as above
+        references = [activation_reference(name, mean, std, **params) for mean, std in points]
+    repeats = 65536 // len(points) + 2
+    for dtype, tol, underflow in ((torch.float64, F64_TOL, 1e-300), (torch.float32, F32_TOL, F32_TINY)):
+        means = torch.tensor([m for m, _ in points], dtype=dtype).repeat(repeats)
+        stds = torch.tensor([s for _, s in points], dtype=dtype).repeat(repeats)
+        with torch.no_grad():
+            phis = activation.mean(means, stds)
+        assert phis.dtype == dtype and phis.shape == means.shape
+        last = phis[-len(points):]  # from the last block
+        for (mean, std), (phi_ref, _, _, abs_ref), phi, phi_first in zip(points, references, last.tolist(), phis.tolist()):
+            where = f"{name}{params} mean={mean} std={std} {dtype}"
+            _check(phi, phi_ref, abs_ref, tol, underflow * max(1.0, std * std), "Phi " + where)
+            assert phi == phi_first, where  # every block computes the same numbers
+
+
 def test_reference_is_not_the_printed_formula():
     """Sanity check of the reference itself: ReLU^2 Upsilon at t = -1 is 0.135 xi^4
     (errata 2), where the printed formula gives -0.349 xi^4."""

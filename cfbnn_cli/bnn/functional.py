@@ -41,6 +41,7 @@ from ..moments import get_activation, validating_args
 __all__ = [
     "LowRankScale",
     "preactivation_moments",
+    "diagonal_preactivation_moments",
     "hidden_moments",
     "predictive_moments",
     "regression_expected_log_likelihood",
@@ -111,9 +112,29 @@ def preactivation_moments(x: torch.Tensor, a_loc: torch.Tensor, a_scale: AScale)
         # ||L_h^T x_n||^2 for every (n, h): (..., 1, N, D) @ (H, D, D) -> (..., H, N, D)
         projected = torch.matmul(x.unsqueeze(-3), a_scale)
         variance = projected.square().sum(-1).transpose(-1, -2)
+    return gamma, _std_from_variance(variance)
+
+
+def diagonal_preactivation_moments(x: torch.Tensor, a_loc_and_variance: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`preactivation_moments` of a mean-field q given its means and elementwise
+    variances stacked, ``a_loc_and_variance = stack([a_loc, a_scale**2])`` ``(2, H, D)``:
+    ``gamma = x a_loc^T`` and ``xi^2 = x^2 (a_scale^2)^T`` (``a_h^T x ~ N(a_0^T x, x^T Sigma_a x)``,
+    paper eq. ``relumean2``, with diagonal ``Sigma_a``).
+
+    Both come from one batched product: for the few rows of a prediction batch, two
+    small products leave most of a GPU idle. Prediction keeps the stacked weights
+    (:meth:`~cfbnn_cli.bnn.layers.GaussianMatrix.loc_and_variance`) across batches.
+    """
+    if a_loc_and_variance.dim() != 3 or a_loc_and_variance.shape[0] != 2:
+        raise ValueError(f"`a_loc_and_variance` must be (2, H, D) (means, variances); got {tuple(a_loc_and_variance.shape)}")
+    _check_x(x, a_loc_and_variance[0])
+    gamma, variance = (torch.stack([x, x * x], -3) @ a_loc_and_variance.transpose(-1, -2)).unbind(-3)
+    return gamma, _std_from_variance(variance)
+
+
+def _std_from_variance(variance):
     # sqrt has an infinite slope at 0: keep the variance off exact zero.
-    std = variance.clamp(min=torch.finfo(variance.dtype).tiny).sqrt()
-    return gamma, std
+    return variance.clamp(min=torch.finfo(variance.dtype).tiny).sqrt()
 
 
 def hidden_moments(x, a_loc, a_scale, activation) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from .classification import (
     softmax_ell_monte_carlo,
 )
 from .deep import MeanFieldMLP
-from .functional import preactivation_moments
+from .functional import diagonal_preactivation_moments
 from .layers import augment
 
 OBJECTIVES = ("sampling", "analytic_approx", "control_variate")
@@ -70,7 +70,7 @@ class BayesianHead(nn.Module):
         """Exact mean of the logits ``y_hat`` ``(N, O)``, without their variance (the
         deterministic prediction ``argmax y_hat`` needs nothing more)."""
         middle, last = self.bayesian.layers
-        gamma, xi = preactivation_moments(augment(self.hidden(features)), middle.loc, middle.scale())
+        gamma, xi = diagonal_preactivation_moments(augment(self.hidden(features)), middle.loc_and_variance())
         return augment(self.activation.mean(gamma, xi)) @ last.loc.transpose(-1, -2)
 
     def sample_logits(self, features, num_samples: int, generator=None, hidden=None):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..moments import get_activation
+from ..moments.gaussian import _is_transformed
 from . import functional as F
 from .classification import (
     as_two_class,
@@ -79,6 +80,7 @@ class GaussianMatrix(nn.Module):
         if not init_scale > 0:
             raise ValueError(f"`init_scale` must be > 0; got {init_scale!r}")
         self.covariance = covariance
+        self._cached_loc_and_variance = None  # (parameter version key, value): see loc_and_variance()
         std = init_loc_std if init_loc_std is not None else 1.0 / math.sqrt(cols)
         self.loc = nn.Parameter(torch.randn(rows, cols, generator=generator) * std)
         self.log_scale = nn.Parameter(torch.full((rows, cols), math.log(init_scale)))
@@ -98,6 +100,29 @@ class GaussianMatrix(nn.Module):
         if self.covariance == "full":
             return self.off_diagonal * self._strict_lower + torch.diag_embed(diagonal)
         return F.LowRankScale(diagonal, self.factor)
+
+    def variance(self):
+        """Elementwise variances ``(R, C)`` of a diagonal q (``scale() ** 2``)."""
+        if self.covariance != "diagonal":
+            raise ValueError(f"`variance()` is for diagonal covariance; this matrix has {self.covariance!r}")
+        return self.log_scale.mul(2.0).exp()
+
+    def loc_and_variance(self):
+        """``(2, R, C)``: the means and the variances of a diagonal q, stacked for one batched
+        product (:func:`~cfbnn_cli.bnn.functional.diagonal_preactivation_moments`).
+
+        Prediction asks for them once per batch while the weights stay fixed, so with
+        autograd off the value is kept until a parameter changes (an optimizer step,
+        ``load_state_dict`` or ``.to()`` gives it a new version or storage).
+        """
+        variance_of = self.variance  # raises for non-diagonal q
+        parameters = (self.loc, self.log_scale)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(_is_transformed(p) for p in parameters):
+            return torch.stack([self.loc, variance_of()])
+        key = tuple((p._version, p.data_ptr(), p.device, p.dtype, p.shape) for p in parameters)
+        if self._cached_loc_and_variance is None or self._cached_loc_and_variance[0] != key:
+            self._cached_loc_and_variance = (key, torch.stack([self.loc, variance_of()]))
+        return self._cached_loc_and_variance[1]
 
     def kl(self, prior_scale: float = 1.0) -> torch.Tensor:
         return F.kl_normal_rows(self.loc, self.scale(), prior_scale)

@@ -48,6 +48,7 @@ from .gaussian import (
     _T_MAX,
     block_size,
     _align_batched,
+    _is_transformed,
     _standardize,
     _sum_to,
     check_mean_std,
@@ -171,20 +172,43 @@ def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
     return phi, upsilon, variance, cdf, cdf_neg, pdf
 
 
-def _relu_forward(mean, std):
+def _blockwise(block, mean, std):
+    """``block(mean, std)`` (a tuple of float64 tensors shaped like the broadcast inputs), cast
+    back to the inputs' dtype and run in :func:`~cfbnn_cli.moments.gaussian.block_size` pieces."""
     mean, std = torch.broadcast_tensors(mean, std)
     shape, dtype = mean.shape, mean.dtype
     chunk = block_size(mean)
-    if mean.numel() <= chunk:
-        return tuple(value.to(dtype) for value in _relu_forward_block(mean, std))
+    # under torch.func the inputs are wrapped: writing them into a plain buffer is not allowed
+    if mean.numel() <= chunk or _is_transformed(mean) or _is_transformed(std):
+        return tuple(value.to(dtype) for value in block(mean, std))
     flat_mean = mean.reshape(-1)
     flat_std = std.reshape(-1)
-    outputs = [torch.empty(flat_mean.shape, dtype=dtype, device=mean.device) for _ in range(6)]
+    outputs = None
     for start in range(0, flat_mean.numel(), chunk):
-        block = slice(start, start + chunk)
-        for out, value in zip(outputs, _relu_forward_block(flat_mean[block], flat_std[block])):
-            out[block] = value
+        piece = slice(start, start + chunk)
+        values = block(flat_mean[piece], flat_std[piece])
+        if outputs is None:
+            outputs = [torch.empty(flat_mean.shape, dtype=dtype, device=mean.device) for _ in values]
+        for out, value in zip(outputs, values):
+            out[piece] = value
     return tuple(out.reshape(shape) for out in outputs)
+
+
+def _relu_forward(mean, std):
+    return _blockwise(_relu_forward_block, mean, std)
+
+
+def _relu_mean_block(mean: torch.Tensor, std: torch.Tensor):
+    """``(Phi,)`` of relu alone, in float64: ``Phi = max(mean, 0) + std s_1`` with the small
+    tail ``s_1`` of :func:`_relu_forward_block` (same arithmetic, 7 elementwise ops instead of 20)."""
+    mean = mean.double()
+    std = std.double()
+    # out of place where torch.func has no in-place batching rule (clamp_, addcmul_)
+    x = mean.abs().div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp(max=_T_MAX)
+    s0 = torch.special.erfc(x * _INV_SQRT_2).mul_(0.5)
+    pdf = x.square().mul_(-0.5).add_(_LOG_INV_SQRT_2PI).exp_()
+    s1 = torch.addcmul(pdf, x, s0, value=-1.0)
+    return (s1.mul_(std).add_(mean.clamp(min=0.0)),)
 
 
 class _ReLUMoments(torch.autograd.Function):
@@ -243,6 +267,15 @@ class ReLU(Activation):
             return self._moments_float64(mean, std)
         phi, _, variance, *_ = _ReLUMoments.apply(mean, std)
         return phi, variance
+
+    def mean(self, mean, std):
+        """``E[relu(z)]`` only. Without autograd (``torch.no_grad()``, ``torch.inference_mode()``:
+        prediction) it skips ``Upsilon``, ``Var`` and the saved Gaussian factors; with autograd it
+        goes through the analytic backward of :meth:`moments`."""
+        mean, std = check_mean_std(mean, std)
+        if torch.is_grad_enabled() or mean.dtype == torch.float64:
+            return self.moments(mean, std)[0]
+        return _blockwise(_relu_mean_block, mean, std)[0]
 
     def moments(self, mean, std, return_variance: bool = False):
         mean, std = check_mean_std(mean, std)

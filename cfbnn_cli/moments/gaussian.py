@@ -101,6 +101,8 @@ def validate_args(value: bool):
 
 def _is_transformed(x: torch.Tensor) -> bool:
     """True inside torch.func transforms (vmap/grad), where data-dependent checks fail."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace the functorch query; compiled code skips the checks
+        return False
     try:
         return torch._C._functorch.maybe_get_level(x) != -1
     except AttributeError:  # pragma: no cover - very old torch
