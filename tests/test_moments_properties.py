@@ -199,3 +199,20 @@ def test_float32_relu_fast_path_gradients_match_float64():
         totals.append([t.double() for t in first + second])
     for a, b in zip(*totals):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_relu_mean_without_autograd_under_vmap_matches_the_direct_call():
+    """Prediction's mean-only ReLU kernel under ``torch.func.vmap`` (no in-place op without a
+    batching rule: a fallback would warn), including inputs larger than one CPU block."""
+    import warnings
+
+    relu = get_activation("relu")
+    generator = torch.Generator().manual_seed(0)
+    mean = torch.randn(3, 70000, generator=generator) * 4
+    std = torch.rand(3, 70000, generator=generator) * 2
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batched = torch.func.vmap(relu.mean)(mean, std)
+        direct = relu.mean(mean, std)
+    torch.testing.assert_close(batched, direct, rtol=0, atol=0)
+    torch.testing.assert_close(direct, relu.moments(mean, std)[0], rtol=0, atol=0)

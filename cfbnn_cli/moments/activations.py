@@ -148,12 +148,7 @@ def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
     The last three outputs are what the backward pass needs (saved, not recomputed).
     The ops are fused and in place because this is the throughput path.
     """
-    mean = mean.double()
-    std = std.double()
-    x = mean.abs().div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp_(max=_T_MAX)
-    s0 = torch.special.erfc(x * _INV_SQRT_2).mul_(0.5)
-    pdf = x.square().mul_(-0.5).add_(_LOG_INV_SQRT_2PI).exp_()
-    s1 = torch.addcmul(pdf, x, s0, value=-1.0)
+    mean, std, x, s0, pdf, s1 = _relu_small_tail(mean, std)
     s2 = torch.addcmul(s0, x, s1, value=-1.0)
     s1_sq = s1 * s1
     # the branch as a 0/1 factor: blending arithmetically is ~4x faster than torch.where on CPU
@@ -198,16 +193,22 @@ def _relu_forward(mean, std):
     return _blockwise(_relu_forward_block, mean, std)
 
 
-def _relu_mean_block(mean: torch.Tensor, std: torch.Tensor):
-    """``(Phi,)`` of relu alone, in float64: ``Phi = max(mean, 0) + std s_1`` with the small
-    tail ``s_1`` of :func:`_relu_forward_block` (same arithmetic, 7 elementwise ops instead of 20)."""
+def _relu_small_tail(mean, std):
+    """``(mean, std, x, s_0, phi(x), s_1)`` in float64 for :func:`_relu_forward_block` and
+    :func:`_relu_mean_block`: ``x = |mean|/std``, ``s_0 = Phi_N(-x)``, ``s_1 = phi(x) - x s_0``."""
     mean = mean.double()
     std = std.double()
     # out of place where torch.func has no in-place batching rule (clamp_, addcmul_)
     x = mean.abs().div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp(max=_T_MAX)
     s0 = torch.special.erfc(x * _INV_SQRT_2).mul_(0.5)
     pdf = x.square().mul_(-0.5).add_(_LOG_INV_SQRT_2PI).exp_()
-    s1 = torch.addcmul(pdf, x, s0, value=-1.0)
+    return mean, std, x, s0, pdf, torch.addcmul(pdf, x, s0, value=-1.0)
+
+
+def _relu_mean_block(mean: torch.Tensor, std: torch.Tensor):
+    """``(Phi,)`` of relu alone, in float64: ``Phi = max(mean, 0) + std s_1`` with the small
+    tail ``s_1`` of :func:`_relu_forward_block` (same arithmetic, 7 elementwise ops instead of 20)."""
+    mean, std, _, _, _, s1 = _relu_small_tail(mean, std)
     return (s1.mul_(std).add_(mean.clamp(min=0.0)),)
 
 
