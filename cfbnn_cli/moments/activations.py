@@ -273,9 +273,11 @@ class ReLU(Activation):
         """``E[relu(z)]`` only. Without autograd (``torch.no_grad()``, ``torch.inference_mode()``:
         prediction) it skips ``Upsilon``, ``Var`` and the saved Gaussian factors; with autograd it
         goes through the analytic backward of :meth:`moments`."""
-        mean, std = check_mean_std(mean, std)
-        if torch.is_grad_enabled() or mean.dtype == torch.float64:
+        if torch.is_grad_enabled():
             return self.moments(mean, std)[0]
+        mean, std = check_mean_std(mean, std)
+        if mean.dtype == torch.float64:
+            return self._moments_float64(*torch.broadcast_tensors(mean, std))[0]
         return _blockwise(_relu_mean_block, mean, std)[0]
 
     def moments(self, mean, std, return_variance: bool = False):
