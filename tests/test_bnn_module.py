@@ -95,3 +95,13 @@ def test_gaussian_matrix_loc_and_variance_is_cached_only_while_the_parameters_st
         assert matrix.loc_and_variance().dtype == torch.float64
     with pytest.raises(ValueError, match="diagonal"):
         GaussianMatrix(2, 2, covariance="full").loc_and_variance()
+
+
+def test_diagonal_preactivation_moments_names_a_bad_shape():
+    from cfbnn_cli.bnn.functional import diagonal_preactivation_moments
+
+    x = torch.randn(5, 3)
+    with pytest.raises(ValueError, match=r"\(2, H, D\) \(means, variances\); got \(4, 3\)"):
+        diagonal_preactivation_moments(x, torch.ones(4, 3))
+    with pytest.raises(ValueError, match="`x` must be"):
+        diagonal_preactivation_moments(torch.randn(5, 2), torch.ones(2, 4, 3))
