@@ -5,16 +5,21 @@ top-level config in ``conf/`` and a pipeline module; everything after them goes
 to Hydra untouched, so overrides (``trainer.epochs=3``), ``--cfg job``,
 ``-m``/``--multirun`` and ``hydra/launcher=...`` work as in any Hydra app.
 
-The task function is the only place that knows about Hydra: it validates the
-shared config keys, calls ``pipeline.run(cfg, run_dir)`` (a plain function) and
-writes ``results.json`` + ``done``. A :class:`CfbnnError` becomes one line on
-stderr and a non-zero exit (the traceback too with ``HYDRA_FULL_ERROR=1``).
+The task function is the only place that knows about Hydra: it locks the run dir
+(a second run into it exits 2 naming the owner's pid), validates the shared config
+keys, binds the dir to the config's fingerprint (``resume=true`` continues only the
+same configuration), calls ``pipeline.run(cfg, run_dir)`` (a plain function) and
+writes ``results.json`` + ``done`` (``status: "failed"`` and no ``done`` when a final
+metric is not finite). A :class:`CfbnnError` becomes one line on stderr and its
+exit code, Hydra's composition errors exit 2 (the traceback too with
+``HYDRA_FULL_ERROR=1``).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import sys
 import time
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from .runtime.errors import CfbnnError, NotBuiltError
+from .runtime.errors import CfbnnError, NonFiniteResultError
 
 log = logging.getLogger("cfbnn")
 
@@ -136,6 +141,36 @@ def _share_cores_between_parallel_jobs() -> None:
     log.info("joblib launcher: %d parallel jobs on %d cores -> %d torch threads per job", n_jobs, cores, torch.get_num_threads())
 
 
+def _save_hydra_record(run_dir: Path, cfg) -> None:
+    """``.hydra/{config,hydra,overrides}.yaml``, as Hydra would write them, but only once
+    this run owns the dir (``hydra.output_subdir`` is null: Hydra itself would
+    overwrite the record of a run that is still writing there)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from .runtime.io import atomic_write_text
+
+    hydra_cfg = HydraConfig.get()
+    folder = run_dir / ".hydra"
+    atomic_write_text(folder / "config.yaml", OmegaConf.to_yaml(cfg))
+    atomic_write_text(folder / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
+    atomic_write_text(folder / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.overrides.task))
+
+
+def _non_finite(metrics) -> List[str]:
+    """Metric names whose value is a NaN or an infinity (``None`` means "not applicable")."""
+    bad = []
+    for name, value in metrics.items():
+        if value is None:
+            continue
+        try:
+            if not math.isfinite(float(value)):
+                bad.append(str(name))
+        except (TypeError, ValueError):
+            bad.append(str(name))
+    return bad
+
+
 def make_task(sub: Subcommand):
     """The Hydra task function for one subcommand."""
 
@@ -145,40 +180,46 @@ def make_task(sub: Subcommand):
         from .report.results import write_results
         from .runtime.checks import validate_common
         from .runtime.device import resolve_device
+        from .runtime.rundir import RunDirLock, claim_run_dir
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         _share_cores_between_parallel_jobs()
         try:
-            validate_common(cfg)
-            try:
+            with RunDirLock(run_dir):
+                validate_common(cfg)
                 pipeline = importlib.import_module(sub.pipeline)
-            except ModuleNotFoundError as error:
-                if error.name is None or not sub.pipeline.startswith(error.name):
-                    raise
-                raise NotBuiltError(
-                    f"`cfbnn {sub.name}` is not built yet: its pipeline ({sub.pipeline}) arrives in a later "
-                    f"release. The config was composed and the run directory created: {run_dir}"
-                ) from None
-            if cfg.resume and (run_dir / "done").exists():
-                log.info("resume=true and %s/done exists: this job already finished, skipping", run_dir)
-                return
-            started = time.perf_counter()
-            result = pipeline.run(cfg, run_dir)
-            write_results(
-                run_dir,
-                pipeline=sub.config_name,
-                cfg=cfg,
-                metrics=result.get("metrics", {}),
-                tables=result.get("tables", {}),
-                figures=result.get("figures", {}),
-                device=result.get("device", resolve_device(cfg.device)),
-                wall_s=time.perf_counter() - started,
-            )
+                fingerprint, finished = claim_run_dir(cfg, run_dir)
+                if finished:
+                    log.info("resume=true and %s/done exists for this configuration: this job already finished, "
+                             "skipping", run_dir)
+                    return
+                _save_hydra_record(run_dir, cfg)
+                started = time.perf_counter()
+                result = pipeline.run(cfg, run_dir)
+                metrics = result.get("metrics", {})
+                bad = _non_finite(metrics)
+                write_results(
+                    run_dir,
+                    pipeline=sub.config_name,
+                    cfg=cfg,
+                    metrics=metrics,
+                    tables=result.get("tables", {}),
+                    figures=result.get("figures", {}),
+                    device=result.get("device", resolve_device(cfg.device)),
+                    wall_s=time.perf_counter() - started,
+                    fingerprint=fingerprint,
+                    status="failed" if bad else "complete",
+                )
+                if bad:
+                    raise NonFiniteResultError(
+                        f"the run finished with non-finite metrics ({', '.join(bad[:8])}"
+                        f"{', ...' if len(bad) > 8 else ''}): results.json says status \"failed\" and no `done` is "
+                        f"written; check the data for extreme values or lower trainer.lr ({run_dir})"
+                    )
         except CfbnnError as error:
             _report_error(error)
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            sys.exit(error.exit_code)
+            error.reported = True
+            raise
 
     task.__name__ = sub.config_name
     return task
@@ -213,16 +254,62 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"cfbnn: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
 
-    import hydra
+    sys.exit(_run_hydra(sub, conf, rest))
 
+
+def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
+    """Run the subcommand's Hydra app and map every failure to one message and an exit code:
+    a :class:`CfbnnError` to its own (2 for configuration errors), Hydra's composition
+    and override errors (``data=nope``, an unknown key) to 2, anything else to 1 with
+    its traceback. ``HYDRA_FULL_ERROR=1`` re-raises instead, as Hydra does."""
+    import traceback
+
+    import hydra
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # Hydra's own handler would print and exit 1 for every error; let them reach us instead
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     # Hydra reads sys.argv; give it only the arguments after the subcommand.
     sys.argv = [f"cfbnn {sub.name}"] + rest
     try:
         hydra.main(config_path=str(conf), config_name=sub.config_name, version_base="1.3")(make_task(sub))()
     except SystemExit as exit:
-        if exit.code not in (0, None) and any(a.startswith(("hydra/launcher", "hydra.launcher")) for a in rest):
+        if exit.code not in (0, None) and _mentions_launcher(rest):
             print(LAUNCHER_HINT, file=sys.stderr)
         raise
+    except CfbnnError as error:
+        if user_wants_traceback:
+            raise
+        if not getattr(error, "reported", False):
+            print(f"cfbnn: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except (CompactHydraException, OmegaConfBaseException) as error:
+        if user_wants_traceback:
+            raise
+        override = getattr(error, "override", None)  # an OverrideParseException knows the override
+        print(f"cfbnn: error{f' in the override {override!r}' if override else ''}: {error}", file=sys.stderr)
+        if isinstance(error.__cause__, OmegaConfBaseException):
+            print(str(error.__cause__), file=sys.stderr)
+        if _mentions_launcher(rest):
+            print(LAUNCHER_HINT, file=sys.stderr)
+        return 2
+    except Exception:  # a bug, not a user error: the traceback helps
+        if user_wants_traceback:
+            raise
+        traceback.print_exc()
+        if _mentions_launcher(rest):
+            print(LAUNCHER_HINT, file=sys.stderr)
+        return 1
+    finally:
+        if not user_wants_traceback:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+    return 0
+
+
+def _mentions_launcher(rest: Sequence[str]) -> bool:
+    return any(a.startswith(("hydra/launcher", "hydra.launcher")) for a in rest)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -82,26 +82,6 @@ def test_cfg_job_prints_composed_config():
     assert cfg["variant"] == "v2" and "trainer" in cfg
 
 
-def test_a_missing_pipeline_module_is_reported_as_not_built(tmp_path, monkeypatch, capsys, caplog):
-    """A subcommand whose pipeline module is absent: exit 2 with a message, after the
-    config was composed and the run dir created (every shipped pipeline exists now)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from cfbnn_cli.cli import Subcommand, make_task
-
-    sub = Subcommand(("future",), "vae", "cfbnn_cli.pipelines.not_there_yet", "a later pipeline")
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="vae", overrides=["device=cpu"], return_hydra_config=True)
-    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: OmegaConf.create({"runtime": {"output_dir": str(tmp_path)}})))
-    with open_dict(cfg):
-        del cfg["hydra"]
-    with pytest.raises(SystemExit) as exit_info:
-        make_task(sub)(cfg)
-    assert exit_info.value.code == 2
-    assert "`cfbnn future` is not built yet" in capsys.readouterr().err + caplog.text
-    assert not (tmp_path / "results.json").exists()
-
-
 def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path):
     run_dir = tmp_path / "run"
     args = ["imagenet-predict", f"hydra.run.dir={run_dir}", f"features.cache_dir={tmp_path / 'cache'}", "device=cpu",

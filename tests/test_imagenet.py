@@ -230,11 +230,24 @@ def test_bad_config_is_rejected_before_work(tmp_path, override, message):
     assert not (tmp_path / "cache").exists()
 
 
-def test_head_training_resumes_from_its_last_checkpoint(tmp_path):
-    run = tmp_path / "run"
-    pipeline.run(cfg_for(tmp_path, "stage=train", "trainer.epochs=2"), run)
-    before = pd.read_csv(run / "metrics.csv")
-    pipeline.run(cfg_for(tmp_path, "stage=train", "trainer.epochs=3", "resume=true"), run)
-    after = pd.read_csv(run / "metrics.csv")
+def test_head_training_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+    """Stopped after epoch 2 and resumed with the same config: exactly the uninterrupted run."""
+    cfg = cfg_for(tmp_path, "stage=train", "trainer.epochs=3")
+    pipeline.run(cfg, tmp_path / "whole")
+    reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
+    original, calls = pipeline.top_k_correct, {"n": 0}
+
+    def stop_in_epoch_3(*args, **kwargs):  # the validation accuracy, once per epoch
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "top_k_correct", stop_in_epoch_3)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(cfg, tmp_path / "run")
+    monkeypatch.setattr(pipeline, "top_k_correct", original)
+    pipeline.run(cfg_for(tmp_path, "stage=train", "trainer.epochs=3", "resume=true"), tmp_path / "run")
+    after = pd.read_csv(tmp_path / "run" / "metrics.csv")
     assert list(after["epoch"]) == [1, 2, 3]
-    pd.testing.assert_frame_equal(after.iloc[:2].drop(columns="epoch_seconds"), before.drop(columns="epoch_seconds"))
+    pd.testing.assert_frame_equal(after.drop(columns="epoch_seconds"), reference.drop(columns="epoch_seconds"))

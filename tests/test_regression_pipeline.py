@@ -58,17 +58,39 @@ def test_analytic_gradient_variance_is_lower_on_the_final_layer(tmp_path):
         assert m[f"gradvar_ratio_sampling_over_analytic/epoch0/final/{kind}"] > 1.5
 
 
-def test_resume_continues_from_checkpoint(tmp_path):
-    first = tiny_cfg("trainer.epochs=2", "gradient_variance.num_samples=0")
-    regression.run(first, tmp_path)
-    before = pd.read_csv(tmp_path / "metrics.csv")
-    checkpoint = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)
-    assert checkpoint["epoch"] == 2
+def test_resume_continues_from_checkpoint_bit_for_bit(tmp_path, monkeypatch):
+    """A run stopped after epoch 2 and resumed with the same config ends exactly as an
+    uninterrupted run; resuming with another trainer.epochs is refused, naming the key."""
+    from cfbnn_cli.pipelines.regression import gradient_variance_study as study
+    from cfbnn_cli.runtime.rundir import claim_run_dir
+
+    cfg = tiny_cfg("trainer.epochs=4", "gradient_variance.num_samples=0")
+    regression.run(cfg, tmp_path / "whole")
+    reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
+
+    claim_run_dir(cfg, tmp_path / "stopped")  # as the CLI does before running
+    original, calls = study.evaluate, {"n": 0}
+
+    def stop_in_epoch_3(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(study, "evaluate", stop_in_epoch_3)
+    with pytest.raises(KeyboardInterrupt):
+        regression.run(cfg, tmp_path / "stopped")
+    monkeypatch.setattr(study, "evaluate", original)
+    assert torch.load(tmp_path / "stopped" / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2
     resumed = tiny_cfg("trainer.epochs=4", "gradient_variance.num_samples=0", "resume=true")
-    regression.run(resumed, tmp_path)
-    after = pd.read_csv(tmp_path / "metrics.csv")
-    assert list(after["epoch"]) == [1, 2, 3, 4]
-    pd.testing.assert_frame_equal(after.iloc[:2].drop(columns="epoch_seconds"), before.drop(columns="epoch_seconds"))
+    claim_run_dir(resumed, tmp_path / "stopped")
+    regression.run(resumed, tmp_path / "stopped")
+    after = pd.read_csv(tmp_path / "stopped" / "metrics.csv")
+    pd.testing.assert_frame_equal(after.drop(columns="epoch_seconds"), reference.drop(columns="epoch_seconds"))
+
+    longer = tiny_cfg("trainer.epochs=6", "gradient_variance.num_samples=0", "resume=true")
+    with pytest.raises(ConfigError, match=r"trainer\.epochs: 4 -> 6"):
+        claim_run_dir(longer, tmp_path / "stopped")
 
 
 def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monkeypatch):

@@ -137,23 +137,42 @@ def test_all_variants_write_the_table(tmp_path):
         assert result["metrics"][f"vae/{variant}/best_epoch"] in (1, 2)
 
 
-def test_resume_continues_from_the_last_checkpoint(tmp_path):
-    pipeline.run(tiny_cfg("variant=v3", "trainer.epochs=2"), tmp_path)
-    before = pd.read_csv(tmp_path / "metrics.csv")
-    pipeline.run(tiny_cfg("variant=v3", "trainer.epochs=3", "resume=true"), tmp_path)
-    after = pd.read_csv(tmp_path / "metrics.csv")
+def test_resume_continues_from_the_last_checkpoint(tmp_path, monkeypatch):
+    """Stopped after epoch 2 and resumed with the same config: exactly the uninterrupted run."""
+    cfg = tiny_cfg("variant=v3", "trainer.epochs=3")
+    pipeline.run(cfg, tmp_path / "whole")
+    reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
+    original, calls = pipeline.mean_elbo_per_point, {"n": 0}
+
+    def stop_after_epoch_2(*args, **kwargs):  # the validation ELBO, once per epoch
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "mean_elbo_per_point", stop_after_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(cfg, tmp_path / "stopped")
+    monkeypatch.setattr(pipeline, "mean_elbo_per_point", original)
+    pipeline.run(tiny_cfg("variant=v3", "trainer.epochs=3", "resume=true"), tmp_path / "stopped")
+    after = pd.read_csv(tmp_path / "stopped" / "metrics.csv")
     assert list(after["epoch"]) == [1, 2, 3]
-    pd.testing.assert_frame_equal(after.iloc[:2].drop(columns="epoch_seconds"), before.drop(columns="epoch_seconds"))
+    pd.testing.assert_frame_equal(after.drop(columns="epoch_seconds"), reference.drop(columns="epoch_seconds"))
 
 
 def test_nan_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    pipeline.run(tiny_cfg("variant=v1", "trainer.epochs=1"), tmp_path)
-    saved = torch.load(tmp_path / "checkpoints" / "v1" / "last.pt", weights_only=False)
-    monkeypatch.setattr(BayesianDecoderVAE, "elbo", lambda self, x, n, g=None: torch.tensor(float("nan"), requires_grad=True))
+    original, calls = BayesianDecoderVAE.elbo, {"n": 0}
+
+    def nan_in_epoch_2(self, *args, **kwargs):  # 9 steps per epoch (the bar shows 0/9)
+        calls["n"] += 1
+        value = original(self, *args, **kwargs)
+        return value * float("nan") if calls["n"] > 9 else value
+
+    monkeypatch.setattr(BayesianDecoderVAE, "elbo", nan_in_epoch_2)
     with pytest.raises(NonFiniteLossError, match="epoch 2, step 0"):
-        pipeline.run(tiny_cfg("variant=v1", "trainer.epochs=2", "resume=true"), tmp_path)
-    kept = torch.load(tmp_path / "checkpoints" / "v1" / "last.pt", weights_only=False)
-    assert kept["epoch"] == saved["epoch"] == 1
+        pipeline.run(tiny_cfg("variant=v1", "trainer.epochs=2"), tmp_path)
+    kept = torch.load(tmp_path / "checkpoints" / "v1" / "last.pt", weights_only=True)
+    assert kept["epoch"] == 1
 
 
 @pytest.mark.parametrize(

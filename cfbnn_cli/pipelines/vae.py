@@ -32,7 +32,8 @@ from ..report.tables import write_table
 from ..runtime.checks import require_choice, require_int, require_positive_float
 from ..runtime.device import resolve_device
 from ..runtime.errors import ConfigError
-from ..runtime.checkpoints import restore_training_state, save_training_state
+from ..runtime.checkpoints import load_checkpoint, restore_training_state, save_training_state
+from ..runtime.rundir import config_fingerprint
 from ..runtime.io import atomic_torch_save, atomic_write_text
 from ..runtime.numerics import ensure_finite
 from ..runtime.seed import seed_everything
@@ -103,7 +104,8 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
     history: List[dict] = []
     start_epoch, best = 0, {"epoch": 0, "val_elbo": -math.inf}
     generators = {"data_order": generator, "sampler": sampler}
-    state = restore_training_state(last_path, model, optimizer, generators, device) if cfg.resume else None
+    fingerprint = config_fingerprint(cfg, run_dir)
+    state = restore_training_state(last_path, model, optimizer, generators, device, fingerprint) if cfg.resume else None
     if state is not None:
         history, start_epoch, best = state["history"], state["epoch"], state["best"]
         log.info("%s: resumed from %s after epoch %d", variant, last_path, start_epoch)
@@ -144,10 +146,10 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
         if row["val_elbo_per_point"] > best["val_elbo"]:
             best = {"epoch": epoch, "val_elbo": row["val_elbo_per_point"]}
             atomic_torch_save({"model": model.state_dict(), "epoch": epoch}, best_path)
-        save_training_state(last_path, model, optimizer, epoch, generators, history=history, best=best,
+        save_training_state(last_path, model, optimizer, epoch, generators, fingerprint, history=history, best=best,
                             config=OmegaConf.to_container(cfg, resolve=True))
-    if best_path.exists():
-        model.load_state_dict(torch.load(best_path, map_location=device, weights_only=False)["model"])
+    if best["epoch"] > 0:  # a best epoch of this run (restored or trained), never a stale file of another
+        model.load_state_dict(load_checkpoint(best_path, device, "best-epoch checkpoint")["model"])
     model.eval()
     return {"model": model, "history": history, "best": best}
 
@@ -158,10 +160,10 @@ def results_table(rows: List[dict]) -> pd.DataFrame:
         "Variant": row["variant"].upper(),
         "Bayesian decoder": "yes" if VARIANTS[row["variant"]]["bayesian"] else "no",
         "Sampled": VARIANTS[row["variant"]]["sampled"],
-        "Test LL": f"{row['test_ll']:.3f} ± {row['test_ll_se']:.3f}" if math.isfinite(row["test_ll_se"]) else f"{row['test_ll']:.3f}",
+        "Test LL": f"{row['test_ll']:.3f} ± {row['test_ll_se']:.3f}" if row["test_ll_se"] is not None else f"{row['test_ll']:.3f}",
         "Test ELBO": f"{row['test_elbo']:.3f}",
         "Best epoch": row["best_epoch"],
-        "s / epoch": f"{row['seconds_per_epoch']:.2f}",
+        "s / epoch": f"{row['seconds_per_epoch']:.2f}" if row["seconds_per_epoch"] is not None else "",
     } for row in rows])
     return frame.set_index("Variant")
 
@@ -206,11 +208,11 @@ def run(cfg: DictConfig, run_dir) -> dict:
             rows.append({
                 "variant": variant,
                 "test_ll": float(trials.mean()),
-                "test_ll_se": float(trials.std() / math.sqrt(T)) if T > 1 else float("nan"),
+                "test_ll_se": float(trials.std() / math.sqrt(T)) if T > 1 else None,
                 "test_elbo": mean_elbo_per_point(trained["model"], data.x_test, len(data.x_train), cfg.seed + 4,
                                                  cfg.evaluation.batch_size) - data.log_scale,
                 "best_epoch": trained["best"]["epoch"],
-                "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else float("nan"),
+                "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else None,
             })
             log.info("%s: test LL %.3f (K=%d, T=%d), test ELBO %.3f, best epoch %d", variant, rows[-1]["test_ll"], K, T,
                      rows[-1]["test_elbo"], rows[-1]["best_epoch"])

@@ -1,7 +1,8 @@
 """``results.json``: the machine-readable record every run writes last.
 
-Layout (schema 1): ``{"pipeline", "schema", "status", "config", "metrics",
-"tables", "figures", "environment", "timing"}``; then an empty ``done`` marker.
+Layout (schema 1): ``{"pipeline", "schema", "status", "config_fingerprint", "config",
+"metrics", "tables", "figures", "environment", "timing"}``; then an empty ``done``
+marker, only when ``status`` is ``"complete"``.
 Both are written atomically so that a sweep can tell finished jobs from killed ones.
 """
 
@@ -20,6 +21,8 @@ RESULTS_SCHEMA = 1
 
 
 def _flat_number(value):
+    if value is None:  # "not applicable" (e.g. a standard error of one replicate)
+        return None
     value = float(value)
     return value if math.isfinite(value) else None
 
@@ -34,6 +37,7 @@ def write_results(
     tables: Optional[Mapping[str, str]] = None,
     figures: Optional[Mapping[str, str]] = None,
     status: str = "complete",
+    fingerprint: Optional[str] = None,
 ) -> Path:
     """Write ``results.json`` and then the ``done`` marker into ``run_dir``."""
     run_dir = Path(run_dir)
@@ -41,6 +45,7 @@ def write_results(
         "pipeline": pipeline,
         "schema": RESULTS_SCHEMA,
         "status": status,
+        "config_fingerprint": fingerprint,
         "config": OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg),
         "metrics": {str(k): _flat_number(v) for k, v in metrics.items()},
         "tables": dict(tables or {}),

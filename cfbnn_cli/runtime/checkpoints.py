@@ -1,8 +1,14 @@
 """Training checkpoints that let a killed run resume where it stopped.
 
-One file holds the model, the optimizer, the epoch, every random generator's state
-and whatever the pipeline adds (its history, its best epoch...); it is written
-atomically, so a crash mid-write leaves the previous checkpoint intact.
+One file holds the model, the optimizer, the epoch, every random generator's state,
+the fingerprint of the config that wrote it and whatever the pipeline adds (its
+history, its best epoch...); it is written atomically, so a crash mid-write leaves
+the previous checkpoint intact.
+
+Loading never runs code: :func:`load_checkpoint` uses ``torch.load(weights_only=True)``,
+which unpickles only tensors and plain containers, so a crafted file fails to load
+instead of executing. Every failure (truncated, corrupt, foreign, malicious) becomes
+one :class:`~cfbnn_cli.runtime.errors.CheckpointError` naming the file and the way out.
 """
 
 from __future__ import annotations
@@ -12,27 +18,59 @@ from typing import Dict, Optional
 
 import torch
 
+from .errors import CheckpointError
 from .io import atomic_torch_save
+from .rundir import refuse_other_config
 
 
-def save_training_state(path, model, optimizer, epoch: int, generators: Dict[str, torch.Generator], **extra) -> Path:
+def load_checkpoint(path, map_location="cpu", what: str = "checkpoint") -> dict:
+    """``torch.load(path, weights_only=True)``; any failure is a one-line :class:`CheckpointError`."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - truncated zip, bad pickle, forbidden global...: all mean "unusable"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"cannot load the {what} {path} ({type(error).__name__}: {reason[:200]}); nothing was run from it. "
+            "Delete the file to start that part afresh, or start a fresh run dir"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a cfbnn {what} (a {type(state).__name__}, not a dict); delete it or "
+                              "start a fresh run dir")
+    return state
+
+
+def save_training_state(path, model, optimizer, epoch: int, generators: Dict[str, torch.Generator],
+                        fingerprint: Optional[str] = None, **extra) -> Path:
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-             "generators": {name: g.get_state() for name, g in generators.items()}, **extra}
+             "generators": {name: g.get_state() for name, g in generators.items()},
+             "config_fingerprint": fingerprint, **extra}
     return atomic_torch_save(state, Path(path))
 
 
-def restore_training_state(path, model, optimizer, generators: Dict[str, torch.Generator], device) -> Optional[dict]:
+def restore_training_state(path, model, optimizer, generators: Dict[str, torch.Generator], device,
+                           fingerprint: Optional[str] = None) -> Optional[dict]:
     """Load ``path`` into ``model``, ``optimizer`` and ``generators``; ``None`` if it does not exist.
 
-    Returns the whole state (``epoch`` and the pipeline's extra fields).
+    With ``fingerprint``, a checkpoint written by another configuration is refused
+    (:class:`~cfbnn_cli.runtime.errors.ConfigError`). Returns the whole state
+    (``epoch`` and the pipeline's extra fields).
     """
     path = Path(path)
     if not path.exists():
         return None
-    state = torch.load(path, map_location=device, weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    for name, generator in generators.items():
-        # a CUDA generator's state is a CPU byte tensor; keep it where the generator wants it
-        generator.set_state(state["generators"][name].to(generator.get_state().device))
+    state = load_checkpoint(path, map_location=device, what="training checkpoint")
+    if fingerprint is not None:
+        refuse_other_config(str(path), state.get("config_fingerprint"), fingerprint)
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        for name, generator in generators.items():
+            # a CUDA generator's state is a CPU byte tensor; keep it where the generator wants it
+            generator.set_state(state["generators"][name].to(generator.get_state().device))
+    except (KeyError, RuntimeError, ValueError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"{path} does not fit this model ({reason[:200]}); delete it or start a fresh run dir"
+        ) from None
     return state

@@ -6,6 +6,7 @@ Each check names the key, the value and the allowed values, and raises
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,8 +36,8 @@ def require_int(cfg: DictConfig, key: str, minimum: int = None) -> int:
 
 def require_positive_float(cfg: DictConfig, key: str) -> float:
     value = _get(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
-        raise ConfigError(f"{key}={value!r} must be a positive number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{key}={value!r} must be a positive, finite number")
     return float(value)
 
 

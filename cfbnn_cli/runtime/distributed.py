@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CfbnnError, ConfigError
+from .io import atomic_write_json
 
 
 def world_size() -> int:
@@ -83,8 +84,11 @@ def launch_if_requested(cfg, run_dir, pipeline: str) -> Optional[dict]:
     if finished.returncode != 0:
         raise CfbnnError(f"the {nproc} distributed workers failed (exit {finished.returncode}); "
                          f"see their output above and {run_dir}")
-    with open(folder / "result.pkl", "rb") as handle:
-        return pickle.load(handle)
+    try:  # JSON, not pickle: nothing in a run dir is ever executed
+        return json.loads((folder / "result.json").read_text())
+    except (OSError, ValueError) as error:
+        raise CfbnnError(f"the distributed workers finished but their result {folder / 'result.json'} is unreadable "
+                         f"({error}); see {run_dir}") from None
 
 
 def worker_main(argv=None) -> int:
@@ -111,8 +115,7 @@ def worker_main(argv=None) -> int:
         if is_main():
             result = dict(result)
             result["device"] = str(result.get("device"))
-            with open(Path(args.run_dir) / "distributed" / "result.pkl", "wb") as handle:
-                pickle.dump(result, handle)
+            atomic_write_json(Path(args.run_dir) / "distributed" / "result.json", result)
         barrier()
     finally:
         dist.destroy_process_group()

@@ -24,7 +24,15 @@ class DataError(CfbnnError):
     exit_code = 1
 
 
-class NotBuiltError(CfbnnError):
-    """A subcommand whose pipeline has not been implemented yet."""
+class CheckpointError(CfbnnError):
+    """A checkpoint or progress file cannot be loaded (truncated, corrupt, not ours, or a
+    pickle that would run code); exit code 2, and nothing is run from it."""
 
     exit_code = 2
+
+
+class NonFiniteResultError(CfbnnError):
+    """A run finished, but some of its final metrics are NaN or infinite: it is recorded
+    as failed (``status: "failed"``, no ``done``) and the command exits 1."""
+
+    exit_code = 1

@@ -45,7 +45,8 @@ from ...runtime.checks import require_choice, require_int, require_positive_floa
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
 from ...runtime import distributed
-from ...runtime.checkpoints import restore_training_state, save_training_state
+from ...runtime.checkpoints import load_checkpoint, restore_training_state, save_training_state
+from ...runtime.rundir import config_fingerprint
 from ...runtime.io import atomic_torch_save, atomic_write_text
 from ...runtime.numerics import ensure_finite
 from ...runtime.seed import seed_everything
@@ -148,7 +149,8 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     history, start_epoch, best = [], 0, {"epoch": 0, "val_top1": -1.0}
     generators = {"data_order": generator, "sampler": sampler}
-    state = restore_training_state(last_path, model, optimizer, generators, device) if cfg.resume else None
+    fingerprint = config_fingerprint(cfg, run_dir)
+    state = restore_training_state(last_path, model, optimizer, generators, device, fingerprint) if cfg.resume else None
     if state is not None:
         history, start_epoch, best = state["history"], state["epoch"], state["best"]
         log.info("resumed from %s after epoch %d", last_path, start_epoch)
@@ -185,7 +187,8 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         if distributed.is_main():  # only rank 0 writes
             if improved:
                 atomic_torch_save({"model": model.state_dict(), "epoch": epoch, "sizes": _sizes(data)}, best_path)
-            save_training_state(last_path, model, optimizer, epoch, generators, history=history, best=best)
+            save_training_state(last_path, model, optimizer, epoch, generators, fingerprint, history=history, best=best,
+                                config=OmegaConf.to_container(cfg, resolve=True))
             atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
         distributed.barrier()
     return {"history": history, "best": best}
@@ -205,8 +208,8 @@ def load_head(cfg, data, run_dir: Path, device) -> BayesianHead:
     model = BayesianHead(data["x_train"].shape[1], list(cfg.model.hidden_sizes), data["num_classes"],
                          cfg.model.activation, cfg.model.prior_scale, cfg.model.init_scale).to(device)
     try:
-        model.load_state_dict(torch.load(path, map_location=device, weights_only=False)["model"])
-    except RuntimeError as error:
+        model.load_state_dict(load_checkpoint(path, device, "trained head")["model"])
+    except (RuntimeError, KeyError) as error:
         raise ConfigError(f"{path} was trained with other sizes than model.hidden_sizes={list(cfg.model.hidden_sizes)} "
                           f"and these features ({error.args[0].splitlines()[0]})") from error
     return model.eval()

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from ...runtime import distributed
+from ...runtime.checkpoints import load_checkpoint
 from ...runtime.errors import DataError
 from ...runtime.io import atomic_torch_save, atomic_write_json
 
@@ -93,7 +94,11 @@ def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fi
     folder.mkdir(parents=True, exist_ok=True)
     manifest_path = folder / "manifest.json"
     if manifest_path.exists():
-        recorded = json.loads(manifest_path.read_text())["fields"]
+        try:
+            recorded = json.loads(manifest_path.read_text())["fields"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DataError(f"{manifest_path} is unreadable ({type(error).__name__}); delete {folder} to rebuild "
+                            "its features") from None
         if recorded != json.loads(json.dumps(fields, default=str)):
             raise DataError(f"{folder}: its manifest records other settings than this run's; delete the folder to rebuild")
     else:
@@ -120,7 +125,7 @@ def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fi
                         bar.update(len(label))
                 atomic_torch_save({"features": torch.cat(features), "labels": torch.cat(labels), "ok": torch.cat(ok)}, paths[index])
     distributed.barrier()  # every rank's shards are on disk before anyone reads them
-    parts = [torch.load(path, weights_only=True) for path in paths]
+    parts = [load_checkpoint(path, what="feature shard") for path in paths]
     features = torch.cat([p["features"] for p in parts])
     labels = torch.cat([p["labels"] for p in parts])
     ok = torch.cat([p["ok"] for p in parts]).bool()

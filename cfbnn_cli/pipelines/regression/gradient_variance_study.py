@@ -32,8 +32,9 @@ from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
 from ...runtime import distributed
 from ...runtime.checkpoints import restore_training_state, save_training_state
+from ...runtime.rundir import config_fingerprint
 from ...runtime.io import atomic_write_text
-from ...runtime.numerics import ensure_finite
+from ...runtime.numerics import ensure_finite, map_row_chunks, rows_per_chunk
 from ...runtime.seed import seed_everything
 
 log = logging.getLogger(__name__)
@@ -88,16 +89,28 @@ def _check_against_data(cfg, data: RegressionData) -> None:
 
 @torch.no_grad()
 def evaluate(model: MeanFieldMLP, data: RegressionData, num_samples: int, generator) -> Dict[str, float]:
-    """Test RMSE and per-point log-likelihood in the target's original units."""
+    """Test RMSE and per-point log-likelihood in the target's original units.
+
+    Row chunks keep the peak memory at ``num_samples x chunk x widest layer`` elements,
+    whatever the size of the test set.
+    """
     x, y = data.x_test, data.y_test
     log_scale = math.log(data.target_std)
     noise_var = 1.0 / model.precision
-    means, variances = model.predict(x, num_samples, generator)
-    mean = means.mean(0)
-    closed_ll = mixture_log_likelihood(y, means, variances + noise_var).mean().item() - log_scale
-    outputs = model.sample_outputs(x, num_samples, generator)
-    mc_ll = mixture_log_likelihood(y, outputs, noise_var.expand_as(outputs)).mean().item() - log_scale
-    rmse = (mean - y).square().mean().sqrt().item() * data.target_std
+    chunk = rows_per_chunk(num_samples * max(layer.loc.shape[0] for layer in model.layers))
+
+    def per_point(rows: torch.Tensor):
+        xb, yb = x[rows], y[rows]
+        means, variances = model.predict(xb, num_samples, generator)
+        closed = mixture_log_likelihood(yb, means, variances + noise_var)
+        outputs = model.sample_outputs(xb, num_samples, generator)
+        monte_carlo = mixture_log_likelihood(yb, outputs, noise_var.expand_as(outputs))
+        return closed, monte_carlo, (means.mean(0) - yb).square()
+
+    closed, monte_carlo, squared_error = map_row_chunks(per_point, torch.arange(len(y), device=x.device), chunk)
+    closed_ll = closed.mean().item() - log_scale
+    mc_ll = monte_carlo.mean().item() - log_scale
+    rmse = squared_error.mean().sqrt().item() * data.target_std
     return {"test_rmse": rmse, "test_ll_closed_form": closed_ll, "test_ll_monte_carlo": mc_ll}
 
 
@@ -216,7 +229,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
     gv_results: Dict[int, dict] = {}
     start_epoch = 0
     generators = {"data_order": generator, "sampler": sample_generator}
-    state = restore_training_state(checkpoint_path, model, optimizer, generators, device) if cfg.resume else None
+    fingerprint = config_fingerprint(cfg, run_dir)
+    state = restore_training_state(checkpoint_path, model, optimizer, generators, device, fingerprint) if cfg.resume else None
     if state is not None:
         history, gv_results, start_epoch = state["history"], state["gradient_variance"], state["epoch"]
         log.info("resumed from %s after epoch %d", checkpoint_path, start_epoch)
@@ -266,7 +280,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
             if epoch in gv_epochs:
                 gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
             atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
-            save_training_state(checkpoint_path, model, optimizer, epoch, generators, history=history,
+            save_training_state(checkpoint_path, model, optimizer, epoch, generators, fingerprint, history=history,
                                 gradient_variance=gv_results, config=OmegaConf.to_container(cfg, resolve=True))
         distributed.barrier()
     if not distributed.is_main():

@@ -37,7 +37,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -54,9 +54,10 @@ from ...report.figures import new_figure, save_figure
 from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
-from ...runtime.errors import ConfigError, DataError
+from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
-from ...runtime.numerics import ensure_finite
+from ...runtime.numerics import ensure_finite, map_row_chunks, rows_per_chunk
+from ...runtime.rundir import config_fingerprint, refuse_other_config
 
 log = logging.getLogger(__name__)
 
@@ -303,9 +304,33 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def evaluate(fitted: Fitted, data: RegressionData, device) -> Dict[str, float]:
+def read_progress(path: Path, fingerprint: str, n_splits: int, methods: List[str]) -> List[dict]:
+    """The finished (split, method) records of ``uci_progress.json``, if this configuration wrote them."""
+    try:
+        progress = json.loads(path.read_text())
+        records = progress["records"]
+        if not isinstance(records, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("split"), int) and r.get("method") in METHODS
+            and isinstance(r.get("test_ll"), (int, float)) for r in records
+        ):
+            raise ValueError("its records are not (split, method, test_ll, ...) entries")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"cannot read {path} ({type(error).__name__}: {str(error)[:200]}); delete it to re-run every split, "
+            "or start a fresh run dir"
+        ) from None
+    refuse_other_config(str(path), progress.get("config_fingerprint"), fingerprint)
+    return [r for r in records if r["split"] < n_splits and r["method"] in methods]
+
+
+def _predict(fitted: Fitted, x: torch.Tensor, samples: int, hidden: int):
+    """``fitted.predict`` over row chunks: peak memory bounded whatever the test-set size."""
+    return map_row_chunks(fitted.predict, x, rows_per_chunk(samples * hidden))
+
+
+def evaluate(fitted: Fitted, data: RegressionData, device, samples: int = 1, hidden: int = 1) -> Dict[str, float]:
     """Test LL and RMSE (original units) and the prediction time per 1,000 points."""
-    means, variances = fitted.predict(data.x_test)
+    means, variances = _predict(fitted, data.x_test, samples, hidden)
     log_likelihood = mixture_log_likelihood(data.y_test, means, variances)
     squared_error = (means.mean(0) - data.y_test).square()
     test_ll, rmse = original_units(log_likelihood, squared_error, data.target_std)
@@ -329,12 +354,12 @@ def evaluate(fitted: Fitted, data: RegressionData, device) -> Dict[str, float]:
 
 def _mean_and_standard_error(values: pd.Series) -> Tuple[float, float]:
     values = values.astype(float)
-    se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else float("nan")
+    se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None  # one split: no s.e.
     return float(values.mean()), se
 
 
-def _pm(mean: float, se: float, digits: int = 3) -> str:
-    return f"{mean:.{digits}f} ± {se:.{digits}f}" if math.isfinite(se) else f"{mean:.{digits}f}"
+def _pm(mean: float, se: Optional[float], digits: int = 3) -> str:
+    return f"{mean:.{digits}f} ± {se:.{digits}f}" if se is not None else f"{mean:.{digits}f}"
 
 
 def summary_table(records: pd.DataFrame, methods: List[str]) -> pd.DataFrame:
@@ -385,9 +410,10 @@ def run(cfg: DictConfig, run_dir) -> dict:
         "splits": [{"seed": k, "train": train.tolist(), "test": test.tolist()} for k, (train, test) in enumerate(splits)],
     })
     progress_path = run_dir / "uci_progress.json"
+    fingerprint = config_fingerprint(cfg, run_dir)
     records: List[dict] = []
     if cfg.resume and progress_path.exists():
-        records = json.loads(progress_path.read_text())["records"]
+        records = read_progress(progress_path, fingerprint, len(splits), methods)
         log.info("resuming: %d of %d (split, method) runs already done", len(records), len(splits) * len(methods))
     done = {(r["split"], r["method"]) for r in records}
     log.info(
@@ -410,9 +436,9 @@ def run(cfg: DictConfig, run_dir) -> dict:
                 fitted = fit_method(method, data, schedule, cfg, device, bar, seed=cfg.seed * 1000 + k)
                 _sync(device)
                 record = {"split": k, "method": method, "train_seconds": time.perf_counter() - started, "steps": cfg.uci.steps}
-                record.update(evaluate(fitted, data, device))
+                record.update(evaluate(fitted, data, device, cfg.uci.predictive_samples, cfg.uci.hidden_size))
                 records.append(record)
-                atomic_write_json(progress_path, {"records": records})
+                atomic_write_json(progress_path, {"config_fingerprint": fingerprint, "records": records})
                 log.info(
                     "split %d %-26s test LL %8.4f  RMSE %8.4f  train %.2fs  predict %.2f ms/1000",
                     k, method, record["test_ll"], record["rmse"], record["train_seconds"], 1e3 * record["predict_seconds_per_1000"],
@@ -430,7 +456,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
             mean, se = _mean_and_standard_error(part[column])
             metrics[f"uci/{method}/{column}_mean"] = mean
             metrics[f"uci/{method}/{column}_se"] = se
-        metrics[f"uci/{method}/test_ll_sd_over_splits"] = float(part["test_ll"].std(ddof=1)) if len(part) > 1 else float("nan")
+        metrics[f"uci/{method}/test_ll_sd_over_splits"] = float(part["test_ll"].std(ddof=1)) if len(part) > 1 else None
         metrics[f"uci/{method}/train_seconds_per_split"] = float(part["train_seconds"].mean())
         metrics[f"uci/{method}/predict_seconds_per_1000"] = float(part["predict_seconds_per_1000"].mean())
     for closed in [m for m in methods if m.startswith("closed_form_")]:

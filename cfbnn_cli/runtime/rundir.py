@@ -1,0 +1,242 @@
+"""A run directory's identity and ownership: the config fingerprint and the lock.
+
+Everything cfbnn keeps about a run dir (as opposed to the run's outputs) lives in
+``<run dir>/.cfbnn/``:
+
+* ``config.json`` -- the fingerprint of the resolved config that owns the dir and the
+  flattened config it was computed from, so that a refusal can name the keys that
+  differ. ``resume=true`` continues only a run with the same fingerprint; ``done``
+  counts only for it (:func:`claim_run_dir`).
+* ``lock`` -- held (``fcntl.flock``) by the process writing to the dir, with its pid
+  inside. A second run into the dir exits naming that pid; the kernel releases the
+  lock when its owner dies, so a lock left by a killed run is simply taken over.
+
+The fingerprint ignores the keys that do not change results (:data:`IGNORED_KEYS`:
+``resume``, ``device``) and any string value that is a path inside the run dir
+(e.g. ``evaluation.checkpoint=<run dir>/checkpoints/best.pt``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from .errors import CheckpointError, ConfigError
+from .io import atomic_write_json, remove_stale_temporary_files
+
+log = logging.getLogger(__name__)
+
+IGNORED_KEYS = frozenset({"resume", "device"})
+STATE_FOLDER = ".cfbnn"
+
+
+def _flatten(tree, prefix: str = "") -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+        out[prefix[:-1]] = tree
+    return out
+
+
+def _is_path_inside(value: str, run_dir: Optional[Path]) -> bool:
+    if run_dir is None or not value or ("/" not in value and os.sep not in value):
+        return False
+    try:
+        return Path(value).resolve().is_relative_to(Path(run_dir).resolve())
+    except (OSError, ValueError):
+        return False
+
+
+def fingerprinted_config(cfg, run_dir=None) -> Dict[str, object]:
+    """The flattened resolved config that the fingerprint covers (ignored keys removed)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    container.pop("hydra", None)
+    flat = _flatten(container)
+    return {
+        key: value for key, value in sorted(flat.items())
+        if key not in IGNORED_KEYS and not (isinstance(value, str) and _is_path_inside(value, run_dir))
+    }
+
+
+def config_fingerprint(cfg, run_dir=None) -> str:
+    """A short hash of :func:`fingerprinted_config`: equal for configs that give the same results."""
+    flat = fingerprinted_config(cfg, run_dir)
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def differing_keys(recorded: Dict[str, object], current: Dict[str, object]) -> List[str]:
+    """``key: old -> new`` for every key whose value differs (or exists in only one)."""
+    missing = object()
+    lines = []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key, missing), current.get(key, missing)
+        if json.dumps(old, default=str) != json.dumps(new, default=str):
+            show = lambda v: "(absent)" if v is missing else json.dumps(v, default=str)  # noqa: E731
+            lines.append(f"{key}: {show(old)} -> {show(new)}")
+    return lines
+
+
+def refuse_other_config(what: str, recorded: Optional[str], current: str) -> None:
+    """Raise :class:`ConfigError` unless a file's recorded fingerprint is ``current``."""
+    if recorded != current:
+        raise ConfigError(
+            f"{what} was written by another configuration (fingerprint {recorded or 'none'}, this run's is {current}); "
+            "resume=true continues only the same configuration: start a fresh run dir, or delete it"
+        )
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+class RunDirLock:
+    """An exclusive, advisory lock on a run dir (``<run dir>/.cfbnn/lock``), with the owner's pid.
+
+    ``fcntl.flock`` is released by the kernel when its owner exits, however it exits,
+    so a stale lock never blocks a later run; where ``flock`` is unavailable a lock
+    file whose pid is no longer alive on this host is taken over.
+    """
+
+    def __init__(self, run_dir):
+        self.path = Path(run_dir) / STATE_FOLDER / "lock"
+        self._handle = None
+
+    def _owner(self) -> str:
+        try:
+            info = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return "another process"
+        return f"pid {info.get('pid', '?')} on {info.get('host', '?')} (since {info.get('started', '?')})"
+
+    def acquire(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            import fcntl
+
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                raise ConfigError(
+                    f"another cfbnn run ({self._owner()}) is writing to {self.path.parent.parent}; wait for it to "
+                    "finish, or choose another hydra.run.dir"
+                ) from None
+        except ImportError:  # pragma: no cover - no fcntl (Windows): pid liveness instead
+            self._acquire_by_pid()
+        handle.seek(0)
+        previous = handle.read().strip()
+        if previous:
+            log.info("took over the lock of a finished or killed run (%s)", previous)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        handle.flush()
+        self._handle = handle
+        return self
+
+    def _acquire_by_pid(self) -> None:  # pragma: no cover - exercised only without fcntl
+        try:
+            info = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            info = {}
+        pid = info.get("pid")
+        if pid and pid != os.getpid() and info.get("host") == socket.gethostname():
+            try:
+                os.kill(int(pid), 0)
+            except OSError:
+                return  # its owner is gone: take it over
+            raise ConfigError(
+                f"another cfbnn run ({self._owner()}) is writing to {self.path.parent.parent}; wait for it to "
+                "finish, or choose another hydra.run.dir"
+            )
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.seek(0)
+            self._handle.truncate()  # an empty lock file: nobody owns the dir
+            self._handle.close()  # closing releases the flock
+            self._handle = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ----------------------------------------------------------------------------- claiming a run dir
+
+# what a run leaves in its dir; any of them means "a run was here"
+_RUN_ARTIFACTS = ("done", "results.json", "checkpoints", "uci_progress.json", "metrics.csv")
+
+
+def _read_record(run_dir: Path) -> Optional[dict]:
+    path = run_dir / STATE_FOLDER / "config.json"
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+            raise ValueError("not a cfbnn config record")
+        return record
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{path} is unreadable ({error}); it records which configuration owns {run_dir}. "
+            "Start a fresh run dir (another hydra.run.dir), or delete that file and run with resume=false"
+        ) from None
+
+
+def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
+    """Bind ``run_dir`` to this config before any work; returns ``(fingerprint, finished)``.
+
+    Call it while holding :class:`RunDirLock`. ``finished`` is True when ``resume=true``
+    finds this very configuration already done (the caller skips the run). Raises
+    :class:`ConfigError` when ``resume=true`` meets another configuration, naming the
+    keys that differ. With ``resume=false`` an earlier run's ``done`` and
+    ``results.json`` are removed first (a fresh run replaces it), so a half-finished
+    new run is never mistaken for the old finished one.
+    """
+    run_dir = Path(run_dir)
+    removed = remove_stale_temporary_files(run_dir)
+    if removed:
+        log.info("removed %d temporary file(s) left by a killed run: %s", len(removed), ", ".join(removed))
+    current = fingerprinted_config(cfg, run_dir)
+    fingerprint = config_fingerprint(cfg, run_dir)
+    record = _read_record(run_dir)
+    leftovers = [name for name in _RUN_ARTIFACTS if (run_dir / name).exists()]
+    finished = False
+    if cfg.get("resume", False):
+        if record is None and leftovers:
+            raise ConfigError(
+                f"resume=true, but {run_dir} holds {', '.join(leftovers)} without a config record "
+                f"({STATE_FOLDER}/config.json; written by an older cfbnn?), so it cannot be checked against this "
+                "configuration; start a fresh run dir"
+            )
+        if record is not None and record.get("config_fingerprint") != fingerprint:
+            differences = differing_keys(record["config"], current)
+            raise ConfigError(
+                f"resume=true, but {run_dir} belongs to another configuration; keys that differ (recorded -> now): "
+                + "; ".join(differences[:12]) + (f"; and {len(differences) - 12} more" if len(differences) > 12 else "")
+                + ". Resume with the recorded values, or start a fresh run dir"
+            )
+        finished = record is not None and (run_dir / "done").exists()
+    else:
+        if leftovers:
+            log.warning("resume=false: starting afresh in %s, which holds an earlier run's %s (they will be replaced)",
+                        run_dir, ", ".join(leftovers))
+        for name in ("done", "results.json"):
+            (run_dir / name).unlink(missing_ok=True)
+    if not finished:
+        atomic_write_json(run_dir / STATE_FOLDER / "config.json", {"config_fingerprint": fingerprint, "config": current})
+    return fingerprint, finished
