@@ -14,12 +14,13 @@ import math
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..runtime.errors import ConfigError, DataError
+from .standardize import check_finite_columns, column_statistics, standardize_columns
 
 MSD_SCRIPT = "python data_scripts/fetch_year_prediction_msd.py"
 MSD_ROWS = 515_345
@@ -45,24 +46,32 @@ class RegressionData:
         return self.x_train.shape[0]
 
 
-def _standardize(name, x_train, y_train, x_test, y_test) -> RegressionData:
-    x_mean = x_train.mean(0)
-    x_std = x_train.std(0)
+def _standardize(name, x_train, y_train, x_test, y_test, columns: Optional[Sequence[str]] = None,
+                 target: str = "target") -> RegressionData:
+    """Standardize by the training rows (:mod:`.standardize`: no overflow for any finite
+    value); every standardized value is checked finite in float32, naming the column."""
+    x_mean, x_std = column_statistics(x_train)
     x_std[x_std == 0] = 1.0  # constant columns carry no information; keep them finite
-    y_mean = float(y_train.mean())
-    y_std = float(y_train.std())
+    y_mean, y_std = (float(v[0]) for v in column_statistics(np.asarray(y_train, dtype=np.float64)[:, None]))
     if not y_std > 0:
         raise DataError(f"the target of data `{name}` is constant on the training split; nothing to regress")
 
-    def tensor(a):
-        return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.float32)
+    def tensor(a, what, names):
+        check_finite_columns(a, f"data `{name}`", names, what)
+        values = torch.as_tensor(np.ascontiguousarray(a), dtype=torch.float32)
+        check_finite_columns(values.numpy(), f"data `{name}`", names, what)
+        return values
+
+    def target_tensor(y):
+        return tensor(standardize_columns(np.asarray(y, dtype=np.float64)[:, None], y_mean, y_std)[:, 0],
+                      "target", [target])
 
     return RegressionData(
         name=name,
-        x_train=tensor((x_train - x_mean) / x_std),
-        y_train=tensor((y_train - y_mean) / y_std),
-        x_test=tensor((x_test - x_mean) / x_std),
-        y_test=tensor((y_test - y_mean) / y_std),
+        x_train=tensor(standardize_columns(x_train, x_mean, x_std), "feature column", columns),
+        y_train=target_tensor(y_train),
+        x_test=tensor(standardize_columns(x_test, x_mean, x_std), "feature column", columns),
+        y_test=target_tensor(y_test),
         target_mean=y_mean,
         target_std=y_std,
     )
@@ -107,7 +116,16 @@ def diabetes(test_fraction=0.1, seed=0) -> RegressionData:
 
 
 def _parse_numeric_rows(lines, source: str, expected_columns: Optional[int] = None, first_line: int = 1):
-    rows = []
+    rows: List[List[float]] = []
+    try:
+        _parse_into(rows, lines, source, expected_columns, first_line)
+    except UnicodeDecodeError:  # a streamed file decodes in blocks: the line is where the block starts
+        raise DataError(f"{source}, near line {first_line + len(rows)}: bytes that are not UTF-8 text; re-save the "
+                        "file as UTF-8") from None
+    return np.asarray(rows, dtype=np.float64)
+
+
+def _parse_into(rows, lines, source, expected_columns, first_line):
     for offset, row in enumerate(csv.reader(lines)):
         if not row or all(not cell.strip() for cell in row):
             continue
@@ -121,7 +139,6 @@ def _parse_numeric_rows(lines, source: str, expected_columns: Optional[int] = No
         if expected_columns is not None and len(values) != expected_columns:
             raise DataError(f"{source}, line {line}: expected {expected_columns} columns, found {len(values)}")
         rows.append(values)
-    return np.asarray(rows, dtype=np.float64)
 
 
 def year_prediction_msd(path="data/YearPredictionMSD.txt", n_train=MSD_TRAIN_ROWS, expected_rows: Optional[int] = MSD_ROWS) -> RegressionData:
@@ -171,11 +188,11 @@ def tabular_file(path, target, test_fraction=0.1, seed=0) -> RegressionData:
     one array per column. Non-numeric or NaN cells raise an error naming the line.
     """
     path = Path(path)
-    x, y = _read_tabular(path, target)
+    x, y, columns = _read_tabular(path, target)
     if len(y) < 3:
         raise DataError(f"{path}: {len(y)} rows is too few to train and test on")
     train, test = _random_split(len(y), test_fraction, seed)
-    return _standardize(path.stem, x[train], y[train], x[test], y[test])
+    return _standardize(path.stem, x[train], y[train], x[test], y[test], columns, target)
 
 
 @dataclass
@@ -186,15 +203,57 @@ class RegressionTable:
     x: np.ndarray  # (N, D) float64
     y: np.ndarray  # (N,) float64
     target: str = "y"
+    columns: Optional[List[str]] = None  # the feature names, where the file has them
 
     def split(self, train_index, test_index) -> RegressionData:
         """Standardize by the training rows' statistics; see :class:`RegressionData`."""
-        return _standardize(self.name, self.x[train_index], self.y[train_index], self.x[test_index], self.y[test_index])
+        return _standardize(self.name, self.x[train_index], self.y[train_index], self.x[test_index], self.y[test_index],
+                            self.columns, self.target)
+
+
+def _decoded_lines(path: Path) -> List[str]:
+    """The lines of a UTF-8 text file (a byte-order mark dropped); a byte that is not
+    UTF-8 is an error naming its line, not a traceback."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        # the codec counts from after a byte-order mark
+        offset = error.start + (3 if data.startswith(b"\xef\xbb\xbf") else 0)
+        line = data[:offset].count(b"\n") + 1
+        raise DataError(
+            f"{path}, line {line}: byte 0x{data[offset]:02x} is not UTF-8 text; re-save the file as UTF-8 "
+            "(e.g. `iconv -f latin1 -t utf-8`)"
+        ) from None
+    return text.splitlines()
+
+
+def _check_header(path: Path, header: List[str], target: str) -> None:
+    if len(header) == 1 and any(sep in header[0] for sep in (";", "\t", "|")):
+        separator = next(sep for sep in (";", "\t", "|") if sep in header[0])
+        raise DataError(
+            f"{path}: the header is one column {header[0][:60]!r}: the file looks {separator!r}-separated, and cfbnn "
+            f"reads comma-separated CSV; convert it, e.g. pandas.read_csv(path, sep={separator!r}).to_csv(new_path, "
+            "index=False)"
+        )
+    seen, duplicates = set(), []
+    for name in header:
+        if name in seen and name not in duplicates:
+            duplicates.append(name)
+        seen.add(name)
+    if duplicates:
+        raise DataError(f"{path}: duplicate column name(s) {duplicates} in the header; every column needs its own "
+                        "name (which one is the target otherwise?)")
+    if target not in header:
+        raise DataError(f"{path}: no column named `{target}` (data.target); columns are {header}")
 
 
 def _read_tabular(path, target):
-    """``(x, y)`` of a numeric CSV (header row) or NPZ file; errors name the column or line."""
+    """``(x, y, feature names)`` of a numeric CSV (header row) or NPZ file; errors name the
+    column or line."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data.path={path} is a directory, not a data file; point it at a .csv or .npz file")
     if not path.is_file():
         raise DataError(f"data file not found: {path} (set data.path=...)")
     if path.suffix == ".npz":
@@ -202,6 +261,7 @@ def _read_tabular(path, target):
             if "x" in arrays and target in arrays:
                 x = np.asarray(arrays["x"], dtype=np.float64)
                 y = np.asarray(arrays[target], dtype=np.float64)
+                columns = None
             elif target in arrays:
                 columns = [k for k in arrays.files if k != target]
                 x = np.stack([np.asarray(arrays[k], dtype=np.float64) for k in columns], 1)
@@ -212,23 +272,21 @@ def _read_tabular(path, target):
         if bad.any():
             raise DataError(f"{path}: row {int(np.argmax(bad))} has NaN or infinite values")
     else:
-        with open(path, newline="") as handle:
-            reader = csv.reader(handle)
-            try:
-                header = [h.strip() for h in next(reader)]
-            except StopIteration:
-                raise DataError(f"{path} is empty") from None
-            if target not in header:
-                raise DataError(f"{path}: no column named `{target}` (data.target); columns are {header}")
-            table = _parse_numeric_rows(handle, str(path), expected_columns=len(header), first_line=2)
+        lines = _decoded_lines(path)
+        if not lines or not lines[0].strip():
+            raise DataError(f"{path} is empty (or its first line, the header, is blank)")
+        header = [h.strip() for h in next(csv.reader(lines[:1]))]
+        _check_header(path, header, target)
+        table = _parse_numeric_rows(lines[1:], str(path), expected_columns=len(header), first_line=2)
         if table.size == 0:
             raise DataError(f"{path} has a header but no data rows")
         column = header.index(target)
         y = table[:, column]
         x = np.delete(table, column, axis=1)
+        columns = [name for i, name in enumerate(header) if i != column]
     if len(y) and np.all(y == y[0]):
         raise DataError(f"{path}: the target column `{target}` is constant ({y[0]:g}); nothing to regress")
-    return x, y
+    return x, y, columns
 
 
 def load_regression_table(cfg, seed: int) -> RegressionTable:
@@ -251,8 +309,8 @@ def load_regression_table(cfg, seed: int) -> RegressionTable:
     if name == "csv":
         if not cfg.get("path") or not cfg.get("target"):
             raise ConfigError("data=csv needs data.path=/path/to/file.csv and data.target=<column name>")
-        x, y = _read_tabular(cfg.path, cfg.target)
-        return RegressionTable(Path(cfg.path).stem, x, y, cfg.target)
+        x, y, columns = _read_tabular(cfg.path, cfg.target)
+        return RegressionTable(Path(cfg.path).stem, x, y, cfg.target, columns)
     raise ConfigError(f"data.name={name!r} is not one of synthetic, diabetes, year_prediction_msd, csv")
 
 

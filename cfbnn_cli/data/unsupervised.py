@@ -18,6 +18,7 @@ import torch
 
 from ..runtime.errors import ConfigError, DataError
 from .regression import load_regression_table
+from .standardize import check_finite_columns, column_statistics, standardize_columns
 
 FASHION_MNIST_SCRIPT = "python data_scripts/prepare_fashion_mnist.py"
 FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte")
@@ -46,12 +47,15 @@ def split_and_standardize(name: str, x: np.ndarray, seed: int, fractions=(0.7, 0
         raise DataError(f"data `{name}` has {n} rows: too few for a 7:2:1 train/test/validation split")
     order = np.random.default_rng(seed).permutation(n)
     train, test, val = order[:n_train], order[n_train : n_train + n_test], order[n_train + n_test :]
-    mean = x[train].mean(0)
-    std = x[train].std(0)
+    mean, std = column_statistics(x[train])
     std[std == 0] = 1.0  # a constant column (e.g. a blank pixel) carries nothing; keep it finite
 
     def tensor(rows):
-        return torch.as_tensor(np.ascontiguousarray((x[rows] - mean) / std), dtype=torch.float32)
+        values = standardize_columns(x[rows], mean, std)
+        check_finite_columns(values, f"data `{name}`")
+        values = torch.as_tensor(np.ascontiguousarray(values), dtype=torch.float32)
+        check_finite_columns(values.numpy(), f"data `{name}`")
+        return values
 
     return UnsupervisedData(name, tensor(train), tensor(val), tensor(test), float(np.log(std).sum()))
 
