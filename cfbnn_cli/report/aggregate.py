@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -43,26 +44,65 @@ def flatten(tree, prefix: str = "") -> Dict[str, object]:
     return out
 
 
+def safe_name(text) -> str:
+    """``text`` as a plain file-name part: letters, digits, ``_`` and ``-`` only (a
+    pipeline name read from a results.json must not lead a path anywhere)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "_", str(text)).strip("_-")
+    return cleaned[:64] or "unnamed"
+
+
+def _results_files(root: Path) -> List[Path]:
+    """Every ``results.json`` under ``root``: symbolic links to folders are not followed,
+    and a linked file is read only when it resolves inside ``root``."""
+    inside = root.resolve()
+    files = []
+    for folder, _, names in os.walk(root, followlinks=False):
+        if "results.json" not in names:
+            continue
+        file = Path(folder) / "results.json"
+        if file.is_symlink() and not file.resolve().is_relative_to(inside):
+            _skip(file, f"a symbolic link out of {root} ({file.resolve()})")
+            continue
+        files.append(file)
+    return sorted(files)
+
+
+def _skip(file, reason) -> None:
+    log.warning("skipping %s: %s", file, reason)
+    print(f"cfbnn report: skipping {file}: {reason}", file=sys.stderr)
+
+
+def _check_record(record) -> None:
+    """Raise ``ValueError`` naming what makes ``record`` unusable for a report."""
+    if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict) or "pipeline" not in record:
+        raise ValueError("not a cfbnn results record (pipeline/metrics missing)")
+    if not isinstance(record["pipeline"], str):
+        raise ValueError(f"its pipeline is {record['pipeline']!r}, not a name")
+    for name, value in record["metrics"].items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"metric {name!r} is {value!r}, not a number")
+    if record.get("status", "complete") != "complete":
+        raise ValueError(f"its status is {record.get('status')!r} (a failed or unfinished run)")
+
+
 def collect(path) -> List[dict]:
-    """Every readable ``results.json`` under ``path`` (a corrupt one is named and skipped)."""
+    """Every readable, complete ``results.json`` under ``path`` (any other is named and skipped)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"cfbnn report: {path} does not exist")
-    files = [path] if path.is_file() else sorted(path.rglob("results.json"))
+    files = [path] if path.is_file() else _results_files(path)
     runs = []
     for file in files:
         try:
-            record = json.loads(file.read_text())
-            if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict) or "pipeline" not in record:
-                raise ValueError("not a cfbnn results record (pipeline/metrics missing)")
-        except (OSError, ValueError) as error:
-            log.warning("skipping %s: %s", file, error)
-            print(f"cfbnn report: skipping {file}: {error}", file=sys.stderr)
+            record = json.loads(file.read_text(encoding="utf-8"))
+            _check_record(record)
+        except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            _skip(file, error)
             continue
         record["_path"] = str(file.parent)
         runs.append(record)
     if not runs:
-        raise DataError(f"cfbnn report: no results.json under {path} (nothing to aggregate; did the runs finish?)")
+        raise DataError(f"cfbnn report: no results.json of a complete run under {path} (nothing to aggregate; did the runs finish?)")
     return runs
 
 
@@ -192,10 +232,14 @@ def report(path, out: Optional[Path] = None) -> Dict[str, List[str]]:
     runs = collect(path)
     out = Path(out) if out is not None else (Path(path) if Path(path).is_dir() else Path(path).parent)
     written: Dict[str, List[str]] = {}
+    used_names: set = set()
     for pipeline in sorted({run["pipeline"] for run in runs}):
         group = [run for run in runs if run["pipeline"] == pipeline]
         summary = summarize(group)
-        name = f"report_{pipeline}"
+        name = f"report_{safe_name(pipeline)}"
+        while name in used_names:  # two odd names that clean up alike must not overwrite each other
+            name += "_"
+        used_names.add(name)
         atomic_write_text(out / f"{name}.csv", summary.to_csv(index=False))
         files = [f"{name}.csv"]
         table = vae_table(group) if pipeline == "vae" else wide_table(summary, _headline(summary))
