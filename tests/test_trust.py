@@ -1,0 +1,530 @@
+"""Trust: nothing runs from a checkpoint, nothing is written outside its place, a resumed
+run is the run asked for, bad files give one-line errors. Each test reproduces the
+attack or fault first (see issue "Trust"), then checks the named error or the correct result."""
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+from cfbnn_cli.cli import config_dir
+from cfbnn_cli.data.regression import load_regression_table, tabular_file
+from cfbnn_cli.pipelines import regression
+from cfbnn_cli.pipelines.regression import gradient_variance_study
+from cfbnn_cli.report.aggregate import report
+from cfbnn_cli.runtime.checkpoints import load_checkpoint
+from cfbnn_cli.runtime.checks import validate_common
+from cfbnn_cli.runtime.errors import CheckpointError, ConfigError, DataError
+from cfbnn_cli.runtime.io import atomic_write_json
+from cfbnn_cli.runtime.rundir import RunDirLock, claim_run_dir, config_fingerprint
+
+REGRESSION = [
+    "data.n_train=200", "data.n_test=50", "data.input_dim=4", "model.hidden_sizes=[8,8]", "trainer.epochs=2",
+    "trainer.batch_size=50", "gradient_variance.num_samples=20", "gradient_variance.batch_size=50",
+    "evaluation.num_samples=4", "device=cpu",
+]
+UCI = [
+    "+experiment=uci", "data=synthetic", "data.input_dim=3", "data.n_train=90", "data.n_test=30", "uci.n_splits=2",
+    "uci.steps=30", "uci.hidden_size=8", "uci.predictive_samples=16", "uci.methods=[closed_form_diagonal,plain_mlp]",
+    "trainer.batch_size=16", "device=cpu",
+]
+
+
+def cfbnn(*args, timeout=300):
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def regression_cfg(*overrides, base=REGRESSION):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="train_regression", overrides=list(base) + list(overrides))
+
+
+def one_line_error(out, code=2):
+    text = out.stdout + out.stderr
+    assert out.returncode == code, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    return text
+
+
+class RunsCode:
+    """Unpickling this runs ``touch <marker>``: the classic malicious checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A small finished `train regression` run (the CLI, so it owns a fingerprint record)."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    out = cfbnn("train", "regression", f"hydra.run.dir={run}", *REGRESSION)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def _copy_run(source, target):
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+# ----------------------------------------------------------------------------- 1. no code from a checkpoint
+
+
+def test_a_crafted_checkpoint_is_refused_and_runs_nothing(finished_run, tmp_path):
+    run = _copy_run(finished_run, tmp_path / "run")
+    (run / "done").unlink()  # as if killed: resume will load the checkpoint
+    marker = tmp_path / "PWNED"
+    torch.save({"model": RunsCode(marker)}, run / "checkpoints" / "last.pt")
+    torch.load(run / "checkpoints" / "last.pt", weights_only=False)  # the attack works where pickle is trusted...
+    assert marker.exists()
+    marker.unlink()
+    out = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION)
+    text = one_line_error(out)  # ...and is refused here, naming the file and the way out
+    assert not marker.exists()
+    assert "cannot load the training checkpoint" in text and str(run / "checkpoints" / "last.pt") in text
+    assert "start a fresh run dir" in text
+
+
+def test_a_crafted_evaluation_checkpoint_for_imagenet_predict_runs_nothing(tmp_path):
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "best.pt"
+    torch.save({"model": RunsCode(marker)}, evil)
+    out = cfbnn("imagenet-predict", f"hydra.run.dir={tmp_path / 'run'}", "stage=evaluate", f"evaluation.checkpoint={evil}",
+                f"features.cache_dir={tmp_path / 'cache'}", "model.hidden_sizes=[16,16]", "device=cpu")
+    text = one_line_error(out)
+    assert not marker.exists() and "cannot load the trained head" in text
+
+
+def test_no_checkpoint_is_loaded_with_pickle_anywhere_in_the_package():
+    import cfbnn_cli
+
+    root = os.path.dirname(cfbnn_cli.__file__)
+    offenders = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".py"):
+                text = open(os.path.join(folder, name)).read()
+                if re.search(r"weights_only\s*=\s*False|pickle\.load|import pickle", text):
+                    offenders.append(name)
+                for call in re.findall(r"torch\.load\([^)]*\)", text):
+                    if "weights_only=True" not in call:
+                        offenders.append(f"{name}: {call}")
+    assert offenders == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "not_a_dict", "empty"])
+def test_a_damaged_checkpoint_is_one_named_error(tmp_path, damage):
+    path = tmp_path / "last.pt"
+    torch.save({"model": {"w": torch.randn(50, 50)}, "epoch": 3}, path)
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint at all",
+                      "not_a_dict": b"", "empty": b""}[damage])
+    if damage == "not_a_dict":
+        torch.save([1, 2, 3], path)
+    with pytest.raises(CheckpointError, match=re.escape(str(path))):
+        load_checkpoint(path)
+
+
+def test_a_truncated_checkpoint_via_the_cli_exits_2_without_a_traceback(finished_run, tmp_path):
+    run = _copy_run(finished_run, tmp_path / "run")
+    (run / "done").unlink()
+    last = run / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])
+    text = one_line_error(cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION))
+    assert "cannot load the training checkpoint" in text
+
+
+# ----------------------------------------------------------------------------- 2. report stays inside its path
+
+
+def _record(pipeline, metrics, config=None, status="complete"):
+    return {"pipeline": pipeline, "schema": 1, "status": status, "config": config or {"seed": 0}, "metrics": metrics}
+
+
+def test_report_sanitizes_names_and_writes_only_under_its_path(tmp_path):
+    root = tmp_path / "a" / "b" / "c" / "runs"
+    (root / "0").mkdir(parents=True)
+    escape = "x/../../../../../ESCAPED"
+    (root / "0" / "results.json").write_text(json.dumps(_record(escape, {"m": 1.0})))
+    before = set(tmp_path.rglob("*"))
+    written = report(root)
+    created = set(tmp_path.rglob("*")) - before
+    assert created and all(path.resolve().is_relative_to(root.resolve()) for path in created)
+    assert not list(tmp_path.rglob("ESCAPED*")) or all(p.parent == root for p in tmp_path.rglob("*ESCAPED*"))
+    assert all("/" not in name and ".." not in name for files in written.values() for name in files)
+
+
+def test_report_does_not_follow_links_out_of_its_tree(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "secret").mkdir(parents=True)
+    (outside / "secret" / "results.json").write_text(json.dumps(_record("vae", {"vae/v1/test_ll": -1.0})))
+    root = tmp_path / "root"
+    (root / "0").mkdir(parents=True)
+    (root / "0" / "results.json").write_text(json.dumps(_record("train_regression", {"final_test_rmse": 1.0})))
+    (root / "linked_dir").symlink_to(outside / "secret", target_is_directory=True)
+    (root / "1").mkdir()
+    (root / "1" / "results.json").symlink_to(outside / "secret" / "results.json")
+    written = report(root)
+    assert set(written) == {"train_regression"}  # nothing read through either link
+
+
+def test_report_names_and_skips_a_non_numeric_metric_and_failed_runs(tmp_path, capsys):
+    for i, metrics in enumerate([{"final_test_rmse": 1.0}, {"final_test_rmse": "oops"}, {"final_test_rmse": 3.0}]):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "results.json").write_text(json.dumps(_record("train_regression", metrics, {"seed": i})))
+    (tmp_path / "3").mkdir()
+    (tmp_path / "3" / "results.json").write_text(json.dumps(_record("train_regression", {"final_test_rmse": None},
+                                                                     {"seed": 3}, status="failed")))
+    (tmp_path / "4").mkdir()
+    (tmp_path / "4" / "results.json").write_bytes(b"\xff\xfe not json")
+    report(tmp_path)
+    err = capsys.readouterr().err
+    assert "metric 'final_test_rmse' is 'oops'" in err and "status is 'failed'" in err and str(tmp_path / "4") in err
+    summary = pd.read_csv(tmp_path / "report_train_regression.csv")
+    assert summary.loc[summary["metric"] == "final_test_rmse", "n"].item() == 2
+
+
+# ----------------------------------------------------------------------------- 3. resume is bound to its config
+
+
+def test_resume_into_a_finished_run_with_another_config_is_refused(finished_run, tmp_path):
+    run = _copy_run(finished_run, tmp_path / "run")
+    results = (run / "results.json").read_bytes()
+    out = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION, "seed=1", "trainer.lr=0.5")
+    text = one_line_error(out)
+    assert "seed: 0 -> 1" in text and "trainer.lr: 0.001 -> 0.5" in text
+    assert (run / "results.json").read_bytes() == results and (run / "done").exists()  # nothing lost
+    same = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", "device=auto", *REGRESSION)
+    assert same.returncode == 0 and "already finished, skipping" in same.stdout + same.stderr  # device is ignored
+
+
+def test_a_uci_run_resumed_with_other_steps_is_refused_and_progress_files_are_bound(tmp_path):
+    run = tmp_path / "run"
+    cfg = regression_cfg(base=UCI)
+    claim_run_dir(cfg, run)
+    regression.run(cfg, run)
+    other = regression_cfg("uci.steps=20", "resume=true", base=UCI)
+    with pytest.raises(ConfigError, match="uci.steps: 30 -> 20"):
+        claim_run_dir(other, run)
+    # a progress file copied in from another configuration is refused too
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "uci_progress.json").write_text((run / "uci_progress.json").read_text())
+    with pytest.raises(ConfigError, match="uci_progress.json was written by another configuration"):
+        regression.run(other, fresh)
+    (fresh / "uci_progress.json").write_text('{"config_fingerprint": "x", "records": [{"split"')
+    with pytest.raises(CheckpointError, match="cannot read .*uci_progress.json"):
+        regression.run(other, fresh)
+
+
+def test_fingerprint_ignores_resume_device_and_paths_inside_the_run_dir(tmp_path):
+    base = regression_cfg()
+    moved = regression_cfg("resume=true", "device=auto")
+    assert config_fingerprint(base) == config_fingerprint(moved)
+    assert config_fingerprint(base) != config_fingerprint(regression_cfg("seed=3"))
+    with open_dict(base):
+        base.data.path = str(tmp_path / "run" / "x.csv")
+    assert config_fingerprint(base, tmp_path / "run") == config_fingerprint(moved, tmp_path / "run")
+    assert config_fingerprint(base, tmp_path / "elsewhere") != config_fingerprint(moved, tmp_path / "elsewhere")
+
+
+def test_sweep_jobs_are_bound_to_their_config(tmp_path):
+    sweep = tmp_path / "sweep"
+    common = [f"hydra.sweep.dir={sweep}", f"features.cache_dir={tmp_path / 'cache'}", "stage=features", "device=cpu"]
+    assert cfbnn("imagenet-predict", "-m", "seed=0,1", *common).returncode == 0
+    out = cfbnn("imagenet-predict", "-m", "seed=0,5", "resume=true", *common)
+    text = one_line_error(out)
+    assert "already finished, skipping" in text and "seed: 1 -> 5" in text
+    assert json.loads((sweep / "1" / "results.json").read_text())["config"]["seed"] == 1
+
+
+# ----------------------------------------------------------------------------- 4. one writer per run dir
+
+
+def test_a_second_run_into_a_locked_dir_exits_2_naming_the_pid_and_touches_nothing(tmp_path):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from cfbnn_cli.runtime.rundir import RunDirLock
+        with RunDirLock({str(run)!r}):
+            print("locked", flush=True)
+            time.sleep(120)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "config.yaml").write_text("theirs: 1\n")
+        out = cfbnn("train", "regression", f"hydra.run.dir={run}", *REGRESSION)
+        text = one_line_error(out)
+        assert f"pid {holder.pid}" in text and "another cfbnn run" in text
+        assert (run / ".hydra" / "config.yaml").read_text() == "theirs: 1\n"  # the owner's record is untouched
+        assert not (run / "checkpoints").exists() and not (run / "results.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_lock_of_a_killed_run_is_taken_over(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".cfbnn").mkdir()
+    (tmp_path / ".cfbnn" / "lock").write_text(json.dumps({"pid": dead.pid, "host": "here", "started": "then"}))
+    with caplog.at_level("INFO"), RunDirLock(tmp_path):
+        assert json.loads((tmp_path / ".cfbnn" / "lock").read_text())["pid"] == os.getpid()
+    assert f'"pid": {dead.pid}' in caplog.text
+    with RunDirLock(tmp_path):  # released: a later run takes it at once
+        pass
+
+
+# ----------------------------------------------------------------------------- 5, 6. CSV intake and overflow
+
+
+def _write_csv(path, header, rows, encoding="utf-8", bom=False, sep=","):
+    text = sep.join(header) + "\n" + "".join(sep.join(str(v) for v in row) + "\n" for row in rows)
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode(encoding))
+    return path
+
+
+def _rows(n=40, seed=0, scale_y=1.0, scale_x=1.0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 3)) * scale_x
+    y = (x[:, 0] / scale_x - 2 * x[:, 1] / scale_x + 0.1 * rng.standard_normal(n)) * scale_y
+    return x, y
+
+
+def test_duplicate_column_names_are_an_error_naming_them(tmp_path):
+    x, y = _rows()
+    rows = [[a, a, b, c, v, v] for (a, b, c), v in zip(x, y)]
+    path = _write_csv(tmp_path / "dup.csv", ["a", "a", "b", "c", "y", "y"], rows)
+    with pytest.raises(DataError, match=r"duplicate column name\(s\) \['a', 'y'\]"):
+        tabular_file(path, "y")
+
+
+def test_a_bom_is_stripped_and_a_semicolon_file_gets_a_hint_and_a_directory_is_named(tmp_path):
+    x, y = _rows()
+    rows = [[*r, v] for r, v in zip(x, y)]
+    data = tabular_file(_write_csv(tmp_path / "bom.csv", ["a", "b", "c", "y"], rows, bom=True), "y")
+    assert data.input_dim == 3
+    table = load_regression_table(OmegaConf.create({"name": "csv", "path": str(tmp_path / "bom.csv"), "target": "y"}), 0)
+    assert table.columns == ["a", "b", "c"]
+    with pytest.raises(DataError, match="looks ';'-separated"):
+        tabular_file(_write_csv(tmp_path / "semi.csv", ["a", "b", "c", "y"], rows, sep=";"), "y")
+    with pytest.raises(DataError, match="is a directory, not a data file"):
+        tabular_file(tmp_path, "y")
+
+
+def test_non_utf8_text_is_an_error_naming_the_line(tmp_path):
+    path = tmp_path / "latin.csv"
+    path.write_bytes("a,y\n1,2\n3,4\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match="line 4: byte 0xe9 is not UTF-8"):
+        tabular_file(path, "y")
+    path.write_bytes(b"\xef\xbb\xbf" + "a,y\n1,2\n\xe9,4\n".encode("latin-1"))
+    with pytest.raises(DataError, match="line 3: byte 0xe9"):
+        tabular_file(path, "y")
+
+
+@pytest.mark.parametrize("scale_y, scale_x", [(1e200, 1.0), (1e-300, 1.0), (1.0, 1e200), (1.0, 1e-300)])
+def test_extreme_but_finite_scales_give_the_same_model_as_unit_scales(tmp_path, scale_y, scale_x):
+    """Standardization is scale-invariant: 1e200 or 1e-300 in a column changes nothing
+    once standardized (it used to be inf, zeroed, or "constant")."""
+    x, y = _rows()
+    unit = tabular_file(_write_csv(tmp_path / "unit.csv", ["a", "b", "c", "y"], [[*r, v] for r, v in zip(x, y)]), "y")
+    xs, ys = _rows(scale_y=scale_y, scale_x=scale_x)
+    scaled = tabular_file(_write_csv(tmp_path / "s.csv", ["a", "b", "c", "y"],
+                                     [[*r, v] for r, v in zip(xs, ys)]), "y")
+    torch.testing.assert_close(scaled.x_train, unit.x_train, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(scaled.y_train, unit.y_train, rtol=1e-6, atol=1e-6)
+    assert scaled.target_std == pytest.approx(unit.target_std * scale_y, rel=1e-12)
+
+
+def test_a_column_that_overflows_float32_when_standardized_is_named(tmp_path):
+    from cfbnn_cli.data.regression import RegressionTable
+
+    rng = np.random.default_rng(0)
+    x = np.stack([rng.standard_normal(30), 1e-300 * rng.standard_normal(30)], 1)
+    x[29, 1] = 1e10  # a test row 1e310 training standard deviations out: beyond float32 (and float64)
+    table = RegressionTable("wild", x, rng.standard_normal(30), "y", ["a", "tiny"])
+    with pytest.raises(DataError, match="data `wild`: feature column tiny overflow"):
+        table.split(np.arange(25), np.arange(25, 30))
+
+
+def test_a_1e200_target_trains_to_finite_metrics_in_original_units(tmp_path):
+    x, y = _rows(n=120, scale_y=1e200)
+    path = _write_csv(tmp_path / "big.csv", ["a", "b", "c", "y"], [[*r, v] for r, v in zip(x, y)])
+    cfg = regression_cfg("data=csv", f"data.path={path}", "data.target=y", "trainer.epochs=1", "trainer.batch_size=27",
+                         "gradient_variance.num_samples=0",
+                         base=[o for o in REGRESSION if not o.startswith(("data.", "trainer.batch_size"))])
+    result = regression.run(cfg, tmp_path / "run")
+    metrics = result["metrics"]
+    assert 1e197 < metrics["final_test_rmse"] < 1e203
+    assert np.isfinite(metrics["final_test_ll_closed_form"])  # ~ -log(1e200) = -460
+
+
+def test_non_finite_final_metrics_end_as_failed_with_a_non_zero_exit(tmp_path, monkeypatch, capsys, caplog):
+    from hydra.core.hydra_config import HydraConfig
+
+    from cfbnn_cli.cli import SUBCOMMANDS, make_task
+    from cfbnn_cli.runtime.errors import NonFiniteResultError
+
+    monkeypatch.setattr(regression, "run", lambda cfg, run_dir: {"metrics": {"final_test_rmse": float("inf"),
+                                                                            "test_ll_se": None}})
+    hydra_cfg = OmegaConf.create({"runtime": {"output_dir": str(tmp_path)}, "overrides": {"task": []}})
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra_cfg))
+    cfg = regression_cfg()
+    with pytest.raises(NonFiniteResultError, match="final_test_rmse"):
+        make_task(SUBCOMMANDS[0])(cfg)
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert record["status"] == "failed" and record["metrics"]["final_test_rmse"] is None
+    assert not (tmp_path / "done").exists()
+
+
+# ----------------------------------------------------------------------------- 7, 8. smaller defects
+
+
+@pytest.mark.parametrize("override, words", [("data=nope", "Could not find 'data/nope'"),
+                                             ("trainer.nosuchkey=1", "nosuchkey"), ("seed=[", "seed=[")])
+def test_hydra_composition_errors_exit_2_with_hydras_message(tmp_path, override, words):
+    text = one_line_error(cfbnn("train", "regression", f"hydra.run.dir={tmp_path}", override))
+    assert words in text
+
+
+def test_trainer_lr_must_be_finite():
+    with pytest.raises(ConfigError, match="trainer.lr=inf must be a positive, finite number"):
+        validate_common(regression_cfg("trainer.lr=inf"))
+
+
+def test_atomic_files_get_the_normal_umask_mode(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o644
+
+
+def test_temporary_files_of_a_killed_write_are_removed_on_the_next_run(finished_run, tmp_path):
+    run = _copy_run(finished_run, tmp_path / "run")
+    (run / ".results.json.k1ll3d.tmp").write_text("half")
+    (run / "checkpoints" / ".last.pt.abc123.tmp").write_bytes(b"half")
+    out = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION)
+    assert out.returncode == 0
+    assert not list(run.rglob("*.tmp"))
+
+
+def test_test_evaluation_is_chunked(monkeypatch):
+    """Peak memory: the predictive never sees more rows at once than one chunk."""
+    from cfbnn_cli.bnn.deep import MeanFieldMLP
+    from cfbnn_cli.data.regression import synthetic_teacher
+
+    monkeypatch.setattr(gradient_variance_study, "rows_per_chunk", lambda elements_per_row: 300)
+    seen = []
+    original = MeanFieldMLP.predict
+    monkeypatch.setattr(MeanFieldMLP, "predict", lambda self, x, *a, **k: seen.append(len(x)) or original(self, x, *a, **k))
+    data = synthetic_teacher(input_dim=4, n_train=50, n_test=1000)
+    model = MeanFieldMLP(4, [8, 8], "relu", 1.0, 0.1, 1.0, True, torch.Generator().manual_seed(0))
+    metrics = gradient_variance_study.evaluate(model, data, 4, torch.Generator().manual_seed(0))
+    assert seen == [300, 300, 300, 100] and np.isfinite(metrics["test_ll_closed_form"])
+
+
+# ----------------------------------------------------------------------------- fault injection: kill -9, resume
+
+
+def _progress_saved(run):
+    return (run / "checkpoints" / "last.pt").exists() or (run / "uci_progress.json").exists()
+
+
+def _kill_at(args, run, delay):
+    """Start the command, wait until it has saved some progress, then ``delay`` seconds
+    more, and SIGKILL it (if it is still running). Returns whether it was killed."""
+    process = subprocess.Popen([sys.executable, "-m", "cfbnn_cli.cli", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env=dict(os.environ, HYDRA_FULL_ERROR="0"))
+    try:
+        while process.poll() is None and not _progress_saved(run):
+            time.sleep(0.01)
+        process.wait(timeout=delay)
+        return False  # it finished before the kill
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        return True
+
+
+def _timed(args):
+    started = time.perf_counter()
+    out = cfbnn(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return time.perf_counter() - started
+
+
+def _results_without_timing(run):
+    record = json.loads((run / "results.json").read_text())
+    return {k: v for k, v in record["metrics"].items() if not re.search(r"seconds|_ms|wall|speed|time", k)}
+
+
+def _kill_and_resume_matches(tmp_path, command, overrides, seeds, compare):
+    reference = tmp_path / "reference"
+    duration = _timed([*command, f"hydra.run.dir={reference}", *overrides])
+    rng = np.random.default_rng(1234)
+    killed_mid_way = 0
+    for seed in seeds:
+        run = tmp_path / f"killed{seed}"
+        # a random moment after the first saved progress (start-up is about half of a small run)
+        killed = _kill_at([*command, f"hydra.run.dir={run}", *overrides], run, rng.uniform(0.0, 0.4) * duration)
+        killed_mid_way += killed and _progress_saved(run) and not (run / "done").exists()
+        out = cfbnn(*command, f"hydra.run.dir={run}", *overrides, "resume=true")
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert _results_without_timing(run) == _results_without_timing(reference)
+        compare(run, reference)
+    assert killed_mid_way >= 1  # at least one run was killed after saving progress, before finishing
+
+
+def _same_regression_outputs(run, reference):
+    drop = ["epoch_seconds"]
+    pd.testing.assert_frame_equal(pd.read_csv(run / "metrics.csv").drop(columns=drop),
+                                  pd.read_csv(reference / "metrics.csv").drop(columns=drop))
+    assert (run / "gradient_variance.csv").read_text() == (reference / "gradient_variance.csv").read_text()
+
+
+def _same_uci_outputs(run, reference):
+    keep = ["split", "method", "test_ll", "rmse", "noise_std", "steps"]
+    pd.testing.assert_frame_equal(pd.read_csv(run / "uci_splits.csv")[keep], pd.read_csv(reference / "uci_splits.csv")[keep])
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_regression_run(tmp_path):
+    overrides = [*REGRESSION, "trainer.epochs=4", "data.n_train=2000"]
+    _kill_and_resume_matches(tmp_path, ["train", "regression"], overrides, [0, 1], _same_regression_outputs)
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_uci_run(tmp_path):
+    overrides = [*UCI, "uci.n_splits=3", "uci.steps=150"]
+    _kill_and_resume_matches(tmp_path, ["train", "regression"], overrides, [0, 1], _same_uci_outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["regression", "uci"])
+def test_kill_9_at_many_points(tmp_path, protocol):
+    if protocol == "regression":
+        _kill_and_resume_matches(tmp_path, ["train", "regression"], [*REGRESSION, "trainer.epochs=6", "data.n_train=2000"],
+                                 range(2, 8), _same_regression_outputs)
+    else:
+        _kill_and_resume_matches(tmp_path, ["train", "regression"], [*UCI, "uci.n_splits=4", "uci.steps=150"],
+                                 range(2, 8), _same_uci_outputs)
