@@ -30,11 +30,7 @@ from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from torch import nn
 
-from cfbnn_cli.bnn import ClosedFormBNN, augment
-from cfbnn_cli.bnn.monte_carlo import (
-    regression_ell_local_reparameterization,
-    regression_ell_sample_a,
-)
+from cfbnn_cli.bnn import ClosedFormBNN
 from cfbnn_cli.bnn.pyro_glue import PyroMLPRegression
 from cfbnn_cli.moments import set_validate_args
 
@@ -54,11 +50,7 @@ def best_time(fn, repeats, device):
 
 
 def local_reparam_elbo(model, x, y, num_data, generator):
-    b_loc, b_scale = model._b()
-    ell = regression_ell_local_reparameterization(
-        augment(x), y, model.a.loc, model.a.scale(), b_loc, b_scale, model.precision, model.activation, 1, generator
-    )
-    return num_data / x.shape[0] * ell.mean() - model.kl()
+    return model.elbo(x, y, num_data, estimator="sampling", generator=generator)
 
 
 def gradient_variance(loss_fn, params, draws):
@@ -148,9 +140,7 @@ def main(argv=None):
         variance_local = gradient_variance(lambda: -local_reparam_elbo(model, x, y, num_data, sampler), params, draws)
 
         def sample_a_elbo():
-            b_loc, b_scale = model._b()
-            ell = regression_ell_sample_a(augment(x), y, model.a.loc, model.a.scale(), b_loc, b_scale, model.precision, model.activation, 1, sampler)
-            return -(num_data / x.shape[0] * ell.mean() - model.kl())
+            return -model.elbo(x, y, num_data, estimator="integrate_output_layer", generator=sampler)
 
         variance_sample_a = gradient_variance(sample_a_elbo, params, draws)
         variance_closed = gradient_variance(lambda: -model.elbo(x, y, num_data), params, 5)

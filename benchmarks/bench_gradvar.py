@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from cfbnn_cli.bnn.deep import MeanFieldMLP
+from cfbnn_cli.bnn.network import BayesianNetwork
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
 from cfbnn_cli.moments import set_validate_args
 
@@ -43,7 +43,7 @@ def main(argv=None):
     torch.manual_seed(0)
     x = torch.randn(500, 90, device=device)
     y = torch.randn(500, device=device)
-    model = MeanFieldMLP(90, [200, 200]).to(device)
+    model = BayesianNetwork(90, [200, 200]).to(device)
     generator = torch.Generator(device=device).manual_seed(0)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

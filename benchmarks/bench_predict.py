@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from cfbnn_cli.bnn.head import BayesianHead
-from cfbnn_cli.bnn.layers import augment
+from cfbnn_cli.bnn.functional import augment
+from cfbnn_cli.bnn.network import bayesian_head
 from cfbnn_cli.moments import validate_args
 
 
@@ -50,21 +50,21 @@ def main(argv=None):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     F, H1, H2, O = (int(v) for v in args.sizes.split(","))
     torch.manual_seed(0)
-    head = BayesianHead(F, [H1, H2], O).to(device).eval()
+    head = bayesian_head(F, [H1, H2], O).to(device).eval()
     x = torch.randn(args.batch, F, device=device)
     generator = torch.Generator(device=device).manual_seed(0)
-    middle, last = head.bayesian.layers
+    _, middle, last = head.layers
 
     def plain(x):
-        h = head.hidden(x)
+        h = head.point_features(x)
         h = torch.relu(augment(h) @ middle.loc.T)
         return (augment(h) @ last.loc.T).argmax(-1)
 
     def deterministic(x):
-        return head.logit_mean(x).argmax(-1)
+        return head.output_mean(x).argmax(-1)
 
     def monte_carlo(n):
-        return lambda x: torch.softmax(head.sample_logits(x, n, generator), -1).mean(0).argmax(-1)
+        return lambda x: torch.softmax(head.sample_outputs(x, n, generator), -1).mean(0).argmax(-1)
 
     def timed(function):
         """(seconds for one synchronized batch, seconds per batch in a stream): best of repeats."""
@@ -114,7 +114,7 @@ def main(argv=None):
             n = max(args.samples)
             try:
                 times[f"Monte Carlo, N={n}, compiled"] = timed(torch.compile(
-                    lambda x: torch.softmax(head.sample_logits(x, n), -1).mean(0).argmax(-1), mode="reduce-overhead"))
+                    lambda x: torch.softmax(head.sample_outputs(x, n), -1).mean(0).argmax(-1), mode="reduce-overhead"))
             except Exception as error:  # report, do not hide, a compiler failure
                 print(f"  Monte Carlo, N={n} could not be compiled: {type(error).__name__}: {str(error)[:200]}")
     reference = times["deterministic argmax y_hat"][1]

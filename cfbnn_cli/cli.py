@@ -102,17 +102,40 @@ def find_subcommand(argv: Sequence[str]) -> Tuple[Optional[Subcommand], List[str
 
 
 def config_dir() -> Path:
-    """The ``conf/`` directory: ``$CFBNN_CONFIG_DIR``, else the one beside the package."""
+    """The ``conf/`` directory: ``$CFBNN_CONFIG_DIR``; else the copy an installed wheel carries
+    (``cfbnn_cli/conf``); else the checkout's ``conf/`` beside the package (an editable install)."""
     override = os.environ.get("CFBNN_CONFIG_DIR")
-    candidates = [Path(override)] if override else []
-    candidates.append(Path(__file__).resolve().parent.parent / "conf")
+    here = Path(__file__).resolve().parent
+    candidates = ([Path(override)] if override else []) + [here / "conf", here.parent / "conf"]
     for candidate in candidates:
-        if (candidate / "train_regression.yaml").is_file():
+        if (candidate / "shared" / "base.yaml").is_file() and (candidate / "train_regression").is_dir():
             return candidate
     raise CfbnnError(
-        "cannot find the cfbnn config directory (conf/); install cfbnn from a source checkout with "
-        "`pip install -e .` or point CFBNN_CONFIG_DIR at the checkout's conf/ folder"
+        f"cannot find the cfbnn config directory (looked in {', '.join(str(c) for c in candidates)}); reinstall cfbnn "
+        "(`pip install .` ships conf/ inside the package) or point CFBNN_CONFIG_DIR at a checkout's conf/ folder"
     )
+
+
+SHARED_CONFIG_ENV = "CFBNN_SHARED_CONFIG"
+
+
+def _point_hydra_at_shared_configs(conf: Path) -> None:
+    """Every command's configs live in ``conf/<command>/``; the shared ``base`` and the launcher
+    presets in ``conf/shared/``, which each command's ``hydra.searchpath`` finds through this
+    environment variable (a command-line override would break Hydra's argument order)."""
+    os.environ[SHARED_CONFIG_ENV] = str(conf / "shared")
+
+
+def compose_config(config_name: str, overrides: Sequence[str] = (), return_hydra_config: bool = False):
+    """A command's composed config, as the CLI composes it (for tests, notebooks and scripts)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    conf = config_dir()
+    _point_hydra_at_shared_configs(conf)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf / config_name), version_base="1.3", job_name=config_name):
+        return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
 def _report_error(error: CfbnnError) -> None:
@@ -171,6 +194,37 @@ def _non_finite(metrics) -> List[str]:
     return bad
 
 
+WORKER_FLAG = "--distributed-worker"
+
+
+def run_pipeline(sub: Subcommand, cfg, run_dir) -> dict:
+    """``pipeline.run(cfg, run_dir)``, or under ``distributed.nproc=N`` that many torchrun
+    workers running it (the launcher is given the worker command; it imports no pipeline)."""
+    from .runtime import distributed
+    from .runtime.errors import ConfigError
+
+    pipeline = importlib.import_module(sub.pipeline)
+    nproc = distributed.requested_processes(cfg)
+    if nproc == 1:
+        return pipeline.run(cfg, Path(run_dir))
+    if not pipeline.supports_distributed(cfg):
+        raise ConfigError(f"distributed.nproc={nproc}: `cfbnn {sub.name}` with this configuration runs in one process; "
+                          "set distributed.nproc=1")
+    pipeline.validate(cfg)  # before starting N processes that would each fail alike
+    return distributed.launch(cfg, run_dir, nproc, ["-m", "cfbnn_cli.cli", WORKER_FLAG, sub.config_name])
+
+
+def _run_worker(argv: Sequence[str]) -> int:
+    """``cfbnn --distributed-worker <config name> --config ... --run-dir ...``: one torchrun worker."""
+    from .runtime import distributed
+
+    sub = next((s for s in SUBCOMMANDS if argv and s.config_name == argv[0]), None)
+    if sub is None:
+        print(f"cfbnn: error: {WORKER_FLAG} needs one of {[s.config_name for s in SUBCOMMANDS]}", file=sys.stderr)
+        return 2
+    return distributed.run_worker(importlib.import_module(sub.pipeline).run, list(argv[1:]))
+
+
 def make_task(sub: Subcommand):
     """The Hydra task function for one subcommand."""
 
@@ -187,7 +241,6 @@ def make_task(sub: Subcommand):
         try:
             with RunDirLock(run_dir):
                 validate_common(cfg)
-                pipeline = importlib.import_module(sub.pipeline)
                 fingerprint, finished = claim_run_dir(cfg, run_dir)
                 if finished:
                     log.info("resume=true and %s/done exists for this configuration: this job already finished, "
@@ -195,7 +248,7 @@ def make_task(sub: Subcommand):
                     return
                 _save_hydra_record(run_dir, cfg)
                 started = time.perf_counter()
-                result = pipeline.run(cfg, run_dir)
+                result = run_pipeline(sub, cfg, run_dir)
                 metrics = result.get("metrics", {})
                 bad = _non_finite(metrics)
                 write_results(
@@ -234,6 +287,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from .report.aggregate import main as report_main
 
         sys.exit(report_main(argv[1:]))
+    if argv[0] == WORKER_FLAG:
+        sys.exit(_run_worker(argv[1:]))
     if argv[0] == "--version":
         from . import __version__
 
@@ -273,8 +328,10 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     # Hydra reads sys.argv; give it only the arguments after the subcommand.
     sys.argv = [f"cfbnn {sub.name}"] + rest
+    _point_hydra_at_shared_configs(conf)
     try:
-        hydra.main(config_path=str(conf), config_name=sub.config_name, version_base="1.3")(make_task(sub))()
+        hydra.main(config_path=str(conf / sub.config_name), config_name=sub.config_name,
+                   version_base="1.3")(make_task(sub))()
     except SystemExit as exit:
         if exit.code not in (0, None) and _mentions_launcher(rest):
             print(LAUNCHER_HINT, file=sys.stderr)

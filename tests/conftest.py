@@ -1,10 +1,40 @@
+"""Shared fixtures: Hydra's global state, the CLI as a subprocess, small configs of each command.
+
+The tests mirror the package (``tests/moments``, ``tests/bnn``, ``tests/pipelines``, ...);
+builders two modules need live here as fixtures, not in a test module another imports.
+"""
+
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # for tests/reference.py
+from cfbnn_cli.cli import compose_config
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# small but real settings of each command (seconds, not minutes, on 2 cores)
+TINY_REGRESSION = [
+    "data.n_train=400", "data.n_test=100", "data.input_dim=8", "model.hidden_sizes=[16,16]",
+    "trainer.epochs=3", "trainer.batch_size=100", "trainer.lr=0.01", "gradient_variance.num_samples=300",
+    "gradient_variance.batch_size=100", "evaluation.num_samples=4", "device=cpu",
+]
+SMALL_UCI = [
+    "experiment=uci", "data=synthetic", "data.input_dim=4", "data.n_train=160", "data.n_test=40",
+    "data.noise_std=0.3", "uci.n_splits=2", "trainer.epochs=60", "model.hidden_sizes=[16]",
+    "uci.predictive_samples=64", "trainer.batch_size=32", "device=cpu",
+]
+TINY_VAE = [
+    "data=synthetic", "data.input_dim=6", "data.rows=300", "model.encoder_hidden=[16,16]",
+    "model.latent_dim=2", "model.decoder_hidden=12", "trainer.epochs=4", "trainer.batch_size=25", "trainer.lr=0.01",
+    "evaluation.inner_samples=8", "evaluation.trials=3", "device=cpu",
+]
+TINY_IMAGENET = [
+    "model.hidden_sizes=[32,32]", "trainer.epochs=3", "trainer.batch_size=64", "trainer.lr=0.01",
+    "evaluation.total_samples=64", "evaluation.inner_samples=[1,4,16,64]", "evaluation.timing_images=64", "device=cpu",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -17,4 +47,52 @@ def _clear_hydra():
     GlobalHydra.instance().clear()
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def _compose(command, base, overrides):
+    overrides = list(overrides)
+    groups = {o.split("=", 1)[0] for o in overrides if "=" in o and "." not in o.split("=", 1)[0]}
+    # another option of a group drops the base's keys of that group (they may not exist there)
+    kept = [o for o in base if o.split("=", 1)[0].split(".")[0] not in groups]
+    return compose_config(command, kept + overrides)
+
+
+@pytest.fixture(scope="session")
+def regression_cfg():
+    """``regression_cfg(*overrides)``: a tiny Table 1 run's config (``train regression``)."""
+    return lambda *overrides: _compose("train_regression", TINY_REGRESSION, overrides)
+
+
+@pytest.fixture(scope="session")
+def uci_cfg():
+    """``uci_cfg(*overrides)``: a small UCI-protocol config (synthetic data, 2 splits)."""
+    return lambda *overrides: _compose("train_regression", SMALL_UCI, overrides)
+
+
+@pytest.fixture(scope="session")
+def vae_cfg():
+    """``vae_cfg(*overrides)``: a tiny ``cfbnn vae`` config (synthetic data)."""
+    return lambda *overrides: _compose("vae", TINY_VAE, overrides)
+
+
+@pytest.fixture
+def imagenet_cfg(tmp_path):
+    """``imagenet_cfg(*overrides)``: a tiny ``cfbnn imagenet-predict`` config (digits, cache under tmp_path)."""
+    return lambda *overrides: _compose("imagenet_predict", TINY_IMAGENET + [f"features.cache_dir={tmp_path / 'cache'}"],
+                                       overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_overrides():
+    """The small settings of each command, as command-line overrides."""
+    return {"train_regression": TINY_REGRESSION, "uci": SMALL_UCI, "vae": TINY_VAE, "imagenet_predict": TINY_IMAGENET}
+
+
+@pytest.fixture
+def cfbnn():
+    """``cfbnn(*args, timeout=..., env=...)``: the command in a subprocess (one-line errors, no traceback)."""
+
+    def run(*args, timeout=600, env=None, cwd=None):
+        environment = dict(os.environ, HYDRA_FULL_ERROR="0", **(env or {}))
+        return subprocess.run([sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True,
+                              env=environment, timeout=timeout, cwd=cwd)
+
+    return run

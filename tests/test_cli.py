@@ -1,37 +1,25 @@
-"""The cfbnn command: dispatch, config composition, run directories, errors."""
+"""cli.py: dispatch, config composition and each command's help, run directories, errors."""
 
-import os
 import subprocess
-import sys
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from cfbnn_cli.cli import SUBCOMMANDS, config_dir, find_subcommand
+from cfbnn_cli.cli import SUBCOMMANDS, compose_config, find_subcommand
 from cfbnn_cli.runtime.checks import validate_common
 from cfbnn_cli.runtime.errors import ConfigError
 
-CONF = str(config_dir())
 
-
-def cfbnn(*args, cwd=None):
-    env = dict(os.environ, HYDRA_FULL_ERROR="0")
-    return subprocess.run(
-        [sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
-    )
-
-
-def test_help_lists_subcommands():
+def test_help_lists_subcommands(cfbnn):
     out = cfbnn("--help")
     assert out.returncode == 0
-    for sub in ("train regression", "vae", "imagenet-predict"):
+    for sub in ("train regression", "vae", "imagenet-predict", "report"):
         assert sub in out.stdout
 
 
 @pytest.mark.parametrize("args", [["nope"], ["train"], ["train", "classification"], []])
-def test_unknown_or_incomplete_subcommand_exits_2_with_usage(args):
+def test_unknown_or_incomplete_subcommand_exits_2_with_usage(args, cfbnn):
     out = cfbnn(*args)
     assert out.returncode == 2
     assert "usage: cfbnn" in out.stdout + out.stderr
@@ -46,8 +34,7 @@ def test_dispatch_table():
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS, ids=lambda s: s.name)
 def test_each_config_composes_with_common_keys(sub):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3", job_name=sub.config_name):
-        cfg = compose(config_name=sub.config_name, overrides=["seed=5", "device=cpu"], return_hydra_config=True)
+    cfg = compose_config(sub.config_name, ["seed=5", "device=cpu"], return_hydra_config=True)
     assert cfg.hydra.job.name == sub.config_name
     assert cfg.seed == 5 and cfg.device == "cpu" and cfg.resume is False
     for key in ("epochs", "batch_size", "lr"):
@@ -57,10 +44,31 @@ def test_each_config_composes_with_common_keys(sub):
     validate_common(cfg)
 
 
-def test_config_groups_switch():
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="train_regression", overrides=["estimator=sampling", "data=diabetes"])
-    assert cfg.estimator.name == "sampling" and cfg.data.name == "diabetes"
+def test_config_groups_and_keys_switch():
+    cfg = compose_config("train_regression", ["estimator=sampling", "data=diabetes"])
+    assert cfg.estimator == "sampling" and cfg.data.name == "diabetes" and cfg.protocol == "gradient_variance"
+    uci = compose_config("train_regression", ["experiment=uci"])  # no `+` needed: experiment is in the defaults
+    assert uci.protocol == "uci" and list(uci.model.hidden_sizes) == [50] and "estimator" not in uci
+    assert "gradient_variance" not in uci and "evaluation" not in uci  # Table 1's keys are not composed for UCI
+
+
+@pytest.mark.parametrize(
+    "sub, own, foreign",
+    [("vae", ["variant", "data: digits, fashion_mnist, synthetic, year_prediction_msd", "experiment: paper_table2"],
+      ["paper_table1", "head_small", "protocol", "csv"]),
+     ("train regression", ["protocol: gradient_variance, uci", "estimator", "experiment: paper_table1, uci"],
+      ["paper_table2", "variant", "digits", "head_small"]),
+     ("imagenet-predict", ["objective", "model: head, head_small", "data: digits, fake, fashion_mnist, imagenet"],
+      ["paper_table1", "variant", "protocol", "synthetic"])],
+)
+def test_each_command_help_lists_only_its_own_groups_and_keys(cfbnn, sub, own, foreign):
+    out = cfbnn(*sub.split(), "--help")
+    assert out.returncode == 0, out.stderr
+    groups = out.stdout.split("Main keys")[0]
+    for text in own:
+        assert text in out.stdout, text
+    for text in foreign:
+        assert text not in groups, text
 
 
 @pytest.mark.parametrize(
@@ -69,20 +77,19 @@ def test_config_groups_switch():
      ("trainer.batch_size=0", "trainer.batch_size"), ("trainer.lr=0", "trainer.lr"), ("resume=maybe", "resume")],
 )
 def test_invalid_common_values_are_named(override, key):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="train_regression", overrides=[override])
+    cfg = compose_config("train_regression", [override])
     with pytest.raises(ConfigError, match=key.split(".")[-1]):
         validate_common(cfg)
 
 
-def test_cfg_job_prints_composed_config():
+def test_cfg_job_prints_composed_config(cfbnn):
     out = cfbnn("vae", "--cfg", "job", "variant=v2")
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["variant"] == "v2" and "trainer" in cfg
 
 
-def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path):
+def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path, cfbnn):
     run_dir = tmp_path / "run"
     args = ["imagenet-predict", f"hydra.run.dir={run_dir}", f"features.cache_dir={tmp_path / 'cache'}", "device=cpu",
             "trainer.epochs=1", "model.hidden_sizes=[16,16]", "evaluation.total_samples=16", "evaluation.inner_samples=[1,16]"]
@@ -97,14 +104,14 @@ def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path):
     assert again.returncode == 0 and "already finished, skipping" in again.stdout + again.stderr
 
 
-def test_invalid_value_exits_2_before_work(tmp_path):
+def test_invalid_value_exits_2_before_work(tmp_path, cfbnn):
     out = cfbnn("vae", f"hydra.run.dir={tmp_path / 'r'}", "device=tpu")
     assert out.returncode == 2
     text = out.stdout + out.stderr
     assert "device='tpu'" in text and "Traceback" not in text
 
 
-def test_multirun_makes_one_dir_per_job(tmp_path):
+def test_multirun_makes_one_dir_per_job(tmp_path, cfbnn):
     sweep = tmp_path / "sweep"
     out = cfbnn("imagenet-predict", "-m", "seed=0,1", f"hydra.sweep.dir={sweep}", "stage=features", "device=cpu",
                 f"features.cache_dir={tmp_path / 'cache'}")

@@ -6,13 +6,13 @@ Skipped cleanly where CUDA is absent (CI); run on a GPU machine with
 
 import pytest
 import torch
-from conftest import requires_cuda
 
-from cfbnn_cli.bnn import ClosedFormBNN
-from cfbnn_cli.bnn.deep import MeanFieldMLP
+from cfbnn_cli.bnn import BayesianNetwork, ClosedFormBNN, bayesian_head
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
 
-pytestmark = requires_cuda
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+FAKE = ["data=fake", "backbone.name=resnet50", "features.shard_size=16", "features.batch_size=8", "data.n_train=40",
+        "data.n_held_out=10"]
 
 
 def _copy_to(module, device):
@@ -35,7 +35,7 @@ def test_closed_form_elbo_predictive_and_gradients_match_cpu(covariance):
     elbo_gpu.backward()
     for (name, p_cpu), p_gpu in zip(cpu.named_parameters(), gpu.parameters()):
         torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, rtol=1e-8, atol=1e-10, msg=name)
-    for a, b in zip(cpu.predictive(x), gpu.predictive(x.cuda())):
+    for a, b in zip(cpu.predictive(x), gpu.predictive(x.cuda())):  # mean, var_A, var_B, noise
         torch.testing.assert_close(b.cpu(), a, rtol=1e-10, atol=1e-12)
 
 
@@ -51,7 +51,7 @@ def test_float32_closed_form_on_cuda_is_close_to_float64():
 
 def test_deep_model_and_vectorized_gradient_variance_run_on_cuda():
     torch.manual_seed(0)
-    model = MeanFieldMLP(8, [16, 16]).cuda()
+    model = BayesianNetwork(8, [16, 16]).cuda()
     x = torch.randn(64, 8, device="cuda")
     y = torch.randn(64, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -63,7 +63,7 @@ def test_deep_model_and_vectorized_gradient_variance_run_on_cuda():
         assert all(torch.isfinite(torch.tensor(v)) and v >= 0 for v in variances[estimator].values())
     final_mean = "layers.2.loc"
     assert variances["analytic"][final_mean] < variances["sampling"][final_mean]
-    means, component_variances = model.predict(x, num_samples=8, generator=generator)
+    means, component_variances = model.predict_mixture(x, num_samples=8, generator=generator)
     assert means.device.type == "cuda" and bool((component_variances > 0).all())
 
 
@@ -82,22 +82,19 @@ def test_classification_objectives_on_cuda_match_cpu():
         assert estimate.device.type == "cuda" and bool(torch.isfinite(estimate))
 
 
-def test_regression_pipeline_runs_on_cuda(tmp_path):
-    from test_regression_pipeline import tiny_cfg
-
+def test_regression_pipeline_runs_on_cuda(tmp_path, regression_cfg):
     from cfbnn_cli.pipelines import regression
 
-    result = regression.run(tiny_cfg("device=cuda"), tmp_path)
+    result = regression.run(regression_cfg("device=cuda"), tmp_path)
     assert str(result["device"]).startswith("cuda")
     assert result["metrics"]["final_test_rmse"] > 0
 
 
-def test_vae_decoder_closed_form_on_cuda_matches_cpu_and_pipeline_runs(tmp_path):
-    from test_vae import _model, tiny_cfg
-
+def test_vae_decoder_closed_form_on_cuda_matches_cpu_and_pipeline_runs(tmp_path, vae_cfg):
+    from cfbnn_cli.bnn.vae import BayesianDecoderVAE
     from cfbnn_cli.pipelines import vae
 
-    model = _model("v3")
+    model = BayesianDecoderVAE(4, 3, [8], 6, "v3", init_scale=0.3, generator=torch.Generator().manual_seed(0)).double()
     g = torch.Generator().manual_seed(1)
     z = torch.randn(5, 3, generator=g, dtype=torch.float64)
     x = torch.randn(5, 4, generator=g, dtype=torch.float64)
@@ -105,45 +102,42 @@ def test_vae_decoder_closed_form_on_cuda_matches_cpu_and_pipeline_runs(tmp_path)
     torch.testing.assert_close(gpu.decoder_expected_log_likelihood(z.cuda(), x.cuda()).cpu(), model.decoder_expected_log_likelihood(z, x))
     estimate = gpu.importance_weighted_log_likelihood(x.cuda(), 50, torch.Generator(device="cuda").manual_seed(0))
     assert estimate.device.type == "cuda" and bool(torch.isfinite(estimate).all())
-    result = vae.run(tiny_cfg("device=cuda", "trainer.epochs=2"), tmp_path)
+    result = vae.run(vae_cfg("device=cuda", "trainer.epochs=2"), tmp_path)
     assert str(result["device"]).startswith("cuda")
     assert all(torch.isfinite(torch.tensor(result["metrics"][f"vae/{v}/test_ll"])) for v in ("v1", "v2", "v3"))
 
 
-def test_uci_protocol_runs_every_method_on_cuda(tmp_path):
-    from test_uci_protocol import uci_cfg
-
+def test_uci_protocol_runs_every_method_on_cuda(tmp_path, uci_cfg):
     from cfbnn_cli.pipelines import regression
 
-    result = regression.run(uci_cfg("device=cuda", "uci.steps=50", "uci.predictive_samples=20"), tmp_path)
+    result = regression.run(uci_cfg("device=cuda", "trainer.epochs=10", "uci.predictive_samples=20"), tmp_path)
     for method in ("closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro", "plain_mlp"):
         assert torch.isfinite(torch.tensor(result["metrics"][f"uci/{method}/test_ll_mean"])), method
 
 
-def test_imagenet_predict_runs_on_cuda_and_resnet50_features_match_cpu(tmp_path):
-    from test_imagenet import _fake_cfg, cfg_for
-
+def test_imagenet_predict_runs_on_cuda_and_resnet50_features_match_cpu(tmp_path, imagenet_cfg):
     from cfbnn_cli.pipelines import imagenet
 
-    result = imagenet.run(cfg_for(tmp_path, "device=cuda"), tmp_path / "run")
+    result = imagenet.run(imagenet_cfg("device=cuda"), tmp_path / "run")
     assert str(result["device"]).startswith("cuda") and result["metrics"]["deterministic/top1"] > 0.5
-    cpu = imagenet.compute_features(_fake_cfg(tmp_path / "cpu"), torch.device("cpu"))["train"][0].float()
-    gpu = imagenet.compute_features(_fake_cfg(tmp_path / "gpu"), torch.device("cuda"))["train"][0].float()
+    cpu = imagenet.compute_features(imagenet_cfg(*FAKE, f"features.cache_dir={tmp_path / 'cpu'}"),
+                                    torch.device("cpu"))["train"][0].float()
+    gpu = imagenet.compute_features(imagenet_cfg(*FAKE, f"features.cache_dir={tmp_path / 'gpu'}"),
+                                    torch.device("cuda"))["train"][0].float()
     torch.testing.assert_close(gpu, cpu, rtol=2e-2, atol=2e-2)
 
 
 def test_head_prediction_on_cuda_matches_cpu_float64():
-    """``logit_mean`` on CUDA (mean-only ReLU kernel, cached variances) in float32 and float64."""
-    from cfbnn_cli.bnn.head import BayesianHead
+    """``output_mean`` on CUDA (mean-only ReLU kernel, cached variances) in float32 and float64."""
 
     torch.manual_seed(0)
-    head = BayesianHead(64, [128, 128], 10, init_scale=0.3).double()
+    head = bayesian_head(64, [128, 128], 10, init_scale=0.3).double()
     x = torch.randn(512, 64, dtype=torch.float64)
     with torch.no_grad():
-        reference = head.logit_mean(x)
+        reference = head.output_mean(x)
         for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
             on_gpu = _copy_to(head, "cuda").to(dtype)
             for _ in range(2):  # the second call reuses the cached variances
-                logits = on_gpu.logit_mean(x.to("cuda", dtype))
+                logits = on_gpu.output_mean(x.to("cuda", dtype))
                 assert logits.device.type == "cuda" and logits.dtype == dtype
                 torch.testing.assert_close(logits.cpu().double(), reference, rtol=tolerance, atol=tolerance)

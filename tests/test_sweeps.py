@@ -1,30 +1,19 @@
-"""Sweeps: launchers, resume of a killed sweep, `cfbnn report` and its multirun callback."""
-
-import json
-import math
-import os
-import subprocess
-import sys
+"""Sweeps: launchers (slow: each starts worker processes), resume of a killed sweep, the
+multirun's report callback, a launcher error's hint."""
 
 import pandas as pd
 import pytest
 
-from cfbnn_cli.report.aggregate import report
-
 FAST = ["stage=features", "device=cpu"]  # imagenet-predict's feature stage: a real job in ~1 s
-
-
-def cfbnn(*args, env_extra=None):
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 def _results(sweep):
     return sorted(sweep.glob("*/results.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
-def test_two_by_two_sweep_on_a_launcher_gives_four_results_and_one_table(tmp_path, launcher):
+def test_two_by_two_sweep_on_a_launcher_gives_four_results_and_one_table(tmp_path, launcher, cfbnn):
     sweep = tmp_path / "sweep"
     extra = ["hydra.launcher.n_jobs=2"] if launcher == "joblib" else []
     out = cfbnn("imagenet-predict", "-m", "seed=0,1", "objective=sampling,control_variate", f"hydra/launcher={launcher}",
@@ -38,7 +27,7 @@ def test_two_by_two_sweep_on_a_launcher_gives_four_results_and_one_table(tmp_pat
         assert "torch threads per job" in out.stdout + out.stderr
 
 
-def test_a_killed_sweep_resumes_with_only_the_missing_jobs(tmp_path):
+def test_a_killed_sweep_resumes_with_only_the_missing_jobs(tmp_path, cfbnn):
     sweep = tmp_path / "sweep"
     common = [f"hydra.sweep.dir={sweep}", f"features.cache_dir={tmp_path / 'cache'}", *FAST]
     first = cfbnn("imagenet-predict", "-m", "seed=0,1", *common)  # as if killed after two jobs
@@ -52,45 +41,7 @@ def test_a_killed_sweep_resumes_with_only_the_missing_jobs(tmp_path):
     assert all(p.stat().st_mtime_ns == t for p, t in before.items())  # the finished jobs were not redone
 
 
-def _write_run(folder, pipeline, config, metrics):
-    folder.mkdir(parents=True)
-    record = {"pipeline": pipeline, "schema": 1, "status": "complete", "config": config, "metrics": metrics}
-    (folder / "results.json").write_text(json.dumps(record))
-
-
-def test_report_on_hand_made_runs_gives_the_known_mean_and_standard_error(tmp_path, capsys):
-    values = {("analytic", 0): 1.0, ("analytic", 1): 3.0, ("analytic", 2): 5.0, ("sampling", 0): 10.0, ("sampling", 1): 14.0}
-    for i, ((estimator, seed), value) in enumerate(values.items()):
-        config = {"seed": seed, "estimator": {"name": estimator}, "trainer": {"epochs": 3}, "device": "cpu"}
-        _write_run(tmp_path / str(i), "train_regression", config, {"final_test_rmse": value, "other": None})
-    (tmp_path / "9").mkdir()
-    (tmp_path / "9" / "results.json").write_text("{ truncated")
-    written = report(tmp_path)
-    err = capsys.readouterr().err
-    assert f"skipping {tmp_path / '9' / 'results.json'}" in err  # the corrupt file is named, the rest aggregated
-    summary = pd.read_csv(tmp_path / "report_train_regression.csv")
-    rmse = summary[summary["metric"] == "final_test_rmse"].set_index("estimator.name")
-    assert list(summary.columns[:2]) == ["estimator.name", "metric"]  # grouped by the swept key only
-    assert rmse.loc["analytic", "mean"] == pytest.approx(3.0) and rmse.loc["analytic", "n"] == 3
-    assert rmse.loc["analytic", "se"] == pytest.approx(2.0 / math.sqrt(3))  # sd of (1, 3, 5) is 2
-    assert rmse.loc["sampling", "mean"] == pytest.approx(12.0)
-    assert rmse.loc["sampling", "se"] == pytest.approx(math.sqrt(8.0) / math.sqrt(2))
-    markdown = (tmp_path / "report_train_regression_table.md").read_text()
-    assert "3.0000 ± 1.1547" in markdown and "12.00 ± 2.00" in markdown
-    assert "report_train_regression_table.tex" in written["train_regression"]
-
-
-def test_report_makes_table_2_from_single_variant_runs(tmp_path):
-    for i, (variant, seed, value) in enumerate([("v1", 0, -10.0), ("v1", 1, -12.0), ("v3", 0, -9.0), ("v3", 1, -9.5)]):
-        _write_run(tmp_path / str(i), "vae", {"variant": variant, "seed": seed}, {f"vae/{variant}/test_ll": value})
-    report(tmp_path)
-    table = pd.read_csv(tmp_path / "report_vae_table.csv", index_col=0)
-    assert list(table.index) == ["V1", "V3"]
-    assert table.loc["V1"].iloc[0] == "-11.00 ± 1.00"
-    assert (tmp_path / "report_vae.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_report_with_no_results_fails_and_a_bad_launcher_points_to_the_readme(tmp_path):
+def test_report_with_no_results_fails_and_a_bad_launcher_points_to_the_readme(tmp_path, cfbnn):
     out = cfbnn("report", str(tmp_path))
     assert out.returncode != 0 and "no results.json of a complete run under" in out.stderr
     bad = cfbnn("vae", "-m", "seed=0", "hydra/launcher=nosuch", f"hydra.sweep.dir={tmp_path / 's'}")

@@ -16,10 +16,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from cfbnn_cli.cli import config_dir
+from cfbnn_cli.cli import compose_config
 from cfbnn_cli.data.regression import load_regression_table, tabular_file
 from cfbnn_cli.pipelines import regression
 from cfbnn_cli.pipelines.regression import gradient_variance_study
@@ -36,8 +35,8 @@ REGRESSION = [
     "evaluation.num_samples=4", "device=cpu",
 ]
 UCI = [
-    "+experiment=uci", "data=synthetic", "data.input_dim=3", "data.n_train=90", "data.n_test=30", "uci.n_splits=2",
-    "uci.steps=30", "uci.hidden_size=8", "uci.predictive_samples=16", "uci.methods=[closed_form_diagonal,plain_mlp]",
+    "experiment=uci", "data=synthetic", "data.input_dim=3", "data.n_train=90", "data.n_test=30", "uci.n_splits=2",
+    "trainer.epochs=5", "model.hidden_sizes=[8]", "uci.predictive_samples=16", "uci.methods=[closed_form_diagonal,plain_mlp]",
     "trainer.batch_size=16", "device=cpu",
 ]
 
@@ -48,9 +47,8 @@ def cfbnn(*args, timeout=300):
                           timeout=timeout)
 
 
-def regression_cfg(*overrides, base=REGRESSION):
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train_regression", overrides=list(base) + list(overrides))
+def _config(*overrides, base=REGRESSION):
+    return compose_config("train_regression", list(base) + list(overrides))
 
 
 def one_line_error(out, code=2):
@@ -217,13 +215,13 @@ def test_resume_into_a_finished_run_with_another_config_is_refused(finished_run,
     assert same.returncode == 0 and "already finished, skipping" in same.stdout + same.stderr  # device is ignored
 
 
-def test_a_uci_run_resumed_with_other_steps_is_refused_and_progress_files_are_bound(tmp_path):
+def test_a_uci_run_resumed_with_another_budget_is_refused_and_progress_files_are_bound(tmp_path):
     run = tmp_path / "run"
-    cfg = regression_cfg(base=UCI)
+    cfg = _config(base=UCI)
     claim_run_dir(cfg, run)
     regression.run(cfg, run)
-    other = regression_cfg("uci.steps=20", "resume=true", base=UCI)
-    with pytest.raises(ConfigError, match="uci.steps: 30 -> 20"):
+    other = _config("trainer.epochs=4", "resume=true", base=UCI)
+    with pytest.raises(ConfigError, match="trainer.epochs: 5 -> 4"):
         claim_run_dir(other, run)
     # a progress file copied in from another configuration is refused too
     fresh = tmp_path / "fresh"
@@ -237,10 +235,10 @@ def test_a_uci_run_resumed_with_other_steps_is_refused_and_progress_files_are_bo
 
 
 def test_fingerprint_ignores_resume_device_and_paths_inside_the_run_dir(tmp_path):
-    base = regression_cfg()
-    moved = regression_cfg("resume=true", "device=auto")
+    base = _config()
+    moved = _config("resume=true", "device=auto")
     assert config_fingerprint(base) == config_fingerprint(moved)
-    assert config_fingerprint(base) != config_fingerprint(regression_cfg("seed=3"))
+    assert config_fingerprint(base) != config_fingerprint(_config("seed=3"))
     with open_dict(base):
         base.data.path = str(tmp_path / "run" / "x.csv")
     assert config_fingerprint(base, tmp_path / "run") == config_fingerprint(moved, tmp_path / "run")
@@ -324,7 +322,7 @@ def test_a_bom_is_stripped_and_a_semicolon_file_gets_a_hint_and_a_directory_is_n
     rows = [[*r, v] for r, v in zip(x, y)]
     data = tabular_file(_write_csv(tmp_path / "bom.csv", ["a", "b", "c", "y"], rows, bom=True), "y")
     assert data.input_dim == 3
-    table = load_regression_table(OmegaConf.create({"name": "csv", "path": str(tmp_path / "bom.csv"), "target": "y"}), 0)
+    table = load_regression_table(OmegaConf.create({"name": "csv", "path": str(tmp_path / "bom.csv"), "target": "y"}))
     assert table.columns == ["a", "b", "c"]
     with pytest.raises(DataError, match="looks ';'-separated"):
         tabular_file(_write_csv(tmp_path / "semi.csv", ["a", "b", "c", "y"], rows, sep=";"), "y")
@@ -370,9 +368,9 @@ def test_a_column_that_overflows_float32_when_standardized_is_named(tmp_path):
 def test_a_1e200_target_trains_to_finite_metrics_in_original_units(tmp_path):
     x, y = _rows(n=120, scale_y=1e200)
     path = _write_csv(tmp_path / "big.csv", ["a", "b", "c", "y"], [[*r, v] for r, v in zip(x, y)])
-    cfg = regression_cfg("data=csv", f"data.path={path}", "data.target=y", "trainer.epochs=1", "trainer.batch_size=27",
-                         "gradient_variance.num_samples=0",
-                         base=[o for o in REGRESSION if not o.startswith(("data.", "trainer.batch_size"))])
+    cfg = _config("data=csv", f"data.path={path}", "data.target=y", "trainer.epochs=1", "trainer.batch_size=27",
+                  "gradient_variance.num_samples=0",
+                  base=[o for o in REGRESSION if not o.startswith(("data.", "trainer.batch_size"))])
     result = regression.run(cfg, tmp_path / "run")
     metrics = result["metrics"]
     assert 1e197 < metrics["final_test_rmse"] < 1e203
@@ -389,7 +387,7 @@ def test_non_finite_final_metrics_end_as_failed_with_a_non_zero_exit(tmp_path, m
                                                                             "test_ll_se": None}})
     hydra_cfg = OmegaConf.create({"runtime": {"output_dir": str(tmp_path)}, "overrides": {"task": []}})
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra_cfg))
-    cfg = regression_cfg()
+    cfg = _config()
     with pytest.raises(NonFiniteResultError, match="final_test_rmse"):
         make_task(SUBCOMMANDS[0])(cfg)
     record = json.loads((tmp_path / "results.json").read_text())
@@ -409,7 +407,7 @@ def test_hydra_composition_errors_exit_2_with_hydras_message(tmp_path, override,
 
 def test_trainer_lr_must_be_finite():
     with pytest.raises(ConfigError, match="trainer.lr=inf must be a positive, finite number"):
-        validate_common(regression_cfg("trainer.lr=inf"))
+        validate_common(_config("trainer.lr=inf"))
 
 
 def test_atomic_files_get_the_normal_umask_mode(tmp_path):
@@ -432,15 +430,16 @@ def test_temporary_files_of_a_killed_write_are_removed_on_the_next_run(finished_
 
 def test_test_evaluation_is_chunked(monkeypatch):
     """Peak memory: the predictive never sees more rows at once than one chunk."""
-    from cfbnn_cli.bnn.deep import MeanFieldMLP
+    from cfbnn_cli.bnn.network import BayesianNetwork
     from cfbnn_cli.data.regression import synthetic_teacher
 
     monkeypatch.setattr(gradient_variance_study, "rows_per_chunk", lambda elements_per_row: 300)
     seen = []
-    original = MeanFieldMLP.predict
-    monkeypatch.setattr(MeanFieldMLP, "predict", lambda self, x, *a, **k: seen.append(len(x)) or original(self, x, *a, **k))
+    original = BayesianNetwork.predict_mixture
+    monkeypatch.setattr(BayesianNetwork, "predict_mixture",
+                        lambda self, x, *a, **k: seen.append(len(x)) or original(self, x, *a, **k))
     data = synthetic_teacher(input_dim=4, n_train=50, n_test=1000)
-    model = MeanFieldMLP(4, [8, 8], "relu", 1.0, 0.1, 1.0, True, torch.Generator().manual_seed(0))
+    model = BayesianNetwork(4, [8, 8], init_scale=0.1, generator=torch.Generator().manual_seed(0))
     metrics = gradient_variance_study.evaluate(model, data, 4, torch.Generator().manual_seed(0))
     assert seen == [300, 300, 300, 100] and np.isfinite(metrics["test_ll_closed_form"])
 
@@ -515,7 +514,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_regression_run(tmp_path):
 
 
 def test_kill_9_then_resume_equals_an_uninterrupted_uci_run(tmp_path):
-    overrides = [*UCI, "uci.n_splits=3", "uci.steps=150"]
+    overrides = [*UCI, "uci.n_splits=3", "trainer.epochs=30"]
     _kill_and_resume_matches(tmp_path, ["train", "regression"], overrides, [0, 1], _same_uci_outputs)
 
 
@@ -526,5 +525,5 @@ def test_kill_9_at_many_points(tmp_path, protocol):
         _kill_and_resume_matches(tmp_path, ["train", "regression"], [*REGRESSION, "trainer.epochs=6", "data.n_train=2000"],
                                  range(2, 8), _same_regression_outputs)
     else:
-        _kill_and_resume_matches(tmp_path, ["train", "regression"], [*UCI, "uci.n_splits=4", "uci.steps=150"],
+        _kill_and_resume_matches(tmp_path, ["train", "regression"], [*UCI, "uci.n_splits=4", "trainer.epochs=30"],
                                  range(2, 8), _same_uci_outputs)

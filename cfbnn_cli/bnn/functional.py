@@ -40,6 +40,10 @@ from ..moments import get_activation, validating_args
 
 __all__ = [
     "LowRankScale",
+    "augment",
+    "check_precision",
+    "output_rows",
+    "output_moments_given_hidden",
     "preactivation_moments",
     "diagonal_preactivation_moments",
     "hidden_moments",
@@ -51,6 +55,11 @@ __all__ = [
 ]
 
 _LOG_2PI = math.log(2.0 * math.pi)
+
+
+def augment(x: torch.Tensor) -> torch.Tensor:
+    """Append the bias column of ones (paper footnote 1: biases by augmented inputs)."""
+    return torch.cat([x, torch.ones(x.shape[:-1] + (1,), dtype=x.dtype, device=x.device)], dim=-1)
 
 
 class LowRankScale(NamedTuple):
@@ -145,8 +154,9 @@ def hidden_moments(x, a_loc, a_scale, activation) -> Tuple[torch.Tensor, torch.T
     return phi, variance
 
 
-def _b_parts(b_loc: torch.Tensor, b_scale: torch.Tensor, H: int):
-    """Normalize B to (O, H) loc and a (kind, scale) pair with an output dim."""
+def output_rows(b_loc: torch.Tensor, b_scale: torch.Tensor, H: int):
+    """``(single, loc (O, H), kind, scale)``: B with an explicit output dimension, ``kind``
+    ``"full"`` or ``"diagonal"``; ValueError naming the argument for other shapes."""
     single = b_loc.dim() == 1
     loc = b_loc.unsqueeze(0) if single else b_loc
     if loc.dim() != 2 or loc.shape[-1] != H:
@@ -170,7 +180,7 @@ def output_moments_given_hidden(phi, variance, b_loc, b_scale):
     ``phi = g`` this is the exact expectation over B for fixed hidden activations g.
     """
     H = phi.shape[-1]
-    _, loc, kind, scale = _b_parts(b_loc, b_scale, H)
+    _, loc, kind, scale = output_rows(b_loc, b_scale, H)
     mean = phi @ loc.transpose(-1, -2)
     if kind == "full":
         b_var_diag = scale.square().sum(-1)  # diag(L L^T): (O, H)
@@ -198,7 +208,7 @@ def predictive_moments(x, a_loc, a_scale, b_loc, b_scale, activation):
     return mean, var_a, var_b
 
 
-def _check_precision(precision):
+def check_precision(precision):
     """beta as a tensor (a Python number becomes a float64 scalar, which keeps the
     dtype of whatever it multiplies); ValueError unless it is > 0 (a tensor is checked
     only while :func:`cfbnn_cli.moments.set_validate_args` is on: the check synchronizes)."""
@@ -238,7 +248,7 @@ def regression_expected_log_likelihood(x, y, a_loc, a_scale_tril, b_loc, b_scale
     ``precision`` is beta (a positive scalar tensor, fixed or learned). Exact for
     full, diagonal or low-rank ``Sigma_h`` and a full or diagonal ``Sigma_B``.
     """
-    precision = _check_precision(precision)
+    precision = check_precision(precision)
     mean, var_a, var_b = predictive_moments(x, a_loc, a_scale_tril, b_loc, b_scale_tril, activation)
     _check_y(y, mean)
     return gaussian_log_likelihood(y, mean, var_a + var_b, precision, data_dims=1 if b_loc.dim() == 1 else 2)
@@ -252,7 +262,7 @@ def regression_ell_given_hidden(hidden, y, b_loc, b_scale, precision):
     The "sample A, integrate B" estimator: sample the pre-activations of A (local
     reparameterization), apply g, and pass the result here.
     """
-    precision = _check_precision(precision)
+    precision = check_precision(precision)
     mean, _, var_b = output_moments_given_hidden(hidden, torch.zeros_like(hidden), b_loc, b_scale)
     if b_loc.dim() == 1:
         mean, var_b = mean.squeeze(-1), var_b.squeeze(-1)

@@ -16,7 +16,7 @@ from torch.func import functional_call, grad, vmap
 def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: int, chunk_size: int = 25, generator=None, progress=None) -> Dict[str, float]:
     """``{parameter name: mean over its elements of Var_samples[dL/dparam]}``.
 
-    ``model`` is a :class:`cfbnn_cli.bnn.deep.MeanFieldMLP`. The KL term of the ELBO
+    ``model`` is a :class:`cfbnn_cli.bnn.network.BayesianNetwork`. The KL term of the ELBO
     has a deterministic gradient (zero variance), so only the scaled expected
     log-likelihood is differentiated per draw. Draws are vectorized with
     ``vmap(grad(...))`` in chunks of ``chunk_size`` samples (the chunk loop bounds

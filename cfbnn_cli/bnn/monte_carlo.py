@@ -17,12 +17,12 @@ import torch
 
 from ..moments import get_activation
 from .functional import (
-    _b_parts,
-    _check_precision,
+    check_precision,
     covariance_kind,
     gaussian_log_likelihood,
     output_moments_given_hidden,
     preactivation_moments,
+    output_rows,
     regression_ell_given_hidden,
 )
 
@@ -69,7 +69,7 @@ def sample_weights(a_loc, a_scale, b_loc, b_scale, num_samples, generator=None):
         rank = a_scale.factor.shape[-1]
         low = _normal((num_samples, a_loc.shape[0], rank), a_loc, generator)
         A = a_loc + a_scale.diag * eps + torch.einsum("hdr,shr->shd", a_scale.factor, low)
-    _, loc, b_kind, scale = _b_parts(b_loc, b_scale, a_loc.shape[0])
+    _, loc, b_kind, scale = output_rows(b_loc, b_scale, a_loc.shape[0])
     eps_b = _normal((num_samples,) + loc.shape, loc, generator)
     B = loc + (torch.einsum("ohk,sok->soh", scale, eps_b) if b_kind == "full" else scale * eps_b)
     return A, B
@@ -86,7 +86,7 @@ def sample_outputs_weight_space(x, a_loc, a_scale, b_loc, b_scale, activation, n
 
 def _per_sample_log_likelihood(y, outputs, precision):
     """``sum_n log N(y_n | outputs_sn, 1/beta)`` per sample: ``(S,)``."""
-    return gaussian_log_likelihood(y, outputs, 0.0, _check_precision(precision), data_dims=outputs.dim() - 1)
+    return gaussian_log_likelihood(y, outputs, 0.0, check_precision(precision), data_dims=outputs.dim() - 1)
 
 
 def regression_ell_local_reparameterization(x, y, a_loc, a_scale, b_loc, b_scale, precision, activation, num_samples, generator=None):

@@ -27,7 +27,7 @@ from torch.distributions import constraints
 
 from ..moments import get_activation
 from .functional import kl_normal_rows, regression_expected_log_likelihood
-from .layers import augment
+from .functional import augment
 
 
 class BNNRegressionModel(PyroModule):

@@ -8,7 +8,7 @@ learned precision ``beta``. Three variants:
 * ``v1``: point-estimate decoder weights (an ordinary VAE); only ``z`` is sampled;
 * ``v2``: mean-field Normal ``q(W)`` on both decoder matrices; the pre-activations of
   the first sampled by local reparameterization, the output layer integrated in
-  closed form given them (:class:`MeanFieldMLP` estimator ``integrate_output_layer``);
+  closed form given them (estimator ``integrate_output_layer``);
 * ``v3``: the same ``q(W)``; given ``z`` the decoder's expected log-likelihood is the
   one-hidden-layer closed form -- no weight is sampled, only ``z``.
 
@@ -25,12 +25,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..moments import get_activation
-from .deep import MeanFieldMLP
-from .layers import LearnablePrecision
+from .likelihoods import NormalLikelihood
+from .network import BayesianNetwork
 
 VARIANTS = {
-    "v1": {"bayesian": False, "estimator": None, "sampled": "z"},
+    "v1": {"bayesian": False, "estimator": "analytic", "sampled": "z"},
     "v2": {"bayesian": True, "estimator": "integrate_output_layer", "sampled": "z, first decoder layer (local reparam.)"},
     "v3": {"bayesian": True, "estimator": "analytic", "sampled": "z only"},
 }
@@ -41,7 +40,7 @@ def _standard_normal_log_density(z):
     return -0.5 * (z.square() + _LOG_2PI).sum(-1)
 
 
-class BayesianDecoderVAE(LearnablePrecision):
+class BayesianDecoderVAE(nn.Module):
     def __init__(
         self,
         data_dim: int,
@@ -55,7 +54,7 @@ class BayesianDecoderVAE(LearnablePrecision):
         precision: float = 1.0,
         generator: Optional[torch.Generator] = None,
     ):
-        super().__init__(precision, learn=True)
+        super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"`variant` must be one of {list(VARIANTS)}; got {variant!r}")
         for name, value in (("data_dim", data_dim), ("latent_dim", latent_dim), ("decoder_hidden", decoder_hidden)):
@@ -63,22 +62,17 @@ class BayesianDecoderVAE(LearnablePrecision):
                 raise ValueError(f"`{name}` must be >= 1; got {value}")
         self.variant = variant
         self.data_dim, self.latent_dim = int(data_dim), int(latent_dim)
-        self.activation = get_activation(activation)
         widths = [self.data_dim] + [int(h) for h in encoder_hidden]
         layers = []
         for inp, out in zip(widths[:-1], widths[1:]):
             layers += [nn.Linear(inp, out), nn.ReLU()]
         self.encoder = nn.Sequential(*layers, nn.Linear(widths[-1], 2 * self.latent_dim))
-        if VARIANTS[variant]["bayesian"]:
-            # the decoder's precision is this module's (shared by every variant), not its own
-            self.decoder = MeanFieldMLP(
-                self.latent_dim, [decoder_hidden], activation, prior_scale, init_scale,
-                learn_precision=False, generator=generator, output_dim=self.data_dim,
-            )
-        else:
-            self.decoder = nn.Sequential(
-                nn.Linear(self.latent_dim, decoder_hidden), _Apply(self.activation), nn.Linear(decoder_hidden, self.data_dim)
-            )
+        # one network for every variant: V1's decoder is all point layers, V2/V3's all Gaussian
+        self.decoder = BayesianNetwork(
+            self.latent_dim, [decoder_hidden], self.data_dim, activation, prior_scale=prior_scale,
+            init_scale=init_scale, likelihood=NormalLikelihood(precision, learn=True),
+            point_layers=0 if VARIANTS[variant]["bayesian"] else 2, generator=generator,
+        )
 
     @property
     def bayesian(self) -> bool:
@@ -89,16 +83,16 @@ class BayesianDecoderVAE(LearnablePrecision):
         mu, pre_sigma = self.encoder(x).chunk(2, dim=-1)
         return mu, nn.functional.softplus(pre_sigma) + 1e-5
 
+    @property
+    def precision(self) -> torch.Tensor:
+        return self.decoder.likelihood.precision
+
     def weight_kl(self) -> torch.Tensor:
-        return self.decoder.kl() if self.bayesian else torch.zeros((), device=self.log_precision.device)
+        """``KL(q(W) || p(W))`` of the decoder (0 for V1's point estimates)."""
+        return self.decoder.kl()
 
     def _decoder_noise(self, z, estimator, generator):
-        batch = z.shape[-2]
-        lead = z.shape[:-2]
-        return tuple(
-            torch.randn(lead + shape, generator=generator, dtype=z.dtype, device=z.device)
-            for shape in self.decoder.noise_shapes(batch, estimator)
-        )
+        return self.decoder.sample_noise(z.shape[-2], estimator, generator, lead=z.shape[:-2])
 
     def decoder_expected_log_likelihood(self, z, x, generator=None):
         """``E_q(W)[log p(x_n | z_n, W)]`` per data point ``(..., N)`` for given ``z`` ``(..., N, latent)``.
@@ -106,14 +100,9 @@ class BayesianDecoderVAE(LearnablePrecision):
         Exact over the decoder weights for ``v3``; a one-sample (first layer)
         estimate with the output layer exact for ``v2``; ``log p(x|z)`` for ``v1``.
         """
-        precision = self.precision
-        if self.bayesian:
-            estimator = VARIANTS[self.variant]["estimator"]
-            mean, variance = self.decoder.output_moments(z, estimator, self._decoder_noise(z, estimator, generator))
-        else:
-            mean, variance = self.decoder(z), 0.0
-        squared = ((x - mean).square() + variance).sum(-1)
-        return -0.5 * precision * squared + 0.5 * self.data_dim * (torch.log(precision) - _LOG_2PI)
+        estimator = VARIANTS[self.variant]["estimator"]
+        noise = self._decoder_noise(z, estimator, generator)
+        return self.decoder.expected_log_likelihood_per_point(z, x, estimator, noise)
 
     def elbo_per_point(self, x, generator=None):
         """One-sample ``E_q[log p(x_n | z, W)] - KL(q(z|x_n) || p(z))`` per data point ``(N,)``."""
@@ -145,26 +134,8 @@ class BayesianDecoderVAE(LearnablePrecision):
         eps = torch.randn((inner_samples,) + mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
         z = mu + sigma * eps  # (K, N, latent)
         log_q = (-0.5 * (eps.square() + _LOG_2PI) - torch.log(sigma)).sum(-1)
-        noise_variance = 1.0 / self.precision
-        if self.bayesian:
-            mean, variance = self.decoder.output_moments(
-                z, "integrate_output_layer", self._decoder_noise(z, "integrate_output_layer", generator)
-            )
-            total_variance = variance + noise_variance
-        else:
-            mean = self.decoder(z)
-            total_variance = noise_variance.expand(mean.shape)
-        log_px = -0.5 * ((x - mean).square() / total_variance + torch.log(total_variance) + _LOG_2PI).sum(-1)
+        estimator = "integrate_output_layer"
+        mean, variance = self.decoder.output_moments(z, estimator, self._decoder_noise(z, estimator, generator))
+        log_px = self.decoder.likelihood.log_predictive_density(x, mean, variance).sum(-1)
         log_weights = log_px + _standard_normal_log_density(z) - log_q
         return torch.logsumexp(log_weights, 0) - math.log(inner_samples)
-
-
-class _Apply(nn.Module):
-    """An activation object from :mod:`cfbnn_cli.moments` as an ``nn.Module``."""
-
-    def __init__(self, activation):
-        super().__init__()
-        self.activation = activation
-
-    def forward(self, x):
-        return self.activation(x)

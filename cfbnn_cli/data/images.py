@@ -81,8 +81,8 @@ def _digits(cfg, transform):
     digits = load_digits()
     images = torch.as_tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)  # (1797, 1, 8, 8) in [0, 1]
     labels = torch.as_tensor(digits.target)
-    order = np.random.default_rng(cfg.get("split_seed", 0)).permutation(len(labels))
-    n_train = int(round(cfg.get("train_fraction", 0.7) * len(labels)))
+    order = np.random.default_rng(cfg.seed).permutation(len(labels))
+    n_train = int(round(cfg.train_fraction * len(labels)))
     train, held_out = order[:n_train], order[n_train:]
     make = lambda rows: TensorImages(images[rows], labels[rows], transform)  # noqa: E731
     return make(train), make(held_out), 10
@@ -90,7 +90,7 @@ def _digits(cfg, transform):
 
 def _fashion_mnist(cfg, transform):
     # checks the files and names the install step when they are missing
-    pixels, labels, n_train = fashion_mnist_arrays(cfg.get("root", "data/fashion_mnist"))
+    pixels, labels, n_train = fashion_mnist_arrays(cfg.root)
     images = torch.as_tensor(pixels, dtype=torch.float32).view(-1, 1, 28, 28)
     labels = torch.as_tensor(labels)
     return (TensorImages(images[:n_train], labels[:n_train], transform),
@@ -100,10 +100,10 @@ def _fashion_mnist(cfg, transform):
 def _imagenet(cfg, transform):
     from torchvision.datasets import ImageFolder
 
-    root = Path(cfg.get("root") or "")
+    root = Path(cfg.root or "")
     folders = [root / "train", root / "val"]
     missing = [str(f) for f in folders if not f.is_dir()]
-    if not cfg.get("root") or missing:
+    if not cfg.root or missing:
         raise DataError(
             f"ImageNet not found: {', '.join(missing) or 'data.root is not set'}. Set data.root to a folder holding "
             "train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (torchvision's ImageFolder layout; "
@@ -116,10 +116,10 @@ def _imagenet(cfg, transform):
 def _fake(cfg, transform):
     from torchvision.datasets import FakeData
 
-    size = cfg.get("image_size_raw", 64)
-    classes = cfg.get("num_classes", 10)
+    size = cfg.image_size_raw
+    classes = cfg.num_classes
     make = lambda n, seed: FakeData(n, (3, size, size), classes, transform=transform, random_offset=seed)  # noqa: E731
-    return make(cfg.get("n_train", 40), 0), make(cfg.get("n_held_out", 20), 10_000), classes
+    return make(cfg.n_train, 0), make(cfg.n_held_out, 10_000), classes
 
 
 def load_image_datasets(cfg, backbone: str) -> Tuple[Dataset, Dataset, int]:
@@ -128,7 +128,7 @@ def load_image_datasets(cfg, backbone: str) -> Tuple[Dataset, Dataset, int]:
     With ``backbone=identity`` images stay at their own size (raw pixels become the
     features); with ``resnet50`` they get the paper's fixed resize/crop/normalization.
     """
-    name = cfg.get("name")
+    name = cfg.name
     loaders = {"digits": (_digits, 1), "fashion_mnist": (_fashion_mnist, 1), "imagenet": (_imagenet, 3), "fake": (_fake, 3)}
     if name not in loaders:
         raise ConfigError(f"data.name={name!r} is not one of {sorted(loaders)} (for imagenet-predict)")
@@ -136,8 +136,8 @@ def load_image_datasets(cfg, backbone: str) -> Tuple[Dataset, Dataset, int]:
     transform = None
     shape = None
     if backbone == "resnet50":
-        size = int(cfg.get("image_size", 224))
-        transform = image_transform(size, int(cfg.get("resize", 256)), channels)
+        size = int(cfg.image_size)
+        transform = image_transform(size, int(cfg.resize), channels)
         shape = (3, size, size)
     elif name in ("imagenet", "fake"):
         from torchvision import transforms

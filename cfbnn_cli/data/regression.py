@@ -147,14 +147,14 @@ def year_prediction_msd(path="data/YearPredictionMSD.txt", n_train=MSD_TRAIN_ROW
     The standard split: the first ``n_train`` (463,715) rows train, the rest (51,630)
     test -- no song's artist appears in both. Reads the ``.txt`` or the ``.txt.zip``.
     """
-    table = _read_year_prediction_msd(path, expected_rows)
+    table = read_year_prediction_msd(path, expected_rows)
     if not 0 < n_train < len(table):
         raise ConfigError(f"data.n_train={n_train} must be between 1 and the number of rows - 1 ({len(table) - 1})")
     y, x = table[:, 0], table[:, 1:]
     return _standardize("year_prediction_msd", x[:n_train], y[:n_train], x[n_train:], y[n_train:])
 
 
-def _read_year_prediction_msd(path, expected_rows: Optional[int]) -> np.ndarray:
+def read_year_prediction_msd(path, expected_rows: Optional[int]) -> np.ndarray:
     """The whole UCI file (or its zip) as a ``(rows, 91)`` float64 array: year, then features."""
     path = Path(path)
     candidates = [path, path.with_name(path.name + ".zip")] if path.suffix != ".zip" else [path]
@@ -289,14 +289,12 @@ def _read_tabular(path, target):
     return x, y, columns
 
 
-def load_regression_table(cfg, seed: int) -> RegressionTable:
-    """The whole data set named by ``cfg.name``, unsplit and in original units."""
-    name = cfg.get("name")
+def load_regression_table(cfg) -> RegressionTable:
+    """The whole data set named by ``cfg.name`` (a ``conf/train_regression/data/`` option),
+    unsplit and in original units (for protocols that split it themselves)."""
+    name = cfg.name
     if name == "synthetic":
-        x, y = _synthetic_teacher_rows(
-            cfg.get("input_dim", 90), cfg.get("n_train", 4000) + cfg.get("n_test", 1000),
-            cfg.get("teacher_hidden", 50), cfg.get("noise_std", 0.5), cfg.get("seed", seed),
-        )
+        x, y = _synthetic_teacher_rows(cfg.input_dim, cfg.n_train + cfg.n_test, cfg.teacher_hidden, cfg.noise_std, cfg.seed)
         return RegressionTable("synthetic", x, y)
     if name == "diabetes":
         from sklearn.datasets import load_diabetes
@@ -304,30 +302,33 @@ def load_regression_table(cfg, seed: int) -> RegressionTable:
         x, y = load_diabetes(return_X_y=True)
         return RegressionTable("diabetes", x, y, "disease_progression")
     if name == "year_prediction_msd":
-        table = _read_year_prediction_msd(cfg.get("path"), cfg.get("expected_rows", MSD_ROWS))
+        table = read_year_prediction_msd(cfg.path, cfg.expected_rows)
         return RegressionTable("year_prediction_msd", table[:, 1:], table[:, 0], "year")
     if name == "csv":
-        if not cfg.get("path") or not cfg.get("target"):
-            raise ConfigError("data=csv needs data.path=/path/to/file.csv and data.target=<column name>")
+        _require_path_and_target(cfg)
         x, y, columns = _read_tabular(cfg.path, cfg.target)
         return RegressionTable(Path(cfg.path).stem, x, y, cfg.target, columns)
-    raise ConfigError(f"data.name={name!r} is not one of synthetic, diabetes, year_prediction_msd, csv")
+    raise ConfigError(f"data.name={name!r} is not one of {REGRESSION_DATA}")
 
 
-def load_regression_data(cfg, seed: int) -> RegressionData:
-    """Dispatch on ``cfg.name`` (a ``conf/data/*.yaml`` group)."""
-    name = cfg.get("name")
+REGRESSION_DATA = ("synthetic", "diabetes", "year_prediction_msd", "csv")
+
+
+def _require_path_and_target(cfg) -> None:
+    if not cfg.path or not cfg.target:
+        raise ConfigError("data=csv needs data.path=/path/to/file.csv and data.target=<column name>")
+
+
+def load_regression_data(cfg) -> RegressionData:
+    """One train/test split of ``cfg.name``, standardized by the training rows."""
+    name = cfg.name
     if name == "synthetic":
-        return synthetic_teacher(
-            cfg.get("input_dim", 90), cfg.get("n_train", 4000), cfg.get("n_test", 1000),
-            cfg.get("teacher_hidden", 50), cfg.get("noise_std", 0.5), cfg.get("seed", seed),
-        )
+        return synthetic_teacher(cfg.input_dim, cfg.n_train, cfg.n_test, cfg.teacher_hidden, cfg.noise_std, cfg.seed)
     if name == "diabetes":
-        return diabetes(cfg.get("test_fraction", 0.1), cfg.get("seed", seed))
+        return diabetes(cfg.test_fraction, cfg.seed)
     if name == "year_prediction_msd":
-        return year_prediction_msd(cfg.get("path"), cfg.get("n_train", MSD_TRAIN_ROWS), cfg.get("expected_rows", MSD_ROWS))
+        return year_prediction_msd(cfg.path, cfg.n_train, cfg.expected_rows)
     if name == "csv":
-        if not cfg.get("path") or not cfg.get("target"):
-            raise ConfigError("data=csv needs data.path=/path/to/file.csv and data.target=<column name>")
-        return tabular_file(cfg.path, cfg.target, cfg.get("test_fraction", 0.1), cfg.get("seed", seed))
-    raise ConfigError(f"data.name={name!r} is not one of synthetic, diabetes, year_prediction_msd, csv")
+        _require_path_and_target(cfg)
+        return tabular_file(cfg.path, cfg.target, cfg.test_fraction, cfg.seed)
+    raise ConfigError(f"data.name={name!r} is not one of {REGRESSION_DATA}")

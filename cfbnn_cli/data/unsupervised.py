@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..runtime.errors import ConfigError, DataError
-from .regression import load_regression_table
+from .regression import read_year_prediction_msd
 from .standardize import check_finite_columns, column_statistics, standardize_columns
 
 FASHION_MNIST_SCRIPT = "python data_scripts/prepare_fashion_mnist.py"
@@ -102,21 +102,19 @@ def fashion_mnist_arrays(root):
     return np.concatenate(parts), np.concatenate(labels), len(labels[0])
 
 
-def load_unsupervised_data(cfg, seed: int) -> UnsupervisedData:
-    """Dispatch on ``cfg.name`` (a ``conf/data/*.yaml`` group) for the VAE."""
-    name = cfg.get("name")
-    split_seed = cfg.get("seed", seed)
+def load_unsupervised_data(cfg) -> UnsupervisedData:
+    """Dispatch on ``cfg.name`` (a ``conf/vae/data/`` option); ``cfg.seed`` draws the 7:2:1 split."""
+    name = cfg.name
     if name == "digits":
         from sklearn.datasets import load_digits
 
-        return split_and_standardize("digits", load_digits().data.astype(np.float64), split_seed)
+        return split_and_standardize("digits", load_digits().data.astype(np.float64), cfg.seed)
     if name == "synthetic":
-        rows = cfg.get("n_train", 4000) + cfg.get("n_test", 1000)
-        x = synthetic_latent(cfg.get("input_dim", 90), rows, cfg.get("latent_dim", 5), cfg.get("teacher_hidden", 50),
-                             cfg.get("noise_std", 0.5), split_seed)
-        return split_and_standardize("synthetic", x, split_seed)
+        x = synthetic_latent(cfg.input_dim, cfg.rows, cfg.latent_dim, cfg.teacher_hidden, cfg.noise_std, cfg.seed)
+        return split_and_standardize("synthetic", x, cfg.seed)
     if name == "year_prediction_msd":
-        return split_and_standardize("year_prediction_msd", load_regression_table(cfg, seed).x, split_seed)
+        return split_and_standardize("year_prediction_msd", read_year_prediction_msd(cfg.path, cfg.expected_rows)[:, 1:],
+                                     cfg.seed)
     if name == "fashion_mnist":
-        return split_and_standardize("fashion_mnist", fashion_mnist_pixels(cfg.get("root", "data/fashion_mnist")), split_seed)
+        return split_and_standardize("fashion_mnist", fashion_mnist_pixels(cfg.root), cfg.seed)
     raise ConfigError(f"data.name={name!r} is not one of digits, synthetic, year_prediction_msd, fashion_mnist (for the VAE)")

@@ -1,24 +1,23 @@
 """Multi-process data parallelism with ``torchrun`` (DistributedDataParallel).
 
-A pipeline that supports it calls :func:`launch_if_requested` first: with
-``distributed.nproc > 1`` in a single (non-distributed) process, the config -- already
-resolved once by Hydra -- is written to ``<run dir>/distributed/config.yaml`` and
-``torchrun --standalone --nproc_per_node=N`` starts N workers
-(:func:`worker_main`), each with ``RANK``/``WORLD_SIZE`` set; the backend is NCCL
-when the workers have GPUs, gloo otherwise. Workers run the same pipeline; only
-rank 0 writes outputs, and its result comes back to the launching process.
+The CLI decides (:func:`cfbnn_cli.cli.run_pipeline`): with ``distributed.nproc > 1``
+it calls :func:`launch`, which writes the config -- already resolved once by Hydra --
+to ``<run dir>/distributed/config.yaml`` and starts ``torchrun --standalone
+--nproc_per_node=N`` with the worker command the CLI gives; each worker calls
+:func:`run_worker` with the pipeline's ``run`` (``RANK``/``WORLD_SIZE`` set; NCCL
+when the workers have GPUs, gloo otherwise). Only rank 0 writes outputs, and its
+result comes back to the launching process as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,14 +57,22 @@ def local_rows(global_index: torch.Tensor) -> torch.Tensor:
     return global_index[rank() :: world_size()]
 
 
-def launch_if_requested(cfg, run_dir, pipeline: str) -> Optional[dict]:
-    """Start ``cfg.distributed.nproc`` workers under torchrun and return rank 0's result;
-    ``None`` when this process should just run (one process, or already a worker)."""
-    nproc = int(cfg.get("distributed", {}).get("nproc", 1) or 1)
-    if nproc < 1:
-        raise ConfigError(f"distributed.nproc={nproc} must be >= 1")
-    if nproc == 1 or "RANK" in os.environ:
-        return None
+def requested_processes(cfg) -> int:
+    """``distributed.nproc`` (1 when the config has no ``distributed`` key), checked."""
+    nproc = cfg.get("distributed", {}).get("nproc", 1) if hasattr(cfg, "get") else 1
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ConfigError(f"distributed.nproc={nproc!r} must be an integer >= 1")
+    return nproc
+
+
+def launch(cfg, run_dir, nproc: int, worker: Sequence[str]) -> dict:
+    """Start ``nproc`` torchrun workers and return rank 0's result.
+
+    ``worker`` is the command that runs one worker (after ``python``), given by the caller
+    -- the CLI, which knows the pipeline -- and completed here with ``--config`` and
+    ``--run-dir``; runtime never imports a pipeline. The config, resolved once here, is
+    written to ``<run dir>/distributed/config.yaml`` for every worker to read.
+    """
     wants_cuda = torch.cuda.is_available() and str(cfg.get("device", "auto")) in ("auto", "cuda")
     if wants_cuda and nproc > torch.cuda.device_count():
         raise ConfigError(
@@ -76,10 +83,10 @@ def launch_if_requested(cfg, run_dir, pipeline: str) -> Optional[dict]:
 
     folder = Path(run_dir) / "distributed"
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "result.json").unlink(missing_ok=True)  # never read an earlier launch's result
     OmegaConf.save(cfg, folder / "config.yaml", resolve=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "cfbnn_cli.runtime.distributed", "--pipeline", pipeline, "--config", str(folder / "config.yaml"),
-               "--run-dir", str(run_dir)]
+               *worker, "--config", str(folder / "config.yaml"), "--run-dir", str(run_dir)]
     finished = subprocess.run(command)
     if finished.returncode != 0:
         raise CfbnnError(f"the {nproc} distributed workers failed (exit {finished.returncode}); "
@@ -91,9 +98,10 @@ def launch_if_requested(cfg, run_dir, pipeline: str) -> Optional[dict]:
                          f"({error}); see {run_dir}") from None
 
 
-def worker_main(argv=None) -> int:
+def run_worker(run: Callable, argv=None) -> int:
+    """One torchrun worker: ``run(cfg, run_dir)`` of the pipeline the caller passes in,
+    with the process group set up (NCCL on GPUs, gloo on CPU); rank 0 writes the result."""
     parser = argparse.ArgumentParser(description="one torchrun worker of a cfbnn pipeline")
-    parser.add_argument("--pipeline", required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
@@ -111,7 +119,7 @@ def worker_main(argv=None) -> int:
 
         logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING,
                             format=f"[rank {rank()}][%(name)s][%(levelname)s] - %(message)s")
-        result = importlib.import_module(args.pipeline).run(cfg, Path(args.run_dir))
+        result = run(cfg, Path(args.run_dir))
         if is_main():
             result = dict(result)
             result["device"] = str(result.get("device"))
@@ -120,7 +128,3 @@ def worker_main(argv=None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main())

@@ -5,8 +5,8 @@ prediction (paper "Fast Prediction", Figure 1).
 
 * ``features`` -- the backbone's features of the training and held-out images,
   cached on disk (:mod:`.features`); later stages and later runs reuse them;
-* ``train`` -- the head (:class:`cfbnn_cli.bnn.head.BayesianHead`) with
-  ``objective=sampling|analytic_approx|control_variate``; the validation accuracy of
+* ``train`` -- the head (:func:`cfbnn_cli.bnn.network.bayesian_head`) with
+  ``objective=sampling|approximation|control_variate``; the validation accuracy of
   the deterministic prediction picks the epoch (``checkpoints/best.pt``; ``last.pt``
   every epoch; ``resume=true`` continues);
 * ``evaluate`` -- on the test images: Monte Carlo class probabilities from
@@ -24,7 +24,6 @@ validation (``split.validation_fraction``, 10k of 50k in the paper) from
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -36,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from ...bnn.classification import approximate_class_probabilities
-from ...bnn.head import OBJECTIVES, BayesianHead
+from ...bnn.network import BayesianNetwork, bayesian_head
 from ...data.images import load_image_datasets
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import new_figure, save_figure
@@ -45,15 +44,16 @@ from ...runtime.checks import require_choice, require_int, require_positive_floa
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
 from ...runtime import distributed
-from ...runtime.checkpoints import load_checkpoint, restore_training_state, save_training_state
+from ...runtime.checkpoints import load_checkpoint
 from ...runtime.rundir import config_fingerprint
-from ...runtime.io import atomic_torch_save, atomic_write_text
-from ...runtime.numerics import ensure_finite
 from ...runtime.seed import seed_everything
+from ...train import TrainingLoop
 from . import features as feature_cache
 
 log = logging.getLogger(__name__)
 STAGES = ("features", "train", "evaluate", "all")
+# how the head is trained: the paper sampled; the approximation and the control variate are its appendix
+OBJECTIVES = ("sampling", "approximation", "control_variate")
 BACKBONES = ("identity", "resnet50")
 
 
@@ -134,79 +134,54 @@ def _batched(function, features, batch_size):
     return [function(features[i : i + batch_size]) for i in range(0, len(features), batch_size)]
 
 
+def build_head(cfg, data, generator=None):
+    return bayesian_head(data["x_train"].shape[1], list(cfg.model.hidden_sizes), data["num_classes"],
+                         cfg.model.activation, cfg.model.prior_scale, cfg.model.init_scale, generator,
+                         objective=cfg.objective)
+
+
 def train_head(cfg, data, run_dir: Path, device) -> Dict:
-    directory = run_dir / "checkpoints"
-    last_path, best_path = directory / "last.pt", directory / "best.pt"
     generator = seed_everything(cfg.seed)
     x, y = data["x_train"], data["y_train"]
-    model = BayesianHead(x.shape[1], list(cfg.model.hidden_sizes), data["num_classes"], cfg.model.activation,
-                         cfg.model.prior_scale, cfg.model.init_scale, generator).to(device)
+    model = build_head(cfg, data, generator).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
     # each rank draws its own logit samples; the data order is shared (same seed everywhere)
     sampler = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1000 * distributed.rank())
-    trained = model
-    if distributed.world_size() > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    history, start_epoch, best = [], 0, {"epoch": 0, "val_top1": -1.0}
-    generators = {"data_order": generator, "sampler": sampler}
-    fingerprint = config_fingerprint(cfg, run_dir)
-    state = restore_training_state(last_path, model, optimizer, generators, device, fingerprint) if cfg.resume else None
-    if state is not None:
-        history, start_epoch, best = state["history"], state["epoch"], state["best"]
-        log.info("resumed from %s after epoch %d", last_path, start_epoch)
-    num_data, batch_size = len(y), cfg.trainer.batch_size
-    steps = math.ceil(num_data / batch_size)
-    for epoch in range(start_epoch + 1, cfg.trainer.epochs + 1):
-        model.train()
-        permutation = torch.randperm(num_data, generator=generator).to(device)
-        started, total = time.perf_counter(), 0.0
-        with tqdm(total=steps, desc=f"head epoch {epoch}/{cfg.trainer.epochs}", leave=False, disable=not distributed.is_main()) as bar:
-            for step in range(steps):
-                # under torchrun: this rank's rows of the global batch; DDP averages the gradients
-                index = distributed.local_rows(permutation[step * batch_size : (step + 1) * batch_size])
-                loss = -trained(x[index], y[index], num_data, cfg.objective, cfg.trainer.num_samples, sampler) / num_data
-                ensure_finite(loss, epoch=epoch, step=step, what=f"negative ELBO ({cfg.objective})")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                total -= float(loss.detach()) * len(index)
-                bar.update(1)
-        total = distributed.all_reduce_sum(total, device)
-        model.eval()
-        with torch.no_grad():
-            means = torch.cat([m for m, _ in _batched(model.logit_moments, data["x_val"], cfg.evaluation.batch_size)])
-        val_top1 = float(top_k_correct(means, data["y_val"], 1).double().mean())
-        row = {"epoch": epoch, "train_elbo_per_point": total / num_data, "val_top1": val_top1,
-               "epoch_seconds": time.perf_counter() - started}
-        history.append(row)
-        log.info("epoch %d: ELBO/point %.4f, validation top-1 %.4f (deterministic), %.1fs", epoch,
-                 row["train_elbo_per_point"], val_top1, row["epoch_seconds"])
-        improved = val_top1 > best["val_top1"]
-        if improved:
-            best = {"epoch": epoch, "val_top1": val_top1}
-        if distributed.is_main():  # only rank 0 writes
-            if improved:
-                atomic_torch_save({"model": model.state_dict(), "epoch": epoch, "sizes": _sizes(data)}, best_path)
-            save_training_state(last_path, model, optimizer, epoch, generators, fingerprint, history=history, best=best,
-                                config=OmegaConf.to_container(cfg, resolve=True))
-            atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
-        distributed.barrier()
-    return {"history": history, "best": best}
+    num_data = len(y)
+
+    def loss(rows):  # the negative ELBO per training image; DDP averages the gradients over ranks
+        ell = loop.trained(x[rows], y[rows], "analytic", None, sampler, cfg.trainer.num_samples)
+        return -(num_data / rows.numel() * ell - model.kl()) / num_data
+
+    @torch.no_grad()
+    def validation_accuracy(epoch):
+        means = torch.cat([m for m, _ in _batched(model.output_moments, data["x_val"], cfg.evaluation.batch_size)])
+        return {"val_top1": float(top_k_correct(means, data["y_val"], 1).double().mean())}
+
+    loop = TrainingLoop(
+        model, optimizer, loss, num_data, cfg.trainer.batch_size, device, epochs=cfg.trainer.epochs,
+        data_generator=generator, generators={"sampler": sampler}, checkpoint_dir=run_dir / "checkpoints",
+        fingerprint=config_fingerprint(cfg, run_dir), resume=cfg.resume, evaluate=validation_accuracy,
+        select=("val_top1", "max"), best_payload=lambda: {"sizes": _sizes(data)}, metrics_path=run_dir / "metrics.csv",
+        label=f"head ({cfg.objective})", config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    loop.restore()
+    result = loop.run()
+    return {"history": result.history, "best": result.best}
 
 
 def _sizes(data):
     return {"feature_dim": data["x_train"].shape[1], "num_classes": data["num_classes"]}
 
 
-def load_head(cfg, data, run_dir: Path, device) -> BayesianHead:
+def load_head(cfg, data, run_dir: Path, device) -> BayesianNetwork:
     path = Path(cfg.evaluation.get("checkpoint") or run_dir / "checkpoints" / "best.pt")
     if not path.is_file():
         raise ConfigError(
             f"no trained head at {path}: run stage=train (or all) with the same hydra.run.dir first, "
             "or set evaluation.checkpoint=/path/to/best.pt"
         )
-    model = BayesianHead(data["x_train"].shape[1], list(cfg.model.hidden_sizes), data["num_classes"],
-                         cfg.model.activation, cfg.model.prior_scale, cfg.model.init_scale).to(device)
+    model = build_head(cfg, data).to(device)
     try:
         model.load_state_dict(load_checkpoint(path, device, "trained head")["model"])
     except (RuntimeError, KeyError) as error:
@@ -231,10 +206,10 @@ def monte_carlo_accuracy(model, features, labels, total: int, inner_list: List[i
     counts = {n: (torch.zeros(total // n, dtype=torch.float64), torch.zeros(total // n, dtype=torch.float64)) for n in inner_list}
     for start in tqdm(range(0, len(labels), batch_size), desc="Monte Carlo prediction", leave=False):
         x, y = features[start : start + batch_size], labels[start : start + batch_size]
-        hidden = model.hidden(x)
+        hidden = model.point_features(x)
         for offset in range(0, total, chunk):
             size = min(chunk, total - offset)
-            probabilities = torch.softmax(model.sample_logits(x, size, generator, hidden), -1)  # (size, B, O)
+            probabilities = torch.softmax(model.sample_outputs(hidden, size, generator, after_point_layers=True), -1)  # (size, B, O)
             for n in inner_list:
                 if size % n:
                     continue
@@ -254,10 +229,10 @@ def _sync(device):
 def time_per_image(model, features, inner_list, batch_size, generator, device):
     """Seconds per image: deterministic argmax y_hat, and Monte Carlo with each N_inner (one trial)."""
     def deterministic(x):
-        return model.logit_mean(x).argmax(-1)
+        return model.output_mean(x).argmax(-1)
 
     def monte_carlo(n):
-        return lambda x: torch.softmax(model.sample_logits(x, n, generator), -1).mean(0).argmax(-1)
+        return lambda x: torch.softmax(model.sample_outputs(x, n, generator), -1).mean(0).argmax(-1)
 
     def timed(function):
         function(features[: min(8, len(features))])  # warm-up
@@ -288,7 +263,7 @@ def _plot(table, deterministic, path):
 def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
     x, y = data["x_test"], data["y_test"]
     batch = cfg.evaluation.batch_size
-    means, variances = (torch.cat(parts) for parts in zip(*_batched(model.logit_moments, x, batch)))
+    means, variances = (torch.cat(parts) for parts in zip(*_batched(model.output_moments, x, batch)))
     deterministic = {"top-1": float(top_k_correct(means, y, 1).double().mean()),
                      "top-5": float(top_k_correct(means, y, 5).double().mean())}
     corrected = approximate_class_probabilities(means, variances)  # the logits' moments are already here
@@ -342,12 +317,14 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
 # ----------------------------------------------------------------------------- run
 
 
+def supports_distributed(cfg: DictConfig) -> bool:
+    """Feature extraction and head training run under torchrun (``distributed.nproc``)."""
+    return True
+
+
 def run(cfg: DictConfig, run_dir) -> dict:
     run_dir = Path(run_dir)
     validate(cfg)
-    launched = distributed.launch_if_requested(cfg, run_dir, __name__)
-    if launched is not None:  # torchrun workers did the work; this is rank 0's result
-        return launched
     device = resolve_device(cfg.device)
     computed = compute_features(cfg, device)
     (x_train, y_train, skipped_train), (x_held, y_held, skipped_held) = computed["train"], computed["held_out"]
@@ -375,7 +352,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         if cfg.stage in ("train", "all"):
             trained = train_head(cfg, data, run_dir, device)
             metrics["train/best_epoch"] = trained["best"]["epoch"]
-            metrics["train/best_val_top1"] = trained["best"]["val_top1"]
+            metrics["train/best_val_top1"] = trained["best"]["value"]
         if cfg.stage in ("evaluate", "all") and distributed.is_main():  # evaluation is cheap: rank 0 alone
             model = load_head(cfg, data, run_dir, device)
             evaluated = evaluate(cfg, model, data, run_dir, device)

@@ -19,13 +19,27 @@ from ...runtime.checks import require_choice
 PROTOCOLS = ("gradient_variance", "uci")
 
 
-def run(cfg: DictConfig, run_dir) -> dict:
+def _protocol(cfg: DictConfig):
     protocol = require_choice(cfg, "protocol", PROTOCOLS)
     if protocol == "uci":
-        from .uci_protocol import run as run_protocol
+        from . import uci_protocol as module
     else:
-        from .gradient_variance_study import run as run_protocol
-    return run_protocol(cfg, run_dir)
+        from . import gradient_variance_study as module
+    return module
 
 
-__all__ = ["PROTOCOLS", "run"]
+def validate(cfg: DictConfig) -> None:
+    """Every check of the chosen protocol that needs no data."""
+    _protocol(cfg).validate(cfg)
+
+
+def supports_distributed(cfg: DictConfig) -> bool:
+    """Table 1's training runs under torchrun (``distributed.nproc``); the UCI protocol's small splits do not."""
+    return cfg.protocol == "gradient_variance"
+
+
+def run(cfg: DictConfig, run_dir) -> dict:
+    return _protocol(cfg).run(cfg, run_dir)
+
+
+__all__ = ["PROTOCOLS", "run", "supports_distributed", "validate"]

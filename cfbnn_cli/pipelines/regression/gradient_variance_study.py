@@ -21,21 +21,21 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ...bnn.deep import ESTIMATORS, MeanFieldMLP, mixture_log_likelihood
+from ...bnn.likelihoods import NormalLikelihood
+from ...bnn.network import ESTIMATORS, BayesianNetwork, mixture_log_likelihood
 from ...bnn.gradient_variance import gradient_variance
 from ...data.regression import RegressionData, load_regression_data
-from ...moments import ACTIVATIONS
+from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import new_figure, save_figure
 from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
 from ...runtime import distributed
-from ...runtime.checkpoints import restore_training_state, save_training_state
+from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.rundir import config_fingerprint
-from ...runtime.io import atomic_write_text
-from ...runtime.numerics import ensure_finite, map_row_chunks, rows_per_chunk
 from ...runtime.seed import seed_everything
+from ...train import TrainingLoop
 
 log = logging.getLogger(__name__)
 ESTIMATOR_LABELS = {"analytic": "Analytic", "sampling": "Sampling"}
@@ -44,7 +44,7 @@ TABLE1_ESTIMATORS = tuple(ESTIMATOR_LABELS)  # the two estimators paper Table 1 
 
 def validate(cfg: DictConfig) -> None:
     """Every check that needs no data, before any work starts."""
-    require_choice(cfg, "estimator.name", ESTIMATORS)
+    require_choice(cfg, "estimator", ESTIMATORS)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     sizes = OmegaConf.select(cfg, "model.hidden_sizes")
     if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
@@ -88,7 +88,7 @@ def _check_against_data(cfg, data: RegressionData) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: MeanFieldMLP, data: RegressionData, num_samples: int, generator) -> Dict[str, float]:
+def evaluate(model: BayesianNetwork, data: RegressionData, num_samples: int, generator) -> Dict[str, float]:
     """Test RMSE and per-point log-likelihood in the target's original units.
 
     Row chunks keep the peak memory at ``num_samples x chunk x widest layer`` elements,
@@ -97,11 +97,11 @@ def evaluate(model: MeanFieldMLP, data: RegressionData, num_samples: int, genera
     x, y = data.x_test, data.y_test
     log_scale = math.log(data.target_std)
     noise_var = 1.0 / model.precision
-    chunk = rows_per_chunk(num_samples * max(layer.loc.shape[0] for layer in model.layers))
+    chunk = rows_per_chunk(num_samples * max(layer.out_features for layer in model.gaussian_layers))
 
     def per_point(rows: torch.Tensor):
         xb, yb = x[rows], y[rows]
-        means, variances = model.predict(xb, num_samples, generator)
+        means, variances = model.predict_mixture(xb, num_samples, generator)
         closed = mixture_log_likelihood(yb, means, variances + noise_var)
         outputs = model.sample_outputs(xb, num_samples, generator)
         monte_carlo = mixture_log_likelihood(yb, outputs, noise_var.expand_as(outputs))
@@ -197,46 +197,51 @@ def _plot_training(history: List[dict], path):
 def run(cfg: DictConfig, run_dir) -> dict:
     run_dir = Path(run_dir)
     validate(cfg)
-    launched = distributed.launch_if_requested(cfg, run_dir, "cfbnn_cli.pipelines.regression")
-    if launched is not None:  # torchrun workers did the work; this is rank 0's result
-        return launched
     device = resolve_device(cfg.device)
     generator = seed_everything(cfg.seed)
-    data = load_regression_data(cfg.data, cfg.seed)
+    data = load_regression_data(cfg.data)
     _check_against_data(cfg, data)
     gv_epochs = gradient_variance_epochs(cfg) if cfg.gradient_variance.num_samples else []
-    estimator = cfg.estimator.name
-    model = MeanFieldMLP(
-        data.input_dim, list(cfg.model.hidden_sizes), cfg.model.activation, cfg.model.prior_scale,
-        cfg.model.init_scale, cfg.model.precision, cfg.model.get("learn_precision", True), generator,
+    estimator = cfg.estimator
+    model = BayesianNetwork(
+        data.input_dim, list(cfg.model.hidden_sizes), 1, cfg.model.activation, prior_scale=cfg.model.prior_scale,
+        init_scale=cfg.model.init_scale, likelihood=NormalLikelihood(cfg.model.precision, cfg.model.learn_precision),
+        generator=generator,
     ).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
     data.x_test, data.y_test = data.x_test.to(device), data.y_test.to(device)
     num_data = data.num_train
-    batch_size = cfg.trainer.batch_size
     # one fixed minibatch for the gradient variances (paper: 500 random training points)
     gv_index = torch.randperm(num_data, generator=torch.Generator().manual_seed(cfg.seed + 1))[: cfg.gradient_variance.batch_size]
     gv_x, gv_y = x_train[gv_index.to(device)], y_train[gv_index.to(device)]
     # each rank draws its own noise (rank 0's stream is the single-process one)
     sample_generator = torch.Generator(device=device).manual_seed(cfg.seed + 2 + 1000 * distributed.rank())
-    trained = model
-    if distributed.world_size() > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    checkpoint_path = run_dir / "checkpoints" / "last.pt"
-    history: List[dict] = []
-    gv_results: Dict[int, dict] = {}
-    start_epoch = 0
-    generators = {"data_order": generator, "sampler": sample_generator}
-    fingerprint = config_fingerprint(cfg, run_dir)
-    state = restore_training_state(checkpoint_path, model, optimizer, generators, device, fingerprint) if cfg.resume else None
-    if state is not None:
-        history, gv_results, start_epoch = state["history"], state["gradient_variance"], state["epoch"]
-        log.info("resumed from %s after epoch %d", checkpoint_path, start_epoch)
-    elif checkpoint_path.exists():
-        log.warning("%s exists but resume=false: starting afresh (it will be overwritten)", checkpoint_path)
+    def loss(rows):
+        # under torchrun: this rank's rows of the global batch (DDP averages the gradients)
+        noise = model.sample_noise(rows.numel(), estimator, sample_generator)
+        ell = loop.trained(x_train[rows], y_train[rows], estimator, noise)
+        return -(num_data / rows.numel() * ell - model.kl())
 
+    def evaluate_epoch(epoch):
+        metrics = evaluate(model, data, cfg.evaluation.num_samples, sample_generator)
+        metrics["noise_std"] = float(model.precision.item() ** -0.5 * data.target_std)
+        return metrics
+
+    def measure(epoch, row):
+        if epoch in gv_epochs and distributed.is_main():  # only rank 0 measures
+            gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
+
+    loop = TrainingLoop(
+        model, optimizer, loss, num_data, cfg.trainer.batch_size, device, epochs=cfg.trainer.epochs,
+        data_generator=generator, generators={"sampler": sample_generator}, checkpoint_dir=run_dir / "checkpoints",
+        fingerprint=config_fingerprint(cfg, run_dir), resume=cfg.resume, evaluate=evaluate_epoch, after_epoch=measure,
+        metrics_path=run_dir / "metrics.csv", objective_scale=1.0 / num_data, label="epoch",
+        extra={"gradient_variance": {}}, config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    loop.restore()
+    gv_results: Dict[int, dict] = loop.extra["gradient_variance"]
     log.info(
         "data=%s (%d train, %d test, %d features), network %d-%s-1, estimator=%s, device=%s",
         data.name, num_data, data.x_test.shape[0], data.input_dim, data.input_dim,
@@ -244,45 +249,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
     )
     if 0 in gv_epochs and 0 not in gv_results and distributed.is_main():
         gv_results[0] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, 0)
-
-    steps_per_epoch = math.ceil(num_data / batch_size)
-    for epoch in range(start_epoch + 1, cfg.trainer.epochs + 1):
-        model.train()
-        permutation = torch.randperm(num_data, generator=generator).to(device)
-        total_elbo = 0.0
-        started = time.perf_counter()
-        with tqdm(total=steps_per_epoch, desc=f"epoch {epoch}/{cfg.trainer.epochs}", leave=False, disable=not distributed.is_main()) as bar:
-            for step in range(steps_per_epoch):
-                index = permutation[step * batch_size : (step + 1) * batch_size]
-                # under torchrun: this rank's rows of the global batch (DDP averages the gradients,
-                # and the mean over ranks of these minibatch ELBOs is the global batch's)
-                rows = distributed.local_rows(index)
-                optimizer.zero_grad(set_to_none=True)
-                noise = model.sample_noise(rows.numel(), estimator, sample_generator)
-                ell = trained(x_train[rows], y_train[rows], estimator, noise)
-                loss = -(num_data / rows.numel() * ell - model.kl())
-                ensure_finite(loss, epoch=epoch, step=step, what="negative ELBO")
-                loss.backward()
-                optimizer.step()
-                total_elbo += -loss.item() * index.numel() / num_data
-                bar.update(1)
-        total_elbo = distributed.all_reduce_sum(total_elbo, device) / distributed.world_size()
-        metrics = {"epoch": epoch, "train_elbo_per_point": total_elbo / num_data, "epoch_seconds": time.perf_counter() - started}
-        metrics.update(evaluate(model, data, cfg.evaluation.num_samples, sample_generator))
-        metrics["noise_std"] = float(model.precision.item() ** -0.5 * data.target_std)
-        history.append(metrics)
-        log.info(
-            "epoch %d: ELBO/point %.4f, test RMSE %.4f, test LL %.4f (closed form) %.4f (Monte Carlo), %.1fs",
-            epoch, metrics["train_elbo_per_point"], metrics["test_rmse"], metrics["test_ll_closed_form"],
-            metrics["test_ll_monte_carlo"], metrics["epoch_seconds"],
-        )
-        if distributed.is_main():  # only rank 0 measures and writes
-            if epoch in gv_epochs:
-                gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
-            atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(history).to_csv(index=False))
-            save_training_state(checkpoint_path, model, optimizer, epoch, generators, fingerprint, history=history,
-                                gradient_variance=gv_results, config=OmegaConf.to_container(cfg, resolve=True))
-        distributed.barrier()
+    with validate_args(False):
+        history = loop.run().history
     if not distributed.is_main():
         return {"metrics": {}, "tables": {}, "figures": {}, "device": device}
 
@@ -304,7 +272,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
                 for kind in ("mean", "scale"):
                     analytic = by_estimator["analytic"][layer][kind]
                     sampling = by_estimator["sampling"][layer][kind]
+                    # nothing sampled (one hidden layer): no finite ratio to report
                     metrics_out[f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}"] = (
-                        sampling / analytic if analytic > 0 else float("inf")
+                        sampling / analytic if analytic > 0 else None
                     )
     return {"metrics": metrics_out, "tables": tables, "figures": figures, "device": device}

@@ -8,23 +8,26 @@ log-likelihood per point and RMSE in the target's original units, mean +- standa
 error over splits.
 
 Methods (``uci.methods``), all with the same splits, network size, minibatch
-schedule (seeded per split) and number of optimizer steps (``uci.steps``):
+schedule (seeded per split) and number of optimizer steps (``trainer.epochs`` epochs of
+``trainer.batch_size`` rows):
 
-* ``closed_form_diagonal`` / ``closed_form_full`` / ``closed_form_lowrank`` --
-  :class:`~cfbnn_cli.bnn.ClosedFormBNN`: the exact ELBO (nothing sampled), the
-  exact predictive mean and variance, evaluated as the moment-matched Normal
-  ``N(mean, var_A + var_B + 1/beta)``;
+All cfbnn methods are the one network, :class:`~cfbnn_cli.bnn.network.BayesianNetwork`
+(``model.hidden_sizes``, output bias on, as Pyro's ``nn.Linear`` peer has):
+
+* ``closed_form_diagonal`` / ``closed_form_full`` / ``closed_form_lowrank`` -- the
+  exact ELBO (nothing sampled with one hidden layer), the exact predictive mean and
+  variance, evaluated as the moment-matched Normal ``N(mean, var_A + var_B + 1/beta)``;
 * ``local_reparameterization`` -- the same diagonal family trained with the
   1-sample local-reparameterization ELBO; predictive by ``uci.predictive_samples``
   Monte Carlo draws (log-mean-exp);
 * ``pyro`` -- :class:`~cfbnn_cli.bnn.pyro_glue.PyroMLPRegression` with an
   ``AutoNormal`` guide and ``Trace_ELBO`` (one particle, weight-space sampling),
   predicting with ``pyro.infer.Predictive`` and ``uci.predictive_samples`` samples;
-* ``plain_mlp`` -- a deterministic network with a learned Gaussian noise scale
-  (maximum likelihood; the non-Bayesian reference).
+* ``plain_mlp`` -- the same network with point-estimate layers and a learned Gaussian
+  noise (maximum likelihood; the non-Bayesian reference).
 
 Every Bayesian method starts from the same means (``randn / sqrt(fan_in)``) and the
-same posterior standard deviation ``uci.init_scale``, with ``N(0, prior_scale^2)``
+same posterior standard deviation ``model.init_scale``, with ``N(0, prior_scale^2)``
 priors and a learned observation noise. Progress is saved after every
 (split, method), so ``resume=true`` re-runs only what is missing.
 """
@@ -45,9 +48,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ...bnn import ClosedFormBNN, augment
-from ...bnn.deep import mixture_log_likelihood
-from ...bnn.monte_carlo import regression_ell_local_reparameterization, sample_outputs_local
+from ...bnn.likelihoods import NormalLikelihood
+from ...bnn.network import BayesianNetwork, mixture_log_likelihood
 from ...data.regression import RegressionData, RegressionTable, load_regression_table
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import new_figure, save_figure
@@ -56,8 +58,9 @@ from ...runtime.checks import require_choice, require_int, require_positive_floa
 from ...runtime.device import resolve_device
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
-from ...runtime.numerics import ensure_finite, map_row_chunks, rows_per_chunk
+from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.rundir import config_fingerprint, refuse_other_config
+from ...train import TrainingLoop
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +81,17 @@ MIN_ROWS = 10  # a 90/10 split needs at least one test point and a handful of tr
 def validate(cfg: DictConfig) -> List[str]:
     """Every check that needs no data; returns the methods. Runs before any work."""
     require_int(cfg, "uci.n_splits", minimum=1)
-    require_int(cfg, "uci.steps", minimum=1)
-    require_int(cfg, "uci.hidden_size", minimum=1)
     require_int(cfg, "uci.predictive_samples", minimum=1)
-    require_int(cfg, "uci.rank", minimum=1)
-    require_positive_float(cfg, "uci.init_scale")
-    require_positive_float(cfg, "uci.prior_scale")
-    require_choice(cfg, "uci.activation", sorted(ACTIVATIONS))
-    fraction = OmegaConf.select(cfg, "uci.test_fraction")
+    require_int(cfg, "model.rank", minimum=1)
+    require_positive_float(cfg, "model.init_scale")
+    require_positive_float(cfg, "model.prior_scale")
+    require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
+    sizes = OmegaConf.select(cfg, "model.hidden_sizes")
+    if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
+        raise ConfigError(f"model.hidden_sizes={sizes} must be a non-empty list of positive widths, e.g. [50]")
+    fraction = OmegaConf.select(cfg, "data.test_fraction")
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        raise ConfigError(f"uci.test_fraction={fraction!r} must be a number strictly between 0 and 1 (the protocol uses 0.1)")
+        raise ConfigError(f"data.test_fraction={fraction!r} must be a number strictly between 0 and 1 (the protocol uses 0.1)")
     methods = OmegaConf.select(cfg, "uci.methods")
     methods = list(methods) if methods is not None else []
     unknown = [m for m in methods if m not in METHODS]
@@ -98,6 +102,8 @@ def validate(cfg: DictConfig) -> List[str]:
         )
     if len(set(methods)) != len(methods):
         raise ConfigError(f"uci.methods={methods} lists a method twice")
+    if len(sizes) > 1 and "pyro" in methods:
+        raise ConfigError(f"uci.methods includes pyro, whose peer network has one hidden layer; model.hidden_sizes={sizes}")
     return methods
 
 
@@ -111,7 +117,7 @@ def make_splits(num_rows: int, n_splits: int, test_fraction: float) -> List[Tupl
         )
     n_test = max(1, int(round(test_fraction * num_rows)))
     if num_rows - n_test < 2:
-        raise DataError(f"uci.test_fraction={test_fraction} leaves {num_rows - n_test} training rows of {num_rows}")
+        raise DataError(f"data.test_fraction={test_fraction} leaves {num_rows - n_test} training rows of {num_rows}")
     splits = []
     for k in range(n_splits):
         order = np.random.default_rng(k).permutation(num_rows)
@@ -154,85 +160,76 @@ class Fitted:
     noise_std: float  # the learned observation noise, standardized units
 
 
-def _train_loop(loss_fn, optimizer_step, schedule, x, y, label, bar):
-    for step, index in enumerate(schedule):
-        loss = loss_fn(x[index], y[index])
-        ensure_finite(loss if isinstance(loss, torch.Tensor) else torch.tensor(loss), step=step, what=f"{label} loss")
-        optimizer_step(loss)
-        bar.update(1)
+def _train(model, parameters, loss, data, schedule, cfg, device, bar, label) -> None:
+    """Adam on the split's fixed minibatch schedule: the one training loop, in steps."""
+    optimizer = torch.optim.Adam(parameters, lr=cfg.trainer.lr)
+    TrainingLoop(model, optimizer, loss, data.num_train, cfg.trainer.batch_size, device, schedule=schedule,
+                 label=label, progress=bar).run()
 
 
-def _adam_step(optimizer):
-    def step(loss):
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
+def _network(data, cfg, generator, covariance="diagonal", point_layers: int = 0) -> BayesianNetwork:
+    """The network every cfbnn method of the protocol uses (``model.*``), with a learned noise."""
+    sizes = list(cfg.model.hidden_sizes)
+    if isinstance(covariance, str):
+        # the output layer's covariance is diagonal or full; low rank applies to the hidden layers
+        covariance = [covariance] * len(sizes) + ["full" if covariance == "full" else "diagonal"]
+    return BayesianNetwork(
+        data.input_dim, sizes, 1, cfg.model.activation, covariance[point_layers:], cfg.model.rank, cfg.model.prior_scale,
+        cfg.model.init_scale, NormalLikelihood(cfg.model.precision, cfg.model.learn_precision), point_layers=point_layers,
+        generator=generator,
+    )
 
 
 def _fit_closed_form(covariance, data, schedule, cfg, device, bar, generator):
-    b_covariance = "full" if covariance == "full" else "diagonal"
-    model = ClosedFormBNN(
-        data.input_dim, cfg.uci.hidden_size, activation=cfg.uci.activation, a_covariance=covariance,
-        b_covariance=b_covariance, rank=cfg.uci.rank, prior_scale=cfg.uci.prior_scale,
-        init_scale=cfg.uci.init_scale, generator=generator,
-    ).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
+    model = _network(data, cfg, generator, covariance).to(device)
     num_data = data.num_train
-    _train_loop(lambda xb, yb: -model.elbo(xb, yb, num_data), _adam_step(optimizer), schedule,
-                data.x_train, data.y_train, f"closed_form_{covariance}", bar)
+    x, y = data.x_train, data.y_train
+
+    def loss(rows):
+        return -model.elbo(x[rows], y[rows], num_data, "analytic")
+
+    _train(model, model.parameters(), loss, data, schedule, cfg, device, bar, f"closed_form_{covariance}")
+    sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
 
     @torch.no_grad()
     def predict(x):
-        mean, var_a, var_b, noise = model.predictive(x)
-        return mean.unsqueeze(0), (var_a + var_b + noise).unsqueeze(0)
+        means, variances = model.predict_mixture(x, cfg.uci.predictive_samples, sampler)
+        return means, variances + 1.0 / model.precision
 
     return Fitted(predict, float(model.precision.detach()) ** -0.5)
 
 
 def _fit_local_reparameterization(data, schedule, cfg, device, bar, generator):
-    model = ClosedFormBNN(
-        data.input_dim, cfg.uci.hidden_size, activation=cfg.uci.activation, prior_scale=cfg.uci.prior_scale,
-        init_scale=cfg.uci.init_scale, generator=generator,
-    ).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
+    model = _network(data, cfg, generator).to(device)
     sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
     num_data = data.num_train
+    x, y = data.x_train, data.y_train
 
-    def loss(xb, yb):
-        b_loc, b_scale = model._b()
-        ell = regression_ell_local_reparameterization(
-            augment(xb), yb, model.a.loc, model.a.scale(), b_loc, b_scale, model.precision, model.activation, 1, sampler
-        )
-        return -(num_data / xb.shape[0] * ell.mean() - model.kl())
+    def loss(rows):
+        return -model.elbo(x[rows], y[rows], num_data, "sampling", generator=sampler)
 
-    _train_loop(loss, _adam_step(optimizer), schedule, data.x_train, data.y_train, "local_reparameterization", bar)
-    samples = cfg.uci.predictive_samples
+    _train(model, model.parameters(), loss, data, schedule, cfg, device, bar, "local_reparameterization")
 
     @torch.no_grad()
     def predict(x):
-        b_loc, b_scale = model._b()
-        outputs = sample_outputs_local(augment(x), model.a.loc, model.a.scale(), b_loc, b_scale, model.activation, samples, sampler)
+        outputs = model.sample_outputs(x, cfg.uci.predictive_samples, sampler)
         return outputs, torch.full_like(outputs, 1.0 / float(model.precision))
 
     return Fitted(predict, float(model.precision.detach()) ** -0.5)
 
 
-def _starting_means(D: int, H: int, generator) -> Dict[str, torch.Tensor]:
-    """``D -> H -> 1`` weights drawn like cfbnn's means (``randn / sqrt(fan_in)``, the bias
-    column counted in the first layer's fan-in), named as ``nn.Linear`` layers ``fc1``/``fc2``."""
-    return {
-        "fc1.weight": torch.randn(H, D, generator=generator) / math.sqrt(D + 1),
-        "fc1.bias": torch.randn(H, generator=generator) / math.sqrt(D + 1),
-        "fc2.weight": torch.randn(1, H, generator=generator) / math.sqrt(H),
-        "fc2.bias": torch.zeros(1),
-    }
+def _starting_means(data, cfg, generator) -> Dict[str, torch.Tensor]:
+    """cfbnn's starting means (a fresh network from the same seed) as ``nn.Linear`` weights
+    and biases ``fc1``/``fc2``: every method of a split starts from the same point."""
+    network = _network(data, cfg, generator)
+    hidden, output = network.layers
+    return {"fc1.weight": hidden.loc[:, :-1].detach(), "fc1.bias": hidden.loc[:, -1].detach(),
+            "fc2.weight": output.loc[:, :-1].detach(), "fc2.bias": output.loc[:, -1].detach()}
 
 
 def _fit_pyro(data, schedule, cfg, device, bar, generator):
     import pyro
-    from pyro.infer import SVI, Predictive, Trace_ELBO
+    from pyro.infer import Predictive, Trace_ELBO
     from pyro.infer.autoguide import AutoNormal
     from pyro.infer.autoguide.initialization import init_to_value
 
@@ -240,15 +237,19 @@ def _fit_pyro(data, schedule, cfg, device, bar, generator):
 
     pyro.clear_param_store()
     pyro.set_rng_seed(int(generator.initial_seed()))
-    D, H = data.input_dim, cfg.uci.hidden_size
-    model = PyroMLPRegression(D, H, cfg.uci.activation, cfg.uci.prior_scale, device=device)
+    D, H = data.input_dim, cfg.model.hidden_sizes[0]
+    model = PyroMLPRegression(D, H, cfg.model.activation, cfg.model.prior_scale, device=device)
     # the same starting means as cfbnn's (randn / sqrt(fan_in)), not Pyro's all-zero default
-    start = _starting_means(D, H, generator)
-    guide = AutoNormal(model, init_loc_fn=init_to_value(values={k: v.to(device) for k, v in start.items()}), init_scale=cfg.uci.init_scale)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": cfg.trainer.lr}), Trace_ELBO())
+    start = _starting_means(data, cfg, generator)
+    guide = AutoNormal(model, init_loc_fn=init_to_value(values={k: v.to(device) for k, v in start.items()}),
+                       init_scale=cfg.model.init_scale)
+    elbo = Trace_ELBO()
     num_data = data.num_train
-    _train_loop(lambda xb, yb: svi.step(xb, yb, num_data), lambda loss: None, schedule,
-                data.x_train, data.y_train, "pyro", bar)
+    x, y = data.x_train, data.y_train
+    elbo.differentiable_loss(model, guide, x[:2], y[:2], num_data)  # creates the guide's and the noise's parameters
+    parameters = list({id(p): p for p in [*guide.parameters(), *model.parameters()]}.values())
+    _train(guide, parameters, lambda rows: elbo.differentiable_loss(model, guide, x[rows], y[rows], num_data),
+           data, schedule, cfg, device, bar, "pyro")
     predictive = Predictive(model, guide=guide, num_samples=cfg.uci.predictive_samples, return_sites=("_RETURN",))
 
     @torch.no_grad()
@@ -260,35 +261,26 @@ def _fit_pyro(data, schedule, cfg, device, bar, generator):
 
 
 def _fit_plain_mlp(data, schedule, cfg, device, bar, generator):
-    from ...moments import get_activation
-
-    activation = get_activation(cfg.uci.activation)
-    D, H = data.input_dim, cfg.uci.hidden_size
-    first = torch.nn.Linear(D, H)
-    second = torch.nn.Linear(H, 1)
-    start = _starting_means(D, H, generator)
+    start = _starting_means(data, cfg, generator)
+    model = _network(data, cfg, None, point_layers=len(cfg.model.hidden_sizes) + 1)
     with torch.no_grad():  # the same starting means as the Bayesian methods
-        for name, value in start.items():
-            layer, parameter = name.split(".")
-            getattr({"fc1": first, "fc2": second}[layer], parameter).copy_(value)
-    first, second = first.to(device), second.to(device)
-    log_noise = torch.zeros((), device=device, requires_grad=True)
-    optimizer = torch.optim.Adam([*first.parameters(), *second.parameters(), log_noise], lr=cfg.trainer.lr)
+        for index, name in enumerate(("fc1", "fc2")):
+            model.layers[index].weight.copy_(start[f"{name}.weight"])
+            model.layers[index].bias.copy_(start[f"{name}.bias"])
+    model = model.to(device)
+    x, y = data.x_train, data.y_train
 
-    def forward(x):
-        return second(activation(first(x))).squeeze(-1)
+    def loss(rows):  # maximum likelihood with a learned noise: the mean negative log-likelihood
+        return -model.expected_log_likelihood(x[rows], y[rows]) / rows.numel()
 
-    def loss(xb, yb):
-        return -torch.distributions.Normal(forward(xb), log_noise.exp()).log_prob(yb).mean()
-
-    _train_loop(loss, _adam_step(optimizer), schedule, data.x_train, data.y_train, "plain_mlp", bar)
+    _train(model, model.parameters(), loss, data, schedule, cfg, device, bar, "plain_mlp")
 
     @torch.no_grad()
     def predict(x):
-        mean = forward(x).unsqueeze(0)
-        return mean, torch.full_like(mean, float(log_noise.exp()) ** 2)
+        mean = model.output_mean(x).unsqueeze(0)
+        return mean, torch.full_like(mean, 1.0 / float(model.precision))
 
-    return Fitted(predict, float(log_noise.detach().exp()))
+    return Fitted(predict, float(model.precision.detach()) ** -0.5)
 
 
 def fit_method(method: str, data: RegressionData, schedule, cfg, device, bar, seed: int) -> Fitted:
@@ -398,14 +390,17 @@ def run(cfg: DictConfig, run_dir) -> dict:
     run_dir = Path(run_dir)
     methods = validate(cfg)
     device = resolve_device(cfg.device)
-    table: RegressionTable = load_regression_table(cfg.data, cfg.seed)
-    splits = make_splits(len(table.y), cfg.uci.n_splits, cfg.uci.test_fraction)
+    table: RegressionTable = load_regression_table(cfg.data)
+    splits = make_splits(len(table.y), cfg.uci.n_splits, cfg.data.test_fraction)
     n_train = len(splits[0][0])
     batch_size = cfg.trainer.batch_size
     if batch_size > n_train:
         raise ConfigError(f"trainer.batch_size={batch_size} exceeds the {n_train} training rows of a split; lower it")
+    steps = cfg.trainer.epochs * (n_train // batch_size)  # the same budget for every method and split
+    if steps < 1:
+        raise ConfigError(f"trainer.epochs={cfg.trainer.epochs} gives no training step; set it >= 1")
     atomic_write_json(run_dir / "splits.json", {
-        "data": table.name, "rows": len(table.y), "test_fraction": cfg.uci.test_fraction,
+        "data": table.name, "rows": len(table.y), "test_fraction": cfg.data.test_fraction,
         "seeds": list(range(len(splits))),
         "splits": [{"seed": k, "train": train.tolist(), "test": test.tolist()} for k, (train, test) in enumerate(splits)],
     })
@@ -417,16 +412,16 @@ def run(cfg: DictConfig, run_dir) -> dict:
         log.info("resuming: %d of %d (split, method) runs already done", len(records), len(splits) * len(methods))
     done = {(r["split"], r["method"]) for r in records}
     log.info(
-        "UCI protocol on %s (%d rows, %d features): %d splits, %s, 1 hidden layer of %d, %d steps of %d, device=%s",
-        table.name, len(table.y), table.x.shape[1], len(splits), ", ".join(methods), cfg.uci.hidden_size,
-        cfg.uci.steps, batch_size, device,
+        "UCI protocol on %s (%d rows, %d features): %d splits, %s, hidden layers %s, %d steps of %d, device=%s",
+        table.name, len(table.y), table.x.shape[1], len(splits), ", ".join(methods), list(cfg.model.hidden_sizes),
+        steps, batch_size, device,
     )
-    with validate_args(False), tqdm(total=(len(splits) * len(methods) - len(done)) * cfg.uci.steps, desc="uci", leave=False) as bar:
+    with validate_args(False), tqdm(total=(len(splits) * len(methods) - len(done)) * steps, desc="uci", leave=False) as bar:
         for k, (train, test) in enumerate(splits):
             data = table.split(train, test)
             data.x_train, data.y_train = data.x_train.to(device), data.y_train.to(device)
             data.x_test, data.y_test = data.x_test.to(device), data.y_test.to(device)
-            schedule = minibatch_schedule(data.num_train, batch_size, cfg.uci.steps, seed=k).to(device)
+            schedule = minibatch_schedule(data.num_train, batch_size, steps, seed=k).to(device)
             for method in methods:
                 if (k, method) in done:
                     continue
@@ -435,8 +430,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
                 started = time.perf_counter()
                 fitted = fit_method(method, data, schedule, cfg, device, bar, seed=cfg.seed * 1000 + k)
                 _sync(device)
-                record = {"split": k, "method": method, "train_seconds": time.perf_counter() - started, "steps": cfg.uci.steps}
-                record.update(evaluate(fitted, data, device, cfg.uci.predictive_samples, cfg.uci.hidden_size))
+                record = {"split": k, "method": method, "train_seconds": time.perf_counter() - started, "steps": steps}
+                record.update(evaluate(fitted, data, device, cfg.uci.predictive_samples, max(cfg.model.hidden_sizes)))
                 records.append(record)
                 atomic_write_json(progress_path, {"config_fingerprint": fingerprint, "records": records})
                 log.info(
@@ -449,7 +444,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
     tables.update(write_table(summary, run_dir, "uci", caption=f"UCI protocol on {table.name}: {len(splits)} splits, mean ± s.e."))
     log.info("UCI protocol, %s:\n%s", table.name, summary.to_markdown())
     figures = {"uci": _plot(frame, methods, run_dir / "uci.png")}
-    metrics: Dict[str, float] = {"uci/n_splits": len(splits), "uci/steps": cfg.uci.steps}
+    metrics: Dict[str, float] = {"uci/n_splits": len(splits), "uci/steps": steps}
     for method in methods:
         part = frame[frame["method"] == method]
         for column in ("test_ll", "rmse"):

@@ -1,0 +1,123 @@
+"""Likelihoods, passed to a :class:`~cfbnn_cli.bnn.network.BayesianNetwork` (not inherited).
+
+A likelihood turns what the network gives -- the mean and variance of its outputs
+under q (closed form, or given sampled layers), and/or Monte Carlo samples of the
+outputs -- into a per-data-point estimate of ``E_q[log p(y | x, W)]``:
+
+* :class:`NormalLikelihood` -- regression, precision ``beta`` fixed or learned. Given
+  output moments it is exact (paper eqs. (7)-(8)): ``-beta/2 [(y - mean)^2 + var] +
+  1/2 (log beta - log 2 pi)`` per output, summed over outputs.
+* :class:`CategoricalLikelihood` -- softmax (``num_classes`` logits) or logistic (one
+  logit, the two-class softmax with logits ``(0, f)``), with one of
+  :data:`CLASSIFICATION_OBJECTIVES` (appendix "Other likelihoods"):
+  ``approximation`` (eqs. (38)-(39); an approximation, **not a bound**, errata 7),
+  ``control_variate`` (unbiased; the linearized form of eq. (40), see
+  :mod:`.classification`), ``analytic_numerator`` (eq. (41)) and ``sampling``
+  (brute-force Monte Carlo).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .classification import (
+    as_two_class,
+    softmax_ell_analytic_numerator,
+    softmax_ell_approximation,
+    softmax_ell_control_variate,
+    softmax_ell_monte_carlo,
+)
+
+CLASSIFICATION_OBJECTIVES = ("approximation", "control_variate", "analytic_numerator", "sampling")
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+class NormalLikelihood(nn.Module):
+    """``y ~ N(f(x), 1/beta)`` per output; ``beta`` stored as its log, learned or fixed."""
+
+    def __init__(self, precision: float = 1.0, learn: bool = True):
+        super().__init__()
+        if not precision > 0:
+            raise ValueError(f"`precision` must be > 0; got {precision!r}")
+        log_precision = torch.tensor(math.log(precision))
+        if learn:
+            self.log_precision = nn.Parameter(log_precision)
+        else:
+            self.register_buffer("log_precision", log_precision)
+
+    @property
+    def precision(self) -> torch.Tensor:
+        return self.log_precision.exp()
+
+    def needs_moments(self, objective: Optional[str] = None) -> bool:
+        return True
+
+    def needs_samples(self, objective: Optional[str] = None) -> bool:
+        return False
+
+    def expected_log_likelihood(self, y, mean, variance, samples=None, objective: Optional[str] = None,
+                                multi_output: bool = False) -> torch.Tensor:
+        """Per data point ``(..., N)``: exact given the output moments (eqs. (7)-(8))."""
+        precision = self.precision
+        per_output = -0.5 * precision * ((y - mean).square() + variance) + 0.5 * (self.log_precision - _LOG_2PI)
+        return per_output.sum(-1) if multi_output else per_output
+
+    def log_predictive_density(self, y, mean, variance) -> torch.Tensor:
+        """``log N(y | mean, variance + 1/beta)`` per point: the moment-matched predictive."""
+        total = variance + 1.0 / self.precision
+        return -0.5 * ((y - mean).square() / total + torch.log(total) + _LOG_2PI)
+
+
+class CategoricalLikelihood(nn.Module):
+    """Softmax over ``num_classes`` logits, or logistic on one logit (``logistic=True``)."""
+
+    def __init__(self, objective: str = "approximation", logistic: bool = False):
+        super().__init__()
+        check_objective(objective)
+        self.objective = objective
+        self.logistic = bool(logistic)
+
+    def needs_moments(self, objective: Optional[str] = None) -> bool:
+        return (objective or self.objective) != "sampling"
+
+    def needs_samples(self, objective: Optional[str] = None) -> bool:
+        return (objective or self.objective) != "approximation"
+
+    def expected_log_likelihood(self, labels, mean, variance, samples=None, objective: Optional[str] = None,
+                                multi_output: bool = True) -> torch.Tensor:
+        """Per data point ``(N,)`` under ``objective`` (default: this likelihood's)."""
+        objective = check_objective(objective or self.objective)
+        if self.logistic:
+            mean, variance, samples = (None if v is None else as_two_class(v) for v in (mean, variance, samples))
+        if objective == "approximation":
+            return softmax_ell_approximation(mean, variance, labels)
+        if samples is None:
+            raise ValueError(f"objective {objective!r} needs Monte Carlo samples of the logits")
+        if objective == "control_variate":
+            return softmax_ell_control_variate(mean, variance, samples, labels)
+        if objective == "analytic_numerator":
+            return softmax_ell_analytic_numerator(mean, samples, labels)
+        return softmax_ell_monte_carlo(samples, labels)
+
+
+def check_objective(objective: str) -> str:
+    if objective not in CLASSIFICATION_OBJECTIVES:
+        raise ValueError(f"`objective` must be one of {CLASSIFICATION_OBJECTIVES}; got {objective!r}")
+    return objective
+
+
+LIKELIHOODS = ("normal", "softmax", "logistic")
+
+
+def make_likelihood(name: str, precision: float = 1.0, learn_precision: bool = True,
+                    objective: str = "approximation") -> nn.Module:
+    """A likelihood object from its name (``normal``, ``softmax``, ``logistic``)."""
+    if name == "normal":
+        return NormalLikelihood(precision, learn_precision)
+    if name in ("softmax", "logistic"):
+        return CategoricalLikelihood(objective, logistic=name == "logistic")
+    raise ValueError(f"`likelihood` must be one of {LIKELIHOODS}; got {name!r}")

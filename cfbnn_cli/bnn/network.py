@@ -1,0 +1,496 @@
+"""The paper's network, in one place: a stack of weight layers, each with its treatment.
+
+``x -> W_1 -> g -> W_2 -> g -> ... -> W_L -> outputs``, biases through an input column
+of ones on every layer (paper footnote 1; ``output_bias=False`` drops it on the last
+layer). Every weight matrix is one layer object:
+
+* :class:`GaussianMatrix` -- Bayesian: ``q(W) = prod_r N(W_r | loc_r, Sigma_r)`` over
+  the rows (paper eq. (3)), covariance ``diagonal`` (mean field), ``full`` (a Cholesky
+  factor per row) or ``lowrank`` (diagonal + rank-r factor), prior ``N(0, s^2 I)``;
+* :class:`PointLinear` -- a point estimate (``nn.Linear``, no prior, no KL): the
+  maximum-likelihood layer of the Figure 1 head, the decoder of VAE variant V1 and
+  the plain-MLP baseline (all layers point).
+
+Point layers come first (``point_layers`` of them), Gaussian layers after. How each
+Gaussian layer is treated is the *estimator*, chosen per call, so that one set of
+parameters can be trained or measured with any of them (paper Table 1 compares two
+at the same parameters):
+
+======================  =====================================================
+``analytic``            the last two Gaussian layers integrated out in closed form
+                        (the hidden units' Phi and Var, eq. (9), then the output
+                        layer exactly, eqs. (7)-(8)); earlier ones sampled by local
+                        reparameterization. One hidden layer: nothing is sampled.
+``integrate_output_layer``  every Gaussian layer sampled but the output layer, which is
+                        integrated exactly given the sampled activations (VAE "V2").
+``sampling``            every Gaussian layer sampled (local reparameterization).
+======================  =====================================================
+
+The likelihood is a separate object (:mod:`.likelihoods`), passed in.
+:class:`ClosedFormBNN` is the paper's one-hidden-layer network ``x -> A x -> g(A x)
+-> B g(A x)`` with the constructor of the paper's notation (``a_covariance``,
+``b_covariance``, ``likelihood``).
+
+Noise for the sampled layers is an explicit argument (standard-normal tensors of
+:meth:`BayesianNetwork.noise_shapes`), so ``torch.func.vmap`` can draw many gradient
+samples in one call (Table 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from ..moments import get_activation
+from . import functional as F
+from .functional import augment
+from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
+
+COVARIANCES = ("diagonal", "full", "lowrank")
+ESTIMATORS = ("analytic", "integrate_output_layer", "sampling")
+_CLOSED_FORM_LAYERS = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0}
+_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
+
+
+def _in_functorch_transform(tensor: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+class GaussianMatrix(nn.Module):
+    """``q`` over a ``(rows, cols)`` weight matrix with independent rows (eq. (3)).
+
+    Scales are parametrized by their logarithm (the paper's "log root variances"), so
+    gradient variances are reported with respect to ``log_scale``.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        cols: int,
+        covariance: str = "diagonal",
+        rank: int = 10,
+        init_scale: float = 1e-2,
+        init_loc_std: Optional[float] = None,
+        generator: Optional[torch.Generator] = None,
+        bias: bool = True,
+    ):
+        super().__init__()
+        if covariance not in COVARIANCES:
+            raise ValueError(f"`covariance` must be one of {COVARIANCES}; got {covariance!r}")
+        if rows < 1 or cols < 1:
+            raise ValueError(f"`rows` and `cols` must be >= 1; got {rows}, {cols}")
+        if not init_scale > 0:
+            raise ValueError(f"`init_scale` must be > 0; got {init_scale!r}")
+        self.covariance = covariance
+        self.bias = bool(bias)  # whether its input carries the column of ones (cols counts it)
+        self._cached_loc_and_variance = None  # (parameter version key, value): see loc_and_variance()
+        std = init_loc_std if init_loc_std is not None else 1.0 / math.sqrt(cols)
+        self.loc = nn.Parameter(torch.randn(rows, cols, generator=generator) * std)
+        self.log_scale = nn.Parameter(torch.full((rows, cols), math.log(init_scale)))
+        if covariance == "full":
+            self.off_diagonal = nn.Parameter(torch.zeros(rows, cols, cols))
+            self.register_buffer("_strict_lower", torch.ones(cols, cols).tril(-1), persistent=False)
+        elif covariance == "lowrank":
+            if rank < 1:
+                raise ValueError(f"`rank` must be >= 1 for lowrank covariance; got {rank}")
+            self.factor = nn.Parameter(torch.randn(rows, cols, rank, generator=generator) * init_scale / math.sqrt(rank))
+
+    @property
+    def out_features(self) -> int:
+        return self.loc.shape[0]
+
+    def scale(self):
+        """Standard deviations ``(R, C)``, Cholesky factors ``(R, C, C)`` or a LowRankScale."""
+        diagonal = self.log_scale.exp()
+        if self.covariance == "diagonal":
+            return diagonal
+        if self.covariance == "full":
+            return self.off_diagonal * self._strict_lower + torch.diag_embed(diagonal)
+        return F.LowRankScale(diagonal, self.factor)
+
+    def variance(self):
+        """Elementwise variances ``(R, C)`` of a diagonal q (``scale() ** 2``)."""
+        if self.covariance != "diagonal":
+            raise ValueError(f"`variance()` is for diagonal covariance; this matrix has {self.covariance!r}")
+        return self.log_scale.mul(2.0).exp()
+
+    def loc_and_variance(self):
+        """``(2, R, C)``: the means and the variances of a diagonal q, stacked for one batched
+        product (:func:`~cfbnn_cli.bnn.functional.diagonal_preactivation_moments`).
+
+        Prediction asks for them once per batch while the weights stay fixed, so with
+        autograd off the value is kept until a parameter changes (an optimizer step,
+        ``load_state_dict`` or ``.to()`` gives it a new version or storage).
+        """
+        variance_of = self.variance  # raises for non-diagonal q
+        parameters = (self.loc, self.log_scale)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(_in_functorch_transform(p) for p in parameters):
+            return torch.stack([self.loc, variance_of()])
+        key = tuple((p._version, p.data_ptr(), p.device, p.dtype, p.shape) for p in parameters)
+        if self._cached_loc_and_variance is None or self._cached_loc_and_variance[0] != key:
+            self._cached_loc_and_variance = (key, torch.stack([self.loc, variance_of()]))
+        return self._cached_loc_and_variance[1]
+
+    def preactivation_moments(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(gamma, xi)`` of ``W [h, 1]`` under q (eq. (12)): each ``(..., N, rows)``."""
+        return F.preactivation_moments(augment(h) if self.bias else h, self.loc, self.scale())
+
+    def kl(self, prior_scale: float = 1.0) -> torch.Tensor:
+        return F.kl_normal_rows(self.loc, self.scale(), prior_scale)
+
+
+class PointLinear(nn.Linear):
+    """A point-estimate layer (``nn.Linear`` with its bias): no prior, no KL, no sampling."""
+
+
+Layer = Union[GaussianMatrix, PointLinear]
+
+
+def _check_estimator(estimator: str) -> str:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"`estimator` must be one of {ESTIMATORS}; got {estimator!r}")
+    return estimator
+
+
+class BayesianNetwork(nn.Module):
+    """``D -> H_1 -> ... -> H_L -> O``: ``point_layers`` point layers, then Gaussian layers.
+
+    Outputs are ``(..., N)`` for ``output_dim = 1`` and ``(..., N, O)`` otherwise.
+    ``covariance`` is one name for every Gaussian layer or a list with one per Gaussian
+    layer; the output layer's must be ``diagonal`` or ``full``.
+    """
+
+    def __init__(
+        self,
+        input_dim: int,
+        hidden_sizes: Sequence[int],
+        output_dim: int = 1,
+        activation="relu",
+        covariance: Union[str, Sequence[str]] = "diagonal",
+        rank: int = 10,
+        prior_scale: float = 1.0,
+        init_scale: float = 1e-2,
+        likelihood: Optional[nn.Module] = None,
+        point_layers: int = 0,
+        output_bias: bool = True,
+        generator: Optional[torch.Generator] = None,
+    ):
+        super().__init__()
+        hidden_sizes = [int(h) for h in hidden_sizes]
+        if any(h < 1 for h in hidden_sizes):
+            raise ValueError(f"`hidden_sizes` must be positive widths; got {hidden_sizes}")
+        if int(output_dim) < 1 or int(input_dim) < 1:
+            raise ValueError(f"`input_dim` and `output_dim` must be >= 1; got {input_dim}, {output_dim}")
+        if not prior_scale > 0:
+            raise ValueError(f"`prior_scale` must be > 0; got {prior_scale!r}")
+        widths = [int(input_dim)] + hidden_sizes + [int(output_dim)]
+        n_layers = len(widths) - 1
+        if not 0 <= point_layers <= n_layers:
+            raise ValueError(f"`point_layers` must be between 0 and the {n_layers} layers; got {point_layers}")
+        n_gaussian = n_layers - point_layers
+        covariances = [covariance] * n_gaussian if isinstance(covariance, str) else list(covariance)
+        if len(covariances) != n_gaussian:
+            raise ValueError(f"`covariance` needs one entry per Gaussian layer ({n_gaussian}); got {covariances}")
+        if n_gaussian and covariances[-1] not in ("diagonal", "full"):
+            raise ValueError(f"the output layer's covariance must be 'diagonal' or 'full'; got {covariances[-1]!r}")
+        self.activation = get_activation(activation)
+        self.output_dim = int(output_dim)
+        self.point_layers = int(point_layers)
+        self.prior_scale = float(prior_scale)
+        self.likelihood = likelihood if likelihood is not None else NormalLikelihood()
+        layers: List[nn.Module] = []
+        for index, (inp, out) in enumerate(zip(widths[:-1], widths[1:])):
+            if index < point_layers:
+                layers.append(PointLinear(inp, out))
+            else:
+                bias = output_bias or index < n_layers - 1
+                layers.append(GaussianMatrix(out, inp + bias, covariances[index - point_layers], rank, init_scale,
+                                             generator=generator, bias=bias))
+        self.layers = nn.ModuleList(layers)
+
+    # ------------------------------------------------------------------ structure
+
+    @property
+    def gaussian_layers(self) -> List[GaussianMatrix]:
+        return [layer for layer in self.layers if isinstance(layer, GaussianMatrix)]
+
+    @property
+    def precision(self) -> torch.Tensor:
+        """The Normal likelihood's precision beta."""
+        return self.likelihood.precision
+
+    def layer_names(self) -> List[str]:
+        """Names of the Gaussian layers for tables: ``first``, ``second``, ..., ``final``."""
+        count = len(self.gaussian_layers)
+        return [(_ORDINALS[i] if i < len(_ORDINALS) else f"layer {i + 1}") if i < count - 1 else "final"
+                for i in range(count)]
+
+    def treatments(self, estimator: str) -> Tuple[str, ...]:
+        """Per layer: ``point``, ``sampled`` or ``closed_form`` under ``estimator``."""
+        closed = min(_CLOSED_FORM_LAYERS[_check_estimator(estimator)], len(self.layers) - self.point_layers)
+        n = len(self.layers)
+        return tuple("point" if i < self.point_layers else "closed_form" if i >= n - closed else "sampled"
+                     for i in range(n))
+
+    def noise_shapes(self, batch: int, estimator: str) -> Tuple[Tuple[int, ...], ...]:
+        """Shapes of the standard-normal noise one evaluation consumes (one per sampled layer)."""
+        return tuple((batch, layer.out_features) for layer, treatment in zip(self.layers, self.treatments(estimator))
+                     if treatment == "sampled")
+
+    def sample_noise(self, batch: int, estimator: str, generator=None, num_samples: Optional[int] = None, lead=()):
+        lead = tuple(lead) + (() if num_samples is None else (num_samples,))
+        like = next(self.parameters())
+        return tuple(torch.randn(lead + shape, generator=generator, dtype=like.dtype, device=like.device)
+                     for shape in self.noise_shapes(batch, estimator))
+
+    def kl(self) -> torch.Tensor:
+        """``KL(q || p)`` of every Gaussian layer, in closed form."""
+        total = torch.zeros((), dtype=self.layers[0].weight.dtype if self.point_layers else self.layers[0].loc.dtype,
+                            device=next(self.parameters()).device)
+        for layer in self.gaussian_layers:
+            total = total + layer.kl(self.prior_scale)
+        return total
+
+    # ------------------------------------------------------------------ outputs
+
+    def point_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations after the point layers (``x`` itself when there are none; the
+        outputs when every layer is a point layer)."""
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers[: self.point_layers]):
+            x = layer(x) if index == last else self.activation(layer(x))  # no activation on the outputs
+        return x
+
+    def _propagate(self, h, estimator: str, noise):
+        """``(mean, var_from_penultimate, var_from_output_layer)``, each ``(..., N, O)``, from
+        the activations ``h`` after the point layers."""
+        treatments = self.treatments(estimator)
+        noise = iter(noise)
+        last = len(self.layers) - 1
+        if self.point_layers == len(self.layers):  # a plain network: h is already the output
+            return h, torch.zeros_like(h), torch.zeros_like(h)
+        for index in range(self.point_layers, len(self.layers)):
+            layer, treatment = self.layers[index], treatments[index]
+            if treatment == "sampled":
+                gamma, xi = layer.preactivation_moments(h)
+                z = gamma + xi * next(noise)
+            elif index == last:  # the output layer, exactly given (possibly sampled) activations
+                mean, xi = layer.preactivation_moments(h)
+                return mean, torch.zeros_like(mean), xi.square()
+            else:  # the last hidden layer's moments, then the output layer exactly (eqs. (7)-(9))
+                gamma, xi = layer.preactivation_moments(h)
+                phi, _, variance = self.activation.moments(gamma, xi, return_variance=True)
+                output = self.layers[-1]
+                if output.bias:  # the bias acts on a constant "hidden unit": Phi = 1, Var = 0
+                    phi = augment(phi)
+                    variance = torch.cat([variance, torch.zeros_like(variance[..., :1])], -1)
+                return F.output_moments_given_hidden(phi, variance, output.loc, output.scale())
+            if index == last:
+                return z, torch.zeros_like(z), torch.zeros_like(z)
+            h = self.activation(z)
+        raise AssertionError("unreachable: the loop returns at the output layer")
+
+    def _squeeze(self, *values):
+        return tuple(v[..., 0] for v in values) if self.output_dim == 1 else values
+
+    def output_moments(self, x, estimator: str = "analytic", noise=None, generator=None,
+                       after_point_layers: bool = False, split_variance: bool = False):
+        """Mean and variance of the outputs under q, given the noise of the sampled layers.
+
+        ``(mean, variance)``, or ``(mean, var_A, var_B)`` with ``split_variance`` (the
+        paper's remark 2, eq. (44): the variance from the last hidden layer's weights and
+        from the output layer's). Under ``sampling`` the output is the sample itself
+        (variance 0). ``noise=None`` draws it from ``generator``; ``after_point_layers``
+        says ``x`` is already :meth:`point_features`.
+        """
+        h = x if after_point_layers else self.point_features(x)
+        if noise is None:
+            noise = self.sample_noise(h.shape[-2], estimator, generator, lead=h.shape[:-2])
+        mean, var_a, var_b = self._squeeze(*self._propagate(h, estimator, noise))
+        return (mean, var_a, var_b) if split_variance else (mean, var_a + var_b)
+
+    @torch.no_grad()
+    def output_mean(self, x):
+        """The exact mean of the outputs ``y_hat`` under ``analytic`` (no variance; the
+        deterministic prediction ``argmax y_hat``, eq. (42), needs nothing more).
+
+        For a diagonal last hidden layer it takes a leaner path: the stacked means and
+        variances of that layer (cached while the weights stay put) in one product, and
+        the mean-only moments of the activation.
+        """
+        treatments = self.treatments("analytic")
+        hidden_index = len(self.layers) - 2
+        if (hidden_index < 0 or treatments[hidden_index] != "closed_form"
+                or self.layers[hidden_index].covariance != "diagonal" or "sampled" in treatments):
+            return self.output_moments(x, "analytic", ())[0]
+        hidden, output = self.layers[hidden_index], self.layers[-1]
+        h = self.point_features(x)
+        gamma, xi = F.diagonal_preactivation_moments(augment(h) if hidden.bias else h, hidden.loc_and_variance())
+        phi = self.activation.mean(gamma, xi)
+        mean = (augment(phi) if output.bias else phi) @ output.loc.transpose(-1, -2)
+        return mean[..., 0] if self.output_dim == 1 else mean
+
+    def sample_outputs(self, x, num_samples: int, generator=None, after_point_layers: bool = False):
+        """``(S, ..., N[, O])`` outputs with every Gaussian layer sampled (local
+        reparameterization), all samples in one batched computation."""
+        h = x if after_point_layers else self.point_features(x)
+        noise = self.sample_noise(h.shape[-2], "sampling", generator, num_samples=num_samples, lead=())
+        return self.output_moments(h, "sampling", noise, after_point_layers=True)[0]
+
+    @torch.no_grad()
+    def predict_mixture(self, x, num_samples: int = 32, generator=None, chunk: int = 8):
+        """Predictive moments by the closed form over the last two layers.
+
+        ``(component_means, component_variances)``, each ``(S, N[, O])``: the predictive
+        is the equal mixture of ``N(mean_s, var_s + 1/beta)`` over ``S`` samples of the
+        earlier sampled layers (``S = 1``, exact, when nothing is sampled).
+        """
+        h = self.point_features(x)
+        if not self.noise_shapes(h.shape[-2], "analytic"):
+            mean, variance = self.output_moments(h, "analytic", (), after_point_layers=True)
+            return mean.unsqueeze(0), variance.unsqueeze(0)
+        means, variances = [], []
+        for start in range(0, num_samples, chunk):  # chunks bound memory; samples within a chunk are batched
+            count = min(chunk, num_samples - start)
+            noise = self.sample_noise(h.shape[-2], "analytic", generator, num_samples=count)
+            mean, variance = self.output_moments(h, "analytic", noise, after_point_layers=True)
+            means.append(mean)
+            variances.append(variance)
+        return torch.cat(means), torch.cat(variances)
+
+    # ------------------------------------------------------------------ objectives
+
+    def expected_log_likelihood_per_point(self, x, y, estimator: str = "analytic", noise=None, generator=None,
+                                          num_samples: int = 1, objective: Optional[str] = None):
+        """``E_q[log p(y_n | x_n, W)]`` per data point ``(..., N)`` (summed over outputs):
+        exact, or a one-sample estimate over the sampled layers."""
+        likelihood = self.likelihood
+        h = self.point_features(x)
+        mean = variance = samples = None
+        if likelihood.needs_moments(objective):
+            mean, variance = self.output_moments(h, estimator, noise, generator, after_point_layers=True)
+        if likelihood.needs_samples(objective):
+            samples = self.sample_outputs(h, num_samples, generator, after_point_layers=True)
+        return likelihood.expected_log_likelihood(y, mean, variance, samples, objective=objective,
+                                                  multi_output=self.output_dim > 1)
+
+    def expected_log_likelihood(self, x, y, estimator: str = "analytic", noise=None, generator=None,
+                                num_samples: int = 1, objective: Optional[str] = None):
+        """The summed ``E_q[sum_n log p(y_n | x_n, W)]`` (eq. (7) for the Normal likelihood)."""
+        return self.expected_log_likelihood_per_point(x, y, estimator, noise, generator, num_samples, objective).sum(-1)
+
+    def elbo(self, x, y, num_data: Optional[int] = None, estimator: str = "analytic", noise=None, generator=None,
+             num_samples: int = 1, objective: Optional[str] = None):
+        """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO."""
+        ell = self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective)
+        scale = 1.0 if num_data is None else num_data / x.shape[-2]
+        return scale * ell - self.kl()
+
+    def forward(self, x, y, estimator: str = "analytic", noise=None, generator=None, num_samples: int = 1,
+                objective: Optional[str] = None):
+        """The summed expected log-likelihood (so that ``torch.func.functional_call`` and
+        ``DistributedDataParallel`` can evaluate it)."""
+        return self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective)
+
+
+class ClosedFormBNN(BayesianNetwork):
+    """The paper's network ``x -> A x -> g(A x) -> B g(A x)``, both matrices integrated out.
+
+    ``input_dim`` excludes the bias column (added here). ``likelihood="normal"`` gives
+    the exact ELBO; ``"softmax"``/``"logistic"`` use ``objective`` (see
+    :data:`~cfbnn_cli.bnn.likelihoods.CLASSIFICATION_OBJECTIVES`), also selectable per call.
+    """
+
+    def __init__(
+        self,
+        input_dim: int,
+        hidden_dim: int,
+        output_dim: int = 1,
+        activation="relu",
+        a_covariance: str = "diagonal",
+        b_covariance: str = "diagonal",
+        rank: int = 10,
+        prior_scale: float = 1.0,
+        likelihood: str = "normal",
+        precision: float = 1.0,
+        learn_precision: bool = True,
+        init_scale: float = 1e-2,
+        generator: Optional[torch.Generator] = None,
+        output_bias: bool = True,
+        objective: str = "approximation",
+    ):
+        if likelihood not in LIKELIHOODS:
+            raise ValueError(f"`likelihood` must be one of {LIKELIHOODS}; got {likelihood!r}")
+        if b_covariance not in ("diagonal", "full"):
+            raise ValueError(f"`b_covariance` must be 'diagonal' or 'full'; got {b_covariance!r}")
+        if likelihood == "logistic" and output_dim != 1:
+            raise ValueError(f"`output_dim` must be 1 for the logistic likelihood; got {output_dim}")
+        super().__init__(
+            input_dim, [hidden_dim], output_dim, activation, [a_covariance, b_covariance], rank, prior_scale,
+            init_scale, make_likelihood(likelihood, precision, learn_precision, objective), output_bias=output_bias,
+            generator=generator,
+        )
+
+    @property
+    def a(self) -> GaussianMatrix:
+        return self.layers[0]
+
+    @property
+    def b(self) -> GaussianMatrix:
+        return self.layers[1]
+
+    def predictive(self, x):
+        """``(mean, var_from_A, var_from_B, observation_noise)`` at ``x``, no sampling (eq. (44));
+        the noise ``1/beta`` is ``None`` for a categorical likelihood (its logits have none)."""
+        mean, var_a, var_b = self.output_moments(x, "analytic", (), split_variance=True)
+        noise = 1.0 / self.precision if isinstance(self.likelihood, NormalLikelihood) else None
+        return mean, var_a, var_b, noise
+
+    def expected_log_likelihood(self, x, y, objective: Optional[str] = None, num_samples: int = 1, generator=None,
+                                estimator: str = "analytic", noise=None):
+        """Summed ``E_q[log p(y | x, A, B)]`` over the batch (exact for the Normal likelihood)."""
+        return super().expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective)
+
+    def elbo(self, x, y, num_data: Optional[int] = None, objective: Optional[str] = None, num_samples: int = 1,
+             generator=None, estimator: str = "analytic", noise=None):
+        """``(num_data / batch) ELL - KL(A) - KL(B)``: an unbiased minibatch ELBO (exact for Normal)."""
+        ell = self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise)
+        scale = 1.0 if num_data is None else num_data / x.shape[-2]
+        return scale * ell - self.kl()
+
+    def forward(self, x, y, estimator: str = "analytic", noise=None, generator=None, num_samples: int = 1,
+                objective: Optional[str] = None):
+        return self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise)
+
+
+def mixture_log_likelihood(y, means, variances):
+    """``log (1/S) sum_s N(y | mean_s, var_s)`` per data point: ``(N,)``."""
+    log_probs = -0.5 * ((y - means).square() / variances + torch.log(2 * math.pi * variances))
+    return torch.logsumexp(log_probs, 0) - math.log(means.shape[0])
+
+
+def bayesian_head(feature_dim: int, hidden_sizes: Sequence[int], num_classes: int, activation="relu",
+                  prior_scale: float = 1.0, init_scale: float = 1e-2, generator: Optional[torch.Generator] = None,
+                  objective: str = "approximation") -> BayesianNetwork:
+    """The Figure 1 head on frozen features (paper "Fast Prediction"):
+    ``features -> Linear (point estimate) -> g -> [Gaussian] -> g -> [Gaussian] -> logits``.
+
+    Under ``analytic`` the logits' mean and variance are exact given the point layer's
+    activations (nothing sampled); ``argmax`` of :meth:`BayesianNetwork.output_mean` is the
+    deterministic prediction, eq. (42).
+    """
+    from .likelihoods import CategoricalLikelihood
+
+    hidden_sizes = list(hidden_sizes)
+    if len(hidden_sizes) != 2 or any(int(h) < 1 for h in hidden_sizes):
+        raise ValueError(f"`hidden_sizes` must be two positive widths [point layer, Bayesian hidden layer]; got {hidden_sizes}")
+    if int(num_classes) < 2:
+        raise ValueError(f"`num_classes` must be >= 2; got {num_classes}")
+    return BayesianNetwork(feature_dim, hidden_sizes, num_classes, activation, "diagonal", prior_scale=prior_scale,
+                           init_scale=init_scale, likelihood=CategoricalLikelihood(objective), point_layers=1,
+                           generator=generator)

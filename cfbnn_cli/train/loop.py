@@ -1,0 +1,210 @@
+"""The one training loop: every pipeline (Table 1, Table 2, Figure 1) and the UCI protocol.
+
+:class:`TrainingLoop` owns what training is, the same everywhere:
+
+* the minibatches -- epochs of fresh permutations from a seeded generator, or a fixed
+  ``schedule`` of ``(steps, batch)`` row indices (the UCI protocol's equal budgets);
+  under ``torchrun`` each rank takes its rows of every global batch
+  (:func:`~cfbnn_cli.runtime.distributed.local_rows`), so N processes train as one;
+* the optimizer step, with the NaN/Inf guard (the message names the epoch and step);
+* after each epoch: the pipeline's evaluation (``evaluate(epoch) -> metrics``) and hook
+  (``after_epoch(epoch, row)``), the validation-picked ``checkpoints/best.pt``
+  (``select=(metric, "max"|"min")``), ``checkpoints/last.pt`` (model, optimizer, epoch,
+  every generator, history, best, the pipeline's ``extra`` state and the config
+  fingerprint; atomic) and ``metrics.csv``; only rank 0 writes;
+* resume: ``resume=True`` continues from ``last.pt`` if the same configuration wrote it
+  (:func:`~cfbnn_cli.runtime.checkpoints.restore_training_state` refuses another);
+* the tqdm bar (terminal only; the log gets one line per epoch).
+
+What stays in a pipeline is only its own: the data, the model, the loss of a
+minibatch (``loss(rows) -> scalar``) and what to measure.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from ..runtime import distributed
+from ..runtime.checkpoints import load_checkpoint, restore_training_state, save_training_state
+from ..runtime.io import atomic_torch_save, atomic_write_text
+from ..runtime.numerics import ensure_finite
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingResult:
+    history: List[dict]
+    best: Dict[str, float]
+    extra: dict
+    resumed_from: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+
+@dataclass
+class TrainingLoop:
+    """See the module docstring. ``loss(rows)`` gets this rank's row indices of one
+    minibatch (a tensor on the training device) and returns the scalar to minimize;
+    the epoch's ``objective_name`` column is the row-weighted mean of ``-loss`` times
+    ``objective_scale``."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable[[torch.Tensor], torch.Tensor]
+    num_rows: int
+    batch_size: int
+    device: torch.device
+    epochs: int = 1
+    data_generator: Optional[torch.Generator] = None
+    schedule: Optional[torch.Tensor] = None  # (steps, batch) rows: one pass, instead of epochs of permutations
+    generators: Dict[str, torch.Generator] = field(default_factory=dict)  # checkpointed with the model
+    checkpoint_dir: Optional[Path] = None
+    fingerprint: Optional[str] = None
+    resume: bool = False
+    evaluate: Optional[Callable[[int], Dict[str, float]]] = None
+    after_epoch: Optional[Callable[[int, dict], None]] = None
+    select: Optional[Tuple[str, str]] = None  # (metric, "max" | "min") -> best.pt
+    best_payload: Optional[Callable[[], dict]] = None  # extra fields stored in best.pt
+    metrics_path: Optional[Path] = None
+    metrics_prefix: Sequence[dict] = ()  # rows written before this loop's (e.g. earlier VAE variants)
+    row_fields: Dict[str, object] = field(default_factory=dict)  # constant columns of every row
+    objective_name: str = "train_elbo_per_point"
+    objective_scale: float = 1.0
+    label: str = "train"
+    progress: Optional[tqdm] = None  # an outer bar to advance per step, instead of one per epoch
+    extra: dict = field(default_factory=dict)  # the pipeline's state, saved in and restored from last.pt
+    config: Optional[dict] = None  # the resolved config, recorded in last.pt
+
+    def __post_init__(self):
+        self.history: List[dict] = []
+        self.best: Dict[str, float] = {"epoch": 0, "value": None}
+        self.start_epoch = 0
+        self.trained = self.model
+        if distributed.world_size() > 1:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.trained = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+        if self.schedule is not None:
+            self.epochs = 1
+
+    # ----------------------------------------------------------------------------- state
+
+    @property
+    def last_path(self) -> Optional[Path]:
+        return None if self.checkpoint_dir is None else Path(self.checkpoint_dir) / "last.pt"
+
+    @property
+    def best_path(self) -> Optional[Path]:
+        return None if self.checkpoint_dir is None else Path(self.checkpoint_dir) / "best.pt"
+
+    def restore(self) -> int:
+        """Load ``last.pt`` when resuming; returns the last finished epoch (0 for a fresh start)."""
+        if not self.resume or self.last_path is None:
+            return 0
+        generators = {"data_order": self.data_generator, **self.generators} if self.data_generator else self.generators
+        state = restore_training_state(self.last_path, self.model, self.optimizer, generators, self.device,
+                                       self.fingerprint)
+        if state is None:
+            return 0
+        self.history, self.best, self.start_epoch = list(state["history"]), dict(state["best"]), int(state["epoch"])
+        self.extra.clear()
+        self.extra.update(state.get("extra", {}))
+        log.info("%s: resumed from %s after epoch %d", self.label, self.last_path, self.start_epoch)
+        return self.start_epoch
+
+    def _save(self, epoch: int) -> None:
+        if self.last_path is None:
+            return
+        generators = {"data_order": self.data_generator, **self.generators} if self.data_generator else self.generators
+        save_training_state(self.last_path, self.model, self.optimizer, epoch, generators, self.fingerprint,
+                            history=self.history, best=self.best, extra=self.extra, config=self.config)
+
+    def _write_metrics(self) -> None:
+        if self.metrics_path is not None:
+            atomic_write_text(self.metrics_path, pd.DataFrame([*self.metrics_prefix, *self.history]).to_csv(index=False))
+
+    def _improved(self, value: float) -> bool:
+        if value is None or not math.isfinite(value):
+            return False
+        best = self.best["value"]
+        _, mode = self.select
+        return best is None or (value > best if mode == "max" else value < best)
+
+    def load_best(self) -> bool:
+        """Load ``best.pt`` into the model if this run (trained or resumed) picked a best
+        epoch; never a stale file from another run. Returns whether it did."""
+        if self.select is None or self.best["epoch"] < 1 or self.best_path is None or not self.best_path.exists():
+            return False
+        self.model.load_state_dict(load_checkpoint(self.best_path, self.device, "best-epoch checkpoint")["model"])
+        return True
+
+    # ----------------------------------------------------------------------------- training
+
+    def _batches(self) -> torch.Tensor:
+        if self.schedule is not None:
+            return self.schedule
+        permutation = torch.randperm(self.num_rows, generator=self.data_generator).to(self.device)
+        steps = math.ceil(self.num_rows / self.batch_size)
+        return [permutation[step * self.batch_size : (step + 1) * self.batch_size] for step in range(steps)]
+
+    def _step(self, rows: torch.Tensor, epoch: int, step: int) -> float:
+        loss = self.loss(rows)
+        ensure_finite(loss, epoch=epoch if self.schedule is None else None, step=step, what=f"{self.label} loss")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def run(self) -> TrainingResult:
+        """Train from the restored epoch (call :meth:`restore` first to resume) to ``epochs``."""
+        started = time.perf_counter()
+        steps_done = 0
+        for epoch in range(self.start_epoch + 1, self.epochs + 1):
+            self.model.train()
+            epoch_started = time.perf_counter()
+            batches = self._batches()
+            total = 0.0
+            own_bar = self.progress is None
+            bar = tqdm(total=len(batches), desc=f"{self.label} epoch {epoch}/{self.epochs}", leave=False,
+                       disable=not distributed.is_main()) if own_bar else self.progress
+            try:
+                for step, batch in enumerate(batches):
+                    rows = distributed.local_rows(batch)
+                    total -= self._step(rows, epoch, step) * rows.numel()
+                    steps_done += 1
+                    bar.update(1)
+            finally:
+                if own_bar:
+                    bar.close()
+            total = distributed.all_reduce_sum(total, self.device)
+            row = {**self.row_fields, "epoch": epoch,
+                   self.objective_name: total / (self.num_rows if self.schedule is None else self.schedule.numel())
+                   * self.objective_scale,
+                   "epoch_seconds": time.perf_counter() - epoch_started}
+            if self.evaluate is not None:
+                self.model.eval()
+                row.update(self.evaluate(epoch))
+            self.history.append(row)
+            if self.after_epoch is not None:
+                self.after_epoch(epoch, row)
+            improved = self.select is not None and self._improved(row.get(self.select[0]))
+            if improved:
+                self.best = {"epoch": epoch, "value": float(row[self.select[0]])}
+            if distributed.is_main():
+                if improved and self.best_path is not None:
+                    payload = self.best_payload() if self.best_payload is not None else {}
+                    atomic_torch_save({"model": self.model.state_dict(), "epoch": epoch, **payload}, self.best_path)
+                self._save(epoch)
+                self._write_metrics()
+            distributed.barrier()
+        return TrainingResult(self.history, self.best, self.extra, self.start_epoch, time.perf_counter() - started,
+                              steps_done)

@@ -1,0 +1,126 @@
+"""pipelines/regression (Table 1): training, gradient variance, outputs, resume, errors."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cfbnn_cli.bnn.network import BayesianNetwork
+from cfbnn_cli.pipelines import regression
+from cfbnn_cli.runtime.errors import ConfigError
+from cfbnn_cli.runtime.numerics import NonFiniteLossError
+
+
+@pytest.mark.parametrize("estimator", ["analytic", "sampling"])
+def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_cfg):
+    result = regression.run(regression_cfg(f"estimator={estimator}"), tmp_path)
+    history = pd.read_csv(tmp_path / "metrics.csv")
+    assert list(history["epoch"]) == [1, 2, 3]
+    assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
+    assert np.isfinite(history[["test_rmse", "test_ll_closed_form", "test_ll_monte_carlo"]].values).all()
+    table = pd.read_csv(tmp_path / "gradient_variance.csv", index_col=0)
+    assert list(table.index) == ["Analytic", "Sampling"] and table.shape[1] == 6
+    assert "/" in table.iloc[0, 0]
+    assert (tmp_path / "gradient_variance.md").read_text().count("|") > 10
+    assert "\\toprule" in (tmp_path / "gradient_variance.tex").read_text()
+    for figure in ("gradient_variance.png", "training.png"):
+        assert (tmp_path / figure).read_bytes()[:4] == b"\x89PNG"
+    assert result["metrics"]["final_test_rmse"] == pytest.approx(history["test_rmse"].iloc[-1])
+    assert (tmp_path / "checkpoints" / "last.pt").exists()
+
+
+def test_analytic_gradient_variance_is_lower_on_the_final_layer(tmp_path, regression_cfg):
+    result = regression.run(regression_cfg("trainer.epochs=1", "gradient_variance.epochs=[0]"), tmp_path)
+    m = result["metrics"]
+    for kind in ("mean", "scale"):
+        assert m[f"gradvar/analytic/epoch0/final/{kind}"] < m[f"gradvar/sampling/epoch0/final/{kind}"]
+        assert m[f"gradvar_ratio_sampling_over_analytic/epoch0/final/{kind}"] > 1.5
+
+
+def test_resume_continues_from_checkpoint_bit_for_bit(tmp_path, monkeypatch, regression_cfg):
+    """A run stopped after epoch 2 and resumed with the same config ends exactly as an
+    uninterrupted run; resuming with another trainer.epochs is refused, naming the key."""
+    from cfbnn_cli.pipelines.regression import gradient_variance_study as study
+    from cfbnn_cli.runtime.rundir import claim_run_dir
+
+    cfg = regression_cfg("trainer.epochs=4", "gradient_variance.num_samples=0")
+    regression.run(cfg, tmp_path / "whole")
+    reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
+
+    claim_run_dir(cfg, tmp_path / "stopped")  # as the CLI does before running
+    original, calls = study.evaluate, {"n": 0}
+
+    def stop_in_epoch_3(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(study, "evaluate", stop_in_epoch_3)
+    with pytest.raises(KeyboardInterrupt):
+        regression.run(cfg, tmp_path / "stopped")
+    monkeypatch.setattr(study, "evaluate", original)
+    assert torch.load(tmp_path / "stopped" / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2
+    resumed = regression_cfg("trainer.epochs=4", "gradient_variance.num_samples=0", "resume=true")
+    claim_run_dir(resumed, tmp_path / "stopped")
+    regression.run(resumed, tmp_path / "stopped")
+    after = pd.read_csv(tmp_path / "stopped" / "metrics.csv")
+    pd.testing.assert_frame_equal(after.drop(columns="epoch_seconds"), reference.drop(columns="epoch_seconds"))
+
+    longer = regression_cfg("trainer.epochs=6", "gradient_variance.num_samples=0", "resume=true")
+    with pytest.raises(ConfigError, match=r"trainer\.epochs: 4 -> 6"):
+        claim_run_dir(longer, tmp_path / "stopped")
+
+
+def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monkeypatch, regression_cfg):
+    cfg = regression_cfg("gradient_variance.num_samples=0")
+    original = BayesianNetwork.forward  # the training step's expected log-likelihood
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        value = original(self, *args, **kwargs)
+        return value * float("nan") if calls["n"] > 5 else value  # 4 steps per epoch: fails in epoch 2
+
+    monkeypatch.setattr(BayesianNetwork, "forward", flaky)
+    with pytest.raises(NonFiniteLossError, match="epoch 2, step 1"):
+        regression.run(cfg, tmp_path)
+    assert torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 1
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [("estimator=gibbs", "estimator"), ("trainer.batch_size=5000", "trainer.batch_size"),
+     ("model.hidden_sizes=[16,0]", "model.hidden_sizes"), ("gradient_variance.epochs=[0,9]", "gradient_variance.epochs")],
+)
+def test_invalid_config_fails_before_work(tmp_path, override, key, regression_cfg):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        regression.run(regression_cfg(override), tmp_path)
+    assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_cli_end_to_end_small(tmp_path, cfbnn, tiny_overrides):
+    run_dir = tmp_path / "run"
+    out = cfbnn("train", "regression", f"hydra.run.dir={run_dir}", *tiny_overrides["train_regression"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads((run_dir / "results.json").read_text())
+    assert record["pipeline"] == "train_regression" and record["status"] == "complete"
+    assert record["config"]["trainer"]["epochs"] == 3
+    assert "gradient_variance.csv" in record["tables"] and record["figures"]["training"] == "training.png"
+    assert (run_dir / "done").exists()
+    missing = cfbnn("train", "regression", f"hydra.run.dir={tmp_path / 'r2'}", "data=year_prediction_msd",
+                    f"data.path={tmp_path}/none.txt")
+    assert missing.returncode == 1 and "fetch_year_prediction_msd.py" in missing.stdout + missing.stderr
+
+
+@pytest.mark.slow
+def test_readme_main_command(tmp_path):
+    """The README's main job exactly as written (default config), end to end."""
+    import subprocess
+
+    out = subprocess.run(["cfbnn", "train", "regression", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                         timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((tmp_path / "results.json").read_text())["status"] == "complete"

@@ -1,0 +1,110 @@
+"""pipelines/vae.py: `cfbnn vae` trains each variant, writes Table 2, resumes, rejects bad configs."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from cfbnn_cli.bnn.vae import BayesianDecoderVAE
+from cfbnn_cli.pipelines import vae as pipeline
+from cfbnn_cli.runtime.errors import ConfigError
+from cfbnn_cli.runtime.numerics import NonFiniteLossError
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2", "v3"])
+def test_each_variant_trains_and_lowers_the_loss(tmp_path, variant, vae_cfg):
+    result = pipeline.run(vae_cfg(f"variant={variant}"), tmp_path)
+    history = pd.read_csv(tmp_path / "metrics.csv")
+    assert list(history["epoch"]) == [1, 2, 3, 4] and set(history["variant"]) == {variant}
+    assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
+    assert math.isfinite(result["metrics"][f"vae/{variant}/test_ll"])
+    assert (tmp_path / "checkpoints" / variant / "best.pt").exists()
+
+
+def test_all_variants_write_the_table(tmp_path, vae_cfg):
+    result = pipeline.run(vae_cfg("trainer.epochs=2"), tmp_path)
+    table = pd.read_csv(tmp_path / "vae_results.csv", index_col=0)
+    assert list(table.index) == ["V1", "V2", "V3"]
+    assert list(table["Bayesian decoder"]) == ["no", "yes", "yes"]
+    assert "±" in table.loc["V3", "Test LL"]
+    assert "\\toprule" in (tmp_path / "vae_results.tex").read_text()
+    assert (tmp_path / "vae_results.md").read_text().count("V2") == 1
+    assert (tmp_path / "training.png").read_bytes()[:4] == b"\x89PNG"
+    for variant in ("v1", "v2", "v3"):
+        assert math.isfinite(result["metrics"][f"vae/{variant}/test_ll"])
+        assert result["metrics"][f"vae/{variant}/best_epoch"] in (1, 2)
+
+
+def test_resume_continues_from_the_last_checkpoint(tmp_path, monkeypatch, vae_cfg):
+    """Stopped after epoch 2 and resumed with the same config: exactly the uninterrupted run."""
+    cfg = vae_cfg("variant=v3", "trainer.epochs=3")
+    pipeline.run(cfg, tmp_path / "whole")
+    reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
+    original, calls = pipeline.mean_elbo_per_point, {"n": 0}
+
+    def stop_after_epoch_2(*args, **kwargs):  # the validation ELBO, once per epoch
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "mean_elbo_per_point", stop_after_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(cfg, tmp_path / "stopped")
+    monkeypatch.setattr(pipeline, "mean_elbo_per_point", original)
+    pipeline.run(vae_cfg("variant=v3", "trainer.epochs=3", "resume=true"), tmp_path / "stopped")
+    after = pd.read_csv(tmp_path / "stopped" / "metrics.csv")
+    assert list(after["epoch"]) == [1, 2, 3]
+    pd.testing.assert_frame_equal(after.drop(columns="epoch_seconds"), reference.drop(columns="epoch_seconds"))
+
+
+def test_nan_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path, monkeypatch, vae_cfg):
+    original, calls = BayesianDecoderVAE.elbo, {"n": 0}
+
+    def nan_in_epoch_2(self, *args, **kwargs):  # 9 steps per epoch (the bar shows 0/9)
+        calls["n"] += 1
+        value = original(self, *args, **kwargs)
+        return value * float("nan") if calls["n"] > 9 else value
+
+    monkeypatch.setattr(BayesianDecoderVAE, "elbo", nan_in_epoch_2)
+    with pytest.raises(NonFiniteLossError, match="epoch 2, step 0"):
+        pipeline.run(vae_cfg("variant=v1", "trainer.epochs=2"), tmp_path)
+    kept = torch.load(tmp_path / "checkpoints" / "v1" / "last.pt", weights_only=True)
+    assert kept["epoch"] == 1
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("variant=v4", "variant='v4'"), ("model.latent_dim=0", "model.latent_dim=0"),
+     ("model.encoder_hidden=[]", "model.encoder_hidden"), ("trainer.batch_size=100000", "exceeds"),
+     ("evaluation.inner_samples=0", "evaluation.inner_samples=0"), ("trainer.compile=maybe", "trainer.compile")],
+)
+def test_bad_config_is_rejected_before_training(tmp_path, override, message, vae_cfg):
+    with pytest.raises(ConfigError, match=message):
+        pipeline.run(vae_cfg(override), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_cli_sweep_over_variants_writes_one_result_per_variant(tmp_path, cfbnn, tiny_overrides):
+    import json
+
+    sweep = tmp_path / "sweep"
+    out = cfbnn("vae", "-m", "variant=v1,v2,v3", f"hydra.sweep.dir={sweep}", *tiny_overrides["vae"], "trainer.epochs=1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = [json.loads((sweep / str(job) / "results.json").read_text()) for job in range(3)]
+    assert [r["config"]["variant"] for r in results] == ["v1", "v2", "v3"]
+    for job, (result, variant) in enumerate(zip(results, ("v1", "v2", "v3"))):
+        assert math.isfinite(result["metrics"][f"vae/{variant}/test_ll"])
+        assert (sweep / str(job) / "done").exists()
+
+
+@pytest.mark.slow
+def test_compiled_objective_trains_like_the_eager_one(tmp_path, vae_cfg):
+    eager = pipeline.run(vae_cfg("variant=v3", "trainer.epochs=1"), tmp_path / "eager")
+    compiled = pipeline.run(vae_cfg("variant=v3", "trainer.epochs=1", "trainer.compile=true"), tmp_path / "compiled")
+    a = pd.read_csv(tmp_path / "eager" / "metrics.csv")["train_elbo_per_point"].iloc[0]
+    b = pd.read_csv(tmp_path / "compiled" / "metrics.csv")["train_elbo_per_point"].iloc[0]
+    assert b == pytest.approx(a, rel=1e-3)
+    assert compiled["metrics"]["vae/v3/test_ll"] == pytest.approx(eager["metrics"]["vae/v3/test_ll"], rel=1e-2)
