@@ -3,16 +3,17 @@
 The expected log-likelihood ``E_q[log softmax(y)_k]`` of the logits ``y = B g(A x)``
 has no closed form. This module gives
 
-* :func:`softmax_ell_approximation` -- the paper's eq. ``softmaxapprox``,
+* :func:`softmax_ell_approximation` -- the paper's eq. (38),
   ``y_hat_k - log sum_j exp(y_hat_j) (1 + var(y_j)/2)``. **An approximation, not a
-  bound** (errata 7): in Monte Carlo tests it sits *above* the true value by
-  0.05-0.6 nats; deterministic and cheap, biased.
-* :func:`softmax_ell_analytic_numerator` -- eq. ``approx2``: the numerator in closed
+  bound** (errata 7, ``docs/paper.md``): it errs in both directions (the errata
+  measured it above the truth, our tests find it below for moderate variance);
+  deterministic and cheap, biased.
+* :func:`softmax_ell_analytic_numerator` -- eq. (41): the numerator in closed
   form (``E[y_k] = y_hat_k`` exactly), the log-normalizer sampled. Unbiased.
 * :func:`softmax_ell_control_variate` -- the control-variate form of eq.
-  ``softmaxcv``. As printed, the correction's inner expectation sits inside a log;
+  eq. (40). As printed, the correction's inner expectation sits inside a log;
   estimated by Monte Carlo that is consistent but biased by O(1/S) (Jensen), and with
-  the exact expectation it collapses to eq. ``approx2``. We use the unbiased variant
+  the exact expectation it collapses to eq. (41) (errata 8). We use the unbiased variant
   obtained by linearizing that log around its known mean: with
   ``S(d) = sum_j exp(y_hat_j)(1 + d_j + d_j^2/2)``, ``d = y - y_hat`` and
   ``S_bar = E[S(d)] = sum_j exp(y_hat_j)(1 + var_j/2)``, the estimator is
@@ -22,7 +23,7 @@ has no closed form. This module gives
 * :func:`softmax_ell_monte_carlo` -- brute force ``mean_s log softmax(y_s)_k``.
 
 Variance, measured (tests/test_classification.py): the control variate always beats
-eq. ``approx2`` (same numerator, no control). Against brute force it depends on the
+eq. (41) (same numerator, no control). Against brute force it depends on the
 point: brute force samples the numerator too, which moves together with the
 normalizer, so where one class dominates (``p_k ~ 1``) brute force can have 1e4x less
 variance; where the labelled class is unlikely the control variate wins by up to 1e4x.
@@ -32,7 +33,7 @@ Logistic (binary, one logit f, label in {0, 1}) is the two-class softmax with lo
 
 Prediction: :func:`predict_classes` is ``argmax_k y_hat_k`` (paper "Fast Approximate
 Prediction"); :func:`approximate_class_probabilities` is the variance-corrected
-softmax ``softmax(y_hat + log(1 + var/2))`` implied by eq. ``softmaxapprox``.
+softmax ``softmax(y_hat + log(1 + var/2))`` implied by eq. (38); eq. (42) is the argmax.
 """
 
 from __future__ import annotations
@@ -67,14 +68,14 @@ def _pick(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_ell_approximation(logit_mean, logit_variance, labels):
-    """Eq. ``softmaxapprox`` per data point ``(N,)``: an approximation (not a bound)."""
+    """Eq. (38) per data point ``(N,)``: an approximation (not a bound, errata 7)."""
     labels = _check_labels(labels, logit_mean.shape[-1])
     log_normalizer = torch.logsumexp(logit_mean + torch.log1p(0.5 * logit_variance), dim=-1)
     return _pick(logit_mean, labels) - log_normalizer
 
 
 def softmax_ell_analytic_numerator(logit_mean, logit_samples, labels):
-    """Eq. ``approx2`` per data point: ``y_hat_k - mean_s LSE(y_s)``; unbiased.
+    """Eq. (41) per data point: ``y_hat_k - mean_s LSE(y_s)``; unbiased.
 
     ``logit_samples`` ``(S, N, O)`` drawn from q (e.g. by local reparameterization).
     """
@@ -142,5 +143,5 @@ def predict_classes(logit_mean: torch.Tensor) -> torch.Tensor:
 
 
 def approximate_class_probabilities(logit_mean, logit_variance):
-    """The variance-corrected softmax ``softmax(y_hat + log(1 + var/2))`` of eq. softmaxapprox."""
+    """The variance-corrected softmax ``softmax(y_hat + log(1 + var/2))`` of eq. (38)."""
     return torch.softmax(logit_mean + torch.log1p(0.5 * logit_variance), dim=-1)

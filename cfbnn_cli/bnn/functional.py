@@ -1,7 +1,8 @@
 """Closed-form objectives of the one-hidden-layer BNN ``x -> A x -> g(Ax) -> B g(Ax)``.
 
 Pure, batched, differentiable tensor functions (pyro/ops style); the modules in
-:mod:`cfbnn_cli.bnn.layers` call them. Notation follows the paper's main text:
+:mod:`cfbnn_cli.bnn.network` calls them. Notation follows the paper's main text;
+equation numbers are the arXiv version's (``docs/paper.md`` maps each one):
 
 * ``x`` ``(..., N, D)``: inputs *already augmented* with a column of ones for the
   bias (paper footnote 2); any leading batch dims (e.g. a sample dimension when
@@ -20,13 +21,14 @@ Pure, batched, differentiable tensor functions (pyro/ops style); the modules in
 * ``activation``: a name (``"relu"``) or an activation from :mod:`cfbnn_cli.moments`.
 
 With ``gamma_h = a_loc_h^T x``, ``xi_h^2 = x^T Sigma_h x``, ``Phi_h = E[g(a_h^T x)]`` and
-``Var_h = Var[g(a_h^T x)]`` (computed directly, see errata "Numerics") the paper's
+``Var_h = Var[g(a_h^T x)]`` (eq. (9); computed directly, errata 9) the paper's
 closed forms read, per output row o,
 
-* predictive mean ``y_hat = b_loc . Phi`` (eq. for ``y_hat``),
-* ``var_A = diag(Xi_B) . Var`` with ``Xi_B = Sigma_B + b_loc^T b_loc`` (errata 5),
-* ``var_B = Phi^T Sigma_B Phi`` (the *full* Sigma_B: errata "Exact as printed"),
-* ``E[(y - B g)^2] = (y - y_hat)^2 + var_A + var_B`` (eq. ELL with ``var_AB``).
+* predictive mean ``y_hat = b_loc . Phi`` (eq. (7)),
+* ``var_A = diag(Xi_B) . Var`` with ``Xi_B = Sigma_B + b_loc^T b_loc`` (eq. (8), errata 5),
+* ``var_B = Phi^T Sigma_B Phi`` (eq. (8) with the *full* Sigma_B: exact, since the hidden
+  units are uncorrelated given x),
+* ``E[(y - B g)^2] = (y - y_hat)^2 + var_A + var_B`` (eq. (7)).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def _check_x(x: torch.Tensor, a_loc: torch.Tensor) -> None:
 
 
 def preactivation_moments(x: torch.Tensor, a_loc: torch.Tensor, a_scale: AScale) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(gamma, xi)`` of the pre-activations ``a_h^T x``: each ``(..., N, H)``.
+    """``(gamma, xi)`` of the pre-activations ``a_h^T x``: each ``(..., N, H)`` (eq. (12)).
 
     ``gamma = x a_loc^T``; ``xi^2 = x^T Sigma_h x``, by batched matmuls: ``O(N H D)``
     for diagonal, ``O(N H D r)`` for low rank, ``O(N H D^2)`` for full covariance.
@@ -128,11 +130,11 @@ def diagonal_preactivation_moments(x: torch.Tensor, a_loc_and_variance: torch.Te
     """:func:`preactivation_moments` of a mean-field q given its means and elementwise
     variances stacked, ``a_loc_and_variance = stack([a_loc, a_scale**2])`` ``(2, H, D)``:
     ``gamma = x a_loc^T`` and ``xi^2 = x^2 (a_scale^2)^T`` (``a_h^T x ~ N(a_0^T x, x^T Sigma_a x)``,
-    paper eq. ``relumean2``, with diagonal ``Sigma_a``).
+    paper eqs. (11)-(12), with diagonal ``Sigma_a``).
 
     Both come from one batched product: for the few rows of a prediction batch, two
     small products leave most of a GPU idle. Prediction keeps the stacked weights
-    (:meth:`~cfbnn_cli.bnn.layers.GaussianMatrix.loc_and_variance`) across batches.
+    (:meth:`~cfbnn_cli.bnn.network.GaussianMatrix.loc_and_variance`) across batches.
     """
     if a_loc_and_variance.dim() != 3 or a_loc_and_variance.shape[0] != 2:
         raise ValueError(f"`a_loc_and_variance` must be (2, H, D) (means, variances); got {tuple(a_loc_and_variance.shape)}")
@@ -197,7 +199,7 @@ def output_moments_given_hidden(phi, variance, b_loc, b_scale):
 def predictive_moments(x, a_loc, a_scale, b_loc, b_scale, activation):
     """Predictive ``(mean, variance from A, variance from B)`` without sampling.
 
-    Paper remark 2: ``var(x) = diag(Xi_B).(Upsilon - Phi*Phi) + Phi^T Sigma_B Phi +
+    Paper remark 2, eq. (44): ``var(x) = diag(Xi_B).(Upsilon - Phi*Phi) + Phi^T Sigma_B Phi +
     1/beta``; the observation noise ``1/beta`` is left to the caller. Shapes
     ``(..., N)`` for ``b_loc (H,)`` and ``(..., N, O)`` for ``b_loc (O, H)``.
     """
@@ -240,7 +242,7 @@ def _check_y(y, mean):
 
 
 def regression_expected_log_likelihood(x, y, a_loc, a_scale_tril, b_loc, b_scale_tril, precision, activation):
-    """Exact ``E_q(A) q(B)[sum_i log N(y_i | B g(A x_i), 1/beta)]`` (paper eq. ELL).
+    """Exact ``E_q(A) q(B)[sum_i log N(y_i | B g(A x_i), 1/beta)]`` (paper eq. (7)).
 
     Summed over the data (and outputs); leading batch dims of ``x`` are kept, so
     ``x`` of shape ``(S, N, D)`` (sampled inputs) gives ``(S,)`` values.
@@ -271,7 +273,7 @@ def regression_ell_given_hidden(hidden, y, b_loc, b_scale, precision):
 
 
 def kl_normal_rows(loc: torch.Tensor, scale, prior_scale: float = 1.0) -> torch.Tensor:
-    """``sum_h KL(N(loc_h, Sigma_h) || N(0, prior_scale^2 I))`` in closed form.
+    """``sum_h KL(N(loc_h, Sigma_h) || N(0, prior_scale^2 I))`` in closed form (the KL terms of eq. (4)).
 
     ``loc`` ``(R, D)``; ``scale`` as for ``a_scale`` (full Cholesky ``(R, D, D)``,
     standard deviations ``(R, D)`` or :class:`LowRankScale`). The low-rank log

@@ -6,7 +6,8 @@ layer). Every weight matrix is one layer object:
 
 * :class:`GaussianMatrix` -- Bayesian: ``q(W) = prod_r N(W_r | loc_r, Sigma_r)`` over
   the rows (paper eq. (3)), covariance ``diagonal`` (mean field), ``full`` (a Cholesky
-  factor per row) or ``lowrank`` (diagonal + rank-r factor), prior ``N(0, s^2 I)``;
+  factor per row) or ``lowrank`` (diagonal + rank-r factor), prior ``N(0, s^2 I)`` with
+  ``s`` fixed or, ``prior="empirical_bayes"``, at its ELBO optimum per layer;
 * :class:`PointLinear` -- a point estimate (``nn.Linear``, no prior, no KL): the
   maximum-likelihood layer of the Figure 1 head, the decoder of VAE variant V1 and
   the plain-MLP baseline (all layers point).
@@ -51,6 +52,7 @@ from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
 
 COVARIANCES = ("diagonal", "full", "lowrank")
 ESTIMATORS = ("analytic", "integrate_output_layer", "sampling")
+PRIORS = ("fixed", "empirical_bayes")
 _CLOSED_FORM_LAYERS = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0}
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
 
@@ -140,7 +142,29 @@ class GaussianMatrix(nn.Module):
         """``(gamma, xi)`` of ``W [h, 1]`` under q (eq. (12)): each ``(..., N, rows)``."""
         return F.preactivation_moments(augment(h) if self.bias else h, self.loc, self.scale())
 
-    def kl(self, prior_scale: float = 1.0) -> torch.Tensor:
+    def second_moment(self) -> torch.Tensor:
+        """``E_q[W_rc^2]`` averaged over the matrix: ``(sum_r tr Sigma_r + |loc|^2) / (R C)``."""
+        if self.covariance == "diagonal":
+            trace = self.log_scale.mul(2.0).exp().sum()
+        elif self.covariance == "full":
+            trace = self.scale().square().sum()
+        else:
+            scale = self.scale()
+            trace = scale.diag.square().sum() + scale.factor.square().sum()
+        return (trace + self.loc.square().sum()) / self.loc.numel()
+
+    def empirical_bayes_prior_scale(self) -> torch.Tensor:
+        """The prior scale ``s`` that maximizes the ELBO given q: ``KL(q || N(0, s^2 I))`` is
+        minimal at ``s^2 = E_q[W^2]`` averaged over the matrix (type-II maximum likelihood
+        of a per-layer prior variance, as DVI, Wu et al. 2019). Differentiable: by the
+        envelope theorem the gradient of the KL at the optimum is the gradient at fixed s."""
+        return self.second_moment().sqrt()
+
+    def kl(self, prior_scale=1.0) -> torch.Tensor:
+        """``KL(q || N(0, prior_scale^2 I))`` in closed form; ``prior_scale=None``: at the
+        empirical-Bayes optimum (:meth:`empirical_bayes_prior_scale`)."""
+        if prior_scale is None:
+            prior_scale = self.empirical_bayes_prior_scale()
         return F.kl_normal_rows(self.loc, self.scale(), prior_scale)
 
 
@@ -179,8 +203,11 @@ class BayesianNetwork(nn.Module):
         point_layers: int = 0,
         output_bias: bool = True,
         generator: Optional[torch.Generator] = None,
+        prior: str = "fixed",
     ):
         super().__init__()
+        if prior not in PRIORS:
+            raise ValueError(f"`prior` must be one of {PRIORS}; got {prior!r}")
         hidden_sizes = [int(h) for h in hidden_sizes]
         if any(h < 1 for h in hidden_sizes):
             raise ValueError(f"`hidden_sizes` must be positive widths; got {hidden_sizes}")
@@ -202,6 +229,7 @@ class BayesianNetwork(nn.Module):
         self.output_dim = int(output_dim)
         self.point_layers = int(point_layers)
         self.prior_scale = float(prior_scale)
+        self.prior = prior
         self.likelihood = likelihood if likelihood is not None else NormalLikelihood()
         layers: List[nn.Module] = []
         for index, (inp, out) in enumerate(zip(widths[:-1], widths[1:])):
@@ -218,6 +246,11 @@ class BayesianNetwork(nn.Module):
     @property
     def gaussian_layers(self) -> List[GaussianMatrix]:
         return [layer for layer in self.layers if isinstance(layer, GaussianMatrix)]
+
+    def prior_scales(self) -> List[float]:
+        """The prior standard deviation of each Gaussian layer (learned under empirical Bayes)."""
+        return [float(layer.empirical_bayes_prior_scale().detach()) if self.prior == "empirical_bayes" else self.prior_scale
+                for layer in self.gaussian_layers]
 
     @property
     def precision(self) -> torch.Tensor:
@@ -249,11 +282,12 @@ class BayesianNetwork(nn.Module):
                      for shape in self.noise_shapes(batch, estimator))
 
     def kl(self) -> torch.Tensor:
-        """``KL(q || p)`` of every Gaussian layer, in closed form."""
+        """``KL(q || p)`` of every Gaussian layer, in closed form; with ``prior="empirical_bayes"``
+        each layer's prior variance is at its ELBO-optimal value given q."""
         total = torch.zeros((), dtype=self.layers[0].weight.dtype if self.point_layers else self.layers[0].loc.dtype,
                             device=next(self.parameters()).device)
         for layer in self.gaussian_layers:
-            total = total + layer.kl(self.prior_scale)
+            total = total + layer.kl(None if self.prior == "empirical_bayes" else self.prior_scale)
         return total
 
     # ------------------------------------------------------------------ outputs
