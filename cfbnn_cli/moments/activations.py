@@ -45,16 +45,17 @@ import numpy as np
 import torch
 
 from .gaussian import (
-    _T_MAX,
+    INV_SQRT_2,
+    T_MAX,
+    align_batched,
     block_size,
-    _align_batched,
-    _is_transformed,
-    _standardize,
-    _sum_to,
     check_mean_std,
+    is_transformed,
     positive_part_moments,
     standard_normal_cdf,
     standard_normal_pdf,
+    standardize,
+    sum_to,
 )
 
 __all__ = [
@@ -126,10 +127,7 @@ def _small_tail(mean, std, order):
     return positive_part_moments(order, -mean.abs(), std)
 
 
-
-
 _LOG_INV_SQRT_2PI = -0.5 * math.log(2.0 * math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 
 
 def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
@@ -174,7 +172,7 @@ def _blockwise(block, mean, std):
     shape, dtype = mean.shape, mean.dtype
     chunk = block_size(mean)
     # under torch.func the inputs are wrapped: writing them into a plain buffer is not allowed
-    if mean.numel() <= chunk or _is_transformed(mean) or _is_transformed(std):
+    if mean.numel() <= chunk or is_transformed(mean) or is_transformed(std):
         return tuple(value.to(dtype) for value in block(mean, std))
     flat_mean = mean.reshape(-1)
     flat_std = std.reshape(-1)
@@ -199,8 +197,8 @@ def _relu_small_tail(mean, std):
     mean = mean.double()
     std = std.double()
     # out of place where torch.func has no in-place batching rule (clamp_, addcmul_)
-    x = mean.abs().div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp(max=_T_MAX)
-    s0 = torch.special.erfc(x * _INV_SQRT_2).mul_(0.5)
+    x = mean.abs().div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp(max=T_MAX)
+    s0 = torch.special.erfc(x * INV_SQRT_2).mul_(0.5)
     pdf = x.square().mul_(-0.5).add_(_LOG_INV_SQRT_2PI).exp_()
     return mean, std, x, s0, pdf, torch.addcmul(pdf, x, s0, value=-1.0)
 
@@ -237,16 +235,16 @@ class _ReLUMoments(torch.autograd.Function):
     def backward(ctx, grad_phi, grad_upsilon, grad_var, *_):
         mean, std, phi, cdf, cdf_neg, pdf = ctx.saved_tensors
         if torch.is_grad_enabled():  # double backward: keep every factor differentiable
-            t, _, _ = _standardize(mean, std)
+            t, _, _ = standardize(mean, std)
             cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)
         twice_phi = 2.0 * phi
         grad_mean = grad_phi * cdf + twice_phi * (grad_upsilon + grad_var * cdf_neg)
         grad_std = grad_phi * pdf + 2.0 * std * cdf * (grad_upsilon + grad_var) - twice_phi * pdf * grad_var
-        return _sum_to(grad_mean, mean.shape), _sum_to(grad_std, std.shape)
+        return sum_to(grad_mean, mean.shape), sum_to(grad_std, std.shape)
 
     @staticmethod
     def vmap(info, in_dims, mean, std):
-        mean, std = _align_batched(mean, std, in_dims)
+        mean, std = align_batched(mean, std, in_dims)
         return _ReLUMoments.apply(mean, std), (0,) * 6
 
 
@@ -264,10 +262,8 @@ class ReLU(Activation):
         return torch.relu(x)
 
     def _moments(self, mean, std):
-        if mean.dtype == torch.float64:
-            return self._moments_float64(mean, std)
-        phi, _, variance, *_ = _ReLUMoments.apply(mean, std)
-        return phi, variance
+        # Only reached for float64 (moments() takes float32 through _ReLUMoments).
+        return self._moments_float64(mean, std)
 
     def mean(self, mean, std):
         """``E[relu(z)]`` only. Without autograd (``torch.no_grad()``, ``torch.inference_mode()``:
@@ -534,7 +530,7 @@ class PiecewisePolynomial(Activation):
         for b in self.breakpoints:
             upper_tails.append(positive_part_moments(max_order, mean - b, std))  # E[(z-b)^k 1{z>b}]
             lower_tails.append(positive_part_moments(max_order, b - mean, std))  # E[(b-z)^k 1{z<b}]
-            distances.append(_standardize(b - mean, std)[0])
+            distances.append(standardize(b - mean, std)[0])
         first_total = torch.zeros_like(mean)
         second_total = torch.zeros_like(mean)
         n_pieces = len(self.polynomials)
@@ -616,7 +612,7 @@ class PiecewisePolynomial(Activation):
 
     def _gauss_legendre(self, i, mean, std, centre, t_lo, t_hi):
         # Only selected when the piece is narrow and near the mean; t_lo, t_hi come
-        # clamped from _standardize, so unselected elements stay finite.
+        # clamped by gaussian.standardize, so unselected elements stay finite.
         half = 0.5 * (t_hi - t_lo)
         mid = 0.5 * (t_hi + t_lo)
         first = torch.zeros_like(mean)
