@@ -44,6 +44,7 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import torch
 
+from . import fast
 from .gaussian import (
     INV_SQRT_2,
     T_MAX,
@@ -90,14 +91,38 @@ class Activation:
         """Return (Phi, Var) for broadcast tensors; subclasses implement."""
         raise NotImplementedError  # pragma: no cover - abstract
 
-    def moments(self, mean, std, return_variance: bool = False):
-        """``(E[g(z)], E[g(z)^2])`` (and ``Var[g(z)]`` if asked) for ``z ~ N(mean, std^2)``."""
-        mean, std = check_mean_std(mean, std)
-        mean, std = torch.broadcast_tensors(mean, std)
+    def _kernels(self):
+        """This activation's fused CPU kernels (:mod:`cfbnn_cli.moments.fast`), or None."""
+        return None
+
+    def _fast_op(self):
+        op = self.__dict__.get("_fast_op_cache")
+        if op is None:
+            op = self._kernels()
+            self.__dict__["_fast_op_cache"] = op if op is not None else False
+        return op or None
+
+    def _reference_moments(self, mean: torch.Tensor, std: torch.Tensor):
+        """``(Phi, Upsilon, Var)`` of broadcast tensors through the reference torch ops."""
         phi, variance = self._moments(mean, std)
         # Rounding can leave -1 ulp; a variance is never negative.
         variance = variance.clamp_min(0.0)
-        upsilon = variance + phi * phi
+        return phi, variance + phi * phi, variance
+
+    def moments(self, mean, std, return_variance: bool = False):
+        """``(E[g(z)], E[g(z)^2])`` (and ``Var[g(z)]`` if asked) for ``z ~ N(mean, std^2)``.
+
+        Paper eq. (9) (``Phi``, ``Upsilon``). On CPU float32/float64 tensors this runs the
+        fused kernels of :mod:`cfbnn_cli.moments.fast` (unless switched off), elsewhere
+        the reference torch ops; both compute the same cancellation-free forms.
+        """
+        mean, std = check_mean_std(mean, std)
+        mean, std = torch.broadcast_tensors(mean, std)
+        op = self._fast_op() if fast.usable(mean) else None
+        if op is not None:
+            phi, upsilon, variance = fast.moments(op, mean, std, return_variance)
+        else:
+            phi, upsilon, variance = self._reference_moments(mean, std)
         if return_variance:
             return phi, upsilon, variance
         return phi, upsilon
@@ -249,11 +274,13 @@ class _ReLUMoments(torch.autograd.Function):
 
 
 class ReLU(Activation):
-    """``max(0, x)``: paper eq. ``phiupsrelu`` (Phi = (gamma + Omega)/2, Upsilon = (xi^2 + gamma^2 + Psi)/2).
+    """``max(0, x)``: paper eq. (20) (Phi = (gamma + Omega)/2, Upsilon = (xi^2 + gamma^2 + Psi)/2,
+    with Omega, Psi of eqs. (18), (19); ``psi_h`` read as ``Psi_h``, errata 6).
 
     Computed through the small tail on the far side of 0 (the printed
-    ``(gamma + Omega)/2`` cancels for gamma < 0), in cache-sized blocks, with an
-    analytic backward pass.
+    ``(gamma + Omega)/2`` cancels for gamma < 0) with an analytic backward pass:
+    fused kernels on CPU (:mod:`cfbnn_cli.moments.fast`), otherwise torch ops in
+    cache-sized blocks.
     """
 
     name = "relu"
@@ -261,30 +288,10 @@ class ReLU(Activation):
     def __call__(self, x):
         return torch.relu(x)
 
+    def _kernels(self):
+        return fast.ReLUOp(self._reference_moments)
+
     def _moments(self, mean, std):
-        # Only reached for float64 (moments() takes float32 through _ReLUMoments).
-        return self._moments_float64(mean, std)
-
-    def mean(self, mean, std):
-        """``E[relu(z)]`` only. Without autograd (``torch.no_grad()``, ``torch.inference_mode()``:
-        prediction) it skips ``Upsilon``, ``Var`` and the saved Gaussian factors; with autograd it
-        goes through the analytic backward of :meth:`moments`."""
-        if torch.is_grad_enabled():
-            return self.moments(mean, std)[0]
-        mean, std = check_mean_std(mean, std)
-        if mean.dtype == torch.float64:
-            return self._moments_float64(*torch.broadcast_tensors(mean, std))[0]
-        return _blockwise(_relu_mean_block, mean, std)[0]
-
-    def moments(self, mean, std, return_variance: bool = False):
-        mean, std = check_mean_std(mean, std)
-        if mean.dtype == torch.float64:
-            return super().moments(mean, std, return_variance)
-        phi, upsilon, variance, *_ = _ReLUMoments.apply(mean, std)
-        return (phi, upsilon, variance) if return_variance else (phi, upsilon)
-
-    @staticmethod
-    def _moments_float64(mean, std):
         # float64 results are wanted to 1e-10 out to |t| = 40, beyond the reach of the
         # block recursion: use the continued-fraction kernel for the small tail.
         tail = _small_tail(mean, std, 2)
@@ -294,6 +301,25 @@ class ReLU(Activation):
         var_upper = std * std - (s2 + 2.0 * mean * s1 + s1 * s1)
         var_lower = s2 - s1 * s1
         return phi, torch.where(upper, var_upper, var_lower)
+
+    def _reference_moments(self, mean, std):
+        if mean.dtype == torch.float64:
+            return super()._reference_moments(mean, std)
+        phi, upsilon, variance, *_ = _ReLUMoments.apply(mean, std)
+        return phi, upsilon, variance
+
+    def mean(self, mean, std):
+        """``E[relu(z)]`` only. Without autograd (``torch.no_grad()``, ``torch.inference_mode()``:
+        prediction) it skips ``Upsilon``, ``Var`` and the saved Gaussian factors; with autograd it
+        goes through the analytic backward of :meth:`moments`."""
+        if torch.is_grad_enabled():
+            return self.moments(mean, std)[0]
+        mean, std = check_mean_std(mean, std)
+        if fast.usable(mean):
+            return fast.relu_mean(*torch.broadcast_tensors(mean, std))
+        if mean.dtype == torch.float64:
+            return self._moments(*torch.broadcast_tensors(mean, std))[0]
+        return _blockwise(_relu_mean_block, mean, std)[0]
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 1.0]], name="relu")
@@ -315,6 +341,9 @@ class LeakyReLU(Activation):
 
     def __call__(self, x):
         return torch.where(x >= 0, x, self.negative_slope * x)
+
+    def _kernels(self):
+        return fast.LeakyReLUOp(self._reference_moments, self.negative_slope)
 
     def _moments(self, mean, std):
         eps = self.negative_slope
@@ -348,6 +377,9 @@ class ReLUSquared(Activation):
     def __call__(self, x):
         return torch.relu(x) ** 2
 
+    def _kernels(self):
+        return fast.ReLUSquaredOp(self._reference_moments)
+
     def _moments(self, mean, std):
         tail = _small_tail(mean, std, 4)
         s2, s4 = tail[..., 2], tail[..., 4]
@@ -372,6 +404,9 @@ class Identity(Activation):
 
     def __call__(self, x):
         return x
+
+    def _kernels(self):
+        return fast.IdentityOp(self._reference_moments)
 
     def _moments(self, mean, std):
         return mean, std * std
@@ -508,6 +543,11 @@ class PiecewisePolynomial(Activation):
         return result
 
     # -- the engine -----------------------------------------------------------------
+    def _kernels(self):
+        if not fast.piecewise_supported(self.breakpoints, self.polynomials):
+            return None
+        return fast.PiecewiseOp(self._reference_moments, self.breakpoints, self.polynomials)
+
     def _moments(self, mean, std):
         positive = std > 0
         std_safe = torch.where(positive, std, torch.ones_like(std))
