@@ -335,3 +335,29 @@ def test_validation_counts_negative_std_on_the_fast_path():
     with pytest.raises(ValueError, match="std"):
         relu.moments(torch.zeros(1000), torch.cat([torch.ones(999), -torch.ones(1)]))
     assert fast.count_negative(torch.tensor([1.0, -0.0, -2.0, float("nan")])) == 1
+
+
+def test_float32_hard_sigmoid_on_a_dense_grid():
+    """The unrolled float32 hard-sigmoid kernel: every position of the mean relative to both
+    kinks, widths from far below std (Gauss-Legendre hand-over) to far above, std up to 1e30.
+    (alpha representable in float32, as in test_moments_quadrature.py: float32 arithmetic puts
+    the kinks at float32(alpha), and 10 sigma out a 6e-8 shift of a kink moves a tail by 1e-5.)"""
+    g = torch.Generator().manual_seed(9)
+    for alpha in (2.0**-10, 19 / 64, 1.0, 7.0, 2.0**10, -2.0):
+        hard = get_activation("hard_sigmoid", alpha=alpha)
+        for std_value in (2.0**-13, 0.05, 1.0, 40.0, 1e30):
+            std = torch.full((3000,), std_value, dtype=torch.float64)
+            t = torch.cat([torch.linspace(-30, 30, 2000, dtype=torch.float64), 30 * torch.randn(1000, generator=g, dtype=torch.float64)])
+            mean = (t * std_value + abs(alpha) * torch.sign(torch.randn(3000, generator=g, dtype=torch.float64))).float().double()
+            assert_close_to_reference(hard, mean.float(), std.float(), 1e-5, f"dense alpha={alpha} std={std_value}")
+
+
+@pytest.mark.slow
+def test_torch_compile_traces_the_reference_ops():
+    """Under torch.compile the fast kernels step aside (dynamo traces the reference ops)."""
+    relu = get_activation("relu")
+    mean = torch.randn(64, 32, generator=torch.Generator().manual_seed(10))
+    std = torch.rand(64, 32, generator=torch.Generator().manual_seed(11)) + 0.1
+    compiled = torch.compile(lambda m, s: relu.moments(m, s, return_variance=True))
+    for a, b in zip(compiled(mean, std), relu.moments(mean, std, return_variance=True)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

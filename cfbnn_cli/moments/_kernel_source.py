@@ -46,7 +46,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 4
+#define CFBNN_ABI 6
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -138,14 +138,14 @@ INLINE float poly(const float (&c)[N], float t) {
 /* From the standardized distance xd (float64, so that x^2/2 keeps its digits): the clamped
    x, phi(x) (exp of a two-float argument) and J_0..J_KM. */
 template <int KM>
-INLINE void ftail(double xd, double xf_clamp, float& xo, float& pdf, float (&J)[KM + 1]) {
+INLINE void ftail_x(float x_raw, float dx_raw, float x_clamp, float& xo, float& pdf, float (&J)[KM + 1]) {
   // Every lane evaluates expf on the clamped x, and the result is masked by a multiplication:
   // with a select, the compiler may hoist expf to the unclamped x, whose underflow sends the
   // vector expf to its (very slow) scalar fallback.
-  const double xcd = xd < xf_clamp ? xd : xf_clamp;
-  const float live = xd < xf_clamp ? 1.0f : 0.0f;
-  float x = (float)xcd;
-  float dx = (float)(xcd - (double)x);
+  const bool in = x_raw < x_clamp;
+  const float live = in ? 1.0f : 0.0f;
+  float x = in ? x_raw : x_clamp;
+  float dx = in ? dx_raw : 0.0f;  // (x + dx is the distance to ~1e-14: x^2/2 keeps its digits)
   float ahi = 0.5f * x * x;
   float alo = fmaf(0.5f * x, x, -ahi) + x * dx;
   float e = expf(-ahi) * (1.0f - alo) * INV_SQRT_2PI_F;
@@ -159,6 +159,24 @@ INLINE void ftail(double xd, double xf_clamp, float& xo, float& pdf, float (&J)[
   if (KM >= 3) { p *= inv; J[3] = 6.0f * (poly(JC3, t) * p); }
   if (KM >= 4) { p *= inv; J[4] = 24.0f * (poly(JC4, t) * p); }
   xo = x;
+}
+
+/* The standardized distance |d|/std in float32 as x + dx (dx from the exact fma residual),
+   with the std == 0 limit (T_MAX). */
+INLINE void fdistance(float ad, float s, float& x, float& dx) {
+  float ss = s > FTINY ? s : FTINY;
+  float inv = 1.0f / ss;
+  float q = ad * inv;
+  float r = fmaf(-q, ss, ad);
+  bool ok = q < (float)T_MAX;
+  x = ok ? q : (float)T_MAX;
+  dx = ok ? r * inv : 0.0f;
+}
+
+template <int KM>
+INLINE void ftail(double xd, double xf_clamp, float& xo, float& pdf, float (&J)[KM + 1]) {
+  float x = (float)xd;
+  ftail_x<KM>(x, (float)(xd - (double)x), (float)xf_clamp, xo, pdf, J);
 }
 
 /* ------------------------------------------------------------ float64 small tails */
@@ -371,28 +389,34 @@ INLINE void store_outputs(int kind, bool var_out, bool save, int64_t i, R phi, R
 
 /* ------------------------------------------------------------ relu / leaky / relu^2: float32 */
 
-template <int KIND, bool VAR, bool SAVE, bool MEAN_ONLY>
+enum { MODE_FULL = 0, MODE_MEAN = 1, MODE_FACTORS = 2 };  // all outputs / Phi only / relu's (u0, pdf) only
+
+template <int KIND, bool VAR, bool SAVE, int MODE>
 static int act_f32_range(int64_t lo, int64_t hi, const float* RS m, const float* RS s, float eps, Outs<float> o) {
   constexpr int KM = KIND == 2 ? 4 : 2;
   float* RS o0 = o.phi; float* RS o1 = o.ups; float* RS o2 = o.var; float* RS o3 = o.a; float* RS o4 = o.b;
   float* RS o5 = o.c; float* RS o6 = o.d;
-  const double xf_clamp = (double)cfbnn_float_clamp;
+  const float xf_clamp = cfbnn_float_clamp;
   int fixups = 0;
 #pragma omp simd reduction(+ : fixups)
   for (int64_t i = lo; i < hi; i++) {
     float mi = m[i], si = s[i];
-    double xd = distance((double)fabsf(mi), (double)si);
-    fixups += (mi < 0.0f) & (si > 1.0f) & (xd >= xf_clamp);
+    float xr, dxr;
+    fdistance(fabsf(mi), si, xr, dxr);
+    fixups += (mi < 0.0f) & (si > 1.0f) & (xr >= xf_clamp);
     float x, pdf, J[KM + 1];
-    ftail<KM>(xd, xf_clamp, x, pdf, J);
+    ftail_x<KM>(xr, dxr, xf_clamp, x, pdf, J);
     float sp = si * pdf;  // std phi(x): multiplied first so that a large std keeps a tiny tail
     if (KIND == 0) {
       float u1 = pdf * J[1], u2 = pdf * J[2];
       float tail = sp * J[1];  // E[w 1{w>0}]
       bool up = mi >= 0.0f;
       float phi = up ? (tail != 0.0f ? mi + tail : mi) : tail;
-      if (MEAN_ONLY) {
+      if (MODE == MODE_MEAN) {
         o0[i] = phi;
+      } else if (MODE == MODE_FACTORS) {
+        o3[i] = pdf * J[0];
+        o4[i] = pdf;
       } else {
         float vu = si * si * (1.0f - u2 - 2.0f * x * u1 - u1 * u1);
         float vl = si * (sp * (J[2] - pdf * J[1] * J[1]));
@@ -422,14 +446,16 @@ static int act_f32_range(int64_t lo, int64_t hi, const float* RS m, const float*
 
 /* Beyond XF the float32 tail is 0; with std > 1 a lower-side result can still be a normal
    float32: recompute those (rare) elements in float64 with the continued fraction. */
-template <int KIND, bool VAR, bool SAVE, bool MEAN_ONLY>
+template <int KIND, bool VAR, bool SAVE, int MODE>
 static void act_f32_fixup(int64_t lo, int64_t hi, const float* RS m, const float* RS s, float eps, Outs<float> o) {
   int64_t idx[NB];
   int cnt = 0;
-  const double xf_clamp = (double)cfbnn_float_clamp;
-  for (int64_t i = lo; i < hi; i++) {  // branch-free compaction
+  const float xf_clamp = cfbnn_float_clamp;
+  for (int64_t i = lo; i < hi; i++) {  // branch-free compaction (the main loop's test)
+    float xr, dxr;
+    fdistance(fabsf(m[i]), s[i], xr, dxr);
     idx[cnt] = i;
-    cnt += (m[i] < 0.0f) & (s[i] > 1.0f) & (distance((double)fabsf(m[i]), (double)s[i]) >= xf_clamp);
+    cnt += (m[i] < 0.0f) & (s[i] > 1.0f) & (xr >= xf_clamp);
   }
   for (int q = 0; q < cnt; q++) {
     int64_t i = idx[q];
@@ -440,28 +466,37 @@ static void act_f32_fixup(int64_t lo, int64_t hi, const float* RS m, const float
     double phi, var, pm, ps, vm, vs;
     if (KIND == 2) relusq_combine<double>(md, sd, S[0], S[1], S[2], S[3], S[4], phi, var, pm, ps, vm, vs);
     else leaky_combine<double>(md, sd, S[0], S[1], S[2], pdf, KIND == 0 ? 0.0 : (double)eps, phi, var, pm, ps, vm, vs);
-    if (MEAN_ONLY) {
+    if (MODE == MODE_MEAN) {
       o.phi[i] = (float)phi;
-      continue;
+    } else if (MODE == MODE_FACTORS) {
+      o.a[i] = (float)S[0];
+      o.b[i] = (float)pdf;
+    } else {
+      store_outputs<float, double>(KIND, VAR, SAVE, i, phi, var, pm, ps, vm, vs, S[0], pdf, OUTS_ARGS);
     }
-    store_outputs<float, double>(KIND, VAR, SAVE, i, phi, var, pm, ps, vm, vs, S[0], pdf, OUTS_ARGS);
   }
 }
 
 /* ------------------------------------------------------------ relu / leaky / relu^2: float64 */
 
-template <int KIND, bool VAR, bool SAVE, bool MEAN_ONLY>
+template <int KIND, bool VAR, bool SAVE, int MODE>
 INLINE void act_f64_combine_store(int64_t i, double mi, double si, double u0, double S1, double S2, double S3, double S4,
                                   double pdf, double eps, double* RS o0, double* RS o1, double* RS o2, double* RS o3,
                                   double* RS o4, double* RS o5, double* RS o6) {
   double phi, var, pm, ps, vm, vs;
   if (KIND == 2) relusq_combine<double>(mi, si, u0, S1, S2, S3, S4, phi, var, pm, ps, vm, vs);
   else leaky_combine<double>(mi, si, u0, S1, S2, pdf, KIND == 0 ? 0.0 : eps, phi, var, pm, ps, vm, vs);
-  if (MEAN_ONLY) o0[i] = phi;
-  else store_outputs<double, double>(KIND, VAR, SAVE, i, phi, var, pm, ps, vm, vs, u0, pdf, o0, o1, o2, o3, o4, o5, o6);
+  if (MODE == MODE_MEAN) {
+    o0[i] = phi;
+  } else if (MODE == MODE_FACTORS) {
+    o3[i] = u0;
+    o4[i] = pdf;
+  } else {
+    store_outputs<double, double>(KIND, VAR, SAVE, i, phi, var, pm, ps, vm, vs, u0, pdf, o0, o1, o2, o3, o4, o5, o6);
+  }
 }
 
-template <int KIND, bool VAR, bool SAVE, bool MEAN_ONLY>
+template <int KIND, bool VAR, bool SAVE, int MODE>
 static void act_f64_range(int64_t lo, int64_t hi, const double* RS m, const double* RS s, double eps, Outs<double> o) {
   constexpr int K = KIND == 2 ? 4 : 2;
   double* RS o0 = o.phi; double* RS o1 = o.ups; double* RS o2 = o.var; double* RS o3 = o.a; double* RS o4 = o.b;
@@ -484,7 +519,7 @@ static void act_f64_range(int64_t lo, int64_t hi, const double* RS m, const doub
     double u3 = 2.0 * u1 - xc * u2;
     double u4 = 3.0 * u2 - xc * u3;
     double s2 = si * si;
-    act_f64_combine_store<KIND, VAR, SAVE, MEAN_ONLY>(i, mi, si, u0, si * u1, s2 * u2, K >= 3 ? s2 * si * u3 : 0.0,
+    act_f64_combine_store<KIND, VAR, SAVE, MODE>(i, mi, si, u0, si * u1, s2 * u2, K >= 3 ? s2 * si * u3 : 0.0,
                                                       K >= 4 ? s2 * s2 * u4 : 0.0, pdf, eps, o0, o1, o2, o3, o4, o5, o6);
   }
   // continued fraction where the recursion loses digits
@@ -499,7 +534,7 @@ static void act_f64_range(int64_t lo, int64_t hi, const double* RS m, const doub
     }
     cf_batch(cnt, K, depth, gx, gs, S, pdf);
     for (int c = 0; c < cnt; c++)
-      act_f64_combine_store<KIND, VAR, SAVE, MEAN_ONLY>(lo + idx[c], gm[c], gs[c], S[0][c], S[1][c], S[2][c],
+      act_f64_combine_store<KIND, VAR, SAVE, MODE>(lo + idx[c], gm[c], gs[c], S[0][c], S[1][c], S[2][c],
                                                         K >= 3 ? S[3][c] : 0.0, K >= 4 ? S[4][c] : 0.0, pdf[c], eps,
                                                         o.phi, o.ups, o.var, o.a, o.b, o.c, o.d);
   });
@@ -507,22 +542,22 @@ static void act_f64_range(int64_t lo, int64_t hi, const double* RS m, const doub
 
 /* ------------------------------------------------------------ drivers */
 
-template <int KIND, bool VAR, bool SAVE, bool MEAN_ONLY>
+template <int KIND, bool VAR, bool SAVE, int MODE>
 INLINE void act_range(int64_t lo, int64_t hi, const float* m, const float* s, double eps, Outs<float> o) {
-  if (act_f32_range<KIND, VAR, SAVE, MEAN_ONLY>(lo, hi, m, s, (float)eps, o))
-    act_f32_fixup<KIND, VAR, SAVE, MEAN_ONLY>(lo, hi, m, s, (float)eps, o);
+  if (act_f32_range<KIND, VAR, SAVE, MODE>(lo, hi, m, s, (float)eps, o))
+    act_f32_fixup<KIND, VAR, SAVE, MODE>(lo, hi, m, s, (float)eps, o);
 }
-template <int KIND, bool VAR, bool SAVE, bool MEAN_ONLY>
+template <int KIND, bool VAR, bool SAVE, int MODE>
 INLINE void act_range(int64_t lo, int64_t hi, const double* m, const double* s, double eps, Outs<double> o) {
-  act_f64_range<KIND, VAR, SAVE, MEAN_ONLY>(lo, hi, m, s, eps, o);
+  act_f64_range<KIND, VAR, SAVE, MODE>(lo, hi, m, s, eps, o);
 }
 
-template <typename T, int KIND, bool VAR, bool SAVE, bool MEAN_ONLY>
+template <typename T, int KIND, bool VAR, bool SAVE, int MODE>
 INLINE void act_block(int64_t lo, int64_t hi, const T* m, const T* s, double eps, T* const* outs) {
   PaddedBlock<T, 7> pad(lo, hi, m, s, {outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6]});
   Outs<T> o = {pad.outputs[0], pad.outputs[1], pad.outputs[2], pad.outputs[3], pad.outputs[4], pad.outputs[5],
                pad.outputs[6]};
-  act_range<KIND, VAR, SAVE, MEAN_ONLY>(pad.lo, pad.hi, pad.m, pad.s, eps, o);
+  act_range<KIND, VAR, SAVE, MODE>(pad.lo, pad.hi, pad.m, pad.s, eps, o);
   pad.finish();
 }
 
@@ -538,23 +573,25 @@ static void act_forward(int64_t n, const T* m, const T* s, double eps, T* phi, T
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblocks; blk++) {
       int64_t lo = blk * NB, hi = lo + NB < n ? lo + NB : n;
-      if (mean_only) act_block<T, KIND, false, false, true>(lo, hi, m, s, eps, outs);
-      else if (save && vo) act_block<T, KIND, true, true, false>(lo, hi, m, s, eps, outs);
-      else if (save) act_block<T, KIND, false, true, false>(lo, hi, m, s, eps, outs);
-      else if (vo) act_block<T, KIND, true, false, false>(lo, hi, m, s, eps, outs);
-      else act_block<T, KIND, false, false, false>(lo, hi, m, s, eps, outs);
+      if (mean_only) act_block<T, KIND, false, false, MODE_MEAN>(lo, hi, m, s, eps, outs);
+      else if (save && vo) act_block<T, KIND, true, true, MODE_FULL>(lo, hi, m, s, eps, outs);
+      else if (save) act_block<T, KIND, false, true, MODE_FULL>(lo, hi, m, s, eps, outs);
+      else if (vo) act_block<T, KIND, true, false, MODE_FULL>(lo, hi, m, s, eps, outs);
+      else act_block<T, KIND, false, false, MODE_FULL>(lo, hi, m, s, eps, outs);
     }
   }
 }
 
-/* Backward of relu from the saved factors u0 = Phi_N(-|t|) and pdf = phi(t):
+/* Backward of relu. The Gaussian factors u0 = Phi_N(-|t|) and pdf = phi(t) are recomputed per
+   block (cheaper than saving them: no extra buffers to allocate, write and read back), then
    dPhi/dmean = Phi_N(t), dPhi/dstd = phi(t), dVar/dmean = 2 Phi Phi_N(-t),
    dVar/dstd = 2 (std Phi_N(t) - Phi phi(t)); Ups = Var + Phi^2. */
 template <typename T>
-static void relu_backward(int64_t n, const T* m, const T* s, const T* phi, const T* u0, const T* pdf,
+static void relu_backward(int64_t n, const T* m, const T* s, const T* phi,
                           const T* gp, int gp_scalar, const T* gu, int gu_scalar, const T* gv, int gv_scalar,
                           T* o_gm, T* o_gs, int nthreads) {
   int64_t nblocks = (n + NB - 1) / NB;
+  const bool dense = gp && gu && !gp_scalar && !gu_scalar && !gv;  // the common case: a loss of Phi and Upsilon
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
   {
     FlushDenormals ftz(sizeof(T) == sizeof(float));
@@ -562,19 +599,32 @@ static void relu_backward(int64_t n, const T* m, const T* s, const T* phi, const
     for (int64_t blk = 0; blk < nblocks; blk++) {
       int64_t lo = blk * NB;
       int k = (int)(lo + NB < n ? NB : n - lo);
+      alignas(64) T fu0[NB], fpdf[NB];
+      T* outs[7] = {nullptr, nullptr, nullptr, fu0, fpdf, nullptr, nullptr};
+      act_block<T, 0, false, true, MODE_FACTORS>(0, k, m + lo, s + lo, 0.0, outs);
       alignas(64) T bp[NB], bu[NB], bv[NB];
-      load_grad(gp, gp_scalar, lo, k, bp);
-      load_grad(gu, gu_scalar, lo, k, bu);
-      load_grad(gv, gv_scalar, lo, k, bv);
+      const T* RS gpp;
+      const T* RS gup;
+      const T* RS gvp;
+      if (dense) {
+        gpp = gp + lo;
+        gup = gu + lo;
+        gvp = bv;
+        for (int i = 0; i < k; i++) bv[i] = (T)0;
+      } else {
+        load_grad(gp, gp_scalar, lo, k, bp);
+        load_grad(gu, gu_scalar, lo, k, bu);
+        load_grad(gv, gv_scalar, lo, k, bv);
+        gpp = bp; gup = bu; gvp = bv;
+      }
       const T* RS mm = m + lo; const T* RS ss = s + lo; const T* RS ff = phi + lo;
-      const T* RS aa = u0 + lo; const T* RS dd = pdf + lo;
       T* RS om = o_gm + lo; T* RS os = o_gs + lo;
 #pragma omp simd
       for (int i = 0; i < k; i++) {
-        T f = ff[i], q = aa[i], p = dd[i], si = ss[i];
+        T f = ff[i], q = fu0[i], p = fpdf[i], si = ss[i];
         bool up = mm[i] >= (T)0;
         T cdf = up ? (T)1 - q : q, cdfn = up ? q : (T)1 - q;
-        T A = bp[i] + (T)2 * f * bu[i], B = bu[i] + bv[i];
+        T A = gpp[i] + (T)2 * f * gup[i], B = gup[i] + gvp[i];
         om[i] = cdf * A + (T)2 * f * cdfn * B;
         os[i] = p * A + (T)2 * (si * cdf - f * p) * B;
       }
@@ -616,8 +666,17 @@ static void partials_backward(int64_t n, const T* phi, const T* pm, const T* ps,
 template <typename T>
 static int64_t count_negative(int64_t n, const T* s, int nthreads) {
   int64_t bad = 0;
-#pragma omp parallel for simd reduction(+ : bad) num_threads(nthreads) if (nthreads > 1 && n >= 8 * PAR_MIN)
-  for (int64_t i = 0; i < n; i++) bad += s[i] < (T)0 ? 1 : 0;
+  const int64_t chunk = 1 << 16;
+  const int64_t nchunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for reduction(+ : bad) num_threads(nthreads) if (nthreads > 1 && n >= 8 * chunk)
+  for (int64_t c = 0; c < nchunks; c++) {
+    const T* RS p = s + c * chunk;
+    const int len = (int)(c * chunk + chunk < n ? chunk : n - c * chunk);
+    int count = 0;
+#pragma omp simd reduction(+ : count)
+    for (int i = 0; i < len; i++) count += p[i] < (T)0;
+    bad += count;
+  }
   return bad;
 }
 
@@ -1174,6 +1233,119 @@ static void pw_forward(int64_t n, const T* m, const T* s, const Spec& sp, T* phi
   }
 }
 
+/* ------------------------------------------------ hard sigmoid, float32: the engine, unrolled */
+
+/* g = sign clamp(z, -a, a), a > 0: the engine's sums for B = 2, D = 1 written out. With the small
+   tails S_k^0 at -a and S_k^1 at +a (each on the far side from the mean) and c = clamp(mean):
+     E[g - c]      = S_1^0 - S_1^1                                  (every position of the mean)
+     E[(g - c)^2]  = std^2 - S_2^0 - 2 d_0 S_1^0 - S_2^1 - 2 d_1 S_1^1   (-a <= mean < a; d_0 = mean + a,
+                                                                         d_1 = a - mean)
+                   = S_2^1 - S_2^0 - 4 a S_1^0                      (mean >= a)
+                   = S_2^0 - S_2^1 - 4 a S_1^1                      (mean < -a)
+   and the heat-equation partials: dPhi/dmean = P(-a < z < a), dPhi/dstd = phi(t_0) - phi(t_1),
+   dE[(g-c)^2]/dmean = 2 E[(g - c) 1{-a<z<a}], dE[(g-c)^2]/dstd = 2 std P(-a<z<a)
+   + 2 (-a - c) phi(t_0) - 2 (a - c) phi(t_1). Elements where the engine would use
+   Gauss-Legendre (the middle piece narrow) or where a float32 tail beyond 13 sigma could still
+   be a normal result (std > 1) are handed to the general engine. */
+static int hs_f32_range(int64_t lo, int64_t hi, const float* RS m, const float* RS s, float a, float sg, bool var_out,
+                        bool grads, float* RS o_phi, float* RS o_ups, float* RS o_var, float* RS o_pm, float* RS o_ps,
+                        float* RS o_vm, float* RS o_vs, unsigned char* RS engine) {
+  const float xf_clamp = cfbnn_float_clamp;
+  int hand_over = 0;
+#pragma omp simd reduction(+ : hand_over)
+  for (int64_t i = lo; i < hi; i++) {
+    const float mi = m[i], si = s[i];
+    const float d0 = mi + a, d1 = a - mi;  // exact for representable a (Sterbenz near the kinks)
+    float x0r, dx0, x1r, dx1;
+    fdistance(fabsf(d0), si, x0r, dx0);
+    fdistance(fabsf(d1), si, x1r, dx1);
+    float x0, p0, J0[3], x1, p1, J1[3];
+    ftail_x<2>(x0r, dx0, xf_clamp, x0, p0, J0);
+    ftail_x<2>(x1r, dx1, xf_clamp, x1, p1, J1);
+    const float sp0 = si * p0, sp1 = si * p1;
+    const float S00 = p0 * J0[0], S10 = sp0 * J0[1], S20 = si * (sp0 * J0[2]);
+    const float S01 = p1 * J1[0], S11 = sp1 * J1[1], S21 = si * (sp1 * J1[2]);
+    const bool B = mi >= a, C = mi < -a, A = !(B | C);
+    const float c = A ? mi : (B ? a : -a);
+    const float F1 = S10 - S11;
+    const float F2A = si * si - S20 - 2.0f * d0 * S10 - S21 - 2.0f * d1 * S11;
+    const float F2B = S21 - S20 - 4.0f * a * S10;
+    const float F2C = S20 - S21 - 4.0f * a * S11;
+    const float F2 = A ? F2A : (B ? F2B : F2C);
+    const bool pos = si > 0.0f;
+    const float phi = sg * (pos ? c + F1 : c);
+    const float var_raw = pos ? F2 - F1 * F1 : 0.0f;
+    const float v = var_raw > 0.0f ? var_raw : 0.0f;
+    o_phi[i] = phi;
+    o_ups[i] = fmaf(phi, phi, v);
+    if (var_out) o_var[i] = v;
+    if (grads) {
+      const float Pmid = A ? 1.0f - S00 - S01 : (B ? S01 - S00 : S00 - S01);
+      const float Ps = p0 - p1;
+      const float EhA = S10 + d0 * S00 - S11 - d1 * S01;
+      const float EhB = S10 - S11 + 2.0f * a * S00;
+      const float EhC = S10 - S11 - 2.0f * a * S01;
+      const float Hm = 2.0f * (A ? EhA : (B ? EhB : EhC));
+      const float Hs = 2.0f * si * Pmid + 2.0f * (-a - c) * p0 - 2.0f * (a - c) * p1;
+      const float keep = (pos & (var_raw >= 0.0f)) ? 1.0f : 0.0f;
+      o_pm[i] = sg * (pos ? Pmid : (A ? 1.0f : 0.0f));  // std == 0: g'(mean)
+      o_ps[i] = pos ? sg * Ps : 0.0f;
+      o_vm[i] = keep * (Hm - 2.0f * F1 * Pmid);
+      o_vs[i] = keep * (Hs - 2.0f * F1 * Ps);
+    }
+    const float width = 2.0f * a / (si > FTINY ? si : FTINY);
+    const float reach = x0r > x1r ? x0r : x1r;
+    const bool narrow = width * (reach + width) <= 4.0f;  // activations._GL_LIMIT
+    const bool far = (si > 1.0f) & ((B & (x1r >= xf_clamp)) | (C & (x0r >= xf_clamp)));
+    const bool hand = pos & (narrow | far);
+    engine[i - lo] = hand;
+    hand_over += hand;
+  }
+  return hand_over;
+}
+
+template <typename T>
+static void pw_forward(int64_t n, const T* m, const T* s, const Spec& sp, T* phi, T* ups, T* var,
+                       T* pm, T* ps, T* vm, T* vs, int nt);
+
+static void hs_forward_f32(int64_t n, const float* m, const float* s, const Spec& sp, float a, float sg, float* phi,
+                           float* ups, float* var, float* pm, float* ps, float* vm, float* vs, int nthreads) {
+  int64_t nblocks = (n + NB - 1) / NB;
+  const bool grads = pm != nullptr;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
+  {
+    FlushDenormals ftz(true);
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+      int64_t lo = blk * NB, hi = lo + NB < n ? lo + NB : n;
+      PaddedBlock<float, 7> pad(lo, hi, m, s, {phi, ups, var, pm, ps, vm, vs});
+      float** o = pad.outputs;
+      unsigned char engine[NB];
+      int cnt = hs_f32_range(pad.lo, pad.hi, pad.m, pad.s, a, sg, var != nullptr, grads, o[0], o[1], o[2], o[3], o[4],
+                             o[5], o[6], engine);
+      if (cnt) {  // the general engine (Gauss-Legendre, float64 far tails) for the rare rest
+        int idx[NB], k = 0;
+        const int nb = (int)(pad.hi - pad.lo);
+        for (int e = 0; e < nb; e++) {
+          idx[k] = e;
+          k += engine[e];
+        }
+        alignas(64) float gm_[NB], gs_[NB], r[7][NB];
+        for (int q = 0; q < k; q++) {
+          gm_[q] = pad.m[pad.lo + idx[q]];
+          gs_[q] = pad.s[pad.lo + idx[q]];
+        }
+        pw_forward<float>(k, gm_, gs_, sp, r[0], r[1], var ? r[2] : nullptr, grads ? r[3] : nullptr,
+                          grads ? r[4] : nullptr, grads ? r[5] : nullptr, grads ? r[6] : nullptr, 1);
+        for (int q = 0; q < k; q++)
+          for (int j = 0; j < 7; j++)
+            if (o[j]) o[j][pad.lo + idx[q]] = r[j][q];
+      }
+      pad.finish();
+    }
+  }
+}
+
 /* ---------------------------------------------------------------- C entry points */
 
 #define BOTH(MACRO) MACRO(float, f32) MACRO(double, f64)
@@ -1194,10 +1366,9 @@ static void pw_forward(int64_t n, const T* m, const T* s, const Spec& sp, T* phi
                                        T* vm, T* vs, int nt) {                                                   \
     act_forward<T, 2>(n, m, s, 0.0, phi, ups, var, pm, ps, vm, vs, nt, false);                                   \
   }                                                                                                              \
-  extern "C" void relu_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* u0,             \
-                                      const T* pdf, const T* gp, int gps, const T* gu, int gus, const T* gv,     \
-                                      int gvs, T* gm, T* gs, int nt) {                                           \
-    relu_backward<T>(n, m, s, phi, u0, pdf, gp, gps, gu, gus, gv, gvs, gm, gs, nt);                               \
+  extern "C" void relu_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps,    \
+                                      const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt) {        \
+    relu_backward<T>(n, m, s, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);                                       \
   }                                                                                                              \
   extern "C" void partials_backward_##SUF(int64_t n, const T* phi, const T* pm, const T* ps, const T* vm,       \
                                           const T* vs, const T* gp, int gps, const T* gu, int gus, const T* gv,  \
@@ -1221,6 +1392,18 @@ static void pw_forward(int64_t n, const T* m, const T* s, const Spec& sp, T* phi
   }
 
 BOTH(ACT_ENTRIES)
+
+extern "C" void hs_forward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp,
+                               const double* coef, const double* deriv, const double* side, const double* tails,
+                               const double* jumps, const double* gl, const float* coef32, const float* bp32, double a,
+                               double sign, float* phi, float* ups, float* var, float* pm, float* ps, float* vm,
+                               float* vs, int nt) {
+  Spec sp;
+  sp.B = B; sp.D = D; sp.K = 2 * D; sp.P = B + 1;
+  sp.bp = bp; sp.coef = coef; sp.deriv = deriv; sp.side = side; sp.tails = tails; sp.jumps = jumps;
+  sp.gl = gl; sp.coef32 = coef32; sp.bp32 = bp32;
+  hs_forward_f32(n, m, s, sp, (float)a, (float)sign, phi, ups, var, pm, ps, vm, vs, nt);
+}
 
 extern "C" int pw_max_breakpoints(void) { return MAX_B; }
 extern "C" int pw_max_degree(void) { return MAX_K / 2; }

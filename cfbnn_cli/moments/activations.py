@@ -1,12 +1,17 @@
 """Gaussian moments of piecewise-polynomial activations.
 
+Equation numbers refer to the paper (``closed_form_bnn.tex``, numbered equations in order
+of appearance: (9) is Phi/Upsilon, (18)-(19) Omega and Psi, (20) ReLU, (22) leaky ReLU,
+(26)-(27) chi and the hard sigmoid, (29) ReLU^2, (33)-(34) zeta and rho, (35) the general
+piecewise polynomial); "errata N" is item N of ``ERRATA.md`` ("Wrong as printed").
+
 For ``z = a^T x ~ N(mean, std^2)`` (``mean = gamma``, ``std = xi`` in the paper's
 appendix) an activation object ``g`` returned by :func:`get_activation` or
 :func:`piecewise_polynomial` provides
 
 * ``g(x)``: the pointwise function (for sampling baselines);
 * ``g.moments(mean, std)`` -> ``(Phi, Upsilon)`` with ``Phi = E[g(z)]`` and
-  ``Upsilon = E[g(z)^2]`` (paper eq. ``phiupsdef``);
+  ``Upsilon = E[g(z)^2]`` (paper eq. (9));
 * ``g.moments(mean, std, return_variance=True)`` -> ``(Phi, Upsilon, Var[g(z)])``
   and ``g.variance(mean, std)``: the variance computed directly, never as
   ``Upsilon - Phi^2`` (which loses every digit when ``|mean|/std`` is large).
@@ -31,9 +36,13 @@ subtract large numbers:
   equal): 16-point Gauss-Legendre quadrature of the smooth integrand.
 
 The named activations ``relu``, ``leaky_relu``, ``relu_squared`` and ``identity``
-have their own short closed forms (paper appendix, with the errata's
-corrections, rewritten through one small tail); ``hard_sigmoid`` is the
+have their own short closed forms (paper eqs. (20), (22), (29), with errata 1, 2, 4, 6,
+rewritten through one small tail); ``hard_sigmoid`` (eq. (27), errata 3) is the
 piecewise-polynomial engine with the pieces ``-alpha, x, alpha``.
+
+Two implementations compute these same forms: the torch ops below (the reference
+path, also the CUDA path) and the fused CPU kernels of :mod:`cfbnn_cli.moments.fast`
+(the default on CPU). ``Activation.moments`` picks one per call.
 """
 
 from __future__ import annotations
@@ -329,7 +338,7 @@ class LeakyReLU(Activation):
     """``x`` for ``x >= 0`` and ``negative_slope * x`` otherwise (``torch.nn.functional.leaky_relu``).
 
     For ``0 <= negative_slope <= 1`` this is the paper's ``max(eps x, x) =
-    ((1+eps) x + (1-eps)|x|)/2`` (eq. ``phiups`` with ``psi`` read as ``Psi``, errata 4,
+    ((1+eps) x + (1-eps)|x|)/2`` (eqs. (21), (22) with ``psi`` read as ``Psi``, errata 4,
     6); any real slope is supported here.
     """
 
@@ -370,7 +379,7 @@ class LeakyReLU(Activation):
 
 
 class ReLUSquared(Activation):
-    """``max(0, x)^2``: paper eq. ``relusq`` with the errata's corrected rho (errata 1, 2)."""
+    """``max(0, x)^2``: paper eqs. (28), (29) with the corrected rho of eq. (34) (errata 1, 2)."""
 
     name = "relu_squared"
 
@@ -476,8 +485,8 @@ class PiecewisePolynomial(Activation):
     ``i`` on ``[b_i, b_{i+1})``, the last on ``[b_m, inf)``. Pieces need not join
     continuously (a step function is fine).
 
-    This is the paper's general recipe ("Piecewise Polynomial Activation Functions")
-    carried out for any degree: each piece reduces to truncated Normal moments
+    This is the paper's general recipe (eq. (35), "Piecewise Polynomial Activation
+    Functions") carried out for any degree: each piece reduces to truncated Normal moments
     ``E[(z - b)^k 1{z > b}]`` (errata "All orders").
     """
 
@@ -670,7 +679,7 @@ class PiecewisePolynomial(Activation):
 class HardSigmoid(PiecewisePolynomial):
     """``g(x) = (|x + alpha| - |x - alpha|) / 2``: ``clamp(x, -alpha, alpha)`` for ``alpha > 0``.
 
-    Paper eq. ``phiupshardsig``; the printed chi is exact only for alpha > 0 (errata 3).
+    Paper eqs. (23), (27); the printed chi (eq. (26)) is exact only for alpha > 0 (errata 3).
     For ``alpha < 0`` the definition gives ``-clamp(x, alpha, -alpha)``, which we
     follow; ``alpha = 0`` gives ``g = 0``. Moments come from the piecewise-polynomial
     engine, which handles the regimes the errata lists (|mean| <= alpha, beyond it,
@@ -686,6 +695,11 @@ class HardSigmoid(PiecewisePolynomial):
             super().__init__([], [[0.0]], name="hard_sigmoid")
         else:
             super().__init__([-a, a], [[-sign * a], [0.0, sign], [sign * a]], name="hard_sigmoid")
+
+    def _kernels(self):
+        if self.alpha == 0.0:
+            return super()._kernels()
+        return fast.HardSigmoidOp(self._reference_moments, self.alpha, self.breakpoints, self.polynomials)
 
     def __call__(self, x):
         # (|x + alpha| - |x - alpha|) / 2 rounds; the clamp it equals is exact.

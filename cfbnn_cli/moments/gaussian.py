@@ -6,8 +6,8 @@ a piecewise-polynomial activation to two families of one-dimensional integrals:
 
 * ``positive_part_moments``: ``M_k = E[z**k * 1{z > 0}]`` for ``k = 0..order``
   (the errata's truncated moments, ``M_k = mean*M_{k-1} + (k-1)*std**2*M_{k-2}``);
-* ``abs_moment``: ``A_n = E[z**n * |z|]`` (the paper's Omega, Psi, zeta, rho are
-  ``n = 0, 1, 2, 3``; all orders via the errata's polynomials P and Q).
+* ``abs_moment``: ``A_n = E[z**n * |z|]`` (the paper's Omega, Psi, zeta, rho, eqs. (18),
+  (19), (33), (34), are ``n = 0, 1, 2, 3``; all orders via the errata's polynomials P and Q).
 
 Numerics (see ``paper/ERRATA.md``, section "Numerics"). With ``t = mean/std``:
 
@@ -109,6 +109,8 @@ def is_transformed(x: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():  # dynamo cannot trace the functorch query; compiled code skips the checks
         return False
     try:
+        if not torch._C._are_functorch_transforms_active():  # (the cheap global test first)
+            return False
         return torch._C._functorch.maybe_get_level(x) != -1
     except AttributeError:  # pragma: no cover - very old torch
         return False
@@ -146,10 +148,13 @@ def check_mean_std(mean, std, *, names: Tuple[str, str] = ("mean", "std")) -> Tu
     if mean.device != std.device and mean.dim() > 0 and std.dim() > 0:
         raise ValueError(f"`{mean_name}` is on {mean.device} but `{std_name}` is on {std.device}; move both to one device")
     device = mean.device if mean.dim() > 0 or std.dim() == 0 else std.device
-    mean = mean.to(dtype=dtype, device=device)
-    std = std.to(dtype=dtype, device=device)
+    if mean.dtype != dtype or mean.device != device:
+        mean = mean.to(dtype=dtype, device=device)
+    if std.dtype != dtype or std.device != device:
+        std = std.to(dtype=dtype, device=device)
     try:
-        torch.broadcast_shapes(mean.shape, std.shape)
+        if mean.shape != std.shape:  # (torch.broadcast_shapes costs ~15 us: skip it when trivial)
+            torch.broadcast_shapes(mean.shape, std.shape)
     except RuntimeError:
         raise ValueError(
             f"`{mean_name}` has shape {tuple(mean.shape)} and `{std_name}` has shape {tuple(std.shape)}, "
@@ -426,8 +431,8 @@ def _homogeneous(coefficients, mean, std, degree):
 def abs_moment(n: int, mean, std) -> torch.Tensor:
     """``E[z^n |z|]`` for ``z ~ N(mean, std^2)`` and any integer ``n >= 0``.
 
-    ``n = 0, 1, 2, 3`` are the paper's Omega (eq. ``omega_integral``), Psi, zeta and rho
-    (rho with the errata's corrected coefficient 5, not 7). General ``n`` uses the
+    ``n = 0, 1, 2, 3`` are the paper's Omega, Psi, zeta and rho (eqs. (18), (19), (33), (34);
+    rho with the corrected coefficient 5, not 7: errata 1). General ``n`` uses the
     errata's closed form ``A_n = std^{n+1} [P_{n+1}(t) erf(t/sqrt2) +
     sqrt(2/pi) Q_{n+1}(t) exp(-t^2/2)]``, written as homogeneous polynomials in
     ``(mean, std)`` so that ``std -> 0`` needs no division; every term has the sign of
