@@ -101,8 +101,13 @@ INLINE double distance(double ad, double s) {
    (measured against 50-digit values: it loses ~x^(2k)/k! times the error of erfc and exp),
    and the extra depth of the continued fraction by band (gaussian._CF_BANDS_F64). */
 INLINE double recursion_limit(int K) { return K <= 2 ? 7.0 : (K <= 4 ? 3.0 : 2.0); }
+/* The same for float32 results (tails wanted to ~1e-8): u_4 is still 2e-8 at x = 8, u_6 at 5, u_8 at 4. */
+INLINE double recursion_limit_f32(int K) { return K <= 4 ? 8.0 : (K <= 6 ? 5.0 : (K <= 8 ? 4.0 : 2.0)); }
 static const double BAND_EDGES[5] = {2.0, 3.0, 4.5, 8.0, 1e300};
 static const int BAND_EXTRA[4] = {80, 64, 40, 24};
+/* For float32 results: the depths that reach 1e-10 for orders <= 8 from each band's lower edge
+   (measured against 40-digit ratios). */
+static const int BAND_EXTRA_F32[4] = {46, 26, 16, 9};
 
 /* ------------------------------------------------------------ float32 small tails */
 
@@ -240,7 +245,7 @@ static void cf_batch(int cnt, int K, int depth, const double* RS x, const double
 /* Compact the elements of a block whose distance needs the continued fraction, band by
    band, and hand them to fix(cnt, idx, depth). */
 template <typename F>
-INLINE void for_cf_bands(int nb, const double* RS xb, double limit, int K, F fix) {
+INLINE void for_cf_bands(int nb, const double* RS xb, double limit, int K, F fix, const int* extra = BAND_EXTRA) {
   int beyond = 0;
 #pragma omp simd reduction(+ : beyond)
   for (int i = 0; i < nb; i++) beyond += xb[i] > limit;
@@ -254,7 +259,7 @@ INLINE void for_cf_bands(int nb, const double* RS xb, double limit, int K, F fix
       idx[cnt] = i;
       cnt += (xb[i] > lo) & (xb[i] <= hi);
     }
-    if (cnt) fix(cnt, idx, (K > 0 ? K : 1) + BAND_EXTRA[band]);
+    if (cnt) fix(cnt, idx, (K > 0 ? K : 1) + extra[band]);
   }
 }
 
@@ -744,8 +749,9 @@ struct PwScratch {
   double* tj[MAX_B];
   double* pj[MAX_B];
   double* Sj[MAX_B][MAX_K + 1];
+  double* cfbuf;  // (K + 1) rows for the continued fraction
   explicit PwScratch(const Spec& sp) {
-    int rows = 11 + NQ + (sp.K + 1) + sp.B * (sp.K + 3);
+    int rows = 11 + NQ + 2 * (sp.K + 1) + sp.B * (sp.K + 3);
     base = (double*)aligned_alloc(64, sizeof(double) * (size_t)NB * (size_t)rows);
     double* row = base;
     auto take = [&]() { double* r = row; row += NB; return r; };
@@ -753,6 +759,8 @@ struct PwScratch {
     Pm = take(); Ps = take(); Hm = take(); Hs = take();
     for (int q = 0; q < NQ; q++) tot[q] = take();
     for (int k = 0; k <= sp.K; k++) mu[k] = take();
+    cfbuf = row;
+    for (int k = 0; k <= sp.K; k++) take();
     for (int j = 0; j < sp.B; j++) {
       tj[j] = take(); pj[j] = take();
       for (int k = 0; k <= sp.K; k++) Sj[j][k] = take();
@@ -1049,11 +1057,10 @@ static void pw_tails(const Spec& sp, PwScratch& w, bool f32) {
         }
       }
     }
-    for_cf_bands(NB, xb, recursion_limit(K), K, [&](int cnt, const int* idx, int depth) {
+    for_cf_bands(NB, xb, f32 ? recursion_limit_f32(K) : recursion_limit(K), K, [&](int cnt, const int* idx, int depth) {
       alignas(64) double gx[NB], gs[NB], gp[NB];
       double* gS[MAX_K + 1];
-      double* Sbuf = (double*)aligned_alloc(64, sizeof(double) * NB * (size_t)(K + 1));
-      for (int k = 0; k <= K; k++) gS[k] = Sbuf + (size_t)k * NB;
+      for (int k = 0; k <= K; k++) gS[k] = w.cfbuf + (size_t)k * NB;
       for (int q = 0; q < cnt; q++) {
         gx[q] = xb[idx[q]];
         gs[q] = w.ssafe[idx[q]];
@@ -1063,8 +1070,7 @@ static void pw_tails(const Spec& sp, PwScratch& w, bool f32) {
         pdf[idx[q]] = gp[q];
         for (int k = 0; k <= K; k++) S[k][idx[q]] = gS[k][q];
       }
-      free(Sbuf);
-    });
+    }, f32 ? BAND_EXTRA_F32 : BAND_EXTRA);
   }
 }
 
