@@ -46,7 +46,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 6
+#define CFBNN_ABI 7
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -632,6 +632,39 @@ static void relu_backward(int64_t n, const T* m, const T* s, const T* phi,
         T A = gpp[i] + (T)2 * f * gup[i], B = gup[i] + gvp[i];
         om[i] = cdf * A + (T)2 * f * cdfn * B;
         os[i] = p * A + (T)2 * (si * cdf - f * p) * B;
+      }
+    }
+  }
+}
+
+/* Backward of leaky relu and relu^2 (kind 1, 2): the four partials recomputed per block by the
+   forward kernel into scratch (no saved buffers), then combined with the output gradients. */
+template <typename T, int KIND>
+static void act_backward(int64_t n, const T* m, const T* s, double eps, const T* phi,
+                         const T* gp, int gp_scalar, const T* gu, int gu_scalar, const T* gv, int gv_scalar,
+                         T* o_gm, T* o_gs, int nthreads) {
+  int64_t nblocks = (n + NB - 1) / NB;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
+  {
+    FlushDenormals ftz(sizeof(T) == sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+      int64_t lo = blk * NB;
+      int k = (int)(lo + NB < n ? NB : n - lo);
+      alignas(64) T f0[NB], f1[NB], pm[NB], ps[NB], vm[NB], vs[NB];
+      T* outs[7] = {f0, f1, nullptr, pm, ps, vm, vs};
+      act_block<T, KIND, false, true, MODE_FULL>(0, k, m + lo, s + lo, eps, outs);
+      alignas(64) T bp[NB], bu[NB], bv[NB];
+      load_grad(gp, gp_scalar, lo, k, bp);
+      load_grad(gu, gu_scalar, lo, k, bu);
+      load_grad(gv, gv_scalar, lo, k, bv);
+      const T* RS ff = phi + lo;
+      T* RS om = o_gm + lo; T* RS os = o_gs + lo;
+#pragma omp simd
+      for (int i = 0; i < k; i++) {
+        T A = bp[i] + (T)2 * ff[i] * bu[i], B = bu[i] + bv[i];
+        om[i] = pm[i] * A + vm[i] * B;
+        os[i] = ps[i] * A + vs[i] * B;
       }
     }
   }
@@ -1371,6 +1404,14 @@ static void hs_forward_f32(int64_t n, const float* m, const float* s, const Spec
   extern "C" void relusq_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, T* pm, T* ps, \
                                        T* vm, T* vs, int nt) {                                                   \
     act_forward<T, 2>(n, m, s, 0.0, phi, ups, var, pm, ps, vm, vs, nt, false);                                   \
+  }                                                                                                              \
+  extern "C" void leaky_backward_##SUF(int64_t n, const T* m, const T* s, double eps, const T* phi, const T* gp,  \
+                                       int gps, const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt) { \
+    act_backward<T, 1>(n, m, s, eps, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);                                 \
+  }                                                                                                              \
+  extern "C" void relusq_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps,   \
+                                        const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt) {      \
+    act_backward<T, 2>(n, m, s, 0.0, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);                                 \
   }                                                                                                              \
   extern "C" void relu_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps,    \
                                       const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt) {        \

@@ -78,7 +78,7 @@ __all__ = [
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 6  # must match CFBNN_ABI in the source
+_ABI = 7  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:
@@ -219,6 +219,8 @@ _SIGNATURES = {
     "relu_forward": [_I64] + [_POINTER] * 7 + [_INT],
     "relu_mean": [_I64] + [_POINTER] * 3 + [_INT],
     "relu_backward": [_I64] + [_POINTER] * 3 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
+    "leaky_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _POINTER] + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
+    "relusq_backward": [_I64] + [_POINTER] * 3 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
     "leaky_forward": [_I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 7 + [_INT],
     "relusq_forward": [_I64] + [_POINTER] * 9 + [_INT],
     "identity_forward": [_I64] + [_POINTER] * 5 + [_INT],
@@ -496,35 +498,57 @@ class _PartialsOp(_Op):
         return _partials_backward(phi, saved, grads, plain=plain)
 
 
-class LeakyReLUOp(_PartialsOp):
+class _RecomputingOp(_Op):
+    """Leaky ReLU and ReLU^2: like ReLU, nothing saved; the backward kernel recomputes the four
+    partial derivatives per block (one cheap forward pass) instead of allocating four buffers."""
+
+    saved_count = 0
+    kernel = ""
+
+    def _eps(self, dtype):
+        return ()
+
+    def forward(self, mean, std, want_var, need_grad):
+        phi = torch.empty(mean.shape, dtype=mean.dtype)
+        ups = torch.empty(mean.shape, dtype=mean.dtype)
+        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
+        _kernel(self.kernel + "_forward", mean.dtype)(
+            mean.numel(), mean.data_ptr(), std.data_ptr(), *self._eps(mean.dtype), phi.data_ptr(), ups.data_ptr(),
+            _ptr(var), None, None, None, None, torch.get_num_threads(),
+        )
+        return phi, ups, var if var is not None else _placeholder(mean)
+
+    def backward(self, mean, std, phi, saved, grads, plain=False):
+        if plain or (_plain(mean, *grads) and _State.library is not None):
+            gm = torch.empty(mean.shape, dtype=mean.dtype)
+            gs = torch.empty(mean.shape, dtype=mean.dtype)
+            (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
+            _kernel(self.kernel + "_backward", mean.dtype)(
+                mean.numel(), mean.data_ptr(), std.data_ptr(), *self._eps(mean.dtype), phi.data_ptr(),
+                p_ptr, p_scalar, u_ptr, u_scalar, v_ptr, v_scalar, gm.data_ptr(), gs.data_ptr(),
+                torch.get_num_threads(),
+            )
+            return gm, gs
+        # wrapped tensors without create_graph: the reference's vector-Jacobian product
+        return _reference_vjp(self, mean, std, grads, create_graph=False)
+
+
+class LeakyReLUOp(_RecomputingOp):
+    kernel = "leaky"
+
     def __init__(self, reference, negative_slope):
         super().__init__(reference)
         self.negative_slope = negative_slope
 
-    def forward(self, mean, std, want_var, need_grad):
-        phi, ups = _outputs(mean, 2)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        saved = _outputs(mean, 4) if need_grad else [None] * 4
+    def _eps(self, dtype):
         eps = self.negative_slope
-        if mean.dtype == torch.float32:  # what float32 torch arithmetic multiplies by
+        if dtype == torch.float32:  # what float32 torch arithmetic multiplies by
             eps = float(np.float32(eps))
-        _kernel("leaky_forward", mean.dtype)(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), eps, phi.data_ptr(), ups.data_ptr(), _ptr(var),
-            *(_ptr(t) for t in saved), torch.get_num_threads(),
-        )
-        return (phi, ups, var if var is not None else _placeholder(mean), *(t for t in saved if t is not None))
+        return (eps,)
 
 
-class ReLUSquaredOp(_PartialsOp):
-    def forward(self, mean, std, want_var, need_grad):
-        phi, ups = _outputs(mean, 2)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        saved = _outputs(mean, 4) if need_grad else [None] * 4
-        _kernel("relusq_forward", mean.dtype)(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), phi.data_ptr(), ups.data_ptr(), _ptr(var),
-            *(_ptr(t) for t in saved), torch.get_num_threads(),
-        )
-        return (phi, ups, var if var is not None else _placeholder(mean), *(t for t in saved if t is not None))
+class ReLUSquaredOp(_RecomputingOp):
+    kernel = "relusq"
 
 
 class IdentityOp(_Op):
@@ -729,8 +753,8 @@ class _FastMoments(torch.autograd.Function):
         return out, tuple(None if (k == 2 and not want_var) else 0 for k in range(len(out)))
 
 
-def _reference_vjp(op, mean, std, grads):
-    """The vector-Jacobian product of the reference path, differentiable (create_graph)."""
+def _reference_vjp(op, mean, std, grads, create_graph=True):
+    """The vector-Jacobian product of the reference path (differentiable with create_graph)."""
     inputs = [t for t in (mean, std) if t.requires_grad]
     if not inputs:
         return None, None
@@ -740,7 +764,7 @@ def _reference_vjp(op, mean, std, grads):
         if not pairs:
             return None, None
         found = torch.autograd.grad(
-            [o for o, _ in pairs], inputs, [g for _, g in pairs], create_graph=True, allow_unused=True
+            [o for o, _ in pairs], inputs, [g for _, g in pairs], create_graph=create_graph, allow_unused=True
         )
     found = iter(found)
     grad_mean = next(found) if mean.requires_grad else None
