@@ -46,7 +46,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 7
+#define CFBNN_ABI 8
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -1347,40 +1347,79 @@ template <typename T>
 static void pw_forward(int64_t n, const T* m, const T* s, const Spec& sp, T* phi, T* ups, T* var,
                        T* pm, T* ps, T* vm, T* vs, int nt);
 
+/* One block of the hard sigmoid (outs: phi, ups, var, dPhi/dmean, dPhi/dstd, dVar/dmean, dVar/dstd;
+   null entries are skipped). */
+static void hs_block(int64_t lo, int64_t hi, const float* m, const float* s, const Spec& sp, float a, float sg,
+                     float* const* outs) {
+  const bool grads = outs[3] != nullptr;
+  PaddedBlock<float, 7> pad(lo, hi, m, s, {outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6]});
+  float** o = pad.outputs;
+  unsigned char engine[NB];
+  int cnt = hs_f32_range(pad.lo, pad.hi, pad.m, pad.s, a, sg, o[2] != nullptr, grads, o[0], o[1], o[2], o[3], o[4],
+                         o[5], o[6], engine);
+  if (cnt) {  // the general engine (Gauss-Legendre, float64 far tails) for the rare rest
+    int idx[NB], k = 0;
+    const int nb = (int)(pad.hi - pad.lo);
+    for (int e = 0; e < nb; e++) {
+      idx[k] = e;
+      k += engine[e];
+    }
+    alignas(64) float gm_[NB], gs_[NB], r[7][NB];
+    for (int q = 0; q < k; q++) {
+      gm_[q] = pad.m[pad.lo + idx[q]];
+      gs_[q] = pad.s[pad.lo + idx[q]];
+    }
+    pw_forward<float>(k, gm_, gs_, sp, r[0], r[1], o[2] ? r[2] : nullptr, grads ? r[3] : nullptr,
+                      grads ? r[4] : nullptr, grads ? r[5] : nullptr, grads ? r[6] : nullptr, 1);
+    for (int q = 0; q < k; q++)
+      for (int j = 0; j < 7; j++)
+        if (o[j]) o[j][pad.lo + idx[q]] = r[j][q];
+  }
+  pad.finish();
+}
+
 static void hs_forward_f32(int64_t n, const float* m, const float* s, const Spec& sp, float a, float sg, float* phi,
                            float* ups, float* var, float* pm, float* ps, float* vm, float* vs, int nthreads) {
   int64_t nblocks = (n + NB - 1) / NB;
-  const bool grads = pm != nullptr;
+  float* outs[7] = {phi, ups, var, pm, ps, vm, vs};
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
   {
     FlushDenormals ftz(true);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblocks; blk++) {
       int64_t lo = blk * NB, hi = lo + NB < n ? lo + NB : n;
-      PaddedBlock<float, 7> pad(lo, hi, m, s, {phi, ups, var, pm, ps, vm, vs});
-      float** o = pad.outputs;
-      unsigned char engine[NB];
-      int cnt = hs_f32_range(pad.lo, pad.hi, pad.m, pad.s, a, sg, var != nullptr, grads, o[0], o[1], o[2], o[3], o[4],
-                             o[5], o[6], engine);
-      if (cnt) {  // the general engine (Gauss-Legendre, float64 far tails) for the rare rest
-        int idx[NB], k = 0;
-        const int nb = (int)(pad.hi - pad.lo);
-        for (int e = 0; e < nb; e++) {
-          idx[k] = e;
-          k += engine[e];
-        }
-        alignas(64) float gm_[NB], gs_[NB], r[7][NB];
-        for (int q = 0; q < k; q++) {
-          gm_[q] = pad.m[pad.lo + idx[q]];
-          gs_[q] = pad.s[pad.lo + idx[q]];
-        }
-        pw_forward<float>(k, gm_, gs_, sp, r[0], r[1], var ? r[2] : nullptr, grads ? r[3] : nullptr,
-                          grads ? r[4] : nullptr, grads ? r[5] : nullptr, grads ? r[6] : nullptr, 1);
-        for (int q = 0; q < k; q++)
-          for (int j = 0; j < 7; j++)
-            if (o[j]) o[j][pad.lo + idx[q]] = r[j][q];
+      hs_block(lo, hi, m, s, sp, a, sg, outs);
+    }
+  }
+}
+
+/* Backward: the partials recomputed per block (no saved buffers), then combined with the gradients. */
+static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spec& sp, float a, float sg,
+                            const float* phi, const float* gp, int gp_scalar, const float* gu, int gu_scalar,
+                            const float* gv, int gv_scalar, float* o_gm, float* o_gs, int nthreads) {
+  int64_t nblocks = (n + NB - 1) / NB;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
+  {
+    FlushDenormals ftz(true);
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+      int64_t lo = blk * NB;
+      int k = (int)(lo + NB < n ? NB : n - lo);
+      alignas(64) float f0[NB], f1[NB], pm[NB], ps[NB], vm[NB], vs[NB];
+      float* outs[7] = {f0, f1, nullptr, pm, ps, vm, vs};
+      hs_block(0, k, m + lo, s + lo, sp, a, sg, outs);
+      alignas(64) float bp[NB], bu[NB], bv[NB];
+      load_grad(gp, gp_scalar, lo, k, bp);
+      load_grad(gu, gu_scalar, lo, k, bu);
+      load_grad(gv, gv_scalar, lo, k, bv);
+      const float* RS ff = phi + lo;
+      float* RS om = o_gm + lo; float* RS os = o_gs + lo;
+#pragma omp simd
+      for (int i = 0; i < k; i++) {
+        float A = bp[i] + 2.0f * ff[i] * bu[i], B = bu[i] + bv[i];
+        om[i] = pm[i] * A + vm[i] * B;
+        os[i] = ps[i] * A + vs[i] * B;
       }
-      pad.finish();
     }
   }
 }
@@ -1450,6 +1489,18 @@ extern "C" void hs_forward_f32(int64_t n, const float* m, const float* s, int B,
   sp.bp = bp; sp.coef = coef; sp.deriv = deriv; sp.side = side; sp.tails = tails; sp.jumps = jumps;
   sp.gl = gl; sp.coef32 = coef32; sp.bp32 = bp32;
   hs_forward_f32(n, m, s, sp, (float)a, (float)sign, phi, ups, var, pm, ps, vm, vs, nt);
+}
+
+extern "C" void hs_backward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp,
+                                const double* coef, const double* deriv, const double* side, const double* tails,
+                                const double* jumps, const double* gl, const float* coef32, const float* bp32,
+                                double a, double sign, const float* phi, const float* gp, int gps, const float* gu,
+                                int gus, const float* gv, int gvs, float* gm, float* gs, int nt) {
+  Spec sp;
+  sp.B = B; sp.D = D; sp.K = 2 * D; sp.P = B + 1;
+  sp.bp = bp; sp.coef = coef; sp.deriv = deriv; sp.side = side; sp.tails = tails; sp.jumps = jumps;
+  sp.gl = gl; sp.coef32 = coef32; sp.bp32 = bp32;
+  hs_backward_f32(n, m, s, sp, (float)a, (float)sign, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);
 }
 
 extern "C" int pw_max_breakpoints(void) { return MAX_B; }

@@ -78,7 +78,7 @@ __all__ = [
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 7  # must match CFBNN_ABI in the source
+_ABI = 8  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:
@@ -230,6 +230,8 @@ _SIGNATURES = {
 }
 _SIGNATURES_F32_ONLY = {
     "hs_forward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 9 + [_DOUBLE, _DOUBLE] + [_POINTER] * 7 + [_INT],
+    "hs_backward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 9 + [_DOUBLE, _DOUBLE, _POINTER]
+    + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
 }
 
 
@@ -596,26 +598,46 @@ class PiecewiseOp(_PartialsOp):
 
 class HardSigmoidOp(PiecewiseOp):
     """The hard sigmoid: the engine's sums unrolled in one float32 kernel (the engine itself for
-    float64 and, inside the kernel, for the rare elements it hands over)."""
+    float64 and, inside the kernel, for the rare elements it hands over). In float32 nothing is
+    saved: the backward kernel recomputes the partials per block."""
 
     def __init__(self, reference, alpha, breakpoints, polynomials):
         super().__init__(reference, breakpoints, polynomials)
         self.a = float(np.float32(abs(alpha)))
         self.sign = 1.0 if alpha >= 0 else -1.0
 
+    def _tables(self, dtype):
+        tables = self.tables[dtype]
+        return (tables["B"], tables["D"]) + tuple(
+            tables[key].ctypes.data for key in ("bp", "coef", "deriv", "side", "tails", "jumps", "gl", "coef32", "bp32")
+        )
+
     def forward(self, mean, std, want_var, need_grad):
         if mean.dtype != torch.float32:
             return super().forward(mean, std, want_var, need_grad)
-        phi, ups = _outputs(mean, 2)
+        phi = torch.empty(mean.shape, dtype=mean.dtype)
+        ups = torch.empty(mean.shape, dtype=mean.dtype)
         var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        saved = _outputs(mean, 4) if need_grad else [None] * 4
-        tables = self.tables[mean.dtype]
         _State.library.hs_forward_f32(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), tables["B"], tables["D"],
-            *(tables[key].ctypes.data for key in ("bp", "coef", "deriv", "side", "tails", "jumps", "gl", "coef32", "bp32")),
-            self.a, self.sign, phi.data_ptr(), ups.data_ptr(), _ptr(var), *(_ptr(t) for t in saved), torch.get_num_threads(),
+            mean.numel(), mean.data_ptr(), std.data_ptr(), *self._tables(mean.dtype), self.a, self.sign,
+            phi.data_ptr(), ups.data_ptr(), _ptr(var), None, None, None, None, torch.get_num_threads(),
         )
-        return (phi, ups, var if var is not None else _placeholder(mean), *(t for t in saved if t is not None))
+        return phi, ups, var if var is not None else _placeholder(mean)
+
+    def backward(self, mean, std, phi, saved, grads, plain=False):
+        if mean.dtype != torch.float32:
+            return super().backward(mean, std, phi, saved, grads, plain=plain)
+        if not (plain or (_plain(mean, *grads) and _State.library is not None)):
+            return _reference_vjp(self, mean, std, grads, create_graph=False)
+        gm = torch.empty(mean.shape, dtype=mean.dtype)
+        gs = torch.empty(mean.shape, dtype=mean.dtype)
+        (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
+        _State.library.hs_backward_f32(
+            mean.numel(), mean.data_ptr(), std.data_ptr(), *self._tables(mean.dtype), self.a, self.sign,
+            phi.data_ptr(), p_ptr, p_scalar, u_ptr, u_scalar, v_ptr, v_scalar, gm.data_ptr(), gs.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return gm, gs
 
 
 MAX_BREAKPOINTS = 64
