@@ -3,10 +3,17 @@
 ``get_activation(name).moments(mean, std)`` on CPU float32/float64 tensors runs one
 fused kernel per call (one pass over the data, a few passes over cache-sized
 blocks for the piecewise-polynomial engine) instead of the ~60 small torch ops of
-the reference path, and its backward pass is a second fused kernel that reuses
-factors saved by the forward pass. The numerics are those of the reference path
-(see :mod:`cfbnn_cli.moments._kernel_source`); the tests hold the two paths to
-each other and both to quadrature.
+the reference path, and its backward pass is a second fused kernel. The numerics
+are those of the reference path (see :mod:`cfbnn_cli.moments._kernel_source`);
+the tests hold the two paths to each other and both to quadrature.
+
+What the backward needs. ReLU, leaky ReLU, ReLU^2 and (float32) the hard sigmoid
+save nothing but their inputs and Phi: the backward kernel recomputes the Gaussian
+factors block by block. That costs about one forward pass, and saves allocating,
+writing and re-reading two to four more arrays -- measured, the cheaper side on
+CPU, where fresh pages from the allocator (glibc returns freed blocks of this size
+to the system) cost ~1 us per 4 kB. The general engine, whose forward pass is
+expensive, saves the four partial derivatives instead.
 
 Build. The kernels are plain C++ (no torch headers) compiled once per machine with
 the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) and loaded
