@@ -41,6 +41,9 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <initializer_list>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__) || defined(__SSE__)
 #include <xmmintrin.h>
 #define CFBNN_MXCSR 1
@@ -1296,6 +1299,7 @@ static void pw_forward(int64_t n, const T* m, const T* s, const Spec& sp, T* phi
    + 2 (-a - c) phi(t_0) - 2 (a - c) phi(t_1). Elements where the engine would use
    Gauss-Legendre (the middle piece narrow) or where a float32 tail beyond 13 sigma could still
    be a normal result (std > 1) are handed to the general engine. */
+__attribute__((noinline))  // keeps its loop a vectorization unit of its own
 static int hs_f32_range(int64_t lo, int64_t hi, const float* RS m, const float* RS s, float a, float sg, bool var_out,
                         bool grads, float* RS o_phi, float* RS o_ups, float* RS o_var, float* RS o_pm, float* RS o_ps,
                         float* RS o_vm, float* RS o_vs, unsigned char* RS engine) {
@@ -1348,7 +1352,11 @@ static int hs_f32_range(int64_t lo, int64_t hi, const float* RS m, const float* 
     const bool far = (si > 1.0f) & ((B & (x1r >= xf_clamp)) | (C & (x0r >= xf_clamp)));
     // a variance within ~1e10 of FLT_MIN is a difference of tails some of which fell below the
     // normal range (flushed): float64 tails there
-    const bool tiny = var_raw < 1e-28f * (si > 1.0f ? si * si : 1.0f);
+    // 0 < var_raw < limit, written as one comparison (a second boolean & stops gcc 12 from
+    // vectorizing this loop). An exact 0 is a sum of tails all below FLT_MIN: so is the variance.
+    // (scaled by 1e30 so that the product cannot underflow)
+    const float vsc = var_raw * 1e30f, vlim = 100.0f * (si > 1.0f ? si * si : 1.0f);
+    const bool tiny = vsc * (vsc - vlim) < 0.0f;
     const bool hand = pos & (narrow | far | tiny);
     engine[i - lo] = hand;
     hand_over += hand;
@@ -1360,80 +1368,120 @@ template <typename T>
 static void pw_forward(int64_t n, const T* m, const T* s, const Spec& sp, T* phi, T* ups, T* var,
                        T* pm, T* ps, T* vm, T* vs, int nt);
 
-/* One block of the hard sigmoid (outs: phi, ups, var, dPhi/dmean, dPhi/dstd, dVar/dmean, dVar/dstd;
-   null entries are skipped). */
-static void hs_block(int64_t lo, int64_t hi, const float* m, const float* s, const Spec& sp, float a, float sg,
-                     float* const* outs) {
+/* The hard sigmoid over [lo, hi) of (m, s) into outs (phi, ups, var, dPhi/dmean, dPhi/dstd,
+   dVar/dmean, dVar/dstd; null entries skipped), element i of the range at outs[j][i - lo + out_off].
+   The elements the unrolled kernel hands over are collected and given to the general engine in
+   one call at the end (its per-call set-up is not paid per block). */
+static void hs_range(int64_t lo, int64_t hi, const float* m, const float* s, const Spec& sp, float a, float sg,
+                     float* const* outs, int64_t out_off) {
   const bool grads = outs[3] != nullptr;
-  PaddedBlock<float, 7> pad(lo, hi, m, s, {outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6]});
-  float** o = pad.outputs;
-  unsigned char engine[NB];
-  int cnt = hs_f32_range(pad.lo, pad.hi, pad.m, pad.s, a, sg, o[2] != nullptr, grads, o[0], o[1], o[2], o[3], o[4],
-                         o[5], o[6], engine);
-  if (cnt) {  // the general engine (Gauss-Legendre, float64 far tails) for the rare rest
-    int idx[NB], k = 0;
-    const int nb = (int)(pad.hi - pad.lo);
-    for (int e = 0; e < nb; e++) {
-      idx[k] = e;
-      k += engine[e];
+  int64_t cap = 0, count = 0;
+  int64_t* pending = nullptr;
+  for (int64_t b0 = lo; b0 < hi; b0 += NB) {
+    const int64_t b1 = b0 + NB < hi ? b0 + NB : hi;
+    float* dst[7];
+    for (int j = 0; j < 7; j++) dst[j] = outs[j] ? outs[j] + (out_off - lo) : nullptr;  // indexed by element
+    PaddedBlock<float, 7> pad(b0, b1, m, s, {dst[0], dst[1], dst[2], dst[3], dst[4], dst[5], dst[6]});
+    float** o = pad.outputs;
+    unsigned char engine[NB];
+    int cnt = hs_f32_range(pad.lo, pad.hi, pad.m, pad.s, a, sg, o[2] != nullptr, grads, o[0], o[1], o[2], o[3], o[4],
+                           o[5], o[6], engine);
+    pad.finish();
+    if (cnt) {
+      if (count + cnt > cap) {
+        cap = 2 * (count + cnt) + 64;
+        pending = (int64_t*)realloc(pending, sizeof(int64_t) * (size_t)cap);
+      }
+      const int nb = (int)(b1 - b0);
+      for (int e = 0; e < nb; e++) {
+        pending[count] = b0 + e;
+        count += engine[e];
+      }
     }
-    alignas(64) float gm_[NB], gs_[NB], r[7][NB];
-    for (int q = 0; q < k; q++) {
-      gm_[q] = pad.m[pad.lo + idx[q]];
-      gs_[q] = pad.s[pad.lo + idx[q]];
-    }
-    pw_forward<float>(k, gm_, gs_, sp, r[0], r[1], o[2] ? r[2] : nullptr, grads ? r[3] : nullptr,
-                      grads ? r[4] : nullptr, grads ? r[5] : nullptr, grads ? r[6] : nullptr, 1);
-    for (int q = 0; q < k; q++)
-      for (int j = 0; j < 7; j++)
-        if (o[j]) o[j][pad.lo + idx[q]] = r[j][q];
   }
-  pad.finish();
+  if (!count) return;
+  float* buf = (float*)malloc(sizeof(float) * (size_t)count * 9);
+  float* gm_ = buf;
+  float* gs_ = buf + count;
+  float* r[7];
+  for (int j = 0; j < 7; j++) r[j] = buf + (2 + j) * count;
+  for (int64_t q = 0; q < count; q++) {
+    gm_[q] = m[pending[q]];
+    gs_[q] = s[pending[q]];
+  }
+  pw_forward<float>(count, gm_, gs_, sp, r[0], r[1], outs[2] ? r[2] : nullptr, grads ? r[3] : nullptr,
+                    grads ? r[4] : nullptr, grads ? r[5] : nullptr, grads ? r[6] : nullptr, 1);
+  for (int64_t q = 0; q < count; q++)
+    for (int j = 0; j < 7; j++)
+      if (outs[j]) outs[j][pending[q] - lo + out_off] = r[j][q];
+  free(buf);
+  free(pending);
 }
 
 static void hs_forward_f32(int64_t n, const float* m, const float* s, const Spec& sp, float a, float sg, float* phi,
                            float* ups, float* var, float* pm, float* ps, float* vm, float* vs, int nthreads) {
-  int64_t nblocks = (n + NB - 1) / NB;
   float* outs[7] = {phi, ups, var, pm, ps, vm, vs};
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
+  int nt = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
+  int64_t nblocks = (n + NB - 1) / NB;
+#pragma omp parallel num_threads(nt) if (nt > 1)
   {
     FlushDenormals ftz(true);
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-      int64_t lo = blk * NB, hi = lo + NB < n ? lo + NB : n;
-      hs_block(lo, hi, m, s, sp, a, sg, outs);
-    }
+#ifdef _OPENMP
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+    const int tid = 0, team = 1;
+#endif
+    // a contiguous share of whole blocks per thread (as schedule(static))
+    const int64_t first = nblocks * tid / team, last = nblocks * (tid + 1) / team;
+    const int64_t lo = first * NB, hi = last * NB < n ? last * NB : n;
+    if (lo < hi) hs_range(lo, hi, m, s, sp, a, sg, outs, lo);
   }
 }
 
-/* Backward: the partials recomputed per block (no saved buffers), then combined with the gradients. */
+/* Backward: the partials recomputed chunk by chunk (no saved buffers), then combined with the
+   gradients; chunks of CHUNK elements amortize the engine call for handed-over elements. */
 static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spec& sp, float a, float sg,
                             const float* phi, const float* gp, int gp_scalar, const float* gu, int gu_scalar,
                             const float* gv, int gv_scalar, float* o_gm, float* o_gs, int nthreads) {
+  const int64_t CHUNK = 64 * NB;
+  int nt = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
   int64_t nblocks = (n + NB - 1) / NB;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
+#pragma omp parallel num_threads(nt) if (nt > 1)
   {
     FlushDenormals ftz(true);
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-      int64_t lo = blk * NB;
-      int k = (int)(lo + NB < n ? NB : n - lo);
-      alignas(64) float f0[NB], f1[NB], pm[NB], ps[NB], vm[NB], vs[NB];
+#ifdef _OPENMP
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+    const int tid = 0, team = 1;
+#endif
+    const int64_t first = nblocks * tid / team, last = nblocks * (tid + 1) / team;
+    const int64_t lo = first * NB, hi = last * NB < n ? last * NB : n;
+    float* buf = (float*)aligned_alloc(64, sizeof(float) * (size_t)CHUNK * 8);
+    float* f0 = buf; float* f1 = buf + CHUNK; float* pm = buf + 2 * CHUNK; float* ps = buf + 3 * CHUNK;
+    float* vm = buf + 4 * CHUNK; float* vs = buf + 5 * CHUNK;
+    for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
+      const int64_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
       float* outs[7] = {f0, f1, nullptr, pm, ps, vm, vs};
-      hs_block(0, k, m + lo, s + lo, sp, a, sg, outs);
-      alignas(64) float bp[NB], bu[NB], bv[NB];
-      load_grad(gp, gp_scalar, lo, k, bp);
-      load_grad(gu, gu_scalar, lo, k, bu);
-      load_grad(gv, gv_scalar, lo, k, bv);
-      const float* RS ff = phi + lo;
-      float* RS om = o_gm + lo; float* RS os = o_gs + lo;
+      hs_range(c0, c1, m, s, sp, a, sg, outs, 0);
+      for (int64_t b0 = c0; b0 < c1; b0 += NB) {
+        const int k = (int)(b0 + NB < c1 ? NB : c1 - b0);
+        alignas(64) float bp[NB], bu[NB], bv[NB];
+        load_grad(gp, gp_scalar, b0, k, bp);
+        load_grad(gu, gu_scalar, b0, k, bu);
+        load_grad(gv, gv_scalar, b0, k, bv);
+        const float* RS ff = phi + b0;
+        const float* RS a_ = pm + (b0 - c0); const float* RS b_ = ps + (b0 - c0);
+        const float* RS c_ = vm + (b0 - c0); const float* RS d_ = vs + (b0 - c0);
+        float* RS om = o_gm + b0; float* RS os = o_gs + b0;
 #pragma omp simd
-      for (int i = 0; i < k; i++) {
-        float A = bp[i] + 2.0f * ff[i] * bu[i], B = bu[i] + bv[i];
-        om[i] = pm[i] * A + vm[i] * B;
-        os[i] = ps[i] * A + vs[i] * B;
+        for (int i = 0; i < k; i++) {
+          float A = bp[i] + 2.0f * ff[i] * bu[i], B = bu[i] + bv[i];
+          om[i] = a_[i] * A + c_[i] * B;
+          os[i] = b_[i] * A + d_[i] * B;
+        }
       }
     }
+    free(buf);
   }
 }
 
