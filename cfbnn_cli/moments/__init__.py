@@ -1,8 +1,11 @@
 """Core analytic moments: Gaussian expectations of piecewise-polynomial activations.
 
-Pure torch; no modules, no configuration. This is the paper's appendix (with the
-errata's corrections); see :mod:`cfbnn_cli.moments.gaussian` for the half-line
-moments and :mod:`cfbnn_cli.moments.activations` for the activations.
+No modules, no configuration. This is the paper's appendix (with the errata's
+corrections); see :mod:`cfbnn_cli.moments.gaussian` for the half-line moments,
+:mod:`cfbnn_cli.moments.activations` for the activations (torch ops: the reference
+path, and the path on CUDA) and :mod:`cfbnn_cli.moments.fast` for the fused CPU
+kernels that are the default on CPU (``CFBNN_FAST_MOMENTS=0``,
+:func:`set_fast_path` or ``with fast_path(False)`` select the reference path).
 """
 
 from .activations import (
@@ -17,6 +20,7 @@ from .activations import (
     get_activation,
     piecewise_polynomial,
 )
+from .fast import fast_path, fast_path_enabled, fast_path_info, set_fast_path
 from .gaussian import (
     abs_moment,
     normal_raw_moment,
@@ -39,11 +43,15 @@ __all__ = [
     "ReLU",
     "ReLUSquared",
     "abs_moment",
+    "fast_path",
+    "fast_path_enabled",
+    "fast_path_info",
     "get_activation",
     "normal_raw_moment",
     "piecewise_polynomial",
     "positive_part_moment",
     "positive_part_moments",
+    "set_fast_path",
     "set_validate_args",
     "standard_normal_cdf",
     "standard_normal_pdf",

@@ -1,12 +1,17 @@
 """Gaussian moments of piecewise-polynomial activations.
 
+Equation numbers refer to the paper (``closed_form_bnn.tex``, numbered equations in order
+of appearance: (9) is Phi/Upsilon, (18)-(19) Omega and Psi, (20) ReLU, (22) leaky ReLU,
+(26)-(27) chi and the hard sigmoid, (29) ReLU^2, (33)-(34) zeta and rho, (35) the general
+piecewise polynomial); "errata N" is item N of ``ERRATA.md`` ("Wrong as printed").
+
 For ``z = a^T x ~ N(mean, std^2)`` (``mean = gamma``, ``std = xi`` in the paper's
 appendix) an activation object ``g`` returned by :func:`get_activation` or
 :func:`piecewise_polynomial` provides
 
 * ``g(x)``: the pointwise function (for sampling baselines);
 * ``g.moments(mean, std)`` -> ``(Phi, Upsilon)`` with ``Phi = E[g(z)]`` and
-  ``Upsilon = E[g(z)^2]`` (paper eq. ``phiupsdef``);
+  ``Upsilon = E[g(z)^2]`` (paper eq. (9));
 * ``g.moments(mean, std, return_variance=True)`` -> ``(Phi, Upsilon, Var[g(z)])``
   and ``g.variance(mean, std)``: the variance computed directly, never as
   ``Upsilon - Phi^2`` (which loses every digit when ``|mean|/std`` is large).
@@ -31,9 +36,13 @@ subtract large numbers:
   equal): 16-point Gauss-Legendre quadrature of the smooth integrand.
 
 The named activations ``relu``, ``leaky_relu``, ``relu_squared`` and ``identity``
-have their own short closed forms (paper appendix, with the errata's
-corrections, rewritten through one small tail); ``hard_sigmoid`` is the
+have their own short closed forms (paper eqs. (20), (22), (29), with errata 1, 2, 4, 6,
+rewritten through one small tail); ``hard_sigmoid`` (eq. (27), errata 3) is the
 piecewise-polynomial engine with the pieces ``-alpha, x, alpha``.
+
+Two implementations compute these same forms: the torch ops below (the reference
+path, also the CUDA path) and the fused CPU kernels of :mod:`cfbnn_cli.moments.fast`
+(the default on CPU). ``Activation.moments`` picks one per call.
 """
 
 from __future__ import annotations
@@ -44,17 +53,19 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import torch
 
+from . import fast
 from .gaussian import (
-    _T_MAX,
+    INV_SQRT_2,
+    T_MAX,
+    align_batched,
     block_size,
-    _align_batched,
-    _is_transformed,
-    _standardize,
-    _sum_to,
     check_mean_std,
+    is_transformed,
     positive_part_moments,
     standard_normal_cdf,
     standard_normal_pdf,
+    standardize,
+    sum_to,
 )
 
 __all__ = [
@@ -89,14 +100,38 @@ class Activation:
         """Return (Phi, Var) for broadcast tensors; subclasses implement."""
         raise NotImplementedError  # pragma: no cover - abstract
 
-    def moments(self, mean, std, return_variance: bool = False):
-        """``(E[g(z)], E[g(z)^2])`` (and ``Var[g(z)]`` if asked) for ``z ~ N(mean, std^2)``."""
-        mean, std = check_mean_std(mean, std)
-        mean, std = torch.broadcast_tensors(mean, std)
+    def _kernels(self):
+        """This activation's fused CPU kernels (:mod:`cfbnn_cli.moments.fast`), or None."""
+        return None
+
+    def _fast_op(self):
+        op = self.__dict__.get("_fast_op_cache")
+        if op is None:
+            op = self._kernels()
+            self.__dict__["_fast_op_cache"] = op if op is not None else False
+        return op or None
+
+    def _reference_moments(self, mean: torch.Tensor, std: torch.Tensor):
+        """``(Phi, Upsilon, Var)`` of broadcast tensors through the reference torch ops."""
         phi, variance = self._moments(mean, std)
         # Rounding can leave -1 ulp; a variance is never negative.
         variance = variance.clamp_min(0.0)
-        upsilon = variance + phi * phi
+        return phi, variance + phi * phi, variance
+
+    def moments(self, mean, std, return_variance: bool = False):
+        """``(E[g(z)], E[g(z)^2])`` (and ``Var[g(z)]`` if asked) for ``z ~ N(mean, std^2)``.
+
+        Paper eq. (9) (``Phi``, ``Upsilon``). On CPU float32/float64 tensors this runs the
+        fused kernels of :mod:`cfbnn_cli.moments.fast` (unless switched off), elsewhere
+        the reference torch ops; both compute the same cancellation-free forms.
+        """
+        mean, std = check_mean_std(mean, std)
+        mean, std = torch.broadcast_tensors(mean, std)
+        op = self._fast_op() if fast.usable(mean) else None
+        if op is not None:
+            phi, upsilon, variance = fast.moments(op, mean, std, return_variance)
+        else:
+            phi, upsilon, variance = self._reference_moments(mean, std)
         if return_variance:
             return phi, upsilon, variance
         return phi, upsilon
@@ -126,10 +161,7 @@ def _small_tail(mean, std, order):
     return positive_part_moments(order, -mean.abs(), std)
 
 
-
-
 _LOG_INV_SQRT_2PI = -0.5 * math.log(2.0 * math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 
 
 def _relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
@@ -174,7 +206,7 @@ def _blockwise(block, mean, std):
     shape, dtype = mean.shape, mean.dtype
     chunk = block_size(mean)
     # under torch.func the inputs are wrapped: writing them into a plain buffer is not allowed
-    if mean.numel() <= chunk or _is_transformed(mean) or _is_transformed(std):
+    if mean.numel() <= chunk or is_transformed(mean) or is_transformed(std):
         return tuple(value.to(dtype) for value in block(mean, std))
     flat_mean = mean.reshape(-1)
     flat_std = std.reshape(-1)
@@ -199,8 +231,8 @@ def _relu_small_tail(mean, std):
     mean = mean.double()
     std = std.double()
     # out of place where torch.func has no in-place batching rule (clamp_, addcmul_)
-    x = mean.abs().div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp(max=_T_MAX)
-    s0 = torch.special.erfc(x * _INV_SQRT_2).mul_(0.5)
+    x = mean.abs().div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp(max=T_MAX)
+    s0 = torch.special.erfc(x * INV_SQRT_2).mul_(0.5)
     pdf = x.square().mul_(-0.5).add_(_LOG_INV_SQRT_2PI).exp_()
     return mean, std, x, s0, pdf, torch.addcmul(pdf, x, s0, value=-1.0)
 
@@ -237,25 +269,27 @@ class _ReLUMoments(torch.autograd.Function):
     def backward(ctx, grad_phi, grad_upsilon, grad_var, *_):
         mean, std, phi, cdf, cdf_neg, pdf = ctx.saved_tensors
         if torch.is_grad_enabled():  # double backward: keep every factor differentiable
-            t, _, _ = _standardize(mean, std)
+            t, _, _ = standardize(mean, std)
             cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)
         twice_phi = 2.0 * phi
         grad_mean = grad_phi * cdf + twice_phi * (grad_upsilon + grad_var * cdf_neg)
         grad_std = grad_phi * pdf + 2.0 * std * cdf * (grad_upsilon + grad_var) - twice_phi * pdf * grad_var
-        return _sum_to(grad_mean, mean.shape), _sum_to(grad_std, std.shape)
+        return sum_to(grad_mean, mean.shape), sum_to(grad_std, std.shape)
 
     @staticmethod
     def vmap(info, in_dims, mean, std):
-        mean, std = _align_batched(mean, std, in_dims)
+        mean, std = align_batched(mean, std, in_dims)
         return _ReLUMoments.apply(mean, std), (0,) * 6
 
 
 class ReLU(Activation):
-    """``max(0, x)``: paper eq. ``phiupsrelu`` (Phi = (gamma + Omega)/2, Upsilon = (xi^2 + gamma^2 + Psi)/2).
+    """``max(0, x)``: paper eq. (20) (Phi = (gamma + Omega)/2, Upsilon = (xi^2 + gamma^2 + Psi)/2,
+    with Omega, Psi of eqs. (18), (19); ``psi_h`` read as ``Psi_h``, errata 6).
 
     Computed through the small tail on the far side of 0 (the printed
-    ``(gamma + Omega)/2`` cancels for gamma < 0), in cache-sized blocks, with an
-    analytic backward pass.
+    ``(gamma + Omega)/2`` cancels for gamma < 0) with an analytic backward pass:
+    fused kernels on CPU (:mod:`cfbnn_cli.moments.fast`), otherwise torch ops in
+    cache-sized blocks.
     """
 
     name = "relu"
@@ -263,32 +297,10 @@ class ReLU(Activation):
     def __call__(self, x):
         return torch.relu(x)
 
+    def _kernels(self):
+        return fast.ReLUOp(self._reference_moments)
+
     def _moments(self, mean, std):
-        if mean.dtype == torch.float64:
-            return self._moments_float64(mean, std)
-        phi, _, variance, *_ = _ReLUMoments.apply(mean, std)
-        return phi, variance
-
-    def mean(self, mean, std):
-        """``E[relu(z)]`` only. Without autograd (``torch.no_grad()``, ``torch.inference_mode()``:
-        prediction) it skips ``Upsilon``, ``Var`` and the saved Gaussian factors; with autograd it
-        goes through the analytic backward of :meth:`moments`."""
-        if torch.is_grad_enabled():
-            return self.moments(mean, std)[0]
-        mean, std = check_mean_std(mean, std)
-        if mean.dtype == torch.float64:
-            return self._moments_float64(*torch.broadcast_tensors(mean, std))[0]
-        return _blockwise(_relu_mean_block, mean, std)[0]
-
-    def moments(self, mean, std, return_variance: bool = False):
-        mean, std = check_mean_std(mean, std)
-        if mean.dtype == torch.float64:
-            return super().moments(mean, std, return_variance)
-        phi, upsilon, variance, *_ = _ReLUMoments.apply(mean, std)
-        return (phi, upsilon, variance) if return_variance else (phi, upsilon)
-
-    @staticmethod
-    def _moments_float64(mean, std):
         # float64 results are wanted to 1e-10 out to |t| = 40, beyond the reach of the
         # block recursion: use the continued-fraction kernel for the small tail.
         tail = _small_tail(mean, std, 2)
@@ -299,6 +311,25 @@ class ReLU(Activation):
         var_lower = s2 - s1 * s1
         return phi, torch.where(upper, var_upper, var_lower)
 
+    def _reference_moments(self, mean, std):
+        if mean.dtype == torch.float64:
+            return super()._reference_moments(mean, std)
+        phi, upsilon, variance, *_ = _ReLUMoments.apply(mean, std)
+        return phi, upsilon, variance
+
+    def mean(self, mean, std):
+        """``E[relu(z)]`` only. Without autograd (``torch.no_grad()``, ``torch.inference_mode()``:
+        prediction) it skips ``Upsilon``, ``Var`` and the saved Gaussian factors; with autograd it
+        goes through the analytic backward of :meth:`moments`."""
+        if torch.is_grad_enabled():
+            return self.moments(mean, std)[0]
+        mean, std = check_mean_std(mean, std)
+        if fast.usable(mean):
+            return fast.relu_mean(*torch.broadcast_tensors(mean, std))
+        if mean.dtype == torch.float64:
+            return self._moments(*torch.broadcast_tensors(mean, std))[0]
+        return _blockwise(_relu_mean_block, mean, std)[0]
+
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 1.0]], name="relu")
 
@@ -307,7 +338,7 @@ class LeakyReLU(Activation):
     """``x`` for ``x >= 0`` and ``negative_slope * x`` otherwise (``torch.nn.functional.leaky_relu``).
 
     For ``0 <= negative_slope <= 1`` this is the paper's ``max(eps x, x) =
-    ((1+eps) x + (1-eps)|x|)/2`` (eq. ``phiups`` with ``psi`` read as ``Psi``, errata 4,
+    ((1+eps) x + (1-eps)|x|)/2`` (eqs. (21), (22) with ``psi`` read as ``Psi``, errata 4,
     6); any real slope is supported here.
     """
 
@@ -319,6 +350,9 @@ class LeakyReLU(Activation):
 
     def __call__(self, x):
         return torch.where(x >= 0, x, self.negative_slope * x)
+
+    def _kernels(self):
+        return fast.LeakyReLUOp(self._reference_moments, self.negative_slope)
 
     def _moments(self, mean, std):
         eps = self.negative_slope
@@ -345,12 +379,15 @@ class LeakyReLU(Activation):
 
 
 class ReLUSquared(Activation):
-    """``max(0, x)^2``: paper eq. ``relusq`` with the errata's corrected rho (errata 1, 2)."""
+    """``max(0, x)^2``: paper eqs. (28), (29) with the corrected rho of eq. (34) (errata 1, 2)."""
 
     name = "relu_squared"
 
     def __call__(self, x):
         return torch.relu(x) ** 2
+
+    def _kernels(self):
+        return fast.ReLUSquaredOp(self._reference_moments)
 
     def _moments(self, mean, std):
         tail = _small_tail(mean, std, 4)
@@ -376,6 +413,9 @@ class Identity(Activation):
 
     def __call__(self, x):
         return x
+
+    def _kernels(self):
+        return fast.IdentityOp(self._reference_moments)
 
     def _moments(self, mean, std):
         return mean, std * std
@@ -445,8 +485,8 @@ class PiecewisePolynomial(Activation):
     ``i`` on ``[b_i, b_{i+1})``, the last on ``[b_m, inf)``. Pieces need not join
     continuously (a step function is fine).
 
-    This is the paper's general recipe ("Piecewise Polynomial Activation Functions")
-    carried out for any degree: each piece reduces to truncated Normal moments
+    This is the paper's general recipe (eq. (35), "Piecewise Polynomial Activation
+    Functions") carried out for any degree: each piece reduces to truncated Normal moments
     ``E[(z - b)^k 1{z > b}]`` (errata "All orders").
     """
 
@@ -512,6 +552,11 @@ class PiecewisePolynomial(Activation):
         return result
 
     # -- the engine -----------------------------------------------------------------
+    def _kernels(self):
+        if not fast.piecewise_supported(self.breakpoints, self.polynomials):
+            return None
+        return fast.PiecewiseOp(self._reference_moments, self.breakpoints, self.polynomials)
+
     def _moments(self, mean, std):
         positive = std > 0
         std_safe = torch.where(positive, std, torch.ones_like(std))
@@ -534,7 +579,7 @@ class PiecewisePolynomial(Activation):
         for b in self.breakpoints:
             upper_tails.append(positive_part_moments(max_order, mean - b, std))  # E[(z-b)^k 1{z>b}]
             lower_tails.append(positive_part_moments(max_order, b - mean, std))  # E[(b-z)^k 1{z<b}]
-            distances.append(_standardize(b - mean, std)[0])
+            distances.append(standardize(b - mean, std)[0])
         first_total = torch.zeros_like(mean)
         second_total = torch.zeros_like(mean)
         n_pieces = len(self.polynomials)
@@ -616,7 +661,7 @@ class PiecewisePolynomial(Activation):
 
     def _gauss_legendre(self, i, mean, std, centre, t_lo, t_hi):
         # Only selected when the piece is narrow and near the mean; t_lo, t_hi come
-        # clamped from _standardize, so unselected elements stay finite.
+        # clamped by gaussian.standardize, so unselected elements stay finite.
         half = 0.5 * (t_hi - t_lo)
         mid = 0.5 * (t_hi + t_lo)
         first = torch.zeros_like(mean)
@@ -634,7 +679,7 @@ class PiecewisePolynomial(Activation):
 class HardSigmoid(PiecewisePolynomial):
     """``g(x) = (|x + alpha| - |x - alpha|) / 2``: ``clamp(x, -alpha, alpha)`` for ``alpha > 0``.
 
-    Paper eq. ``phiupshardsig``; the printed chi is exact only for alpha > 0 (errata 3).
+    Paper eqs. (23), (27); the printed chi (eq. (26)) is exact only for alpha > 0 (errata 3).
     For ``alpha < 0`` the definition gives ``-clamp(x, alpha, -alpha)``, which we
     follow; ``alpha = 0`` gives ``g = 0``. Moments come from the piecewise-polynomial
     engine, which handles the regimes the errata lists (|mean| <= alpha, beyond it,
@@ -650,6 +695,11 @@ class HardSigmoid(PiecewisePolynomial):
             super().__init__([], [[0.0]], name="hard_sigmoid")
         else:
             super().__init__([-a, a], [[-sign * a], [0.0, sign], [sign * a]], name="hard_sigmoid")
+
+    def _kernels(self):
+        if self.alpha == 0.0:
+            return super()._kernels()
+        return fast.HardSigmoidOp(self._reference_moments, self.alpha, self.breakpoints, self.polynomials)
 
     def __call__(self, x):
         # (|x + alpha| - |x - alpha|) / 2 rounds; the clamp it equals is exact.

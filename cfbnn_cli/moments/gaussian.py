@@ -6,8 +6,8 @@ a piecewise-polynomial activation to two families of one-dimensional integrals:
 
 * ``positive_part_moments``: ``M_k = E[z**k * 1{z > 0}]`` for ``k = 0..order``
   (the errata's truncated moments, ``M_k = mean*M_{k-1} + (k-1)*std**2*M_{k-2}``);
-* ``abs_moment``: ``A_n = E[z**n * |z|]`` (the paper's Omega, Psi, zeta, rho are
-  ``n = 0, 1, 2, 3``; all orders via the errata's polynomials P and Q).
+* ``abs_moment``: ``A_n = E[z**n * |z|]`` (the paper's Omega, Psi, zeta, rho, eqs. (18),
+  (19), (33), (34), are ``n = 0, 1, 2, 3``; all orders via the errata's polynomials P and Q).
 
 Numerics (see ``paper/ERRATA.md``, section "Numerics"). With ``t = mean/std``:
 
@@ -50,22 +50,27 @@ __all__ = [
     "validate_args",
     "validating_args",
     "check_mean_std",
+    "standardize",
+    "is_transformed",
+    "align_batched",
+    "sum_to",
+    "block_size",
+    "T_MAX",
+    "INV_SQRT_2",
 ]
 
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 # Standardized distances are clamped here: far beyond every tail that is
 # representable (exp(-t^2/2) == 0 in float64), yet finite so that 0 * t stays 0
 # in backward passes and t^2 does not overflow float32.
-_T_MAX = 1e4
+T_MAX = 1e4
 
-# Where the forward recursion hands over to the continued fraction, and how many
-# extra continued-fraction levels are evaluated below the highest order needed.
-# Chosen from a comparison with 50-digit quadrature: relative error <= 2e-11 for
-# orders <= 8 on either side of the switch.
+# Where the forward recursion hands over to the continued fraction (the depths
+# are in _CF_BANDS_F64). Chosen from a comparison with 50-digit quadrature:
+# relative error <= 2e-11 for orders <= 8 on either side of the switch.
 _RECURSION_LIMIT_F64 = 2.0
-_CF_EXTRA_DEPTH_F64 = 80
 _RECURSION_LIMIT_F32 = 1.0
 _F64_RECURSION_MAX_ORDER_FOR_F32 = 4
 
@@ -99,14 +104,31 @@ def validate_args(value: bool):
         set_validate_args(previous)
 
 
-def _is_transformed(x: torch.Tensor) -> bool:
+def is_transformed(x: torch.Tensor) -> bool:
     """True inside torch.func transforms (vmap/grad), where data-dependent checks fail."""
     if torch.compiler.is_compiling():  # dynamo cannot trace the functorch query; compiled code skips the checks
         return False
     try:
+        if not torch._C._are_functorch_transforms_active():  # (the cheap global test first)
+            return False
         return torch._C._functorch.maybe_get_level(x) != -1
     except AttributeError:  # pragma: no cover - very old torch
         return False
+
+
+# Deprecated private alias: cfbnn_cli.bnn.layers imported it before it became public.
+_is_transformed = is_transformed
+
+
+def _any_negative(x: torch.Tensor) -> bool:
+    """``bool((x < 0).any())``; on CPU one pass of the fast kernels, without the boolean temporary."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        from . import fast  # imported here: fast imports this module
+
+        count = fast.count_negative(x)
+        if count is not None:
+            return count > 0
+    return bool((x < 0).any())
 
 
 def check_mean_std(mean, std, *, names: Tuple[str, str] = ("mean", "std")) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -126,17 +148,20 @@ def check_mean_std(mean, std, *, names: Tuple[str, str] = ("mean", "std")) -> Tu
     if mean.device != std.device and mean.dim() > 0 and std.dim() > 0:
         raise ValueError(f"`{mean_name}` is on {mean.device} but `{std_name}` is on {std.device}; move both to one device")
     device = mean.device if mean.dim() > 0 or std.dim() == 0 else std.device
-    mean = mean.to(dtype=dtype, device=device)
-    std = std.to(dtype=dtype, device=device)
+    if mean.dtype != dtype or mean.device != device:
+        mean = mean.to(dtype=dtype, device=device)
+    if std.dtype != dtype or std.device != device:
+        std = std.to(dtype=dtype, device=device)
     try:
-        torch.broadcast_shapes(mean.shape, std.shape)
+        if mean.shape != std.shape:  # (torch.broadcast_shapes costs ~15 us: skip it when trivial)
+            torch.broadcast_shapes(mean.shape, std.shape)
     except RuntimeError:
         raise ValueError(
             f"`{mean_name}` has shape {tuple(mean.shape)} and `{std_name}` has shape {tuple(std.shape)}, "
             "which cannot be broadcast together"
         ) from None
-    if _VALIDATE_ARGS and not _is_transformed(std) and std.numel() > 0:
-        if bool((std < 0).any()):
+    if _VALIDATE_ARGS and not is_transformed(std) and std.numel() > 0:
+        if _any_negative(std):
             bad = float(std.detach().min())
             raise ValueError(f"`{std_name}` must be >= 0 (a standard deviation); got a value {bad!r}")
     return mean, std
@@ -148,7 +173,7 @@ def standard_normal_cdf(t: torch.Tensor) -> torch.Tensor:
     ``torch.special.ndtr`` is computed as ``(1 + erf)/2`` and loses every digit below
     t ~ -8 (float64) or t ~ -5 (float32); erfc does not.
     """
-    return 0.5 * torch.special.erfc(t * -_INV_SQRT_2)
+    return 0.5 * torch.special.erfc(t * -INV_SQRT_2)
 
 
 def standard_normal_pdf(t: torch.Tensor) -> torch.Tensor:
@@ -156,20 +181,20 @@ def standard_normal_pdf(t: torch.Tensor) -> torch.Tensor:
     return torch.exp(-0.5 * t * t) * _INV_SQRT_2PI
 
 
-def _standardize(mean: torch.Tensor, std: torch.Tensor):
-    """t = mean/std, clamped to +-_T_MAX, with the std == 0 limit; safe to differentiate.
+def standardize(mean: torch.Tensor, std: torch.Tensor):
+    """t = mean/std, clamped to +-T_MAX, with the std == 0 limit; safe to differentiate.
 
-    Where ``|mean| >= _T_MAX * std`` (std == 0 included) t is the constant
-    ``sign(mean) * _T_MAX`` and the division is done on a dummy denominator, so the
+    Where ``|mean| >= T_MAX * std`` (std == 0 included) t is the constant
+    ``sign(mean) * T_MAX`` and the division is done on a dummy denominator, so the
     unselected branch has no ``1/std^2`` that could turn a zero gradient into NaN.
-    Beyond ``|t| = _T_MAX`` every Gaussian factor is exactly 0 (or 1) in float64.
+    Beyond ``|t| = T_MAX`` every Gaussian factor is exactly 0 (or 1) in float64.
     Returns ``(t, std_safe, positive)`` with ``std_safe`` = std where std > 0, else 1.
     """
     positive = std > 0
     std_safe = torch.where(positive, std, torch.ones_like(std))
-    far = mean.abs() >= _T_MAX * std
+    far = mean.abs() >= T_MAX * std
     denominator = torch.where(far, torch.ones_like(std), std_safe)
-    t = torch.where(far, torch.sign(mean) * _T_MAX, mean / denominator)
+    t = torch.where(far, torch.sign(mean) * T_MAX, mean / denominator)
     return t, std_safe, positive
 
 
@@ -211,7 +236,7 @@ _CF_BANDS_F64 = ((_RECURSION_LIMIT_F64, 80), (3.0, 64), (4.5, 40), (8.0, 24))
 
 
 def _positive_part_moments_f64(mean, std, order):
-    t, _, _ = _standardize(mean, std)
+    t, _, _ = standardize(mean, std)
     out = _recursion(mean, std, t, order)
     edges = [edge for edge, _ in _CF_BANDS_F64[1:]] + [math.inf]
     for (lower, depth), upper in zip(_CF_BANDS_F64, edges):
@@ -255,7 +280,7 @@ def _positive_part_moments_block(mean: torch.Tensor, std: torch.Tensor, order: i
         return _positive_part_moments_f64(mean, std, order)
     work_mean = mean.float()
     work_std = std.float()
-    t, _, _ = _standardize(work_mean, work_std)
+    t, _, _ = standardize(work_mean, work_std)
     out = _recursion(work_mean, work_std, t, order)
     tail = t < -_RECURSION_LIMIT_F32
     if bool(tail.any()):
@@ -264,7 +289,7 @@ def _positive_part_moments_block(mean: torch.Tensor, std: torch.Tensor, order: i
         if order <= _F64_RECURSION_MAX_ORDER_FOR_F32:
             # The float64 recursion loses ~x^(2k)/k! ulps: < 1e-6 relative for k <= 4
             # out to x = 25, beyond which no float32 result is representable.
-            tail_t, _, _ = _standardize(tail_mean, tail_std)
+            tail_t, _, _ = standardize(tail_mean, tail_std)
             tail_out = _recursion(tail_mean, tail_std, tail_t, order)
         else:
             tail_out = _positive_part_moments_f64(tail_mean, tail_std, order)
@@ -289,7 +314,7 @@ class _PositivePartMoments(torch.autograd.Function):
     def backward(ctx, grad_output):
         mean, std, moments = ctx.saved_tensors
         order = ctx.order
-        t, std_safe, positive = _standardize(mean, std)
+        t, std_safe, positive = standardize(mean, std)
         phi_t = standard_normal_pdf(t)
         # Density of z at 0 (a delta at mean == 0 when std == 0; we return 0 there).
         density_at_zero = torch.where(positive, phi_t / std_safe, torch.zeros_like(phi_t))
@@ -301,17 +326,17 @@ class _PositivePartMoments(torch.autograd.Function):
         for k in range(2, order + 1):
             grad_mean = grad_mean + grad_output[..., k] * (k * moments[..., k - 1])
             grad_std = grad_std + grad_output[..., k] * ((k * (k - 1)) * std * moments[..., k - 2])
-        return _sum_to(grad_mean, mean.shape), _sum_to(grad_std, std.shape), None
+        return sum_to(grad_mean, mean.shape), sum_to(grad_std, std.shape), None
 
     @staticmethod
     def vmap(info, in_dims, mean, std, order):
         # The function is elementwise, so a batched call is an ordinary call on the
         # physical tensors once the batch dimension leads and logical dims align.
-        mean, std = _align_batched(mean, std, in_dims[:2])
+        mean, std = align_batched(mean, std, in_dims[:2])
         return _PositivePartMoments.apply(mean, std, order), 0
 
 
-def _align_batched(mean, std, in_dims):
+def align_batched(mean, std, in_dims):
     """For elementwise vmap rules: put the vmap dim first and align logical dims."""
     mean_dim, std_dim = in_dims
     logical_ndim = max(mean.dim() - (mean_dim is not None), std.dim() - (std_dim is not None))
@@ -326,7 +351,7 @@ def _align_batched(mean, std, in_dims):
     return lead(mean, mean_dim), lead(std, std_dim)
 
 
-def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Reduce a broadcast gradient back to an input's shape."""
     if grad.shape == shape:
         return grad
@@ -406,8 +431,8 @@ def _homogeneous(coefficients, mean, std, degree):
 def abs_moment(n: int, mean, std) -> torch.Tensor:
     """``E[z^n |z|]`` for ``z ~ N(mean, std^2)`` and any integer ``n >= 0``.
 
-    ``n = 0, 1, 2, 3`` are the paper's Omega (eq. ``omega_integral``), Psi, zeta and rho
-    (rho with the errata's corrected coefficient 5, not 7). General ``n`` uses the
+    ``n = 0, 1, 2, 3`` are the paper's Omega, Psi, zeta and rho (eqs. (18), (19), (33), (34);
+    rho with the corrected coefficient 5, not 7: errata 1). General ``n`` uses the
     errata's closed form ``A_n = std^{n+1} [P_{n+1}(t) erf(t/sqrt2) +
     sqrt(2/pi) Q_{n+1}(t) exp(-t^2/2)]``, written as homogeneous polynomials in
     ``(mean, std)`` so that ``std -> 0`` needs no division; every term has the sign of
@@ -417,8 +442,8 @@ def abs_moment(n: int, mean, std) -> torch.Tensor:
     mean, std = check_mean_std(mean, std)
     mean, std = torch.broadcast_tensors(mean, std)
     p_coefficients, q_coefficients = _errata_polynomials(n + 1)
-    t, _, _ = _standardize(mean, std)
-    erf_term = torch.special.erf(t * _INV_SQRT_2)
+    t, _, _ = standardize(mean, std)
+    erf_term = torch.special.erf(t * INV_SQRT_2)
     gauss_term = torch.exp(-0.5 * t * t)
     p_value = _homogeneous(p_coefficients, mean, std, n + 1)
     q_value = _homogeneous(q_coefficients, mean, std, n)
