@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ..moments import get_activation
+from ..moments.gaussian import is_transformed
 from . import functional as F
 from .functional import augment
 from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
@@ -55,12 +56,6 @@ ESTIMATORS = ("analytic", "integrate_output_layer", "sampling")
 PRIORS = ("fixed", "empirical_bayes")
 _CLOSED_FORM_LAYERS = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0}
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
-
-
-def _in_functorch_transform(tensor: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
 class GaussianMatrix(nn.Module):
@@ -131,7 +126,7 @@ class GaussianMatrix(nn.Module):
         """
         variance_of = self.variance  # raises for non-diagonal q
         parameters = (self.loc, self.log_scale)
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(_in_functorch_transform(p) for p in parameters):
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(is_transformed(p) for p in parameters):
             return torch.stack([self.loc, variance_of()])
         key = tuple((p._version, p.data_ptr(), p.device, p.dtype, p.shape) for p in parameters)
         if self._cached_loc_and_variance is None or self._cached_loc_and_variance[0] != key:

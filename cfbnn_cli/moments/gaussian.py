@@ -116,9 +116,6 @@ def is_transformed(x: torch.Tensor) -> bool:
         return False
 
 
-# Deprecated private alias: cfbnn_cli.bnn.layers imported it before it became public.
-_is_transformed = is_transformed
-
 
 def _any_negative(x: torch.Tensor) -> bool:
     """``bool((x < 0).any())``; on CPU one pass of the fast kernels, without the boolean temporary."""

@@ -13,7 +13,6 @@ tolerances mean the same for any data size.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable

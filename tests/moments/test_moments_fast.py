@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 from torch.func import grad, vmap

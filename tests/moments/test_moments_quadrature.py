@@ -1,4 +1,4 @@
-"""Activation moments against scipy quadrature (tests/reference.py), float64 and float32.
+"""Activation moments against scipy quadrature (tests/moments/reference.py), float64 and float32.
 
 Inputs are chosen exactly representable in float32 (powers of two for std and
 alpha, multiples of 1/4 for mean/std) so that both dtypes see the same numbers and
