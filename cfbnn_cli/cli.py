@@ -147,23 +147,6 @@ def _report_error(error: CfbnnError) -> None:
         print(f"cfbnn: error: {error}", file=sys.stderr)
 
 
-def _share_cores_between_parallel_jobs() -> None:
-    """Under the joblib launcher, give each of the ``n_jobs`` parallel jobs its share of
-    the cores, so that torch's thread pools do not oversubscribe them."""
-    from hydra.core.hydra_config import HydraConfig
-
-    launcher = HydraConfig.get().get("launcher") or {}
-    if "joblib" not in str(launcher.get("_target_", "")).lower():
-        return
-    import torch
-
-    cores = os.cpu_count() or 1
-    n_jobs = int(launcher.get("n_jobs", -1) or -1)
-    n_jobs = cores if n_jobs < 1 else min(n_jobs, cores)
-    torch.set_num_threads(max(1, cores // n_jobs))
-    log.info("joblib launcher: %d parallel jobs on %d cores -> %d torch threads per job", n_jobs, cores, torch.get_num_threads())
-
-
 def _save_hydra_record(run_dir: Path, cfg) -> None:
     """``.hydra/{config,hydra,overrides}.yaml``, as Hydra would write them, but only once
     this run owns the dir (``hydra.output_subdir`` is null: Hydra itself would
@@ -235,12 +218,15 @@ def make_task(sub: Subcommand):
         from .runtime.checks import validate_common
         from .runtime.device import resolve_device
         from .runtime.rundir import RunDirLock, claim_run_dir
+        from .runtime.threads import configure_threads, tune_allocator
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        _share_cores_between_parallel_jobs()
         try:
             with RunDirLock(run_dir):
                 validate_common(cfg)
+                # before any work: threads shared with the other cfbnn jobs, memory kept for reuse
+                configure_threads(cfg.runtime.threads)
+                tune_allocator()
                 fingerprint, finished = claim_run_dir(cfg, run_dir)
                 if finished:
                     log.info("resume=true and %s/done exists for this configuration: this job already finished, "
@@ -278,7 +264,17 @@ def make_task(sub: Subcommand):
     return task
 
 
+def _before_torch_loads() -> None:
+    """OpenMP reads its settings once, when torch loads it: spin briefly (GOMP_SPINCOUNT) before
+    sleeping, so that idle threads of one job do not steal the cores of another running
+    beside it (two concurrent jobs on 2 cores: 4.3x -> 1.45x their time alone, no cost
+    alone; benchmarks/bench_threads.py). A user's own OpenMP settings win."""
+    if not any(key in os.environ for key in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
+        os.environ["GOMP_SPINCOUNT"] = "10000"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    _before_torch_loads()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage(), end="")

@@ -12,6 +12,8 @@ from typing import Dict
 import torch
 from torch.func import functional_call, grad, vmap
 
+from ..runtime import threads
+
 
 def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: int, chunk_size: int = 25, generator=None, progress=None) -> Dict[str, float]:
     """``{parameter name: mean over its elements of Var_samples[dL/dparam]}``.
@@ -36,6 +38,7 @@ def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: i
     shift = sums = squares = None
     drawn = 0
     while drawn < num_samples:
+        threads.rebalance()  # share the cores with other cfbnn jobs (once a second at most)
         count = min(chunk_size, num_samples - drawn)
         noise = model.sample_noise(x.shape[0], estimator, generator, num_samples=count)
         grads = {k: v.double() for k, v in per_sample(params, noise).items()}

@@ -48,6 +48,7 @@ from torch import nn
 from ..moments import get_activation
 from ..moments.gaussian import is_transformed
 from . import functional as F
+from . import fused
 from .functional import augment
 from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
 
@@ -135,6 +136,8 @@ class GaussianMatrix(nn.Module):
 
     def preactivation_moments(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(gamma, xi)`` of ``W [h, 1]`` under q (eq. (12)): each ``(..., N, rows)``."""
+        if self.covariance == "diagonal":  # the fused path: analytic backward, no [h, 1] built
+            return fused.diagonal_preactivation(h, self.loc, self.log_scale, self.bias)
         return F.preactivation_moments(augment(h) if self.bias else h, self.loc, self.scale())
 
     def second_moment(self) -> torch.Tensor:
@@ -160,6 +163,8 @@ class GaussianMatrix(nn.Module):
         empirical-Bayes optimum (:meth:`empirical_bayes_prior_scale`)."""
         if prior_scale is None:
             prior_scale = self.empirical_bayes_prior_scale()
+        if self.covariance == "diagonal":
+            return fused.diagonal_kl(self.loc, self.log_scale, prior_scale * prior_scale)
         return F.kl_normal_rows(self.loc, self.scale(), prior_scale)
 
 
@@ -295,34 +300,63 @@ class BayesianNetwork(nn.Module):
             x = layer(x) if index == last else self.activation(layer(x))  # no activation on the outputs
         return x
 
-    def _propagate(self, h, estimator: str, noise):
-        """``(mean, var_from_penultimate, var_from_output_layer)``, each ``(..., N, O)``, from
-        the activations ``h`` after the point layers."""
+    def _forward_to_tail(self, h, estimator: str, noise):
+        """Run the layers that are not integrated (point and sampled ones); returns what is
+        left to integrate exactly: ``("outputs", z)`` when nothing is (every output sampled
+        or a point estimate), ``("output_layer", h)`` when the output layer is integrated
+        given activations ``h``, or ``("hidden_and_output", (gamma, xi))`` when the last
+        hidden layer (pre-activation moments ``gamma``, ``xi``) and the output layer are."""
+        if self.point_layers == len(self.layers):  # a plain network: h is already the output
+            return "outputs", h
         treatments = self.treatments(estimator)
         noise = iter(noise)
         last = len(self.layers) - 1
-        if self.point_layers == len(self.layers):  # a plain network: h is already the output
-            return h, torch.zeros_like(h), torch.zeros_like(h)
         for index in range(self.point_layers, len(self.layers)):
             layer, treatment = self.layers[index], treatments[index]
-            if treatment == "sampled":
-                gamma, xi = layer.preactivation_moments(h)
-                z = gamma + xi * next(noise)
-            elif index == last:  # the output layer, exactly given (possibly sampled) activations
-                mean, xi = layer.preactivation_moments(h)
-                return mean, torch.zeros_like(mean), xi.square()
-            else:  # the last hidden layer's moments, then the output layer exactly (eqs. (7)-(9))
-                gamma, xi = layer.preactivation_moments(h)
-                phi, _, variance = self.activation.moments(gamma, xi, return_variance=True)
-                output = self.layers[-1]
-                if output.bias:  # the bias acts on a constant "hidden unit": Phi = 1, Var = 0
-                    phi = augment(phi)
-                    variance = torch.cat([variance, torch.zeros_like(variance[..., :1])], -1)
-                return F.output_moments_given_hidden(phi, variance, output.loc, output.scale())
+            if treatment == "closed_form":
+                if index == last:
+                    return "output_layer", h
+                return "hidden_and_output", layer.preactivation_moments(h)
+            gamma, xi = layer.preactivation_moments(h)
+            z = gamma + xi * next(noise)
             if index == last:
-                return z, torch.zeros_like(z), torch.zeros_like(z)
+                return "outputs", z
             h = self.activation(z)
         raise AssertionError("unreachable: the loop returns at the output layer")
+
+    def _propagate(self, h, estimator: str, noise):
+        """``(mean, var_from_penultimate, var_from_output_layer)``, each ``(..., N, O)``, from
+        the activations ``h`` after the point layers."""
+        kind, value = self._forward_to_tail(h, estimator, noise)
+        if kind == "outputs":
+            return value, torch.zeros_like(value), torch.zeros_like(value)
+        output = self.layers[-1]
+        if kind == "output_layer":  # the output layer exactly, given (possibly sampled) activations
+            mean, xi = output.preactivation_moments(value)
+            return mean, torch.zeros_like(mean), xi.square()
+        # the last hidden layer's moments, then the output layer exactly (eqs. (7)-(9))
+        phi, _, variance = self.activation.moments(*value, return_variance=True)
+        if output.bias:  # the bias acts on a constant "hidden unit": Phi = 1, Var = 0
+            phi = augment(phi)
+            variance = torch.cat([variance, torch.zeros_like(variance[..., :1])], -1)
+        return F.output_moments_given_hidden(phi, variance, output.loc, output.scale())
+
+    def _fused_normal_ell(self, h, y, estimator: str, noise):
+        """The Normal ELL per point through :mod:`.fused` (a diagonal output layer integrated
+        exactly); ``None`` where that path does not apply."""
+        output = self.layers[-1]
+        if not isinstance(self.likelihood, NormalLikelihood) or getattr(output, "covariance", None) != "diagonal":
+            return None
+        kind, value = self._forward_to_tail(h, estimator, noise)
+        if kind == "outputs":
+            return None
+        if kind == "output_layer":
+            phi, variance = value, torch.zeros_like(value)
+        else:
+            phi, _, variance = self.activation.moments(*value, return_variance=True)
+        target = y.unsqueeze(-1) if self.output_dim == 1 else y
+        return fused.normal_ell_given_hidden(phi, variance, output.loc, output.log_scale, target,
+                                             self.likelihood.log_precision, output.bias)
 
     def _squeeze(self, *values):
         return tuple(v[..., 0] for v in values) if self.output_dim == 1 else values
@@ -400,6 +434,11 @@ class BayesianNetwork(nn.Module):
         exact, or a one-sample estimate over the sampled layers."""
         likelihood = self.likelihood
         h = self.point_features(x)
+        if noise is None:
+            noise = self.sample_noise(h.shape[-2], estimator, generator, lead=h.shape[:-2])
+        fused_ell = self._fused_normal_ell(h, y, estimator, noise)
+        if fused_ell is not None:
+            return fused_ell
         mean = variance = samples = None
         if likelihood.needs_moments(objective):
             mean, variance = self.output_moments(h, estimator, noise, generator, after_point_layers=True)

@@ -1,18 +1,23 @@
-"""Run-time services shared by every pipeline: errors, devices, seeding, atomic files."""
+"""Run-time services shared by every pipeline: errors, devices, threads, seeding, atomic files,
+checkpoints, the run-dir lock and fingerprint, torchrun.
 
-from .device import resolve_device
-from .errors import CfbnnError, ConfigError, DataError
-from .io import atomic_write_bytes, atomic_write_json, atomic_write_text, atomic_torch_save
-from .seed import seed_everything
+Nothing is imported eagerly: the ``cfbnn`` command sets thread-related environment
+variables before torch loads (:mod:`.threads`), and ``cfbnn_cli.runtime.errors`` must
+not pull torch in. The names below resolve on first use.
+"""
 
-__all__ = [
-    "CfbnnError",
-    "ConfigError",
-    "DataError",
-    "atomic_torch_save",
-    "atomic_write_bytes",
-    "atomic_write_json",
-    "atomic_write_text",
-    "resolve_device",
-    "seed_everything",
-]
+import importlib
+
+_EXPORTS = {
+    "CfbnnError": "errors", "ConfigError": "errors", "DataError": "errors",
+    "atomic_torch_save": "io", "atomic_write_bytes": "io", "atomic_write_json": "io", "atomic_write_text": "io",
+    "resolve_device": "device", "seed_everything": "seed",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

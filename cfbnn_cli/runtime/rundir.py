@@ -12,7 +12,7 @@ Everything cfbnn keeps about a run dir (as opposed to the run's outputs) lives i
   lock when its owner dies, so a lock left by a killed run is simply taken over.
 
 The fingerprint ignores the keys that do not change results (:data:`IGNORED_KEYS`:
-``resume``, ``device``) and any string value that is a path inside the run dir
+``resume``, ``device``, ``runtime.threads``) and any string value that is a path inside the run dir
 (e.g. ``evaluation.checkpoint=<run dir>/checkpoints/best.pt``).
 """
 
@@ -32,7 +32,7 @@ from .io import atomic_write_json, remove_stale_temporary_files
 
 log = logging.getLogger(__name__)
 
-IGNORED_KEYS = frozenset({"resume", "device"})
+IGNORED_KEYS = frozenset({"resume", "device", "runtime.threads"})
 STATE_FOLDER = ".cfbnn"
 
 

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import distributed
+from ..runtime import distributed, threads
 from ..runtime.checkpoints import load_checkpoint, restore_training_state, save_training_state
 from ..runtime.io import atomic_torch_save, atomic_write_text
 from ..runtime.numerics import ensure_finite
@@ -157,6 +157,7 @@ class TrainingLoop:
         return [permutation[step * self.batch_size : (step + 1) * self.batch_size] for step in range(steps)]
 
     def _step(self, rows: torch.Tensor, epoch: int, step: int) -> float:
+        threads.rebalance()  # another cfbnn job may have started or ended: share the cores (once a second)
         loss = self.loss(rows)
         ensure_finite(loss, epoch=epoch if self.schedule is None else None, step=step, what=f"{self.label} loss")
         self.optimizer.zero_grad(set_to_none=True)
