@@ -26,6 +26,8 @@ from typing import Tuple
 
 import torch
 
+from ..moments.gaussian import is_transformed
+
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
@@ -60,22 +62,29 @@ class _DiagonalPreactivation(torch.autograd.Function):
     def backward(ctx, grad_gamma, grad_xi):
         h, loc, log_scale, xi = ctx.saved_tensors
         width = h.shape[-1]
-        variance = torch.exp(2.0 * log_scale)
-        tiny = torch.finfo(xi.dtype).tiny
-        # d sqrt(v) / dv = 1 / (2 sqrt v), and 0 where the clamp held v at its floor
-        grad_xi2 = torch.where(xi * xi > tiny, grad_xi / (2.0 * xi), torch.zeros_like(xi))
+        variance = torch.exp(2.0 * log_scale)  # recomputed: one pass, cheaper than a saved buffer's page faults
+        # d sqrt(v) / dv = 1 / (2 sqrt v). No mask for the clamp's floor (a bool mask costs more than
+        # the rest of this line on a CPU): xi >= sqrt(tiny) keeps it finite, and a variance under
+        # float's tiny needs every scale below ~1e-19 (the bias column alone keeps v above its own)
+        grad_xi2 = grad_xi / (2.0 * xi)
         rows = loc.shape[0]
         flat_gamma, flat_xi2, flat_h = _flat(grad_gamma, rows), _flat(grad_xi2, rows), _flat(h, width)
-        # out of place (torch.cat, not slice assignment): the backward must run under vmap too
-        grad_loc = flat_gamma.mT @ flat_h
-        grad_variance = flat_xi2.mT @ (flat_h * flat_h)
-        if ctx.bias:
-            grad_loc = torch.cat([grad_loc, flat_gamma.sum(0).unsqueeze(-1)], -1)
-            grad_variance = torch.cat([grad_variance, flat_xi2.sum(0).unsqueeze(-1)], -1)
+        if ctx.bias and not is_transformed(grad_gamma):  # write the bias column in place: no copy
+            grad_loc, grad_variance = torch.empty_like(loc), torch.empty_like(variance)
+            torch.mm(flat_gamma.mT, flat_h, out=grad_loc[:, :width])
+            torch.mm(flat_xi2.mT, flat_h * flat_h, out=grad_variance[:, :width])
+            torch.sum(flat_gamma, 0, out=grad_loc[:, width])
+            torch.sum(flat_xi2, 0, out=grad_variance[:, width])
+        else:  # out of place (torch.cat): under vmap the batched gradients cannot be written into
+            grad_loc = flat_gamma.mT @ flat_h
+            grad_variance = flat_xi2.mT @ (flat_h * flat_h)
+            if ctx.bias:
+                grad_loc = torch.cat([grad_loc, flat_gamma.sum(0).unsqueeze(-1)], -1)
+                grad_variance = torch.cat([grad_variance, flat_xi2.sum(0).unsqueeze(-1)], -1)
         grad_h = None
         if ctx.needs_input_grad[0]:
             grad_h = grad_gamma @ loc[:, :width] + 2.0 * h * (grad_xi2 @ variance[:, :width])
-        return grad_h, grad_loc, 2.0 * variance * grad_variance, None
+        return grad_h, grad_loc, grad_variance.mul_(variance).mul_(2.0), None
 
 
 def diagonal_preactivation(h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,

@@ -195,6 +195,10 @@ class TrainingLoop:
                 self.model.eval()
                 row.update(self.evaluate(epoch))
             self.history.append(row)
+            if distributed.is_main():
+                log.info("%s %d: %s", self.label, epoch, ", ".join(
+                    f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+                    for key, value in row.items() if key != "epoch"))
             if self.after_epoch is not None:
                 self.after_epoch(epoch, row)
             improved = self.select is not None and self._improved(row.get(self.select[0]))
