@@ -1,6 +1,6 @@
 """Wall time of a 4-job sweep: Hydra's basic (sequential) launcher vs joblib with 2 workers.
 
-    python benchmarks/bench_sweep.py            # 4 jobs of `cfbnn train regression +experiment=uci` (seed=0..3)
+    python benchmarks/bench_sweep.py            # 4 jobs of `cfbnn train regression experiment=uci` (seed=0..3)
 
 Each job is a small but real training run. Under joblib every job gets
 cores/n_jobs torch threads (cfbnn sets this), so the two workers do not
@@ -18,7 +18,7 @@ import time
 
 # a typical laptop sweep: the UCI protocol on diabetes (small networks: per-step Python
 # overhead, not arithmetic, bounds each job, so one process cannot use both cores)
-JOB = ["+experiment=uci", "uci.n_splits=2", "uci.steps=1500", "uci.methods=[closed_form_diagonal,local_reparameterization,plain_mlp]",
+JOB = ["experiment=uci", "uci.n_splits=2", "trainer.epochs=60", "uci.methods=[closed_form_diagonal,local_reparameterization,plain_mlp]",
        "device=cpu", "~hydra.callbacks.report"]
 
 

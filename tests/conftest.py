@@ -24,7 +24,8 @@ TINY_REGRESSION = [
 SMALL_UCI = [
     "experiment=uci", "data=synthetic", "data.input_dim=4", "data.n_train=160", "data.n_test=40",
     "data.noise_std=0.3", "uci.n_splits=2", "trainer.epochs=60", "model.hidden_sizes=[16]",
-    "uci.predictive_samples=64", "trainer.batch_size=32", "device=cpu",
+    "uci.predictive_samples=64", "uci.validation_samples=16", "uci.patience=10", "uci.evaluate_every=2",
+    "uci.max_iterations=1500", "uci.timing_repeats=2", "trainer.batch_size=32", "device=cpu",
 ]
 TINY_VAE = [
     "data=synthetic", "data.input_dim=6", "data.rows=300", "model.encoder_hidden=[16,16]",

@@ -111,7 +111,8 @@ def test_uci_protocol_runs_every_method_on_cuda(tmp_path, uci_cfg):
     from cfbnn_cli.pipelines import regression
 
     result = regression.run(uci_cfg("device=cuda", "trainer.epochs=10", "uci.predictive_samples=20"), tmp_path)
-    for method in ("closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro", "plain_mlp"):
+    for method in ("closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro",
+                   "pyro_local_reparameterization", "plain_mlp"):
         assert torch.isfinite(torch.tensor(result["metrics"][f"uci/{method}/test_ll_mean"])), method
 
 

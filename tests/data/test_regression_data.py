@@ -77,3 +77,38 @@ def test_diabetes_config_loads():
     cfg = OmegaConf.create({"name": "diabetes", "test_fraction": 0.1, "seed": 0})
     data = load_regression_data(cfg)
     assert data.input_dim == 10 and data.num_train == 398
+
+
+@pytest.mark.parametrize(
+    "preset, rows, features, target_mean",
+    # sizes as documented in R's MASS and Ecdat; the target means pin the column that is read
+    # (Boston's medv 22.53 and Caschool's testscr 654.2 are the textbook values)
+    [
+        ("boston", 506, 13, 22.5328),
+        ("housing", 546, 11, 68121.60),
+        ("caschool", 420, 10, 654.1565),
+        ("computers", 6259, 9, 2219.577),
+    ],
+)
+def test_bundled_real_presets_load_with_their_published_shape(preset, rows, features, target_mean):
+    from cfbnn_cli.cli import compose_config
+    from cfbnn_cli.data.regression import load_regression_table
+
+    cfg = compose_config("train_regression", [f"data={preset}"])
+    table = load_regression_table(cfg.data)
+    assert table.x.shape == (rows, features) and len(table.y) == rows
+    assert table.y.mean() == pytest.approx(target_mean, rel=1e-5)
+    assert np.isfinite(table.x).all() and table.target == cfg.data.target
+    data = load_regression_data(cfg.data)
+    assert data.num_train + data.x_test.shape[0] == rows
+
+
+def test_rdataset_errors_name_the_fix():
+    from cfbnn_cli.data.regression import rdataset
+
+    with pytest.raises(DataError, match="no column `price`.*columns are"):
+        rdataset("MASS/Boston", "price")
+    with pytest.raises(DataError, match="column `county` is not numeric.*data.drop"):
+        rdataset("Ecdat/Caschool", "testscr")
+    with pytest.raises(DataError, match="cannot read resources/rdata/csv/MASS/NoSuchSet.csv"):
+        rdataset("MASS/NoSuchSet", "y")

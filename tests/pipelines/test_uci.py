@@ -11,14 +11,16 @@ import torch
 from cfbnn_cli.cli import compose_config
 from cfbnn_cli.pipelines import regression
 from cfbnn_cli.pipelines.regression import uci_protocol
-from cfbnn_cli.pipelines.regression.uci_protocol import make_splits, minibatch_schedule, original_units
+from cfbnn_cli.pipelines.regression.uci_protocol import make_splits, original_units, prediction_seconds_per_1000
 from cfbnn_cli.runtime.errors import ConfigError, DataError
 
 
 def test_preset_composes_the_protocol():
     cfg = compose_config("train_regression", ["experiment=uci"])
     assert cfg.protocol == "uci" and cfg.data.name == "diabetes"
-    assert list(cfg.uci.methods) == ["closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro", "plain_mlp"]
+    assert list(cfg.uci.methods) == ["closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro",
+                                     "pyro_local_reparameterization", "plain_mlp"]
+    assert cfg.uci.n_splits == 20 and cfg.model.prior == "fixed"
     assert uci_protocol.validate(cfg) == list(cfg.uci.methods)
 
 
@@ -34,12 +36,18 @@ def test_splits_are_reproducible_disjoint_and_differ_between_seeds():
     assert not np.array_equal(first[0][1], first[1][1])
 
 
-def test_minibatch_schedule_covers_each_epoch_without_repeats():
-    schedule = minibatch_schedule(100, 32, 7, seed=3)
-    assert schedule.shape == (7, 32)
-    epoch = schedule[:3].flatten()  # 3 batches of 32 per epoch of 100 rows
-    assert len(set(epoch.tolist())) == 96
-    torch.testing.assert_close(schedule, minibatch_schedule(100, 32, 7, seed=3))
+def test_prediction_time_is_the_median_of_repeats_after_a_warm_up():
+    """One slow call (a first-call cost, a busy machine) must not decide the reported time."""
+    import time
+
+    delays = iter([0.3, 0.3, 0.001, 0.001, 0.3, 0.001, 0.001])  # warm-up, then 6 repeats: 2 slow, 4 fast
+
+    def predict(x):
+        time.sleep(next(delays))
+
+    data = type("Data", (), {"x_test": torch.zeros(7, 2)})()
+    seconds = prediction_seconds_per_1000(predict, data, torch.device("cpu"), repeats=6)
+    assert seconds < 0.05
 
 
 def test_log_likelihood_in_original_units():
@@ -57,7 +65,7 @@ def test_log_likelihood_in_original_units():
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory, uci_cfg):
     run_dir = tmp_path_factory.mktemp("uci")
-    return run_dir, regression.run(uci_cfg("uci.methods=[closed_form_diagonal,closed_form_full,local_reparameterization,pyro,plain_mlp]"), run_dir)
+    return run_dir, regression.run(uci_cfg(), run_dir)  # every default method
 
 
 def test_every_method_is_finite_and_outputs_exist(small_run):
@@ -66,15 +74,16 @@ def test_every_method_is_finite_and_outputs_exist(small_run):
     for method in uci_protocol.METHODS:
         if method == "closed_form_lowrank":
             continue
-        for key in ("test_ll_mean", "rmse_mean", "train_seconds_per_split", "predict_seconds_per_1000"):
+        for key in ("test_ll_mean", "rmse_mean", "train_seconds_median", "predict_seconds_per_1000_median",
+                    "iterations_median"):
             assert math.isfinite(m[f"uci/{method}/{key}"]), (method, key)
     table = pd.read_csv(run_dir / "uci.csv", index_col=0)
-    assert len(table) == 5 and "±" in table["Test LL"].iloc[0]
+    assert len(table) == 6 and "±" in table["Test LL"].iloc[0]
     assert "\\toprule" in (run_dir / "uci.tex").read_text()
     assert (run_dir / "uci.md").read_text().count("|") > 20
     assert (run_dir / "uci.png").read_bytes()[:4] == b"\x89PNG"
     per_split = pd.read_csv(run_dir / "uci_splits.csv")
-    assert len(per_split) == 2 * 5 and set(per_split["split"]) == {0, 1}
+    assert len(per_split) == 2 * 6 and set(per_split["split"]) == {0, 1}
     splits = json.loads((run_dir / "splits.json").read_text())
     assert [s["seed"] for s in splits["splits"]] == [0, 1]
     train, test = make_splits(200, 2, 0.1)[1]
@@ -90,6 +99,60 @@ def test_closed_form_approaches_the_noise_floor(small_run):
     assert floor - 0.4 < test_ll < floor + 0.15, (test_ll, floor)
 
 
+def test_each_method_stops_by_its_rule_and_keeps_an_equal_time_view(small_run):
+    """The closed forms run L-BFGS to its convergence test; the minibatch methods run Adam
+    with validation stopping; each minibatch method has a test LL at the reference closed
+    form's training time (its own final one if it stopped sooner)."""
+    run_dir, result = small_run
+    per_split = pd.read_csv(run_dir / "uci_splits.csv")
+    closed = per_split[per_split["method"].str.startswith("closed_form_")]
+    assert (closed["optimizer"] == "lbfgs").all() and closed["converged"].all()
+    peers = per_split[~per_split["method"].str.startswith("closed_form_")]
+    assert (peers["optimizer"] == "adam").all()
+    assert (peers["iterations"] <= 60).all()  # trainer.epochs caps them
+    assert peers["equal_time_test_ll"].notna().all()
+    reference = per_split[per_split["method"] == "closed_form_diagonal"]
+    np.testing.assert_allclose(reference["equal_time_test_ll"], reference["test_ll"])
+    assert per_split[per_split["method"] == "closed_form_full"]["equal_time_test_ll"].isna().all()
+    m = result["metrics"]
+    assert math.isfinite(m["uci/compare/closed_form_diagonal_vs_pyro/test_ll_difference_se"])
+    table = pd.read_csv(run_dir / "uci.csv", index_col=0)
+    assert table.loc["cfbnn closed form (diagonal)", "Stopping"].startswith("L-BFGS")
+    assert "converged" in table.loc["cfbnn closed form (diagonal)", "Stopping"]
+
+
+def test_validation_stopping_ends_a_peer_before_its_epoch_cap(tmp_path, uci_cfg):
+    """A long cap (2,000 epochs) and a short patience: the plain MLP overfits 144 rows and the
+    validation rule stops it long before the cap."""
+    cfg = uci_cfg("uci.methods=[plain_mlp]", "uci.n_splits=1", "trainer.epochs=2000", "uci.patience=20",
+                  "model.hidden_sizes=[64]", "trainer.lr=0.02")
+    regression.run(cfg, tmp_path)
+    record = pd.read_csv(tmp_path / "uci_splits.csv").iloc[0]
+    assert record["stopped_early"] and record["iterations"] < 2000
+
+
+def test_above_full_batch_max_rows_the_closed_form_trains_by_minibatches(tmp_path, uci_cfg):
+    cfg = uci_cfg("uci.methods=[closed_form_diagonal]", "uci.n_splits=1", "uci.full_batch_max_rows=100",
+                  "trainer.epochs=6")
+    result = regression.run(cfg, tmp_path)
+    record = pd.read_csv(tmp_path / "uci_splits.csv").iloc[0]
+    assert record["optimizer"] == "adam" and record["iterations"] <= 6
+    assert math.isfinite(result["metrics"]["uci/closed_form_diagonal/test_ll_mean"])
+
+
+def test_empirical_bayes_prior_continues_from_the_fixed_prior_optimum(tmp_path, uci_cfg):
+    """model.prior=empirical_bayes: the closed form's ELBO with learned prior variances is at
+    least the fixed prior's at its optimum (it starts there and maximizes over more)."""
+    fixed = regression.run(uci_cfg("uci.methods=[closed_form_diagonal]", "uci.n_splits=1"), tmp_path / "fixed")
+    learned = regression.run(uci_cfg("uci.methods=[closed_form_diagonal]", "uci.n_splits=1",
+                                     "model.prior=empirical_bayes"), tmp_path / "eb")
+    eb_record = pd.read_csv(tmp_path / "eb" / "uci_splits.csv").iloc[0]
+    fixed_record = pd.read_csv(tmp_path / "fixed" / "uci_splits.csv").iloc[0]
+    assert eb_record["iterations"] > fixed_record["iterations"]  # the second stage ran
+    assert math.isfinite(learned["metrics"]["uci/closed_form_diagonal/test_ll_mean"])
+    assert math.isfinite(fixed["metrics"]["uci/closed_form_diagonal/test_ll_mean"])
+
+
 def test_resume_runs_only_what_is_missing(tmp_path, monkeypatch, uci_cfg):
     cfg = uci_cfg("uci.methods=[closed_form_diagonal,plain_mlp]", "trainer.epochs=4")
     regression.run(cfg, tmp_path)
@@ -99,9 +162,10 @@ def test_resume_runs_only_what_is_missing(tmp_path, monkeypatch, uci_cfg):
     (tmp_path / "uci_progress.json").write_text(json.dumps(progress))
     calls = []
     original = uci_protocol.fit_method
-    monkeypatch.setattr(uci_protocol, "fit_method", lambda method, *a, **k: calls.append(method) or original(method, *a, **k))
+    monkeypatch.setattr(uci_protocol, "fit_method",
+                        lambda method, split, *a, **k: calls.append((method, split.warm_up)) or original(method, split, *a, **k))
     result = regression.run(uci_cfg("uci.methods=[closed_form_diagonal,plain_mlp]", "trainer.epochs=4", "resume=true"), tmp_path)
-    assert calls == ["plain_mlp"]
+    assert calls == [("plain_mlp", True), ("plain_mlp", False)]  # the untimed warm-up, then the missing fit
     assert len(pd.read_csv(tmp_path / "uci_splits.csv")) == 4
     assert math.isfinite(result["metrics"]["uci/plain_mlp/test_ll_mean"])
 
@@ -150,8 +214,13 @@ def test_more_splits_than_rows_allow(tmp_path, monkeypatch, uci_cfg):
         ("uci.methods=[]", "non-empty"),
         ("data.test_fraction=1.5", "data.test_fraction=1.5"),
         ("uci.n_splits=0", "uci.n_splits=0"),
-        ("trainer.batch_size=1000", "exceeds the 180 training rows"),
+        ("trainer.batch_size=1000", "trainer.batch_size=1000 exceeds the 162 rows"),
         ("model.hidden_sizes=[]", "model.hidden_sizes"),
+        ("uci.validation_fraction=0.7", "uci.validation_fraction=0.7"),
+        ("model.prior=flat", "model.prior='flat'"),
+        ("uci.patience=0", "uci.patience"),
+        ("uci.rtol=-1", "uci.rtol"),
+        ("model.hidden_sizes=[8,8]", "one hidden layer"),
     ],
 )
 def test_bad_config_is_rejected_before_work(tmp_path, monkeypatch, override, message, uci_cfg):

@@ -100,3 +100,53 @@ def test_a_nan_loss_stops_with_the_epoch_and_step_and_keeps_the_last_checkpoint(
     with pytest.raises(NonFiniteLossError, match=r"train loss became nan at epoch 1, step \d"):
         loop.run()
     assert not (tmp_path / "checkpoints" / "last.pt").exists()  # nothing written from a NaN epoch
+
+
+def test_patience_stops_after_the_best_and_the_in_memory_best_is_loaded(tmp_path):
+    """Without a checkpoint folder the best epoch is kept in memory; evaluations every 2 epochs;
+    the loop stops ``patience`` epochs after the best."""
+    x, y, model = _toy()
+    scores = {2: 0.1, 4: 0.9, 6: 0.5, 8: 0.4, 10: 0.3, 12: 0.2}  # the best at epoch 4
+    seen = {}
+
+    def evaluate(epoch):
+        seen[epoch] = model.weight.detach().clone()
+        return {"score": scores[epoch]}
+
+    loop = _loop(model, x, y, tmp_path, epochs=12, evaluate=evaluate, evaluate_every=2, patience=4,
+                 select=("score", "max"), checkpoint_dir=None, metrics_path=None)
+    result = loop.run()
+    assert sorted(seen) == [2, 4, 6, 8]  # evaluated every 2 epochs; stopped at 8 = best (4) + patience (4)
+    assert loop.stopped_early and len(result.history) == 8 and result.best == {"epoch": 4, "value": 0.9}
+    assert loop.load_best()
+    torch.testing.assert_close(model.weight.detach(), seen[4])
+
+
+def test_snapshot_holds_the_parameters_at_the_given_training_time(tmp_path, monkeypatch):
+    """A fake clock that advances 1 s per optimizer step (and not otherwise): the snapshot is
+    the state after the step that crossed 2.5 s (the 3rd), not the final one; a run shorter
+    than the time leaves none."""
+    import cfbnn_cli.train.loop as loop_module
+
+    clock = [0.0]
+    monkeypatch.setattr(loop_module.time, "perf_counter", lambda: clock[0])
+    x, y, model = _toy()
+    states = []
+    original_step = TrainingLoop._step
+
+    def step(self, rows, epoch, index):
+        value = original_step(self, rows, epoch, index)
+        clock[0] += 1.0
+        states.append(self.model.weight.detach().clone())
+        return value
+
+    monkeypatch.setattr(TrainingLoop, "_step", step)
+    loop = _loop(model, x, y, tmp_path, epochs=2, snapshot_after_seconds=2.5, checkpoint_dir=None, metrics_path=None)
+    loop.run()
+    assert len(states) == 8  # 2 epochs of 4 batches of 16
+    torch.testing.assert_close(loop.snapshot["weight"], states[2])
+    assert not torch.equal(loop.snapshot["weight"], states[-1])
+    short = _loop(torch.nn.Linear(3, 1), x, y, tmp_path, epochs=1, snapshot_after_seconds=1e9, checkpoint_dir=None,
+                  metrics_path=None)
+    short.run()
+    assert short.snapshot is None

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from ...bnn.likelihoods import NormalLikelihood
-from ...bnn.network import ESTIMATORS, BayesianNetwork, mixture_log_likelihood
+from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork, mixture_log_likelihood
 from ...bnn.gradient_variance import gradient_variance
 from ...data.regression import RegressionData, load_regression_data
 from ...moments import ACTIVATIONS, validate_args
@@ -46,6 +46,7 @@ def validate(cfg: DictConfig) -> None:
     """Every check that needs no data, before any work starts."""
     require_choice(cfg, "estimator", ESTIMATORS)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
+    require_choice(cfg, "model.prior", list(PRIORS))
     sizes = OmegaConf.select(cfg, "model.hidden_sizes")
     if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
         raise ConfigError(f"model.hidden_sizes={sizes} must be a non-empty list of positive integers, e.g. [200,200]")
@@ -206,7 +207,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
     model = BayesianNetwork(
         data.input_dim, list(cfg.model.hidden_sizes), 1, cfg.model.activation, prior_scale=cfg.model.prior_scale,
         init_scale=cfg.model.init_scale, likelihood=NormalLikelihood(cfg.model.precision, cfg.model.learn_precision),
-        generator=generator,
+        generator=generator, prior=cfg.model.prior,
     ).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)

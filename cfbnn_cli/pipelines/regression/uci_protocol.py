@@ -1,42 +1,62 @@
-"""The standard UCI regression protocol, cfbnn's closed form beside its peers.
+"""The standard UCI regression protocol, cfbnn's closed form beside its peers, each at its best.
 
-Hernandez-Lobato & Adams (2015), as used by DVI (Wu et al. 2019): ``n_splits``
+Hernandez-Lobato & Adams (2015), as used by DVI (Wu et al. 2019): ``uci.n_splits``
 random 90/10 train/test splits (split ``k`` drawn from seed ``k``, so every run and
 every method sees the same splits; the indices are written to ``splits.json``),
-inputs and targets standardized by the training rows, one hidden layer, test
-log-likelihood per point and RMSE in the target's original units, mean +- standard
-error over splits.
-
-Methods (``uci.methods``), all with the same splits, network size, minibatch
-schedule (seeded per split) and number of optimizer steps (``trainer.epochs`` epochs of
-``trainer.batch_size`` rows):
+inputs and targets standardized by the training rows, test log-likelihood per point
+and RMSE in the target's original units, mean +- standard error over splits.
 
 All cfbnn methods are the one network, :class:`~cfbnn_cli.bnn.network.BayesianNetwork`
-(``model.hidden_sizes``, output bias on, as Pyro's ``nn.Linear`` peer has):
+(``model.hidden_sizes``, output bias on, as Pyro's ``nn.Linear`` peers have), and every
+method of a split starts from the same weight means. Each trains by its own stopping
+rule, not to a shared step count:
 
-* ``closed_form_diagonal`` / ``closed_form_full`` / ``closed_form_lowrank`` -- the
-  exact ELBO (nothing sampled with one hidden layer), the exact predictive mean and
-  variance, evaluated as the moment-matched Normal ``N(mean, var_A + var_B + 1/beta)``;
-* ``local_reparameterization`` -- the same diagonal family trained with the
-  1-sample local-reparameterization ELBO; predictive by ``uci.predictive_samples``
-  Monte Carlo draws (log-mean-exp);
-* ``pyro`` -- :class:`~cfbnn_cli.bnn.pyro_glue.PyroMLPRegression` with an
-  ``AutoNormal`` guide and ``Trace_ELBO`` (one particle, weight-space sampling),
-  predicting with ``pyro.infer.Predictive`` and ``uci.predictive_samples`` samples;
-* ``plain_mlp`` -- the same network with point-estimate layers and a learned Gaussian
-  noise (maximum likelihood; the non-Bayesian reference).
+* ``closed_form_diagonal`` / ``closed_form_full`` / ``closed_form_lowrank`` -- the exact
+  ELBO (nothing sampled with one hidden layer), posterior standard deviations started at
+  ``model.init_scale``. Up to ``uci.full_batch_max_rows`` training rows it is optimized
+  deterministically on all rows at once by L-BFGS with a strong-Wolfe line search until it
+  converges (:func:`~cfbnn_cli.train.full_batch.minimize_full_batch`: relative ELBO change
+  below ``uci.rtol``, a vanishing gradient, or no further progress; ``uci.max_iterations``
+  caps it); with ``model.prior=empirical_bayes`` the per-layer prior variances are then
+  learned too, from that optimum (from a cold start the learned prior collapses onto a
+  degenerate optimum). Prediction: the exact predictive mean and variance as a Normal
+  ``N(mean, var_A + var_B + 1/beta)``.
+* ``local_reparameterization`` -- the same diagonal family, 1-sample local-reparameterization
+  ELBO; Monte Carlo predictive (``uci.predictive_samples``, log-mean-exp);
+* ``pyro`` -- :class:`~cfbnn_cli.bnn.pyro_glue.PyroMLPRegression` (``nn.Linear`` +
+  ``PyroSample`` priors, learned noise) with an ``AutoNormal`` guide and ``Trace_ELBO``,
+  predicting with ``pyro.infer.Predictive``;
+* ``pyro_local_reparameterization`` -- :class:`~cfbnn_cli.bnn.pyro_glue.PyroLocalReparameterizationRegression`
+  with ``TraceMeanField_ELBO`` (analytic KL, local-reparameterization likelihood);
+* ``plain_mlp`` -- the network with point-estimate layers and a learned Gaussian noise
+  (maximum likelihood; the non-Bayesian reference).
 
-Every Bayesian method starts from the same means (``randn / sqrt(fan_in)``) and the
-same posterior standard deviation ``model.init_scale``, with ``N(0, prior_scale^2)``
-priors and a learned observation noise. Progress is saved after every
-(split, method), so ``resume=true`` re-runs only what is missing.
+The sampling peers start their posterior standard deviations at ``uci.sampling_init_scale``
+(small: their gradient noise grows with it). The minibatch methods (and a closed form above
+``full_batch_max_rows``) train with Adam (``trainer.batch_size``, ``trainer.lr``) on the
+training rows less a validation part (``uci.validation_fraction``, drawn per split),
+evaluate the validation log-likelihood every ``uci.evaluate_every`` epochs, keep the best,
+and stop ``uci.patience`` epochs after it (``trainer.epochs`` caps them). Beside the final
+numbers the table keeps an equal-wall-time view: each minibatch method's test
+log-likelihood at the training time the reference closed form (the first in
+``uci.methods``) took on that split -- its parameters at that moment, or its final ones if
+it stopped sooner.
+
+Timing: after an untimed warm-up of every method, training seconds (wall time of the
+whole fit, its stopping rule included) are reported as the median over splits; prediction
+time per 1,000 points as the median of ``uci.timing_repeats`` timed calls after a warm-up,
+then the median over splits. Progress is saved after every (split, method), so
+``resume=true`` re-runs only what is missing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +69,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from ...bnn.likelihoods import NormalLikelihood
-from ...bnn.network import BayesianNetwork, mixture_log_likelihood
+from ...bnn.network import PRIORS, BayesianNetwork, mixture_log_likelihood
 from ...data.regression import RegressionData, RegressionTable, load_regression_table
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import new_figure, save_figure
@@ -61,6 +81,7 @@ from ...runtime.io import atomic_write_json
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.rundir import config_fingerprint, refuse_other_config
 from ...train import TrainingLoop
+from ...train.full_batch import minimize_full_batch
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +91,7 @@ METHODS = {
     "closed_form_lowrank": "cfbnn closed form (low-rank)",
     "local_reparameterization": "cfbnn local reparam. (1 sample)",
     "pyro": "Pyro AutoNormal + Trace_ELBO",
+    "pyro_local_reparameterization": "Pyro local reparam. (TraceMeanField_ELBO)",
     "plain_mlp": "plain MLP (ML, learned noise)",
 }
 MIN_ROWS = 10  # a 90/10 split needs at least one test point and a handful of training rows
@@ -82,8 +104,24 @@ def validate(cfg: DictConfig) -> List[str]:
     """Every check that needs no data; returns the methods. Runs before any work."""
     require_int(cfg, "uci.n_splits", minimum=1)
     require_int(cfg, "uci.predictive_samples", minimum=1)
+    require_int(cfg, "uci.validation_samples", minimum=1)
+    require_int(cfg, "uci.timing_repeats", minimum=1)
+    require_int(cfg, "uci.full_batch_max_rows", minimum=1)
+    require_int(cfg, "uci.max_iterations", minimum=1)
+    require_int(cfg, "uci.patience", minimum=1)
+    require_int(cfg, "uci.evaluate_every", minimum=1)
+    require_int(cfg, "trainer.epochs", minimum=1)
+    require_int(cfg, "trainer.batch_size", minimum=1)
+    require_positive_float(cfg, "uci.rtol")
+    require_positive_float(cfg, "trainer.lr")
+    require_choice(cfg, "model.prior", list(PRIORS))
+    validation = OmegaConf.select(cfg, "uci.validation_fraction")
+    if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
+        raise ConfigError(f"uci.validation_fraction={validation!r} must be a number in (0, 0.5): the share of each "
+                          "split's training rows that decides when the minibatch methods stop (e.g. 0.1)")
     require_int(cfg, "model.rank", minimum=1)
     require_positive_float(cfg, "model.init_scale")
+    require_positive_float(cfg, "uci.sampling_init_scale")
     require_positive_float(cfg, "model.prior_scale")
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     sizes = OmegaConf.select(cfg, "model.hidden_sizes")
@@ -102,8 +140,10 @@ def validate(cfg: DictConfig) -> List[str]:
         )
     if len(set(methods)) != len(methods):
         raise ConfigError(f"uci.methods={methods} lists a method twice")
-    if len(sizes) > 1 and "pyro" in methods:
-        raise ConfigError(f"uci.methods includes pyro, whose peer network has one hidden layer; model.hidden_sizes={sizes}")
+    pyro_peers = [m for m in methods if m.startswith("pyro")]
+    if len(sizes) > 1 and pyro_peers:
+        raise ConfigError(f"uci.methods includes {pyro_peers}, whose peer network has one hidden layer; "
+                          f"model.hidden_sizes={sizes} (drop them or use one hidden layer)")
     return methods
 
 
@@ -125,15 +165,6 @@ def make_splits(num_rows: int, n_splits: int, test_fraction: float) -> List[Tupl
     return splits
 
 
-def minibatch_schedule(num_train: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
-    """``(steps, batch_size)`` row indices: consecutive epochs of fresh permutations."""
-    generator = torch.Generator().manual_seed(seed)
-    per_epoch = num_train // batch_size
-    epochs = math.ceil(steps / per_epoch)
-    rows = [torch.randperm(num_train, generator=generator)[: per_epoch * batch_size].view(per_epoch, batch_size) for _ in range(epochs)]
-    return torch.cat(rows)[:steps]
-
-
 def original_units(log_likelihood: torch.Tensor, squared_error: torch.Tensor, target_std: float) -> Tuple[float, float]:
     """Per-point test LL and RMSE of standardized targets, in the target's original units.
 
@@ -153,42 +184,119 @@ def original_units(log_likelihood: torch.Tensor, squared_error: torch.Tensor, ta
 class Fitted:
     """A trained method: ``predict(x) -> (component means (S, N), component variances (S, N))``.
 
-    The predictive density is the equal mixture of ``N(mean_s, var_s)``.
+    The predictive density is the equal mixture of ``N(mean_s, var_s)``; ``iterations`` are
+    L-BFGS iterations or Adam epochs; ``equal_time`` the test metrics at the default closed
+    form's training time (minibatch methods only).
     """
 
     predict: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
     noise_std: float  # the learned observation noise, standardized units
+    optimizer: str  # "lbfgs" (full batch, to convergence) or "adam" (minibatches, validation stopping)
+    iterations: int  # L-BFGS iterations or Adam epochs
+    converged: bool = False  # L-BFGS met its convergence test
+    stopped_early: bool = False  # Adam stopped by the validation rule before trainer.epochs
+    equal_time: Optional[Dict[str, float]] = None
 
 
-def _train(model, parameters, loss, data, schedule, cfg, device, bar, label) -> None:
-    """Adam on the split's fixed minibatch schedule: the one training loop, in steps."""
-    optimizer = torch.optim.Adam(parameters, lr=cfg.trainer.lr)
-    TrainingLoop(model, optimizer, loss, data.num_train, cfg.trainer.batch_size, device, schedule=schedule,
-                 label=label, progress=bar).run()
+@dataclass
+class Split:
+    """One split's data and what every method of it shares."""
+
+    data: RegressionData
+    index: int
+    equal_time_seconds: Optional[float] = None  # the default closed form's training time on this split
+    progress: Optional[object] = None  # the protocol's bar (one tick per fit): steps show as its postfix
+    warm_up: bool = False  # the untimed warm-up fit before the first split, not a result
 
 
-def _network(data, cfg, generator, covariance="diagonal", point_layers: int = 0) -> BayesianNetwork:
-    """The network every cfbnn method of the protocol uses (``model.*``), with a learned noise."""
+def _network(data, cfg, generator, covariance="diagonal", point_layers: int = 0,
+             init_scale: Optional[float] = None) -> BayesianNetwork:
+    """The network every cfbnn method of the protocol uses (``model.*``), with a learned noise;
+    posterior standard deviations start at ``init_scale`` (default ``model.init_scale``)."""
     sizes = list(cfg.model.hidden_sizes)
     if isinstance(covariance, str):
         # the output layer's covariance is diagonal or full; low rank applies to the hidden layers
         covariance = [covariance] * len(sizes) + ["full" if covariance == "full" else "diagonal"]
     return BayesianNetwork(
         data.input_dim, sizes, 1, cfg.model.activation, covariance[point_layers:], cfg.model.rank, cfg.model.prior_scale,
-        cfg.model.init_scale, NormalLikelihood(cfg.model.precision, cfg.model.learn_precision), point_layers=point_layers,
+        cfg.model.init_scale if init_scale is None else init_scale,
+        NormalLikelihood(cfg.model.precision, cfg.model.learn_precision), point_layers=point_layers,
         generator=generator,
     )
 
 
-def _fit_closed_form(covariance, data, schedule, cfg, device, bar, generator):
+def _validation_split(num_train: int, fraction: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(fit rows, validation rows)`` of the training rows, drawn from ``seed``."""
+    order = torch.randperm(num_train, generator=torch.Generator().manual_seed(seed))
+    count = max(1, int(round(fraction * num_train)))
+    return order[count:].sort().values, order[:count].sort().values
+
+
+def _predictive_log_likelihood(predict, x, y) -> float:
+    with torch.no_grad():
+        means, variances = predict(x)
+        return float(mixture_log_likelihood(y, means, variances).mean())
+
+
+def _fit_by_validation(name, module, parameters, loss_on_rows, predict, validation_predict, split: Split, cfg,
+                       device, noise_std: Callable[[], float]) -> Fitted:
+    """Adam on minibatches of the training rows less a validation part; the best validation
+    log-likelihood kept, stop ``uci.patience`` epochs after it (``trainer.epochs`` caps it).
+    Leaves ``module`` at its best epoch; ``equal_time`` holds the test metrics of its
+    parameters at ``split.equal_time_seconds`` of training, if it trained that long."""
+    data = split.data
+    fit_rows, validation_rows = _validation_split(data.num_train, cfg.uci.validation_fraction, 10_000 + split.index)
+    fit_rows, validation_rows = fit_rows.to(device), validation_rows.to(device)
+    x_validation, y_validation = data.x_train[validation_rows], data.y_train[validation_rows]
+    loop = TrainingLoop(
+        module, torch.optim.Adam(parameters, lr=cfg.trainer.lr), lambda rows: loss_on_rows(fit_rows[rows], len(fit_rows)),
+        len(fit_rows), min(cfg.trainer.batch_size, len(fit_rows)), device, epochs=cfg.trainer.epochs,
+        data_generator=torch.Generator().manual_seed(split.index), label=name,
+        evaluate=lambda epoch: {"validation_ll": _predictive_log_likelihood(validation_predict, x_validation, y_validation)},
+        select=("validation_ll", "max"), patience=cfg.uci.patience, evaluate_every=cfg.uci.evaluate_every,
+        snapshot_after_seconds=split.equal_time_seconds, progress=_StepCount(split.progress),
+    )
+    with _quiet("cfbnn_cli.train.loop"):
+        result = loop.run()
+    equal_time = None
+    if loop.snapshot is not None:
+        final = copy.deepcopy(module.state_dict())
+        module.load_state_dict(loop.snapshot)
+        equal_time = test_metrics(predict, data, cfg)
+        module.load_state_dict(final)
+    loop.load_best()
+    return Fitted(predict, noise_std(), "adam", len(result.history), stopped_early=loop.stopped_early,
+                  equal_time=equal_time)
+
+
+class _StepCount:
+    """Stands in for the loop's per-epoch bars: counts steps on the protocol's bar postfix."""
+
+    def __init__(self, bar):
+        self.bar, self.steps = bar, 0
+
+    def update(self, steps: int) -> None:
+        before, self.steps = self.steps, self.steps + steps
+        if self.bar is not None and before // 200 != self.steps // 200:
+            self.bar.set_postfix_str(f"{self.steps} steps", refresh=False)
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str, level: int = logging.WARNING):
+    """The training loop logs one line per epoch; the protocol's thousands of short epochs
+    would drown its log, so it logs one line per (split, method) instead."""
+    logger = logging.getLogger(logger_name)
+    previous = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def _fit_closed_form(covariance, split: Split, cfg, device, generator):
+    data = split.data
     model = _network(data, cfg, generator, covariance).to(device)
-    num_data = data.num_train
-    x, y = data.x_train, data.y_train
-
-    def loss(rows):
-        return -model.elbo(x[rows], y[rows], num_data, "analytic")
-
-    _train(model, model.parameters(), loss, data, schedule, cfg, device, bar, f"closed_form_{covariance}")
     sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
 
     @torch.no_grad()
@@ -196,26 +304,48 @@ def _fit_closed_form(covariance, data, schedule, cfg, device, bar, generator):
         means, variances = model.predict_mixture(x, cfg.uci.predictive_samples, sampler)
         return means, variances + 1.0 / model.precision
 
-    return Fitted(predict, float(model.precision.detach()) ** -0.5)
-
-
-def _fit_local_reparameterization(data, schedule, cfg, device, bar, generator):
-    model = _network(data, cfg, generator).to(device)
-    sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
+    noise_std = lambda: float(model.precision.detach()) ** -0.5  # noqa: E731
+    if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
+        return _fit_by_validation(
+            f"closed_form_{covariance}", model, model.parameters(),
+            lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count), predict, predict,
+            Split(data, split.index), cfg, device, noise_std,
+        )
     num_data = data.num_train
-    x, y = data.x_train, data.y_train
 
-    def loss(rows):
-        return -model.elbo(x[rows], y[rows], num_data, "sampling", generator=sampler)
+    def negative_elbo_per_point():
+        return -model.elbo(data.x_train, data.y_train, num_data) / num_data
 
-    _train(model, model.parameters(), loss, data, schedule, cfg, device, bar, "local_reparameterization")
+    options = dict(max_iterations=cfg.uci.max_iterations, rtol=cfg.uci.rtol, label=f"closed_form_{covariance} ELBO",
+                   progress=_StepCount(split.progress))
+    result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
+    iterations, converged = result.iterations, result.converged
+    if cfg.model.prior == "empirical_bayes":  # learned prior variances, from the fixed-prior optimum
+        model.prior = "empirical_bayes"
+        result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
+        iterations, converged = iterations + result.iterations, converged and result.converged
+    return Fitted(predict, noise_std(), "lbfgs", iterations, converged)
 
-    @torch.no_grad()
-    def predict(x):
-        outputs = model.sample_outputs(x, cfg.uci.predictive_samples, sampler)
-        return outputs, torch.full_like(outputs, 1.0 / float(model.precision))
 
-    return Fitted(predict, float(model.precision.detach()) ** -0.5)
+def _fit_local_reparameterization(split: Split, cfg, device, generator):
+    data = split.data
+    model = _network(data, cfg, generator, init_scale=cfg.uci.sampling_init_scale).to(device)
+    sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
+
+    def predictor(samples):
+        @torch.no_grad()
+        def predict(x):
+            outputs = model.sample_outputs(x, samples, sampler)
+            return outputs, torch.full_like(outputs, 1.0 / float(model.precision))
+
+        return predict
+
+    return _fit_by_validation(
+        "local_reparameterization", model, model.parameters(),
+        lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, "sampling", generator=sampler),
+        predictor(cfg.uci.predictive_samples), predictor(cfg.uci.validation_samples), split, cfg, device,
+        lambda: float(model.precision.detach()) ** -0.5,
+    )
 
 
 def _starting_means(data, cfg, generator) -> Dict[str, torch.Tensor]:
@@ -227,7 +357,7 @@ def _starting_means(data, cfg, generator) -> Dict[str, torch.Tensor]:
             "fc2.weight": output.loc[:, :-1].detach(), "fc2.bias": output.loc[:, -1].detach()}
 
 
-def _fit_pyro(data, schedule, cfg, device, bar, generator):
+def _fit_pyro(split: Split, cfg, device, generator):
     import pyro
     from pyro.infer import Predictive, Trace_ELBO
     from pyro.infer.autoguide import AutoNormal
@@ -235,6 +365,7 @@ def _fit_pyro(data, schedule, cfg, device, bar, generator):
 
     from ...bnn.pyro_glue import PyroMLPRegression
 
+    data = split.data
     pyro.clear_param_store()
     pyro.set_rng_seed(int(generator.initial_seed()))
     D, H = data.input_dim, cfg.model.hidden_sizes[0]
@@ -242,25 +373,63 @@ def _fit_pyro(data, schedule, cfg, device, bar, generator):
     # the same starting means as cfbnn's (randn / sqrt(fan_in)), not Pyro's all-zero default
     start = _starting_means(data, cfg, generator)
     guide = AutoNormal(model, init_loc_fn=init_to_value(values={k: v.to(device) for k, v in start.items()}),
-                       init_scale=cfg.model.init_scale)
+                       init_scale=cfg.uci.sampling_init_scale)
     elbo = Trace_ELBO()
-    num_data = data.num_train
-    x, y = data.x_train, data.y_train
-    elbo.differentiable_loss(model, guide, x[:2], y[:2], num_data)  # creates the guide's and the noise's parameters
-    parameters = list({id(p): p for p in [*guide.parameters(), *model.parameters()]}.values())
-    _train(guide, parameters, lambda rows: elbo.differentiable_loss(model, guide, x[rows], y[rows], num_data),
-           data, schedule, cfg, device, bar, "pyro")
-    predictive = Predictive(model, guide=guide, num_samples=cfg.uci.predictive_samples, return_sites=("_RETURN",))
+    elbo.differentiable_loss(model, guide, data.x_train[:2], data.y_train[:2], data.num_train)  # creates the parameters
+    both = torch.nn.ModuleDict({"guide": guide, "model": model})
 
-    @torch.no_grad()
-    def predict(x):
-        outputs = predictive(x)["_RETURN"]
-        return outputs, torch.full_like(outputs, float(model.noise_scale.detach()) ** 2)
+    def predictor(samples):
+        @torch.no_grad()
+        def predict(x):
+            outputs = Predictive(model, guide=guide, num_samples=samples, return_sites=("_RETURN",))(x)["_RETURN"]
+            return outputs, torch.full_like(outputs, float(model.noise_scale.detach()) ** 2)
 
-    return Fitted(predict, float(model.noise_scale.detach()))
+        return predict
+
+    return _fit_by_validation(
+        "pyro", both, list(both.parameters()),
+        lambda rows, count: elbo.differentiable_loss(model, guide, data.x_train[rows], data.y_train[rows], count),
+        predictor(cfg.uci.predictive_samples), predictor(cfg.uci.validation_samples), split, cfg, device,
+        lambda: float(model.noise_scale.detach()),
+    )
 
 
-def _fit_plain_mlp(data, schedule, cfg, device, bar, generator):
+def _fit_pyro_local_reparameterization(split: Split, cfg, device, generator):
+    import pyro
+    from pyro.infer import Predictive, TraceMeanField_ELBO
+
+    from ...bnn.pyro_glue import PyroLocalReparameterizationRegression
+
+    data = split.data
+    pyro.clear_param_store()
+    pyro.set_rng_seed(int(generator.initial_seed()))
+    model = PyroLocalReparameterizationRegression(
+        data.input_dim, cfg.model.hidden_sizes[0], cfg.model.activation, cfg.model.prior_scale,
+        cfg.uci.sampling_init_scale,
+        start=_starting_means(data, cfg, generator), device=device,
+    )
+    elbo = TraceMeanField_ELBO()  # the weights' KL analytically; the likelihood by local reparameterization
+
+    def predictor(samples):
+        @torch.no_grad()
+        def predict(x):
+            outputs = Predictive(model.model, guide=model.guide, num_samples=samples, return_sites=("_RETURN",))(x)
+            outputs = outputs["_RETURN"]
+            return outputs, torch.full_like(outputs, float(model.noise_scale.detach()) ** 2)
+
+        return predict
+
+    return _fit_by_validation(
+        "pyro_local_reparameterization", model, list(model.parameters()),
+        lambda rows, count: elbo.differentiable_loss(model.model, model.guide, data.x_train[rows], data.y_train[rows],
+                                                     count),
+        predictor(cfg.uci.predictive_samples), predictor(cfg.uci.validation_samples), split, cfg, device,
+        lambda: float(model.noise_scale.detach()),
+    )
+
+
+def _fit_plain_mlp(split: Split, cfg, device, generator):
+    data = split.data
     start = _starting_means(data, cfg, generator)
     model = _network(data, cfg, None, point_layers=len(cfg.model.hidden_sizes) + 1)
     with torch.no_grad():  # the same starting means as the Bayesian methods
@@ -268,27 +437,26 @@ def _fit_plain_mlp(data, schedule, cfg, device, bar, generator):
             model.layers[index].weight.copy_(start[f"{name}.weight"])
             model.layers[index].bias.copy_(start[f"{name}.bias"])
     model = model.to(device)
-    x, y = data.x_train, data.y_train
-
-    def loss(rows):  # maximum likelihood with a learned noise: the mean negative log-likelihood
-        return -model.expected_log_likelihood(x[rows], y[rows]) / rows.numel()
-
-    _train(model, model.parameters(), loss, data, schedule, cfg, device, bar, "plain_mlp")
 
     @torch.no_grad()
     def predict(x):
         mean = model.output_mean(x).unsqueeze(0)
         return mean, torch.full_like(mean, 1.0 / float(model.precision))
 
-    return Fitted(predict, float(model.precision.detach()) ** -0.5)
+    def loss(rows, count):  # maximum likelihood with a learned noise: the mean negative log-likelihood
+        return -model.expected_log_likelihood(data.x_train[rows], data.y_train[rows]) / rows.numel()
+
+    return _fit_by_validation("plain_mlp", model, model.parameters(), loss, predict, predict, split, cfg, device,
+                              lambda: float(model.precision.detach()) ** -0.5)
 
 
-def fit_method(method: str, data: RegressionData, schedule, cfg, device, bar, seed: int) -> Fitted:
+def fit_method(method: str, split: Split, cfg, device, seed: int) -> Fitted:
     generator = torch.Generator().manual_seed(seed)
     if method.startswith("closed_form_"):
-        return _fit_closed_form(method[len("closed_form_"):], data, schedule, cfg, device, bar, generator)
-    fit = {"local_reparameterization": _fit_local_reparameterization, "pyro": _fit_pyro, "plain_mlp": _fit_plain_mlp}[method]
-    return fit(data, schedule, cfg, device, bar, generator)
+        return _fit_closed_form(method[len("closed_form_"):], split, cfg, device, generator)
+    fit = {"local_reparameterization": _fit_local_reparameterization, "pyro": _fit_pyro,
+           "pyro_local_reparameterization": _fit_pyro_local_reparameterization, "plain_mlp": _fit_plain_mlp}[method]
+    return fit(split, cfg, device, generator)
 
 
 def _sync(device):
@@ -315,37 +483,44 @@ def read_progress(path: Path, fingerprint: str, n_splits: int, methods: List[str
     return [r for r in records if r["split"] < n_splits and r["method"] in methods]
 
 
-def _predict(fitted: Fitted, x: torch.Tensor, samples: int, hidden: int):
-    """``fitted.predict`` over row chunks: peak memory bounded whatever the test-set size."""
-    return map_row_chunks(fitted.predict, x, rows_per_chunk(samples * hidden))
-
-
-def evaluate(fitted: Fitted, data: RegressionData, device, samples: int = 1, hidden: int = 1) -> Dict[str, float]:
-    """Test LL and RMSE (original units) and the prediction time per 1,000 points."""
-    means, variances = _predict(fitted, data.x_test, samples, hidden)
+def test_metrics(predict, data: RegressionData, cfg) -> Dict[str, float]:
+    """Test LL and RMSE in the target's original units; ``predict`` over row chunks (peak
+    memory bounded whatever the test-set size)."""
+    chunk = rows_per_chunk(cfg.uci.predictive_samples * max(cfg.model.hidden_sizes))
+    with torch.no_grad():
+        means, variances = map_row_chunks(predict, data.x_test, chunk)
     log_likelihood = mixture_log_likelihood(data.y_test, means, variances)
     squared_error = (means.mean(0) - data.y_test).square()
     test_ll, rmse = original_units(log_likelihood, squared_error, data.target_std)
-    repeats = math.ceil(1000 / data.x_test.shape[0])
-    thousand = data.x_test.repeat(repeats, 1)[:1000]
-    fitted.predict(thousand[:10])  # warm-up
-    _sync(device)
-    started = time.perf_counter()
-    fitted.predict(thousand)
-    _sync(device)
-    return {
-        "test_ll": test_ll,
-        "rmse": rmse,
-        "predict_seconds_per_1000": time.perf_counter() - started,
-        "noise_std": fitted.noise_std * data.target_std,
-    }
+    return {"test_ll": test_ll, "rmse": rmse}
+
+
+def prediction_seconds_per_1000(predict, data: RegressionData, device, repeats: int) -> float:
+    """The median of ``repeats`` timed predictions of 1,000 points, after a warm-up."""
+    thousand = data.x_test.repeat(math.ceil(1000 / data.x_test.shape[0]), 1)[:1000]
+    predict(thousand)  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        predict(thousand)
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def evaluate(fitted: Fitted, data: RegressionData, device, cfg) -> Dict[str, float]:
+    """Test metrics, the learned noise (original units) and the robust prediction time."""
+    record = test_metrics(fitted.predict, data, cfg)
+    record["predict_seconds_per_1000"] = prediction_seconds_per_1000(fitted.predict, data, device, cfg.uci.timing_repeats)
+    record["noise_std"] = fitted.noise_std * data.target_std
+    return record
 
 
 # ----------------------------------------------------------------------------- outputs
 
-
-def _mean_and_standard_error(values: pd.Series) -> Tuple[float, float]:
-    values = values.astype(float)
+def _mean_and_standard_error(values: pd.Series) -> Tuple[float, Optional[float]]:
+    values = values.astype(float).dropna()
     se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None  # one split: no s.e.
     return float(values.mean()), se
 
@@ -354,36 +529,100 @@ def _pm(mean: float, se: Optional[float], digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {se:.{digits}f}" if se is not None else f"{mean:.{digits}f}"
 
 
-def summary_table(records: pd.DataFrame, methods: List[str]) -> pd.DataFrame:
+def _iterations(method: str, part: pd.DataFrame, cfg) -> str:
+    """How the method stopped, with its median count: L-BFGS iterations or Adam epochs."""
+    median = int(round(float(part["iterations"].median())))
+    if part["optimizer"].iloc[0] == "lbfgs":
+        converged = int(part["converged"].sum())
+        return f"L-BFGS {median} it. ({converged}/{len(part)} converged)"
+    stopped = int(part["stopped_early"].sum())
+    return f"Adam {median} ep. ({stopped}/{len(part)} stopped by validation)"
+
+
+def summary_table(records: pd.DataFrame, methods: List[str], cfg) -> pd.DataFrame:
+    """One row per method: mean ± s.e. over splits of the test LL and RMSE (original
+    units), the test LL at the reference closed form's training time, and medians over
+    splits of training seconds, iterations and prediction time."""
     rows = []
     for method in methods:
         part = records[records["method"] == method]
         ll, ll_se = _mean_and_standard_error(part["test_ll"])
         rmse, rmse_se = _mean_and_standard_error(part["rmse"])
+        equal = part["equal_time_test_ll"].astype(float)
         rows.append({
             "Method": METHODS[method],
             "Test LL": _pm(ll, ll_se),
-            "RMSE": _pm(rmse, rmse_se),
-            "LL s.d. over splits": f"{part['test_ll'].std(ddof=1):.3f}" if len(part) > 1 else "",
-            "Train s / split": f"{part['train_seconds'].mean():.2f}",
-            "Predict ms / 1000 pts": f"{1e3 * part['predict_seconds_per_1000'].mean():.2f}",
+            "RMSE": _pm(rmse, rmse_se, digits=_rmse_digits(rmse)),
+            "Test LL at closed form's time": _pm(*_mean_and_standard_error(equal)) if equal.notna().all() else "—",
+            "Train s (median)": f"{part['train_seconds'].median():.2f}",
+            "Stopping": _iterations(method, part, cfg),
+            "Predict ms / 1000 pts (median)": f"{1e3 * part['predict_seconds_per_1000'].median():.2f}",
         })
     return pd.DataFrame(rows).set_index("Method")
 
 
-def _plot(records: pd.DataFrame, methods: List[str], path: Path) -> str:
-    fig, axes = new_figure(2, width=6.5, height=2.4)
-    for offset, method in enumerate(methods):
-        part = records[records["method"] == method].sort_values("split")
-        shift = (offset - (len(methods) - 1) / 2) * 0.08  # keep overlapping markers apart
-        axes[0].plot(part["split"] + shift, part["test_ll"], "o", ms=3, label=METHODS[method])
-        axes[1].plot(part["split"] + shift, part["rmse"], "o", ms=3)
-    axes[0].set_ylabel("test log-likelihood / point")
-    axes[1].set_ylabel("test RMSE")
-    for ax in axes:
-        ax.set_xlabel("split")
-    axes[0].legend(loc="best", fontsize=6)
+def _rmse_digits(rmse: float) -> int:
+    """Three significant digits for RMSEs in the target's own units (0.0312, 3.01, 54.1, 14706)."""
+    if not math.isfinite(rmse) or rmse <= 0:
+        return 3
+    return max(0, 2 - int(math.floor(math.log10(rmse))))
+
+
+SHORT_NAMES = {
+    "closed_form_diagonal": "closed form (diag.)", "closed_form_full": "closed form (full)",
+    "closed_form_lowrank": "closed form (low-rank)", "local_reparameterization": "cfbnn local reparam.",
+    "pyro": "Pyro AutoNormal", "pyro_local_reparameterization": "Pyro local reparam.", "plain_mlp": "plain MLP",
+}
+
+
+def _plot(records: pd.DataFrame, methods: List[str], reference: Optional[str], title: str, path: Path) -> str:
+    """Left: each method's test LL minus the reference closed form's on the same split (one
+    dot per split, the mean as a bar; right of zero = better than the closed form). Right:
+    mean test LL (± s.e.) against the median training time, the accuracy-for-cost view."""
+    fig, axes = new_figure(2, width=7.5, height=max(2.8, 1.2 + 0.3 * len(methods)))
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    rows = list(reversed(methods))  # the first method on top
+    if reference is not None:
+        base = records[records["method"] == reference].set_index("split")["test_ll"]
+        for row, method in enumerate(rows):
+            difference = (records[records["method"] == method].set_index("split")["test_ll"] - base).dropna()
+            axes[0].plot(difference, np.full(len(difference), row), "o", ms=2.5, alpha=0.6, color=colors[method])
+            axes[0].plot([difference.mean()] * 2, [row - 0.3, row + 0.3], "-", lw=2, color=colors[method])
+        axes[0].axvline(0.0, color="0.5", lw=0.8, ls="--")
+        axes[0].set_xlabel(f"test LL − {SHORT_NAMES[reference]}\n(same split, nats/point)")
+    axes[0].set_yticks(range(len(rows)), [SHORT_NAMES[m] for m in rows])
+    axes[0].set_ylim(-0.6, len(rows) - 0.4)
+    for method in methods:
+        part = records[records["method"] == method]
+        mean, se = _mean_and_standard_error(part["test_ll"])
+        axes[1].errorbar(float(part["train_seconds"].median()), mean, yerr=se or 0.0, fmt="o", ms=4,
+                         color=colors[method], capsize=2, label=SHORT_NAMES[method])
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("training time per split\n(median, s)")
+    axes[1].set_ylabel("test LL (mean ± s.e.)")
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=6, frameon=False)
+    fig.suptitle(title, fontsize=8)
     return save_figure(fig, path)
+
+
+def _warm_up(methods: List[str], table: RegressionTable, splits, cfg, device) -> None:
+    """Untimed: each method trained briefly once (compiles the fast moments, imports Pyro,
+    fills the allocator), so the first timed split is not charged for one-off costs."""
+    small = OmegaConf.to_container(cfg, resolve=True)
+    small["trainer"]["epochs"] = 2
+    small["uci"].update(max_iterations=5, predictive_samples=8, validation_samples=8, timing_repeats=1)
+    small = OmegaConf.create(small)
+    train, test = splits[0]
+    data = _to_device(table.split(train, test), device)
+    with _quiet("cfbnn_cli.train.loop"):
+        for method in methods:
+            evaluate(fit_method(method, Split(data, 0, warm_up=True), small, device, seed=0), data, device, small)
+
+
+def _to_device(data: RegressionData, device) -> RegressionData:
+    data.x_train, data.y_train = data.x_train.to(device), data.y_train.to(device)
+    data.x_test, data.y_test = data.x_test.to(device), data.y_test.to(device)
+    return data
 
 
 def run(cfg: DictConfig, run_dir) -> dict:
@@ -394,11 +633,13 @@ def run(cfg: DictConfig, run_dir) -> dict:
     splits = make_splits(len(table.y), cfg.uci.n_splits, cfg.data.test_fraction)
     n_train = len(splits[0][0])
     batch_size = cfg.trainer.batch_size
-    if batch_size > n_train:
-        raise ConfigError(f"trainer.batch_size={batch_size} exceeds the {n_train} training rows of a split; lower it")
-    steps = cfg.trainer.epochs * (n_train // batch_size)  # the same budget for every method and split
-    if steps < 1:
-        raise ConfigError(f"trainer.epochs={cfg.trainer.epochs} gives no training step; set it >= 1")
+    minibatch = [m for m in methods if not m.startswith("closed_form_")] or (
+        methods if n_train > cfg.uci.full_batch_max_rows else [])
+    n_fit = n_train - max(1, int(round(cfg.uci.validation_fraction * n_train)))
+    if minibatch and batch_size > n_fit:
+        raise ConfigError(
+            f"trainer.batch_size={batch_size} exceeds the {n_fit} rows a split trains {', '.join(minibatch)} on "
+            f"(its training rows less uci.validation_fraction={cfg.uci.validation_fraction}); lower it")
     atomic_write_json(run_dir / "splits.json", {
         "data": table.name, "rows": len(table.y), "test_fraction": cfg.data.test_fraction,
         "seeds": list(range(len(splits))),
@@ -410,54 +651,92 @@ def run(cfg: DictConfig, run_dir) -> dict:
     if cfg.resume and progress_path.exists():
         records = read_progress(progress_path, fingerprint, len(splits), methods)
         log.info("resuming: %d of %d (split, method) runs already done", len(records), len(splits) * len(methods))
-    done = {(r["split"], r["method"]) for r in records}
+    done = {(r["split"], r["method"]): r for r in records}
+    # the equal-time reference trains first on every split: the others' snapshots need its time
+    closed_forms = [m for m in methods if m.startswith("closed_form_")]
+    reference = closed_forms[0] if closed_forms else None
+    order = ([reference] if reference else []) + [m for m in methods if m != reference]
     log.info(
-        "UCI protocol on %s (%d rows, %d features): %d splits, %s, hidden layers %s, %d steps of %d, device=%s",
-        table.name, len(table.y), table.x.shape[1], len(splits), ", ".join(methods), list(cfg.model.hidden_sizes),
-        steps, batch_size, device,
+        "UCI protocol on %s (%d rows, %d features): %d splits, %s, hidden layers %s, device=%s",
+        table.name, len(table.y), table.x.shape[1], len(splits), ", ".join(methods), list(cfg.model.hidden_sizes), device,
     )
-    with validate_args(False), tqdm(total=(len(splits) * len(methods) - len(done)) * steps, desc="uci", leave=False) as bar:
-        for k, (train, test) in enumerate(splits):
-            data = table.split(train, test)
-            data.x_train, data.y_train = data.x_train.to(device), data.y_train.to(device)
-            data.x_test, data.y_test = data.x_test.to(device), data.y_test.to(device)
-            schedule = minibatch_schedule(data.num_train, batch_size, steps, seed=k).to(device)
-            for method in methods:
-                if (k, method) in done:
-                    continue
-                bar.set_description(f"split {k} {method}")
-                _sync(device)
-                started = time.perf_counter()
-                fitted = fit_method(method, data, schedule, cfg, device, bar, seed=cfg.seed * 1000 + k)
-                _sync(device)
-                record = {"split": k, "method": method, "train_seconds": time.perf_counter() - started, "steps": steps}
-                record.update(evaluate(fitted, data, device, cfg.uci.predictive_samples, max(cfg.model.hidden_sizes)))
-                records.append(record)
-                atomic_write_json(progress_path, {"config_fingerprint": fingerprint, "records": records})
-                log.info(
-                    "split %d %-26s test LL %8.4f  RMSE %8.4f  train %.2fs  predict %.2f ms/1000",
-                    k, method, record["test_ll"], record["rmse"], record["train_seconds"], 1e3 * record["predict_seconds_per_1000"],
-                )
+    remaining = len(splits) * len(methods) - len(done)
+    with validate_args(False):
+        _warm_up([m for m in methods if any((k, m) not in done for k in range(len(splits)))], table, splits, cfg, device)
+        with tqdm(total=remaining, desc="uci", unit="fit", leave=False) as bar:
+            for k, (train, test) in enumerate(splits):
+                split = Split(_to_device(table.split(train, test), device), k, progress=bar)
+                for method in order:
+                    if (k, method) in done:
+                        if method == reference:
+                            split.equal_time_seconds = done[(k, method)]["train_seconds"]
+                        continue
+                    bar.set_description(f"split {k} {method}")
+                    _sync(device)
+                    started = time.perf_counter()
+                    fitted = fit_method(method, split, cfg, device, seed=cfg.seed * 1000 + k)
+                    _sync(device)
+                    seconds = time.perf_counter() - started
+                    if method == reference:
+                        split.equal_time_seconds = seconds
+                    record = {"split": k, "method": method, "train_seconds": seconds, "iterations": fitted.iterations,
+                              "optimizer": fitted.optimizer, "converged": fitted.converged,
+                              "stopped_early": fitted.stopped_early}
+                    record.update(evaluate(fitted, split.data, device, cfg))
+                    if method == reference:
+                        record["equal_time_test_ll"] = record["test_ll"]
+                    elif fitted.optimizer == "adam" and reference is not None:
+                        # stopped before the reference's time: its final parameters are what it has then
+                        record["equal_time_test_ll"] = (fitted.equal_time or record)["test_ll"]
+                    else:
+                        record["equal_time_test_ll"] = None  # another full-batch closed form: its own time
+                    records.append(record)
+                    atomic_write_json(progress_path, {"config_fingerprint": fingerprint, "records": records})
+                    bar.update(1)
+                    log.info(
+                        "split %d %-26s test LL %8.4f  RMSE %10.4g  train %6.2fs (%s %d)  predict %.2f ms/1000",
+                        k, method, record["test_ll"], record["rmse"], seconds, fitted.optimizer, fitted.iterations,
+                        1e3 * record["predict_seconds_per_1000"],
+                    )
     frame = pd.DataFrame(records).sort_values(["split", "method"])
     tables = write_table(frame.set_index(["split", "method"]), run_dir, "uci_splits")
-    summary = summary_table(frame, methods)
-    tables.update(write_table(summary, run_dir, "uci", caption=f"UCI protocol on {table.name}: {len(splits)} splits, mean ± s.e."))
+    summary = summary_table(frame, methods, cfg)
+    caption = (f"UCI protocol on {table.name} ({len(table.y)} rows, {table.x.shape[1]} features): {len(splits)} random 90/10 "
+               f"splits, mean ± s.e. over splits; test LL per point and RMSE in the target's units; times are medians "
+               f"over splits; the equal-time column is each method at the training time of {METHODS[reference] if reference else '—'}")
+    tables.update(write_table(summary, run_dir, "uci", caption=caption))
     log.info("UCI protocol, %s:\n%s", table.name, summary.to_markdown())
-    figures = {"uci": _plot(frame, methods, run_dir / "uci.png")}
-    metrics: Dict[str, float] = {"uci/n_splits": len(splits), "uci/steps": steps}
+    figures = {"uci": _plot(frame, methods, reference, f"UCI protocol on {table.name}: {len(splits)} random 90/10 splits",
+                            run_dir / "uci.png")}
+    return {"metrics": _metrics(frame, methods, reference, len(splits)), "tables": tables, "figures": figures,
+            "device": device}
+
+
+def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], n_splits: int) -> Dict[str, float]:
+    metrics: Dict[str, float] = {"uci/n_splits": n_splits}
     for method in methods:
         part = frame[frame["method"] == method]
         for column in ("test_ll", "rmse"):
             mean, se = _mean_and_standard_error(part[column])
             metrics[f"uci/{method}/{column}_mean"] = mean
             metrics[f"uci/{method}/{column}_se"] = se
+        equal = part["equal_time_test_ll"].astype(float)
+        metrics[f"uci/{method}/equal_time_test_ll_mean"] = float(equal.mean()) if equal.notna().all() else None
         metrics[f"uci/{method}/test_ll_sd_over_splits"] = float(part["test_ll"].std(ddof=1)) if len(part) > 1 else None
-        metrics[f"uci/{method}/train_seconds_per_split"] = float(part["train_seconds"].mean())
-        metrics[f"uci/{method}/predict_seconds_per_1000"] = float(part["predict_seconds_per_1000"].mean())
+        metrics[f"uci/{method}/train_seconds_median"] = float(part["train_seconds"].median())
+        metrics[f"uci/{method}/iterations_median"] = float(part["iterations"].median())
+        metrics[f"uci/{method}/predict_seconds_per_1000_median"] = float(part["predict_seconds_per_1000"].median())
     for closed in [m for m in methods if m.startswith("closed_form_")]:
         for peer in [m for m in methods if not m.startswith("closed_form_")]:
             key = f"uci/compare/{closed}_vs_{peer}"
-            metrics[f"{key}/test_ll_difference"] = metrics[f"uci/{closed}/test_ll_mean"] - metrics[f"uci/{peer}/test_ll_mean"]
-            metrics[f"{key}/train_time_ratio"] = metrics[f"uci/{closed}/train_seconds_per_split"] / metrics[f"uci/{peer}/train_seconds_per_split"]
-            metrics[f"{key}/predict_speedup"] = metrics[f"uci/{peer}/predict_seconds_per_1000"] / metrics[f"uci/{closed}/predict_seconds_per_1000"]
-    return {"metrics": metrics, "tables": tables, "figures": figures, "device": device}
+            # paired over splits: the same split's difference, so split-to-split spread cancels
+            paired = (frame[frame["method"] == closed].set_index("split")["test_ll"]
+                      - frame[frame["method"] == peer].set_index("split")["test_ll"]).dropna()
+            mean, se = _mean_and_standard_error(paired)
+            metrics[f"{key}/test_ll_difference"] = mean
+            metrics[f"{key}/test_ll_difference_se"] = se
+            metrics[f"{key}/train_time_ratio"] = (metrics[f"uci/{closed}/train_seconds_median"]
+                                                  / metrics[f"uci/{peer}/train_seconds_median"])
+            metrics[f"{key}/predict_speedup"] = (metrics[f"uci/{peer}/predict_seconds_per_1000_median"]
+                                                 / metrics[f"uci/{closed}/predict_seconds_per_1000_median"])
+    return metrics
