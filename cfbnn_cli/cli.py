@@ -76,9 +76,11 @@ Everything after the command goes to Hydra, e.g.
   cfbnn train regression -m seed=0,1,2      # a sweep (--multirun)
   cfbnn vae --help                          # the command's config groups
 
-Outputs go to outputs/<command>/<date>/<time>/ (set hydra.run.dir=... to change).
+Outputs go to outputs/<command>/<date>/<time>/ (set hydra.run.dir=... to change); each command
+ends by printing that directory and its main table.
 
   cfbnn report PATH                         # aggregate every results.json under PATH
+  cfbnn report PATH --paper                 # ... and paper_reproduction.md (the paper's numbers beside)
   cfbnn train regression -m seed=0,1 hydra/launcher=joblib   # parallel jobs (README: Sweeps)
 """
 LAUNCHER_HINT = (
@@ -87,10 +89,27 @@ LAUNCHER_HINT = (
 )
 
 
+# not a Hydra application: `cfbnn report` reads finished runs (cfbnn_cli.report.aggregate)
+REPORT_SUMMARY = ("report PATH", "tables and figures over every results.json under PATH, mean ± s.e. over seeds "
+                                 "(--paper: beside the paper's numbers)")
+
+
 def usage() -> str:
-    width = max(len(s.name) for s in SUBCOMMANDS)
-    commands = "\n".join(f"  {s.name.ljust(width)}  {s.summary}" for s in SUBCOMMANDS)
+    entries = [(s.name, s.summary) for s in SUBCOMMANDS] + [REPORT_SUMMARY]
+    width = max(len(name) for name, _ in entries)
+    commands = "\n".join(f"  {name.ljust(width)}  {summary}" for name, summary in entries)
     return USAGE.format(commands=commands)
+
+
+def print_outcome(run_dir: Path, result: dict) -> None:
+    """The last lines of a command on stdout: where its outputs are and its main table
+    (``result["main_table"]``, else the first Markdown table it wrote)."""
+    tables = result.get("tables", {}) or {}
+    name = result.get("main_table") or next((t for t in tables if str(t).endswith(".md")), None)
+    lines = [f"cfbnn: outputs in {run_dir}"]
+    if name and (Path(run_dir) / name).is_file():
+        lines += [f"{name}:", (Path(run_dir) / name).read_text(encoding="utf-8").rstrip("\n")]
+    print("\n" + "\n".join(lines), flush=True)
 
 
 def find_subcommand(argv: Sequence[str]) -> Tuple[Optional[Subcommand], List[str]]:
@@ -249,6 +268,8 @@ def make_task(sub: Subcommand):
                     fingerprint=fingerprint,
                     status="failed" if bad else "complete",
                 )
+                if not bad:
+                    print_outcome(run_dir, result)
                 if bad:
                     raise NonFiniteResultError(
                         f"the run finished with non-finite metrics ({', '.join(bad[:8])}"

@@ -14,8 +14,9 @@ from cfbnn_cli.runtime.errors import ConfigError
 def test_help_lists_subcommands(cfbnn):
     out = cfbnn("--help")
     assert out.returncode == 0
-    for sub in ("train regression", "vae", "imagenet-predict", "report"):
-        assert sub in out.stdout
+    commands = out.stdout.split("commands:")[1].split("Everything after")[0]  # the command list itself
+    for sub in ("train regression", "vae", "imagenet-predict", "report PATH"):
+        assert f"\n  {sub} " in commands, sub
 
 
 @pytest.mark.parametrize("args", [["nope"], ["train"], ["train", "classification"], []])
@@ -92,9 +93,13 @@ def test_cfg_job_prints_composed_config(cfbnn):
 def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path, cfbnn):
     run_dir = tmp_path / "run"
     args = ["imagenet-predict", f"hydra.run.dir={run_dir}", f"features.cache_dir={tmp_path / 'cache'}", "device=cpu",
+            "trainer.batch_size=64",
             "trainer.epochs=1", "model.hidden_sizes=[16,16]", "evaluation.total_samples=16", "evaluation.inner_samples=[1,16]"]
     out = cfbnn(*args)
     assert out.returncode == 0, out.stderr[-2000:]
+    # the command ends by saying where its outputs went and printing its main table
+    tail = out.stdout[out.stdout.index(f"cfbnn: outputs in {run_dir}"):]
+    assert tail.splitlines()[1] == "prediction.md:" and "| Deterministic argmax ŷ (eq. 42)" in tail
     saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert saved.trainer.epochs == 1
     assert (run_dir / "imagenet_predict.log").exists() and (run_dir / "done").exists()

@@ -104,12 +104,21 @@ class BayesianDecoderVAE(nn.Module):
         noise = self._decoder_noise(z, estimator, generator)
         return self.decoder.expected_log_likelihood_per_point(z, x, estimator, noise)
 
-    def elbo_per_point(self, x, generator=None):
-        """One-sample ``E_q[log p(x_n | z, W)] - KL(q(z|x_n) || p(z))`` per data point ``(N,)``."""
+    def elbo_terms_per_point(self, x, generator=None):
+        """The two per-point terms of the ELBO, ``(ell, kl_z)``, each ``(N,)``: a one-sample
+        estimate of ``E_q[log p(x_n | z, W)]`` (over ``z``; over ``W`` as in
+        :meth:`decoder_expected_log_likelihood`) and ``KL(q(z|x_n) || N(0, I))`` (exact).
+        The ELBO of the data set is ``sum_n (ell_n - kl_z_n) - KL(q(W) || p(W))``
+        (:meth:`weight_kl`)."""
         mu, sigma = self.encode(x)
         z = mu + sigma * torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
         kl_z = 0.5 * (mu.square() + sigma.square() - 1.0).sum(-1) - torch.log(sigma).sum(-1)
-        return self.decoder_expected_log_likelihood(z, x, generator) - kl_z
+        return self.decoder_expected_log_likelihood(z, x, generator), kl_z
+
+    def elbo_per_point(self, x, generator=None):
+        """One-sample ``E_q[log p(x_n | z, W)] - KL(q(z|x_n) || p(z))`` per data point ``(N,)``."""
+        ell, kl_z = self.elbo_terms_per_point(x, generator)
+        return ell - kl_z
 
     def elbo(self, x, num_data: int, generator=None) -> torch.Tensor:
         """Minibatch ELBO of the whole data set: ``num_data * mean_n(elbo_n) - KL(q(W) || p(W))``."""

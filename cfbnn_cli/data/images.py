@@ -75,6 +75,27 @@ class TensorImages(Dataset):
         return image, int(self.labels[index])
 
 
+def training_subset(labels: torch.Tensor, size, seed: int) -> np.ndarray:
+    """Row indices of a class-balanced random subset of ``size`` training images (all rows when
+    ``size`` is null): classes take turns in a seeded random order, so every class gets
+    ``size // classes`` or one more image (fewer only when a class runs out)."""
+    labels = np.asarray(labels)
+    if size is None:
+        return np.arange(len(labels))
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"data.train_size={size!r} must be a positive number of training images or null (all)")
+    if size > len(labels):
+        raise ConfigError(f"data.train_size={size} exceeds the {len(labels)} training images; lower it or set null")
+    rng = np.random.default_rng(seed)
+    queues = [list(rng.permutation(np.flatnonzero(labels == c))) for c in np.unique(labels)]
+    chosen = []
+    while len(chosen) < size:
+        for queue in queues:
+            if queue and len(chosen) < size:
+                chosen.append(queue.pop(0))
+    return np.sort(np.asarray(chosen))
+
+
 def _digits(cfg, transform):
     from sklearn.datasets import load_digits
 
@@ -84,6 +105,7 @@ def _digits(cfg, transform):
     order = np.random.default_rng(cfg.seed).permutation(len(labels))
     n_train = int(round(cfg.train_fraction * len(labels)))
     train, held_out = order[:n_train], order[n_train:]
+    train = train[training_subset(labels[train], cfg.get("train_size"), cfg.seed)]
     make = lambda rows: TensorImages(images[rows], labels[rows], transform)  # noqa: E731
     return make(train), make(held_out), 10
 
@@ -93,7 +115,8 @@ def _fashion_mnist(cfg, transform):
     pixels, labels, n_train = fashion_mnist_arrays(cfg.root)
     images = torch.as_tensor(pixels, dtype=torch.float32).view(-1, 1, 28, 28)
     labels = torch.as_tensor(labels)
-    return (TensorImages(images[:n_train], labels[:n_train], transform),
+    train = torch.as_tensor(training_subset(labels[:n_train], cfg.get("train_size"), cfg.get("seed", 0)))
+    return (TensorImages(images[train], labels[train], transform),
             TensorImages(images[n_train:], labels[n_train:], transform), 10)
 
 

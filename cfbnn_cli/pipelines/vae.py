@@ -4,7 +4,9 @@
 trains the three in one run; ``variant=v1|v2|v3`` one, for sweeps) it trains with
 Adam on minibatches of the 7:2:1 train split, evaluates the validation ELBO after
 every epoch and keeps the best epoch's checkpoint (``checkpoints/<variant>/best.pt``;
-``last.pt`` every epoch, both atomic; ``resume=true`` continues), then estimates the
+``last.pt`` every epoch, both atomic; ``resume=true`` continues); it stops when the
+validation ELBO has not improved for ``trainer.patience`` epochs or after
+``trainer.epochs`` (the cap), whichever comes first. It then estimates the
 test log-likelihood of the best checkpoint by importance weighting (paper protocol:
 ``evaluation.inner_samples`` K inside the log, averaged over ``evaluation.trials``
 T trials; see :meth:`cfbnn_cli.bnn.vae.BayesianDecoderVAE.importance_weighted_log_likelihood`
@@ -26,7 +28,8 @@ from tqdm.auto import tqdm
 from ..bnn.vae import VARIANTS, BayesianDecoderVAE
 from ..data.unsupervised import UnsupervisedData, load_unsupervised_data
 from ..moments import ACTIVATIONS, validate_args
-from ..report.figures import new_figure, save_figure
+from ..report.figures import caption, legend_below, new_figure, save_figure
+from ..report.numbers import format_mean_se, format_value
 from ..report.tables import write_table
 from ..runtime.checks import require_choice, require_int, require_positive_float
 from ..runtime.device import resolve_device
@@ -53,6 +56,8 @@ def validate(cfg: DictConfig) -> List[str]:
     require_int(cfg, "evaluation.inner_samples", minimum=1)
     require_int(cfg, "evaluation.trials", minimum=1)
     require_int(cfg, "evaluation.batch_size", minimum=1)
+    if OmegaConf.select(cfg, "trainer.patience") is not None:
+        require_int(cfg, "trainer.patience", minimum=1)
     if not isinstance(cfg.trainer.compile, bool):
         raise ConfigError(f"trainer.compile={cfg.trainer.compile!r} must be true or false")
     return list(VARIANTS) if variant == "all" else [variant]
@@ -70,9 +75,24 @@ def _build(cfg, data_dim, variant, generator) -> BayesianDecoderVAE:
 def mean_elbo_per_point(model, x, num_train: int, seed: int, batch_size: int) -> float:
     """The ELBO per point on ``x``: the training objective's per-point share, i.e. the
     weight KL spread over the ``num_train`` training rows (fixed noise seed)."""
+    terms = elbo_terms(model, x, num_train, seed, batch_size)
+    return terms["elbo"]
+
+
+@torch.no_grad()
+def elbo_terms(model, x, num_train: int, seed: int, batch_size: int) -> Dict[str, float]:
+    """The ELBO per point on ``x`` and its three terms (in the units the model sees):
+    ``ell`` = mean ``E_q[log p(x_n | z, W)]`` (one ``z`` per point), ``kl_z`` = mean
+    ``KL(q(z|x_n) || p(z))``, ``kl_w`` = ``KL(q(W) || p(W)) / num_train`` (the weight KL
+    spread over the training rows, as in the training objective; 0 for V1);
+    ``elbo = ell - kl_z - kl_w``."""
     generator = torch.Generator(device=x.device).manual_seed(seed)
-    total = sum(float(model.elbo_per_point(x[i : i + batch_size], generator).sum()) for i in range(0, len(x), batch_size))
-    return total / len(x) - float(model.weight_kl()) / num_train
+    ell = kl_z = 0.0
+    for i in range(0, len(x), batch_size):
+        e, k = model.elbo_terms_per_point(x[i : i + batch_size], generator)
+        ell, kl_z = ell + float(e.sum()), kl_z + float(k.sum())
+    ell, kl_z, kl_w = ell / len(x), kl_z / len(x), float(model.weight_kl()) / num_train
+    return {"ell": ell, "kl_z": kl_z, "kl_w": kl_w, "elbo": ell - kl_z - kl_w}
 
 
 @torch.no_grad()
@@ -119,37 +139,77 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
         config=OmegaConf.to_container(cfg, resolve=True),
     )
     loop.restore()
-    result = loop.run()
+    stopped = train_with_patience(loop, cfg.trainer.epochs, OmegaConf.select(cfg, "trainer.patience"))
     loop.load_best()
     model.eval()
-    return {"model": model, "history": result.history, "best": result.best}
+    return {"model": model, "history": list(loop.history), "best": dict(loop.best), "stopped": stopped}
 
 
-def results_table(rows: List[dict]) -> pd.DataFrame:
-    """Paper Table 2 layout: variant, Bayesian decoder, what is sampled, test LL."""
+def train_with_patience(loop: TrainingLoop, max_epochs: int, patience) -> str:
+    """Train ``loop`` one epoch at a time until the selected metric has not improved for
+    ``patience`` epochs, or ``max_epochs`` (the cap) are done; returns why it stopped
+    (``"patience"`` or ``"cap"``). Each epoch is the loop's own (checkpoints, metrics,
+    resume): after a restore it continues where the run stopped, and a run that
+    already met the rule trains nothing more."""
+    while True:
+        done = loop.history[-1]["epoch"] if loop.history else 0
+        if patience and loop.best["epoch"] >= 1 and done - loop.best["epoch"] >= patience:
+            return "patience"
+        if done >= max_epochs:
+            return "cap"
+        loop.start_epoch, loop.epochs = done, done + 1
+        loop.run()
+
+
+TEST_LL_COLUMN = "Test LL"
+
+
+def results_table(rows: List[dict], trials: int) -> pd.DataFrame:
+    """Paper Table 2 layout plus the ELBO's terms: variant, Bayesian decoder, what is
+    sampled, test LL (± s.e. over the ``trials`` evaluation trials of this one run),
+    test ELBO = E[log p(x|z,W)] − KL(z) − KL(W)/N, the epochs. Per test point, in the
+    data's original units (the log-likelihood terms; the KLs have no units)."""
     frame = pd.DataFrame([{
         "Variant": row["variant"].upper(),
         "Bayesian decoder": "yes" if VARIANTS[row["variant"]]["bayesian"] else "no",
         "Sampled": VARIANTS[row["variant"]]["sampled"],
-        "Test LL": f"{row['test_ll']:.3f} ± {row['test_ll_se']:.3f}" if row["test_ll_se"] is not None else f"{row['test_ll']:.3f}",
-        "Test ELBO": f"{row['test_elbo']:.3f}",
+        f"{TEST_LL_COLUMN} (± s.e., {trials} trials)": format_mean_se(row["test_ll"], row["test_ll_se"], sig=5),
+        "Test ELBO": format_value(row["test_elbo"], sig=5),
+        "E[log p(x|z,W)]": format_value(row["test_ell"], sig=5),
+        "KL(z)": format_value(row["test_kl_z"], sig=3),
+        "KL(W) / N": format_value(row["test_kl_w"], sig=3),
         "Best epoch": row["best_epoch"],
-        "s / epoch": f"{row['seconds_per_epoch']:.2f}" if row["seconds_per_epoch"] is not None else "",
+        "Epochs": f"{row['epochs']} ({'stopped: no gain in ' + str(row['patience']) if row['stopped'] == 'patience' else 'cap'})",
+        "s / epoch": format_value(row["seconds_per_epoch"], sig=2) if row["seconds_per_epoch"] is not None else "",
     } for row in rows])
     return frame.set_index("Variant")
 
 
-def _plot_training(history: List[dict], path: Path) -> str:
-    fig, axes = new_figure(2, width=6.5, height=2.4)
+VARIANT_STYLE = {"v1": dict(ls="-", marker=None, color="C0"), "v2": dict(ls="--", marker="o", color="C1"),
+                 "v3": dict(ls=":", marker="s", color="C2")}
+
+
+def _plot_training(history: List[dict], path: Path, log_scale: float, title: str) -> str:
+    """Train and validation ELBO per point (original units) of each variant; the best epoch marked."""
+    fig, axes = new_figure(2, width=7.0, height=3.0)
     frame = pd.DataFrame(history)
     for variant, part in frame.groupby("variant", sort=True):
-        axes[0].plot(part["epoch"], part["train_elbo_per_point"], label=variant.upper())
-        axes[1].plot(part["epoch"], part["val_elbo_per_point"], label=variant.upper())
-    axes[0].set_ylabel("train ELBO / point")
-    axes[1].set_ylabel("validation ELBO / point")
+        style = dict(VARIANT_STYLE.get(variant, {}))
+        every = max(1, len(part) // 8)
+        for ax, column in zip(axes, ("train_elbo_per_point", "val_elbo_per_point")):
+            ax.plot(part["epoch"], part[column] - log_scale, lw=1.4, ms=4, markevery=every, mfc="none",
+                    label=variant.upper(), **style)
+        best = part.loc[part["val_elbo_per_point"].idxmax()]
+        axes[1].plot([best["epoch"]], [best["val_elbo_per_point"] - log_scale], marker="*", ms=10, color=style.get("color"),
+                     ls="none")
+    axes[1].plot([], [], marker="*", ms=8, color="0.3", ls="none", label="best epoch (validation)")
+    axes[0].set_ylabel("train ELBO per point\n(original units, nats)")
+    axes[1].set_ylabel("validation ELBO per point\n(original units, nats)")
     for ax in axes:
         ax.set_xlabel("epoch")
-    axes[0].legend()
+        ax.grid(alpha=0.3)
+    legend_below(fig, axes)
+    caption(fig, title)
     return save_figure(fig, path)
 
 
@@ -171,6 +231,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
     history: List[dict] = []
     rows: List[dict] = []
     K, T = cfg.evaluation.inner_samples, cfg.evaluation.trials
+    num_train = len(data.x_train)
     with validate_args(False):
         for variant in variants:
             trained = _train_variant(cfg, variant, data, device, run_dir, list(history))
@@ -180,24 +241,40 @@ def run(cfg: DictConfig, run_dir) -> dict:
                                                      cfg.seed + 3, bar)
             trials = trials - data.log_scale  # original units
             seconds = [h["epoch_seconds"] for h in trained["history"]]
+            terms = elbo_terms(trained["model"], data.x_test, num_train, cfg.seed + 4, cfg.evaluation.batch_size)
             rows.append({
                 "variant": variant,
                 "test_ll": float(trials.mean()),
                 "test_ll_se": float(trials.std() / math.sqrt(T)) if T > 1 else None,
-                "test_elbo": mean_elbo_per_point(trained["model"], data.x_test, len(data.x_train), cfg.seed + 4,
-                                                 cfg.evaluation.batch_size) - data.log_scale,
+                "test_elbo": terms["elbo"] - data.log_scale,
+                "test_ell": terms["ell"] - data.log_scale,
+                "test_kl_z": terms["kl_z"],
+                "test_kl_w": terms["kl_w"],
                 "best_epoch": trained["best"]["epoch"],
+                "epochs": trained["history"][-1]["epoch"] if trained["history"] else 0,
+                "stopped": trained["stopped"],
+                "patience": OmegaConf.select(cfg, "trainer.patience"),
                 "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else None,
             })
-            log.info("%s: test LL %.3f (K=%d, T=%d), test ELBO %.3f, best epoch %d", variant, rows[-1]["test_ll"], K, T,
-                     rows[-1]["test_elbo"], rows[-1]["best_epoch"])
-    table = results_table(rows)
-    tables = write_table(table, run_dir, "vae_results",
-                         caption=f"Test log-likelihood on {data.name} (K={K} importance samples, {T} trials)")
+            log.info("%s: test LL %.3f (K=%d, T=%d), test ELBO %.3f = E[log p] %.3f - KL(z) %.3f - KL(W)/N %.3f, "
+                     "best epoch %d of %d (%s)", variant, rows[-1]["test_ll"], K, T, rows[-1]["test_elbo"],
+                     rows[-1]["test_ell"], rows[-1]["test_kl_z"], rows[-1]["test_kl_w"], rows[-1]["best_epoch"],
+                     rows[-1]["epochs"], trained["stopped"])
+    table = results_table(rows, T)
+    caption = (f"VAE on {data.name} ({num_train} training rows, {len(data.x_test)} test rows, {data.dim} dims), seed "
+               f"{cfg.seed}: test log-likelihood per point in original units (importance weighted, K={K} samples "
+               f"inside the log, ± s.e. over T={T} trials of this one run: it leaves out the training seed's spread, "
+               f"see cfbnn report over seeds); Test ELBO = E[log p(x|z,W)] − KL(z) − KL(W)/N, N = {num_train}; the "
+               f"gap between Test ELBO and Test LL is mostly KL(W)/N, the decoder-weight KL shared by the training "
+               f"rows (0 for V1)")
+    tables = write_table(table, run_dir, "vae_results", caption=caption)
     log.info("VAE results on %s:\n%s", data.name, table.to_markdown())
-    figures = {"training": _plot_training(history, run_dir / "training.png")} if history else {}
+    title = (f"VAE on {data.name} ({num_train} training rows), batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
+             f"seed {cfg.seed}")
+    figures = {"training": _plot_training(history, run_dir / "training.png", data.log_scale, title)} if history else {}
     metrics = {}
     for row in rows:
-        for key in ("test_ll", "test_ll_se", "test_elbo", "best_epoch", "seconds_per_epoch"):
+        for key in ("test_ll", "test_ll_se", "test_elbo", "test_ell", "test_kl_z", "test_kl_w", "best_epoch", "epochs",
+                    "seconds_per_epoch"):
             metrics[f"vae/{row['variant']}/{key}"] = row[key]
-    return {"metrics": metrics, "tables": tables, "figures": figures, "device": device}
+    return {"metrics": metrics, "tables": tables, "figures": figures, "device": device, "main_table": "vae_results.md"}

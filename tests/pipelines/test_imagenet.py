@@ -10,6 +10,7 @@ import torch
 from cfbnn_cli.bnn.network import bayesian_head
 from cfbnn_cli.pipelines import imagenet as pipeline
 from cfbnn_cli.pipelines.imagenet import expected_calibration_error, monte_carlo_accuracy, top_k_correct
+from cfbnn_cli.report.numbers import split_mean_se
 from cfbnn_cli.runtime.errors import ConfigError, DataError
 
 
@@ -66,21 +67,52 @@ def test_deterministic_prediction_is_the_monte_carlo_limit_for_a_narrow_posterio
 
 @pytest.mark.parametrize("objective", ["sampling", "approximation", "control_variate"])
 def test_each_objective_trains_and_writes_the_figure_and_tables(tmp_path, objective, imagenet_cfg):
-    result = pipeline.run(imagenet_cfg(f"objective={objective}"), tmp_path / "run")
+    # every training image (the demo's 100-image subset is too few for 3 epochs of this tiny head)
+    result = pipeline.run(imagenet_cfg(f"objective={objective}", "data.train_size=null"), tmp_path / "run")
     run = tmp_path / "run"
     history = pd.read_csv(run / "metrics.csv")
     assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
     table = pd.read_csv(run / "prediction.csv")
-    assert list(table["N_inner"]) == [1, 4, 16, 64, 0]
-    assert list(table["N_outer"]) == [64, 16, 4, 1, 1]
-    assert table["top-1 mean"].between(0, 1).all() and (table["top-5 mean"] >= table["top-1 mean"]).all()
-    timing = pd.read_csv(run / "timing.csv")
-    assert timing["MC / deterministic"].iloc[0] == 1.0 and len(timing) == 5
-    assert (run / "prediction.md").read_text().count("Monte Carlo") == 4
-    assert (run / "prediction.png").read_bytes()[:4] == b"\x89PNG"
+    assert list(table["Method"]) == ["Monte Carlo"] * 4 + ["Deterministic argmax ŷ (eq. 42)"]
+    assert list(table["N_inner"].iloc[:4]) == [1, 4, 16, 64] and pd.isna(table["N_inner"].iloc[4])  # nothing sampled
+    assert list(table["N_outer"].iloc[:4]) == [64, 16, 4, 1]
     m = result["metrics"]
+    for cell, n in zip(table["Top-1"], [1, 4, 16, 64]):  # mean ± s.e. over the outer trials, rounded
+        top1, se = split_mean_se(cell)
+        decimals = len(cell.split(" ")[0].split(".")[1])
+        assert top1 == pytest.approx(m[f"monte_carlo/N{n}/top1_mean"], abs=0.51 * 10 ** -decimals)
+        assert (se is None) == (n == 64)  # one outer trial: no s.e.
+        assert m[f"monte_carlo/N{n}/top3_mean"] >= m[f"monte_carlo/N{n}/top1_mean"]
+    timing = pd.read_csv(run / "timing.csv")
+    assert timing["× deterministic"].iloc[0] == 1 and len(timing) == 5
+    markdown = (run / "prediction.md").read_text()
+    assert markdown.count("| Monte Carlo ") == 4 and "('" not in markdown  # plain row labels, no tuples
+    assert "\\pm" in (run / "prediction.tex").read_text() and "('" not in (run / "prediction.tex").read_text()
+    assert (run / "prediction.png").read_bytes()[:4] == b"\x89PNG"
     assert m["deterministic/top1"] > 0.5  # digits: far above chance (0.1)
+    assert m["deterministic/top3"] >= m["deterministic/top1"] and m["evaluation/top_k"] == 3
     assert m["calibration/variance_corrected/ece"] >= 0 and math.isfinite(m["calibration/variance_corrected/nll"])
+
+
+def test_training_subset_is_class_balanced_and_seeded():
+    from cfbnn_cli.data.images import training_subset
+
+    labels = torch.as_tensor(np.repeat(np.arange(10), [50, 40, 30, 30, 30, 30, 30, 30, 30, 3]))
+    rows = training_subset(labels, 100, seed=0)
+    counts = np.bincount(labels[rows].numpy(), minlength=10)
+    assert len(rows) == len(set(rows.tolist())) == 100
+    assert counts[9] == 3 and set(counts[:9]) <= {10, 11}  # the small class gives all it has, the rest share
+    assert np.array_equal(rows, training_subset(labels, 100, seed=0))
+    assert not np.array_equal(rows, training_subset(labels, 100, seed=1))
+    assert len(training_subset(labels, None, seed=0)) == len(labels)
+    with pytest.raises(ConfigError, match="data.train_size=1000"):
+        training_subset(labels, 1000, seed=0)
+
+
+def test_top_k_must_be_below_the_number_of_classes(tmp_path, imagenet_cfg):
+    with pytest.raises(ConfigError, match="evaluation.top_k=10 must be below the 10 classes"):
+        pipeline.run(imagenet_cfg("evaluation.top_k=10"), tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_stages_reuse_each_other(tmp_path, monkeypatch, imagenet_cfg):

@@ -21,14 +21,35 @@ def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_c
     assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
     assert np.isfinite(history[["test_rmse", "test_ll_closed_form", "test_ll_monte_carlo"]].values).all()
     table = pd.read_csv(tmp_path / "gradient_variance.csv", index_col=0)
-    assert list(table.index) == ["Analytic", "Sampling"] and table.shape[1] == 6
+    assert list(table.index) == ["Analytic", "Sampling", "Ratio sampling / analytic"] and table.shape[1] == 6
     assert "/" in table.iloc[0, 0]
+    # the ratio row is the two estimators' ratio, to two significant digits
+    m = result["metrics"]
+    for epoch, heading in ((0, "Upon initialization (epoch 0)"), (3, "End of training (epoch 3, not converged)")):
+        means, scales = table.loc["Ratio sampling / analytic", f"{heading}: Final Layer"].split(" / ")
+        ratio = m[f"gradvar/sampling/epoch{epoch}/final/mean"] / m[f"gradvar/analytic/epoch{epoch}/final/mean"]
+        assert float(means) == pytest.approx(ratio, rel=0.05)
+        assert float(scales) == pytest.approx(m[f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/final/scale"], rel=0.05)
     assert (tmp_path / "gradient_variance.md").read_text().count("|") > 10
     assert "\\toprule" in (tmp_path / "gradient_variance.tex").read_text()
     for figure in ("gradient_variance.png", "training.png"):
         assert (tmp_path / figure).read_bytes()[:4] == b"\x89PNG"
     assert result["metrics"]["final_test_rmse"] == pytest.approx(history["test_rmse"].iloc[-1])
     assert (tmp_path / "checkpoints" / "last.pt").exists()
+
+
+def test_convergence_is_judged_on_the_recent_rate_of_the_elbo():
+    from cfbnn_cli.pipelines.regression.gradient_variance_study import convergence_note, epoch_heading
+
+    linear = [{"train_elbo_per_point": -60.0 + 0.13 * e} for e in range(10)]  # still rising at its average rate
+    flat = [{"train_elbo_per_point": -60.0 + 10 * (1 - 0.5 ** e)} for e in range(30)]  # geometric: flat at the end
+    assert not convergence_note(linear)["converged"] and "not converged" in convergence_note(linear)["text"]
+    assert convergence_note(flat)["converged"] and convergence_note(flat)["text"].startswith("converged")
+    assert not convergence_note(linear[:2])["converged"]  # too few epochs to tell
+    assert epoch_heading(0, 10, False) == "Upon initialization (epoch 0)"
+    assert epoch_heading(10, 10, False) == "End of training (epoch 10, not converged)"
+    assert epoch_heading(50, 50, True) == "End of training (epoch 50, converged)"
+    assert epoch_heading(5, 10, None) == "Epoch 5 of 10"
 
 
 def test_analytic_gradient_variance_is_lower_on_the_final_layer(tmp_path, regression_cfg):

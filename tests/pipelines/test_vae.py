@@ -27,13 +27,38 @@ def test_all_variants_write_the_table(tmp_path, vae_cfg):
     table = pd.read_csv(tmp_path / "vae_results.csv", index_col=0)
     assert list(table.index) == ["V1", "V2", "V3"]
     assert list(table["Bayesian decoder"]) == ["no", "yes", "yes"]
-    assert "±" in table.loc["V3", "Test LL"]
+    assert "±" in table.loc["V3", "Test LL (± s.e., 3 trials)"]
     assert "\\toprule" in (tmp_path / "vae_results.tex").read_text()
-    assert (tmp_path / "vae_results.md").read_text().count("V2") == 1
+    assert (tmp_path / "vae_results.md").read_text().count("| V2 ") == 1
     assert (tmp_path / "training.png").read_bytes()[:4] == b"\x89PNG"
+    m = result["metrics"]
     for variant in ("v1", "v2", "v3"):
-        assert math.isfinite(result["metrics"][f"vae/{variant}/test_ll"])
-        assert result["metrics"][f"vae/{variant}/best_epoch"] in (1, 2)
+        assert math.isfinite(m[f"vae/{variant}/test_ll"])
+        assert m[f"vae/{variant}/best_epoch"] in (1, 2) and m[f"vae/{variant}/epochs"] == 2
+        # the ELBO's terms add up to it, and the table shows the same numbers
+        assert m[f"vae/{variant}/test_elbo"] == pytest.approx(
+            m[f"vae/{variant}/test_ell"] - m[f"vae/{variant}/test_kl_z"] - m[f"vae/{variant}/test_kl_w"])
+        assert float(table.loc[variant.upper(), "KL(z)"]) == pytest.approx(m[f"vae/{variant}/test_kl_z"], rel=5e-3)
+        assert m[f"vae/{variant}/test_kl_z"] > 0
+    assert m["vae/v1/test_kl_w"] == 0  # a point-estimate decoder has no weight KL
+    assert m["vae/v2/test_kl_w"] > 0 and m["vae/v3/test_kl_w"] > 0
+
+
+def test_training_stops_when_the_validation_elbo_stops_improving(tmp_path, monkeypatch, vae_cfg):
+    """Validation ELBO 1, 2, 3 (best), then lower for `patience` = 3 epochs: training stops
+    after epoch 6 of a cap of 20, keeps epoch 3, and a resumed finished run trains no more."""
+    scripted = iter([1.0, 2.0, 3.0, 2.5, 2.9, 2.8] + [0.0] * 20)
+    monkeypatch.setattr(pipeline, "mean_elbo_per_point", lambda *args, **kwargs: next(scripted))
+    result = pipeline.run(vae_cfg("variant=v1", "trainer.epochs=20", "trainer.patience=3"), tmp_path)
+    history = pd.read_csv(tmp_path / "metrics.csv")
+    assert list(history["epoch"]) == [1, 2, 3, 4, 5, 6]
+    assert result["metrics"]["vae/v1/best_epoch"] == 3 and result["metrics"]["vae/v1/epochs"] == 6
+    table = pd.read_csv(tmp_path / "vae_results.csv", index_col=0)
+    assert table.loc["V1", "Epochs"] == "6 (stopped: no gain in 3)"
+    assert torch.load(tmp_path / "checkpoints" / "v1" / "best.pt", weights_only=True)["epoch"] == 3
+    again = pipeline.run(vae_cfg("variant=v1", "trainer.epochs=20", "trainer.patience=3", "resume=true"), tmp_path)
+    assert list(pd.read_csv(tmp_path / "metrics.csv")["epoch"]) == [1, 2, 3, 4, 5, 6]
+    assert again["metrics"]["vae/v1/epochs"] == 6
 
 
 def test_resume_continues_from_the_last_checkpoint(tmp_path, monkeypatch, vae_cfg):
@@ -78,7 +103,8 @@ def test_nan_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path, monkey
     "override, message",
     [("variant=v4", "variant='v4'"), ("model.latent_dim=0", "model.latent_dim=0"),
      ("model.encoder_hidden=[]", "model.encoder_hidden"), ("trainer.batch_size=100000", "exceeds"),
-     ("evaluation.inner_samples=0", "evaluation.inner_samples=0"), ("trainer.compile=maybe", "trainer.compile")],
+     ("evaluation.inner_samples=0", "evaluation.inner_samples=0"), ("trainer.compile=maybe", "trainer.compile"),
+     ("trainer.patience=0", "trainer.patience")],
 )
 def test_bad_config_is_rejected_before_training(tmp_path, override, message, vae_cfg):
     with pytest.raises(ConfigError, match=message):

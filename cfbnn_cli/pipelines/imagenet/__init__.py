@@ -24,6 +24,7 @@ validation (``split.validation_fraction``, 10k of 50k in the paper) from
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -38,7 +39,8 @@ from ...bnn.classification import approximate_class_probabilities
 from ...bnn.network import BayesianNetwork, bayesian_head
 from ...data.images import load_image_datasets
 from ...moments import ACTIVATIONS, validate_args
-from ...report.figures import new_figure, save_figure
+from ...report.figures import caption, legend_below, new_figure, save_figure
+from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
@@ -76,6 +78,7 @@ def validate(cfg: DictConfig) -> None:
             f"evaluation.inner_samples={inner} must be positive integers dividing evaluation.total_samples={total}"
             + (f"; these do not: {bad}" if bad else "")
         )
+    require_int(cfg, "evaluation.top_k", minimum=2)
     require_int(cfg, "evaluation.batch_size", minimum=1)
     require_int(cfg, "evaluation.timing_images", minimum=1)
     require_int(cfg, "features.batch_size", minimum=1)
@@ -195,8 +198,8 @@ def load_head(cfg, data, run_dir: Path, device) -> BayesianNetwork:
 
 @torch.no_grad()
 def monte_carlo_accuracy(model, features, labels, total: int, inner_list: List[int], batch_size: int, generator,
-                         chunk: int = 512):
-    """Top-1/top-5 correct counts per (N_inner, outer trial): ``{n: (top1 (N_outer,), top5 (N_outer,))}``.
+                         chunk: int = 512, top_k: int = 5):
+    """Top-1/top-k correct shares per (N_inner, outer trial): ``{n: (top1 (N_outer,), topk (N_outer,))}``.
 
     Per image, ``total`` logit samples are drawn (``chunk`` at a time, batched); for
     each ``n`` consecutive groups of ``n`` samples average their softmax
@@ -216,8 +219,8 @@ def monte_carlo_accuracy(model, features, labels, total: int, inner_list: List[i
                 grouped = probabilities.view(size // n, n, *probabilities.shape[1:]).mean(1)
                 trials = slice(offset // n, (offset + size) // n)
                 counts[n][0][trials] += top_k_correct(grouped, y, 1).double().sum(-1).cpu()
-                counts[n][1][trials] += top_k_correct(grouped, y, 5).double().sum(-1).cpu()
-    return {n: (top1 / len(labels), top5 / len(labels)) for n, (top1, top5) in counts.items()}
+                counts[n][1][trials] += top_k_correct(grouped, y, top_k).double().sum(-1).cpu()
+    return {n: (top1 / len(labels), topk / len(labels)) for n, (top1, topk) in counts.items()}
 
 
 def _sync(device):
@@ -245,27 +248,77 @@ def time_per_image(model, features, inner_list, batch_size, generator, device):
     return timed(deterministic), {n: timed(monte_carlo(n)) for n in inner_list}
 
 
-def _plot(table, deterministic, path):
-    fig, axes = new_figure(2, width=6.5, height=2.5)
-    mc = table[table["method"] == "Monte Carlo"]
-    for ax, k in zip(axes, ("top-1", "top-5")):
-        ax.plot(mc["N_inner"], mc[f"{k} mean"], "o-", ms=3, label="Monte Carlo")
-        ax.fill_between(mc["N_inner"], mc[f"{k} min"], mc[f"{k} max"], alpha=0.25, label="min-max over outer trials")
-        ax.axhline(deterministic[k], color="k", ls="--", lw=1, label="deterministic argmax ŷ")
+DETERMINISTIC_LABEL = "Deterministic argmax ŷ (eq. 42)"
+
+
+def describe_run(cfg, data) -> str:
+    """One line naming the data, features, head and training of a run (figure and table captions)."""
+    subset = cfg.data.get("train_size")
+    images = f"{len(data['y_train'])} training images" + (" (a class-balanced subset)" if subset else "")
+    features = "raw pixels" if cfg.backbone.name == "identity" else f"{cfg.backbone.name} features"
+    sizes = [data["x_train"].shape[1], *cfg.model.hidden_sizes, data["num_classes"]]
+    return (f"{cfg.data.name}, {images}, {len(data['y_test'])} test images, {features}; head "
+            f"{'-'.join(str(n) for n in sizes)} trained with objective={cfg.objective}, batch {cfg.trainer.batch_size}, "
+            f"seed {cfg.seed}")
+
+
+def _plot(raw: pd.DataFrame, deterministic: Dict[str, float], top_k: int, total: int, description: str, path) -> str:
+    """Figure 1: top-1 (left) and top-k (right) test accuracy of Monte Carlo against N_inner
+    (mean over the outer trials, error bars one s.d., band min-max) and the deterministic
+    prediction (dashed)."""
+    fig, axes = new_figure(2, width=7.0, height=3.2)
+    for ax, k in zip(axes, (1, top_k)):
+        ax.errorbar(raw["N_inner"], raw[f"top{k}_mean"], yerr=raw[f"top{k}_sd"], fmt="o-", ms=4, lw=1.4, capsize=2,
+                    color="C0", label="Monte Carlo: mean ± s.d. over outer trials", zorder=3)
+        ax.fill_between(raw["N_inner"], raw[f"top{k}_min"], raw[f"top{k}_max"], color="C0", alpha=0.18, lw=0,
+                        label="Monte Carlo: min–max over outer trials")
+        ax.axhline(deterministic[f"top{k}"], color="k", ls="--", lw=1.2, label="deterministic argmax ŷ (no sampling)")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("N_inner (samples inside the average)")
-        ax.set_ylabel(f"{k} accuracy")
-    axes[0].legend(loc="lower right")
+        ax.set_xticks(list(raw["N_inner"]))
+        ax.set_xticklabels([str(n) for n in raw["N_inner"]])
+        ax.set_xlabel("N_inner (samples averaged per prediction)")
+        ax.set_ylabel(f"top-{k} test accuracy")
+        ax.set_title(f"top-{k}")
+        ax.grid(alpha=0.3)
+    legend_below(fig, axes)
+    caption(fig, f"{description}; Monte Carlo: {total} logit samples per image as N_inner × N_outer")
     return save_figure(fig, path)
+
+
+def prediction_table(raw: pd.DataFrame, deterministic: Dict[str, float], top_k: int) -> pd.DataFrame:
+    """Figure 1 as a table, plain labels: one row per N_inner of Monte Carlo and one for
+    the deterministic prediction (no N_inner: nothing is sampled); each accuracy as
+    mean ± s.e. over the outer trials, its s.d. over the trials (what one prediction with
+    N_inner samples varies by) and its difference to the deterministic one."""
+    rows = []
+    for r in raw.itertuples(index=False):
+        r = r._asdict()
+        row = {"Method": "Monte Carlo", "N_inner": str(r["N_inner"]), "N_outer": str(r["N_outer"])}
+        for k in (1, top_k):
+            mean, sd, n = r[f"top{k}_mean"], r[f"top{k}_sd"], r["N_outer"]
+            se = sd / math.sqrt(n) if n > 1 else None
+            row[f"Top-{k}"] = format_mean_se(mean, se, sig=3)
+            row[f"Top-{k} s.d. (trials)"] = format_value(sd, sig=2) if n > 1 else ""
+            row[f"Top-{k} − deterministic"] = format_mean_se(mean - deterministic[f"top{k}"], se, sig=3, signed=True,
+                                                                 scientific=False)
+        rows.append(row)
+    row = {"Method": DETERMINISTIC_LABEL, "N_inner": "", "N_outer": ""}
+    for k in (1, top_k):
+        row.update({f"Top-{k}": format_value(deterministic[f"top{k}"], sig=3), f"Top-{k} s.d. (trials)": "",
+                    f"Top-{k} − deterministic": ""})
+    rows.append(row)
+    return pd.DataFrame(rows)
 
 
 @torch.no_grad()
 def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
     x, y = data["x_test"], data["y_test"]
     batch = cfg.evaluation.batch_size
+    top_k = cfg.evaluation.top_k
+    total = cfg.evaluation.total_samples
     means, variances = (torch.cat(parts) for parts in zip(*_batched(model.output_moments, x, batch)))
-    deterministic = {"top-1": float(top_k_correct(means, y, 1).double().mean()),
-                     "top-5": float(top_k_correct(means, y, 5).double().mean())}
+    deterministic = {"top1": round(float(top_k_correct(means, y, 1).double().mean()), 12),
+                     f"top{top_k}": round(float(top_k_correct(means, y, top_k).double().mean()), 12)}
     corrected = approximate_class_probabilities(means, variances)  # the logits' moments are already here
     plain = torch.softmax(means, -1)
     calibration = {}
@@ -274,41 +327,47 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
         calibration[f"{name}/ece"] = expected_calibration_error(probabilities, y)
     inner_list = sorted(cfg.evaluation.inner_samples)
     generator = torch.Generator(device=device).manual_seed(cfg.seed + 5)
-    accuracy = monte_carlo_accuracy(model, x, y, cfg.evaluation.total_samples, inner_list, batch, generator)
+    accuracy = monte_carlo_accuracy(model, x, y, total, inner_list, batch, generator, top_k=top_k)
     timing_rows = x[: cfg.evaluation.timing_images]
     deterministic_seconds, mc_seconds = time_per_image(model, timing_rows, inner_list, batch, generator, device)
-    rows = []
+    raw_rows = []
     for n in inner_list:
-        top1, top5 = accuracy[n]
-        rows.append({"method": "Monte Carlo", "N_inner": n, "N_outer": len(top1),
-                     "top-1 mean": float(top1.mean()), "top-1 sd": float(top1.std()) if len(top1) > 1 else 0.0,
-                     "top-1 min": float(top1.min()), "top-1 max": float(top1.max()),
-                     "top-5 mean": float(top5.mean()), "top-5 sd": float(top5.std()) if len(top5) > 1 else 0.0,
-                     "top-5 min": float(top5.min()), "top-5 max": float(top5.max())})
-    rows.append({"method": "deterministic argmax ŷ", "N_inner": 0, "N_outer": 1,
-                 "top-1 mean": deterministic["top-1"], "top-1 sd": 0.0, "top-1 min": deterministic["top-1"], "top-1 max": deterministic["top-1"],
-                 "top-5 mean": deterministic["top-5"], "top-5 sd": 0.0, "top-5 min": deterministic["top-5"], "top-5 max": deterministic["top-5"]})
-    table = pd.DataFrame(rows)
-    tables = write_table(table.set_index(["method", "N_inner"]), run_dir, "prediction",
-                         caption=f"Top-1/top-5 test accuracy, Monte Carlo ({cfg.evaluation.total_samples} samples per image) vs deterministic",
-                         )
+        row = {"N_inner": n, "N_outer": len(accuracy[n][0])}
+        for k, values in zip((1, top_k), accuracy[n]):
+            # accuracies are multiples of 1 / test images: 12 decimals drop float noise (an s.d. of 4e-16 over equal trials)
+            row.update({f"top{k}_mean": round(float(values.mean()), 12),
+                        f"top{k}_sd": round(float(values.std()), 12) if len(values) > 1 else 0.0,
+                        f"top{k}_min": float(values.min()), f"top{k}_max": float(values.max())})
+        raw_rows.append(row)
+    raw = pd.DataFrame(raw_rows)
+    description = describe_run(cfg, data)
+    table = prediction_table(raw, deterministic, top_k)
+    tables = write_table(table, run_dir, "prediction", index=False,
+                         caption=f"Test accuracy of Monte Carlo (N_inner samples averaged per prediction; {total} "
+                                 f"per image as N_inner × N_outer outer trials; mean ± s.e. over the trials) and of the "
+                                 f"deterministic prediction argmax ŷ. {description}")
     timing = pd.DataFrame(
-        [{"method": "deterministic argmax ŷ", "N_inner": 0, "ms / image": 1e3 * deterministic_seconds, "MC / deterministic": 1.0}]
-        + [{"method": "Monte Carlo", "N_inner": n, "ms / image": 1e3 * s, "MC / deterministic": s / deterministic_seconds}
-           for n, s in mc_seconds.items()]
+        [{"Method": DETERMINISTIC_LABEL, "N_inner": "", "ms / image": format_value(1e3 * deterministic_seconds),
+          "× deterministic": "1"}]
+        + [{"Method": "Monte Carlo", "N_inner": str(n), "ms / image": format_value(1e3 * t),
+            "× deterministic": format_value(t / deterministic_seconds)} for n, t in mc_seconds.items()]
     )
-    tables.update(write_table(timing.set_index(["method", "N_inner"]), run_dir, "timing",
-                              caption="Prediction time per image (one outer trial for Monte Carlo)"))
-    log.info("prediction on %d test images:\n%s\n%s", len(y), table.to_markdown(index=False), timing.to_markdown(index=False))
-    figures = {"prediction": _plot(table, deterministic, run_dir / "prediction.png")}
-    metrics = {"deterministic/top1": deterministic["top-1"], "deterministic/top5": deterministic["top-5"],
-               "deterministic/ms_per_image": 1e3 * deterministic_seconds, "test_images": len(y)}
+    tables.update(write_table(timing, run_dir, "timing", index=False,
+                              caption=f"Prediction time per image on {device.type} (one outer trial for Monte Carlo; "
+                                      f"{len(timing_rows)} images in batches of {batch})"))
+    log.info("prediction on %d test images:\n%s\n%s", len(y), table.to_markdown(index=False),
+             timing.to_markdown(index=False))
+    figures = {"prediction": _plot(raw, deterministic, top_k, total, description, run_dir / "prediction.png")}
+    metrics = {"evaluation/top_k": top_k, "deterministic/top1": deterministic["top1"],
+               f"deterministic/top{top_k}": deterministic[f"top{top_k}"],
+               "deterministic/ms_per_image": 1e3 * deterministic_seconds, "test_images": len(y),
+               "train_images": len(data["y_train"])}
     metrics.update({f"calibration/{k}": v for k, v in calibration.items()})
-    for row in rows[:-1]:
+    for row in raw_rows:
         n = row["N_inner"]
-        metrics[f"monte_carlo/N{n}/top1_mean"] = row["top-1 mean"]
-        metrics[f"monte_carlo/N{n}/top1_sd"] = row["top-1 sd"]
-        metrics[f"monte_carlo/N{n}/top5_mean"] = row["top-5 mean"]
+        for k in (1, top_k):
+            for stat in ("mean", "sd", "min", "max"):
+                metrics[f"monte_carlo/N{n}/top{k}_{stat}"] = row[f"top{k}_{stat}"]
         metrics[f"monte_carlo/N{n}/ms_per_image"] = 1e3 * mc_seconds[n]
         metrics[f"monte_carlo/N{n}/speed_ratio_mc_over_deterministic"] = mc_seconds[n] / deterministic_seconds
     return {"metrics": metrics, "tables": tables, "figures": figures}
@@ -335,6 +394,13 @@ def run(cfg: DictConfig, run_dir) -> dict:
              x_train.shape[1], computed["folder"], skipped_train + skipped_held)
     if cfg.stage == "features":
         return result
+    top_k, num_classes = cfg.evaluation.top_k, computed["num_classes"]
+    if cfg.stage in ("evaluate", "all") and top_k >= num_classes:
+        raise ConfigError(f"evaluation.top_k={top_k} must be below the {num_classes} classes of data={cfg.data.name} "
+                          f"(top-{num_classes} accuracy is 1); e.g. evaluation.top_k={max(2, num_classes // 3)}")
+    if cfg.stage in ("evaluate", "all") and 2 * top_k > num_classes:
+        log.warning("evaluation.top_k=%d is more than half of the %d classes: top-%d accuracy will be near 1 for any "
+                    "prediction", top_k, num_classes, top_k)
     if cfg.trainer.batch_size > len(y_train):
         raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} exceeds the {len(y_train)} training images; lower it")
     test_index, val_index = split_held_out(x_held, y_held, cfg.split.validation_fraction, cfg.split.seed)
@@ -358,4 +424,5 @@ def run(cfg: DictConfig, run_dir) -> dict:
             evaluated = evaluate(cfg, model, data, run_dir, device)
             metrics.update(evaluated["metrics"])
             result["tables"], result["figures"] = evaluated["tables"], evaluated["figures"]
+            result["main_table"] = "prediction.md"
     return result

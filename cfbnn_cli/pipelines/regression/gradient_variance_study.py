@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pandas as pd
 import torch
@@ -26,7 +26,8 @@ from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork, mixture_log_like
 from ...bnn.gradient_variance import gradient_variance
 from ...data.regression import RegressionData, load_regression_data
 from ...moments import ACTIVATIONS, validate_args
-from ...report.figures import new_figure, save_figure
+from ...report.figures import caption, legend_below, new_figure, save_figure
+from ...report.numbers import format_value
 from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
@@ -138,61 +139,131 @@ def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dic
     return out
 
 
-def _format(value: float) -> str:
-    if value == 0:
-        return "0"
-    exponent = math.floor(math.log10(abs(value)))
-    return f"{value:.3g}" if -2 <= exponent <= 3 else f"{value:.1e}"
+# gradient variances from S draws carry a relative s.e. of about sqrt(2 / S) (4.5 % at S = 1000):
+# two significant digits are what one run's numbers support
+GRADVAR_DIGITS = 2
+KIND_LABELS = {"mean": "means", "scale": "log σ"}
 
 
-def gradient_variance_table(results: Dict[int, dict], last_epoch: int) -> pd.DataFrame:
-    """Paper Table 1 layout: rows Analytic/Sampling; columns epoch x layer; "mean / scale"."""
+def convergence_note(history: List[dict], key: str = "train_elbo_per_point") -> Dict[str, object]:
+    """Whether training had converged at its last epoch, judged on the training objective:
+    ``{"converged": bool, "rate": per-epoch change over the last epochs, "average": per-epoch
+    change over the run, "text": a phrase for captions}``. Converged means the objective's
+    recent rate of improvement is below a tenth of its average rate since epoch 1
+    (a linearly falling −ELBO is not converged, however slowly it falls)."""
+    values = [h[key] for h in history if h.get(key) is not None]
+    if len(values) < 3:
+        return {"converged": False, "rate": None, "average": None,
+                "text": f"{len(values)} epoch(s): too few to judge convergence"}
+    window = max(2, len(values) // 10)
+    rate = (values[-1] - values[-1 - window]) / window
+    average = (values[-1] - values[0]) / (len(values) - 1)
+    converged = average <= 0 or rate < 0.1 * average
+    text = (f"converged: the ELBO per point rose {rate:.2g} per epoch over the last {window} epochs, "
+            f"{rate / average:.0%} of its average rate" if converged and average > 0 else
+            f"not converged: the ELBO per point was still rising {rate:.2g} per epoch over the last {window} epochs "
+            f"({rate / average:.0%} of its average rate since epoch 1)" if average > 0 else
+            "converged: the ELBO per point stopped rising")
+    return {"converged": converged, "rate": rate, "average": average, "text": text}
+
+
+def epoch_heading(epoch: int, last_epoch: int, converged: Optional[bool]) -> str:
+    """Table 1's column group: at initialization, or the epoch with what it is (the end of
+    training, and whether training had converged there)."""
+    if epoch == 0:
+        return "Upon initialization (epoch 0)"
+    if epoch == last_epoch:
+        state = "" if converged is None else (", converged" if converged else ", not converged")
+        return f"End of training (epoch {epoch}{state})"
+    return f"Epoch {epoch} of {last_epoch}"
+
+
+def gradient_variance_table(results: Dict[int, dict], last_epoch: int, converged: Optional[bool] = None) -> pd.DataFrame:
+    """Paper Table 1 layout: rows Analytic / Sampling / their ratio; columns epoch x layer;
+    cells "weight means / log σ" (two significant digits; the ratio row sampling / analytic)."""
     columns = {}
     for epoch in sorted(results):
-        when = "Upon initialization" if epoch == 0 else ("Late in training" if epoch == last_epoch else f"Epoch {epoch}")
-        when = f"{when} (epoch {epoch})"
+        when = epoch_heading(epoch, last_epoch, converged)
         for layer in next(iter(results[epoch].values())):
-            columns[f"{when}: {layer.capitalize()} Layer"] = [
-                f"{_format(results[epoch][e][layer]['mean'])} / {_format(results[epoch][e][layer]['scale'])}" for e in TABLE1_ESTIMATORS
-            ]
-    frame = pd.DataFrame(columns, index=[ESTIMATOR_LABELS[e] for e in TABLE1_ESTIMATORS])
+            cells = [" / ".join(format_value(results[epoch][e][layer][kind], sig=GRADVAR_DIGITS) for kind in ("mean", "scale"))
+                     for e in TABLE1_ESTIMATORS]
+            ratios = []
+            for kind in ("mean", "scale"):
+                analytic, sampling = results[epoch]["analytic"][layer][kind], results[epoch]["sampling"][layer][kind]
+                ratios.append(format_value(sampling / analytic, sig=GRADVAR_DIGITS) if analytic > 0 else "—")
+            columns[f"{when}: {layer.capitalize()} Layer"] = cells + [" / ".join(ratios)]
+    frame = pd.DataFrame(columns, index=[ESTIMATOR_LABELS[e] for e in TABLE1_ESTIMATORS] + ["Ratio sampling / analytic"])
     frame.index.name = "Estimator"
     return frame
 
 
-def _plot_gradient_variance(results, path):
+def _plot_gradient_variance(results, path, description: str, last_epoch: int, converged: Optional[bool]):
+    """Bars of the two estimators' mean gradient variance for each layer's weight means and
+    log σ, one panel per epoch on one shared log axis; the ratio sampling / analytic
+    written above each pair."""
     epochs = sorted(results)
-    fig, axes = new_figure(len(epochs), width=3.3 * len(epochs), height=2.6)
+    fig, axes = new_figure(len(epochs), width=max(3.6 * len(epochs), 4.5), height=3.4, sharey=True)
+    width = 0.4
+    low, high = math.inf, 0.0
     for ax, epoch in zip(axes, epochs):
         layers = list(next(iter(results[epoch].values())))
-        labels = [f"{layer}\n{kind}" for layer in layers for kind in ("mean", "scale")]
-        width = 0.38
+        pairs = [(layer, kind) for layer in layers for kind in ("mean", "scale")]
+        styles = {"analytic": dict(color="C0"), "sampling": dict(color="C1", hatch="///", edgecolor="white")}
         for offset, estimator in ((-width / 2, "analytic"), (width / 2, "sampling")):
-            values = [results[epoch][estimator][layer][kind] for layer in layers for kind in ("mean", "scale")]
-            ax.bar([i + offset for i in range(len(values))], values, width, label=ESTIMATOR_LABELS[estimator])
+            values = [results[epoch][estimator][layer][kind] for layer, kind in pairs]
+            ax.bar([i + offset for i in range(len(values))], values, width, label=ESTIMATOR_LABELS[estimator],
+                   **styles[estimator])
+            low, high = min(low, min(v for v in values if v > 0)), max(high, max(values))
+        for i, (layer, kind) in enumerate(pairs):
+            analytic, sampling = results[epoch]["analytic"][layer][kind], results[epoch]["sampling"][layer][kind]
+            if analytic > 0:
+                ax.annotate(f"×{format_value(sampling / analytic, sig=2)}", (i, max(analytic, sampling)),
+                            xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=7)
         ax.set_yscale("log")
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.set_title(f"epoch {epoch}")
-        ax.set_ylabel("mean gradient variance")
-        ax.legend()
+        ax.set_xticks(range(len(pairs)))
+        ax.set_xticklabels([f"{layer}\n{KIND_LABELS[kind]}" for layer, kind in pairs])
+        ax.set_title(epoch_heading(epoch, last_epoch, converged))
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylim(low / 3, high * 30)  # room above the tallest pair for its ratio
+    axes[0].set_ylabel("gradient variance\n(mean over the tensor's elements)")
+    legend_below(fig, axes)
+    caption(fig, f"Gradient variance of the weight means and of log σ (the log-scale parameters), per layer; "
+                 f"×: sampling / analytic. {description}")
     return save_figure(fig, path)
 
 
-def _plot_training(history: List[dict], path):
-    fig, axes = new_figure(3, width=7.0, height=2.3)
+def _plot_training(history: List[dict], path, description: str, convergence: Dict[str, object]):
+    fig, axes = new_figure(3, width=7.5, height=3.0)
     epochs = [h["epoch"] for h in history]
-    axes[0].plot(epochs, [-h["train_elbo_per_point"] for h in history])
-    axes[0].set_ylabel("-ELBO per point")
-    axes[1].plot(epochs, [h["test_rmse"] for h in history])
-    axes[1].set_ylabel("test RMSE")
-    axes[2].plot(epochs, [h["test_ll_closed_form"] for h in history], label="closed form")
-    axes[2].plot(epochs, [h["test_ll_monte_carlo"] for h in history], label="Monte Carlo", linestyle="--")
-    axes[2].set_ylabel("test log-likelihood")
-    axes[2].legend()
+    axes[0].plot(epochs, [-h["train_elbo_per_point"] for h in history], "o-", ms=3, color="C2")
+    axes[0].set_ylabel("−ELBO per point\n(standardized targets, nats)")
+    axes[1].plot(epochs, [h["test_rmse"] for h in history], "o-", ms=3, color="C3")
+    axes[1].set_ylabel("test RMSE (original units)")
+    closed = [h["test_ll_closed_form"] for h in history]
+    monte_carlo = [h["test_ll_monte_carlo"] for h in history]
+    axes[2].plot(epochs, closed, "-", marker="o", ms=5, mfc="none", lw=1.6, color="C0", label="closed-form predictive")
+    axes[2].plot(epochs, monte_carlo, "--", marker="x", ms=5, lw=1.2, color="C1", label="Monte Carlo predictive")
+    axes[2].set_ylabel("test log-likelihood per point\n(original units, nats)")
     for ax in axes:
         ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    gap = max(abs(a - b) for a, b in zip(closed, monte_carlo))
+    legend_below(fig, axes)
+    caption(fig, f"{description}. Test log-likelihood: the two predictives differ by at most {format_value(gap, sig=1)} "
+                 f"nats. Training {convergence['text']}.")
     return save_figure(fig, path)
+
+
+def describe_run(cfg, data: RegressionData, num_draws: bool = True) -> str:
+    """One line naming the data, network, estimator, draws, batch and seed (captions)."""
+    sizes = "-".join(str(n) for n in [data.input_dim, *cfg.model.hidden_sizes, 1])
+    text = (f"Data {data.name} ({data.num_train} training rows, {data.input_dim} features), network {sizes}, trained "
+            f"with the {cfg.estimator} estimator (batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
+            f"{cfg.trainer.epochs} epochs), seed {cfg.seed}")
+    if num_draws:
+        text += (f"; {cfg.gradient_variance.num_samples} single-sample gradients per estimator on one fixed batch of "
+                 f"{cfg.gradient_variance.batch_size} training rows")
+    return text
 
 
 def run(cfg: DictConfig, run_dir) -> dict:
@@ -256,14 +327,24 @@ def run(cfg: DictConfig, run_dir) -> dict:
         return {"metrics": {}, "tables": {}, "figures": {}, "device": device}
 
     tables, figures, metrics_out = {}, {}, {}
+    convergence = convergence_note(history) if history else {"converged": None, "text": "no epochs"}
     if history:
-        figures["training"] = _plot_training(history, run_dir / "training.png")
+        figures["training"] = _plot_training(history, run_dir / "training.png", describe_run(cfg, data, False), convergence)
         metrics_out.update({f"final_{k}": v for k, v in history[-1].items() if k != "epoch"})
+        metrics_out["train/converged"] = None if convergence["converged"] is None else float(convergence["converged"])
+    result_extra = {}
     if gv_results:
-        frame = gradient_variance_table(gv_results, cfg.trainer.epochs)
-        tables.update(write_table(frame, run_dir, "gradient_variance", caption="Mean gradient variances (weight means / log scales)"))
-        log.info("gradient variance (weight means / log scales):\n%s", frame.to_markdown())
-        figures["gradient_variance"] = _plot_gradient_variance(gv_results, run_dir / "gradient_variance.png")
+        frame = gradient_variance_table(gv_results, cfg.trainer.epochs, convergence["converged"])
+        table_caption = (f"Mean gradient variances (weight means / log σ, the log-scale parameters; two significant digits: "
+                   f"{cfg.gradient_variance.num_samples} draws give a relative s.e. of about "
+                   f"{100 * math.sqrt(2 / max(cfg.gradient_variance.num_samples - 1, 1)):.0f} %). "
+                   f"{describe_run(cfg, data)}. End of training: {convergence['text']}.")
+        tables.update(write_table(frame, run_dir, "gradient_variance", caption=table_caption))
+        log.info("gradient variance (weight means / log σ):\n%s", frame.to_markdown())
+        figures["gradient_variance"] = _plot_gradient_variance(gv_results, run_dir / "gradient_variance.png",
+                                                               describe_run(cfg, data), cfg.trainer.epochs,
+                                                               convergence["converged"])
+        result_extra["main_table"] = "gradient_variance.md"
         for epoch, by_estimator in gv_results.items():
             for est, layers in by_estimator.items():
                 for layer, kinds in layers.items():
@@ -277,4 +358,4 @@ def run(cfg: DictConfig, run_dir) -> dict:
                     metrics_out[f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}"] = (
                         sampling / analytic if analytic > 0 else None
                     )
-    return {"metrics": metrics_out, "tables": tables, "figures": figures, "device": device}
+    return {"metrics": metrics_out, "tables": tables, "figures": figures, "device": device, **result_extra}
