@@ -12,6 +12,7 @@ from cfbnn_cli.cli import compose_config
 from cfbnn_cli.pipelines import regression
 from cfbnn_cli.pipelines.regression import uci_protocol
 from cfbnn_cli.pipelines.regression.uci_protocol import make_splits, original_units, prediction_seconds_per_1000
+from cfbnn_cli.report.numbers import split_mean_se
 from cfbnn_cli.runtime.errors import ConfigError, DataError
 
 
@@ -79,6 +80,13 @@ def test_every_method_is_finite_and_outputs_exist(small_run):
             assert math.isfinite(m[f"uci/{method}/{key}"]), (method, key)
     table = pd.read_csv(run_dir / "uci.csv", index_col=0)
     assert len(table) == 6 and "±" in table["Test LL"].iloc[0]
+    # the paired column agrees with the per-split records (recomputed here from uci_splits.csv)
+    paired = table["Test LL − closed form (diag.) (paired)"]
+    assert paired.iloc[0] == "—"
+    splits_frame = pd.read_csv(run_dir / "uci_splits.csv").pivot(index="split", columns="method", values="test_ll")
+    difference = splits_frame["plain_mlp"] - splits_frame["closed_form_diagonal"]
+    mean, se = split_mean_se(paired[uci_protocol.METHODS["plain_mlp"]])
+    assert mean == pytest.approx(difference.mean(), abs=se) and se == pytest.approx(difference.std() / math.sqrt(2), rel=0.3)
     assert "\\toprule" in (run_dir / "uci.tex").read_text()
     assert (run_dir / "uci.md").read_text().count("|") > 20
     assert (run_dir / "uci.png").read_bytes()[:4] == b"\x89PNG"

@@ -73,6 +73,7 @@ from ...bnn.network import PRIORS, BayesianNetwork, mixture_log_likelihood
 from ...data.regression import RegressionData, RegressionTable, load_regression_table
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import new_figure, save_figure
+from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
@@ -525,10 +526,6 @@ def _mean_and_standard_error(values: pd.Series) -> Tuple[float, Optional[float]]
     return float(values.mean()), se
 
 
-def _pm(mean: float, se: Optional[float], digits: int = 3) -> str:
-    return f"{mean:.{digits}f} ± {se:.{digits}f}" if se is not None else f"{mean:.{digits}f}"
-
-
 def _iterations(method: str, part: pd.DataFrame, cfg) -> str:
     """How the method stopped, with its median count: L-BFGS iterations or Adam epochs."""
     median = int(round(float(part["iterations"].median())))
@@ -539,33 +536,35 @@ def _iterations(method: str, part: pd.DataFrame, cfg) -> str:
     return f"Adam {median} ep. ({stopped}/{len(part)} stopped by validation)"
 
 
-def summary_table(records: pd.DataFrame, methods: List[str], cfg) -> pd.DataFrame:
+def summary_table(records: pd.DataFrame, methods: List[str], cfg, reference: Optional[str] = None) -> pd.DataFrame:
     """One row per method: mean ± s.e. over splits of the test LL and RMSE (original
-    units), the test LL at the reference closed form's training time, and medians over
-    splits of training seconds, iterations and prediction time."""
+    units), the test LL minus the reference closed form's on the same split (paired, so
+    the split-to-split spread cancels: the column that says whether a difference is
+    real), the test LL at the reference's training time, and medians over splits of
+    training seconds, iterations and prediction time. Rounded by the shared
+    :func:`~cfbnn_cli.report.numbers.format_mean_se` like every cfbnn table."""
+    base = (records[records["method"] == reference].set_index("split")["test_ll"]
+            if reference is not None else None)
     rows = []
     for method in methods:
         part = records[records["method"] == method]
-        ll, ll_se = _mean_and_standard_error(part["test_ll"])
-        rmse, rmse_se = _mean_and_standard_error(part["rmse"])
         equal = part["equal_time_test_ll"].astype(float)
+        paired = "—"
+        if base is not None and method != reference:
+            difference = (part.set_index("split")["test_ll"] - base).dropna()
+            paired = format_mean_se(*_mean_and_standard_error(difference), signed=True, scientific=False)
         rows.append({
             "Method": METHODS[method],
-            "Test LL": _pm(ll, ll_se),
-            "RMSE": _pm(rmse, rmse_se, digits=_rmse_digits(rmse)),
-            "Test LL at closed form's time": _pm(*_mean_and_standard_error(equal)) if equal.notna().all() else "—",
-            "Train s (median)": f"{part['train_seconds'].median():.2f}",
+            "Test LL": format_mean_se(*_mean_and_standard_error(part["test_ll"])),
+            f"Test LL − {SHORT_NAMES.get(reference, 'closed form')} (paired)": paired,
+            "RMSE": format_mean_se(*_mean_and_standard_error(part["rmse"])),
+            "Test LL at closed form's time": (format_mean_se(*_mean_and_standard_error(equal))
+                                              if equal.notna().all() else "—"),
+            "Train s (median)": format_value(part["train_seconds"].median()),
             "Stopping": _iterations(method, part, cfg),
-            "Predict ms / 1000 pts (median)": f"{1e3 * part['predict_seconds_per_1000'].median():.2f}",
+            "Predict ms / 1000 pts (median)": format_value(1e3 * part["predict_seconds_per_1000"].median()),
         })
     return pd.DataFrame(rows).set_index("Method")
-
-
-def _rmse_digits(rmse: float) -> int:
-    """Three significant digits for RMSEs in the target's own units (0.0312, 3.01, 54.1, 14706)."""
-    if not math.isfinite(rmse) or rmse <= 0:
-        return 3
-    return max(0, 2 - int(math.floor(math.log10(rmse))))
 
 
 SHORT_NAMES = {
@@ -700,7 +699,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
                     )
     frame = pd.DataFrame(records).sort_values(["split", "method"])
     tables = write_table(frame.set_index(["split", "method"]), run_dir, "uci_splits")
-    summary = summary_table(frame, methods, cfg)
+    summary = summary_table(frame, methods, cfg, reference)
     caption = (f"UCI protocol on {table.name} ({len(table.y)} rows, {table.x.shape[1]} features): {len(splits)} random 90/10 "
                f"splits, mean ± s.e. over splits; test LL per point and RMSE in the target's units; times are medians "
                f"over splits; the equal-time column is each method at the training time of {METHODS[reference] if reference else '—'}")
