@@ -28,6 +28,12 @@ def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: i
     if num_samples < 2:
         raise ValueError(f"`num_samples` must be >= 2 to estimate a variance; got {num_samples}")
     params = {name: p.detach() for name, p in model.named_parameters()}
+    if not model.noise_shapes(x.shape[0], estimator):
+        # nothing is sampled (the deterministic estimator, or one hidden layer under "analytic"):
+        # every draw is the same gradient, so its variance is exactly zero, not estimated
+        if progress is not None:
+            progress.update(num_samples)
+        return {k: 0.0 for k in params}
 
     scale = num_data / x.shape[0]
 

@@ -25,6 +25,16 @@ at the same parameters):
 ``integrate_output_layer``  every Gaussian layer sampled but the output layer, which is
                         integrated exactly given the sampled activations (VAE "V2").
 ``sampling``            every Gaussian layer sampled (local reparameterization).
+``deterministic``       nothing sampled at any depth: the first Gaussian layer's
+                        pre-activations exactly (eq. (12)), every later hidden
+                        layer's from the previous layer's output moments and its
+                        q (:meth:`GaussianMatrix.propagated_preactivation_moments`,
+                        mean and variance per unit, units treated as independent:
+                        the diagonal moment propagation of deterministic VI, Wu et
+                        al. 2019), the output layer exactly given those moments.
+                        Exact for one hidden layer (there it equals ``analytic``);
+                        an approximation for deeper networks, whose bias
+                        ``tests/bnn/test_deterministic.py`` measures against Monte Carlo.
 ======================  =====================================================
 
 The likelihood is a separate object (:mod:`.likelihoods`), passed in.
@@ -53,9 +63,9 @@ from .functional import augment
 from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
 
 COVARIANCES = ("diagonal", "full", "lowrank")
-ESTIMATORS = ("analytic", "integrate_output_layer", "sampling")
+ESTIMATORS = ("analytic", "integrate_output_layer", "sampling", "deterministic")
 PRIORS = ("fixed", "empirical_bayes")
-_CLOSED_FORM_LAYERS = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0}
+_CLOSED_FORM_LAYERS = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0, "deterministic": 1 << 30}
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
 
 
@@ -139,6 +149,34 @@ class GaussianMatrix(nn.Module):
         if self.covariance == "diagonal":  # the fused path: analytic backward, no [h, 1] built
             return fused.diagonal_preactivation(h, self.loc, self.log_scale, self.bias)
         return F.preactivation_moments(augment(h) if self.bias else h, self.loc, self.scale())
+
+    def elementwise_variance(self) -> torch.Tensor:
+        """``Var_q[W_rc]`` as an ``(R, C)`` matrix: the diagonal of each row's covariance."""
+        if self.covariance == "diagonal":
+            return self.log_scale.mul(2.0).exp()
+        scale = self.scale()
+        if self.covariance == "full":
+            return scale.square().sum(-1)  # diag(L L^T)_c = sum_k L_ck^2
+        return scale.diag.square() + scale.factor.square().sum(-1)
+
+    def propagated_preactivation_moments(self, phi: torch.Tensor, variance: torch.Tensor
+                                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(gamma, xi)`` (mean, standard deviation) of ``W [h, 1]`` when the inputs ``h``
+        are themselves uncertain: independent across units with means ``phi`` and
+        variances ``variance``, and independent of W (the ``deterministic`` estimator).
+
+        ``Var[sum_c W_rc h_c] = phi^T Sigma_r phi + sum_c (loc_rc^2 + Var W_rc) variance_c``:
+        the first term is the exact weight-uncertainty variance at ``h = phi`` (eq. (12)),
+        the second what the inputs' spread adds. The bias column (``h = 1``) adds no
+        variance of its own. ``xi`` never reaches 0 where q has any spread, so its square
+        root has a finite gradient.
+        """
+        gamma, xi = self.preactivation_moments(phi)
+        weights = self.loc.square() + self.elementwise_variance()
+        if self.bias:
+            weights = weights[..., :-1]
+        spread = variance @ weights.transpose(-1, -2)
+        return gamma, (xi.square() + spread).sqrt()
 
     def second_moment(self) -> torch.Tensor:
         """``E_q[W_rc^2]`` averaged over the matrix: ``(sum_r tr Sigma_r + |loc|^2) / (R C)``."""
@@ -311,12 +349,19 @@ class BayesianNetwork(nn.Module):
         treatments = self.treatments(estimator)
         noise = iter(noise)
         last = len(self.layers) - 1
+        moments = None  # (mean, variance) of h once it is propagated rather than known
         for index in range(self.point_layers, len(self.layers)):
             layer, treatment = self.layers[index], treatments[index]
             if treatment == "closed_form":
-                if index == last:
+                if index == last:  # only reached when no hidden layer was integrated before it
                     return "output_layer", h
-                return "hidden_and_output", layer.preactivation_moments(h)
+                pre = layer.preactivation_moments(h) if moments is None else layer.propagated_preactivation_moments(*moments)
+                if index == last - 1:
+                    return "hidden_and_output", pre
+                # a hidden layer before the last (the deterministic estimator): carry its moments on
+                phi, _, variance = self.activation.moments(*pre, return_variance=True)
+                moments = (phi, variance)
+                continue
             gamma, xi = layer.preactivation_moments(h)
             z = gamma + xi * next(noise)
             if index == last:
@@ -340,6 +385,24 @@ class BayesianNetwork(nn.Module):
             phi = augment(phi)
             variance = torch.cat([variance, torch.zeros_like(variance[..., :1])], -1)
         return F.output_moments_given_hidden(phi, variance, output.loc, output.scale())
+
+    def _mean_and_covariance(self, h, estimator: str, noise):
+        """``(mean (..., N, O), covariance (..., N, O, O))`` of the outputs from the activations
+        ``h`` after the point layers. The output layer's rows are independent under q, so
+        outputs covary only through the shared hidden units: ``Cov(o_i, o_j) = sum_c
+        loc_ic loc_jc Var[h_c]`` off the diagonal (heteroscedastic regression needs it
+        between the mean and the log-variance)."""
+        mean, var_a, var_b = self._propagate(h, estimator, noise)
+        kind, value = self._forward_to_tail(h, estimator, noise)
+        output = self.layers[-1]
+        if kind == "hidden_and_output":
+            _, _, hidden_variance = self.activation.moments(*value, return_variance=True)
+            loc = output.loc[..., :-1] if output.bias else output.loc
+            covariance = torch.einsum("...nc,ic,jc->...nij", hidden_variance, loc, loc)
+        else:  # given sampled activations the output rows are independent
+            covariance = torch.zeros(mean.shape + mean.shape[-1:], dtype=mean.dtype, device=mean.device)
+        diagonal = torch.diag_embed(var_a + var_b - torch.diagonal(covariance, dim1=-2, dim2=-1))
+        return mean, covariance + diagonal
 
     def _fused_normal_ell(self, h, y, estimator: str, noise):
         """The Normal ELL per point through :mod:`.fused` (a diagonal output layer integrated
@@ -426,6 +489,41 @@ class BayesianNetwork(nn.Module):
             variances.append(variance)
         return torch.cat(means), torch.cat(variances)
 
+    @torch.no_grad()
+    def predictive_components(self, x, estimator: str = "analytic", num_samples: int = 32, generator=None,
+                              chunk: int = 8, num_nodes: int = 64):
+        """The predictive density of ``y`` as a mixture of Normals, ``(means, variances,
+        log_weights)`` each ``(K, N)``, for a one-output Normal or a heteroscedastic likelihood
+        (:func:`mixture_log_likelihood` scores it).
+
+        Normal: ``N(mean_s, var_s + 1/beta)``, equal weights over the draws of the sampled
+        layers (one exact component when ``estimator`` samples nothing). Heteroscedastic:
+        the likelihood's Gauss-Hermite mixture
+        (:meth:`~.likelihoods.HeteroscedasticNormalLikelihood.predictive_mixture`) given the
+        propagated (mean, log-variance) moments, for each draw of the sampled layers.
+        """
+        h = self.point_features(x)
+        heteroscedastic = getattr(self.likelihood, "needs_covariance", False)
+        draws = [()] if not self.noise_shapes(h.shape[-2], estimator) else [
+            self.sample_noise(h.shape[-2], estimator, generator, num_samples=min(chunk, num_samples - start))
+            for start in range(0, num_samples, chunk)]  # chunks bound memory; draws within one are batched
+        means, variances, log_weights = [], [], []
+        for noise in draws:
+            if heteroscedastic:
+                mean, covariance = self._mean_and_covariance(h, estimator, noise)
+                mean, variance, log_weight = (v.flatten(0, -2) for v in
+                                              self.likelihood.predictive_mixture(mean, covariance, num_nodes))
+            else:
+                mean, variance = self.output_moments(h, estimator, noise, after_point_layers=True)
+                variance = variance + 1.0 / self.precision
+                if not noise:
+                    mean, variance = mean.unsqueeze(0), variance.unsqueeze(0)
+                log_weight = torch.zeros_like(mean)
+            means.append(mean)
+            variances.append(variance)
+            log_weights.append(log_weight - math.log(len(draws) if noise == () else num_samples))
+        return torch.cat(means), torch.cat(variances), torch.cat(log_weights)
+
     # ------------------------------------------------------------------ objectives
 
     def expected_log_likelihood_per_point(self, x, y, estimator: str = "analytic", noise=None, generator=None,
@@ -436,6 +534,8 @@ class BayesianNetwork(nn.Module):
         h = self.point_features(x)
         if noise is None:
             noise = self.sample_noise(h.shape[-2], estimator, generator, lead=h.shape[:-2])
+        if getattr(likelihood, "needs_covariance", False):  # heteroscedastic: (mean, log-variance) covary
+            return likelihood.expected_log_likelihood(y, *self._mean_and_covariance(h, estimator, noise))
         fused_ell = self._fused_normal_ell(h, y, estimator, noise)
         if fused_ell is not None:
             return fused_ell
@@ -536,10 +636,18 @@ class ClosedFormBNN(BayesianNetwork):
         return self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise)
 
 
-def mixture_log_likelihood(y, means, variances):
-    """``log (1/S) sum_s N(y | mean_s, var_s)`` per data point: ``(N,)``."""
+def mixture_log_likelihood(y, means, variances, log_weights=None):
+    """``log sum_s w_s N(y | mean_s, var_s)`` per data point ``(N,)``; equal weights ``1/S``
+    unless ``log_weights`` (``(S, N)``, summing to one over ``S``) are given."""
     log_probs = -0.5 * ((y - means).square() / variances + torch.log(2 * math.pi * variances))
-    return torch.logsumexp(log_probs, 0) - math.log(means.shape[0])
+    if log_weights is None:
+        return torch.logsumexp(log_probs, 0) - math.log(means.shape[0])
+    return torch.logsumexp(log_probs + log_weights, 0)
+
+
+def mixture_mean(means, log_weights=None):
+    """The mean of the mixture: the (weighted) average of its components' means."""
+    return means.mean(0) if log_weights is None else (means * log_weights.exp()).sum(0)
 
 
 def bayesian_head(feature_dim: int, hidden_sizes: Sequence[int], num_classes: int, activation="relu",

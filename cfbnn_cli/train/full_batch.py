@@ -40,19 +40,31 @@ def minimize_full_batch(objective: Callable[[], torch.Tensor], parameters: Itera
     optimizer = torch.optim.LBFGS(parameters, lr=1.0, max_iter=round_iterations, history_size=history_size,
                                   tolerance_grad=gtol, tolerance_change=0.0, line_search_fn="strong_wolfe")
     evaluations = 0
+    rejected = 0  # line-search trial points where the objective overflowed
 
     def closure():
-        nonlocal evaluations
+        nonlocal evaluations, rejected
         optimizer.zero_grad(set_to_none=True)
         value = objective()
-        ensure_finite(value, step=evaluations, what=label)
-        value.backward()
         evaluations += 1
+        if not torch.isfinite(value):
+            # a trial step of the line search went where the objective overflows (exp of a huge
+            # log-variance, say): report it as far worse than the start, with no slope, so the
+            # strong-Wolfe search backtracks instead of the run failing; an accepted point is
+            # still checked below, so a real divergence (or bad data) is reported
+            rejected += 1
+            for p in parameters:
+                p.grad = torch.zeros_like(p)
+            # large but modest: the line search's cubic interpolation squares differences of values
+            return torch.tensor(overflow_stand_in, dtype=value.dtype, device=value.device)
+        value.backward()
         return value
 
     started = time.perf_counter()
     with torch.no_grad():
         previous = float(objective())
+    ensure_finite(torch.tensor(previous), step=0, what=label)
+    overflow_stand_in = abs(previous) + 1e4 * max(1.0, abs(previous))
     iterations, converged = 0, False
     while iterations < max_iterations:
         threads.rebalance()  # another cfbnn job may have started or ended: share the cores

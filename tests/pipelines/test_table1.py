@@ -13,7 +13,7 @@ from cfbnn_cli.runtime.errors import ConfigError
 from cfbnn_cli.runtime.numerics import NonFiniteLossError
 
 
-@pytest.mark.parametrize("estimator", ["analytic", "sampling"])
+@pytest.mark.parametrize("estimator", ["analytic", "sampling", "deterministic"])
 def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_cfg):
     result = regression.run(regression_cfg(f"estimator={estimator}"), tmp_path)
     history = pd.read_csv(tmp_path / "metrics.csv")
@@ -21,8 +21,12 @@ def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_c
     assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
     assert np.isfinite(history[["test_rmse", "test_ll_closed_form", "test_ll_monte_carlo"]].values).all()
     table = pd.read_csv(tmp_path / "gradient_variance.csv", index_col=0)
-    assert list(table.index) == ["Analytic", "Sampling", "Ratio sampling / analytic"] and table.shape[1] == 6
+    assert list(table.index) == ["Analytic", "Sampling", "Deterministic (nothing sampled)",
+                                 "Ratio sampling / analytic"] and table.shape[1] == 6
     assert "/" in table.iloc[0, 0]
+    # the third row: nothing is sampled at any depth, so no layer's gradient varies
+    assert set(table.loc["Deterministic (nothing sampled)"]) == {"0 / 0"}
+    assert all(v == 0.0 for k, v in result["metrics"].items() if k.startswith("gradvar/deterministic/"))
     # the ratio row is the two estimators' ratio, to two significant digits
     m = result["metrics"]
     for epoch, heading in ((0, "Upon initialization (epoch 0)"), (3, "End of training (epoch 3, not converged)")):

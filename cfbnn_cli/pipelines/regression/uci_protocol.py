@@ -29,7 +29,15 @@ rule, not to a shared step count:
 * ``pyro_local_reparameterization`` -- :class:`~cfbnn_cli.bnn.pyro_glue.PyroLocalReparameterizationRegression`
   with ``TraceMeanField_ELBO`` (analytic KL, local-reparameterization likelihood);
 * ``plain_mlp`` -- the network with point-estimate layers and a learned Gaussian noise
-  (maximum likelihood; the non-Bayesian reference).
+  (maximum likelihood; the non-Bayesian reference);
+* ``deterministic_2_hidden`` -- two hidden layers (``uci.deep_hidden_sizes``) under the
+  ``deterministic`` estimator: the first layer exact, the second's moments propagated,
+  the output layer exact; nothing sampled, so it trains like the closed forms;
+* ``heteroscedastic`` / ``heteroscedastic_2_hidden`` -- a second output, the log noise
+  variance, with the heteroscedastic likelihood's closed-form ELL under the propagated
+  Gaussian (an approximation, its bias measured in ``benchmarks/deterministic_bias.py``);
+  prediction by Gauss-Hermite over the log-variance (``HeteroscedasticNormalLikelihood.
+  predictive_mixture``).
 
 The sampling peers start their posterior standard deviations at ``uci.sampling_init_scale``
 (small: their gradient noise grows with it). The minibatch methods (and a closed form above
@@ -68,8 +76,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ...bnn.likelihoods import NormalLikelihood
-from ...bnn.network import PRIORS, BayesianNetwork, mixture_log_likelihood
+from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
+from ...bnn.network import PRIORS, BayesianNetwork, mixture_log_likelihood, mixture_mean
 from ...data.regression import RegressionData, RegressionTable, load_regression_table
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import new_figure, save_figure
@@ -94,7 +102,14 @@ METHODS = {
     "pyro": "Pyro AutoNormal + Trace_ELBO",
     "pyro_local_reparameterization": "Pyro local reparam. (TraceMeanField_ELBO)",
     "plain_mlp": "plain MLP (ML, learned noise)",
+    "deterministic_2_hidden": "cfbnn deterministic, 2 hidden layers",
+    "heteroscedastic": "cfbnn closed form, heteroscedastic",
+    "heteroscedastic_2_hidden": "cfbnn deterministic, heteroscedastic, 2 hidden",
 }
+# beyond the paper (moment propagation and an input-dependent noise): (likelihood, deep) per method;
+# they train like the closed forms (full-batch L-BFGS on their deterministic ELBO)
+DETERMINISTIC_METHODS = {"deterministic_2_hidden": ("normal", True), "heteroscedastic": ("heteroscedastic", False),
+                         "heteroscedastic_2_hidden": ("heteroscedastic", True)}
 MIN_ROWS = 10  # a 90/10 split needs at least one test point and a handful of training rows
 
 
@@ -116,6 +131,10 @@ def validate(cfg: DictConfig) -> List[str]:
     require_positive_float(cfg, "uci.rtol")
     require_positive_float(cfg, "trainer.lr")
     require_choice(cfg, "model.prior", list(PRIORS))
+    deep = OmegaConf.select(cfg, "uci.deep_hidden_sizes")
+    if not deep or len(deep) < 2 or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in deep):
+        raise ConfigError(f"uci.deep_hidden_sizes={deep} must list two or more positive widths (the deterministic "
+                          "methods' hidden layers), e.g. [50, 50]")
     validation = OmegaConf.select(cfg, "uci.validation_fraction")
     if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
         raise ConfigError(f"uci.validation_fraction={validation!r} must be a number in (0, 0.5): the share of each "
@@ -211,18 +230,21 @@ class Split:
 
 
 def _network(data, cfg, generator, covariance="diagonal", point_layers: int = 0,
-             init_scale: Optional[float] = None) -> BayesianNetwork:
-    """The network every cfbnn method of the protocol uses (``model.*``), with a learned noise;
-    posterior standard deviations start at ``init_scale`` (default ``model.init_scale``)."""
-    sizes = list(cfg.model.hidden_sizes)
+             init_scale: Optional[float] = None, sizes: Optional[List[int]] = None,
+             heteroscedastic: bool = False) -> BayesianNetwork:
+    """The network every cfbnn method of the protocol uses (``model.*``), with a learned noise
+    (or, ``heteroscedastic``, a second output for the log noise variance); posterior standard
+    deviations start at ``init_scale`` (default ``model.init_scale``)."""
+    sizes = list(cfg.model.hidden_sizes) if sizes is None else list(sizes)
     if isinstance(covariance, str):
         # the output layer's covariance is diagonal or full; low rank applies to the hidden layers
         covariance = [covariance] * len(sizes) + ["full" if covariance == "full" else "diagonal"]
+    likelihood = (HeteroscedasticNormalLikelihood() if heteroscedastic
+                  else NormalLikelihood(cfg.model.precision, cfg.model.learn_precision))
     return BayesianNetwork(
-        data.input_dim, sizes, 1, cfg.model.activation, covariance[point_layers:], cfg.model.rank, cfg.model.prior_scale,
-        cfg.model.init_scale if init_scale is None else init_scale,
-        NormalLikelihood(cfg.model.precision, cfg.model.learn_precision), point_layers=point_layers,
-        generator=generator,
+        data.input_dim, sizes, 2 if heteroscedastic else 1, cfg.model.activation, covariance[point_layers:],
+        cfg.model.rank, cfg.model.prior_scale, cfg.model.init_scale if init_scale is None else init_scale,
+        likelihood, point_layers=point_layers, generator=generator,
     )
 
 
@@ -235,8 +257,7 @@ def _validation_split(num_train: int, fraction: float, seed: int) -> Tuple[torch
 
 def _predictive_log_likelihood(predict, x, y) -> float:
     with torch.no_grad():
-        means, variances = predict(x)
-        return float(mixture_log_likelihood(y, means, variances).mean())
+        return float(mixture_log_likelihood(y, *predict(x)).mean())
 
 
 def _fit_by_validation(name, module, parameters, loss_on_rows, predict, validation_predict, split: Split, cfg,
@@ -295,29 +316,47 @@ def _quiet(logger_name: str, level: int = logging.WARNING):
         logger.setLevel(previous)
 
 
-def _fit_closed_form(covariance, split: Split, cfg, device, generator):
+def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: Optional[str] = None):
+    """A method with nothing sampled in its ELBO: a closed form (``covariance``) or one of
+    :data:`DETERMINISTIC_METHODS` (``method``)."""
     data = split.data
-    model = _network(data, cfg, generator, covariance).to(device)
+    name = method or f"closed_form_{covariance}"
+    likelihood, deep = DETERMINISTIC_METHODS.get(method, ("normal", False))
+    estimator = "deterministic" if deep else "analytic"
+    model = _network(data, cfg, generator, covariance, sizes=list(cfg.uci.deep_hidden_sizes) if deep else None,
+                     heteroscedastic=likelihood == "heteroscedastic").to(device)
     sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
 
-    @torch.no_grad()
-    def predict(x):
-        means, variances = model.predict_mixture(x, cfg.uci.predictive_samples, sampler)
-        return means, variances + 1.0 / model.precision
+    if likelihood == "heteroscedastic" or deep:
+        @torch.no_grad()
+        def predict(x):  # exact given the propagated moments: no sampling
+            return model.predictive_components(x, estimator)
 
-    noise_std = lambda: float(model.precision.detach()) ** -0.5  # noqa: E731
+        def noise_std():  # the typical predicted noise: root mean exp(l) over the training inputs
+            if likelihood == "normal":
+                return float(model.precision.detach()) ** -0.5
+            with torch.no_grad():
+                mean, _ = model.output_moments(data.x_train, estimator, ())
+            return float(mean[..., 1].exp().mean().sqrt())
+    else:
+        @torch.no_grad()
+        def predict(x):
+            means, variances = model.predict_mixture(x, cfg.uci.predictive_samples, sampler)
+            return means, variances + 1.0 / model.precision
+
+        noise_std = lambda: float(model.precision.detach()) ** -0.5  # noqa: E731
     if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
         return _fit_by_validation(
-            f"closed_form_{covariance}", model, model.parameters(),
-            lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count), predict, predict,
+            name, model, model.parameters(),
+            lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, estimator), predict, predict,
             Split(data, split.index), cfg, device, noise_std,
         )
     num_data = data.num_train
 
     def negative_elbo_per_point():
-        return -model.elbo(data.x_train, data.y_train, num_data) / num_data
+        return -model.elbo(data.x_train, data.y_train, num_data, estimator) / num_data
 
-    options = dict(max_iterations=cfg.uci.max_iterations, rtol=cfg.uci.rtol, label=f"closed_form_{covariance} ELBO",
+    options = dict(max_iterations=cfg.uci.max_iterations, rtol=cfg.uci.rtol, label=f"{name} ELBO",
                    progress=_StepCount(split.progress))
     result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
     iterations, converged = result.iterations, result.converged
@@ -455,6 +494,8 @@ def fit_method(method: str, split: Split, cfg, device, seed: int) -> Fitted:
     generator = torch.Generator().manual_seed(seed)
     if method.startswith("closed_form_"):
         return _fit_closed_form(method[len("closed_form_"):], split, cfg, device, generator)
+    if method in DETERMINISTIC_METHODS:
+        return _fit_closed_form("diagonal", split, cfg, device, generator, method)
     fit = {"local_reparameterization": _fit_local_reparameterization, "pyro": _fit_pyro,
            "pyro_local_reparameterization": _fit_pyro_local_reparameterization, "plain_mlp": _fit_plain_mlp}[method]
     return fit(split, cfg, device, generator)
@@ -487,11 +528,11 @@ def read_progress(path: Path, fingerprint: str, n_splits: int, methods: List[str
 def test_metrics(predict, data: RegressionData, cfg) -> Dict[str, float]:
     """Test LL and RMSE in the target's original units; ``predict`` over row chunks (peak
     memory bounded whatever the test-set size)."""
-    chunk = rows_per_chunk(cfg.uci.predictive_samples * max(cfg.model.hidden_sizes))
+    chunk = rows_per_chunk(cfg.uci.predictive_samples * max(list(cfg.model.hidden_sizes) + list(cfg.uci.deep_hidden_sizes)))
     with torch.no_grad():
-        means, variances = map_row_chunks(predict, data.x_test, chunk)
-    log_likelihood = mixture_log_likelihood(data.y_test, means, variances)
-    squared_error = (means.mean(0) - data.y_test).square()
+        mixture = map_row_chunks(predict, data.x_test, chunk)  # (means, variances[, log_weights])
+    log_likelihood = mixture_log_likelihood(data.y_test, *mixture)
+    squared_error = (mixture_mean(mixture[0], *mixture[2:]) - data.y_test).square()
     test_ll, rmse = original_units(log_likelihood, squared_error, data.target_std)
     return {"test_ll": test_ll, "rmse": rmse}
 
@@ -571,6 +612,8 @@ SHORT_NAMES = {
     "closed_form_diagonal": "closed form (diag.)", "closed_form_full": "closed form (full)",
     "closed_form_lowrank": "closed form (low-rank)", "local_reparameterization": "cfbnn local reparam.",
     "pyro": "Pyro AutoNormal", "pyro_local_reparameterization": "Pyro local reparam.", "plain_mlp": "plain MLP",
+    "deterministic_2_hidden": "deterministic, 2 hidden", "heteroscedastic": "heteroscedastic",
+    "heteroscedastic_2_hidden": "heteroscedastic, 2 hidden",
 }
 
 
@@ -632,7 +675,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
     splits = make_splits(len(table.y), cfg.uci.n_splits, cfg.data.test_fraction)
     n_train = len(splits[0][0])
     batch_size = cfg.trainer.batch_size
-    minibatch = [m for m in methods if not m.startswith("closed_form_")] or (
+    minibatch = [m for m in methods if not m.startswith("closed_form_") and m not in DETERMINISTIC_METHODS] or (
         methods if n_train > cfg.uci.full_batch_max_rows else [])
     n_fit = n_train - max(1, int(round(cfg.uci.validation_fraction * n_train)))
     if minibatch and batch_size > n_fit:

@@ -1,0 +1,104 @@
+"""Forward+backward of the deterministic (nothing sampled) D-200-200-1 ELBO step.
+
+Side by side in one run, median of ``--repeats`` timed steps after a warm-up, float32,
+batch 500, D = 90 (paper Table 1's MSD width):
+
+* ``deterministic``: both hidden layers' moments, the second propagated (diagonal);
+* ``analytic``: the paper's Table 1 estimator (first layer sampled by local
+  reparameterization, the last two integrated);
+* ``sampling``: every layer sampled;
+* a plain MLP of the same shape (MSE step), the yardstick;
+
+then the cost of a full covariance per row of every Gaussian layer under
+``deterministic`` at H = 50, 200 (one hidden width H-H), as a ratio to the diagonal; at H = 1000 its size.
+
+    python benchmarks/bench_deterministic.py [--repeats 15] [--device cpu]
+
+Target (issue 18): deterministic step <= 3x the plain MLP on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cfbnn_cli.bnn.network import BayesianNetwork
+from cfbnn_cli.moments import set_validate_args
+from cfbnn_cli.runtime.threads import tune_allocator
+
+
+def median_time(step, repeats: int, device) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def elbo_step(model, x, y, estimator):
+    def step():
+        model.zero_grad(set_to_none=True)
+        (-model.elbo(x, y, 10_000, estimator)).backward()
+    return step
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    set_validate_args(False)  # as training runs: argument checks off in the hot path
+    tune_allocator()
+    torch.manual_seed(0)
+    D, H = 90, 200
+    x = torch.randn(args.batch, D, device=device)
+    y = torch.randn(args.batch, device=device)
+    mlp = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, H), torch.nn.ReLU(),
+                              torch.nn.Linear(H, 1)).to(device)
+
+    def mlp_step():
+        mlp.zero_grad(set_to_none=True)
+        (mlp(x)[:, 0] - y).square().mean().backward()
+
+    network = BayesianNetwork(D, [H, H], 1).to(device)
+    rows = {"plain MLP": median_time(mlp_step, args.repeats, device)}
+    for estimator in ("deterministic", "analytic", "sampling"):
+        rows[estimator] = median_time(elbo_step(network, x, y, estimator), args.repeats, device)
+    print(f"# D={D}, H={H}-{H}, batch {args.batch}, float32, {device}, torch threads {torch.get_num_threads()}, "
+          f"median of {args.repeats}")
+    print("| step | ms | × plain MLP | × analytic (sample first layer) |")
+    print("|---|---|---|---|")
+    for name, seconds in rows.items():
+        print(f"| {name} | {1e3 * seconds:.2f} | {seconds / rows['plain MLP']:.2f} | {seconds / rows['analytic']:.2f} |")
+    ratio = rows["deterministic"] / rows["plain MLP"]
+    print(f"\ntarget deterministic <= 3x plain MLP: {ratio:.2f}x -> {'MET' if ratio <= 3 else 'MISSED'}\n")
+
+    print("| H | diagonal ms | full covariance ms | full / diagonal |")
+    print("|---|---|---|---|")
+    for width in (50, 200, 1000):
+        if width == 1000:  # a Cholesky factor per row: H (H + 1)^2 floats for the second layer alone
+            gib = width * (width + 1) ** 2 * 4 / 2 ** 30
+            print(f"| {width} | — | not run: {gib:.1f} GiB of float32 parameters per layer (and its gradient) | — |")
+            continue
+        times = {}
+        for covariance in ("diagonal", "full"):
+            model = BayesianNetwork(D, [width, width], 1, covariance=covariance).to(device)
+            times[covariance] = median_time(elbo_step(model, x, y, "deterministic"), max(3, args.repeats // 3), device)
+        print(f"| {width} | {1e3 * times['diagonal']:.2f} | {1e3 * times['full']:.1f} | "
+              f"{times['full'] / times['diagonal']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
