@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+import matplotlib.ticker
 import numpy as np
 import pandas as pd
 import torch
@@ -640,6 +641,11 @@ def _plot(records: pd.DataFrame, methods: List[str], reference: Optional[str], t
         axes[1].errorbar(float(part["train_seconds"].median()), mean, yerr=se or 0.0, fmt="o", ms=4,
                          color=colors[method], capsize=2, label=SHORT_NAMES[method])
     axes[1].set_xscale("log")
+    # plain-number ticks (1, 2, 5, 10, ...) and no minor labels: matplotlib's default minor
+    # labels on a log axis spanning less than a decade print on top of each other
+    axes[1].xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axes[1].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[1].set_xlabel("training time per split\n(median, s)")
     axes[1].set_ylabel("test LL (mean ± s.e.)")
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=6, frameon=False)
