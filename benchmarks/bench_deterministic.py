@@ -20,29 +20,13 @@ Target (issue 18): deterministic step <= 3x the plain MLP on the CPU.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_elbo import median_time  # the benchmarks' one timing helper (run from benchmarks/ on sys.path)
 
 from cfbnn_cli.bnn.network import BayesianNetwork
 from cfbnn_cli.moments import set_validate_args
 from cfbnn_cli.runtime.threads import tune_allocator
-
-
-def median_time(step, repeats: int, device) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def elbo_step(model, x, y, estimator):
