@@ -372,19 +372,25 @@ class BayesianNetwork(nn.Module):
     def _propagate(self, h, estimator: str, noise):
         """``(mean, var_from_penultimate, var_from_output_layer)``, each ``(..., N, O)``, from
         the activations ``h`` after the point layers."""
-        kind, value = self._forward_to_tail(h, estimator, noise)
+        return self._integrate_tail(*self._forward_to_tail(h, estimator, noise))[:3]
+
+    def _integrate_tail(self, kind, value):
+        """What :meth:`_forward_to_tail` left, integrated: ``(mean, var_A, var_B,
+        hidden_variance)``, the last the hidden units' variances ``(..., N, H)`` when a hidden
+        layer was integrated (``None`` otherwise)."""
         if kind == "outputs":
-            return value, torch.zeros_like(value), torch.zeros_like(value)
+            return value, torch.zeros_like(value), torch.zeros_like(value), None
         output = self.layers[-1]
         if kind == "output_layer":  # the output layer exactly, given (possibly sampled) activations
             mean, xi = output.preactivation_moments(value)
-            return mean, torch.zeros_like(mean), xi.square()
+            return mean, torch.zeros_like(mean), xi.square(), None
         # the last hidden layer's moments, then the output layer exactly (eqs. (7)-(9))
-        phi, _, variance = self.activation.moments(*value, return_variance=True)
+        phi, _, hidden_variance = self.activation.moments(*value, return_variance=True)
+        variance = hidden_variance
         if output.bias:  # the bias acts on a constant "hidden unit": Phi = 1, Var = 0
             phi = augment(phi)
             variance = torch.cat([variance, torch.zeros_like(variance[..., :1])], -1)
-        return F.output_moments_given_hidden(phi, variance, output.loc, output.scale())
+        return (*F.output_moments_given_hidden(phi, variance, output.loc, output.scale()), hidden_variance)
 
     def _mean_and_covariance(self, h, estimator: str, noise):
         """``(mean (..., N, O), covariance (..., N, O, O))`` of the outputs from the activations
@@ -392,17 +398,13 @@ class BayesianNetwork(nn.Module):
         outputs covary only through the shared hidden units: ``Cov(o_i, o_j) = sum_c
         loc_ic loc_jc Var[h_c]`` off the diagonal (heteroscedastic regression needs it
         between the mean and the log-variance)."""
-        mean, var_a, var_b = self._propagate(h, estimator, noise)
-        kind, value = self._forward_to_tail(h, estimator, noise)
+        mean, var_a, var_b, hidden_variance = self._integrate_tail(*self._forward_to_tail(h, estimator, noise))
+        if hidden_variance is None:  # given sampled activations the output rows are independent
+            return mean, torch.diag_embed(var_a + var_b)
         output = self.layers[-1]
-        if kind == "hidden_and_output":
-            _, _, hidden_variance = self.activation.moments(*value, return_variance=True)
-            loc = output.loc[..., :-1] if output.bias else output.loc
-            covariance = torch.einsum("...nc,ic,jc->...nij", hidden_variance, loc, loc)
-        else:  # given sampled activations the output rows are independent
-            covariance = torch.zeros(mean.shape + mean.shape[-1:], dtype=mean.dtype, device=mean.device)
-        diagonal = torch.diag_embed(var_a + var_b - torch.diagonal(covariance, dim1=-2, dim2=-1))
-        return mean, covariance + diagonal
+        loc = output.loc[..., :-1] if output.bias else output.loc
+        shared = torch.einsum("...nc,ic,jc->...nij", hidden_variance, loc, loc)
+        return mean, shared + torch.diag_embed(var_a + var_b - torch.diagonal(shared, dim1=-2, dim2=-1))
 
     def _fused_normal_ell(self, h, y, estimator: str, noise):
         """The Normal ELL per point through :mod:`.fused` (a diagonal output layer integrated
@@ -504,7 +506,9 @@ class BayesianNetwork(nn.Module):
         """
         h = self.point_features(x)
         heteroscedastic = getattr(self.likelihood, "needs_covariance", False)
-        draws = [()] if not self.noise_shapes(h.shape[-2], estimator) else [
+        sampled = bool(self.noise_shapes(h.shape[-2], estimator))
+        num_draws = num_samples if sampled else 1  # each draw's components share 1 / num_draws
+        draws = [()] if not sampled else [
             self.sample_noise(h.shape[-2], estimator, generator, num_samples=min(chunk, num_samples - start))
             for start in range(0, num_samples, chunk)]  # chunks bound memory; draws within one are batched
         means, variances, log_weights = [], [], []
@@ -521,7 +525,7 @@ class BayesianNetwork(nn.Module):
                 log_weight = torch.zeros_like(mean)
             means.append(mean)
             variances.append(variance)
-            log_weights.append(log_weight - math.log(len(draws) if noise == () else num_samples))
+            log_weights.append(log_weight - math.log(num_draws))
         return torch.cat(means), torch.cat(variances), torch.cat(log_weights)
 
     # ------------------------------------------------------------------ objectives

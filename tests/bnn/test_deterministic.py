@@ -200,3 +200,16 @@ def test_heteroscedastic_covariance_of_the_outputs_matches_monte_carlo():
     bound = 6 * (scale.unsqueeze(-1) * scale.unsqueeze(-2)) * math.sqrt(2.0 / draws.shape[0])
     assert ((covariance - mc_covariance).abs() <= bound).all()
     assert (covariance[:, 0, 1].abs() > 1e-6).all()  # the off-diagonal is really there
+
+
+@pytest.mark.parametrize("heteroscedastic", [False, True])
+def test_predictive_components_weights_sum_to_one_with_sampled_layers(heteroscedastic):
+    """Under "analytic" a 2-hidden-layer net samples its first layer: the mixture is then
+    num_samples draws x (1 or 64 nodes), and its weights still sum to one per point."""
+    net = _network([8, 8], outputs=2 if heteroscedastic else 1, heteroscedastic=heteroscedastic)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    means, variances, log_weights = net.predictive_components(x, "analytic", num_samples=12, chunk=5,
+                                                              generator=torch.Generator().manual_seed(0))
+    assert means.shape[0] == 12 * (64 if heteroscedastic else 1) and means.shape == variances.shape == log_weights.shape
+    torch.testing.assert_close(log_weights.exp().sum(0), torch.ones(5, dtype=torch.float64))
+    assert (variances > 0).all()
