@@ -328,24 +328,17 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
                      heteroscedastic=likelihood == "heteroscedastic").to(device)
     sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
 
-    if likelihood == "heteroscedastic" or deep:
-        @torch.no_grad()
-        def predict(x):  # exact given the propagated moments: no sampling
-            return model.predictive_components(x, estimator)
+    @torch.no_grad()
+    def predict(x):  # exact when nothing is sampled (one hidden layer, or the deterministic methods)
+        return model.predictive_components(x, estimator, cfg.uci.predictive_samples, sampler)
 
-        def noise_std():  # the typical predicted noise: root mean exp(l) over the training inputs
-            if likelihood == "normal":
-                return float(model.precision.detach()) ** -0.5
-            with torch.no_grad():
-                mean, _ = model.output_moments(data.x_train, estimator, ())
-            return float(mean[..., 1].exp().mean().sqrt())
-    else:
-        @torch.no_grad()
-        def predict(x):
-            means, variances = model.predict_mixture(x, cfg.uci.predictive_samples, sampler)
-            return means, variances + 1.0 / model.precision
+    def noise_std():  # the learned noise, or for a heteroscedastic net root mean exp(l) over the training inputs
+        if likelihood == "normal":
+            return float(model.precision.detach()) ** -0.5
+        with torch.no_grad():
+            mean, _ = model.output_moments(data.x_train, estimator, ())
+        return float(mean[..., 1].exp().mean().sqrt())
 
-        noise_std = lambda: float(model.precision.detach()) ** -0.5  # noqa: E731
     if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
         return _fit_by_validation(
             name, model, model.parameters(),
