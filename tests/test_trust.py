@@ -484,10 +484,13 @@ def _kill_and_resume_matches(tmp_path, command, overrides, seeds, compare):
     duration = _timed([*command, f"hydra.run.dir={reference}", *overrides])
     rng = np.random.default_rng(1234)
     killed_mid_way = 0
-    for seed in seeds:
+    for index, seed in enumerate(seeds):
         run = tmp_path / f"killed{seed}"
-        # a random moment after the first saved progress (start-up is about half of a small run)
-        killed = _kill_at([*command, f"hydra.run.dir={run}", *overrides], run, rng.uniform(0.0, 0.4) * duration)
+        # the first run right after its first saved progress (so that one kill surely lands mid-way,
+        # however fast the machine is), the others at a random moment after it (start-up is about
+        # half of a small run)
+        delay = rng.uniform(0.0, 0.4) * duration
+        killed = _kill_at([*command, f"hydra.run.dir={run}", *overrides], run, 0.0 if index == 0 else delay)
         killed_mid_way += killed and _progress_saved(run) and not (run / "done").exists()
         out = cfbnn(*command, f"hydra.run.dir={run}", *overrides, "resume=true")
         assert out.returncode == 0, out.stderr[-3000:]
