@@ -97,3 +97,24 @@ def cfbnn():
                               env=environment, timeout=timeout, cwd=cwd)
 
     return run
+
+
+@pytest.fixture
+def interrupt_on_call(monkeypatch):
+    """``interrupt_on_call(owner, name, call)``: replace ``owner.name`` so that its ``call``-th
+    call raises KeyboardInterrupt (a run stopped mid-way, as Ctrl-C would); returns a function
+    that puts the original back (for the resumed run)."""
+
+    def install(owner, name: str, call: int):
+        original, calls = getattr(owner, name), {"n": 0}
+
+        def interrupting(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == call:
+                raise KeyboardInterrupt
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, interrupting)
+        return lambda: monkeypatch.setattr(owner, name, original)
+
+    return install

@@ -230,23 +230,15 @@ def test_bad_config_is_rejected_before_work(tmp_path, override, message, imagene
     assert not (tmp_path / "cache").exists()
 
 
-def test_head_training_resumes_from_its_last_checkpoint(tmp_path, monkeypatch, imagenet_cfg):
+def test_head_training_resumes_from_its_last_checkpoint(tmp_path, interrupt_on_call, imagenet_cfg):
     """Stopped after epoch 2 and resumed with the same config: exactly the uninterrupted run."""
     cfg = imagenet_cfg("stage=train", "trainer.epochs=3")
     pipeline.run(cfg, tmp_path / "whole")
     reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
-    original, calls = pipeline.top_k_correct, {"n": 0}
-
-    def stop_in_epoch_3(*args, **kwargs):  # the validation accuracy, once per epoch
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "top_k_correct", stop_in_epoch_3)
+    restore = interrupt_on_call(pipeline, "top_k_correct", 3)  # the validation accuracy, once per epoch
     with pytest.raises(KeyboardInterrupt):
         pipeline.run(cfg, tmp_path / "run")
-    monkeypatch.setattr(pipeline, "top_k_correct", original)
+    restore()
     pipeline.run(imagenet_cfg("stage=train", "trainer.epochs=3", "resume=true"), tmp_path / "run")
     after = pd.read_csv(tmp_path / "run" / "metrics.csv")
     assert list(after["epoch"]) == [1, 2, 3]

@@ -64,7 +64,7 @@ def test_analytic_gradient_variance_is_lower_on_the_final_layer(tmp_path, regres
         assert m[f"gradvar_ratio_sampling_over_analytic/epoch0/final/{kind}"] > 1.5
 
 
-def test_resume_continues_from_checkpoint_bit_for_bit(tmp_path, monkeypatch, regression_cfg):
+def test_resume_continues_from_checkpoint_bit_for_bit(tmp_path, interrupt_on_call, regression_cfg):
     """A run stopped after epoch 2 and resumed with the same config ends exactly as an
     uninterrupted run; resuming with another trainer.epochs is refused, naming the key."""
     from cfbnn_cli.pipelines.regression import gradient_variance_study as study
@@ -75,18 +75,10 @@ def test_resume_continues_from_checkpoint_bit_for_bit(tmp_path, monkeypatch, reg
     reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
 
     claim_run_dir(cfg, tmp_path / "stopped")  # as the CLI does before running
-    original, calls = study.evaluate, {"n": 0}
-
-    def stop_in_epoch_3(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(study, "evaluate", stop_in_epoch_3)
+    restore = interrupt_on_call(study, "evaluate", 3)  # the test evaluation, once per epoch
     with pytest.raises(KeyboardInterrupt):
         regression.run(cfg, tmp_path / "stopped")
-    monkeypatch.setattr(study, "evaluate", original)
+    restore()
     assert torch.load(tmp_path / "stopped" / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2
     resumed = regression_cfg("trainer.epochs=4", "gradient_variance.num_samples=0", "resume=true")
     claim_run_dir(resumed, tmp_path / "stopped")

@@ -61,23 +61,15 @@ def test_training_stops_when_the_validation_elbo_stops_improving(tmp_path, monke
     assert again["metrics"]["vae/v1/epochs"] == 6
 
 
-def test_resume_continues_from_the_last_checkpoint(tmp_path, monkeypatch, vae_cfg):
+def test_resume_continues_from_the_last_checkpoint(tmp_path, interrupt_on_call, vae_cfg):
     """Stopped after epoch 2 and resumed with the same config: exactly the uninterrupted run."""
     cfg = vae_cfg("variant=v3", "trainer.epochs=3")
     pipeline.run(cfg, tmp_path / "whole")
     reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
-    original, calls = pipeline.mean_elbo_per_point, {"n": 0}
-
-    def stop_after_epoch_2(*args, **kwargs):  # the validation ELBO, once per epoch
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "mean_elbo_per_point", stop_after_epoch_2)
+    restore = interrupt_on_call(pipeline, "mean_elbo_per_point", 3)  # the validation ELBO, once per epoch
     with pytest.raises(KeyboardInterrupt):
         pipeline.run(cfg, tmp_path / "stopped")
-    monkeypatch.setattr(pipeline, "mean_elbo_per_point", original)
+    restore()
     pipeline.run(vae_cfg("variant=v3", "trainer.epochs=3", "resume=true"), tmp_path / "stopped")
     after = pd.read_csv(tmp_path / "stopped" / "metrics.csv")
     assert list(after["epoch"]) == [1, 2, 3]
