@@ -1,6 +1,6 @@
 """Forward+backward of the deterministic (nothing sampled) D-200-200-1 ELBO step.
 
-Side by side in one run, median of ``--repeats`` timed steps after a warm-up, float32,
+Side by side in one run, median of ``--repeats`` rounds (each step once per round) after a warm-up, float32,
 batch 500, D = 90 (paper Table 1's MSD width):
 
 * ``deterministic``: both hidden layers' moments, the second propagated (diagonal);
@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_elbo import median_time  # the benchmarks' one timing helper (run from benchmarks/ on sys.path)
+from bench_elbo import configure_like_cli, median_time, median_times  # the benchmarks' helpers (benchmarks/ on sys.path)
 
 from cfbnn_cli.bnn.network import BayesianNetwork
 from cfbnn_cli.moments import set_validate_args
-from cfbnn_cli.runtime.threads import tune_allocator
 
 
 def elbo_step(model, x, y, estimator):
@@ -41,10 +40,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--keep-denormals", action="store_true", help="run with runtime.flush_denormals=false")
     args = parser.parse_args(argv)
+    settings = configure_like_cli(args.keep_denormals)
     device = torch.device(args.device)
     set_validate_args(False)  # as training runs: argument checks off in the hot path
-    tune_allocator()
     torch.manual_seed(0)
     D, H = 90, 200
     x = torch.randn(args.batch, D, device=device)
@@ -57,11 +57,11 @@ def main(argv=None):
         (mlp(x)[:, 0] - y).square().mean().backward()
 
     network = BayesianNetwork(D, [H, H], 1).to(device)
-    rows = {"plain MLP": median_time(mlp_step, args.repeats, device)}
-    for estimator in ("deterministic", "analytic", "sampling"):
-        rows[estimator] = median_time(elbo_step(network, x, y, estimator), args.repeats, device)
+    steps = {"plain MLP": mlp_step}
+    steps.update({estimator: elbo_step(network, x, y, estimator) for estimator in ("deterministic", "analytic", "sampling")})
+    rows = median_times(steps, args.repeats, device)
     print(f"# D={D}, H={H}-{H}, batch {args.batch}, float32, {device}, torch threads {torch.get_num_threads()}, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}, {settings}")
     print("| step | ms | × plain MLP | × analytic (sample first layer) |")
     print("|---|---|---|---|")
     for name, seconds in rows.items():

@@ -38,7 +38,7 @@ from torch import nn
 from cfbnn_cli.bnn import ClosedFormBNN
 from cfbnn_cli.bnn.pyro_glue import PyroMLPRegression
 from cfbnn_cli.moments import fast_path, set_validate_args
-from cfbnn_cli.runtime.threads import tune_allocator
+from cfbnn_cli.runtime.threads import flush_denormals, tune_allocator
 
 
 def median_time(fn, repeats, device):
@@ -55,8 +55,32 @@ def median_time(fn, repeats, device):
     return statistics.median(times)
 
 
+def median_times(steps, repeats, device):
+    """``{name: median seconds}`` of several steps timed round-robin (one of each per round),
+    so that a slow spell of a shared machine hits all of them alike and their ratios hold."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = {name: [] for name in steps}
+    for round_index in range(repeats + 2):  # two untimed warm-up rounds
+        for name, fn in steps.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if round_index >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def local_reparam_elbo(model, x, y, num_data, generator):
     return model.elbo(x, y, num_data, estimator="sampling", generator=generator)
+
+
+def configure_like_cli(keep_denormals: bool = False) -> str:
+    """The process settings the CLI makes before any work (``runtime.flush_denormals``, the
+    allocator); call first thing, before torch starts its threads. Returns a phrase for the header."""
+    flush_denormals(not keep_denormals)
+    tune_allocator()
+    return "denormals kept (--keep-denormals)" if keep_denormals else "denormals flushed, as the CLI runs"
 
 
 def gradient_variance(loss_fn, params, draws):
@@ -75,13 +99,14 @@ def main(argv=None):
     parser.add_argument("--variance-draws", type=int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd closed form (diagonal) and plain MLP")
+    parser.add_argument("--keep-denormals", action="store_true", help="run with runtime.flush_denormals=false")
     args = parser.parse_args(argv)
+    settings = configure_like_cli(args.keep_denormals)
     set_validate_args(False)
-    tune_allocator()
     torch.manual_seed(0)
     device = torch.device(args.device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__}, {where}, batch {args.batch}, float32, median of {args.repeats}")
+    print(f"torch {torch.__version__}, {where}, batch {args.batch}, float32, median of {args.repeats}, {settings}")
     for size in args.sizes:
         D, H = (int(v) for v in size.split("x"))
         g = torch.Generator().manual_seed(0)

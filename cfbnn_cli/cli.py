@@ -237,13 +237,16 @@ def make_task(sub: Subcommand):
         from .runtime.checks import validate_common
         from .runtime.device import resolve_device
         from .runtime.rundir import RunDirLock, claim_run_dir
-        from .runtime.threads import configure_threads, tune_allocator
+        from .runtime.threads import configure_threads, flush_denormals, tune_allocator
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
+        flushed_before = None
         try:
             with RunDirLock(run_dir):
                 validate_common(cfg)
-                # before any work: threads shared with the other cfbnn jobs, memory kept for reuse
+                # before any work: denormals flushed (inherited by the OpenMP threads created
+                # next), threads shared with the other cfbnn jobs, memory kept for reuse
+                flushed_before = flush_denormals(cfg.runtime.flush_denormals)
                 configure_threads(cfg.runtime.threads)
                 tune_allocator()
                 fingerprint, finished = claim_run_dir(cfg, run_dir)
@@ -280,6 +283,9 @@ def make_task(sub: Subcommand):
             _report_error(error)
             error.reported = True
             raise
+        finally:  # as it was (a multirun or a test runs more in this process)
+            if flushed_before is not None:
+                flush_denormals(flushed_before)
 
     task.__name__ = sub.config_name
     return task

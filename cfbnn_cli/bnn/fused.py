@@ -1,13 +1,15 @@
-"""The closed form's hot path as three autograd functions with analytic backward passes.
+"""The closed form's hot path as four autograd functions with analytic backward passes.
 
 Written as ordinary torch code, one closed-form ELBO step of a mean-field layer is some
 130 small operations forward and backward (each exp, square, cat, sum and their
 autograd nodes), and on a CPU their overhead, not the arithmetic, is most of the
-step. Here the same mathematics is three functions whose backward passes are written
+step. Here the same mathematics is four functions whose backward passes are written
 out, reusing what the forward computed:
 
 * :func:`diagonal_preactivation` -- ``(gamma, xi)`` of ``W [h, 1]`` under a diagonal q,
   paper eq. (12), the bias column handled without building ``[h, 1]``;
+* :func:`propagated_preactivation` -- the same when ``h`` is itself uncertain (mean and
+  variance per unit, the ``deterministic`` estimator's moment propagation);
 * :func:`diagonal_kl` -- ``KL(N(loc, diag exp(2 log_scale)) || N(0, s^2 I))``, the KL terms
   of eq. (4), straight from ``log_scale`` (no ``log(exp(.))``);
 * :func:`normal_ell_given_hidden` -- the output layer integrated exactly and the Normal
@@ -92,6 +94,62 @@ def diagonal_preactivation(h: torch.Tensor, loc: torch.Tensor, log_scale: torch.
     """``(gamma, xi)`` of the pre-activations of ``[h, 1]`` (``bias``) or ``h`` under a
     mean-field q with means ``loc`` and standard deviations ``exp(log_scale)`` (eq. (12))."""
     return _DiagonalPreactivation.apply(h, loc, log_scale, bias)
+
+
+class _PropagatedPreactivation(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(phi, variance, loc, log_scale, bias: bool):
+        weight_variance = torch.exp(2.0 * log_scale)
+        width = phi.shape[-1]
+        loc_h, variance_h = loc[:, :width], weight_variance[:, :width]
+        gamma = phi @ loc_h.mT
+        # Var = E[h^2]^T Var W + Var[h]^T loc^2, as one product over [E[h^2], Var h]
+        second = torch.cat([phi * phi + variance, variance], -1)
+        xi2 = second @ torch.cat([variance_h, loc_h * loc_h], -1).mT
+        if bias:
+            gamma = gamma + loc[:, width]
+            xi2 = xi2 + weight_variance[:, width]
+        xi = xi2.clamp(min=torch.finfo(xi2.dtype).tiny).sqrt()
+        return gamma, xi
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        phi, variance, loc, log_scale, bias = inputs
+        ctx.bias = bias
+        ctx.save_for_backward(phi, variance, loc, log_scale, output[1])
+
+    @staticmethod
+    def backward(ctx, grad_gamma, grad_xi):
+        phi, variance, loc, log_scale, xi = ctx.saved_tensors
+        width, rows = phi.shape[-1], loc.shape[0]
+        weight_variance = torch.exp(2.0 * log_scale)
+        loc_h, variance_h = loc[:, :width], weight_variance[:, :width]
+        grad_xi2 = grad_xi / (2.0 * xi)
+        # [grad_xi2 @ Var W, grad_xi2 @ loc^2] in one product
+        back = grad_xi2 @ torch.cat([variance_h, loc_h * loc_h], -1)
+        through_variance, through_loc2 = back[..., :width], back[..., width:]
+        grad_phi = grad_gamma @ loc_h + 2.0 * phi * through_variance
+        grad_variance = through_variance + through_loc2
+        flat_gamma, flat_xi2 = _flat(grad_gamma, rows), _flat(grad_xi2, rows)
+        flat_phi, flat_variance = _flat(phi, width), _flat(variance, width)
+        # [sum_n g_n E[h_n^2], sum_n g_n Var h_n] in one product
+        weighted = flat_xi2.mT @ torch.cat([flat_phi * flat_phi + flat_variance, flat_variance], -1)
+        grad_loc = flat_gamma.mT @ flat_phi + 2.0 * loc_h * weighted[:, width:]
+        grad_weight_variance = weighted[:, :width]
+        if ctx.bias:  # out of place (torch.cat): the backward must run under vmap too
+            grad_loc = torch.cat([grad_loc, flat_gamma.sum(0).unsqueeze(-1)], -1)
+            grad_weight_variance = torch.cat([grad_weight_variance, flat_xi2.sum(0).unsqueeze(-1)], -1)
+        return grad_phi, grad_variance, grad_loc, 2.0 * weight_variance * grad_weight_variance, None
+
+
+def propagated_preactivation(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
+                             bias: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(gamma, xi)`` of ``W [h, 1]`` under a mean-field q when the inputs ``h`` are uncertain
+    too: independent, of means ``phi`` and variances ``variance`` (the deterministic estimator's
+    diagonal propagation), ``xi^2 = E[h^2]^T Var W + Var[h]^T loc^2`` per row."""
+    return _PropagatedPreactivation.apply(phi, variance, loc, log_scale, bias)
 
 
 class _DiagonalKL(torch.autograd.Function):

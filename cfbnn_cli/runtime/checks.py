@@ -57,7 +57,7 @@ def require_choice(cfg: DictConfig, key: str, choices: Iterable[Any]):
 
 
 def validate_common(cfg: DictConfig) -> None:
-    """Check ``seed``, ``device``, ``resume``, ``runtime.threads``, ``trainer.epochs``, ``trainer.batch_size``,
+    """Check ``seed``, ``device``, ``resume``, ``runtime.threads``, ``runtime.flush_denormals``, ``trainer.epochs``, ``trainer.batch_size``,
     ``trainer.lr``."""
     require_int(cfg, "seed", minimum=0)
     resolve_device(_get(cfg, "device"))
@@ -65,6 +65,7 @@ def validate_common(cfg: DictConfig) -> None:
     threads = _get(cfg, "runtime.threads")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"runtime.threads={threads!r} must be auto or a positive integer")
+    require_bool(cfg, "runtime.flush_denormals")
     if OmegaConf.select(cfg, "trainer", default=None) is not None:
         require_int(cfg, "trainer.epochs", minimum=0)
         require_int(cfg, "trainer.batch_size", minimum=1)

@@ -108,6 +108,9 @@ def run_worker(run: Callable, argv=None) -> int:
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(args.config)
+    from .threads import flush_denormals
+
+    flush_denormals(OmegaConf.select(cfg, "runtime.flush_denormals", default=True))  # before any work, as the CLI
     use_cuda = torch.cuda.is_available() and str(cfg.get("device", "auto")) in ("auto", "cuda")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:

@@ -29,6 +29,29 @@ def test_diagonal_preactivation_matches_the_functional_form_and_gradcheck(bias, 
     torch.autograd.gradcheck(lambda *a: fused.diagonal_preactivation(*a, bias), (h, loc, log_scale))
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_propagated_preactivation_matches_the_unfused_moments_and_gradcheck(bias, lead):
+    """Against the full-covariance layer's unfused path (eq. (12) at h = phi plus the inputs'
+    spread) with a diagonal Cholesky factor: the same q, a different code path."""
+    from cfbnn_cli.bnn.network import GaussianMatrix
+
+    g = _generator(1)
+    phi = torch.rand(*lead, 5, 4, generator=g, dtype=DT).requires_grad_()
+    variance = (0.5 * torch.rand(*lead, 5, 4, generator=g, dtype=DT)).requires_grad_()
+    loc = torch.randn(6, 4 + bias, generator=g, dtype=DT, requires_grad=True)
+    log_scale = (0.3 * torch.randn(6, 4 + bias, generator=g, dtype=DT) - 1.0).requires_grad_()
+    gamma, xi = fused.propagated_preactivation(phi, variance, loc, log_scale, bias)
+    full = GaussianMatrix(6, 4 + bias, "full", bias=bias).double()
+    with torch.no_grad():
+        full.loc.copy_(loc)
+        full.log_scale.copy_(log_scale)
+    reference = full.propagated_preactivation_moments(phi, variance)
+    torch.testing.assert_close(gamma, reference[0])
+    torch.testing.assert_close(xi, reference[1])
+    torch.autograd.gradcheck(lambda *a: fused.propagated_preactivation(*a, bias), (phi, variance, loc, log_scale))
+
+
 @pytest.mark.parametrize("prior_variance", [1.0, 0.3])
 def test_diagonal_kl_matches_torch_distributions_and_gradcheck(prior_variance):
     g = _generator(1)

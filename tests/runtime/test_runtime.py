@@ -50,3 +50,39 @@ def test_resolve_device():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+_DENORMAL_PROBE = """
+import sys, torch
+from cfbnn_cli.runtime.threads import denormals_flushed, flush_denormals
+if sys.argv[1] == "flush":
+    flush_denormals(True)  # before any torch work, as the CLI does
+torch.set_num_threads(2)
+tiny = torch.full((1 << 21,), 1e-20)  # large enough that both OpenMP threads take a share
+squares = tiny * tiny  # 1e-40: below float32's normal range
+print(int((squares != 0).sum()), denormals_flushed())
+"""
+
+
+@pytest.mark.parametrize("mode", ["flush", "keep"])
+def test_flushing_denormals_before_any_work_reaches_every_thread(mode):
+    """Set first, the mode is inherited by the OpenMP threads torch creates afterwards:
+    no element of a 2-thread product comes back denormal (kept, all of them do)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DENORMAL_PROBE, mode], capture_output=True, text=True, check=True)
+    nonzero, flushed = out.stdout.split()
+    if mode == "flush":
+        assert (int(nonzero), flushed) == (0, "True")
+    else:
+        assert (int(nonzero), flushed) == (1 << 21, "False")
+
+
+def test_runtime_flush_denormals_must_be_a_bool():
+    from cfbnn_cli.runtime.checks import validate_common
+
+    cfg = OmegaConf.create({"seed": 0, "device": "cpu", "resume": False,
+                            "runtime": {"threads": "auto", "flush_denormals": "yes"}})
+    with pytest.raises(ConfigError, match=r"runtime.flush_denormals='yes' must be true or false"):
+        validate_common(cfg)
