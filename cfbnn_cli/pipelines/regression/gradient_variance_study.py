@@ -21,8 +21,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ...bnn.likelihoods import NormalLikelihood
-from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork, mixture_log_likelihood
+from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
+from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork, mixture_log_likelihood, mixture_mean
 from ...bnn.gradient_variance import gradient_variance
 from ...data.regression import RegressionData, load_regression_data
 from ...moments import ACTIVATIONS, validate_args
@@ -43,11 +43,16 @@ ESTIMATOR_LABELS = {"analytic": "Analytic", "sampling": "Sampling", "determinist
 # paper Table 1 compares the first two; the third row is beyond the paper: every hidden layer's
 # moments propagated (the ``deterministic`` estimator), whose gradient does not vary at all
 TABLE1_ESTIMATORS = tuple(ESTIMATOR_LABELS)
+# normal: one output and a learned noise precision (the paper); heteroscedastic: a second output,
+# the log noise variance, whose expected log-likelihood is closed form under the propagated
+# Gaussian moments of (mean, log-variance) (bnn/likelihoods.HeteroscedasticNormalLikelihood)
+LIKELIHOODS = ("normal", "heteroscedastic")
 
 
 def validate(cfg: DictConfig) -> None:
     """Every check that needs no data, before any work starts."""
     require_choice(cfg, "estimator", ESTIMATORS)
+    require_choice(cfg, "likelihood", LIKELIHOODS)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_choice(cfg, "model.prior", list(PRIORS))
     sizes = OmegaConf.select(cfg, "model.hidden_sizes")
@@ -93,29 +98,41 @@ def _check_against_data(cfg, data: RegressionData) -> None:
 
 @torch.no_grad()
 def evaluate(model: BayesianNetwork, data: RegressionData, num_samples: int, generator) -> Dict[str, float]:
-    """Test RMSE and per-point log-likelihood in the target's original units.
+    """Test RMSE and per-point log-likelihood in the target's original units, under the
+    closed-form predictive (the last two layers integrated, ``num_samples`` draws of any
+    earlier sampled layer; for a heteroscedastic network also the log-variance, by
+    Gauss-Hermite) and under Monte Carlo (every layer sampled); and ``noise_std``, the
+    learned noise or, heteroscedastic, the root mean predicted noise variance over the test
+    inputs (at the propagated mean of the log-variance).
 
     Row chunks keep the peak memory at ``num_samples x chunk x widest layer`` elements,
     whatever the size of the test set.
     """
     x, y = data.x_test, data.y_test
     log_scale = math.log(data.target_std)
-    noise_var = 1.0 / model.precision
+    heteroscedastic = model.output_dim == 2
     chunk = rows_per_chunk(num_samples * max(layer.out_features for layer in model.gaussian_layers))
 
     def per_point(rows: torch.Tensor):
         xb, yb = x[rows], y[rows]
-        means, variances = model.predict_mixture(xb, num_samples, generator)
-        closed = mixture_log_likelihood(yb, means, variances + noise_var)
+        means, variances, log_weights = model.predictive_components(xb, "analytic", num_samples, generator)
+        closed = mixture_log_likelihood(yb, means, variances, log_weights)
         outputs = model.sample_outputs(xb, num_samples, generator)
-        monte_carlo = mixture_log_likelihood(yb, outputs, noise_var.expand_as(outputs))
-        return closed, monte_carlo, (means.mean(0) - yb).square()
+        if heteroscedastic:  # each draw's own (mean, log-variance)
+            sampled_means, sampled_variances = outputs[..., 0], outputs[..., 1].exp()
+            noise_variance = model.output_moments(xb, "deterministic", ())[0][..., 1].exp()
+        else:
+            noise_variance = (1.0 / model.precision).expand_as(yb)
+            sampled_means, sampled_variances = outputs, noise_variance.expand_as(outputs)
+        monte_carlo = mixture_log_likelihood(yb, sampled_means, sampled_variances)
+        return closed, monte_carlo, (mixture_mean(means, log_weights) - yb).square(), noise_variance
 
-    closed, monte_carlo, squared_error = map_row_chunks(per_point, torch.arange(len(y), device=x.device), chunk)
-    closed_ll = closed.mean().item() - log_scale
-    mc_ll = monte_carlo.mean().item() - log_scale
-    rmse = squared_error.mean().sqrt().item() * data.target_std
-    return {"test_rmse": rmse, "test_ll_closed_form": closed_ll, "test_ll_monte_carlo": mc_ll}
+    closed, monte_carlo, squared_error, noise_variance = map_row_chunks(
+        per_point, torch.arange(len(y), device=x.device), chunk)
+    return {"test_rmse": squared_error.mean().sqrt().item() * data.target_std,
+            "test_ll_closed_form": closed.mean().item() - log_scale,
+            "test_ll_monte_carlo": monte_carlo.mean().item() - log_scale,
+            "noise_std": noise_variance.mean().sqrt().item() * data.target_std}
 
 
 def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dict[str, Dict[str, Dict[str, float]]]:
@@ -260,9 +277,11 @@ def _plot_training(history: List[dict], path, description: str, convergence: Dic
 
 def describe_run(cfg, data: RegressionData, num_draws: bool = True) -> str:
     """One line naming the data, network, estimator, draws, batch and seed (captions)."""
-    sizes = "-".join(str(n) for n in [data.input_dim, *cfg.model.hidden_sizes, 1])
-    text = (f"Data {data.name} ({data.num_train} training rows, {data.input_dim} features), network {sizes}, trained "
-            f"with the {cfg.estimator} estimator (batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
+    heteroscedastic = cfg.likelihood == "heteroscedastic"
+    sizes = "-".join(str(n) for n in [data.input_dim, *cfg.model.hidden_sizes, 2 if heteroscedastic else 1])
+    noise = " (outputs: mean and log noise variance)" if heteroscedastic else ""
+    text = (f"Data {data.name} ({data.num_train} training rows, {data.input_dim} features), network {sizes}{noise}, "
+            f"trained with the {cfg.estimator} estimator (batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
             f"{cfg.trainer.epochs} epochs), seed {cfg.seed}")
     if num_draws:
         text += (f"; {cfg.gradient_variance.num_samples} single-sample gradients per estimator on one fixed batch of "
@@ -279,9 +298,12 @@ def run(cfg: DictConfig, run_dir) -> dict:
     _check_against_data(cfg, data)
     gv_epochs = gradient_variance_epochs(cfg) if cfg.gradient_variance.num_samples else []
     estimator = cfg.estimator
+    heteroscedastic = cfg.likelihood == "heteroscedastic"
+    likelihood = (HeteroscedasticNormalLikelihood() if heteroscedastic
+                  else NormalLikelihood(cfg.model.precision, cfg.model.learn_precision))
     model = BayesianNetwork(
-        data.input_dim, list(cfg.model.hidden_sizes), 1, cfg.model.activation, prior_scale=cfg.model.prior_scale,
-        init_scale=cfg.model.init_scale, likelihood=NormalLikelihood(cfg.model.precision, cfg.model.learn_precision),
+        data.input_dim, list(cfg.model.hidden_sizes), 2 if heteroscedastic else 1, cfg.model.activation,
+        prior_scale=cfg.model.prior_scale, init_scale=cfg.model.init_scale, likelihood=likelihood,
         generator=generator, prior=cfg.model.prior,
     ).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
@@ -301,9 +323,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         return -(num_data / rows.numel() * ell - model.kl())
 
     def evaluate_epoch(epoch):
-        metrics = evaluate(model, data, cfg.evaluation.num_samples, sample_generator)
-        metrics["noise_std"] = float(model.precision.item() ** -0.5 * data.target_std)
-        return metrics
+        return evaluate(model, data, cfg.evaluation.num_samples, sample_generator)
 
     def measure(epoch, row):
         if epoch in gv_epochs and distributed.is_main():  # only rank 0 measures
@@ -319,9 +339,9 @@ def run(cfg: DictConfig, run_dir) -> dict:
     loop.restore()
     gv_results: Dict[int, dict] = loop.extra["gradient_variance"]
     log.info(
-        "data=%s (%d train, %d test, %d features), network %d-%s-1, estimator=%s, device=%s",
+        "data=%s (%d train, %d test, %d features), network %d-%s-%d, estimator=%s, likelihood=%s, device=%s",
         data.name, num_data, data.x_test.shape[0], data.input_dim, data.input_dim,
-        "-".join(str(h) for h in cfg.model.hidden_sizes), estimator, device,
+        "-".join(str(h) for h in cfg.model.hidden_sizes), model.output_dim, estimator, cfg.likelihood, device,
     )
     if 0 in gv_epochs and 0 not in gv_results and distributed.is_main():
         gv_results[0] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, 0)
