@@ -9,8 +9,11 @@ batch 500, D = 90 (paper Table 1's MSD width):
 * ``sampling``: every layer sampled;
 * a plain MLP of the same shape (MSE step), the yardstick;
 
-then the cost of a full covariance per row of every Gaussian layer under
-``deterministic`` at H = 50, 200 (one hidden width H-H), as a ratio to the diagonal; at H = 1000 its size.
+then the cost of a full covariance per row of every Gaussian layer's q under
+``deterministic`` at H = 50, 200 (one hidden width H-H), as a ratio to the diagonal (at H = 1000
+its size); and the cost of carrying the activations' full covariance across units
+(``deterministic_full``, DVI proper) at H = 50, 200 (batch 500) and 1000 (batch 8: at 500 one
+``(N, H, H)`` tensor alone is 1.9 GiB), as a ratio to the diagonal propagation.
 
     python benchmarks/bench_deterministic.py [--repeats 15] [--device cpu]
 
@@ -69,19 +72,32 @@ def main(argv=None):
     ratio = rows["deterministic"] / rows["plain MLP"]
     print(f"\ntarget deterministic <= 3x plain MLP: {ratio:.2f}x -> {'MET' if ratio <= 3 else 'MISSED'}\n")
 
-    print("| H | diagonal ms | full covariance ms | full / diagonal |")
-    print("|---|---|---|---|")
+    print("| H | q's covariance per row | diagonal ms | full-row q ms | full / diagonal |")
+    print("|---|---|---|---|---|")
     for width in (50, 200, 1000):
         if width == 1000:  # a Cholesky factor per row: H (H + 1)^2 floats for the second layer alone
             gib = width * (width + 1) ** 2 * 4 / 2 ** 30
-            print(f"| {width} | — | not run: {gib:.1f} GiB of float32 parameters per layer (and its gradient) | — |")
+            print(f"| {width} | full | — | not run: {gib:.1f} GiB of float32 parameters per layer (and its gradient) | — |")
             continue
-        times = {}
-        for covariance in ("diagonal", "full"):
-            model = BayesianNetwork(D, [width, width], 1, covariance=covariance).to(device)
-            times[covariance] = median_time(elbo_step(model, x, y, "deterministic"), max(3, args.repeats // 3), device)
-        print(f"| {width} | {1e3 * times['diagonal']:.2f} | {1e3 * times['full']:.1f} | "
+        models = {c: BayesianNetwork(D, [width, width], 1, covariance=c).to(device) for c in ("diagonal", "full")}
+        times = median_times({c: elbo_step(m, x, y, "deterministic") for c, m in models.items()},
+                             max(3, args.repeats // 3), device)
+        print(f"| {width} | full | {1e3 * times['diagonal']:.2f} | {1e3 * times['full']:.1f} | "
               f"{times['full'] / times['diagonal']:.1f} |")
+
+    # DVI proper: the activations' covariance across units carried layer to layer (estimator
+    # deterministic_full): N H^2 pairs per hidden layer, each with a bivariate Normal CDF
+    print("\n| H | batch | diagonal propagation ms | full covariance across units ms | full / diagonal | "
+          "largest (N, H, H) tensor |")
+    print("|---|---|---|---|---|---|")
+    for width, batch in ((50, args.batch), (200, args.batch), (1000, 8)):
+        xb, yb = x[:batch], y[:batch]
+        model = BayesianNetwork(D, [width, width], 1).to(device)
+        steps = {e: elbo_step(model, xb, yb, e) for e in ("deterministic", "deterministic_full")}
+        times = median_times(steps, max(3, args.repeats // 5), device)
+        mib = batch * width * width * 4 / 2 ** 20
+        print(f"| {width} | {batch} | {1e3 * times['deterministic']:.2f} | {1e3 * times['deterministic_full']:.1f} | "
+              f"{times['deterministic_full'] / times['deterministic']:.0f} | {mib:.0f} MiB |")
 
 
 if __name__ == "__main__":

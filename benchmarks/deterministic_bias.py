@@ -7,7 +7,8 @@ N(0, I)) and for networks trained under the deterministic estimator on diabetes,
 
 * the output mean: bias in units of the output's s.d. (mean over points of
   |propagated - MC| / sd, and the MC standard error in the same units);
-* the output variance: relative bias (propagated / MC - 1);
+* the output variance: relative bias (propagated / MC - 1), for the diagonal propagation
+  (``deterministic``) and for the full covariance across units (``deterministic_full``);
 * the heteroscedastic expected log-likelihood ``E[log N(y | m, e^l)]`` (2 outputs): bias
   in nats per point at y ~ N(0, 1), with its Monte Carlo s.e.;
 * the heteroscedastic log predictive density ``log E[N(y | m, e^l)]``: bias in nats.
@@ -75,6 +76,8 @@ def measure(homoscedastic, heteroscedastic, x, y, samples: int, seed: int = 0):
         mean_bias = ((mean - draws.mean(0)).abs() / sd).mean().item()
         mean_se = (1 / math.sqrt(len(draws)))  # in units of sd
         variance_bias = (variance / draws.var(0) - 1).mean().item()
+        _, full_variance = homoscedastic.output_moments(x, "deterministic_full", ())
+        full_variance_bias = (full_variance / draws.var(0) - 1).mean().item()
         ell = heteroscedastic.expected_log_likelihood_per_point(x, y, "deterministic")
         pairs = torch.cat([heteroscedastic.sample_outputs(x, 10_000, generator) for _ in range(samples // 10_000)])
         log_density = -0.5 * (math.log(2 * math.pi) + pairs[..., 1] + (y - pairs[..., 0]).square() * torch.exp(-pairs[..., 1]))
@@ -83,25 +86,26 @@ def measure(homoscedastic, heteroscedastic, x, y, samples: int, seed: int = 0):
         predictive = mixture_log_likelihood(y, *heteroscedastic.predictive_components(x, "deterministic"))
         monte_carlo = torch.logsumexp(log_density, 0) - math.log(len(pairs))
         predictive_bias = (predictive - monte_carlo).mean().item()
-    return mean_bias, mean_se, variance_bias, ell_bias, ell_se, predictive_bias
+    return mean_bias, mean_se, variance_bias, full_variance_bias, ell_bias, ell_se, predictive_bias
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200_000)
     args = parser.parse_args()
-    print("| network | hidden layers | posterior s.d. | mean: mean abs bias / sd (MC s.e.) | variance: relative bias | "
-          "heteroscedastic ELL bias, nats (MC s.e.) | heteroscedastic log predictive bias, nats |")
-    print("|---|---|---|---|---|---|---|")
+    print("| network | hidden layers | posterior s.d. | mean: mean abs bias / sd (MC s.e.) | variance: relative bias, "
+          "diagonal | variance: relative bias, full covariance | heteroscedastic ELL bias, nats (MC s.e.) | "
+          "heteroscedastic log predictive bias, nats |")
+    print("|---|---|---|---|---|---|---|---|")
     cases = [("random", depth, init_scale) for depth in (1, 2, 3) for init_scale in (0.02, 0.1, 0.3)]
     cases += [("trained on diabetes", depth, None) for depth in (1, 2, 3)]
     for kind, depth, init_scale in cases:
         networks = random_networks(depth, init_scale) if init_scale is not None else trained_networks(depth)
-        mb, mse, vb, eb, ese, pb = measure(*networks, args.samples)
+        mb, mse, vb, fvb, eb, ese, pb = measure(*networks, args.samples)
         # a wide log-variance makes E[exp(-l)] heavy-tailed: Monte Carlo then does not converge
         ell = f"{eb:+.4f} ({ese:.4f})" if ese < 0.1 else f"MC does not converge (s.e. {ese:.2g})"
         scale = init_scale if init_scale is not None else "learned"
-        print(f"| {kind} | {depth} | {scale} | {mb:.4f} ({mse:.4f}) | {vb:+.3f} | {ell} | {pb:+.4f} |")
+        print(f"| {kind} | {depth} | {scale} | {mb:.4f} ({mse:.4f}) | {vb:+.3f} | {fvb:+.3f} | {ell} | {pb:+.4f} |")
 
 
 if __name__ == "__main__":

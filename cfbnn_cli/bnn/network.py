@@ -35,6 +35,13 @@ at the same parameters):
                         Exact for one hidden layer (there it equals ``analytic``);
                         an approximation for deeper networks, whose bias
                         ``tests/bnn/test_deterministic.py`` measures against Monte Carlo.
+``deterministic_full``  as ``deterministic``, but each layer carries the full
+                        covariance of its activations across units (DVI proper):
+                        ``Cov[g(u_i), g(u_j)]`` from the exact bivariate cross-moments
+                        (:mod:`cfbnn_cli.moments.bivariate`; ReLU, leaky ReLU,
+                        identity), the next layer's pre-activation covariance
+                        ``W C W^T + diag(E[h^2]^T Var W)``. Mean-field q only; cost
+                        ``N H^2`` per hidden layer.
 ======================  =====================================================
 
 The likelihood is a separate object (:mod:`.likelihoods`), passed in.
@@ -63,9 +70,10 @@ from .functional import augment
 from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
 
 COVARIANCES = ("diagonal", "full", "lowrank")
-ESTIMATORS = ("analytic", "integrate_output_layer", "sampling", "deterministic")
+ESTIMATORS = ("analytic", "integrate_output_layer", "sampling", "deterministic", "deterministic_full")
 PRIORS = ("fixed", "empirical_bayes")
-_CLOSED_FORM_LAYERS = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0, "deterministic": 1 << 30}
+_CLOSED_FORM_LAYERS = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0, "deterministic": 1 << 30,
+                       "deterministic_full": 1 << 30}
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
 
 
@@ -179,6 +187,30 @@ class GaussianMatrix(nn.Module):
             weights = weights[..., :-1]
         spread = variance @ weights.transpose(-1, -2)
         return gamma, (xi.square() + spread).sqrt()
+
+    def propagated_preactivation_covariance(self, phi: torch.Tensor, covariance: torch.Tensor
+                                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Mean ``(..., N, rows)`` and covariance ``(..., N, rows, rows)`` of ``W [h, 1]`` for
+        inputs ``h`` of mean ``phi`` and covariance ``covariance`` ``(..., N, C, C)`` across units,
+        independent of W (``deterministic_full``; a mean-field q).
+
+        ``Cov[a_r, a_s] = loc_r^T C loc_s + delta_rs sum_c Var W_rc E[h_c^2]``: the inputs'
+        covariance seen through the mean weights, plus each row's own weight variance (rows
+        are independent under q, so it adds to the diagonal only).
+        """
+        if self.covariance != "diagonal":
+            raise ValueError(f"full-covariance propagation needs a mean-field (diagonal) q; this layer has "
+                             f"{self.covariance!r}")
+        width = phi.shape[-1]
+        loc, weight_variance = self.loc[:, :width], self.log_scale[:, :width].mul(2.0).exp()
+        mean = phi @ loc.mT
+        spread = loc @ covariance @ loc.mT
+        second = phi.square() + torch.diagonal(covariance, dim1=-2, dim2=-1)
+        own = second @ weight_variance.mT
+        if self.bias:
+            mean = mean + self.loc[:, width]
+            own = own + self.log_scale[:, width].mul(2.0).exp()
+        return mean, spread + torch.diag_embed(own)
 
     def second_moment(self) -> torch.Tensor:
         """``E_q[W_rc^2]`` averaged over the matrix: ``(sum_r tr Sigma_r + |loc|^2) / (R C)``."""
@@ -344,10 +376,14 @@ class BayesianNetwork(nn.Module):
         """Run the layers that are not integrated (point and sampled ones); returns what is
         left to integrate exactly: ``("outputs", z)`` when nothing is (every output sampled
         or a point estimate), ``("output_layer", h)`` when the output layer is integrated
-        given activations ``h``, or ``("hidden_and_output", (gamma, xi))`` when the last
-        hidden layer (pre-activation moments ``gamma``, ``xi``) and the output layer are."""
+        given activations ``h``, ``("hidden_and_output", (gamma, xi))`` when the last
+        hidden layer (pre-activation moments ``gamma``, ``xi``) and the output layer are, or
+        ``("full_moments", (phi, covariance))``, the last hidden layer's activations' mean
+        and covariance across units (``deterministic_full``)."""
         if self.point_layers == len(self.layers):  # a plain network: h is already the output
             return "outputs", h
+        if estimator == "deterministic_full":
+            return "full_moments", self._full_covariance_hidden(h)
         treatments = self.treatments(estimator)
         noise = iter(noise)
         last = len(self.layers) - 1
@@ -371,6 +407,27 @@ class BayesianNetwork(nn.Module):
             h = self.activation(z)
         raise AssertionError("unreachable: the loop returns at the output layer")
 
+    def _full_covariance_hidden(self, h):
+        """``(mean (..., N, H), covariance (..., N, H, H))`` of the last hidden layer's activations,
+        each hidden layer's covariance across units carried (``deterministic_full``)."""
+        from ..moments.bivariate import activation_covariance
+
+        phi = covariance = None
+        for layer in self.layers[self.point_layers: -1]:
+            if layer.covariance != "diagonal":
+                raise ValueError(f"estimator='deterministic_full' needs mean-field (diagonal) q on every layer; "
+                                 f"got {layer.covariance!r}")
+            if phi is None:  # the first layer's units are independent given x: a diagonal covariance
+                gamma, xi = layer.preactivation_moments(h)
+                phi, _, variance = self.activation.moments(gamma, xi, return_variance=True)
+                covariance = torch.diag_embed(variance)
+            else:
+                phi, covariance = activation_covariance(self.activation,
+                                                        *layer.propagated_preactivation_covariance(phi, covariance))
+        if phi is None:
+            raise ValueError("estimator='deterministic_full' needs at least one Gaussian hidden layer")
+        return phi, covariance
+
     def _propagate(self, h, estimator: str, noise):
         """``(mean, var_from_penultimate, var_from_output_layer)``, each ``(..., N, O)``, from
         the activations ``h`` after the point layers."""
@@ -379,10 +436,23 @@ class BayesianNetwork(nn.Module):
     def _integrate_tail(self, kind, value):
         """What :meth:`_forward_to_tail` left, integrated: ``(mean, var_A, var_B,
         hidden_variance)``, the last the hidden units' variances ``(..., N, H)`` when a hidden
-        layer was integrated (``None`` otherwise)."""
+        layer was integrated (``None`` otherwise; for ``full_moments`` the outputs' covariance
+        ``(..., N, O, O)``)."""
         if kind == "outputs":
             return value, torch.zeros_like(value), torch.zeros_like(value), None
         output = self.layers[-1]
+        if kind == "full_moments":
+            # var_A: the hidden units' (co)variance through the mean weights; var_B: the output
+            # weights' own variance at E[h^2]; the fourth value is the outputs' whole covariance
+            phi, covariance = value
+            mean, output_covariance = output.propagated_preactivation_covariance(phi, covariance)
+            width = phi.shape[-1]
+            loc = output.loc[:, :width]
+            var_a = torch.einsum("oc,...cd,od->...o", loc, covariance, loc)
+            var_b = (phi.square() + torch.diagonal(covariance, dim1=-2, dim2=-1)) @ output.elementwise_variance()[:, :width].mT
+            if output.bias:
+                var_b = var_b + output.elementwise_variance()[:, width]
+            return mean, var_a, var_b, output_covariance
         if kind == "output_layer":  # the output layer exactly, given (possibly sampled) activations
             mean, xi = output.preactivation_moments(value)
             return mean, torch.zeros_like(mean), xi.square(), None
@@ -400,7 +470,10 @@ class BayesianNetwork(nn.Module):
         outputs covary only through the shared hidden units: ``Cov(o_i, o_j) = sum_c
         loc_ic loc_jc Var[h_c]`` off the diagonal (heteroscedastic regression needs it
         between the mean and the log-variance)."""
-        mean, var_a, var_b, hidden_variance = self._integrate_tail(*self._forward_to_tail(h, estimator, noise))
+        kind, value = self._forward_to_tail(h, estimator, noise)
+        mean, var_a, var_b, hidden_variance = self._integrate_tail(kind, value)
+        if kind == "full_moments":  # the outputs' covariance, computed whole
+            return mean, hidden_variance
         if hidden_variance is None:  # given sampled activations the output rows are independent
             return mean, torch.diag_embed(var_a + var_b)
         output = self.layers[-1]
@@ -415,7 +488,7 @@ class BayesianNetwork(nn.Module):
         if not isinstance(self.likelihood, NormalLikelihood) or getattr(output, "covariance", None) != "diagonal":
             return None
         kind, value = self._forward_to_tail(h, estimator, noise)
-        if kind == "outputs":
+        if kind in ("outputs", "full_moments"):
             return None
         if kind == "output_layer":
             phi, variance = value, torch.zeros_like(value)

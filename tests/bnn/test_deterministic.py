@@ -65,6 +65,76 @@ def test_propagated_moments_agree_with_monte_carlo(hidden):
     assert ((variance - mc_variance).abs() <= 5 * variance_se + bound * mc_variance).all()
 
 
+def _mc_moments(net, x, samples=200_000):
+    draws = _monte_carlo(net, x, samples)
+    return draws.mean(0), draws.var(0), draws.shape[0]
+
+
+def test_full_covariance_propagation_is_exact_for_a_linear_network_where_the_diagonal_is_not():
+    """Identity activations: means and covariances of products of independent variables
+    propagate exactly, so ``deterministic_full`` must match Monte Carlo of the exact model
+    within its standard error at every depth; the diagonal propagation, which drops the
+    covariance between units, is visibly off on the same network (so the test can fail)."""
+    generator = torch.Generator().manual_seed(5)
+    net = BayesianNetwork(6, [12, 12, 12], 1, activation="identity", init_scale=0.3, generator=generator).double()
+    x = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full_mean, full_variance = net.output_moments(x, "deterministic_full", ())
+        _, diagonal_variance = net.output_moments(x, "deterministic", ())
+    mc_mean, mc_variance, n = _mc_moments(net, x)
+    variance_se = mc_variance * math.sqrt(2.0 / n) * 2  # kurtosis margin 2x
+    assert ((full_mean - mc_mean).abs() <= 5 * (mc_variance / n).sqrt()).all()
+    assert ((full_variance - mc_variance).abs() <= 5 * variance_se).all(), (full_variance - mc_variance) / variance_se
+    assert ((diagonal_variance - mc_variance).abs() > 5 * variance_se).any()
+
+
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu"])
+def test_full_covariance_propagation_agrees_with_monte_carlo_within_the_bias_bound(activation):
+    """ReLU-type networks, 2 hidden layers: the only approximation left is that the second
+    layer's pre-activations are taken as jointly Normal (their covariance is exact); the
+    output variance is within the diagonal propagation's bound and at least as close."""
+    generator = torch.Generator().manual_seed(0)
+    net = BayesianNetwork(6, [30, 30], 1, activation=activation, init_scale=0.1, generator=generator).double()
+    x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        mean, variance = net.output_moments(x, "deterministic_full", ())
+        diagonal_mean, diagonal_variance = net.output_moments(x, "deterministic", ())
+    torch.testing.assert_close(mean, diagonal_mean)  # the means never depend on the covariances
+    mc_mean, mc_variance, n = _mc_moments(net, x)
+    variance_se = mc_variance * math.sqrt(2.0 / n) * 2
+    assert ((variance - mc_variance).abs() <= 5 * variance_se + VARIANCE_BIAS_BOUND[2] * mc_variance).all()
+    full_error = ((variance - mc_variance) / mc_variance).abs().mean()
+    diagonal_error = ((diagonal_variance - mc_variance) / mc_variance).abs().mean()
+    assert full_error <= diagonal_error + 2 * (variance_se / mc_variance).mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_full_covariance_elbo_is_finite_with_finite_gradients_at_the_extremes(dtype):
+    """Posterior s.d. down to ~0 (correlations at +-1 between units fed by the same inputs)
+    and very wide posteriors, large inputs; the heteroscedastic likelihood on the same path."""
+    x = torch.randn(8, 6, dtype=dtype, generator=torch.Generator().manual_seed(1)) * 20
+    y = torch.randn(8, dtype=dtype)
+    for init_scale, activation in ((1e-12, "relu"), (1e-3, "relu"), (1.0, "relu"), (1e-12, "leaky_relu"),
+                                   (1.0, "leaky_relu")):
+        for outputs, likelihood in ((1, None), (2, HeteroscedasticNormalLikelihood())):
+            # as for the diagonal path: exp(Var[l] / 2) has no finite value past ~700 nats of variance
+            scale = init_scale if outputs == 1 else min(init_scale, 0.3)
+            net = BayesianNetwork(6, [10, 10], outputs, activation, init_scale=scale, likelihood=likelihood,
+                                  generator=torch.Generator().manual_seed(2)).to(dtype)
+            loss = -net.elbo(x / (10 if outputs == 2 else 1), y, 80, "deterministic_full")
+            loss.backward()
+            assert torch.isfinite(loss), (init_scale, outputs)
+            assert all(torch.isfinite(p.grad).all() for p in net.parameters()), (init_scale, outputs)
+
+
+def test_full_covariance_needs_mean_field_layers_and_a_supported_activation():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="mean-field"):
+        BayesianNetwork(6, [5, 5], 1, covariance="full").double().output_moments(x, "deterministic_full", ())
+    with pytest.raises(ValueError, match="relu_squared"):
+        BayesianNetwork(6, [5, 5], 1, activation="relu_squared").double().output_moments(x, "deterministic_full", ())
+
+
 def test_every_covariance_propagates_and_full_equals_diagonal_when_off_diagonal_is_zero():
     x = torch.randn(5, 6, dtype=torch.float64)
     diagonal = _network([8, 8])
