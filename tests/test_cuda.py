@@ -63,7 +63,7 @@ def test_deep_model_and_vectorized_gradient_variance_run_on_cuda():
         assert all(torch.isfinite(torch.tensor(v)) and v >= 0 for v in variances[estimator].values())
     final_mean = "layers.2.loc"
     assert variances["analytic"][final_mean] < variances["sampling"][final_mean]
-    means, component_variances = model.predict_mixture(x, num_samples=8, generator=generator)
+    means, component_variances, _ = model.predictive_components(x, num_samples=8, generator=generator)
     assert means.device.type == "cuda" and bool((component_variances > 0).all())
 
 

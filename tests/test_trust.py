@@ -435,8 +435,8 @@ def test_test_evaluation_is_chunked(monkeypatch):
 
     monkeypatch.setattr(gradient_variance_study, "rows_per_chunk", lambda elements_per_row: 300)
     seen = []
-    original = BayesianNetwork.predict_mixture
-    monkeypatch.setattr(BayesianNetwork, "predict_mixture",
+    original = BayesianNetwork.predictive_components
+    monkeypatch.setattr(BayesianNetwork, "predictive_components",
                         lambda self, x, *a, **k: seen.append(len(x)) or original(self, x, *a, **k))
     data = synthetic_teacher(input_dim=4, n_train=50, n_test=1000)
     model = BayesianNetwork(4, [8, 8], init_scale=0.1, generator=torch.Generator().manual_seed(0))

@@ -37,6 +37,15 @@ def _flat(tensor: torch.Tensor, last: int) -> torch.Tensor:
     return tensor.reshape(-1, last)
 
 
+def _bias_column_and_sqrt(gamma, xi2, loc, weight_variance, width: int, bias: bool):
+    """``(gamma, xi)``: the bias column's mean and variance added (its input is the constant 1),
+    and the standard deviation kept off exact zero, where sqrt's slope is infinite."""
+    if bias:
+        gamma = gamma + loc[:, width]
+        xi2 = xi2 + weight_variance[:, width]
+    return gamma, xi2.clamp(min=torch.finfo(xi2.dtype).tiny).sqrt()
+
+
 class _DiagonalPreactivation(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -46,12 +55,7 @@ class _DiagonalPreactivation(torch.autograd.Function):
         width = h.shape[-1]
         gamma = h @ loc[:, :width].mT
         xi2 = (h * h) @ variance[:, :width].mT
-        if bias:
-            gamma = gamma + loc[:, width]
-            xi2 = xi2 + variance[:, width]
-        # sqrt has an infinite slope at 0: keep the variance off exact zero (as functional does)
-        xi = xi2.clamp(min=torch.finfo(xi2.dtype).tiny).sqrt()
-        return gamma, xi
+        return _bias_column_and_sqrt(gamma, xi2, loc, variance, width, bias)  # as functional does
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -108,11 +112,7 @@ class _PropagatedPreactivation(torch.autograd.Function):
         # Var = E[h^2]^T Var W + Var[h]^T loc^2, as one product over [E[h^2], Var h]
         second = torch.cat([phi * phi + variance, variance], -1)
         xi2 = second @ torch.cat([variance_h, loc_h * loc_h], -1).mT
-        if bias:
-            gamma = gamma + loc[:, width]
-            xi2 = xi2 + weight_variance[:, width]
-        xi = xi2.clamp(min=torch.finfo(xi2.dtype).tiny).sqrt()
-        return gamma, xi
+        return _bias_column_and_sqrt(gamma, xi2, loc, weight_variance, width, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -546,27 +546,6 @@ class BayesianNetwork(nn.Module):
         return self.output_moments(h, "sampling", noise, after_point_layers=True)[0]
 
     @torch.no_grad()
-    def predict_mixture(self, x, num_samples: int = 32, generator=None, chunk: int = 8):
-        """Predictive moments by the closed form over the last two layers.
-
-        ``(component_means, component_variances)``, each ``(S, N[, O])``: the predictive
-        is the equal mixture of ``N(mean_s, var_s + 1/beta)`` over ``S`` samples of the
-        earlier sampled layers (``S = 1``, exact, when nothing is sampled).
-        """
-        h = self.point_features(x)
-        if not self.noise_shapes(h.shape[-2], "analytic"):
-            mean, variance = self.output_moments(h, "analytic", (), after_point_layers=True)
-            return mean.unsqueeze(0), variance.unsqueeze(0)
-        means, variances = [], []
-        for start in range(0, num_samples, chunk):  # chunks bound memory; samples within a chunk are batched
-            count = min(chunk, num_samples - start)
-            noise = self.sample_noise(h.shape[-2], "analytic", generator, num_samples=count)
-            mean, variance = self.output_moments(h, "analytic", noise, after_point_layers=True)
-            means.append(mean)
-            variances.append(variance)
-        return torch.cat(means), torch.cat(variances)
-
-    @torch.no_grad()
     def predictive_components(self, x, estimator: str = "analytic", num_samples: int = 32, generator=None,
                               chunk: int = 8, num_nodes: int = 64):
         """The predictive density of ``y`` as a mixture of Normals, ``(means, variances,

@@ -13,7 +13,7 @@ from cfbnn_cli.runtime.errors import ConfigError
 from cfbnn_cli.runtime.numerics import NonFiniteLossError
 
 
-@pytest.mark.parametrize("estimator", ["analytic", "sampling", "deterministic"])
+@pytest.mark.parametrize("estimator", ["analytic", "sampling", "deterministic", "deterministic_full"])
 def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_cfg):
     result = regression.run(regression_cfg(f"estimator={estimator}"), tmp_path)
     history = pd.read_csv(tmp_path / "metrics.csv")
