@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_elbo import configure_like_cli, median_time, median_times  # the benchmarks' helpers (benchmarks/ on sys.path)
+from bench_elbo import configure_like_cli, median_times  # the benchmarks' helpers (benchmarks/ on sys.path)
 
 from cfbnn_cli.bnn.network import BayesianNetwork
 from cfbnn_cli.moments import set_validate_args

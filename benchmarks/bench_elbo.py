@@ -42,17 +42,8 @@ from cfbnn_cli.runtime.threads import flush_denormals, tune_allocator
 
 
 def median_time(fn, repeats, device):
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of ``fn`` over ``repeats`` timed calls after two warm-up calls."""
+    return median_times({"step": fn}, repeats, device)["step"]
 
 
 def median_times(steps, repeats, device):

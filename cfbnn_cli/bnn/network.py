@@ -198,6 +198,12 @@ class GaussianMatrix(nn.Module):
         covariance seen through the mean weights, plus each row's own weight variance (rows
         are independent under q, so it adds to the diagonal only).
         """
+        mean, spread, own = self._propagated_covariance_parts(phi, covariance)
+        return mean, spread + torch.diag_embed(own)
+
+    def _propagated_covariance_parts(self, phi, covariance):
+        """``(mean, loc C loc^T, sum_c Var W_rc E[h_c^2])``: the two parts of
+        :meth:`propagated_preactivation_covariance` (the output layer reports them apart)."""
         if self.covariance != "diagonal":
             raise ValueError(f"full-covariance propagation needs a mean-field (diagonal) q; this layer has "
                              f"{self.covariance!r}")
@@ -210,7 +216,7 @@ class GaussianMatrix(nn.Module):
         if self.bias:
             mean = mean + self.loc[:, width]
             own = own + self.log_scale[:, width].mul(2.0).exp()
-        return mean, spread + torch.diag_embed(own)
+        return mean, spread, own
 
     def second_moment(self) -> torch.Tensor:
         """``E_q[W_rc^2]`` averaged over the matrix: ``(sum_r tr Sigma_r + |loc|^2) / (R C)``."""
@@ -444,15 +450,8 @@ class BayesianNetwork(nn.Module):
         if kind == "full_moments":
             # var_A: the hidden units' (co)variance through the mean weights; var_B: the output
             # weights' own variance at E[h^2]; the fourth value is the outputs' whole covariance
-            phi, covariance = value
-            mean, output_covariance = output.propagated_preactivation_covariance(phi, covariance)
-            width = phi.shape[-1]
-            loc = output.loc[:, :width]
-            var_a = torch.einsum("oc,...cd,od->...o", loc, covariance, loc)
-            var_b = (phi.square() + torch.diagonal(covariance, dim1=-2, dim2=-1)) @ output.elementwise_variance()[:, :width].mT
-            if output.bias:
-                var_b = var_b + output.elementwise_variance()[:, width]
-            return mean, var_a, var_b, output_covariance
+            mean, spread, own = output._propagated_covariance_parts(*value)
+            return mean, torch.diagonal(spread, dim1=-2, dim2=-1), own, spread + torch.diag_embed(own)
         if kind == "output_layer":  # the output layer exactly, given (possibly sampled) activations
             mean, xi = output.preactivation_moments(value)
             return mean, torch.zeros_like(mean), xi.square(), None

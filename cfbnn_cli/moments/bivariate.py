@@ -196,10 +196,9 @@ def activation_covariance(activation, mean: torch.Tensor, covariance: torch.Tens
     tiny = torch.finfo(mean.dtype).tiny
     sd = variance_diag.clamp(min=tiny).sqrt()
     phi, _, variance = activation.moments(mean, sd, return_variance=True)
+    if name == "identity":  # g(u) = u: its covariance is the input's
+        return phi, covariance
     width = mean.shape[-1]
-    eye = torch.eye(width, dtype=torch.bool, device=mean.device)
-    if name == "identity":
-        return phi, torch.where(eye, torch.diag_embed(variance), covariance)
     # each unordered pair once (the upper triangle), mirrored below: half the work of the square
     rows, cols = torch.triu_indices(width, width, offset=1, device=mean.device)
     cov_ij = covariance[..., rows, cols]
