@@ -1,4 +1,4 @@
-"""The closed form's hot path as four autograd functions with analytic backward passes.
+"""The closed form's hot path as autograd functions with analytic backward passes.
 
 Written as ordinary torch code, one closed-form ELBO step of a mean-field layer is some
 130 small operations forward and backward (each exp, square, cat, sum and their
@@ -13,22 +13,35 @@ out, reusing what the forward computed:
 * :func:`diagonal_kl` -- ``KL(N(loc, diag exp(2 log_scale)) || N(0, s^2 I))``, the KL terms
   of eq. (4), straight from ``log_scale`` (no ``log(exp(.))``);
 * :func:`normal_ell_given_hidden` -- the output layer integrated exactly and the Normal
-  likelihood, eqs. (7)-(8), per data point, from the hidden units' ``Phi`` and ``Var``.
+  likelihood, eqs. (7)-(8), per data point, from the hidden units' ``Phi`` and ``Var``;
+* :func:`normal_ell_given_preactivation` -- the same for one output straight from the last
+  hidden layer's pre-activation means and *variances*, eqs. (7)-(9) in one C++ pass each way
+  (``tail_pass`` in moments/_kernel_source.py): ``Phi``, ``Upsilon`` and ``Var`` of the
+  ``(N, H)`` block never reach memory, and with :func:`diagonal_preactivation_variance` /
+  :func:`propagated_preactivation_variance` neither the square root nor its derivative
+  is a pass of its own.
+
+On a CPU each pass over an ``(N, H)`` block that has left the core's cache costs about what
+its bytes take to move (~40 us per 400 kB array here), and every small torch operation
+5-10 us of Python and dispatch: the functions count both. Outside torch.func transforms they
+run as classic ``forward(ctx, ...)`` functions (no signature binding per call) and write
+gradients in place; inside, out of place (:func:`_transforms_active`).
 
 They compute what :mod:`.functional` computes (``tests/bnn/test_fused.py`` checks values
-and gradients against it in float64, and ``torch.autograd.gradcheck``), and they
-support ``torch.func.vmap`` / ``grad`` (``generate_vmap_rule``), which the gradient-
-variance measurement uses.
+and gradients against it and against the reference torch moments, float64 and float32,
+and ``torch.autograd.gradcheck``), and all but the kernel tail support ``torch.func.vmap``
+/ ``grad`` (``generate_vmap_rule``), which the gradient-variance measurement uses.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from ..moments.gaussian import is_transformed
+from ..moments import fast as fast_moments
+from ..moments.gaussian import check_mean_std, is_transformed
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -37,119 +50,256 @@ def _flat(tensor: torch.Tensor, last: int) -> torch.Tensor:
     return tensor.reshape(-1, last)
 
 
-def _bias_column_and_sqrt(gamma, xi2, loc, weight_variance, width: int, bias: bool):
-    """``(gamma, xi)``: the bias column's mean and variance added (its input is the constant 1),
-    and the standard deviation kept off exact zero, where sqrt's slope is infinite."""
+def _transforms_active() -> bool:
+    """Inside torch.func transforms (vmap/grad) the kernels run on wrapped tensors: there the
+    functions below take out-of-place ops only (an in-place op on an unbatched result with a
+    batched operand is an error) and never write through ``out=``."""
+    return torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+
+
+def _affine(inputs: torch.Tensor, weight: torch.Tensor, bias_column) -> torch.Tensor:
+    """``inputs @ weight^T (+ bias_column)`` over any leading dimensions, the bias added by
+    the matrix product itself (``addmm``: no separate pass over the result)."""
+    flat = inputs.reshape(-1, inputs.shape[-1])
+    out = flat @ weight.mT if bias_column is None else torch.addmm(bias_column, flat, weight.mT)
+    return out.reshape(*inputs.shape[:-1], weight.shape[0])
+
+
+def _sqrt_floored(variance: torch.Tensor) -> torch.Tensor:
+    """The standard deviation, kept off exact zero, where sqrt's slope is infinite (in place
+    on the fresh ``variance``: it is never seen by anyone else)."""
+    tiny = torch.finfo(variance.dtype).tiny
+    if _transforms_active():
+        return variance.clamp(min=tiny).sqrt()
+    return variance.clamp_(min=tiny).sqrt_()
+
+
+def _columns(matrix: torch.Tensor, width: int, bias: bool):
+    """``(matrix[:, :width], matrix[:, width] or None)``: the weights on ``h`` and on the bias's 1.
+
+    The bias column is made contiguous (a copy of ``rows`` numbers): broadcast from its strided
+    view, adding it to an (N, rows) result takes torch's slow path (4-6x the contiguous add)."""
+    return matrix[:, :width], (matrix[:, width].contiguous() if bias else None)
+
+
+def _gradient_with_bias_column(main: torch.Tensor, bias_part, bias: bool) -> torch.Tensor:
+    """``[main, bias_part]`` as one ``(rows, width + 1)`` gradient (just ``main`` without a bias)."""
+    return torch.cat([main, bias_part.unsqueeze(-1)], -1) if bias else main
+
+
+def _flat_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``sum_n left_n^T right_n`` over every leading dimension: ``(A, B)`` from ``(..., A)``, ``(..., B)``."""
+    return left.reshape(-1, left.shape[-1]).mT @ right.reshape(-1, right.shape[-1])
+
+
+def _weight_gradient(left: torch.Tensor, right: torch.Tensor, bias: bool, scale: float = 1.0) -> torch.Tensor:
+    """``[sum_n left_n^T right_n, sum_n left_n]``: a layer's ``(rows, width [+ 1])`` weight gradient
+    from the output-side factor ``left`` and the inputs ``right``, the bias column's input being 1.
+
+    Outside torch.func both parts are written into one buffer (``out=``): on a wide layer the
+    concatenation is a copy of the whole gradient (2 ms at 1000 x 2049)."""
+    flat_left, flat_right = left.reshape(-1, left.shape[-1]), right.reshape(-1, right.shape[-1])
+    if _transforms_active():  # batched gradients cannot be written into a plain buffer
+        main = flat_left.mT @ flat_right
+        gradient = _gradient_with_bias_column(main, flat_left.sum(0), True) if bias else main
+        return gradient if scale == 1.0 else scale * gradient
+    width = flat_right.shape[-1]
+    out = flat_left.new_empty((flat_left.shape[-1], width + bias))
+    # the scale rides on the product (alpha): no pass over the result for it
+    torch.addmm(out[:, :width], flat_left.mT, flat_right, beta=0.0, alpha=scale, out=out[:, :width])
     if bias:
-        gamma = gamma + loc[:, width]
-        xi2 = xi2 + weight_variance[:, width]
-    return gamma, xi2.clamp(min=torch.finfo(xi2.dtype).tiny).sqrt()
+        torch.sum(flat_left, 0, out=out[:, width])
+        if scale != 1.0:
+            out[:, width].mul_(scale)
+    return out
 
 
 class _DiagonalPreactivation(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(h, loc, log_scale, bias: bool):
-        variance = torch.exp(2.0 * log_scale)
+    def forward(h, loc, log_scale, bias: bool, variance_output: bool):
+        variance = log_scale.mul(2.0).exp_() if not _transforms_active() else torch.exp(2.0 * log_scale)
         width = h.shape[-1]
-        gamma = h @ loc[:, :width].mT
-        xi2 = (h * h) @ variance[:, :width].mT
-        return _bias_column_and_sqrt(gamma, xi2, loc, variance, width, bias)  # as functional does
+        loc_h, loc_b = _columns(loc, width, bias)
+        variance_h, variance_b = _columns(variance, width, bias)
+        squared = h * h
+        gamma = _affine(h, loc_h, loc_b)
+        xi2 = _affine(squared, variance_h, variance_b)
+        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), variance, squared
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        h, loc, log_scale, bias = inputs
-        _, xi = output
-        ctx.bias = bias
-        ctx.save_for_backward(h, loc, log_scale, xi)
+        h, loc, log_scale, bias, variance_output = inputs
+        _, xi, variance, squared = output
+        ctx.bias, ctx.variance_output = bias, variance_output
+        ctx.mark_non_differentiable(variance, squared)
+        # variance and h^2 are kept from the forward pass: on a wide first layer (D=2048,
+        # H=1000) recomputing exp(2 log_scale) is two passes over 2M parameters
+        ctx.save_for_backward(h, loc, None if variance_output else xi, variance, squared)
 
     @staticmethod
-    def backward(ctx, grad_gamma, grad_xi):
-        h, loc, log_scale, xi = ctx.saved_tensors
+    def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared):
+        h, loc, xi, variance, squared = ctx.saved_tensors
         width = h.shape[-1]
-        variance = torch.exp(2.0 * log_scale)  # recomputed: one pass, cheaper than a saved buffer's page faults
-        # d sqrt(v) / dv = 1 / (2 sqrt v). No mask for the clamp's floor (a bool mask costs more than
-        # the rest of this line on a CPU): xi >= sqrt(tiny) keeps it finite, and a variance under
-        # float's tiny needs every scale below ~1e-19 (the bias column alone keeps v above its own)
-        grad_xi2 = grad_xi / (2.0 * xi)
-        rows = loc.shape[0]
-        flat_gamma, flat_xi2, flat_h = _flat(grad_gamma, rows), _flat(grad_xi2, rows), _flat(h, width)
-        if ctx.bias and not is_transformed(grad_gamma):  # write the bias column in place: no copy
-            grad_loc, grad_variance = torch.empty_like(loc), torch.empty_like(variance)
-            torch.mm(flat_gamma.mT, flat_h, out=grad_loc[:, :width])
-            torch.mm(flat_xi2.mT, flat_h * flat_h, out=grad_variance[:, :width])
-            torch.sum(flat_gamma, 0, out=grad_loc[:, width])
-            torch.sum(flat_xi2, 0, out=grad_variance[:, width])
-        else:  # out of place (torch.cat): under vmap the batched gradients cannot be written into
-            grad_loc = flat_gamma.mT @ flat_h
-            grad_variance = flat_xi2.mT @ (flat_h * flat_h)
-            if ctx.bias:
-                grad_loc = torch.cat([grad_loc, flat_gamma.sum(0).unsqueeze(-1)], -1)
-                grad_variance = torch.cat([grad_variance, flat_xi2.sum(0).unsqueeze(-1)], -1)
+        # ``ratio`` = 2 dL/d xi^2, which is grad_xi / xi for the standard deviation (d xi / d xi^2
+        # = 1 / (2 xi)); the 2 cancels against d Var / d log_scale = 2 Var. No mask for the clamp's
+        # floor: xi >= sqrt(tiny) keeps it finite, and a variance under float's tiny needs every
+        # scale below ~1e-19 (the bias column alone keeps it above its own)
+        if ctx.variance_output:  # grad_xi is dL/d xi^2: its 2 rides on the products
+            ratio, scale = grad_xi, 2.0
+        else:
+            ratio, scale = grad_xi / xi, 1.0
+        grad_loc = _weight_gradient(grad_gamma, h, ctx.bias)
+        grad_log_scale = _weight_gradient(ratio, squared, ctx.bias, scale)
+        grad_log_scale = grad_log_scale * variance if _transforms_active() else grad_log_scale.mul_(variance)
         grad_h = None
-        if ctx.needs_input_grad[0]:
-            grad_h = grad_gamma @ loc[:, :width] + 2.0 * h * (grad_xi2 @ variance[:, :width])
-        return grad_h, grad_loc, grad_variance.mul_(variance).mul_(2.0), None
+        if ctx.needs_input_grad[0]:  # 2 h (grad_xi2 @ Var) = h (ratio @ Var)
+            grad_h = torch.addcmul(grad_gamma @ loc[:, :width], h, ratio @ variance[:, :width], value=scale)
+        return grad_h, grad_loc, grad_log_scale, None, None
+
+
+_CONSTANTS = {}
+
+
+def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d tensor of ``value``, made once per (value, dtype, device): a fixed prior's variance
+    is the same number every step (a few of them; never written to)."""
+    key = (value, dtype, device)
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        if len(_CONSTANTS) > 64:
+            _CONSTANTS.clear()
+        tensor = _CONSTANTS[key] = torch.tensor(value, dtype=dtype, device=device)
+    return tensor
+
+
+def _classic_twin(function):
+    """``function`` (an autograd.Function written with ``setup_context``, as torch.func needs) in
+    the classic ``forward(ctx, ...)`` form, which autograd applies without binding a signature
+    (~30 us per call on a CPU): the form used outside torch.func transforms."""
+
+    class Classic(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = function.forward(*inputs)
+            function.setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return function.backward(ctx, *grads)
+
+    Classic.__name__ = Classic.__qualname__ = function.__name__ + "Classic"
+    return Classic
+
+
+def _apply(function, classic, *inputs):
+    """``classic.apply`` outside torch.func transforms, ``function.apply`` inside."""
+    return (function if _transforms_active() else classic).apply(*inputs)
+
+
+def _flat_sum(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1, tensor.shape[-1]).sum(0)
+
+
+_DiagonalPreactivationClassic = _classic_twin(_DiagonalPreactivation)
 
 
 def diagonal_preactivation(h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
                            bias: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(gamma, xi)`` of the pre-activations of ``[h, 1]`` (``bias``) or ``h`` under a
     mean-field q with means ``loc`` and standard deviations ``exp(log_scale)`` (eq. (12))."""
-    return _DiagonalPreactivation.apply(h, loc, log_scale, bias)
+    return _apply(_DiagonalPreactivation, _DiagonalPreactivationClassic, h, loc, log_scale, bias, False)[:2]
+
+
+def diagonal_preactivation_variance(h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
+                                    bias: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`diagonal_preactivation` with the variance ``xi^2`` in place of ``xi`` (for
+    :func:`normal_ell_given_preactivation`, which takes the square root in its own pass)."""
+    return _apply(_DiagonalPreactivation, _DiagonalPreactivationClassic, h, loc, log_scale, bias, True)[:2]
 
 
 class _PropagatedPreactivation(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(phi, variance, loc, log_scale, bias: bool):
+    def forward(phi, variance, second_moment, loc, log_scale, bias: bool, variance_output: bool):
         weight_variance = torch.exp(2.0 * log_scale)
         width = phi.shape[-1]
-        loc_h, variance_h = loc[:, :width], weight_variance[:, :width]
-        gamma = phi @ loc_h.mT
-        # Var = E[h^2]^T Var W + Var[h]^T loc^2, as one product over [E[h^2], Var h]
-        second = torch.cat([phi * phi + variance, variance], -1)
-        xi2 = second @ torch.cat([variance_h, loc_h * loc_h], -1).mT
-        return _bias_column_and_sqrt(gamma, xi2, loc, weight_variance, width, bias)
+        loc_h, loc_b = _columns(loc, width, bias)
+        variance_h, variance_b = _columns(weight_variance, width, bias)
+        formed = None
+        if second_moment is None:  # E[h^2] = Var h + phi^2
+            second_moment = formed = torch.addcmul(variance, phi, phi)
+        gamma = _affine(phi, loc_h, loc_b)
+        # Var = E[h^2]^T Var W + Var[h]^T loc^2: two products summed into one buffer
+        xi2 = _affine(second_moment, variance_h, variance_b)
+        spread = _affine(variance, loc_h * loc_h, None)
+        xi2 = xi2 + spread if _transforms_active() else xi2.add_(spread)
+        # E[h^2] is an output only when formed here (an input returned as is cannot be saved)
+        formed = formed if formed is not None else phi.new_empty(0)
+        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, formed
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        phi, variance, loc, log_scale, bias = inputs
-        ctx.bias = bias
-        ctx.save_for_backward(phi, variance, loc, log_scale, output[1])
+        phi, variance, second_moment, loc, log_scale, bias, variance_output = inputs
+        _, xi, weight_variance, formed = output
+        second = second_moment if second_moment is not None else formed
+        ctx.bias, ctx.variance_output = bias, variance_output
+        ctx.given_second_moment = second_moment is not None
+        ctx.mark_non_differentiable(weight_variance, formed)
+        ctx.save_for_backward(phi, variance, second, loc, weight_variance, None if variance_output else xi)
 
     @staticmethod
-    def backward(ctx, grad_gamma, grad_xi):
-        phi, variance, loc, log_scale, xi = ctx.saved_tensors
-        width, rows = phi.shape[-1], loc.shape[0]
-        weight_variance = torch.exp(2.0 * log_scale)
-        loc_h, variance_h = loc[:, :width], weight_variance[:, :width]
-        grad_xi2 = grad_xi / (2.0 * xi)
-        # [grad_xi2 @ Var W, grad_xi2 @ loc^2] in one product
-        back = grad_xi2 @ torch.cat([variance_h, loc_h * loc_h], -1)
-        through_variance, through_loc2 = back[..., :width], back[..., width:]
-        grad_phi = grad_gamma @ loc_h + 2.0 * phi * through_variance
-        grad_variance = through_variance + through_loc2
-        flat_gamma, flat_xi2 = _flat(grad_gamma, rows), _flat(grad_xi2, rows)
-        flat_phi, flat_variance = _flat(phi, width), _flat(variance, width)
-        # [sum_n g_n E[h_n^2], sum_n g_n Var h_n] in one product
-        weighted = flat_xi2.mT @ torch.cat([flat_phi * flat_phi + flat_variance, flat_variance], -1)
-        grad_loc = flat_gamma.mT @ flat_phi + 2.0 * loc_h * weighted[:, width:]
-        grad_weight_variance = weighted[:, :width]
-        if ctx.bias:  # out of place (torch.cat): the backward must run under vmap too
-            grad_loc = torch.cat([grad_loc, flat_gamma.sum(0).unsqueeze(-1)], -1)
-            grad_weight_variance = torch.cat([grad_weight_variance, flat_xi2.sum(0).unsqueeze(-1)], -1)
-        return grad_phi, grad_variance, grad_loc, 2.0 * weight_variance * grad_weight_variance, None
+    def backward(ctx, grad_gamma, grad_xi, _grad_weight_variance, _grad_second):
+        phi, variance, second, loc, weight_variance, xi = ctx.saved_tensors
+        width = phi.shape[-1]
+        loc_h = loc[:, :width]
+        # as in the diagonal case, ratio = 2 grad_xi2 (grad_xi / xi for the standard deviation);
+        # the halves go on the small weights
+        if ctx.variance_output:
+            ratio, scale = grad_xi, 2.0
+        else:
+            ratio, scale = grad_xi / xi, 1.0
+        grad_phi = grad_gamma @ loc_h
+        grad_second = ratio @ ((0.5 * scale) * weight_variance[:, :width])
+        grad_variance = ratio @ ((0.5 * scale) * loc_h * loc_h)
+        if not ctx.given_second_moment:  # E[h^2] = Var h + phi^2 was formed here
+            grad_variance = grad_variance + grad_second
+            grad_phi = torch.addcmul(grad_phi, phi, grad_second, value=2.0)
+            grad_second = None
+        # d/d loc = grad_gamma^T phi + 2 loc (grad_xi2^T Var h) = ... + loc (ratio^T Var h)
+        grad_loc_h = torch.addcmul(_flat_product(grad_gamma, phi), loc_h, _flat_product(ratio, variance), value=scale)
+        grad_loc = _gradient_with_bias_column(grad_loc_h, _flat_sum(grad_gamma), ctx.bias)
+        # d/d log_scale = 2 Var W (grad_xi2^T E[h^2]) = Var W (ratio^T E[h^2])
+        grad_log_scale = _weight_gradient(ratio, second, ctx.bias, scale)
+        grad_log_scale = grad_log_scale * weight_variance if _transforms_active() else grad_log_scale.mul_(weight_variance)
+        return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None
+
+
+_PropagatedPreactivationClassic = _classic_twin(_PropagatedPreactivation)
 
 
 def propagated_preactivation(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
-                             bias: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                             bias: bool = True, second_moment: Optional[torch.Tensor] = None
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(gamma, xi)`` of ``W [h, 1]`` under a mean-field q when the inputs ``h`` are uncertain
     too: independent, of means ``phi`` and variances ``variance`` (the deterministic estimator's
-    diagonal propagation), ``xi^2 = E[h^2]^T Var W + Var[h]^T loc^2`` per row."""
-    return _PropagatedPreactivation.apply(phi, variance, loc, log_scale, bias)
+    diagonal propagation), ``xi^2 = E[h^2]^T Var W + Var[h]^T loc^2`` per row.
+
+    ``second_moment`` is ``E[h^2]`` when the caller has it (the activation kernels return it as
+    Upsilon, eq. (9)): it then carries its own gradient, and ``phi^2 + variance`` is not formed."""
+    return _apply(_PropagatedPreactivation, _PropagatedPreactivationClassic, phi, variance, second_moment, loc,
+                  log_scale, bias, False)[:2]
+
+
+def propagated_preactivation_variance(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor,
+                                      log_scale: torch.Tensor, bias: bool = True,
+                                      second_moment: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`propagated_preactivation` with the variance ``xi^2`` in place of ``xi``."""
+    return _apply(_PropagatedPreactivation, _PropagatedPreactivationClassic, phi, variance, second_moment, loc,
+                  log_scale, bias, True)[:2]
 
 
 class _DiagonalKL(torch.autograd.Function):
@@ -158,94 +308,215 @@ class _DiagonalKL(torch.autograd.Function):
     @staticmethod
     def forward(loc, log_scale, prior_variance):
         count = loc.numel()
-        second_moment = torch.exp(2.0 * log_scale).sum() + torch.dot(loc.reshape(-1), loc.reshape(-1))
-        return 0.5 * (second_moment / prior_variance - count + count * torch.log(prior_variance)
-                      - 2.0 * log_scale.sum())
+        sums = None if _transforms_active() else fast_moments.diagonal_kl_sums(loc, log_scale)
+        if sums is not None:  # one pass over the matrix (a wide layer's KL was ten passes over its 2M numbers)
+            variance_sum, loc_square_sum, log_scale_sum = sums
+            second = variance_sum + loc_square_sum
+            second_moment = prior_variance.new_tensor(second)
+            if not prior_variance.requires_grad:  # a fixed prior: the rest is arithmetic on numbers
+                variance = float(prior_variance)
+                kl = 0.5 * (second / variance - count + count * math.log(variance)) - log_scale_sum
+                return prior_variance.new_tensor(kl), second_moment
+            log_scale_sum = prior_variance.new_tensor(log_scale_sum)
+        else:
+            second_moment = torch.exp(2.0 * log_scale).sum() + torch.dot(loc.reshape(-1), loc.reshape(-1))
+            log_scale_sum = log_scale.sum()
+        kl = 0.5 * (second_moment / prior_variance - count + count * torch.log(prior_variance)) - log_scale_sum
+        return kl, second_moment
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         loc, log_scale, prior_variance = inputs
-        ctx.save_for_backward(loc, log_scale, prior_variance)
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(loc, log_scale, prior_variance, output[1])
 
     @staticmethod
-    def backward(ctx, grad):
-        loc, log_scale, prior_variance = ctx.saved_tensors
-        scaled = grad / prior_variance
-        grad_loc = scaled * loc
-        variance = torch.exp(2.0 * log_scale)
-        grad_log_scale = scaled * variance - grad
+    def backward(ctx, grad, _grad_second_moment):
+        loc, log_scale, prior_variance, second_moment = ctx.saved_tensors
+        gradients = None
+        if not _transforms_active() and grad.device.type == "cpu":
+            grad_value = float(grad)
+            gradients = fast_moments.diagonal_kl_gradients(loc, log_scale, grad_value / float(prior_variance),
+                                                           grad_value)
+        if gradients is not None:
+            grad_loc, grad_log_scale = gradients
+        else:
+            scaled = grad / prior_variance
+            grad_loc = scaled * loc
+            grad_log_scale = scaled * torch.exp(2.0 * log_scale) - grad
         grad_prior = None
         if ctx.needs_input_grad[2]:
-            second_moment = variance.sum() + torch.dot(loc.reshape(-1), loc.reshape(-1))
             grad_prior = grad * 0.5 * (loc.numel() / prior_variance - second_moment / prior_variance ** 2)
         return grad_loc, grad_log_scale, grad_prior
+
+
+_DiagonalKLClassic = _classic_twin(_DiagonalKL)
 
 
 def diagonal_kl(loc: torch.Tensor, log_scale: torch.Tensor, prior_variance) -> torch.Tensor:
     """``KL(N(loc, diag(exp(2 log_scale))) || N(0, prior_variance I))`` summed over the matrix."""
     if not isinstance(prior_variance, torch.Tensor):
-        prior_variance = torch.tensor(float(prior_variance), dtype=loc.dtype, device=loc.device)
-    return _DiagonalKL.apply(loc, log_scale, prior_variance)
+        prior_variance = _constant(float(prior_variance), loc.dtype, loc.device)
+    return _apply(_DiagonalKL, _DiagonalKLClassic, loc, log_scale, prior_variance)[0]
 
 
 class _NormalELLGivenHidden(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(phi, variance, loc, log_scale, y, log_precision, bias: bool):
+    def forward(phi, variance, second_moment, loc, log_scale, y, log_precision, bias: bool):
         width = phi.shape[-1]
         weight_variance = torch.exp(2.0 * log_scale)
-        mean = phi @ loc[:, :width].mT
-        var_a = variance @ (weight_variance[:, :width] + loc[:, :width] * loc[:, :width]).mT
-        var_b = (phi * phi) @ weight_variance[:, :width].mT
-        if bias:
-            mean = mean + loc[:, width]
-            var_b = var_b + weight_variance[:, width]
+        loc_h, loc_b = _columns(loc, width, bias)
+        variance_h = weight_variance[:, :width]
+        mean = _affine(phi, loc_h, loc_b)
+        # summed over the outputs o: sum_o (var_A + var_B) = Var h . sum_o loc_o^2 + E[h^2] . sum_o Var W_o
+        # (E[h^2] = Var h + phi^2), two matrix-vector products and no pass over phi^2
+        column_variance, column_loc2 = variance_h.sum(0), (loc_h * loc_h).sum(0)
+        if second_moment is None:
+            spread = variance @ (column_variance + column_loc2) + (phi * phi) @ column_variance
+        else:
+            spread = variance @ column_loc2 + second_moment @ column_variance
         residual = y - mean
-        squares = (residual * residual + var_a + var_b).sum(-1)  # (..., N)
+        squares = (residual * residual).sum(-1) + spread  # (..., N)
+        if bias:
+            squares = squares + weight_variance[:, width].sum()
         precision = torch.exp(log_precision)
         outputs = loc.shape[0]
         ell = -0.5 * precision * squares + 0.5 * outputs * (log_precision - _LOG_2PI)
-        return ell, residual, squares
+        return ell, residual, squares, weight_variance
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        phi, variance, loc, log_scale, y, log_precision, bias = inputs
-        _, residual, squares = output
+        phi, variance, second_moment, loc, log_scale, y, log_precision, bias = inputs
+        _, residual, squares, weight_variance = output
         ctx.bias = bias
-        ctx.mark_non_differentiable(residual, squares)
-        ctx.save_for_backward(phi, variance, loc, log_scale, log_precision, residual, squares)
+        ctx.given_second_moment = second_moment is not None
+        ctx.mark_non_differentiable(residual, squares, weight_variance)
+        ctx.save_for_backward(phi, variance, second_moment, loc, weight_variance, log_precision, residual, squares)
 
     @staticmethod
-    def backward(ctx, grad_ell, _grad_residual, _grad_squares):
-        phi, variance, loc, log_scale, log_precision, residual, squares = ctx.saved_tensors
+    def backward(ctx, grad_ell, _grad_residual, _grad_squares, _grad_weight_variance):
+        phi, variance, second_moment, loc, weight_variance, log_precision, residual, squares = ctx.saved_tensors
         width, rows = phi.shape[-1], loc.shape[0]
         precision = torch.exp(log_precision)
-        weight_variance = torch.exp(2.0 * log_scale)
         half = -0.5 * precision * grad_ell  # (..., N): d ELL_n / d (each squared term)
         grad_mean = (precision * grad_ell).unsqueeze(-1) * residual  # (..., N, O)
         loc_h, variance_h = loc[:, :width], weight_variance[:, :width]
-        column_b = variance_h.sum(0)  # (H,)
-        grad_phi = grad_mean @ loc_h + 2.0 * half.unsqueeze(-1) * phi * column_b
-        grad_variance = half.unsqueeze(-1) * (column_b + (loc_h * loc_h).sum(0))
-        flat_half, flat_phi = half.reshape(-1), _flat(phi, width)
-        weighted_variance = flat_half @ _flat(variance, width)  # sum_n c_n Var_n: (H,)
-        weighted_phi2 = flat_half @ (flat_phi * flat_phi)
-        flat_mean = _flat(grad_mean, rows)
-        grad_loc = flat_mean.mT @ flat_phi + 2.0 * loc_h * weighted_variance
-        grad_weight_variance = (weighted_variance + weighted_phi2).expand(rows, width)
-        if ctx.bias:  # out of place (torch.cat): the backward must run under vmap too
-            grad_loc = torch.cat([grad_loc, flat_mean.sum(0).unsqueeze(-1)], -1)
-            grad_weight_variance = torch.cat([grad_weight_variance, flat_half.sum().expand(rows, 1)], -1)
+        column_variance, column_loc2 = variance_h.sum(0), (loc_h * loc_h).sum(0)
+        column = half.unsqueeze(-1)
+        grad_phi = grad_mean @ loc_h
+        flat_half = half.reshape(-1)
+        weighted_variance = flat_half @ variance.reshape(-1, width)  # sum_n c_n Var_n: (H,)
+        if ctx.given_second_moment:  # the three moments' own gradients: outer products, one pass each
+            grad_second = column * column_variance
+            grad_variance = column * column_loc2
+            weighted_second = flat_half @ second_moment.reshape(-1, width)
+        else:
+            grad_second = None
+            grad_variance = column * (column_variance + column_loc2)
+            grad_phi = torch.addcmul(grad_phi, column * column_variance, phi, value=2.0)
+            weighted_second = weighted_variance + flat_half @ (phi * phi).reshape(-1, width)
+        flat_mean = grad_mean.reshape(-1, rows)
+        grad_loc = _gradient_with_bias_column(_flat_product(grad_mean, phi) + 2.0 * loc_h * weighted_variance,
+                                              flat_mean.sum(0), ctx.bias)
+        grad_weight_variance = _gradient_with_bias_column(weighted_second.expand(rows, width),
+                                                          flat_half.sum().expand(rows), ctx.bias)
         grad_log_precision = (grad_ell * (-0.5 * precision * squares + 0.5 * rows)).sum()
-        return (grad_phi, grad_variance, grad_loc, 2.0 * weight_variance * grad_weight_variance, None,
+        return (grad_phi, grad_variance, grad_second, grad_loc, 2.0 * weight_variance * grad_weight_variance, None,
                 grad_log_precision, None)
 
 
+_NormalELLGivenHiddenClassic = _classic_twin(_NormalELLGivenHidden)
+
+
 def normal_ell_given_hidden(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
-                            y: torch.Tensor, log_precision: torch.Tensor, bias: bool = True) -> torch.Tensor:
+                            y: torch.Tensor, log_precision: torch.Tensor, bias: bool = True,
+                            second_moment: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``E_q[log N(y_n | W [g, 1], 1/beta)]`` per data point ``(..., N)`` for hidden units of
     mean ``phi`` and variance ``variance`` (independent given x) and a diagonal q over the
     output layer ``W`` (``loc``/``log_scale`` ``(O, H[+1])``): eqs. (7)-(8), summed over the O
-    outputs. ``y`` is ``(..., N, O)``."""
-    return _NormalELLGivenHidden.apply(phi, variance, loc, log_scale, y, log_precision, bias)[0]
+    outputs. ``y`` is ``(..., N, O)``. ``second_moment`` is ``E[h^2]`` (Upsilon, eq. (9))
+    when the caller has it, as for :func:`propagated_preactivation`."""
+    return _apply(_NormalELLGivenHidden, _NormalELLGivenHiddenClassic, phi, variance, second_moment, loc, log_scale, y,
+                  log_precision, bias)[0]
+
+
+class _NormalELLGivenPreactivation(torch.autograd.Function):
+    """The last hidden layer's activation moments, the output layer integrated exactly and the
+    Normal likelihood, for one output, through the kernel ``tail_pass`` (moments/fast.py):
+    ``Phi``, ``Upsilon`` and ``Var`` of the (N, H) block are never written to memory, and the
+    backward pass returns ``d/d gamma``, ``d/d xi`` and the output layer's column sums from one
+    more pass. Plain CPU tensors only (no torch.func transforms): see :func:`normal_ell_given_preactivation`."""
+
+    @staticmethod
+    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias: bool, op):
+        width = gamma.shape[-1]
+        flat_gamma, flat_xi = gamma.reshape(-1, width), xi2.reshape(-1, width)
+        weight_variance = torch.exp(2.0 * log_scale)
+        weight_phi = loc[0, :width].contiguous()
+        weight_loc2 = weight_phi * weight_phi
+        weight_second = weight_variance[0, :width].contiguous()
+        mean, spread = fast_moments.normal_tail(op, flat_gamma, flat_xi, weight_phi, weight_loc2, weight_second)
+        if bias:
+            mean = mean + loc[0, width]
+            spread = spread + weight_variance[0, width]
+        residual = y.reshape(-1) - mean
+        squares = residual * residual + spread
+        precision = torch.exp(log_precision)
+        ell = -0.5 * precision * squares + 0.5 * (log_precision - _LOG_2PI)
+        ctx.bias, ctx.op, ctx.shape = bias, op, gamma.shape
+        ctx.save_for_backward(flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second,
+                              log_precision, residual, squares)
+        return ell.reshape(gamma.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_ell):
+        (flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second, log_precision, residual,
+         squares) = ctx.saved_tensors
+        width = flat_gamma.shape[-1]
+        grad_ell = grad_ell.reshape(-1).contiguous()
+        precision = torch.exp(log_precision)
+        row_mean_grad = (precision * grad_ell) * residual  # dL/d mean_n
+        row_spread_grad = (-0.5 * precision) * grad_ell  # dL/d (residual^2 + spread)_n
+        grad_gamma, grad_xi, columns = fast_moments.normal_tail(ctx.op, flat_gamma, flat_xi, weight_phi, weight_loc2,
+                                                               weight_second, row_mean_grad, row_spread_grad)
+        columns = columns.to(flat_gamma.dtype)
+        # d/d loc_c = sum_n u_n Phi_nc + 2 loc_c sum_n k_n Var_nc; d/d Var W_c = sum_n k_n Ups_nc
+        grad_loc_h = torch.addcmul(columns[0], weight_phi, columns[1], value=2.0)
+        grad_weight_variance = columns[2]
+        if ctx.bias:
+            grad_loc_h = torch.cat([grad_loc_h, row_mean_grad.sum().reshape(1)])
+            grad_weight_variance = torch.cat([grad_weight_variance, row_spread_grad.sum().reshape(1)])
+        grad_log_scale = (2.0 * weight_variance) * grad_weight_variance
+        grad_log_precision = (grad_ell * (-0.5 * precision * squares + 0.5)).sum()
+        return (grad_gamma.reshape(ctx.shape), grad_xi.reshape(ctx.shape), grad_loc_h.unsqueeze(0), grad_log_scale,
+                None, grad_log_precision, None, None)
+
+
+def normal_tail_op(activation, loc: torch.Tensor, *tensors):
+    """The activation's kernels when :func:`normal_ell_given_preactivation` applies to a
+    one-output layer ``loc`` and these tensors, else ``None`` (then take the other route): more
+    than one output, an activation without a tail kernel (identity and the piecewise-polynomial
+    engine have none), tensors that are not plain contiguous CPU float32/float64 of one dtype,
+    torch.func transforms or the fast path switched off."""
+    if loc.shape[0] != 1 or _transforms_active():
+        return None
+    op = activation._fast_op() if hasattr(activation, "_fast_op") else None
+    return op if fast_moments.normal_tail_applies(op, loc, *tensors) else None
+
+
+def normal_ell_given_preactivation(gamma: torch.Tensor, xi2: torch.Tensor, op, loc: torch.Tensor,
+                                   log_scale: torch.Tensor, y: torch.Tensor, log_precision: torch.Tensor,
+                                   bias: bool = True) -> torch.Tensor:
+    """``E_q[log N(y_n | W [g(a), 1], 1/beta)]`` per data point for last-hidden-layer
+    pre-activations ``a ~ N(gamma, xi2)`` (independent units; ``xi2`` the variance) and a
+    diagonal q over a one-output layer ``W`` (``loc``/``log_scale`` ``(1, H[+1])``):
+    eqs. (7)-(9) in one fused kernel pass forward and one backward. What
+    :func:`normal_ell_given_hidden` of ``activation.moments(gamma, sqrt(xi2))`` computes.
+    ``op`` is :func:`normal_tail_op`'s answer (not ``None``)."""
+    check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the argument checks activation.moments makes (if on)
+    gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
+    y = torch.broadcast_to(y, gamma.shape[:-1] + (1,)).contiguous()  # one target per row of gamma
+    return _NormalELLGivenPreactivation.apply(gamma.contiguous(), xi2.contiguous(), loc, log_scale, y,
+                                              log_precision, bias, op)

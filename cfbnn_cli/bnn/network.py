@@ -158,6 +158,19 @@ class GaussianMatrix(nn.Module):
             return fused.diagonal_preactivation(h, self.loc, self.log_scale, self.bias)
         return F.preactivation_moments(augment(h) if self.bias else h, self.loc, self.scale())
 
+    def preactivation_mean_and_variance(self, h: torch.Tensor, moments=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(gamma, xi^2)``: :meth:`preactivation_moments` (``moments=None``) or
+        :meth:`propagated_preactivation_moments` (``moments = (phi, variance, second_moment)``)
+        with the variance in place of the standard deviation (a diagonal q takes no square root)."""
+        if self.covariance == "diagonal":
+            if moments is None:
+                return fused.diagonal_preactivation_variance(h, self.loc, self.log_scale, self.bias)
+            phi, variance, second_moment = moments
+            return fused.propagated_preactivation_variance(phi, variance, self.loc, self.log_scale, self.bias,
+                                                           second_moment)
+        gamma, xi = self.preactivation_moments(h) if moments is None else self.propagated_preactivation_moments(*moments)
+        return gamma, xi.square()
+
     def elementwise_variance(self) -> torch.Tensor:
         """``Var_q[W_rc]`` as an ``(R, C)`` matrix: the diagonal of each row's covariance."""
         if self.covariance == "diagonal":
@@ -167,7 +180,8 @@ class GaussianMatrix(nn.Module):
             return scale.square().sum(-1)  # diag(L L^T)_c = sum_k L_ck^2
         return scale.diag.square() + scale.factor.square().sum(-1)
 
-    def propagated_preactivation_moments(self, phi: torch.Tensor, variance: torch.Tensor
+    def propagated_preactivation_moments(self, phi: torch.Tensor, variance: torch.Tensor,
+                                         second_moment: Optional[torch.Tensor] = None
                                          ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(gamma, xi)`` (mean, standard deviation) of ``W [h, 1]`` when the inputs ``h``
         are themselves uncertain: independent across units with means ``phi`` and
@@ -177,10 +191,11 @@ class GaussianMatrix(nn.Module):
         the first term is the exact weight-uncertainty variance at ``h = phi`` (eq. (12)),
         the second what the inputs' spread adds. The bias column (``h = 1``) adds no
         variance of its own. ``xi`` never reaches 0 where q has any spread, so its square
-        root has a finite gradient.
+        root has a finite gradient. ``second_moment``, ``E[h^2]`` when the caller has it
+        (the activation's Upsilon), spares the diagonal path forming ``phi^2 + variance``.
         """
         if self.covariance == "diagonal":  # the fused path: analytic backward, three products
-            return fused.propagated_preactivation(phi, variance, self.loc, self.log_scale, self.bias)
+            return fused.propagated_preactivation(phi, variance, self.loc, self.log_scale, self.bias, second_moment)
         gamma, xi = self.preactivation_moments(phi)
         weights = self.loc.square() + self.elementwise_variance()
         if self.bias:
@@ -355,17 +370,24 @@ class BayesianNetwork(nn.Module):
 
     def sample_noise(self, batch: int, estimator: str, generator=None, num_samples: Optional[int] = None, lead=()):
         lead = tuple(lead) + (() if num_samples is None else (num_samples,))
+        shapes = self.noise_shapes(batch, estimator)
+        if not shapes:  # nothing sampled (the closed form's hot path: no parameter walk)
+            return ()
         like = next(self.parameters())
         return tuple(torch.randn(lead + shape, generator=generator, dtype=like.dtype, device=like.device)
-                     for shape in self.noise_shapes(batch, estimator))
+                     for shape in shapes)
 
     def kl(self) -> torch.Tensor:
         """``KL(q || p)`` of every Gaussian layer, in closed form; with ``prior="empirical_bayes"``
         each layer's prior variance is at its ELBO-optimal value given q."""
-        total = torch.zeros((), dtype=self.layers[0].weight.dtype if self.point_layers else self.layers[0].loc.dtype,
-                            device=next(self.parameters()).device)
-        for layer in self.gaussian_layers:
-            total = total + layer.kl(None if self.prior == "empirical_bayes" else self.prior_scale)
+        prior_scale = None if self.prior == "empirical_bayes" else self.prior_scale
+        terms = [layer.kl(prior_scale) for layer in self.gaussian_layers]
+        if not terms:  # every layer a point estimate
+            first = self.layers[0].weight
+            return torch.zeros((), dtype=first.dtype, device=first.device)
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
         return total
 
     # ------------------------------------------------------------------ outputs
@@ -378,14 +400,15 @@ class BayesianNetwork(nn.Module):
             x = layer(x) if index == last else self.activation(layer(x))  # no activation on the outputs
         return x
 
-    def _forward_to_tail(self, h, estimator: str, noise):
+    def _forward_to_tail(self, h, estimator: str, noise, variance_form: bool = False):
         """Run the layers that are not integrated (point and sampled ones); returns what is
         left to integrate exactly: ``("outputs", z)`` when nothing is (every output sampled
         or a point estimate), ``("output_layer", h)`` when the output layer is integrated
         given activations ``h``, ``("hidden_and_output", (gamma, xi))`` when the last
         hidden layer (pre-activation moments ``gamma``, ``xi``) and the output layer are, or
         ``("full_moments", (phi, covariance))``, the last hidden layer's activations' mean
-        and covariance across units (``deterministic_full``)."""
+        and covariance across units (``deterministic_full``). ``variance_form``: the last
+        hidden layer's moments as ``(gamma, xi^2)``."""
         if self.point_layers == len(self.layers):  # a plain network: h is already the output
             return "outputs", h
         if estimator == "deterministic_full":
@@ -399,12 +422,16 @@ class BayesianNetwork(nn.Module):
             if treatment == "closed_form":
                 if index == last:  # only reached when no hidden layer was integrated before it
                     return "output_layer", h
-                pre = layer.preactivation_moments(h) if moments is None else layer.propagated_preactivation_moments(*moments)
                 if index == last - 1:
+                    if variance_form:
+                        return "hidden_and_output", layer.preactivation_mean_and_variance(h, moments)
+                    pre = layer.preactivation_moments(h) if moments is None else \
+                        layer.propagated_preactivation_moments(*moments)
                     return "hidden_and_output", pre
+                pre = layer.preactivation_moments(h) if moments is None else layer.propagated_preactivation_moments(*moments)
                 # a hidden layer before the last (the deterministic estimator): carry its moments on
-                phi, _, variance = self.activation.moments(*pre, return_variance=True)
-                moments = (phi, variance)
+                phi, second_moment, variance = self.activation.moments(*pre, return_variance=True)
+                moments = (phi, variance, second_moment)
                 continue
             gamma, xi = layer.preactivation_moments(h)
             z = gamma + xi * next(noise)
@@ -486,16 +513,22 @@ class BayesianNetwork(nn.Module):
         output = self.layers[-1]
         if not isinstance(self.likelihood, NormalLikelihood) or getattr(output, "covariance", None) != "diagonal":
             return None
-        kind, value = self._forward_to_tail(h, estimator, noise)
+        target = y.unsqueeze(-1) if self.output_dim == 1 else y
+        # one output and a kernel for the activation: the last hidden layer and the output layer
+        # in one pass each way, from the pre-activations' variances
+        tail = fused.normal_tail_op(self.activation, output.loc, output.log_scale, target)
+        kind, value = self._forward_to_tail(h, estimator, noise, variance_form=tail is not None)
         if kind in ("outputs", "full_moments"):
             return None
         if kind == "output_layer":
-            phi, variance = value, torch.zeros_like(value)
+            phi, second_moment, variance = value, None, torch.zeros_like(value)
+        elif tail is not None:
+            return fused.normal_ell_given_preactivation(*value, tail, output.loc, output.log_scale, target,
+                                                        self.likelihood.log_precision, output.bias)
         else:
-            phi, _, variance = self.activation.moments(*value, return_variance=True)
-        target = y.unsqueeze(-1) if self.output_dim == 1 else y
+            phi, second_moment, variance = self.activation.moments(*value, return_variance=True)
         return fused.normal_ell_given_hidden(phi, variance, output.loc, output.log_scale, target,
-                                             self.likelihood.log_precision, output.bias)
+                                             self.likelihood.log_precision, output.bias, second_moment)
 
     def _squeeze(self, *values):
         return tuple(v[..., 0] for v in values) if self.output_dim == 1 else values

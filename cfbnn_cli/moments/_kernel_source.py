@@ -57,7 +57,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 8
+#define CFBNN_ABI 10
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -729,6 +729,161 @@ static int64_t count_negative(int64_t n, const T* s, int nthreads) {
     bad += count;
   }
   return bad;
+}
+
+/* ------------------------------------ the last hidden layer and a one-output Normal ELL */
+
+/* The activation's moments and the output layer integrated exactly, for a (rows, H) block of
+   pre-activation means m and variances s (the standard deviation is taken here) and one output with column weights w_phi = loc_c, w_var =
+   loc_c^2, w_ups = Var W_c (bnn/fused.py, eqs. (7)-(9)):
+
+   forward:   mean_r = sum_c Phi_rc w_phi_c,  spread_r = sum_c (Var_rc w_var_c + Ups_rc w_ups_c);
+   backward:  for dL/d mean_r = u_r and dL/d spread_r = k_r, the gradients of (m, s) (mean, variance)
+              from dL/dPhi = u_r w_phi_c, dL/dUps = k_r w_ups_c, dL/dVar = k_r w_var_c,
+              and the column sums sum_r u_r Phi_rc, sum_r k_r Var_rc, sum_r k_r Ups_rc.
+
+   Phi, Ups, Var and the partials live in L1 scratch only: nothing (rows, H)-sized is written
+   but the two gradients. Each thread owns whole rows (no races on the row sums); the column
+   sums are float64 per thread, added in thread order. */
+INLINE float tail_sqrt(float x) { return sqrtf(x); }
+INLINE double tail_sqrt(double x) { return sqrt(x); }
+
+template <typename T, int KIND>
+static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,
+                      const T* w_phi, const T* w_var, const T* w_ups, const T* row_u, const T* row_k,
+                      T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols, int nthreads) {
+  const int64_t n = rows * H;
+  const int team_size = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
+  T* partial = nullptr;
+  if (backward) partial = (T*)calloc((size_t)(3 * H * team_size), sizeof(T));
+#pragma omp parallel num_threads(team_size) if (team_size > 1)
+  {
+    FlushDenormals ftz(sizeof(T) == sizeof(float));
+    int tid = 0, team = 1;
+#ifdef _OPENMP
+    tid = omp_get_thread_num(); team = omp_get_num_threads();
+#endif
+    const int64_t r0 = rows * tid / team, r1 = rows * (tid + 1) / team;
+    T* RS cols = backward ? partial + 3 * H * tid : nullptr;
+    for (int64_t r = r0; r < r1; r++) {
+      if (!backward) { o_mean[r] = (T)0; o_spread[r] = (T)0; }
+    }
+    const int64_t end = r1 * H;
+    for (int64_t lo = r0 * H; lo < end; lo += NB) {
+      const int k = (int)(lo + NB < end ? NB : end - lo);
+      alignas(64) T f[NB], u[NB], v[NB], a[NB], b[NB], c[NB], d[NB], sd[NB];
+      T* outs[7] = {f, u, v, a, b, c, d};
+      {  // the standard deviation from the variance, kept off exact zero (fused.py: _sqrt_floored)
+        const T* RS vin = s + lo;
+        const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
+#pragma omp simd
+        for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] > floor ? vin[j] : floor);
+      }
+      if (backward) act_block<T, KIND, true, true, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+      else act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+      int i = 0;
+      while (i < k) {  // one row's segment of the block at a time
+        const int64_t g = lo + i, row = g / H, col0 = g - row * H;
+        const int len = (int)(k - i < H - col0 ? k - i : H - col0);
+        const T* RS wp = w_phi + col0; const T* RS wv = w_var + col0; const T* RS wu = w_ups + col0;
+        const T* RS ff = f + i; const T* RS uu = u + i; const T* RS vv = v + i;
+        if (!backward) {
+          T sm = (T)0, ss = (T)0;
+#pragma omp simd reduction(+ : sm, ss)
+          for (int j = 0; j < len; j++) {
+            sm += ff[j] * wp[j];
+            ss += vv[j] * wv[j] + uu[j] * wu[j];
+          }
+          o_mean[row] += sm;
+          o_spread[row] += ss;
+        } else {
+          const T ru = row_u[row], rk = row_k[row];
+          const T* RS aa = a + i; const T* RS bb = b + i; const T* RS cc = c + i; const T* RS dd = d + i;
+          const T* RS mm = m + g; const T* RS ssd = sd + i;
+          T* RS om = o_gm + g; T* RS os = o_gs + g;
+          T* RS cp = cols + col0; T* RS cv = cols + H + col0; T* RS cu = cols + 2 * H + col0;
+#pragma omp simd
+          for (int j = 0; j < len; j++) {
+            const T fj = ff[j];
+            const T gp = ru * wp[j], gu = rk * wu[j], gv = rk * wv[j];
+            const T A = gp + (T)2 * fj * gu, B = gu + gv;
+            T grad_std;
+            if (KIND == 0) {  // relu: the partials from u0 = Phi_N(-|t|) and pdf = phi(t), as relu_backward
+              const T q = aa[j], p = bb[j];
+              const bool up = mm[j] >= (T)0;
+              const T cdf = up ? (T)1 - q : q, cdfn = up ? q : (T)1 - q;
+              om[j] = cdf * A + (T)2 * fj * cdfn * B;
+              grad_std = p * A + (T)2 * (ssd[j] * cdf - fj * p) * B;
+            } else {
+              om[j] = aa[j] * A + cc[j] * B;
+              grad_std = bb[j] * A + dd[j] * B;
+            }
+            os[j] = grad_std / ((T)2 * ssd[j]);  // d std / d variance = 1 / (2 std)
+            cp[j] += ru * fj;
+            cv[j] += rk * vv[j];
+            cu[j] += rk * uu[j];
+          }
+        }
+        i += len;
+      }
+    }
+  }
+  if (backward) {
+    for (int64_t j = 0; j < 3 * H; j++) {
+      double total = 0.0;
+      for (int t = 0; t < team_size; t++) total += (double)partial[3 * H * t + j];
+      o_cols[j] = total;
+    }
+    free(partial);
+  }
+}
+
+/* ------------------------------------------------ KL of a mean-field Gaussian matrix */
+
+/* KL(N(loc, diag exp(2 log_scale)) || N(0, s^2 I)) needs three sums over the matrix: sum
+   exp(2 log_scale), sum loc^2 and sum log_scale. One pass, float64 accumulators, fixed
+   chunks summed in order (the result does not depend on the thread count). */
+static const int64_t KL_CHUNK = 1 << 14;
+INLINE float kl_exp(float x) { return expf(x); }
+INLINE double kl_exp(double x) { return exp(x); }
+
+template <typename T>
+static void diag_kl_sums(int64_t n, const T* loc, const T* ls, double* out, int nthreads) {
+  const int64_t nchunks = (n + KL_CHUNK - 1) / KL_CHUNK;
+  double* partial = (double*)malloc(sizeof(double) * 3 * (size_t)(nchunks > 0 ? nchunks : 1));
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
+  for (int64_t c = 0; c < nchunks; c++) {
+    const int64_t lo = c * KL_CHUNK, hi = lo + KL_CHUNK < n ? lo + KL_CHUNK : n;
+    const T* RS l = loc + lo;
+    const T* RS g = ls + lo;
+    const int len = (int)(hi - lo);
+    double sv = 0.0, sl = 0.0, ss = 0.0;
+#pragma omp simd reduction(+ : sv, sl, ss)
+    for (int i = 0; i < len; i++) {
+      T v = kl_exp((T)2 * g[i]);
+      sv += (double)v;
+      sl += (double)l[i] * (double)l[i];
+      ss += (double)g[i];
+    }
+    partial[3 * c] = sv; partial[3 * c + 1] = sl; partial[3 * c + 2] = ss;
+  }
+  double a = 0.0, b = 0.0, d = 0.0;
+  for (int64_t c = 0; c < nchunks; c++) { a += partial[3 * c]; b += partial[3 * c + 1]; d += partial[3 * c + 2]; }
+  free(partial);
+  out[0] = a; out[1] = b; out[2] = d;
+}
+
+/* Its gradient in one pass: d/d loc = scaled loc, d/d log_scale = scaled exp(2 log_scale) - grad
+   (scaled = grad / s^2). */
+template <typename T>
+static void diag_kl_backward(int64_t n, const T* loc, const T* ls, double scaled, double grad, T* g_loc, T* g_ls,
+                             int nthreads) {
+  const T a = (T)scaled, b = (T)grad;
+#pragma omp parallel for simd schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
+  for (int64_t i = 0; i < n; i++) {
+    g_loc[i] = a * loc[i];
+    g_ls[i] = a * kl_exp((T)2 * ls[i]) - b;
+  }
 }
 
 /* --------------------------------------------------------------------- identity */
@@ -1526,6 +1681,20 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
     identity_forward<T>(n, m, s, phi, ups, var, nt);                                                             \
   }                                                                                                              \
   extern "C" int64_t count_negative_##SUF(int64_t n, const T* s, int nt) { return count_negative<T>(n, s, nt); } \
+  extern "C" void tail_pass_##SUF(int kind, int backward, int64_t rows, int64_t H, const T* m, const T* s,     \
+                                  double eps, const T* wp, const T* wv, const T* wu, const T* ru, const T* rk,   \
+                                  T* om, T* osp, T* ogm, T* ogs, double* ocols, int nt) {                        \
+    if (kind == 0) tail_pass<T, 0>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt); \
+    else if (kind == 1) tail_pass<T, 1>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt); \
+    else tail_pass<T, 2>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt);      \
+  }                                                                                                              \
+  extern "C" void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, int nt) {                \
+    diag_kl_sums<T>(n, loc, ls, out, nt);                                                                        \
+  }                                                                                                              \
+  extern "C" void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl,       \
+                                         T* gs, int nt) {                                                        \
+    diag_kl_backward<T>(n, loc, ls, a, b, gl, gs, nt);                                                           \
+  }                                                                                                              \
   extern "C" void pw_forward_##SUF(int64_t n, const T* m, const T* s, int B, int D, const double* bp,           \
                                    const double* coef, const double* deriv, const double* side,                  \
                                    const double* tails, const double* jumps, const double* gl,                   \

@@ -15,6 +15,12 @@ CPU, where fresh pages from the allocator (glibc returns freed blocks of this si
 to the system) cost ~1 us per 4 kB. The general engine, whose forward pass is
 expensive, saves the four partial derivatives instead.
 
+Beyond the moments the library holds two kernels of the closed-form ELBO itself (used by
+:mod:`cfbnn_cli.bnn.fused`): ``tail_pass``, the last hidden layer's moments, a one-output
+layer integrated exactly and their gradients in one pass over the block each way
+(:func:`normal_tail`), and the KL of a mean-field matrix and its gradients in one pass
+each (:func:`diagonal_kl_sums`, :func:`diagonal_kl_gradients`).
+
 Build. The kernels are plain C++ (no torch headers) compiled once per machine with
 the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) and loaded
 with :mod:`ctypes`; a build takes a few seconds and is cached under
@@ -85,7 +91,7 @@ __all__ = [
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 8  # must match CFBNN_ABI in the source
+_ABI = 10  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:
@@ -234,6 +240,9 @@ _SIGNATURES = {
     "partials_backward": [_I64] + [_POINTER] * 5 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
     "pw_forward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 16 + [_INT],
     "count_negative": [_I64, _POINTER, _INT],
+    "diag_kl_sums": [_I64] + [_POINTER] * 3 + [_INT],
+    "tail_pass": [_INT, _INT, _I64, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 10 + [_INT],
+    "diag_kl_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
 }
 _SIGNATURES_F32_ONLY = {
     "hs_forward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 9 + [_DOUBLE, _DOUBLE] + [_POINTER] * 7 + [_INT],
@@ -409,6 +418,11 @@ def _plain(*tensors) -> bool:
 class _Op:
     """One activation's kernels: forward -> (phi, ups, var, *saved); backward -> (d mean, d std)."""
 
+    tail_kind: Optional[int] = None  # the kernel of :func:`normal_tail` for this activation (None: none)
+
+    def _eps(self, dtype):
+        return ()
+
     def __init__(self, reference):
         # reference(mean, std) -> (phi, ups, var) through the eager torch path (differentiable)
         self.reference = reference
@@ -464,6 +478,7 @@ class ReLUOp(_Op):
     them: on this path memory traffic and fresh pages cost more than an exp)."""
 
     saved_count = 0
+    tail_kind = 0
 
     def forward(self, mean, std, want_var, need_grad):
         phi = torch.empty(mean.shape, dtype=mean.dtype)
@@ -514,9 +529,6 @@ class _RecomputingOp(_Op):
     saved_count = 0
     kernel = ""
 
-    def _eps(self, dtype):
-        return ()
-
     def forward(self, mean, std, want_var, need_grad):
         phi = torch.empty(mean.shape, dtype=mean.dtype)
         ups = torch.empty(mean.shape, dtype=mean.dtype)
@@ -544,6 +556,7 @@ class _RecomputingOp(_Op):
 
 class LeakyReLUOp(_RecomputingOp):
     kernel = "leaky"
+    tail_kind = 1
 
     def __init__(self, reference, negative_slope):
         super().__init__(reference)
@@ -558,6 +571,7 @@ class LeakyReLUOp(_RecomputingOp):
 
 class ReLUSquaredOp(_RecomputingOp):
     kernel = "relusq"
+    tail_kind = 2
 
 
 class IdentityOp(_Op):
@@ -862,3 +876,76 @@ def relu_mean(mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     if is_transformed(mean) or is_transformed(std):
         return _ReLUMean.apply(mean, std)
     return _ReLUMean.forward(mean, std)
+
+
+def _kl_kernels_apply(*tensors) -> bool:
+    """Whether the KL and tail kernels take these tensors (plain contiguous CPU float32/float64
+    of one dtype). Called on the hot path: the cheap global tests first."""
+    if not _State.enabled or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return False
+    dtype = tensors[0].dtype
+    if dtype not in _SUFFIX:
+        return False
+    for tensor in tensors:
+        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return False
+    return (_State.library if _State.tried else load_kernels()) is not None
+
+
+def diagonal_kl_sums(loc: torch.Tensor, log_scale: torch.Tensor) -> Optional[Tuple[float, float, float]]:
+    """``(sum exp(2 log_scale), sum loc^2, sum log_scale)`` in one pass (float64 sums), or None
+    where the kernels do not apply: what KL(q || N(0, s^2 I)) of a mean-field matrix needs."""
+    if not _kl_kernels_apply(loc, log_scale):
+        return None
+    out = np.empty(3, dtype=np.float64)
+    _kernel("diag_kl_sums", loc.dtype)(loc.numel(), loc.data_ptr(), log_scale.data_ptr(), out.ctypes.data,
+                                       torch.get_num_threads())
+    return float(out[0]), float(out[1]), float(out[2])
+
+
+def diagonal_kl_gradients(loc: torch.Tensor, log_scale: torch.Tensor, scaled: float, grad: float):
+    """``(scaled * loc, scaled * exp(2 log_scale) - grad)`` in one pass, or None where the kernels
+    do not apply: the KL's gradients for ``grad`` = dL/dKL and ``scaled`` = grad / s^2."""
+    if not _kl_kernels_apply(loc, log_scale):
+        return None
+    grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(log_scale)
+    _kernel("diag_kl_backward", loc.dtype)(loc.numel(), loc.data_ptr(), log_scale.data_ptr(), float(scaled),
+                                           float(grad), grad_loc.data_ptr(), grad_log_scale.data_ptr(),
+                                           torch.get_num_threads())
+    return grad_loc, grad_log_scale
+
+
+def normal_tail_applies(op: Optional[_Op], *tensors) -> bool:
+    """Whether :func:`normal_tail` runs for ``op`` on these tensors (plain contiguous CPU
+    float32/float64 tensors of one dtype, an activation with a tail kernel, the fast path on)."""
+    return op is not None and op.tail_kind is not None and _kl_kernels_apply(*tensors)
+
+
+def normal_tail(op: _Op, mean: torch.Tensor, std: torch.Tensor, weight_phi: torch.Tensor, weight_variance: torch.Tensor,
+                weight_second: torch.Tensor, row_mean_grad: Optional[torch.Tensor] = None,
+                row_spread_grad: Optional[torch.Tensor] = None):
+    """The activation's moments and one output's integrated Normal terms in one pass over
+    ``(rows, H)`` pre-activation moments ``mean``, ``std`` (the kernel ``tail_pass``).
+
+    Forward (no row gradients): ``(sum_c Phi w_phi, sum_c Var w_var + Ups w_second)``, two
+    ``(rows,)`` tensors. Backward (``row_mean_grad``, ``row_spread_grad`` given, the loss's
+    gradients with respect to those two sums): ``(d mean, d std, column_sums)``, the last
+    ``(3, H)`` float64 ``[sum_r u_r Phi_rc, sum_r k_r Var_rc, sum_r k_r Ups_rc]``."""
+    rows, width = mean.shape
+    threads = torch.get_num_threads()
+    eps = op._eps(mean.dtype)
+    eps = eps[0] if eps else 0.0
+    function = _kernel("tail_pass", mean.dtype)
+    if row_mean_grad is None:
+        mean_sum, spread_sum = mean.new_empty(rows), mean.new_empty(rows)
+        function(op.tail_kind, 0, rows, width, mean.data_ptr(), std.data_ptr(), eps, weight_phi.data_ptr(),
+                 weight_variance.data_ptr(), weight_second.data_ptr(), None, None, mean_sum.data_ptr(),
+                 spread_sum.data_ptr(), None, None, None, threads)
+        return mean_sum, spread_sum
+    grad_mean, grad_std = torch.empty_like(mean), torch.empty_like(std)
+    columns = torch.empty(3, width, dtype=torch.float64)
+    function(op.tail_kind, 1, rows, width, mean.data_ptr(), std.data_ptr(), eps, weight_phi.data_ptr(),
+             weight_variance.data_ptr(), weight_second.data_ptr(), row_mean_grad.data_ptr(),
+             row_spread_grad.data_ptr(), None, None, grad_mean.data_ptr(), grad_std.data_ptr(),
+             columns.data_ptr(), threads)
+    return grad_mean, grad_std, columns

@@ -104,3 +104,173 @@ def test_the_fused_functions_work_under_vmap_of_grad():
     batched = vmap(grad(loss), in_dims=(None, 0))(loc, noise)
     one_by_one = torch.stack([grad(loss)(loc, noise[i]) for i in range(8)])
     torch.testing.assert_close(batched, one_by_one)
+
+
+# --------------------------------------------------------------------------- the fused tail and variance forms
+
+
+def _tail_case(dtype, bias, lead=(), rows=23, width=37, seed=4):
+    g = _generator(seed)
+    gamma = (2.0 * torch.randn(*lead, rows, width, generator=g, dtype=dtype)).requires_grad_()
+    xi2 = (torch.rand(*lead, rows, width, generator=g, dtype=dtype) + 0.05).square().requires_grad_()
+    loc = torch.randn(1, width + bias, generator=g, dtype=dtype, requires_grad=True)
+    log_scale = (0.3 * torch.randn(1, width + bias, generator=g, dtype=dtype) - 1.0).requires_grad_()
+    y = torch.randn(*lead, rows, 1, generator=g, dtype=dtype)
+    log_precision = torch.tensor(0.3, dtype=dtype, requires_grad=True)
+    return gamma, xi2, loc, log_scale, y, log_precision
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "relu_squared"])
+@pytest.mark.parametrize("bias, lead", [(True, ()), (False, ()), (True, (3,))])
+def test_the_fused_tail_matches_the_reference_moments_and_output_layer(dtype, tolerance, activation, bias, lead):
+    """The one-pass kernel (moments of g, output layer, Normal ELL) against the reference torch
+    moments (fast path off) fed to the unfused output layer: values and every gradient."""
+    from cfbnn_cli.moments import fast_path, get_activation
+
+    g_act = get_activation(activation)
+    inputs = _tail_case(dtype, bias, lead)
+    gamma, xi2, loc, log_scale, y, log_precision = inputs
+    op = fused.normal_tail_op(g_act, loc, log_scale, y)
+    assert op is not None, "the kernel should apply to plain CPU tensors"
+    ell = fused.normal_ell_given_preactivation(gamma, xi2, op, loc, log_scale, y, log_precision, bias)
+    loss = ell.sum() + 0.01 * ell.square().sum()  # a non-uniform upstream gradient
+    grads = torch.autograd.grad(loss, [gamma, xi2, loc, log_scale, log_precision])
+    with fast_path(False):
+        phi, _, variance = g_act.moments(gamma, xi2.sqrt(), return_variance=True)
+        reference = fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision, bias)
+        reference_loss = reference.sum() + 0.01 * reference.square().sum()
+        reference_grads = torch.autograd.grad(reference_loss, [gamma, xi2, loc, log_scale, log_precision])
+    assert ell.shape == lead + (gamma.shape[-2],)
+    torch.testing.assert_close(ell, reference, rtol=tolerance, atol=tolerance * reference.abs().max().item())
+    for found, expected in zip(grads, reference_grads):
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(found, expected, rtol=tolerance, atol=tolerance * scale)
+
+
+def test_the_fused_tail_passes_gradcheck():
+    from cfbnn_cli.moments import get_activation
+
+    gamma, xi2, loc, log_scale, y, log_precision = _tail_case(DT, True, rows=5, width=4)
+    op = fused.normal_tail_op(get_activation("relu"), loc, log_scale, y)
+    torch.autograd.gradcheck(lambda *a: fused.normal_ell_given_preactivation(a[0], a[1], op, a[2], a[3], y, a[4]),
+                             (gamma, xi2, loc, log_scale, log_precision))
+
+
+def test_the_fused_tail_is_finite_at_the_extremes_in_float32():
+    """Means at +-1e3 and variances from 0 to 1e6: values and gradients stay finite."""
+    from cfbnn_cli.moments import get_activation
+
+    gamma, xi2, loc, log_scale, y, log_precision = _tail_case(torch.float32, True, rows=4, width=6)
+    with torch.no_grad():
+        gamma.copy_(torch.tensor([-1e3, -30.0, 0.0, 1e-3, 30.0, 1e3]).expand(4, 6))
+        xi2.copy_(torch.tensor([0.0, 1e-30, 1e-6, 1.0, 1e6]).repeat(5)[:24].reshape(4, 6))
+    op = fused.normal_tail_op(get_activation("relu"), loc, log_scale, y)
+    ell = fused.normal_ell_given_preactivation(gamma, xi2, op, loc, log_scale, y, log_precision)
+    grads = torch.autograd.grad(ell.sum(), [gamma, xi2, loc, log_scale, log_precision])
+    assert torch.isfinite(ell).all()
+    assert all(torch.isfinite(grad).all() for grad in grads)
+
+
+def test_the_fused_tail_declines_what_it_does_not_cover():
+    from cfbnn_cli.moments import fast_path, get_activation
+
+    gamma, xi2, loc, log_scale, y, _ = _tail_case(DT, True)
+    assert fused.normal_tail_op(get_activation("relu"), torch.zeros(2, 38, dtype=DT), log_scale, y) is None  # 2 outputs
+    assert fused.normal_tail_op(get_activation("identity"), loc, log_scale, y) is None  # no tail kernel
+    assert fused.normal_tail_op(get_activation("relu"), loc, log_scale.float(), y) is None  # mixed dtypes
+    with fast_path(False):
+        assert fused.normal_tail_op(get_activation("relu"), loc, log_scale, y) is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_variance_forms_are_the_squared_standard_deviations_and_pass_gradcheck(bias):
+    g = _generator(5)
+    h = torch.randn(5, 4, generator=g, dtype=DT, requires_grad=True)
+    phi = torch.rand(5, 4, generator=g, dtype=DT).requires_grad_()
+    variance = (0.5 * torch.rand(5, 4, generator=g, dtype=DT)).requires_grad_()
+    second = (phi.detach() ** 2 + variance.detach()).requires_grad_()
+    loc = torch.randn(6, 4 + bias, generator=g, dtype=DT, requires_grad=True)
+    log_scale = (0.3 * torch.randn(6, 4 + bias, generator=g, dtype=DT) - 1.0).requires_grad_()
+    gamma, xi = fused.diagonal_preactivation(h, loc, log_scale, bias)
+    gamma2, xi2 = fused.diagonal_preactivation_variance(h, loc, log_scale, bias)
+    torch.testing.assert_close(gamma2, gamma)
+    torch.testing.assert_close(xi2, xi.square())
+    torch.autograd.gradcheck(lambda *a: fused.diagonal_preactivation_variance(*a, bias), (h, loc, log_scale))
+    gamma, xi = fused.propagated_preactivation(phi, variance, loc, log_scale, bias)
+    gamma2, xi2 = fused.propagated_preactivation_variance(phi, variance, loc, log_scale, bias)
+    torch.testing.assert_close(gamma2, gamma)
+    torch.testing.assert_close(xi2, xi.square())
+    torch.autograd.gradcheck(lambda *a: fused.propagated_preactivation_variance(*a, bias), (phi, variance, loc, log_scale))
+    # E[h^2] given: the same moments, and its own gradient
+    gamma3, xi3 = fused.propagated_preactivation(phi, variance, loc, log_scale, bias, second_moment=second)
+    torch.testing.assert_close(gamma3, gamma)
+    torch.testing.assert_close(xi3, xi)
+    torch.autograd.gradcheck(lambda p, v, s, l, ls: fused.propagated_preactivation(p, v, l, ls, bias, s),
+                             (phi, variance, second, loc, log_scale))
+
+
+@pytest.mark.parametrize("outputs", [1, 3])
+def test_normal_ell_given_hidden_takes_the_second_moment(outputs):
+    g = _generator(6)
+    phi = torch.rand(5, 6, generator=g, dtype=DT, requires_grad=True)
+    variance = (0.2 * torch.rand(5, 6, generator=g, dtype=DT)).requires_grad_()
+    second = (phi.detach() ** 2 + variance.detach()).requires_grad_()
+    loc = torch.randn(outputs, 7, generator=g, dtype=DT, requires_grad=True)
+    log_scale = (0.3 * torch.randn(outputs, 7, generator=g, dtype=DT) - 1).requires_grad_()
+    y = torch.randn(5, outputs, generator=g, dtype=DT)
+    log_precision = torch.tensor(0.4, dtype=DT, requires_grad=True)
+    torch.testing.assert_close(fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision, True, second),
+                               fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision, True))
+    torch.autograd.gradcheck(lambda p, v, s, l, ls, lp: fused.normal_ell_given_hidden(p, v, l, ls, y, lp, True, s),
+                             (phi, variance, second, loc, log_scale, log_precision))
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("learned_prior", [False, True])
+def test_the_kl_kernel_matches_the_torch_path(dtype, tolerance, learned_prior):
+    """One pass for the KL's three sums and one for its gradients, against the torch ops
+    (fast path off); a learned prior variance (empirical Bayes) gets its gradient too."""
+    from cfbnn_cli.moments import fast_path
+
+    g = _generator(7)
+    loc = torch.randn(300, 70, generator=g, dtype=dtype, requires_grad=True)  # > one 16k chunk
+    log_scale = (0.5 * torch.randn(300, 70, generator=g, dtype=dtype) - 2.0).requires_grad_()
+    prior = torch.tensor(0.7, dtype=dtype, requires_grad=learned_prior)
+    results = []
+    for enabled in (True, False):
+        with fast_path(enabled):
+            kl = fused.diagonal_kl(loc, log_scale, prior)
+            inputs = [loc, log_scale] + ([prior] if learned_prior else [])
+            results.append((kl, torch.autograd.grad(3.0 * kl, inputs)))
+    (kl, grads), (reference, reference_grads) = results
+    torch.testing.assert_close(kl, reference, rtol=tolerance, atol=0.0)
+    for found, expected in zip(grads, reference_grads):
+        torch.testing.assert_close(found, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    torch.autograd.gradcheck(fused.diagonal_kl, (loc[:3, :4].detach().double().requires_grad_(),
+                                                 log_scale[:3, :4].detach().double().requires_grad_(),
+                                                 torch.tensor(0.7, dtype=DT, requires_grad=True)))
+
+
+@pytest.mark.parametrize("estimator", ["analytic", "deterministic"])
+def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator):
+    """The fused route (variance-form pre-activations, the tail kernel, the KL kernel) against
+    the reference torch route, through the whole network, float64."""
+    from cfbnn_cli.bnn.network import BayesianNetwork
+    from cfbnn_cli.moments import fast_path
+
+    torch.manual_seed(0)
+    network = BayesianNetwork(5, [12, 9], 1).double()
+    g = _generator(8)
+    x, y = torch.randn(40, 5, generator=g, dtype=DT), torch.randn(40, generator=g, dtype=DT)
+    noise = network.sample_noise(40, estimator, g)
+    output = network.layers[-1]
+    assert fused.normal_tail_op(network.activation, output.loc, output.log_scale, y.unsqueeze(-1)) is not None
+    values = []
+    for enabled in (True, False):
+        with fast_path(enabled):
+            elbo = network.elbo(x, y, 400, estimator, noise=noise)
+            values.append((elbo, torch.autograd.grad(elbo, list(network.parameters()))))
+    torch.testing.assert_close(values[0][0], values[1][0], rtol=1e-11, atol=0.0)
+    for found, expected in zip(values[0][1], values[1][1]):
+        torch.testing.assert_close(found, expected, rtol=1e-9, atol=1e-9 * expected.abs().max().item())
