@@ -114,32 +114,73 @@ def _weight_gradient(left: torch.Tensor, right: torch.Tensor, bias: bool, scale:
     return out
 
 
+def _kl_from_sums(sums, count: int, prior_variance: float) -> float:
+    """``KL(N(loc, diag Var) || N(0, s^2 I))`` from ``(sum Var, sum loc^2, sum log_scale)``."""
+    variance_sum, loc_square_sum, log_scale_sum = sums
+    return 0.5 * ((variance_sum + loc_square_sum) / prior_variance - count + count * math.log(prior_variance)) \
+        - log_scale_sum
+
+
+def _folded_kl_forward(loc: torch.Tensor, log_scale: torch.Tensor, prior_variance: Optional[float]):
+    """``(exp(2 log_scale), KL)`` from one kernel pass (the KL of the layer folded into its
+    pre-activation function), or ``None`` where that does not apply (no prior given, torch.func
+    transforms, the kernels unavailable for these tensors)."""
+    if prior_variance is None or _transforms_active():
+        return None
+    variance = torch.empty_like(log_scale)
+    sums = fast_moments.diagonal_kl_sums(loc, log_scale, variance)
+    if sums is None:
+        return None
+    return variance, loc.new_tensor(_kl_from_sums(sums, loc.numel(), prior_variance))
+
+
+def _folded_kl_backward(loc, variance, grad_loc, grad_variance, scale: float, prior_variance: float, grad_kl):
+    """The layer's gradients finished in place with its KL's folded in: ``grad_variance`` (``dL/d
+    Var / scale``) becomes ``dL/d log_scale`` (one kernel pass over the matrix, no second pair of
+    gradient buffers for autograd to add)."""
+    kl_grad = 0.0 if grad_kl is None else float(grad_kl)
+    fast_moments.finish_diagonal_gradients(loc, variance, grad_loc, grad_variance, scale, kl_grad / prior_variance,
+                                           kl_grad)
+    return grad_loc, grad_variance
+
+
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    """Stands in for an output that was not computed (an unfolded KL)."""
+    return like.new_empty(0)
+
+
 class _DiagonalPreactivation(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(h, loc, log_scale, bias: bool, variance_output: bool):
-        variance = log_scale.mul(2.0).exp_() if not _transforms_active() else torch.exp(2.0 * log_scale)
+    def forward(h, loc, log_scale, bias: bool, variance_output: bool, prior_variance: Optional[float] = None):
+        folded = _folded_kl_forward(loc, log_scale, prior_variance)
+        if folded is not None:
+            variance, kl = folded
+        else:
+            variance = log_scale.mul(2.0).exp_() if not _transforms_active() else torch.exp(2.0 * log_scale)
+            kl = _placeholder(loc)
         width = h.shape[-1]
         loc_h, loc_b = _columns(loc, width, bias)
         variance_h, variance_b = _columns(variance, width, bias)
         squared = h * h
         gamma = _affine(h, loc_h, loc_b)
         xi2 = _affine(squared, variance_h, variance_b)
-        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), variance, squared
+        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), variance, squared, kl
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        h, loc, log_scale, bias, variance_output = inputs
-        _, xi, variance, squared = output
+        h, loc, log_scale, bias, variance_output, *prior = inputs
+        _, xi, variance, squared, kl = output
         ctx.bias, ctx.variance_output = bias, variance_output
+        ctx.prior_variance = prior[0] if prior and kl.numel() == 1 else None  # None: no KL folded in
         ctx.mark_non_differentiable(variance, squared)
         # variance and h^2 are kept from the forward pass: on a wide first layer (D=2048,
         # H=1000) recomputing exp(2 log_scale) is two passes over 2M parameters
         ctx.save_for_backward(h, loc, None if variance_output else xi, variance, squared)
 
     @staticmethod
-    def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared):
+    def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared, grad_kl=None):
         h, loc, xi, variance, squared = ctx.saved_tensors
         width = h.shape[-1]
         # ``ratio`` = 2 dL/d xi^2, which is grad_xi / xi for the standard deviation (d xi / d xi^2
@@ -150,13 +191,18 @@ class _DiagonalPreactivation(torch.autograd.Function):
             ratio, scale = grad_xi, 2.0
         else:
             ratio, scale = grad_xi / xi, 1.0
-        grad_loc = _weight_gradient(grad_gamma, h, ctx.bias)
-        grad_log_scale = _weight_gradient(ratio, squared, ctx.bias, scale)
-        grad_log_scale = grad_log_scale * variance if _transforms_active() else grad_log_scale.mul_(variance)
         grad_h = None
         if ctx.needs_input_grad[0]:  # 2 h (grad_xi2 @ Var) = h (ratio @ Var)
             grad_h = torch.addcmul(grad_gamma @ loc[:, :width], h, ratio @ variance[:, :width], value=scale)
-        return grad_h, grad_loc, grad_log_scale, None, None
+        grad_loc = _weight_gradient(grad_gamma, h, ctx.bias)
+        if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
+            grad_log_scale = _weight_gradient(ratio, squared, ctx.bias)
+            grad_loc, grad_log_scale = _folded_kl_backward(loc, variance, grad_loc, grad_log_scale, scale,
+                                                           ctx.prior_variance, grad_kl)
+            return grad_h, grad_loc, grad_log_scale, None, None, None
+        grad_log_scale = _weight_gradient(ratio, squared, ctx.bias, scale)
+        grad_log_scale = grad_log_scale * variance if _transforms_active() else grad_log_scale.mul_(variance)
+        return grad_h, grad_loc, grad_log_scale, None, None, None
 
 
 _CONSTANTS = {}
@@ -220,12 +266,30 @@ def diagonal_preactivation_variance(h: torch.Tensor, loc: torch.Tensor, log_scal
     return _apply(_DiagonalPreactivation, _DiagonalPreactivationClassic, h, loc, log_scale, bias, True)[:2]
 
 
+def _with_folded_kl(outputs):
+    kl = outputs[-1]
+    return outputs[0], outputs[1], (kl if kl.numel() == 1 else None)
+
+
+def diagonal_preactivation_and_kl(h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor, bias: bool,
+                                  variance_output: bool, prior_variance: float):
+    """``(gamma, xi or xi^2, KL)``: :func:`diagonal_preactivation` (``variance_output``: its
+    variance form) with the layer's ``KL(q || N(0, prior_variance I))`` from the same function,
+    its gradient folded into the layer's in one pass over the matrix. ``KL`` is ``None`` where
+    that does not apply (torch.func transforms, tensors the kernels do not take): then take
+    :func:`diagonal_kl` as usual."""
+    return _with_folded_kl(_apply(_DiagonalPreactivation, _DiagonalPreactivationClassic, h, loc, log_scale, bias,
+                                  variance_output, float(prior_variance)))
+
+
 class _PropagatedPreactivation(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(phi, variance, second_moment, loc, log_scale, bias: bool, variance_output: bool):
-        weight_variance = torch.exp(2.0 * log_scale)
+    def forward(phi, variance, second_moment, loc, log_scale, bias: bool, variance_output: bool,
+                prior_variance: Optional[float] = None):
+        folded = _folded_kl_forward(loc, log_scale, prior_variance)
+        weight_variance, kl = folded if folded is not None else (torch.exp(2.0 * log_scale), _placeholder(loc))
         width = phi.shape[-1]
         loc_h, loc_b = _columns(loc, width, bias)
         variance_h, variance_b = _columns(weight_variance, width, bias)
@@ -239,20 +303,21 @@ class _PropagatedPreactivation(torch.autograd.Function):
         xi2 = xi2 + spread if _transforms_active() else xi2.add_(spread)
         # E[h^2] is an output only when formed here (an input returned as is cannot be saved)
         formed = formed if formed is not None else phi.new_empty(0)
-        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, formed
+        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, formed, kl
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        phi, variance, second_moment, loc, log_scale, bias, variance_output = inputs
-        _, xi, weight_variance, formed = output
+        phi, variance, second_moment, loc, log_scale, bias, variance_output, *prior = inputs
+        _, xi, weight_variance, formed, kl = output
         second = second_moment if second_moment is not None else formed
         ctx.bias, ctx.variance_output = bias, variance_output
+        ctx.prior_variance = prior[0] if prior and kl.numel() == 1 else None
         ctx.given_second_moment = second_moment is not None
         ctx.mark_non_differentiable(weight_variance, formed)
         ctx.save_for_backward(phi, variance, second, loc, weight_variance, None if variance_output else xi)
 
     @staticmethod
-    def backward(ctx, grad_gamma, grad_xi, _grad_weight_variance, _grad_second):
+    def backward(ctx, grad_gamma, grad_xi, _grad_weight_variance, _grad_second, grad_kl=None):
         phi, variance, second, loc, weight_variance, xi = ctx.saved_tensors
         width = phi.shape[-1]
         loc_h = loc[:, :width]
@@ -273,9 +338,14 @@ class _PropagatedPreactivation(torch.autograd.Function):
         grad_loc_h = torch.addcmul(_flat_product(grad_gamma, phi), loc_h, _flat_product(ratio, variance), value=scale)
         grad_loc = _gradient_with_bias_column(grad_loc_h, _flat_sum(grad_gamma), ctx.bias)
         # d/d log_scale = 2 Var W (grad_xi2^T E[h^2]) = Var W (ratio^T E[h^2])
+        if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
+            grad_log_scale = _weight_gradient(ratio, second, ctx.bias)
+            grad_loc, grad_log_scale = _folded_kl_backward(loc, weight_variance, grad_loc, grad_log_scale, scale,
+                                                           ctx.prior_variance, grad_kl)
+            return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None, None
         grad_log_scale = _weight_gradient(ratio, second, ctx.bias, scale)
         grad_log_scale = grad_log_scale * weight_variance if _transforms_active() else grad_log_scale.mul_(weight_variance)
-        return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None
+        return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None, None
 
 
 _PropagatedPreactivationClassic = _classic_twin(_PropagatedPreactivation)
@@ -292,6 +362,15 @@ def propagated_preactivation(phi: torch.Tensor, variance: torch.Tensor, loc: tor
     Upsilon, eq. (9)): it then carries its own gradient, and ``phi^2 + variance`` is not formed."""
     return _apply(_PropagatedPreactivation, _PropagatedPreactivationClassic, phi, variance, second_moment, loc,
                   log_scale, bias, False)[:2]
+
+
+def propagated_preactivation_and_kl(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor,
+                                    log_scale: torch.Tensor, bias: bool, second_moment: Optional[torch.Tensor],
+                                    variance_output: bool, prior_variance: float):
+    """``(gamma, xi or xi^2, KL)``: :func:`propagated_preactivation` with the layer's KL folded
+    in, as :func:`diagonal_preactivation_and_kl` (``KL`` ``None`` where that does not apply)."""
+    return _with_folded_kl(_apply(_PropagatedPreactivation, _PropagatedPreactivationClassic, phi, variance,
+                                  second_moment, loc, log_scale, bias, variance_output, float(prior_variance)))
 
 
 def propagated_preactivation_variance(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor,
@@ -311,12 +390,9 @@ class _DiagonalKL(torch.autograd.Function):
         sums = None if _transforms_active() else fast_moments.diagonal_kl_sums(loc, log_scale)
         if sums is not None:  # one pass over the matrix (a wide layer's KL was ten passes over its 2M numbers)
             variance_sum, loc_square_sum, log_scale_sum = sums
-            second = variance_sum + loc_square_sum
-            second_moment = prior_variance.new_tensor(second)
+            second_moment = prior_variance.new_tensor(variance_sum + loc_square_sum)
             if not prior_variance.requires_grad:  # a fixed prior: the rest is arithmetic on numbers
-                variance = float(prior_variance)
-                kl = 0.5 * (second / variance - count + count * math.log(variance)) - log_scale_sum
-                return prior_variance.new_tensor(kl), second_moment
+                return prior_variance.new_tensor(_kl_from_sums(sums, count, float(prior_variance))), second_moment
             log_scale_sum = prior_variance.new_tensor(log_scale_sum)
         else:
             second_moment = torch.exp(2.0 * log_scale).sum() + torch.dot(loc.reshape(-1), loc.reshape(-1))
@@ -450,48 +526,59 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
     more pass. Plain CPU tensors only (no torch.func transforms): see :func:`normal_ell_given_preactivation`."""
 
     @staticmethod
-    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias: bool, op):
+    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias: bool, op, prior_variance=None):
         width = gamma.shape[-1]
         flat_gamma, flat_xi = gamma.reshape(-1, width), xi2.reshape(-1, width)
-        weight_variance = torch.exp(2.0 * log_scale)
+        folded = _folded_kl_forward(loc, log_scale, prior_variance)
+        weight_variance, kl = folded if folded is not None else (torch.exp(2.0 * log_scale), _placeholder(loc))
         weight_phi = loc[0, :width].contiguous()
         weight_loc2 = weight_phi * weight_phi
         weight_second = weight_variance[0, :width].contiguous()
         mean, spread = fast_moments.normal_tail(op, flat_gamma, flat_xi, weight_phi, weight_loc2, weight_second)
         if bias:
-            mean = mean + loc[0, width]
-            spread = spread + weight_variance[0, width]
-        residual = y.reshape(-1) - mean
-        squares = residual * residual + spread
-        precision = torch.exp(log_precision)
-        ell = -0.5 * precision * squares + 0.5 * (log_precision - _LOG_2PI)
-        ctx.bias, ctx.op, ctx.shape = bias, op, gamma.shape
+            mean.add_(loc[0, width])
+            spread.add_(weight_variance[0, width])
+        residual = torch.sub(y.reshape(-1), mean)
+        squares = torch.addcmul(spread, residual, residual)
+        # the precision as a number: ~10 small tensor operations fewer, forward and backward
+        log_beta = float(log_precision)
+        precision = math.exp(log_beta)
+        ell = squares.mul(-0.5 * precision).add_(0.5 * (log_beta - _LOG_2PI))
+        ctx.bias, ctx.op, ctx.shape, ctx.precision = bias, op, gamma.shape, precision
+        ctx.prior_variance = prior_variance if folded is not None else None
         ctx.save_for_backward(flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second,
-                              log_precision, residual, squares)
-        return ell.reshape(gamma.shape[:-1])
+                              residual, squares)
+        return ell.reshape(gamma.shape[:-1]), kl
 
     @staticmethod
-    def backward(ctx, grad_ell):
-        (flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second, log_precision, residual,
+    def backward(ctx, grad_ell, grad_kl):
+        (flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second, residual,
          squares) = ctx.saved_tensors
-        width = flat_gamma.shape[-1]
+        width, precision = flat_gamma.shape[-1], ctx.precision
         grad_ell = grad_ell.reshape(-1).contiguous()
-        precision = torch.exp(log_precision)
-        row_mean_grad = (precision * grad_ell) * residual  # dL/d mean_n
-        row_spread_grad = (-0.5 * precision) * grad_ell  # dL/d (residual^2 + spread)_n
+        row_mean_grad = torch.mul(residual, grad_ell).mul_(precision)  # dL/d mean_n
+        row_spread_grad = grad_ell * (-0.5 * precision)  # dL/d (residual^2 + spread)_n
         grad_gamma, grad_xi, columns = fast_moments.normal_tail(ctx.op, flat_gamma, flat_xi, weight_phi, weight_loc2,
                                                                weight_second, row_mean_grad, row_spread_grad)
         columns = columns.to(flat_gamma.dtype)
-        # d/d loc_c = sum_n u_n Phi_nc + 2 loc_c sum_n k_n Var_nc; d/d Var W_c = sum_n k_n Ups_nc
-        grad_loc_h = torch.addcmul(columns[0], weight_phi, columns[1], value=2.0)
-        grad_weight_variance = columns[2]
+        # d/d loc_c = sum_n u_n Phi_nc + 2 loc_c sum_n k_n Var_nc; d/d Var W_c = sum_n k_n Ups_nc;
+        # the bias column's input is 1
+        grad_loc, grad_variance = torch.empty_like(loc), torch.empty_like(weight_variance)
+        torch.addcmul(columns[0], weight_phi, columns[1], value=2.0, out=grad_loc[0, :width])
+        grad_variance[0, :width] = columns[2]
         if ctx.bias:
-            grad_loc_h = torch.cat([grad_loc_h, row_mean_grad.sum().reshape(1)])
-            grad_weight_variance = torch.cat([grad_weight_variance, row_spread_grad.sum().reshape(1)])
-        grad_log_scale = (2.0 * weight_variance) * grad_weight_variance
-        grad_log_precision = (grad_ell * (-0.5 * precision * squares + 0.5)).sum()
-        return (grad_gamma.reshape(ctx.shape), grad_xi.reshape(ctx.shape), grad_loc_h.unsqueeze(0), grad_log_scale,
-                None, grad_log_precision, None, None)
+            torch.sum(row_mean_grad, 0, out=grad_loc[0, width])
+            torch.sum(row_spread_grad, 0, out=grad_variance[0, width])
+        if ctx.prior_variance is not None:  # the output layer's KL folded in
+            grad_loc, grad_log_scale = _folded_kl_backward(loc, weight_variance, grad_loc, grad_variance, 2.0,
+                                                           ctx.prior_variance, grad_kl)
+        else:
+            grad_log_scale = grad_variance.mul_(weight_variance).mul_(2.0)
+        grad_log_precision = None
+        if ctx.needs_input_grad[5]:  # sum_n g_n (-beta/2 squares_n + 1/2)
+            grad_log_precision = torch.dot(grad_ell, squares).mul_(-0.5 * precision).add_(0.5 * grad_ell.sum())
+        return (grad_gamma.reshape(ctx.shape), grad_xi.reshape(ctx.shape), grad_loc, grad_log_scale,
+                None, grad_log_precision, None, None, None)
 
 
 def normal_tail_op(activation, loc: torch.Tensor, *tensors):
@@ -515,8 +602,19 @@ def normal_ell_given_preactivation(gamma: torch.Tensor, xi2: torch.Tensor, op, l
     eqs. (7)-(9) in one fused kernel pass forward and one backward. What
     :func:`normal_ell_given_hidden` of ``activation.moments(gamma, sqrt(xi2))`` computes.
     ``op`` is :func:`normal_tail_op`'s answer (not ``None``)."""
+    return normal_ell_given_preactivation_and_kl(gamma, xi2, op, loc, log_scale, y, log_precision, bias)[0]
+
+
+def normal_ell_given_preactivation_and_kl(gamma: torch.Tensor, xi2: torch.Tensor, op, loc: torch.Tensor,
+                                          log_scale: torch.Tensor, y: torch.Tensor, log_precision: torch.Tensor,
+                                          bias: bool = True, prior_variance: Optional[float] = None):
+    """``(ELL per point, KL)``: :func:`normal_ell_given_preactivation` with the output layer's
+    ``KL(q || N(0, prior_variance I))`` from the same function (its gradient folded into the
+    layer's); ``KL`` is ``None`` when no prior is given or the kernels do not take the layer."""
     check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the argument checks activation.moments makes (if on)
     gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
     y = torch.broadcast_to(y, gamma.shape[:-1] + (1,)).contiguous()  # one target per row of gamma
-    return _NormalELLGivenPreactivation.apply(gamma.contiguous(), xi2.contiguous(), loc, log_scale, y,
-                                              log_precision, bias, op)
+    ell, kl = _NormalELLGivenPreactivation.apply(gamma.contiguous(), xi2.contiguous(), loc, log_scale, y,
+                                                 log_precision, bias, op,
+                                                 None if prior_variance is None else float(prior_variance))
+    return ell, (kl if kl.numel() == 1 else None)

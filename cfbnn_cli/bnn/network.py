@@ -333,6 +333,9 @@ class BayesianNetwork(nn.Module):
                 layers.append(GaussianMatrix(out, inp + bias, covariances[index - point_layers], rank, init_scale,
                                              generator=generator, bias=bias))
         self.layers = nn.ModuleList(layers)
+        # {layer index: KL} collected while an ELBO is evaluated: a layer's KL comes out of its
+        # pre-activation function, its gradient folded into the layer's (see elbo())
+        self._kl_sink: Optional[dict] = None
 
     # ------------------------------------------------------------------ structure
 
@@ -377,11 +380,14 @@ class BayesianNetwork(nn.Module):
         return tuple(torch.randn(lead + shape, generator=generator, dtype=like.dtype, device=like.device)
                      for shape in shapes)
 
-    def kl(self) -> torch.Tensor:
+    def kl(self, folded: Optional[dict] = None) -> torch.Tensor:
         """``KL(q || p)`` of every Gaussian layer, in closed form; with ``prior="empirical_bayes"``
-        each layer's prior variance is at its ELBO-optimal value given q."""
+        each layer's prior variance is at its ELBO-optimal value given q. ``folded``: KL terms
+        already computed, by layer index (:meth:`elbo`)."""
         prior_scale = None if self.prior == "empirical_bayes" else self.prior_scale
-        terms = [layer.kl(prior_scale) for layer in self.gaussian_layers]
+        folded = folded or {}
+        terms = [folded[index] if index in folded else layer.kl(prior_scale)
+                 for index, layer in enumerate(self.layers) if isinstance(layer, GaussianMatrix)]
         if not terms:  # every layer a point estimate
             first = self.layers[0].weight
             return torch.zeros((), dtype=first.dtype, device=first.device)
@@ -423,22 +429,43 @@ class BayesianNetwork(nn.Module):
                 if index == last:  # only reached when no hidden layer was integrated before it
                     return "output_layer", h
                 if index == last - 1:
-                    if variance_form:
-                        return "hidden_and_output", layer.preactivation_mean_and_variance(h, moments)
-                    pre = layer.preactivation_moments(h) if moments is None else \
-                        layer.propagated_preactivation_moments(*moments)
-                    return "hidden_and_output", pre
-                pre = layer.preactivation_moments(h) if moments is None else layer.propagated_preactivation_moments(*moments)
+                    return "hidden_and_output", self._preactivation(index, h, moments, variance_form)
+                pre = self._preactivation(index, h, moments)
                 # a hidden layer before the last (the deterministic estimator): carry its moments on
                 phi, second_moment, variance = self.activation.moments(*pre, return_variance=True)
                 moments = (phi, variance, second_moment)
                 continue
-            gamma, xi = layer.preactivation_moments(h)
+            gamma, xi = self._preactivation(index, h)
             z = gamma + xi * next(noise)
             if index == last:
                 return "outputs", z
             h = self.activation(z)
         raise AssertionError("unreachable: the loop returns at the output layer")
+
+    def _preactivation(self, index: int, h, moments=None, variance_output: bool = False):
+        """``(gamma, xi)`` (``xi^2`` with ``variance_output``) of layer ``index`` from its exact
+        inputs ``h`` or, ``moments = (phi, variance, second_moment)``, from propagated ones. While
+        an ELBO is evaluated a mean-field layer's KL comes out of the same function (one pass
+        over the matrix for the KL and its gradient, nothing for autograd to add): it goes to
+        ``self._kl_sink``."""
+        layer = self.layers[index]
+        sink = self._kl_sink
+        if sink is not None and layer.covariance == "diagonal":
+            prior_variance = self.prior_scale ** 2
+            if moments is None:
+                gamma, xi, kl = fused.diagonal_preactivation_and_kl(h, layer.loc, layer.log_scale, layer.bias,
+                                                                    variance_output, prior_variance)
+            else:
+                phi, variance, second_moment = moments
+                gamma, xi, kl = fused.propagated_preactivation_and_kl(phi, variance, layer.loc, layer.log_scale,
+                                                                      layer.bias, second_moment, variance_output,
+                                                                      prior_variance)
+            if kl is not None:
+                sink[index] = kl
+            return gamma, xi
+        if variance_output:
+            return layer.preactivation_mean_and_variance(h, moments)
+        return layer.preactivation_moments(h) if moments is None else layer.propagated_preactivation_moments(*moments)
 
     def _full_covariance_hidden(self, h):
         """``(mean (..., N, H), covariance (..., N, H, H))`` of the last hidden layer's activations,
@@ -523,8 +550,13 @@ class BayesianNetwork(nn.Module):
         if kind == "output_layer":
             phi, second_moment, variance = value, None, torch.zeros_like(value)
         elif tail is not None:
-            return fused.normal_ell_given_preactivation(*value, tail, output.loc, output.log_scale, target,
-                                                        self.likelihood.log_precision, output.bias)
+            sink = self._kl_sink
+            ell, kl = fused.normal_ell_given_preactivation_and_kl(
+                *value, tail, output.loc, output.log_scale, target, self.likelihood.log_precision, output.bias,
+                None if sink is None else self.prior_scale ** 2)
+            if kl is not None:
+                sink[len(self.layers) - 1] = kl
+            return ell
         else:
             phi, second_moment, variance = self.activation.moments(*value, return_variance=True)
         return fused.normal_ell_given_hidden(phi, variance, output.loc, output.log_scale, target,
@@ -645,9 +677,20 @@ class BayesianNetwork(nn.Module):
     def elbo(self, x, y, num_data: Optional[int] = None, estimator: str = "analytic", noise=None, generator=None,
              num_samples: int = 1, objective: Optional[str] = None):
         """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO."""
-        ell = self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective)
+        return self._elbo(lambda: self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples,
+                                                               objective), x, num_data)
+
+    def _elbo(self, expected_log_likelihood, x, num_data: Optional[int]):
+        """``(num_data / batch) ELL - KL`` with the KL terms the ELL's evaluation folded in
+        collected on the way (a fixed prior; the layers the kernels take), the others added."""
+        self._kl_sink = {} if self.prior != "empirical_bayes" else None
+        try:
+            ell = expected_log_likelihood()
+            folded = self._kl_sink
+        finally:
+            self._kl_sink = None
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        return scale * ell - self.kl()
+        return scale * ell - self.kl(folded)
 
     def forward(self, x, y, estimator: str = "analytic", noise=None, generator=None, num_samples: int = 1,
                 objective: Optional[str] = None):
@@ -717,9 +760,8 @@ class ClosedFormBNN(BayesianNetwork):
     def elbo(self, x, y, num_data: Optional[int] = None, objective: Optional[str] = None, num_samples: int = 1,
              generator=None, estimator: str = "analytic", noise=None):
         """``(num_data / batch) ELL - KL(A) - KL(B)``: an unbiased minibatch ELBO (exact for Normal)."""
-        ell = self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise)
-        scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        return scale * ell - self.kl()
+        return self._elbo(lambda: self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator,
+                                                               noise), x, num_data)
 
     def forward(self, x, y, estimator: str = "analytic", noise=None, generator=None, num_samples: int = 1,
                 objective: Optional[str] = None):

@@ -57,7 +57,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 10
+#define CFBNN_ABI 11
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -848,7 +848,7 @@ INLINE float kl_exp(float x) { return expf(x); }
 INLINE double kl_exp(double x) { return exp(x); }
 
 template <typename T>
-static void diag_kl_sums(int64_t n, const T* loc, const T* ls, double* out, int nthreads) {
+static void diag_kl_sums(int64_t n, const T* loc, const T* ls, double* out, T* var_out, int nthreads) {
   const int64_t nchunks = (n + KL_CHUNK - 1) / KL_CHUNK;
   double* partial = (double*)malloc(sizeof(double) * 3 * (size_t)(nchunks > 0 ? nchunks : 1));
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
@@ -861,6 +861,7 @@ static void diag_kl_sums(int64_t n, const T* loc, const T* ls, double* out, int 
 #pragma omp simd reduction(+ : sv, sl, ss)
     for (int i = 0; i < len; i++) {
       T v = kl_exp((T)2 * g[i]);
+      if (var_out) var_out[lo + i] = v;
       sv += (double)v;
       sl += (double)l[i] * (double)l[i];
       ss += (double)g[i];
@@ -871,6 +872,21 @@ static void diag_kl_sums(int64_t n, const T* loc, const T* ls, double* out, int 
   for (int64_t c = 0; c < nchunks; c++) { a += partial[3 * c]; b += partial[3 * c + 1]; d += partial[3 * c + 2]; }
   free(partial);
   out[0] = a; out[1] = b; out[2] = d;
+}
+
+/* A layer's gradient finished in place, the KL's own gradient folded in: from the matrix
+   products' g_loc = dL/d loc and g_var = dL/d Var / scale, with c = dL/dKL / s^2 and g = dL/dKL,
+   g_loc += c loc and g_var <- Var (scale g_var + c) - g, which is dL/d log_scale
+   (d Var / d log_scale = 2 Var; dKL/d log_scale = Var / s^2 - 1; dKL/d loc = loc / s^2). */
+template <typename T>
+static void diag_gradient_finish(int64_t n, const T* loc, const T* var, double scale, double kl_scaled,
+                                 double kl_grad, T* g_loc, T* g_var, int nthreads) {
+  const T a = (T)scale, c = (T)kl_scaled, b = (T)kl_grad;
+#pragma omp parallel for simd schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
+  for (int64_t i = 0; i < n; i++) {
+    g_loc[i] += c * loc[i];
+    g_var[i] = var[i] * (a * g_var[i] + c) - b;
+  }
 }
 
 /* Its gradient in one pass: d/d loc = scaled loc, d/d log_scale = scaled exp(2 log_scale) - grad
@@ -1688,8 +1704,12 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
     else if (kind == 1) tail_pass<T, 1>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt); \
     else tail_pass<T, 2>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt);      \
   }                                                                                                              \
-  extern "C" void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, int nt) {                \
-    diag_kl_sums<T>(n, loc, ls, out, nt);                                                                        \
+  extern "C" void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt) {       \
+    diag_kl_sums<T>(n, loc, ls, out, var, nt);                                                                   \
+  }                                                                                                              \
+  extern "C" void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double a, double c, double b, \
+                                             T* gl, T* gv, int nt) {                                             \
+    diag_gradient_finish<T>(n, loc, var, a, c, b, gl, gv, nt);                                                   \
   }                                                                                                              \
   extern "C" void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl,       \
                                          T* gs, int nt) {                                                        \

@@ -91,7 +91,7 @@ __all__ = [
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 10  # must match CFBNN_ABI in the source
+_ABI = 11  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:
@@ -240,7 +240,8 @@ _SIGNATURES = {
     "partials_backward": [_I64] + [_POINTER] * 5 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
     "pw_forward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 16 + [_INT],
     "count_negative": [_I64, _POINTER, _INT],
-    "diag_kl_sums": [_I64] + [_POINTER] * 3 + [_INT],
+    "diag_kl_sums": [_I64] + [_POINTER] * 4 + [_INT],
+    "diag_gradient_finish": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
     "tail_pass": [_INT, _INT, _I64, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 10 + [_INT],
     "diag_kl_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
 }
@@ -892,15 +893,28 @@ def _kl_kernels_apply(*tensors) -> bool:
     return (_State.library if _State.tried else load_kernels()) is not None
 
 
-def diagonal_kl_sums(loc: torch.Tensor, log_scale: torch.Tensor) -> Optional[Tuple[float, float, float]]:
+def diagonal_kl_sums(loc: torch.Tensor, log_scale: torch.Tensor,
+                     variance_out: Optional[torch.Tensor] = None) -> Optional[Tuple[float, float, float]]:
     """``(sum exp(2 log_scale), sum loc^2, sum log_scale)`` in one pass (float64 sums), or None
-    where the kernels do not apply: what KL(q || N(0, s^2 I)) of a mean-field matrix needs."""
+    where the kernels do not apply: what KL(q || N(0, s^2 I)) of a mean-field matrix needs.
+    ``variance_out`` (contiguous, like ``log_scale``) receives ``exp(2 log_scale)`` in the same pass."""
     if not _kl_kernels_apply(loc, log_scale):
         return None
     out = np.empty(3, dtype=np.float64)
     _kernel("diag_kl_sums", loc.dtype)(loc.numel(), loc.data_ptr(), log_scale.data_ptr(), out.ctypes.data,
-                                       torch.get_num_threads())
+                                       _ptr(variance_out), torch.get_num_threads())
     return float(out[0]), float(out[1]), float(out[2])
+
+
+def finish_diagonal_gradients(loc: torch.Tensor, variance: torch.Tensor, grad_loc: torch.Tensor,
+                              grad_variance: torch.Tensor, scale: float, kl_scaled: float, kl_grad: float) -> None:
+    """In place, one pass: ``grad_loc += kl_scaled loc`` and ``grad_variance <- variance (scale
+    grad_variance + kl_scaled) - kl_grad``, which turns a layer's ``dL/d Var`` (over ``scale``)
+    into ``dL/d log_scale`` with its KL's gradient folded in (``kl_grad`` = dL/dKL,
+    ``kl_scaled`` = dL/dKL / s^2). All four tensors contiguous, of one dtype, on the CPU."""
+    _kernel("diag_gradient_finish", loc.dtype)(loc.numel(), loc.data_ptr(), variance.data_ptr(), float(scale),
+                                               float(kl_scaled), float(kl_grad), grad_loc.data_ptr(),
+                                               grad_variance.data_ptr(), torch.get_num_threads())
 
 
 def diagonal_kl_gradients(loc: torch.Tensor, log_scale: torch.Tensor, scaled: float, grad: float):
