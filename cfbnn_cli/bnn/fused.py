@@ -299,8 +299,11 @@ class _PropagatedPreactivation(torch.autograd.Function):
         gamma = _affine(phi, loc_h, loc_b)
         # Var = E[h^2]^T Var W + Var[h]^T loc^2: two products summed into one buffer
         xi2 = _affine(second_moment, variance_h, variance_b)
-        spread = _affine(variance, loc_h * loc_h, None)
-        xi2 = xi2 + spread if _transforms_active() else xi2.add_(spread)
+        if _transforms_active():
+            xi2 = xi2 + _affine(variance, loc_h * loc_h, None)
+        else:  # the second product accumulated into the first's buffer (no third (N, H) array)
+            flat = xi2.view(-1, xi2.shape[-1])
+            flat.addmm_(variance.reshape(-1, width), (loc_h * loc_h).mT)
         # E[h^2] is an output only when formed here (an input returned as is cannot be saved)
         formed = formed if formed is not None else phi.new_empty(0)
         return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, formed, kl

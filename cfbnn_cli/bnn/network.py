@@ -63,7 +63,8 @@ import torch
 from torch import nn
 
 from ..moments import get_activation
-from ..moments.gaussian import is_transformed
+from ..moments import fast as fast_moments
+from ..moments.gaussian import check_mean_std, is_transformed
 from . import functional as F
 from . import fused
 from .functional import augment
@@ -361,10 +362,14 @@ class BayesianNetwork(nn.Module):
 
     def treatments(self, estimator: str) -> Tuple[str, ...]:
         """Per layer: ``point``, ``sampled`` or ``closed_form`` under ``estimator``."""
-        closed = min(_CLOSED_FORM_LAYERS[_check_estimator(estimator)], len(self.layers) - self.point_layers)
         n = len(self.layers)
-        return tuple("point" if i < self.point_layers else "closed_form" if i >= n - closed else "sampled"
-                     for i in range(n))
+        key = (estimator, n, self.point_layers)
+        cache = self.__dict__.setdefault("_treatments_cache", {})  # asked several times per step
+        if key not in cache:
+            closed = min(_CLOSED_FORM_LAYERS[_check_estimator(estimator)], n - self.point_layers)
+            cache[key] = tuple("point" if i < self.point_layers else "closed_form" if i >= n - closed else "sampled"
+                               for i in range(n))
+        return cache[key]
 
     def noise_shapes(self, batch: int, estimator: str) -> Tuple[Tuple[int, ...], ...]:
         """Shapes of the standard-normal noise one evaluation consumes (one per sampled layer)."""
@@ -401,6 +406,8 @@ class BayesianNetwork(nn.Module):
     def point_features(self, x: torch.Tensor) -> torch.Tensor:
         """The activations after the point layers (``x`` itself when there are none; the
         outputs when every layer is a point layer)."""
+        if not self.point_layers:  # (slicing a ModuleList builds a new module: not on the hot path)
+            return x
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers[: self.point_layers]):
             x = layer(x) if index == last else self.activation(layer(x))  # no activation on the outputs
@@ -430,9 +437,15 @@ class BayesianNetwork(nn.Module):
                     return "output_layer", h
                 if index == last - 1:
                     return "hidden_and_output", self._preactivation(index, h, moments, variance_form)
-                pre = self._preactivation(index, h, moments)
                 # a hidden layer before the last (the deterministic estimator): carry its moments on
-                phi, second_moment, variance = self.activation.moments(*pre, return_variance=True)
+                op = self._variance_form_op(layer, h if moments is None else moments[0])
+                if op is not None:  # the kernel takes the variances: no square root, forward or backward
+                    gamma, xi2 = self._preactivation(index, h, moments, variance_output=True)
+                    check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
+                    phi, second_moment, variance = fast_moments.moments_from_variance(op, gamma, xi2)
+                else:
+                    pre = self._preactivation(index, h, moments)
+                    phi, second_moment, variance = self.activation.moments(*pre, return_variance=True)
                 moments = (phi, variance, second_moment)
                 continue
             gamma, xi = self._preactivation(index, h)
@@ -466,6 +479,15 @@ class BayesianNetwork(nn.Module):
         if variance_output:
             return layer.preactivation_mean_and_variance(h, moments)
         return layer.preactivation_moments(h) if moments is None else layer.propagated_preactivation_moments(*moments)
+
+    def _variance_form_op(self, layer, inputs: torch.Tensor):
+        """The activation's kernels when a hidden layer's moments can be taken from its
+        pre-activations' variances (:func:`~cfbnn_cli.moments.fast.moments_from_variance`)."""
+        if layer.covariance != "diagonal" or inputs.dtype != layer.loc.dtype:
+            return None
+        op = self.activation._fast_op() if hasattr(self.activation, "_fast_op") else None
+        return op if fast_moments.normal_tail_applies(op, layer.loc, layer.log_scale) and \
+            inputs.device.type == "cpu" else None
 
     def _full_covariance_hidden(self, h):
         """``(mean (..., N, H), covariance (..., N, H, H))`` of the last hidden layer's activations,
@@ -683,12 +705,13 @@ class BayesianNetwork(nn.Module):
     def _elbo(self, expected_log_likelihood, x, num_data: Optional[int]):
         """``(num_data / batch) ELL - KL`` with the KL terms the ELL's evaluation folded in
         collected on the way (a fixed prior; the layers the kernels take), the others added."""
-        self._kl_sink = {} if self.prior != "empirical_bayes" else None
+        # (through __dict__: nn.Module.__setattr__ costs ~5 us a call on the hot path)
+        self.__dict__["_kl_sink"] = {} if self.prior != "empirical_bayes" else None
         try:
             ell = expected_log_likelihood()
             folded = self._kl_sink
         finally:
-            self._kl_sink = None
+            self.__dict__["_kl_sink"] = None
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
         return scale * ell - self.kl(folded)
 

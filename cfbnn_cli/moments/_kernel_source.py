@@ -57,7 +57,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 11
+#define CFBNN_ABI 12
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -835,6 +835,64 @@ static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const 
       o_cols[j] = total;
     }
     free(partial);
+  }
+}
+
+/* A hidden layer's moments from pre-activation means m and *variances* v (the standard deviation
+   taken here, kept off exact zero as fused.py's _sqrt_floored): forward (Phi, Ups, Var) into
+   o_phi, o_ups, o_var; backward, from dense gradients gp, gu, gv (any may be null: zero), the
+   gradients of m and of v. What the moments kernels do after a square root, without the square
+   root's two passes forward and its derivative's pass backward. */
+template <typename T, int KIND>
+static void hidden_pass(bool backward, int64_t n, const T* m, const T* v, double eps, T* o_phi, T* o_ups, T* o_var,
+                        const T* gp, const T* gu, const T* gv, T* o_gm, T* o_gv, int nthreads) {
+  const int64_t nblocks = (n + NB - 1) / NB;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
+  {
+    FlushDenormals ftz(sizeof(T) == sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+      const int64_t lo = blk * NB;
+      const int k = (int)(lo + NB < n ? NB : n - lo);
+      alignas(64) T sd[NB];
+      {
+        const T* RS vin = v + lo;
+        const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
+#pragma omp simd
+        for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] > floor ? vin[j] : floor);
+      }
+      if (!backward) {
+        T* outs[7] = {o_phi + lo, o_ups + lo, o_var + lo, nullptr, nullptr, nullptr, nullptr};
+        act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+        continue;
+      }
+      alignas(64) T f[NB], u[NB], w[NB], a[NB], b[NB], c[NB], d[NB];
+      T* outs[7] = {f, u, w, a, b, c, d};
+      act_block<T, KIND, false, true, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+      alignas(64) T bp[NB], bu[NB], bv[NB];
+      load_grad(gp, 0, lo, k, bp);
+      load_grad(gu, 0, lo, k, bu);
+      load_grad(gv, 0, lo, k, bv);
+      const T* RS mm = m + lo;
+      T* RS om = o_gm + lo; T* RS ov = o_gv + lo;
+#pragma omp simd
+      for (int j = 0; j < k; j++) {
+        const T fj = f[j];
+        const T A = bp[j] + (T)2 * fj * bu[j], B = bu[j] + bv[j];
+        T grad_std;
+        if (KIND == 0) {
+          const T q = a[j], p = b[j];
+          const bool up = mm[j] >= (T)0;
+          const T cdf = up ? (T)1 - q : q, cdfn = up ? q : (T)1 - q;
+          om[j] = cdf * A + (T)2 * fj * cdfn * B;
+          grad_std = p * A + (T)2 * (sd[j] * cdf - fj * p) * B;
+        } else {
+          om[j] = a[j] * A + c[j] * B;
+          grad_std = b[j] * A + d[j] * B;
+        }
+        ov[j] = grad_std / ((T)2 * sd[j]);
+      }
+    }
   }
 }
 
@@ -1703,6 +1761,13 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
     if (kind == 0) tail_pass<T, 0>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt); \
     else if (kind == 1) tail_pass<T, 1>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt); \
     else tail_pass<T, 2>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt);      \
+  }                                                                                                              \
+  extern "C" void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps,       \
+                                    T* op, T* ou, T* ov, const T* gp, const T* gu, const T* gv, T* ogm, T* ogv,   \
+                                    int nt) {                                                                    \
+    if (kind == 0) hidden_pass<T, 0>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, nt);              \
+    else if (kind == 1) hidden_pass<T, 1>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, nt);         \
+    else hidden_pass<T, 2>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, nt);                        \
   }                                                                                                              \
   extern "C" void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt) {       \
     diag_kl_sums<T>(n, loc, ls, out, var, nt);                                                                   \

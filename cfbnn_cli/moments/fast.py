@@ -91,7 +91,7 @@ __all__ = [
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 11  # must match CFBNN_ABI in the source
+_ABI = 12  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:
@@ -242,6 +242,7 @@ _SIGNATURES = {
     "count_negative": [_I64, _POINTER, _INT],
     "diag_kl_sums": [_I64] + [_POINTER] * 4 + [_INT],
     "diag_gradient_finish": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
+    "hidden_pass": [_INT, _INT, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 8 + [_INT],
     "tail_pass": [_INT, _INT, _I64, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 10 + [_INT],
     "diag_kl_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
 }
@@ -963,3 +964,56 @@ def normal_tail(op: _Op, mean: torch.Tensor, std: torch.Tensor, weight_phi: torc
              row_spread_grad.data_ptr(), None, None, grad_mean.data_ptr(), grad_std.data_ptr(),
              columns.data_ptr(), threads)
     return grad_mean, grad_std, columns
+
+
+class _MomentsFromVariance(torch.autograd.Function):
+    """``(Phi, Upsilon, Var)`` of pre-activations given their means and variances (kernel
+    ``hidden_pass``): the square root inside the kernel, and the backward pass returns the
+    gradient with respect to the variance. Plain CPU tensors only (see :func:`moments_from_variance`)."""
+
+    @staticmethod
+    def forward(ctx, mean, variance, op):
+        phi, ups, var = (torch.empty_like(mean) for _ in range(3))
+        eps = op._eps(mean.dtype)
+        _kernel("hidden_pass", mean.dtype)(op.tail_kind, 0, mean.numel(), mean.data_ptr(), variance.data_ptr(),
+                                           eps[0] if eps else 0.0, phi.data_ptr(), ups.data_ptr(), var.data_ptr(),
+                                           None, None, None, None, None, torch.get_num_threads())
+        ctx.op = op
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(mean, variance)
+        return phi, ups, var
+
+    @staticmethod
+    def backward(ctx, grad_phi, grad_ups, grad_var):
+        mean, variance = ctx.saved_tensors
+        grads = [None if g is None else g.contiguous() for g in (grad_phi, grad_ups, grad_var)]
+        grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
+        eps = ctx.op._eps(mean.dtype)
+        _kernel("hidden_pass", mean.dtype)(ctx.op.tail_kind, 1, mean.numel(), mean.data_ptr(), variance.data_ptr(),
+                                           eps[0] if eps else 0.0, None, None, None, *(_ptr(g) for g in grads),
+                                           grad_mean.data_ptr(), grad_variance.data_ptr(), torch.get_num_threads())
+        return grad_mean, grad_variance, None
+
+
+def moments_from_variance(op: Optional[_Op], mean: torch.Tensor, variance: torch.Tensor):
+    """``(Phi, Upsilon, Var)`` for ``z ~ N(mean, variance)`` through one kernel pass each way, or
+    ``None`` where the kernel does not apply (then take ``sqrt`` and ``Activation.moments``):
+    an activation without it (only ReLU, leaky ReLU and ReLU^2 have it), tensors that are not
+    plain contiguous CPU float32/float64 of one shape and dtype, torch.func transforms, the fast
+    path off. The argument checks are the caller's."""
+    if mean.shape != variance.shape or not normal_tail_applies(op, mean, variance):
+        return None
+    if torch.is_grad_enabled() and (mean.requires_grad or variance.requires_grad):
+        return _MomentsFromVariance.apply(mean, variance, op)
+    with torch.no_grad():
+        return _MomentsFromVariance.forward(_NoContext(), mean, variance, op)
+
+
+class _NoContext:
+    """Stands in for autograd's ctx when the forward runs without autograd."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass

@@ -274,3 +274,63 @@ def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator):
     torch.testing.assert_close(values[0][0], values[1][0], rtol=1e-11, atol=0.0)
     for found, expected in zip(values[0][1], values[1][1]):
         torch.testing.assert_close(found, expected, rtol=1e-9, atol=1e-9 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "relu_squared"])
+def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolerance, activation):
+    """The deterministic estimator's hidden-layer kernel (square root inside, d/d variance out)
+    against the reference torch moments of (mean, sqrt(variance)) with the fast path off."""
+    from cfbnn_cli.moments import fast, fast_path, get_activation
+
+    g_act = get_activation(activation)
+    gamma, xi2, *_ = _tail_case(dtype, True, lead=(2,), rows=9, width=41)
+    weights = [torch.randn(gamma.shape, generator=_generator(9), dtype=dtype) for _ in range(3)]
+    found = fast.moments_from_variance(g_act._fast_op(), gamma, xi2)
+    assert found is not None
+    with fast_path(False):
+        reference = g_act.moments(gamma, xi2.sqrt(), return_variance=True)
+    for value, expected in zip(found, reference):
+        torch.testing.assert_close(value, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    grads = torch.autograd.grad(sum((w * v).sum() for w, v in zip(weights, found)), [gamma, xi2])
+    expected_grads = torch.autograd.grad(sum((w * v).sum() for w, v in zip(weights, reference)), [gamma, xi2])
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    # a gradient for one output only (the others None) is the same as zeros for them
+    only_phi = torch.autograd.grad((weights[0] * fast.moments_from_variance(g_act._fast_op(), gamma, xi2)[0]).sum(),
+                                   [gamma, xi2])
+    with fast_path(False):
+        expected_phi = torch.autograd.grad((weights[0] * g_act.moments(gamma, xi2.sqrt())[0]).sum(), [gamma, xi2])
+    for grad, expected in zip(only_phi, expected_phi):
+        torch.testing.assert_close(grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradcheck():
+    from cfbnn_cli.moments import fast, get_activation
+
+    op = get_activation("relu")._fast_op()
+    mean = torch.tensor([-1e3, -30.0, 0.0, 1e-3, 30.0, 1e3]).repeat(4).requires_grad_()
+    variance = torch.tensor([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e-38]).repeat_interleave(4).requires_grad_()
+    outputs = fast.moments_from_variance(op, mean, variance)
+    grads = torch.autograd.grad(sum(o.sum() for o in outputs), [mean, variance])
+    assert all(torch.isfinite(t).all() for t in (*outputs, *grads))
+    g = _generator(10)
+    mean64 = torch.randn(3, 5, generator=g, dtype=DT, requires_grad=True)
+    variance64 = (torch.rand(3, 5, generator=g, dtype=DT) + 0.1).requires_grad_()
+    torch.autograd.gradcheck(lambda m, v: fast.moments_from_variance(op, m, v), (mean64, variance64))
+
+
+def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
+    """The two-hidden-layer deterministic ELBO runs its first hidden layer through the
+    variance kernel and the last through the fused tail (else the speed-up is silently lost)."""
+    from cfbnn_cli.bnn.network import BayesianNetwork
+    from cfbnn_cli.moments import fast
+
+    calls = []
+    for name in ("moments_from_variance", "normal_tail"):
+        original = getattr(fast, name)
+        monkeypatch.setattr(fast, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    network = BayesianNetwork(5, [12, 9], 1)
+    x, y = torch.randn(40, 5), torch.randn(40)
+    network.elbo(x, y, 400, "deterministic").backward()
+    assert calls.count("moments_from_variance") == 1 and calls.count("normal_tail") == 2  # forward + backward
