@@ -3,7 +3,7 @@
     python benchmarks/bench_moments.py                   # CPU, all sections
     python benchmarks/bench_moments.py --compile         # also torch.compile of the reference ops
     python benchmarks/bench_moments.py --n 1000000 --others-n 200000 --repeats 5   # quicker
-    python benchmarks/bench_moments.py --tune-malloc     # glibc: no page faults from freed memory
+    python benchmarks/bench_moments.py --plain-process   # without the CLI's process settings (allocator, denormals)
 
 Everything is timed in one process, side by side, as the median of ``--repeats`` runs after
 a warm-up (timings on a shared machine drift; compare ratios within one run). The
@@ -35,6 +35,8 @@ except ImportError:  # pragma: no cover - not on Windows
     resource = None
 
 import torch
+
+from bench_elbo import configure_like_cli  # the benchmarks' helpers (benchmarks/ on sys.path)
 
 from cfbnn_cli.moments import fast_path, fast_path_info, get_activation, piecewise_polynomial, set_validate_args
 
@@ -91,17 +93,15 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the reference ops (relu)")
     parser.add_argument("--devices", nargs="*", default=None)
-    parser.add_argument("--tune-malloc", action="store_true",
-                        help="glibc only: keep freed memory mapped (mallopt: no trimming, mmap threshold 256 MB), "
-                             "so that fresh tensors do not page-fault; shows how much of a time is the allocator")
+    parser.add_argument("--plain-process", action="store_true",
+                        help="skip the settings the CLI makes before any work (denormals flushed, glibc's "
+                             "allocator kept from returning freed memory: runtime.threads.tune_allocator); "
+                             "shows how much of a time is the allocator's page faults")
     args = parser.parse_args(argv)
-    if args.tune_malloc:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        ok = libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) and libc.mallopt(M_MMAP_THRESHOLD, 1 << 28)
-        print(f"glibc mallopt (no trimming, mmap threshold 256 MB): {'set' if ok else 'FAILED'}")
+    if args.plain_process:
+        print("process as Python starts it (no CLI settings)")
+    else:
+        print(f"process settings: {configure_like_cli()}")
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     set_validate_args(True)  # timed as a user calls it, input checks included
     info = fast_path_info()
