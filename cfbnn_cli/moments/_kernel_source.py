@@ -748,6 +748,25 @@ static int64_t count_negative(int64_t n, const T* s, int nthreads) {
 INLINE float tail_sqrt(float x) { return sqrtf(x); }
 INLINE double tail_sqrt(double x) { return sqrt(x); }
 
+/* d/d mean and d/d variance of a loss from A = dL/dPhi + 2 Phi dL/dUps and B = dL/dUps + dL/dVar
+   (Ups = Var + Phi^2), given the block's saved factors: relu's u0 = Phi_N(-|t|) and pdf = phi(t) in
+   (a, b), as relu_backward; the others' partials d(Phi, Var)/d(mean, std) in (a, b, c, d). The
+   standard deviation sd's gradient becomes the variance's: d std / d variance = 1 / (2 std). */
+template <typename T, int KIND>
+INLINE void variance_gradients(T A, T B, T phi, T mean, T sd, T a, T b, T c, T d, T& grad_mean, T& grad_variance) {
+  T grad_std;
+  if (KIND == 0) {
+    const bool up = mean >= (T)0;
+    const T cdf = up ? (T)1 - a : a, cdfn = up ? a : (T)1 - a;
+    grad_mean = cdf * A + (T)2 * phi * cdfn * B;
+    grad_std = b * A + (T)2 * (sd * cdf - phi * b) * B;
+  } else {
+    grad_mean = a * A + c * B;
+    grad_std = b * A + d * B;
+  }
+  grad_variance = grad_std / ((T)2 * sd);
+}
+
 template <typename T, int KIND>
 static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,
                       const T* w_phi, const T* w_var, const T* w_ups, const T* row_u, const T* row_k,
@@ -806,19 +825,8 @@ static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const 
           for (int j = 0; j < len; j++) {
             const T fj = ff[j];
             const T gp = ru * wp[j], gu = rk * wu[j], gv = rk * wv[j];
-            const T A = gp + (T)2 * fj * gu, B = gu + gv;
-            T grad_std;
-            if (KIND == 0) {  // relu: the partials from u0 = Phi_N(-|t|) and pdf = phi(t), as relu_backward
-              const T q = aa[j], p = bb[j];
-              const bool up = mm[j] >= (T)0;
-              const T cdf = up ? (T)1 - q : q, cdfn = up ? q : (T)1 - q;
-              om[j] = cdf * A + (T)2 * fj * cdfn * B;
-              grad_std = p * A + (T)2 * (ssd[j] * cdf - fj * p) * B;
-            } else {
-              om[j] = aa[j] * A + cc[j] * B;
-              grad_std = bb[j] * A + dd[j] * B;
-            }
-            os[j] = grad_std / ((T)2 * ssd[j]);  // d std / d variance = 1 / (2 std)
+            variance_gradients<T, KIND>(gp + (T)2 * fj * gu, gu + gv, fj, mm[j], ssd[j], aa[j], bb[j], cc[j], dd[j],
+                                        om[j], os[j]);
             cp[j] += ru * fj;
             cv[j] += rk * vv[j];
             cu[j] += rk * uu[j];
@@ -878,19 +886,8 @@ static void hidden_pass(bool backward, int64_t n, const T* m, const T* v, double
 #pragma omp simd
       for (int j = 0; j < k; j++) {
         const T fj = f[j];
-        const T A = bp[j] + (T)2 * fj * bu[j], B = bu[j] + bv[j];
-        T grad_std;
-        if (KIND == 0) {
-          const T q = a[j], p = b[j];
-          const bool up = mm[j] >= (T)0;
-          const T cdf = up ? (T)1 - q : q, cdfn = up ? q : (T)1 - q;
-          om[j] = cdf * A + (T)2 * fj * cdfn * B;
-          grad_std = p * A + (T)2 * (sd[j] * cdf - fj * p) * B;
-        } else {
-          om[j] = a[j] * A + c[j] * B;
-          grad_std = b[j] * A + d[j] * B;
-        }
-        ov[j] = grad_std / ((T)2 * sd[j]);
+        variance_gradients<T, KIND>(bp[j] + (T)2 * fj * bu[j], bu[j] + bv[j], fj, mm[j], sd[j], a[j], b[j], c[j], d[j],
+                                    om[j], ov[j]);
       }
     }
   }
