@@ -3,7 +3,7 @@
 Written as ordinary torch code, one closed-form ELBO step of a mean-field layer is some
 130 small operations forward and backward (each exp, square, cat, sum and their
 autograd nodes), and on a CPU their overhead, not the arithmetic, is most of the
-step. Here the same mathematics is four functions whose backward passes are written
+step. Here the same mathematics is a few functions whose backward passes are written
 out, reusing what the forward computed:
 
 * :func:`diagonal_preactivation` -- ``(gamma, xi)`` of ``W [h, 1]`` under a diagonal q,
@@ -20,6 +20,12 @@ out, reusing what the forward computed:
   ``(N, H)`` block never reach memory, and with :func:`diagonal_preactivation_variance` /
   :func:`propagated_preactivation_variance` neither the square root nor its derivative
   is a pass of its own.
+
+While an ELBO is evaluated, the layer's KL comes out of the same function
+(:func:`diagonal_preactivation_and_kl`, :func:`propagated_preactivation_and_kl`,
+:func:`normal_ell_given_preactivation_and_kl`). One kernel pass gives the KL's sums and
+``exp(2 log_scale)``. Backward, one pass finishes the layer's gradient with the KL's
+gradient folded in, so autograd has no second pair of parameter-sized gradients to add.
 
 On a CPU each pass over an ``(N, H)`` block that has left the core's cache costs about what
 its bytes take to move (~40 us per 400 kB array here), and every small torch operation
@@ -44,10 +50,6 @@ from ..moments import fast as fast_moments
 from ..moments.gaussian import check_mean_std, is_transformed
 
 _LOG_2PI = math.log(2.0 * math.pi)
-
-
-def _flat(tensor: torch.Tensor, last: int) -> torch.Tensor:
-    return tensor.reshape(-1, last)
 
 
 def _transforms_active() -> bool:
@@ -593,7 +595,7 @@ def normal_tail_op(activation, loc: torch.Tensor, *tensors):
     if loc.shape[0] != 1 or _transforms_active():
         return None
     op = activation._fast_op() if hasattr(activation, "_fast_op") else None
-    return op if fast_moments.normal_tail_applies(op, loc, *tensors) else None
+    return op if fast_moments.layer_kernels_apply(op, loc, *tensors) else None
 
 
 def normal_ell_given_preactivation(gamma: torch.Tensor, xi2: torch.Tensor, op, loc: torch.Tensor,

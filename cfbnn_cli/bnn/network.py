@@ -486,7 +486,7 @@ class BayesianNetwork(nn.Module):
         if layer.covariance != "diagonal" or inputs.dtype != layer.loc.dtype:
             return None
         op = self.activation._fast_op() if hasattr(self.activation, "_fast_op") else None
-        return op if fast_moments.normal_tail_applies(op, layer.loc, layer.log_scale) and \
+        return op if fast_moments.layer_kernels_apply(op, layer.loc, layer.log_scale) and \
             inputs.device.type == "cpu" else None
 
     def _full_covariance_hidden(self, h):

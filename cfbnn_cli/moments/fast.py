@@ -930,9 +930,10 @@ def diagonal_kl_gradients(loc: torch.Tensor, log_scale: torch.Tensor, scaled: fl
     return grad_loc, grad_log_scale
 
 
-def normal_tail_applies(op: Optional[_Op], *tensors) -> bool:
-    """Whether :func:`normal_tail` runs for ``op`` on these tensors (plain contiguous CPU
-    float32/float64 tensors of one dtype, an activation with a tail kernel, the fast path on)."""
+def layer_kernels_apply(op: Optional[_Op], *tensors) -> bool:
+    """Whether the layer kernels (:func:`normal_tail`, :func:`moments_from_variance`) run for
+    ``op`` on these tensors: plain contiguous CPU float32/float64 tensors of one dtype, an
+    activation with those kernels (ReLU, leaky ReLU, ReLU^2), the fast path on."""
     return op is not None and op.tail_kind is not None and _kl_kernels_apply(*tensors)
 
 
@@ -1001,7 +1002,7 @@ def moments_from_variance(op: Optional[_Op], mean: torch.Tensor, variance: torch
     an activation without it (only ReLU, leaky ReLU and ReLU^2 have it), tensors that are not
     plain contiguous CPU float32/float64 of one shape and dtype, torch.func transforms, the fast
     path off. The argument checks are the caller's."""
-    if mean.shape != variance.shape or not normal_tail_applies(op, mean, variance):
+    if mean.shape != variance.shape or not layer_kernels_apply(op, mean, variance):
         return None
     if torch.is_grad_enabled() and (mean.requires_grad or variance.requires_grad):
         return _MomentsFromVariance.apply(mean, variance, op)
