@@ -172,6 +172,27 @@ class GaussianMatrix(nn.Module):
         gamma, xi = self.preactivation_moments(h) if moments is None else self.propagated_preactivation_moments(*moments)
         return gamma, xi.square()
 
+    def preactivation_and_kl(self, h: torch.Tensor, moments=None, variance_output: bool = False,
+                             prior_scale: Optional[float] = None):
+        """``(gamma, xi or xi^2, KL or None)``: the pre-activation moments from exact inputs ``h``
+        or, ``moments = (phi, variance, second_moment)``, from propagated ones (the variance with
+        ``variance_output``), and with a ``prior_scale`` this matrix's ``KL(q || N(0, s^2 I))``
+        from the same function: for a diagonal q the kernels compute the KL in the pass that
+        makes the variances, and fold its gradient into the layer's (:mod:`.fused`). ``KL`` is
+        ``None`` where that does not apply; then :meth:`kl` as usual."""
+        if prior_scale is not None and self.covariance == "diagonal":
+            prior_variance = prior_scale * prior_scale
+            if moments is None:
+                return fused.diagonal_preactivation_and_kl(h, self.loc, self.log_scale, self.bias, variance_output,
+                                                           prior_variance)
+            phi, variance, second_moment = moments
+            return fused.propagated_preactivation_and_kl(phi, variance, self.loc, self.log_scale, self.bias,
+                                                         second_moment, variance_output, prior_variance)
+        if variance_output:
+            return (*self.preactivation_mean_and_variance(h, moments), None)
+        pre = self.preactivation_moments(h) if moments is None else self.propagated_preactivation_moments(*moments)
+        return (*pre, None)
+
     def elementwise_variance(self) -> torch.Tensor:
         """``Var_q[W_rc]`` as an ``(R, C)`` matrix: the diagonal of each row's covariance."""
         if self.covariance == "diagonal":
@@ -456,29 +477,15 @@ class BayesianNetwork(nn.Module):
         raise AssertionError("unreachable: the loop returns at the output layer")
 
     def _preactivation(self, index: int, h, moments=None, variance_output: bool = False):
-        """``(gamma, xi)`` (``xi^2`` with ``variance_output``) of layer ``index`` from its exact
-        inputs ``h`` or, ``moments = (phi, variance, second_moment)``, from propagated ones. While
-        an ELBO is evaluated a mean-field layer's KL comes out of the same function (one pass
-        over the matrix for the KL and its gradient, nothing for autograd to add): it goes to
-        ``self._kl_sink``."""
-        layer = self.layers[index]
+        """``(gamma, xi)`` (``xi^2`` with ``variance_output``) of layer ``index``
+        (:meth:`GaussianMatrix.preactivation_and_kl`). While an ELBO is evaluated the layer's KL
+        comes out of the same function and goes to ``self._kl_sink``."""
         sink = self._kl_sink
-        if sink is not None and layer.covariance == "diagonal":
-            prior_variance = self.prior_scale ** 2
-            if moments is None:
-                gamma, xi, kl = fused.diagonal_preactivation_and_kl(h, layer.loc, layer.log_scale, layer.bias,
-                                                                    variance_output, prior_variance)
-            else:
-                phi, variance, second_moment = moments
-                gamma, xi, kl = fused.propagated_preactivation_and_kl(phi, variance, layer.loc, layer.log_scale,
-                                                                      layer.bias, second_moment, variance_output,
-                                                                      prior_variance)
-            if kl is not None:
-                sink[index] = kl
-            return gamma, xi
-        if variance_output:
-            return layer.preactivation_mean_and_variance(h, moments)
-        return layer.preactivation_moments(h) if moments is None else layer.propagated_preactivation_moments(*moments)
+        gamma, xi, kl = self.layers[index].preactivation_and_kl(h, moments, variance_output,
+                                                                None if sink is None else self.prior_scale)
+        if kl is not None:
+            sink[index] = kl
+        return gamma, xi
 
     def _variance_form_op(self, layer, inputs: torch.Tensor):
         """The activation's kernels when a hidden layer's moments can be taken from its
