@@ -252,15 +252,17 @@ def test_the_kl_kernel_matches_the_torch_path(dtype, tolerance, learned_prior):
                                                  torch.tensor(0.7, dtype=DT, requires_grad=True)))
 
 
-@pytest.mark.parametrize("estimator", ["analytic", "deterministic"])
-def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator):
-    """The fused route (variance-form pre-activations, the tail kernel, the KL kernel) against
-    the reference torch route, through the whole network, float64."""
+@pytest.mark.parametrize("estimator, prior_scale", [("analytic", 1.0), ("deterministic", 1.0),
+                                                    ("deterministic", 0.3), ("integrate_output_layer", 0.3)])
+def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator, prior_scale):
+    """The fused route (variance-form pre-activations, the tail kernel, the KLs folded into the
+    layers' functions, sampled layers included) against the reference torch route, through the
+    whole network, float64."""
     from cfbnn_cli.bnn.network import BayesianNetwork
     from cfbnn_cli.moments import fast_path
 
     torch.manual_seed(0)
-    network = BayesianNetwork(5, [12, 9], 1).double()
+    network = BayesianNetwork(5, [12, 9], 1, prior_scale=prior_scale).double()
     g = _generator(8)
     x, y = torch.randn(40, 5, generator=g, dtype=DT), torch.randn(40, generator=g, dtype=DT)
     noise = network.sample_noise(40, estimator, g)
@@ -322,15 +324,17 @@ def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradc
 
 def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     """The two-hidden-layer deterministic ELBO runs its first hidden layer through the
-    variance kernel and the last through the fused tail (else the speed-up is silently lost)."""
+    variance kernel, the last through the fused tail, and folds every layer's KL (else the
+    speed-up is silently lost)."""
     from cfbnn_cli.bnn.network import BayesianNetwork
     from cfbnn_cli.moments import fast
 
     calls = []
-    for name in ("moments_from_variance", "normal_tail"):
+    for name in ("moments_from_variance", "normal_tail", "finish_diagonal_gradients"):
         original = getattr(fast, name)
         monkeypatch.setattr(fast, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     network = BayesianNetwork(5, [12, 9], 1)
     x, y = torch.randn(40, 5), torch.randn(40)
     network.elbo(x, y, 400, "deterministic").backward()
     assert calls.count("moments_from_variance") == 1 and calls.count("normal_tail") == 2  # forward + backward
+    assert calls.count("finish_diagonal_gradients") == 3  # every layer's KL folded into its own function
