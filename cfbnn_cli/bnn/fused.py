@@ -163,27 +163,42 @@ class _DiagonalPreactivation(torch.autograd.Function):
             variance = log_scale.mul(2.0).exp_() if not _transforms_active() else torch.exp(2.0 * log_scale)
             kl = _placeholder(loc)
         width = h.shape[-1]
-        loc_h, loc_b = _columns(loc, width, bias)
-        variance_h, variance_b = _columns(variance, width, bias)
-        squared = h * h
-        gamma = _affine(h, loc_h, loc_b)
-        xi2 = _affine(squared, variance_h, variance_b)
-        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), variance, squared, kl
+        if bias and width < loc.shape[0] and not _transforms_active():
+            # the inputs narrower than the outputs: [h, 1] built once is cheaper than the bias
+            # broadcast into each (N, rows) result, and the products then give the bias column's
+            # gradient too (no sums, no slices)
+            augmented = torch.nn.functional.pad(h, (0, 1), value=1.0)
+            squared = augmented * augmented
+            gamma = _affine(augmented, loc, None)
+            xi2 = _affine(squared, variance, None)
+        else:
+            augmented = _placeholder(h)
+            loc_h, loc_b = _columns(loc, width, bias)
+            variance_h, variance_b = _columns(variance, width, bias)
+            squared = h * h
+            gamma = _affine(h, loc_h, loc_b)
+            xi2 = _affine(squared, variance_h, variance_b)
+        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), variance, squared, kl, augmented
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         h, loc, log_scale, bias, variance_output, *prior = inputs
-        _, xi, variance, squared, kl = output
+        _, xi, variance, squared, kl, augmented = output
         ctx.bias, ctx.variance_output = bias, variance_output
+        ctx.augmented = augmented.numel() > 0  # then ``h`` below is [h, 1] and ``squared`` [h^2, 1]
         ctx.prior_variance = prior[0] if prior and kl.numel() == 1 else None  # None: no KL folded in
-        ctx.mark_non_differentiable(variance, squared)
+        ctx.mark_non_differentiable(variance, squared, augmented)
         # variance and h^2 are kept from the forward pass: on a wide first layer (D=2048,
         # H=1000) recomputing exp(2 log_scale) is two passes over 2M parameters
-        ctx.save_for_backward(h, loc, None if variance_output else xi, variance, squared)
+        ctx.save_for_backward(augmented if ctx.augmented else h, loc, None if variance_output else xi, variance,
+                              squared)
 
     @staticmethod
-    def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared, grad_kl=None):
+    def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared, grad_kl=None, _grad_augmented=None):
         h, loc, xi, variance, squared = ctx.saved_tensors
+        bias = ctx.bias and not ctx.augmented  # an augmented input carries the bias column itself
+        if ctx.augmented:
+            h = h[..., :-1]
         width = h.shape[-1]
         # ``ratio`` = 2 dL/d xi^2, which is grad_xi / xi for the standard deviation (d xi / d xi^2
         # = 1 / (2 xi)); the 2 cancels against d Var / d log_scale = 2 Var. No mask for the clamp's
@@ -196,13 +211,14 @@ class _DiagonalPreactivation(torch.autograd.Function):
         grad_h = None
         if ctx.needs_input_grad[0]:  # 2 h (grad_xi2 @ Var) = h (ratio @ Var)
             grad_h = torch.addcmul(grad_gamma @ loc[:, :width], h, ratio @ variance[:, :width], value=scale)
-        grad_loc = _weight_gradient(grad_gamma, h, ctx.bias)
+        inputs = ctx.saved_tensors[0]  # [h, 1] when augmented
+        grad_loc = _weight_gradient(grad_gamma, inputs, bias)
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
-            grad_log_scale = _weight_gradient(ratio, squared, ctx.bias)
+            grad_log_scale = _weight_gradient(ratio, squared, bias)
             grad_loc, grad_log_scale = _folded_kl_backward(loc, variance, grad_loc, grad_log_scale, scale,
                                                            ctx.prior_variance, grad_kl)
             return grad_h, grad_loc, grad_log_scale, None, None, None
-        grad_log_scale = _weight_gradient(ratio, squared, ctx.bias, scale)
+        grad_log_scale = _weight_gradient(ratio, squared, bias, scale)
         grad_log_scale = grad_log_scale * variance if _transforms_active() else grad_log_scale.mul_(variance)
         return grad_h, grad_loc, grad_log_scale, None, None, None
 

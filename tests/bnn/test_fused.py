@@ -17,11 +17,12 @@ def _generator(seed=0):
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(), (3,)])
-def test_diagonal_preactivation_matches_the_functional_form_and_gradcheck(bias, lead):
+@pytest.mark.parametrize("rows", [6, 3])  # wider than the inputs ([h, 1] built once) and narrower (bias added)
+def test_diagonal_preactivation_matches_the_functional_form_and_gradcheck(bias, lead, rows):
     g = _generator()
     h = torch.randn(*lead, 5, 4, generator=g, dtype=DT, requires_grad=True)
-    loc = torch.randn(6, 4 + bias, generator=g, dtype=DT, requires_grad=True)
-    log_scale = (0.3 * torch.randn(6, 4 + bias, generator=g, dtype=DT) - 1.0).requires_grad_()
+    loc = torch.randn(rows, 4 + bias, generator=g, dtype=DT, requires_grad=True)
+    log_scale = (0.3 * torch.randn(rows, 4 + bias, generator=g, dtype=DT) - 1.0).requires_grad_()
     gamma, xi = fused.diagonal_preactivation(h, loc, log_scale, bias)
     reference = preactivation_moments(augment(h) if bias else h, loc, log_scale.exp())
     torch.testing.assert_close(gamma, reference[0])
