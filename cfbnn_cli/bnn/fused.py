@@ -285,7 +285,8 @@ def diagonal_preactivation_variance(h: torch.Tensor, loc: torch.Tensor, log_scal
 
 
 def _with_folded_kl(outputs):
-    kl = outputs[-1]
+    """``(gamma, xi, KL or None)`` from the pre-activation functions' outputs (the KL is the fifth)."""
+    kl = outputs[4]
     return outputs[0], outputs[1], (kl if kl.numel() == 1 else None)
 
 

@@ -331,11 +331,12 @@ def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     from cfbnn_cli.moments import fast
 
     calls = []
-    for name in ("moments_from_variance", "normal_tail", "finish_diagonal_gradients"):
+    for name in ("moments_from_variance", "normal_tail", "finish_diagonal_gradients", "diagonal_kl_sums"):
         original = getattr(fast, name)
         monkeypatch.setattr(fast, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     network = BayesianNetwork(5, [12, 9], 1)
     x, y = torch.randn(40, 5), torch.randn(40)
     network.elbo(x, y, 400, "deterministic").backward()
     assert calls.count("moments_from_variance") == 1 and calls.count("normal_tail") == 2  # forward + backward
-    assert calls.count("finish_diagonal_gradients") == 3  # every layer's KL folded into its own function
+    # every layer's KL folded into its own function, and computed once (not again by layer.kl)
+    assert calls.count("finish_diagonal_gradients") == 3 and calls.count("diagonal_kl_sums") == 3
