@@ -195,10 +195,9 @@ class _DiagonalPreactivation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared, grad_kl=None, _grad_augmented=None):
-        h, loc, xi, variance, squared = ctx.saved_tensors
+        inputs, loc, xi, variance, squared = ctx.saved_tensors  # inputs: [h, 1] when augmented
         bias = ctx.bias and not ctx.augmented  # an augmented input carries the bias column itself
-        if ctx.augmented:
-            h = h[..., :-1]
+        h = inputs[..., :-1] if ctx.augmented else inputs
         width = h.shape[-1]
         # ``ratio`` = 2 dL/d xi^2, which is grad_xi / xi for the standard deviation (d xi / d xi^2
         # = 1 / (2 xi)); the 2 cancels against d Var / d log_scale = 2 Var. No mask for the clamp's
@@ -211,7 +210,6 @@ class _DiagonalPreactivation(torch.autograd.Function):
         grad_h = None
         if ctx.needs_input_grad[0]:  # 2 h (grad_xi2 @ Var) = h (ratio @ Var)
             grad_h = torch.addcmul(grad_gamma @ loc[:, :width], h, ratio @ variance[:, :width], value=scale)
-        inputs = ctx.saved_tensors[0]  # [h, 1] when augmented
         grad_loc = _weight_gradient(grad_gamma, inputs, bias)
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
             grad_log_scale = _weight_gradient(ratio, squared, bias)
@@ -603,16 +601,21 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
                 None, grad_log_precision, None, None, None)
 
 
-def normal_tail_op(activation, loc: torch.Tensor, *tensors):
-    """The activation's kernels when :func:`normal_ell_given_preactivation` applies to a
-    one-output layer ``loc`` and these tensors, else ``None`` (then take the other route): more
-    than one output, an activation without a tail kernel (identity and the piecewise-polynomial
-    engine have none), tensors that are not plain contiguous CPU float32/float64 of one dtype,
-    torch.func transforms or the fast path switched off."""
-    if loc.shape[0] != 1 or _transforms_active():
+def layer_kernel_op(activation, *tensors):
+    """The activation's kernels when the layer kernels (the fused tail, the hidden layers'
+    moments from variances) take these tensors, else ``None``: an activation without them
+    (identity and the piecewise-polynomial engine), tensors that are not plain contiguous CPU
+    float32/float64 of one dtype, torch.func transforms or the fast path switched off."""
+    if _transforms_active():
         return None
     op = activation._fast_op() if hasattr(activation, "_fast_op") else None
-    return op if fast_moments.layer_kernels_apply(op, loc, *tensors) else None
+    return op if fast_moments.layer_kernels_apply(op, *tensors) else None
+
+
+def normal_tail_op(activation, loc: torch.Tensor, *tensors):
+    """:func:`layer_kernel_op` for :func:`normal_ell_given_preactivation` on a one-output layer
+    ``loc`` (``None`` for more than one output: then take the other route)."""
+    return layer_kernel_op(activation, loc, *tensors) if loc.shape[0] == 1 else None
 
 
 def normal_ell_given_preactivation(gamma: torch.Tensor, xi2: torch.Tensor, op, loc: torch.Tensor,

@@ -490,11 +490,9 @@ class BayesianNetwork(nn.Module):
     def _variance_form_op(self, layer, inputs: torch.Tensor):
         """The activation's kernels when a hidden layer's moments can be taken from its
         pre-activations' variances (:func:`~cfbnn_cli.moments.fast.moments_from_variance`)."""
-        if layer.covariance != "diagonal" or inputs.dtype != layer.loc.dtype:
+        if layer.covariance != "diagonal" or inputs.dtype != layer.loc.dtype or inputs.device.type != "cpu":
             return None
-        op = self.activation._fast_op() if hasattr(self.activation, "_fast_op") else None
-        return op if fast_moments.layer_kernels_apply(op, layer.loc, layer.log_scale) and \
-            inputs.device.type == "cpu" else None
+        return fused.layer_kernel_op(self.activation, layer.loc, layer.log_scale)
 
     def _full_covariance_hidden(self, h):
         """``(mean (..., N, H), covariance (..., N, H, H))`` of the last hidden layer's activations,

@@ -1004,17 +1004,4 @@ def moments_from_variance(op: Optional[_Op], mean: torch.Tensor, variance: torch
     path off. The argument checks are the caller's."""
     if mean.shape != variance.shape or not layer_kernels_apply(op, mean, variance):
         return None
-    if torch.is_grad_enabled() and (mean.requires_grad or variance.requires_grad):
-        return _MomentsFromVariance.apply(mean, variance, op)
-    with torch.no_grad():
-        return _MomentsFromVariance.forward(_NoContext(), mean, variance, op)
-
-
-class _NoContext:
-    """Stands in for autograd's ctx when the forward runs without autograd."""
-
-    def save_for_backward(self, *tensors):
-        pass
-
-    def set_materialize_grads(self, value):
-        pass
+    return _MomentsFromVariance.apply(mean, variance, op)
