@@ -511,14 +511,16 @@ def _same_uci_outputs(run, reference):
     pd.testing.assert_frame_equal(pd.read_csv(run / "uci_splits.csv")[keep], pd.read_csv(reference / "uci_splits.csv")[keep])
 
 
+# The default suite kills each protocol once, right after its first saved progress (a kill that surely
+# lands mid-way); the kills at random moments run in test_kill_9_at_many_points (slow).
 def test_kill_9_then_resume_equals_an_uninterrupted_regression_run(tmp_path):
     overrides = [*REGRESSION, "trainer.epochs=4", "data.n_train=2000"]
-    _kill_and_resume_matches(tmp_path, ["train", "regression"], overrides, [0, 1], _same_regression_outputs)
+    _kill_and_resume_matches(tmp_path, ["train", "regression"], overrides, [0], _same_regression_outputs)
 
 
 def test_kill_9_then_resume_equals_an_uninterrupted_uci_run(tmp_path):
     overrides = [*UCI, "uci.n_splits=3", "trainer.epochs=30"]
-    _kill_and_resume_matches(tmp_path, ["train", "regression"], overrides, [0, 1], _same_uci_outputs)
+    _kill_and_resume_matches(tmp_path, ["train", "regression"], overrides, [0], _same_uci_outputs)
 
 
 @pytest.mark.slow

@@ -421,6 +421,9 @@ class _Op:
     """One activation's kernels: forward -> (phi, ups, var, *saved); backward -> (d mean, d std)."""
 
     tail_kind: Optional[int] = None  # the kernel of :func:`normal_tail` for this activation (None: none)
+    # the backward kernel needs only (mean, std, Phi, grads): it can be a function of its own
+    # (:class:`_KernelBackward`), which a backward pass that builds a graph still runs
+    backward_from_inputs = False
 
     def _eps(self, dtype):
         return ()
@@ -481,6 +484,7 @@ class ReLUOp(_Op):
 
     saved_count = 0
     tail_kind = 0
+    backward_from_inputs = True
 
     def forward(self, mean, std, want_var, need_grad):
         phi = torch.empty(mean.shape, dtype=mean.dtype)
@@ -530,6 +534,7 @@ class _RecomputingOp(_Op):
 
     saved_count = 0
     kernel = ""
+    backward_from_inputs = True
 
     def forward(self, mean, std, want_var, need_grad):
         phi = torch.empty(mean.shape, dtype=mean.dtype)
@@ -785,8 +790,13 @@ class _FastMoments(torch.autograd.Function):
         grads = (grad_phi, grad_ups, grad_var)
         mean, std = mean.contiguous(), std.contiguous()
         if torch.is_grad_enabled():
-            # create_graph=True (also what torch.func.grad asks for): a differentiable backward
-            grad_mean, grad_std = ctx.op.differentiable_backward(mean, std, phi, grads)
+            # create_graph=True (also what torch.func.grad asks for, so every per-draw gradient of
+            # the gradient-variance measurement comes here): a differentiable backward, the
+            # kernel itself where it can be a function of its own
+            if ctx.op.backward_from_inputs:
+                grad_mean, grad_std = _KernelBackward.apply(mean, std, phi, ctx.op, *grads)
+            else:
+                grad_mean, grad_std = ctx.op.differentiable_backward(mean, std, phi, grads)
         else:
             grad_mean, grad_std = ctx.op.backward(mean, std, phi, saved, grads, plain=getattr(ctx, "plain", False))
         return grad_mean, grad_std, None, None, None
@@ -796,6 +806,74 @@ class _FastMoments(torch.autograd.Function):
         mean, std = torch.broadcast_tensors(*align_batched(mean, std, in_dims[:2]))
         out = _FastMoments.apply(mean, std, op, want_var, need_grad)
         return out, tuple(None if (k == 2 and not want_var) else 0 for k in range(len(out)))
+
+
+class _KernelBackward(torch.autograd.Function):
+    """``(d mean, d std)`` of :class:`_FastMoments` through the backward kernel, as a function
+    of ``(mean, std, Phi, grad_Phi, grad_Upsilon, grad_Var)`` with a derivative of its own.
+
+    A backward pass that builds a graph (``create_graph=True``, and always under
+    ``torch.func.grad``) then still runs the one-pass kernel instead of the reference path's
+    ~20 ops; only a second derivative, when one is taken, goes through the reference path's
+    differentiable vector-Jacobian product (``op.differentiable_backward``), differentiated by
+    ``torch.func.vjp`` (so that it is differentiable again). For ops whose backward kernel
+    needs nothing saved (``backward_from_inputs``)."""
+
+    @staticmethod
+    def forward(mean, std, phi, op, grad_phi, grad_ups, grad_var):
+        shape = torch.broadcast_shapes(mean.shape, std.shape)
+        mean, std = (t.expand(shape).contiguous() for t in (mean, std))
+        grads = tuple(None if g is None else g.expand(shape) for g in (grad_phi, grad_ups, grad_var))
+        return op.backward(mean, std, phi.expand(shape).contiguous(), (), grads, plain=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        mean, std, phi, op, *grads = inputs
+        ctx.op = op
+        ctx.present = tuple(g is not None for g in grads)
+        ctx.save_for_backward(mean, std, phi, *[g for g in grads if g is not None])
+
+    @staticmethod
+    def backward(ctx, grad_grad_mean, grad_grad_std):
+        mean, std, phi, *present_grads = ctx.saved_tensors
+        op, present = ctx.op, ctx.present
+
+        def first_derivative(mean, std, phi, *given):
+            given = iter(given)
+            grads = tuple(next(given) if here else None for here in present)
+            grad_mean, grad_std = op.differentiable_backward(mean, std, phi, grads)
+            # a part that does not depend on the inputs comes back as None: zeros of its shape
+            return tuple(torch.zeros_like(mean) if g is None else g for g in (grad_mean, grad_std))
+
+        cotangents = tuple(torch.zeros_like(mean) if g is None else g for g in (grad_grad_mean, grad_grad_std))
+        _, vjp = torch.func.vjp(first_derivative, mean, std, phi, *present_grads)
+        found = iter(vjp(cotangents))
+        grad_mean, grad_std, grad_phi = next(found), next(found), next(found)
+        grads = tuple(next(found) if here else None for here in present)
+        return (grad_mean, grad_std, grad_phi, None, *grads)
+
+    @staticmethod
+    def vmap(info, in_dims, mean, std, phi, op, grad_phi, grad_ups, grad_var):
+        # elementwise: every batched input's vmap dimension first, the others broadcast to it
+        tensors = (mean, std, phi, grad_phi, grad_ups, grad_var)
+        dims = tuple(d for d in in_dims[:3]) + tuple(in_dims[4:])
+        logical = max(t.dim() - (d is not None) for t, d in zip(tensors, dims) if t is not None)
+
+        def lead(t, d):
+            if t is None:
+                return None
+            if d is None:
+                return t.reshape((1,) * (logical - t.dim() + 1) + t.shape)
+            t = t.movedim(d, 0)
+            return t.reshape(t.shape[:1] + (1,) * (logical - t.dim() + 1) + t.shape[1:])
+
+        mean, std, phi, *grads = (lead(t, d) for t, d in zip(tensors, dims))
+        batch = info.batch_size
+        shape = torch.broadcast_shapes(*(t.shape for t in (mean, std, phi, *grads) if t is not None))
+        shape = (batch,) + shape[1:]
+        mean, std, phi = (t.expand(shape) for t in (mean, std, phi))
+        grads = [None if g is None else g.expand(shape) for g in grads]
+        return _KernelBackward.apply(mean, std, phi, op, *grads), (0, 0)
 
 
 def _reference_vjp(op, mean, std, grads, create_graph=True):
