@@ -855,22 +855,10 @@ class _KernelBackward(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, mean, std, phi, op, grad_phi, grad_ups, grad_var):
         # elementwise: every batched input's vmap dimension first, the others broadcast to it
-        tensors = (mean, std, phi, grad_phi, grad_ups, grad_var)
-        dims = tuple(d for d in in_dims[:3]) + tuple(in_dims[4:])
-        logical = max(t.dim() - (d is not None) for t, d in zip(tensors, dims) if t is not None)
-
-        def lead(t, d):
-            if t is None:
-                return None
-            if d is None:
-                return t.reshape((1,) * (logical - t.dim() + 1) + t.shape)
-            t = t.movedim(d, 0)
-            return t.reshape(t.shape[:1] + (1,) * (logical - t.dim() + 1) + t.shape[1:])
-
-        mean, std, phi, *grads = (lead(t, d) for t, d in zip(tensors, dims))
-        batch = info.batch_size
+        dims = tuple(in_dims[:3]) + tuple(in_dims[4:])
+        mean, std, phi, *grads = align_batched(mean, std, phi, grad_phi, grad_ups, grad_var, dims)
         shape = torch.broadcast_shapes(*(t.shape for t in (mean, std, phi, *grads) if t is not None))
-        shape = (batch,) + shape[1:]
+        shape = (info.batch_size,) + shape[1:]
         mean, std, phi = (t.expand(shape) for t in (mean, std, phi))
         grads = [None if g is None else g.expand(shape) for g in grads]
         return _KernelBackward.apply(mean, std, phi, op, *grads), (0, 0)

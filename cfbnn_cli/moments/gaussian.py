@@ -333,19 +333,26 @@ class _PositivePartMoments(torch.autograd.Function):
         return _PositivePartMoments.apply(mean, std, order), 0
 
 
-def align_batched(mean, std, in_dims):
-    """For elementwise vmap rules: put the vmap dim first and align logical dims."""
-    mean_dim, std_dim = in_dims
-    logical_ndim = max(mean.dim() - (mean_dim is not None), std.dim() - (std_dim is not None))
+def align_batched(*tensors_and_in_dims):
+    """For elementwise vmap rules: put the vmap dim first and align logical dims.
+
+    ``align_batched(a, b, ..., in_dims)``: each tensor (``None`` stays ``None``) with its
+    vmap dimension moved to the front (a leading 1 where it has none) and ones inserted
+    so that every result has the same number of dimensions and broadcasts."""
+    *tensors, in_dims = tensors_and_in_dims
+    present = [(x, dim) for x, dim in zip(tensors, in_dims) if x is not None]
+    logical_ndim = max(x.dim() - (dim is not None) for x, dim in present)
 
     def lead(x, dim):
+        if x is None:
+            return None
         if dim is None:
             return x.reshape((1,) * (logical_ndim - x.dim() + 1) + x.shape)
         x = x.movedim(dim, 0)
         missing = logical_ndim - (x.dim() - 1)
         return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])
 
-    return lead(mean, mean_dim), lead(std, std_dim)
+    return tuple(lead(x, dim) for x, dim in zip(tensors, in_dims))
 
 
 def sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
