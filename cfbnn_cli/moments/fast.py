@@ -44,8 +44,10 @@ float64. It is skipped (the reference path runs) when
 
 Autograd. Each call is one :class:`torch.autograd.Function` with an analytic
 backward (the heat-equation identities of the reference path); under
-``torch.func`` transforms it batches through its ``vmap`` rule; a double
-backward (``create_graph=True``) differentiates the reference path instead.
+``torch.func`` transforms it batches through its ``vmap`` rule. A backward that builds
+a graph (``create_graph=True``, as ``torch.func.grad`` always asks) still runs the
+backward kernel for ReLU, leaky ReLU and ReLU² (:class:`_KernelBackward`); a second
+derivative differentiates the reference path.
 """
 
 from __future__ import annotations
