@@ -169,8 +169,13 @@ class GaussianMatrix(nn.Module):
             phi, variance, second_moment = moments
             return fused.propagated_preactivation_variance(phi, variance, self.loc, self.log_scale, self.bias,
                                                            second_moment)
-        gamma, xi = self.preactivation_moments(h) if moments is None else self.propagated_preactivation_moments(*moments)
+        gamma, xi = self._moments_from(h, moments)
         return gamma, xi.square()
+
+    def _moments_from(self, h: torch.Tensor, moments=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(gamma, xi)`` from exact inputs ``h`` or, ``moments = (phi, variance, second_moment)``,
+        from propagated ones."""
+        return self.preactivation_moments(h) if moments is None else self.propagated_preactivation_moments(*moments)
 
     def preactivation_and_kl(self, h: torch.Tensor, moments=None, variance_output: bool = False,
                              prior_scale: Optional[float] = None):
@@ -190,8 +195,7 @@ class GaussianMatrix(nn.Module):
                                                          second_moment, variance_output, prior_variance)
         if variance_output:
             return (*self.preactivation_mean_and_variance(h, moments), None)
-        pre = self.preactivation_moments(h) if moments is None else self.propagated_preactivation_moments(*moments)
-        return (*pre, None)
+        return (*self._moments_from(h, moments), None)
 
     def elementwise_variance(self) -> torch.Tensor:
         """``Var_q[W_rc]`` as an ``(R, C)`` matrix: the diagonal of each row's covariance."""
