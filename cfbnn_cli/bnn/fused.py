@@ -146,6 +146,12 @@ def _folded_kl_backward(loc, variance, grad_loc, grad_variance, scale: float, pr
     return grad_loc, grad_variance
 
 
+def _gradient_pair(first, second, zeros):
+    """``(first, second)`` with a missing one as ``zeros()`` (an output nobody used): the classic
+    functions do not materialize missing gradients (:func:`_classic_twin`)."""
+    return (zeros() if first is None else first), (zeros() if second is None else second)
+
+
 def _placeholder(like: torch.Tensor) -> torch.Tensor:
     """Stands in for an output that was not computed (an unfolded KL)."""
     return like.new_empty(0)
@@ -196,6 +202,8 @@ class _DiagonalPreactivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared, grad_kl=None, _grad_augmented=None):
         inputs, loc, xi, variance, squared = ctx.saved_tensors  # inputs: [h, 1] when augmented
+        grad_gamma, grad_xi = _gradient_pair(grad_gamma, grad_xi,
+                                             lambda: inputs.new_zeros(*inputs.shape[:-1], loc.shape[0]))
         bias = ctx.bias and not ctx.augmented  # an augmented input carries the bias column itself
         h = inputs[..., :-1] if ctx.augmented else inputs
         width = h.shape[-1]
@@ -246,6 +254,9 @@ def _classic_twin(function):
         def forward(ctx, *inputs):
             output = function.forward(*inputs)
             function.setup_context(ctx, inputs, output)
+            # no zeros made for the outputs that get no gradient (the non-differentiable ones
+            # above all): each was an allocation and a pass; the backward passes take ``None``
+            ctx.set_materialize_grads(False)
             return output
 
         @staticmethod
@@ -316,47 +327,62 @@ class _PropagatedPreactivation(torch.autograd.Function):
         gamma = _affine(phi, loc_h, loc_b)
         # Var = E[h^2]^T Var W + Var[h]^T loc^2: two products summed into one buffer
         xi2 = _affine(second_moment, variance_h, variance_b)
+        loc_square = loc_h * loc_h  # kept for the backward pass
         if _transforms_active():
-            xi2 = xi2 + _affine(variance, loc_h * loc_h, None)
+            xi2 = xi2 + _affine(variance, loc_square, None)
         else:  # the second product accumulated into the first's buffer (no third (N, H) array)
             flat = xi2.view(-1, xi2.shape[-1])
-            flat.addmm_(variance.reshape(-1, width), (loc_h * loc_h).mT)
+            flat.addmm_(variance.reshape(-1, width), loc_square.mT)
         # E[h^2] is an output only when formed here (an input returned as is cannot be saved)
         formed = formed if formed is not None else phi.new_empty(0)
-        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, formed, kl
+        return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, formed, kl, loc_square
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         phi, variance, second_moment, loc, log_scale, bias, variance_output, *prior = inputs
-        _, xi, weight_variance, formed, kl = output
+        _, xi, weight_variance, formed, kl, loc_square = output
         second = second_moment if second_moment is not None else formed
         ctx.bias, ctx.variance_output = bias, variance_output
         ctx.prior_variance = prior[0] if prior and kl.numel() == 1 else None
         ctx.given_second_moment = second_moment is not None
-        ctx.mark_non_differentiable(weight_variance, formed)
-        ctx.save_for_backward(phi, variance, second, loc, weight_variance, None if variance_output else xi)
+        ctx.mark_non_differentiable(weight_variance, formed, loc_square)
+        ctx.save_for_backward(phi, variance, second, loc, weight_variance, None if variance_output else xi,
+                              loc_square)
 
     @staticmethod
-    def backward(ctx, grad_gamma, grad_xi, _grad_weight_variance, _grad_second, grad_kl=None):
-        phi, variance, second, loc, weight_variance, xi = ctx.saved_tensors
+    def backward(ctx, grad_gamma, grad_xi, _grad_weight_variance, _grad_second, grad_kl=None, _grad_loc_square=None):
+        phi, variance, second, loc, weight_variance, xi, loc_square = ctx.saved_tensors
         width = phi.shape[-1]
-        loc_h = loc[:, :width]
+        grad_gamma, grad_xi = _gradient_pair(grad_gamma, grad_xi,
+                                             lambda: phi.new_zeros(*phi.shape[:-1], loc.shape[0]))
+        loc_h, variance_h = loc[:, :width], weight_variance[:, :width]
         # as in the diagonal case, ratio = 2 grad_xi2 (grad_xi / xi for the standard deviation);
-        # the halves go on the small weights
+        # the halves go on the small weights (none for the variance form: its 2 and the half cancel)
         if ctx.variance_output:
             ratio, scale = grad_xi, 2.0
         else:
             ratio, scale = grad_xi / xi, 1.0
+            variance_h, loc_square = 0.5 * variance_h, 0.5 * loc_square
         grad_phi = grad_gamma @ loc_h
-        grad_second = ratio @ ((0.5 * scale) * weight_variance[:, :width])
-        grad_variance = ratio @ ((0.5 * scale) * loc_h * loc_h)
+        grad_second = ratio @ variance_h
+        grad_variance = ratio @ loc_square
         if not ctx.given_second_moment:  # E[h^2] = Var h + phi^2 was formed here
             grad_variance = grad_variance + grad_second
             grad_phi = torch.addcmul(grad_phi, phi, grad_second, value=2.0)
             grad_second = None
         # d/d loc = grad_gamma^T phi + 2 loc (grad_xi2^T Var h) = ... + loc (ratio^T Var h)
-        grad_loc_h = torch.addcmul(_flat_product(grad_gamma, phi), loc_h, _flat_product(ratio, variance), value=scale)
-        grad_loc = _gradient_with_bias_column(grad_loc_h, _flat_sum(grad_gamma), ctx.bias)
+        if _transforms_active():
+            grad_loc_h = torch.addcmul(_flat_product(grad_gamma, phi), loc_h, _flat_product(ratio, variance),
+                                       value=scale)
+            grad_loc = _gradient_with_bias_column(grad_loc_h, _flat_sum(grad_gamma), ctx.bias)
+        else:  # built in one buffer: no (rows, width) temporaries, no concatenation for the bias column
+            flat_gamma = grad_gamma.reshape(-1, grad_gamma.shape[-1])
+            grad_loc = torch.empty_like(loc)
+            grad_loc_h = grad_loc[:, :width]
+            torch.mm(ratio.reshape(-1, ratio.shape[-1]).mT, variance.reshape(-1, width), out=grad_loc_h)
+            grad_loc_h.mul_(loc_h).addmm_(flat_gamma.mT, phi.reshape(-1, width), beta=scale)
+            if ctx.bias:
+                torch.sum(flat_gamma, 0, out=grad_loc[:, width])
         # d/d log_scale = 2 Var W (grad_xi2^T E[h^2]) = Var W (ratio^T E[h^2])
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
             grad_log_scale = _weight_gradient(ratio, second, ctx.bias)
@@ -428,6 +454,8 @@ class _DiagonalKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_second_moment):
+        if grad is None:  # the KL itself unused (the classic form passes no zeros)
+            return None, None, None
         loc, log_scale, prior_variance, second_moment = ctx.saved_tensors
         gradients = None
         if not _transforms_active() and grad.device.type == "cpu":
@@ -493,6 +521,8 @@ class _NormalELLGivenHidden(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ell, _grad_residual, _grad_squares, _grad_weight_variance):
+        if grad_ell is None:  # the ELL itself unused (the classic form passes no zeros)
+            return None, None, None, None, None, None, None, None
         phi, variance, second_moment, loc, weight_variance, log_precision, residual, squares = ctx.saved_tensors
         width, rows = phi.shape[-1], loc.shape[0]
         precision = torch.exp(log_precision)
@@ -643,3 +673,115 @@ def normal_ell_given_preactivation_and_kl(gamma: torch.Tensor, xi2: torch.Tensor
                                                  log_precision, bias, op,
                                                  None if prior_variance is None else float(prior_variance))
     return ell, (kl if kl.numel() == 1 else None)
+
+
+class _Tape:
+    """Stands in for autograd's ``ctx`` where the functions above run inside another function
+    (:class:`_ClosedFormNormalELBO`): what their forward and backward passes use of it."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value: bool):
+        pass
+
+
+def _record(function, tape: _Tape, *inputs):
+    """``function``'s forward pass (a ``setup_context`` function) with its context on ``tape``."""
+    outputs = function.forward(*inputs)
+    function.setup_context(tape, inputs, outputs)
+    return outputs
+
+
+class _ClosedFormNormalELBO(torch.autograd.Function):
+    """``scale * sum_n ELL_n - sum_l KL_l`` of a network of diagonal Gaussian layers, every one
+    integrated in closed form (one output, Normal likelihood, a fixed prior) as ONE autograd node.
+
+    The forward pass runs the functions above in a row, each layer's KL folded in
+    (:class:`_DiagonalPreactivation` for the first layer, then per later hidden layer the
+    activation kernel ``hidden_pass`` and :class:`_PropagatedPreactivation`, then
+    :class:`_NormalELLGivenPreactivation`), keeping their contexts on :class:`_Tape` objects;
+    the backward pass calls their backward passes in reverse. The arithmetic is theirs, to the
+    last operation: what this saves is autograd's bookkeeping, per node and per scalar operation
+    of the ELBO's sum (about a tenth of the step of a D-200-200-1 network on a 2-core CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, y, log_precision, op, biases, prior_variance: float, scale: float, *parameters):
+        locs, log_scales = parameters[0::2], parameters[1::2]
+        tapes = [_Tape((False, True, True))]
+        gamma, xi2, _, _, kl, _ = _record(_DiagonalPreactivation, tapes[0], x, locs[0], log_scales[0], biases[0], True,
+                                          prior_variance)
+        kls = [kl]
+        for loc, log_scale, bias in zip(locs[1:-1], log_scales[1:-1], biases[1:-1]):
+            check_mean_std(gamma, xi2, names=("gamma", "xi2"))
+            moments_tape = _Tape((True, True, False))
+            phi, second_moment, variance = fast_moments._MomentsFromVariance.forward(moments_tape, gamma, xi2, op)
+            layer_tape = _Tape((True, True, True, True, True))
+            gamma, xi2, _, _, kl, _ = _record(_PropagatedPreactivation, layer_tape, phi, variance, second_moment, loc,
+                                              log_scale, bias, True, prior_variance)
+            tapes += [moments_tape, layer_tape]
+            kls.append(kl)
+        check_mean_std(gamma, xi2, names=("gamma", "xi2"))
+        tail_tape = _Tape((True, True, True, True, False, ctx.needs_input_grad[2]))
+        ell, kl = _NormalELLGivenPreactivation.forward(tail_tape, gamma, xi2, locs[-1], log_scales[-1], y,
+                                                       log_precision, biases[-1], op, prior_variance)
+        tapes.append(tail_tape)
+        kls.append(kl)
+        if any(term.numel() != 1 for term in kls):  # the callers check that the kernels take every layer
+            raise RuntimeError("a layer's KL was not folded into its function; use BayesianNetwork._elbo")
+        # the tapes' tensors saved through ctx: autograd frees them after the backward pass (unless
+        # retain_graph) and checks they were not modified in place, as for any function's
+        ctx.save_for_backward(*[tensor for tape in tapes for tensor in tape.saved_tensors])
+        ctx.counts = [len(tape.saved_tensors) for tape in tapes]
+        for tape in tapes:
+            tape.saved_tensors = ()
+        ctx.tapes, ctx.scale, ctx.rows = tapes, scale, ell.shape
+        total_kl = sum(float(term) for term in kls)
+        return torch.sum(ell).mul_(scale).sub_(total_kl)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        tapes, scale, saved, start = ctx.tapes, ctx.scale, ctx.saved_tensors, 0
+        for tape, count in zip(tapes, ctx.counts):
+            tape.saved_tensors, start = saved[start:start + count], start + count
+        grad_kl = -float(grad)  # every KL enters with weight -1
+        grad_ell = torch.full(ctx.rows, scale * float(grad), dtype=grad.dtype)
+        tail = _NormalELLGivenPreactivation.backward(tapes[-1], grad_ell, grad_kl)
+        grad_gamma, grad_xi, layer_grads, grad_log_precision = tail[0], tail[1], [tail[2:4]], tail[5]
+        for index in range(len(tapes) - 2, 0, -2):  # the later hidden layers, last first
+            layer = _PropagatedPreactivation.backward(tapes[index], grad_gamma, grad_xi, None, None, grad_kl, None)
+            grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale = layer[:5]
+            layer_grads.append((grad_loc, grad_log_scale))
+            grad_gamma, grad_xi, _ = fast_moments._MomentsFromVariance.backward(tapes[index - 1], grad_phi,
+                                                                                grad_second, grad_variance)
+        first = _DiagonalPreactivation.backward(tapes[0], grad_gamma, grad_xi, None, None, grad_kl, None)
+        layer_grads.append(first[1:3])
+        parameter_grads = [g for pair in reversed(layer_grads) for g in pair]
+        for tape in tapes:  # nothing kept past the pass
+            tape.saved_tensors = ()
+        return (None, None, grad_log_precision, None, None, None, None, *parameter_grads)
+
+
+def closed_form_normal_elbo(x: torch.Tensor, y: torch.Tensor, log_precision: torch.Tensor, op, layers,
+                            prior_variance: float, scale: float) -> torch.Tensor:
+    """``scale * sum_n E_q[log N(y_n | f(x_n), 1/beta)] - sum_l KL(q_l || N(0, prior_variance I))``
+    for a network whose every layer is a diagonal Gaussian integrated in closed form -- the first
+    exactly (eq. (12)), later hidden layers by diagonal moment propagation, the one-output layer
+    exactly (eqs. (7)-(9)) -- as one autograd node (:class:`_ClosedFormNormalELBO`): the value and
+    gradients of the same functions called one by one, less the graph's overhead.
+
+    ``layers``: ``(loc, log_scale, bias)`` per layer, first to output; ``x`` ``(N, D)``, ``y``
+    ``(N, 1)``; ``op`` the activation's :func:`layer_kernel_op` for all of these tensors (not
+    ``None``), which also says the KL kernels take them."""
+    parameters = [tensor for loc, log_scale, _ in layers for tensor in (loc, log_scale)]
+    biases = tuple(bool(bias) for _, _, bias in layers)
+    return _ClosedFormNormalELBO.apply(x, y.contiguous(), log_precision, op, biases, float(prior_variance),
+                                       float(scale), *parameters)

@@ -708,8 +708,35 @@ class BayesianNetwork(nn.Module):
     def elbo(self, x, y, num_data: Optional[int] = None, estimator: str = "analytic", noise=None, generator=None,
              num_samples: int = 1, objective: Optional[str] = None):
         """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO."""
+        single = self._single_node_elbo(x, y, num_data, estimator, noise)
+        if single is not None:
+            return single
         return self._elbo(lambda: self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples,
                                                                objective), x, num_data)
+
+    def _single_node_elbo(self, x, y, num_data: Optional[int], estimator: str, noise):
+        """The ELBO as one autograd node (:func:`.fused.closed_form_normal_elbo`) where every layer
+        is a diagonal Gaussian integrated in closed form under ``estimator`` (``deterministic``;
+        ``analytic`` for one hidden layer), with one Normal output, a fixed prior and tensors the
+        kernels take; else ``None`` (then :meth:`_elbo`). Same value and gradients, less autograd
+        bookkeeping (``tests/bnn/test_fused.py`` compares the two)."""
+        if noise or self.point_layers or self.prior == "empirical_bayes" or self.output_dim != 1 \
+                or self.treatments(estimator)[0] != "closed_form" or type(self.likelihood) is not NormalLikelihood:
+            return None
+        layers = self.layers
+        if x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad or len(layers) < 2 \
+                or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers):
+            return None
+        target = y.unsqueeze(-1)
+        log_precision = self.likelihood.log_precision
+        tensors = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
+        op = fused.layer_kernel_op(self.activation, x, target, log_precision, *tensors)
+        if op is None:
+            return None
+        scale = 1.0 if num_data is None else num_data / x.shape[-2]
+        return fused.closed_form_normal_elbo(x, target, log_precision, op,
+                                             [(layer.loc, layer.log_scale, layer.bias) for layer in layers],
+                                             self.prior_scale ** 2, scale)
 
     def _elbo(self, expected_log_likelihood, x, num_data: Optional[int]):
         """``(num_data / batch) ELL - KL`` with the KL terms the ELL's evaluation folded in
@@ -792,6 +819,9 @@ class ClosedFormBNN(BayesianNetwork):
     def elbo(self, x, y, num_data: Optional[int] = None, objective: Optional[str] = None, num_samples: int = 1,
              generator=None, estimator: str = "analytic", noise=None):
         """``(num_data / batch) ELL - KL(A) - KL(B)``: an unbiased minibatch ELBO (exact for Normal)."""
+        single = self._single_node_elbo(x, y, num_data, estimator, noise)
+        if single is not None:
+            return single
         return self._elbo(lambda: self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator,
                                                                noise), x, num_data)
 

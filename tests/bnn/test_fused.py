@@ -325,18 +325,116 @@ def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradc
 
 def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     """The two-hidden-layer deterministic ELBO runs its first hidden layer through the
-    variance kernel, the last through the fused tail, and folds every layer's KL (else the
-    speed-up is silently lost)."""
+    variance kernel, the last through the fused tail, folds every layer's KL, and is one
+    autograd node (else the speed-up is silently lost)."""
     from cfbnn_cli.bnn.network import BayesianNetwork
     from cfbnn_cli.moments import fast
 
     calls = []
-    for name in ("moments_from_variance", "normal_tail", "finish_diagonal_gradients", "diagonal_kl_sums"):
-        original = getattr(fast, name)
-        monkeypatch.setattr(fast, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    original = fast._kernel
+    monkeypatch.setattr(fast, "_kernel", lambda name, dtype: calls.append(name) or original(name, dtype))
     network = BayesianNetwork(5, [12, 9], 1)
     x, y = torch.randn(40, 5), torch.randn(40)
-    network.elbo(x, y, 400, "deterministic").backward()
-    assert calls.count("moments_from_variance") == 1 and calls.count("normal_tail") == 2  # forward + backward
+    elbo = network.elbo(x, y, 400, "deterministic")
+    assert type(elbo.grad_fn).__name__ == "_ClosedFormNormalELBOBackward"
+    elbo.backward()
+    assert calls.count("hidden_pass") == 2 and calls.count("tail_pass") == 2  # forward + backward
     # every layer's KL folded into its own function, and computed once (not again by layer.kl)
-    assert calls.count("finish_diagonal_gradients") == 3 and calls.count("diagonal_kl_sums") == 3
+    assert calls.count("diag_gradient_finish") == 3 and calls.count("diag_kl_sums") == 3
+
+
+def _node_by_node_elbo(network, x, y, num_data, estimator):
+    """The ELBO through the layers' functions one by one (what the single node replaces)."""
+    return network._elbo(lambda: network.expected_log_likelihood(x, y, estimator), x, num_data)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("hidden, estimator, output_bias", [([12, 9], "deterministic", True),
+                                                            ([7, 6, 5], "deterministic", False),
+                                                            ([12], "analytic", True), ([3], "deterministic", True)])
+def test_the_single_node_elbo_matches_the_node_by_node_route(dtype, tolerance, hidden, estimator, output_bias):
+    """The closed-form ELBO as one autograd node (fused.closed_form_normal_elbo) against the same
+    functions as separate nodes, value and every gradient (the learned noise precision's too);
+    the node-by-node route is itself checked against the torch formulas above and against Monte
+    Carlo in tests/bnn/test_deterministic.py."""
+    from cfbnn_cli.bnn.network import BayesianNetwork
+
+    torch.manual_seed(3)
+    network = BayesianNetwork(5, hidden, 1, prior_scale=0.7, output_bias=output_bias).to(dtype)
+    with torch.no_grad():  # spread the weights' scales so that every term matters
+        for layer in network.layers:
+            layer.log_scale.add_(torch.rand_like(layer.log_scale))
+    g = _generator(11)
+    x, y = torch.randn(30, 5, generator=g, dtype=dtype), torch.randn(30, generator=g, dtype=dtype)
+    parameters = list(network.parameters())
+    single = network.elbo(x, y, 300, estimator)
+    assert type(single.grad_fn).__name__ == "_ClosedFormNormalELBOBackward"
+    reference = _node_by_node_elbo(network, x, y, 300, estimator)
+    assert type(reference.grad_fn).__name__ != "_ClosedFormNormalELBOBackward"
+    torch.testing.assert_close(single, reference, rtol=tolerance, atol=0.0)
+    for found, expected in zip(torch.autograd.grad(single, parameters), torch.autograd.grad(reference, parameters)):
+        torch.testing.assert_close(found, expected, rtol=50 * tolerance, atol=50 * tolerance * expected.abs().max().item())
+
+
+def test_the_single_node_elbo_passes_gradcheck():
+    from cfbnn_cli.moments import get_activation
+
+    g = _generator(12)
+    x, y = torch.randn(6, 3, generator=g, dtype=DT), torch.randn(6, 1, generator=g, dtype=DT)
+    parameters = []
+    for rows, columns in [(4, 4), (5, 5), (1, 6)]:  # (outputs, inputs + the bias column) per layer
+        parameters += [torch.randn(rows, columns, generator=g, dtype=DT).requires_grad_(),
+                       (0.3 * torch.randn(rows, columns, generator=g, dtype=DT) - 1.0).requires_grad_()]
+    log_precision = torch.tensor(0.2, dtype=DT, requires_grad=True)
+    op = fused.layer_kernel_op(get_activation("relu"), x, y, log_precision, *parameters)
+    assert op is not None
+
+    def elbo(log_precision, *p):
+        layers = [(p[0], p[1], True), (p[2], p[3], True), (p[4], p[5], True)]
+        return fused.closed_form_normal_elbo(x, y, log_precision, op, layers, 0.64, 10.0)
+
+    torch.autograd.gradcheck(elbo, (log_precision, *parameters))
+
+
+def test_the_single_node_elbo_keeps_autograd_semantics():
+    """retain_graph gives the same gradients twice; without it a second backward pass is refused;
+    a parameter changed in place between the passes is caught (the saved tensors' versions)."""
+    from cfbnn_cli.bnn.network import BayesianNetwork
+
+    network = BayesianNetwork(4, [6, 5], 1)
+    x, y = torch.randn(10, 4), torch.randn(10)
+    elbo = network.elbo(x, y, None, "deterministic")
+    first = torch.autograd.grad(elbo, list(network.parameters()), retain_graph=True)
+    second = torch.autograd.grad(elbo, list(network.parameters()))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        torch.autograd.grad(elbo, list(network.parameters()))
+    elbo = network.elbo(x, y, None, "deterministic")
+    with torch.no_grad():
+        network.layers[1].loc.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        elbo.backward()
+
+
+@pytest.mark.parametrize("case", ["empirical_bayes", "sampling", "two_outputs", "x_requires_grad", "fast_path_off",
+                                  "batched"])
+def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
+    """Outside its conditions the ELBO goes node by node, with the same value as the reference."""
+    from cfbnn_cli.bnn.network import BayesianNetwork
+    from cfbnn_cli.moments import fast_path
+
+    torch.manual_seed(5)
+    network = BayesianNetwork(4, [6, 5], 2 if case == "two_outputs" else 1,
+                              prior="empirical_bayes" if case == "empirical_bayes" else "fixed")
+    x = torch.randn(3, 10, 4) if case == "batched" else torch.randn(10, 4, requires_grad=case == "x_requires_grad")
+    y = torch.randn(*x.shape[:-1], 2) if case == "two_outputs" else torch.randn(x.shape[:-1])
+    estimator = "sampling" if case == "sampling" else "deterministic"
+    noise = network.sample_noise(10, estimator, _generator(1))
+    with fast_path(case != "fast_path_off"):
+        elbo = network.elbo(x, y, 100, estimator, noise=noise)
+        assert type(elbo.grad_fn).__name__ != "_ClosedFormNormalELBOBackward"
+        elbo.sum().backward()  # (one ELBO per leading index when batched)
+    assert all(torch.isfinite(p.grad).all() for p in network.parameters())
+    if case == "x_requires_grad":  # the reason it declines: the single node gives no input gradient
+        assert x.grad is not None and torch.isfinite(x.grad).all()
