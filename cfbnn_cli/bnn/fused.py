@@ -47,7 +47,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..moments import fast as fast_moments
-from ..moments.gaussian import check_mean_std, is_transformed
+from ..moments.gaussian import check_mean_std, is_transformed, validating_args
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -59,12 +59,18 @@ def _transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as ``(rows, last)``, every leading dimension folded into the rows (a 2-D tensor as
+    is: ``reshape`` is a dispatch of its own, a few of them per layer and step)."""
+    return tensor if tensor.dim() == 2 else tensor.reshape(-1, tensor.shape[-1])
+
+
 def _affine(inputs: torch.Tensor, weight: torch.Tensor, bias_column) -> torch.Tensor:
     """``inputs @ weight^T (+ bias_column)`` over any leading dimensions, the bias added by
     the matrix product itself (``addmm``: no separate pass over the result)."""
-    flat = inputs.reshape(-1, inputs.shape[-1])
+    flat = _flat(inputs)
     out = flat @ weight.mT if bias_column is None else torch.addmm(bias_column, flat, weight.mT)
-    return out.reshape(*inputs.shape[:-1], weight.shape[0])
+    return out if inputs.dim() == 2 else out.reshape(*inputs.shape[:-1], weight.shape[0])
 
 
 def _sqrt_floored(variance: torch.Tensor) -> torch.Tensor:
@@ -91,7 +97,7 @@ def _gradient_with_bias_column(main: torch.Tensor, bias_part, bias: bool) -> tor
 
 def _flat_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``sum_n left_n^T right_n`` over every leading dimension: ``(A, B)`` from ``(..., A)``, ``(..., B)``."""
-    return left.reshape(-1, left.shape[-1]).mT @ right.reshape(-1, right.shape[-1])
+    return _flat(left).mT @ _flat(right)
 
 
 def _weight_gradient(left: torch.Tensor, right: torch.Tensor, bias: bool, scale: float = 1.0) -> torch.Tensor:
@@ -100,7 +106,7 @@ def _weight_gradient(left: torch.Tensor, right: torch.Tensor, bias: bool, scale:
 
     Outside torch.func both parts are written into one buffer (``out=``): on a wide layer the
     concatenation is a copy of the whole gradient (2 ms at 1000 x 2049)."""
-    flat_left, flat_right = left.reshape(-1, left.shape[-1]), right.reshape(-1, right.shape[-1])
+    flat_left, flat_right = _flat(left), _flat(right)
     if _transforms_active():  # batched gradients cannot be written into a plain buffer
         main = flat_left.mT @ flat_right
         gradient = _gradient_with_bias_column(main, flat_left.sum(0), True) if bias else main
@@ -273,7 +279,7 @@ def _apply(function, classic, *inputs):
 
 
 def _flat_sum(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1, tensor.shape[-1]).sum(0)
+    return _flat(tensor).sum(0)
 
 
 _DiagonalPreactivationClassic = _classic_twin(_DiagonalPreactivation)
@@ -331,8 +337,8 @@ class _PropagatedPreactivation(torch.autograd.Function):
         if _transforms_active():
             xi2 = xi2 + _affine(variance, loc_square, None)
         else:  # the second product accumulated into the first's buffer (no third (N, H) array)
-            flat = xi2.view(-1, xi2.shape[-1])
-            flat.addmm_(variance.reshape(-1, width), loc_square.mT)
+            flat = _flat(xi2)
+            flat.addmm_(_flat(variance), loc_square.mT)
         # E[h^2] is an output only when formed here (an input returned as is cannot be saved)
         formed = formed if formed is not None else phi.new_empty(0)
         return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, formed, kl, loc_square
@@ -376,11 +382,11 @@ class _PropagatedPreactivation(torch.autograd.Function):
                                        value=scale)
             grad_loc = _gradient_with_bias_column(grad_loc_h, _flat_sum(grad_gamma), ctx.bias)
         else:  # built in one buffer: no (rows, width) temporaries, no concatenation for the bias column
-            flat_gamma = grad_gamma.reshape(-1, grad_gamma.shape[-1])
+            flat_gamma = _flat(grad_gamma)
             grad_loc = torch.empty_like(loc)
             grad_loc_h = grad_loc[:, :width]
-            torch.mm(ratio.reshape(-1, ratio.shape[-1]).mT, variance.reshape(-1, width), out=grad_loc_h)
-            grad_loc_h.mul_(loc_h).addmm_(flat_gamma.mT, phi.reshape(-1, width), beta=scale)
+            torch.mm(_flat(ratio).mT, _flat(variance), out=grad_loc_h)
+            grad_loc_h.mul_(loc_h).addmm_(flat_gamma.mT, _flat(phi), beta=scale)
             if ctx.bias:
                 torch.sum(flat_gamma, 0, out=grad_loc[:, width])
         # d/d log_scale = 2 Var W (grad_xi2^T E[h^2]) = Var W (ratio^T E[h^2])
@@ -578,7 +584,7 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias: bool, op, prior_variance=None):
         width = gamma.shape[-1]
-        flat_gamma, flat_xi = gamma.reshape(-1, width), xi2.reshape(-1, width)
+        flat_gamma, flat_xi = _flat(gamma), _flat(xi2)
         folded = _folded_kl_forward(loc, log_scale, prior_variance)
         weight_variance, kl = folded if folded is not None else (torch.exp(2.0 * log_scale), _placeholder(loc))
         weight_phi = loc[0, :width].contiguous()
@@ -720,7 +726,8 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
                                           prior_variance)
         kls = [kl]
         for loc, log_scale, bias in zip(locs[1:-1], log_scales[1:-1], biases[1:-1]):
-            check_mean_std(gamma, xi2, names=("gamma", "xi2"))
+            if validating_args():  # the checks activation.moments makes (off while training)
+                check_mean_std(gamma, xi2, names=("gamma", "xi2"))
             moments_tape = _Tape((True, True, False))
             phi, second_moment, variance = fast_moments._MomentsFromVariance.forward(moments_tape, gamma, xi2, op)
             layer_tape = _Tape((True, True, True, True, True))
@@ -728,7 +735,8 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
                                               log_scale, bias, True, prior_variance)
             tapes += [moments_tape, layer_tape]
             kls.append(kl)
-        check_mean_std(gamma, xi2, names=("gamma", "xi2"))
+        if validating_args():
+            check_mean_std(gamma, xi2, names=("gamma", "xi2"))
         tail_tape = _Tape((True, True, True, True, False, ctx.needs_input_grad[2]))
         ell, kl = _NormalELLGivenPreactivation.forward(tail_tape, gamma, xi2, locs[-1], log_scales[-1], y,
                                                        log_precision, biases[-1], op, prior_variance)
