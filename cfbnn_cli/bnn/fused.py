@@ -591,17 +591,16 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
         weight_loc2 = weight_phi * weight_phi
         weight_second = weight_variance[0, :width].contiguous()
         mean, spread = fast_moments.normal_tail(op, flat_gamma, flat_xi, weight_phi, weight_loc2, weight_second)
-        if bias:
-            mean.add_(loc[0, width])
-            spread.add_(weight_variance[0, width])
-        residual = torch.sub(y.reshape(-1), mean)
-        squares = torch.addcmul(spread, residual, residual)
-        # the precision as a number: ~10 small tensor operations fewer, forward and backward
+        # the precision and the bias as numbers, the rows in one kernel loop (seven small tensor
+        # operations were most of this function's time)
         log_beta = float(log_precision)
         precision = math.exp(log_beta)
-        ell = squares.mul(-0.5 * precision).add_(0.5 * (log_beta - _LOG_2PI))
+        mean_bias, spread_bias = (float(loc[0, width]), float(weight_variance[0, width])) if bias else (0.0, 0.0)
+        residual, squares, ell, ell_sum = fast_moments.normal_rows(mean, spread, y, mean_bias, spread_bias, precision,
+                                                                   0.5 * (log_beta - _LOG_2PI))
         ctx.bias, ctx.op, ctx.shape, ctx.precision = bias, op, gamma.shape, precision
         ctx.prior_variance = prior_variance if folded is not None else None
+        ctx.ell_sum = ell_sum  # for the single-node ELBO (no pass over ELL to sum it)
         ctx.save_for_backward(flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second,
                               residual, squares)
         return ell.reshape(gamma.shape[:-1]), kl
@@ -610,21 +609,16 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
     def backward(ctx, grad_ell, grad_kl):
         (flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second, residual,
          squares) = ctx.saved_tensors
-        width, precision = flat_gamma.shape[-1], ctx.precision
+        precision = ctx.precision
         grad_ell = grad_ell.reshape(-1).contiguous()
-        row_mean_grad = torch.mul(residual, grad_ell).mul_(precision)  # dL/d mean_n
-        row_spread_grad = grad_ell * (-0.5 * precision)  # dL/d (residual^2 + spread)_n
+        row_mean_grad, row_spread_grad, sum_u, sum_k, log_beta_grad = fast_moments.normal_row_gradients(
+            grad_ell, residual, squares, precision)
         grad_gamma, grad_xi, columns = fast_moments.normal_tail(ctx.op, flat_gamma, flat_xi, weight_phi, weight_loc2,
                                                                weight_second, row_mean_grad, row_spread_grad)
-        columns = columns.to(flat_gamma.dtype)
         # d/d loc_c = sum_n u_n Phi_nc + 2 loc_c sum_n k_n Var_nc; d/d Var W_c = sum_n k_n Ups_nc;
         # the bias column's input is 1
         grad_loc, grad_variance = torch.empty_like(loc), torch.empty_like(weight_variance)
-        torch.addcmul(columns[0], weight_phi, columns[1], value=2.0, out=grad_loc[0, :width])
-        grad_variance[0, :width] = columns[2]
-        if ctx.bias:
-            torch.sum(row_mean_grad, 0, out=grad_loc[0, width])
-            torch.sum(row_spread_grad, 0, out=grad_variance[0, width])
+        fast_moments.normal_output_gradients(columns, weight_phi, ctx.bias, sum_u, sum_k, grad_loc, grad_variance)
         if ctx.prior_variance is not None:  # the output layer's KL folded in
             grad_loc, grad_log_scale = _folded_kl_backward(loc, weight_variance, grad_loc, grad_variance, 2.0,
                                                            ctx.prior_variance, grad_kl)
@@ -632,7 +626,7 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
             grad_log_scale = grad_variance.mul_(weight_variance).mul_(2.0)
         grad_log_precision = None
         if ctx.needs_input_grad[5]:  # sum_n g_n (-beta/2 squares_n + 1/2)
-            grad_log_precision = torch.dot(grad_ell, squares).mul_(-0.5 * precision).add_(0.5 * grad_ell.sum())
+            grad_log_precision = torch.scalar_tensor(log_beta_grad, dtype=loc.dtype)
         return (grad_gamma.reshape(ctx.shape), grad_xi.reshape(ctx.shape), grad_loc, grad_log_scale,
                 None, grad_log_precision, None, None, None)
 
@@ -752,7 +746,7 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
             tape.saved_tensors = ()
         ctx.tapes, ctx.scale, ctx.rows = tapes, scale, ell.shape
         total_kl = sum(float(term) for term in kls)
-        return torch.sum(ell).mul_(scale).sub_(total_kl)
+        return torch.scalar_tensor(scale * tail_tape.ell_sum - total_kl, dtype=x.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -57,7 +57,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 12
+#define CFBNN_ABI 13
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -957,6 +957,65 @@ static void diag_kl_backward(int64_t n, const T* loc, const T* ls, double scaled
   }
 }
 
+/* ------------------------------------- the Normal likelihood's rows around tail_pass */
+
+/* After tail_pass's forward: with the output bias (mean_bias, spread_bias) the row's residual
+   y_r - (mean_r + mean_bias), its squared terms spread_r + spread_bias + residual_r^2 (eq. (7)
+   summed over the one output) and ELL_r = -beta/2 squares_r + log_term; returns sum_r ELL_r in
+   float64. One loop for what were seven small tensor operations. */
+template <typename T>
+static double normal_rows(int64_t rows, const T* mean, const T* spread, const T* y, double mean_bias,
+                          double spread_bias, double beta, double log_term, T* residual, T* squares, T* ell) {
+  const T mb = (T)mean_bias, sb = (T)spread_bias, half_beta = (T)(-0.5 * beta), lt = (T)log_term;
+  double total = 0.0;
+  for (int64_t r = 0; r < rows; r++) {
+    const T res = y[r] - (mean[r] + mb);
+    const T sq = (spread[r] + sb) + res * res;
+    const T e = sq * half_beta + lt;
+    residual[r] = res;
+    squares[r] = sq;
+    ell[r] = e;
+    total += (double)e;
+  }
+  return total;
+}
+
+/* Before tail_pass's backward, from g_r = dL/d ELL_r: u_r = dL/d mean_r = beta g_r residual_r and
+   k_r = dL/d squares_r = -beta/2 g_r, and into sums (sum_r u_r, sum_r k_r, sum_r g_r (1/2 - beta/2
+   squares_r)): the output bias's two gradients and d/d log beta. */
+template <typename T>
+static void normal_row_gradients(int64_t rows, const T* grad_ell, const T* residual, const T* squares, double beta,
+                                 T* row_u, T* row_k, double* sums) {
+  const T b = (T)beta, half_beta = (T)(-0.5 * beta);
+  double su = 0.0, sk = 0.0, sl = 0.0;
+  for (int64_t r = 0; r < rows; r++) {
+    const T g = grad_ell[r];
+    const T u = residual[r] * g * b, k = g * half_beta;
+    row_u[r] = u;
+    row_k[r] = k;
+    su += (double)u;
+    sk += (double)k;
+    sl += (double)g * (0.5 - 0.5 * beta * (double)squares[r]);
+  }
+  sums[0] = su; sums[1] = sk; sums[2] = sl;
+}
+
+/* After tail_pass's backward: the output row's gradients from its column sums cols = [sum_r u_r
+   Phi_rc, sum_r k_r Var_rc, sum_r k_r Ups_rc] (float64, 3 x H): d/d loc_c = cols0_c + 2 loc_c
+   cols1_c, d/d VarW_c = cols2_c, and the bias column's (sum_u, sum_k) when there is one. */
+template <typename T>
+static void normal_output_gradients(int64_t H, const double* cols, const T* w_phi, int bias, double sum_u,
+                                    double sum_k, T* grad_loc, T* grad_var) {
+  for (int64_t c = 0; c < H; c++) {
+    grad_loc[c] = (T)(cols[c] + 2.0 * (double)w_phi[c] * cols[H + c]);
+    grad_var[c] = (T)cols[2 * H + c];
+  }
+  if (bias) {
+    grad_loc[H] = (T)sum_u;
+    grad_var[H] = (T)sum_k;
+  }
+}
+
 /* --------------------------------------------------------------------- identity */
 
 template <typename T>
@@ -1790,6 +1849,22 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
   }
 
 BOTH(ACT_ENTRIES)
+
+#define NORMAL_ROW_ENTRIES(T, SUF)                                                                               \
+  extern "C" double normal_rows_##SUF(int64_t rows, const T* mean, const T* spread, const T* y, double mb,      \
+                                      double sb, double beta, double lt, T* res, T* sq, T* ell) {               \
+    return normal_rows<T>(rows, mean, spread, y, mb, sb, beta, lt, res, sq, ell);                                \
+  }                                                                                                              \
+  extern "C" void normal_row_gradients_##SUF(int64_t rows, const T* g, const T* res, const T* sq, double beta,   \
+                                             T* u, T* k, double* sums) {                                         \
+    normal_row_gradients<T>(rows, g, res, sq, beta, u, k, sums);                                                 \
+  }                                                                                                              \
+  extern "C" void normal_output_gradients_##SUF(int64_t H, const double* cols, const T* wp, int bias, double su,  \
+                                                double sk, T* gl, T* gv) {                                       \
+    normal_output_gradients<T>(H, cols, wp, bias, su, sk, gl, gv);                                               \
+  }
+
+BOTH(NORMAL_ROW_ENTRIES)
 
 extern "C" void hs_forward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp,
                                const double* coef, const double* deriv, const double* side, const double* tails,

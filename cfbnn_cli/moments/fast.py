@@ -93,7 +93,7 @@ __all__ = [
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 12  # must match CFBNN_ABI in the source
+_ABI = 13  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:
@@ -247,7 +247,11 @@ _SIGNATURES = {
     "hidden_pass": [_INT, _INT, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 8 + [_INT],
     "tail_pass": [_INT, _INT, _I64, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 10 + [_INT],
     "diag_kl_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
+    "normal_rows": [_I64] + [_POINTER] * 3 + [_DOUBLE] * 4 + [_POINTER] * 3,
+    "normal_row_gradients": [_I64] + [_POINTER] * 3 + [_DOUBLE] + [_POINTER] * 3,
+    "normal_output_gradients": [_I64, _POINTER, _POINTER, _INT, _DOUBLE, _DOUBLE, _POINTER, _POINTER],
 }
+_RESULT_TYPES = {"count_negative": ctypes.c_int64, "normal_rows": ctypes.c_double}
 _SIGNATURES_F32_ONLY = {
     "hs_forward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 9 + [_DOUBLE, _DOUBLE] + [_POINTER] * 7 + [_INT],
     "hs_backward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 9 + [_DOUBLE, _DOUBLE, _POINTER]
@@ -260,7 +264,7 @@ def _bind(library) -> None:
         for suffix in ("_f32", "_f64"):
             function = getattr(library, name + suffix)
             function.argtypes = argtypes
-            function.restype = ctypes.c_int64 if name == "count_negative" else None
+            function.restype = _RESULT_TYPES.get(name)
     for name, argtypes in _SIGNATURES_F32_ONLY.items():
         function = getattr(library, name + "_f32")
         function.argtypes = argtypes
@@ -1033,6 +1037,42 @@ def normal_tail(op: _Op, mean: torch.Tensor, std: torch.Tensor, weight_phi: torc
              row_spread_grad.data_ptr(), None, None, grad_mean.data_ptr(), grad_std.data_ptr(),
              columns.data_ptr(), threads)
     return grad_mean, grad_std, columns
+
+
+def normal_rows(mean_sum: torch.Tensor, spread_sum: torch.Tensor, y: torch.Tensor, mean_bias: float,
+                spread_bias: float, precision: float, log_term: float):
+    """The Normal likelihood's rows after :func:`normal_tail`'s forward pass, one loop (kernel
+    ``normal_rows``): ``(residual, squares, ELL, sum ELL)`` with ``residual = y - mean_sum - mean_bias``,
+    ``squares = spread_sum + spread_bias + residual^2`` and ``ELL = -precision/2 squares + log_term``
+    (eq. (7), one output). ``residual`` and ``squares`` are written over ``mean_sum`` and ``spread_sum``."""
+    ell = torch.empty_like(mean_sum)
+    total = _kernel("normal_rows", mean_sum.dtype)(mean_sum.shape[0], mean_sum.data_ptr(), spread_sum.data_ptr(),
+                                                   y.data_ptr(), mean_bias, spread_bias, precision, log_term,
+                                                   mean_sum.data_ptr(), spread_sum.data_ptr(), ell.data_ptr())
+    return mean_sum, spread_sum, ell, total
+
+
+def normal_row_gradients(grad_ell: torch.Tensor, residual: torch.Tensor, squares: torch.Tensor, precision: float):
+    """Before :func:`normal_tail`'s backward pass (kernel ``normal_row_gradients``): from ``g =
+    dL/d ELL`` the rows' ``u = dL/d mean_sum = precision g residual`` and ``k = dL/d squares =
+    -precision/2 g``, and ``(sum u, sum k, sum g (1/2 - precision/2 squares))``: the output bias's
+    gradients and ``dL/d log precision``."""
+    row_u, row_k = torch.empty_like(grad_ell), torch.empty_like(grad_ell)
+    sums = np.empty(3, dtype=np.float64)
+    _kernel("normal_row_gradients", grad_ell.dtype)(grad_ell.shape[0], grad_ell.data_ptr(), residual.data_ptr(),
+                                                    squares.data_ptr(), precision, row_u.data_ptr(),
+                                                    row_k.data_ptr(), sums.ctypes.data)
+    return row_u, row_k, float(sums[0]), float(sums[1]), float(sums[2])
+
+
+def normal_output_gradients(columns: torch.Tensor, weight_phi: torch.Tensor, bias: bool, sum_u: float, sum_k: float,
+                            grad_loc: torch.Tensor, grad_variance: torch.Tensor) -> None:
+    """After :func:`normal_tail`'s backward pass (kernel ``normal_output_gradients``), into the
+    one-output layer's ``(1, H [+ 1])`` gradient buffers: ``d/d loc_c = columns_0c + 2 w_c
+    columns_1c``, ``d/d Var W_c = columns_2c`` and the bias column's ``(sum_u, sum_k)``."""
+    _kernel("normal_output_gradients", grad_loc.dtype)(columns.shape[1], columns.data_ptr(), weight_phi.data_ptr(),
+                                                       int(bias), sum_u, sum_k, grad_loc.data_ptr(),
+                                                       grad_variance.data_ptr())
 
 
 class _MomentsFromVariance(torch.autograd.Function):
