@@ -321,9 +321,17 @@ class _PropagatedPreactivation(torch.autograd.Function):
 
     @staticmethod
     def forward(phi, variance, second_moment, loc, log_scale, bias: bool, variance_output: bool,
-                prior_variance: Optional[float] = None):
+                prior_variance: Optional[float] = None, augmented: bool = False):
         folded = _folded_kl_forward(loc, log_scale, prior_variance)
         weight_variance, kl = folded if folded is not None else (torch.exp(2.0 * log_scale), _placeholder(loc))
+        if augmented:  # [phi, 1], [E h^2, 1] from the moments kernel (the single-node ELBO, a bias column)
+            width = variance.shape[-1]
+            loc_square = loc[:, :width] * loc[:, :width]
+            gamma = torch.mm(phi, loc.mT)  # the bias in the product: no pass to add it, none to sum it
+            xi2 = torch.mm(second_moment, weight_variance.mT)
+            xi2.addmm_(variance, loc_square.mT)
+            return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, phi.new_empty(0), kl, \
+                loc_square
         width = phi.shape[-1]
         loc_h, loc_b = _columns(loc, width, bias)
         variance_h, variance_b = _columns(weight_variance, width, bias)
@@ -349,6 +357,7 @@ class _PropagatedPreactivation(torch.autograd.Function):
         _, xi, weight_variance, formed, kl, loc_square = output
         second = second_moment if second_moment is not None else formed
         ctx.bias, ctx.variance_output = bias, variance_output
+        ctx.augmented = len(prior) > 1 and prior[1]
         ctx.prior_variance = prior[0] if prior and kl.numel() == 1 else None
         ctx.given_second_moment = second_moment is not None
         ctx.mark_non_differentiable(weight_variance, formed, loc_square)
@@ -358,7 +367,7 @@ class _PropagatedPreactivation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_gamma, grad_xi, _grad_weight_variance, _grad_second, grad_kl=None, _grad_loc_square=None):
         phi, variance, second, loc, weight_variance, xi, loc_square = ctx.saved_tensors
-        width = phi.shape[-1]
+        width = variance.shape[-1]
         grad_gamma, grad_xi = _gradient_pair(grad_gamma, grad_xi,
                                              lambda: phi.new_zeros(*phi.shape[:-1], loc.shape[0]))
         loc_h, variance_h = loc[:, :width], weight_variance[:, :width]
@@ -377,7 +386,10 @@ class _PropagatedPreactivation(torch.autograd.Function):
             grad_phi = torch.addcmul(grad_phi, phi, grad_second, value=2.0)
             grad_second = None
         # d/d loc = grad_gamma^T phi + 2 loc (grad_xi2^T Var h) = ... + loc (ratio^T Var h)
-        if _transforms_active():
+        if ctx.augmented:  # [phi, 1] gives the bias column's gradient from the product itself
+            grad_loc = torch.mm(grad_gamma.mT, phi)
+            grad_loc[:, :width].addcmul_(loc_h, torch.mm(ratio.mT, variance), value=scale)
+        elif _transforms_active():
             grad_loc_h = torch.addcmul(_flat_product(grad_gamma, phi), loc_h, _flat_product(ratio, variance),
                                        value=scale)
             grad_loc = _gradient_with_bias_column(grad_loc_h, _flat_sum(grad_gamma), ctx.bias)
@@ -390,14 +402,16 @@ class _PropagatedPreactivation(torch.autograd.Function):
             if ctx.bias:
                 torch.sum(flat_gamma, 0, out=grad_loc[:, width])
         # d/d log_scale = 2 Var W (grad_xi2^T E[h^2]) = Var W (ratio^T E[h^2])
+        # ([E h^2, 1] augmented: the bias column's from the product)
+        bias_column = ctx.bias and not ctx.augmented
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
-            grad_log_scale = _weight_gradient(ratio, second, ctx.bias)
+            grad_log_scale = _weight_gradient(ratio, second, bias_column)
             grad_loc, grad_log_scale = _folded_kl_backward(loc, weight_variance, grad_loc, grad_log_scale, scale,
                                                            ctx.prior_variance, grad_kl)
-            return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None, None
-        grad_log_scale = _weight_gradient(ratio, second, ctx.bias, scale)
+            return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None, None, None
+        grad_log_scale = _weight_gradient(ratio, second, bias_column, scale)
         grad_log_scale = grad_log_scale * weight_variance if _transforms_active() else grad_log_scale.mul_(weight_variance)
-        return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None, None
+        return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None, None, None
 
 
 _PropagatedPreactivationClassic = _classic_twin(_PropagatedPreactivation)
@@ -723,10 +737,12 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
             if validating_args():  # the checks activation.moments makes (off while training)
                 check_mean_std(gamma, xi2, names=("gamma", "xi2"))
             moments_tape = _Tape((True, True, False))
-            phi, second_moment, variance = fast_moments._MomentsFromVariance.forward(moments_tape, gamma, xi2, op)
+            # with a bias, the kernel writes [Phi, 1] and [Ups, 1]: the layer's products carry its bias
+            phi, second_moment, variance = fast_moments._MomentsFromVariance.forward(moments_tape, gamma, xi2, op,
+                                                                                     bias)
             layer_tape = _Tape((True, True, True, True, True))
             gamma, xi2, _, _, kl, _ = _record(_PropagatedPreactivation, layer_tape, phi, variance, second_moment, loc,
-                                              log_scale, bias, True, prior_variance)
+                                              log_scale, bias, True, prior_variance, bias)
             tapes += [moments_tape, layer_tape]
             kls.append(kl)
         if validating_args():

@@ -57,7 +57,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 13
+#define CFBNN_ABI 14
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -850,10 +850,12 @@ static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const 
    taken here, kept off exact zero as fused.py's _sqrt_floored): forward (Phi, Ups, Var) into
    o_phi, o_ups, o_var; backward, from dense gradients gp, gu, gv (any may be null: zero), the
    gradients of m and of v. What the moments kernels do after a square root, without the square
-   root's two passes forward and its derivative's pass backward. */
+   root's two passes forward and its derivative's pass backward. With width > 0 (the n values
+   being rows of that width) the forward pass writes Phi and Ups as rows of width + 1 ending in 1:
+   [Phi, 1] and [Ups, 1], the next layer's inputs with its bias column (fused.py). */
 template <typename T, int KIND>
 static void hidden_pass(bool backward, int64_t n, const T* m, const T* v, double eps, T* o_phi, T* o_ups, T* o_var,
-                        const T* gp, const T* gu, const T* gv, T* o_gm, T* o_gv, int nthreads) {
+                        const T* gp, const T* gu, const T* gv, T* o_gm, T* o_gv, int64_t width, int nthreads) {
   const int64_t nblocks = (n + NB - 1) / NB;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
   {
@@ -869,9 +871,33 @@ static void hidden_pass(bool backward, int64_t n, const T* m, const T* v, double
 #pragma omp simd
         for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] > floor ? vin[j] : floor);
       }
-      if (!backward) {
+      if (!backward && width == 0) {
         T* outs[7] = {o_phi + lo, o_ups + lo, o_var + lo, nullptr, nullptr, nullptr, nullptr};
         act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+        continue;
+      }
+      if (!backward) {  // Phi and Ups as [Phi, 1], [Ups, 1]: rows of width + 1, the next layer's bias input
+        alignas(64) T f[NB], u[NB];
+        T* outs[7] = {f, u, o_var + lo, nullptr, nullptr, nullptr, nullptr};
+        act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+        int i = 0;
+        while (i < k) {  // one row's segment of the block at a time
+          const int64_t g = lo + i, row = g / width, col0 = g - row * width;
+          const int len = (int)(k - i < width - col0 ? k - i : width - col0);
+          T* RS pf = o_phi + row * (width + 1) + col0;
+          T* RS pu = o_ups + row * (width + 1) + col0;
+          const T* RS ff = f + i; const T* RS uu = u + i;
+#pragma omp simd
+          for (int j = 0; j < len; j++) {
+            pf[j] = ff[j];
+            pu[j] = uu[j];
+          }
+          if (col0 + len == width) {
+            pf[len] = (T)1;
+            pu[len] = (T)1;
+          }
+          i += len;
+        }
         continue;
       }
       alignas(64) T f[NB], u[NB], w[NB], a[NB], b[NB], c[NB], d[NB];
@@ -1820,10 +1846,10 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
   }                                                                                                              \
   extern "C" void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps,       \
                                     T* op, T* ou, T* ov, const T* gp, const T* gu, const T* gv, T* ogm, T* ogv,   \
-                                    int nt) {                                                                    \
-    if (kind == 0) hidden_pass<T, 0>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, nt);              \
-    else if (kind == 1) hidden_pass<T, 1>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, nt);         \
-    else hidden_pass<T, 2>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, nt);                        \
+                                    int64_t w, int nt) {                                                         \
+    if (kind == 0) hidden_pass<T, 0>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, w, nt);           \
+    else if (kind == 1) hidden_pass<T, 1>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, w, nt);      \
+    else hidden_pass<T, 2>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, w, nt);                     \
   }                                                                                                              \
   extern "C" void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt) {       \
     diag_kl_sums<T>(n, loc, ls, out, var, nt);                                                                   \

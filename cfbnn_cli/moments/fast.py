@@ -93,7 +93,7 @@ __all__ = [
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 13  # must match CFBNN_ABI in the source
+_ABI = 14  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:
@@ -244,7 +244,7 @@ _SIGNATURES = {
     "count_negative": [_I64, _POINTER, _INT],
     "diag_kl_sums": [_I64] + [_POINTER] * 4 + [_INT],
     "diag_gradient_finish": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
-    "hidden_pass": [_INT, _INT, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 8 + [_INT],
+    "hidden_pass": [_INT, _INT, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 8 + [_I64, _INT],
     "tail_pass": [_INT, _INT, _I64, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 10 + [_INT],
     "diag_kl_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
     "normal_rows": [_I64] + [_POINTER] * 3 + [_DOUBLE] * 4 + [_POINTER] * 3,
@@ -1081,12 +1081,19 @@ class _MomentsFromVariance(torch.autograd.Function):
     gradient with respect to the variance. Plain CPU tensors only (see :func:`moments_from_variance`)."""
 
     @staticmethod
-    def forward(ctx, mean, variance, op):
-        phi, ups, var = (torch.empty_like(mean) for _ in range(3))
+    def forward(ctx, mean, variance, op, augmented: bool = False):
+        # augmented (2-D inputs, called directly by fused's single-node ELBO, never through apply):
+        # Phi and Upsilon as [Phi, 1] and [Ups, 1], the next layer's inputs with its bias column
+        if augmented:
+            rows, width = mean.shape
+            phi, ups = mean.new_empty(rows, width + 1), mean.new_empty(rows, width + 1)
+        else:
+            width, phi, ups = 0, torch.empty_like(mean), torch.empty_like(mean)
+        var = torch.empty_like(mean)
         eps = op._eps(mean.dtype)
         _kernel("hidden_pass", mean.dtype)(op.tail_kind, 0, mean.numel(), mean.data_ptr(), variance.data_ptr(),
                                            eps[0] if eps else 0.0, phi.data_ptr(), ups.data_ptr(), var.data_ptr(),
-                                           None, None, None, None, None, torch.get_num_threads())
+                                           None, None, None, None, None, width, torch.get_num_threads())
         ctx.op = op
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(mean, variance)
@@ -1094,13 +1101,14 @@ class _MomentsFromVariance(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_phi, grad_ups, grad_var):
+        """The gradients of (Phi, Ups, Var) are ``(..., H)`` (without the bias column, augmented or not)."""
         mean, variance = ctx.saved_tensors
         grads = [None if g is None else g.contiguous() for g in (grad_phi, grad_ups, grad_var)]
         grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
         eps = ctx.op._eps(mean.dtype)
         _kernel("hidden_pass", mean.dtype)(ctx.op.tail_kind, 1, mean.numel(), mean.data_ptr(), variance.data_ptr(),
                                            eps[0] if eps else 0.0, None, None, None, *(_ptr(g) for g in grads),
-                                           grad_mean.data_ptr(), grad_variance.data_ptr(), torch.get_num_threads())
+                                           grad_mean.data_ptr(), grad_variance.data_ptr(), 0, torch.get_num_threads())
         return grad_mean, grad_variance, None
 
 

@@ -438,3 +438,22 @@ def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
     assert all(torch.isfinite(p.grad).all() for p in network.parameters())
     if case == "x_requires_grad":  # the reason it declines: the single node gives no input gradient
         assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows, width", [(3, 5), (40, 301)])  # rows shorter and longer than the kernel's block
+def test_the_hidden_kernel_writes_the_next_layers_bias_column(dtype, rows, width):
+    """hidden_pass's augmented form (the single-node ELBO's [Phi, 1], [Ups, 1]) against its plain form."""
+    from cfbnn_cli.moments import fast, get_activation
+
+    op = get_activation("relu")._fast_op()
+    g = _generator(13)
+    mean = torch.randn(rows, width, generator=g, dtype=dtype)
+    variance = torch.rand(rows, width, generator=g, dtype=dtype)
+    plain = fast.moments_from_variance(op, mean, variance)
+    augmented = fast._MomentsFromVariance.forward(fused._Tape(()), mean, variance, op, True)
+    for found, expected in zip(augmented[:2], plain[:2]):
+        assert found.shape == (rows, width + 1)
+        torch.testing.assert_close(found[:, :width], expected, rtol=0.0, atol=0.0)
+        assert (found[:, width] == 1).all()
+    torch.testing.assert_close(augmented[2], plain[2], rtol=0.0, atol=0.0)
