@@ -21,6 +21,13 @@ out, reusing what the forward computed:
   :func:`propagated_preactivation_variance` neither the square root nor its derivative
   is a pass of its own.
 
+* :func:`closed_form_normal_elbo` -- the whole ELBO of a network whose every layer is a
+  diagonal Gaussian integrated in closed form (``deterministic``; ``analytic`` with one hidden
+  layer), one Normal output, as ONE autograd node: the functions above run in a row on
+  :class:`_Tape` contexts and their backward passes in reverse, so autograd's bookkeeping
+  (a node per function, per scalar operation of the ELBO's sum, zeros for unused outputs)
+  is paid once. :meth:`BayesianNetwork.elbo` takes it where it applies.
+
 While an ELBO is evaluated, the layer's KL comes out of the same function
 (:func:`diagonal_preactivation_and_kl`, :func:`propagated_preactivation_and_kl`,
 :func:`normal_ell_given_preactivation_and_kl`). One kernel pass gives the KL's sums and

@@ -720,8 +720,10 @@ class BayesianNetwork(nn.Module):
         ``analytic`` for one hidden layer), with one Normal output, a fixed prior and tensors the
         kernels take; else ``None`` (then :meth:`_elbo`). Same value and gradients, less autograd
         bookkeeping (``tests/bnn/test_fused.py`` compares the two)."""
+        # (deterministic_full carries the activations' covariance across units: not this route)
         if noise or self.point_layers or self.prior == "empirical_bayes" or self.output_dim != 1 \
-                or self.treatments(estimator)[0] != "closed_form" or type(self.likelihood) is not NormalLikelihood:
+                or estimator == "deterministic_full" or self.treatments(estimator)[0] != "closed_form" \
+                or type(self.likelihood) is not NormalLikelihood:
             return None
         layers = self.layers
         if x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad or len(layers) < 2 \

@@ -418,7 +418,7 @@ def test_the_single_node_elbo_keeps_autograd_semantics():
 
 
 @pytest.mark.parametrize("case", ["empirical_bayes", "sampling", "two_outputs", "x_requires_grad", "fast_path_off",
-                                  "batched"])
+                                  "batched", "deterministic_full"])
 def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
     """Outside its conditions the ELBO goes node by node, with the same value as the reference."""
     from cfbnn_cli.bnn.network import BayesianNetwork
@@ -429,11 +429,14 @@ def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
                               prior="empirical_bayes" if case == "empirical_bayes" else "fixed")
     x = torch.randn(3, 10, 4) if case == "batched" else torch.randn(10, 4, requires_grad=case == "x_requires_grad")
     y = torch.randn(*x.shape[:-1], 2) if case == "two_outputs" else torch.randn(x.shape[:-1])
-    estimator = "sampling" if case == "sampling" else "deterministic"
+    estimator = case if case in ("sampling", "deterministic_full") else "deterministic"
     noise = network.sample_noise(10, estimator, _generator(1))
     with fast_path(case != "fast_path_off"):
         elbo = network.elbo(x, y, 100, estimator, noise=noise)
         assert type(elbo.grad_fn).__name__ != "_ClosedFormNormalELBOBackward"
+        # the estimator's own route (deterministic_full: the covariance across units, not the diagonal)
+        reference = network._elbo(lambda: network.expected_log_likelihood(x, y, estimator, noise), x, 100)
+        torch.testing.assert_close(elbo, reference, rtol=1e-6, atol=0.0)
         elbo.sum().backward()  # (one ELBO per leading index when batched)
     assert all(torch.isfinite(p.grad).all() for p in network.parameters())
     if case == "x_requires_grad":  # the reason it declines: the single node gives no input gradient
