@@ -120,7 +120,7 @@ def test_resume_continues_from_checkpoint_bit_for_bit(tmp_path, interrupt_on_cal
 
 def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monkeypatch, regression_cfg):
     cfg = regression_cfg("gradient_variance.num_samples=0")
-    original = BayesianNetwork.forward  # the training step's expected log-likelihood
+    original = BayesianNetwork.elbo  # the training step's ELBO (one process)
     calls = {"n": 0}
 
     def flaky(self, *args, **kwargs):
@@ -128,7 +128,7 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monke
         value = original(self, *args, **kwargs)
         return value * float("nan") if calls["n"] > 5 else value  # 4 steps per epoch: fails in epoch 2
 
-    monkeypatch.setattr(BayesianNetwork, "forward", flaky)
+    monkeypatch.setattr(BayesianNetwork, "elbo", flaky)
     with pytest.raises(NonFiniteLossError, match="epoch 2, step 1"):
         regression.run(cfg, tmp_path)
     assert torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 1

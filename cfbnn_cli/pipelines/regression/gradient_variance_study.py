@@ -319,6 +319,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
     def loss(rows):
         # under torchrun: this rank's rows of the global batch (DDP averages the gradients)
         noise = model.sample_noise(rows.numel(), estimator, sample_generator)
+        if loop.trained is model:  # one process: the ELBO in one call (one autograd node where every layer is
+            return -model.elbo(x_train[rows], y_train[rows], num_data, estimator, noise)  # closed form)
         ell = loop.trained(x_train[rows], y_train[rows], estimator, noise)
         return -(num_data / rows.numel() * ell - model.kl())
 
