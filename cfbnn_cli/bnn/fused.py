@@ -385,13 +385,6 @@ class _PropagatedPreactivation(torch.autograd.Function):
         else:
             ratio, scale = grad_xi / xi, 1.0
             variance_h, loc_square = 0.5 * variance_h, 0.5 * loc_square
-        grad_phi = grad_gamma @ loc_h
-        grad_second = ratio @ variance_h
-        grad_variance = ratio @ loc_square
-        if not ctx.given_second_moment:  # E[h^2] = Var h + phi^2 was formed here
-            grad_variance = grad_variance + grad_second
-            grad_phi = torch.addcmul(grad_phi, phi, grad_second, value=2.0)
-            grad_second = None
         # d/d loc = grad_gamma^T phi + 2 loc (grad_xi2^T Var h) = ... + loc (ratio^T Var h)
         if ctx.augmented:  # [phi, 1] gives the bias column's gradient from the product itself
             grad_loc = torch.mm(grad_gamma.mT, phi)
@@ -415,9 +408,18 @@ class _PropagatedPreactivation(torch.autograd.Function):
             grad_log_scale = _weight_gradient(ratio, second, bias_column)
             grad_loc, grad_log_scale = _folded_kl_backward(loc, weight_variance, grad_loc, grad_log_scale, scale,
                                                            ctx.prior_variance, grad_kl)
-            return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None, None, None
-        grad_log_scale = _weight_gradient(ratio, second, bias_column, scale)
-        grad_log_scale = grad_log_scale * weight_variance if _transforms_active() else grad_log_scale.mul_(weight_variance)
+        else:
+            grad_log_scale = _weight_gradient(ratio, second, bias_column, scale)
+            grad_log_scale = grad_log_scale * weight_variance if _transforms_active() else \
+                grad_log_scale.mul_(weight_variance)
+        # the inputs' gradients last: the activation's backward kernel reads them next, still in cache
+        grad_phi = grad_gamma @ loc_h
+        grad_second = ratio @ variance_h
+        grad_variance = ratio @ loc_square
+        if not ctx.given_second_moment:  # E[h^2] = Var h + phi^2 was formed here
+            grad_variance = grad_variance + grad_second
+            grad_phi = torch.addcmul(grad_phi, phi, grad_second, value=2.0)
+            grad_second = None
         return grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale, None, None, None, None
 
 
