@@ -331,7 +331,10 @@ class _PropagatedPreactivation(torch.autograd.Function):
                 prior_variance: Optional[float] = None, augmented: bool = False):
         folded = _folded_kl_forward(loc, log_scale, prior_variance)
         weight_variance, kl = folded if folded is not None else (torch.exp(2.0 * log_scale), _placeholder(loc))
-        if augmented:  # [phi, 1], [E h^2, 1] from the moments kernel (the single-node ELBO, a bias column)
+        # augmented: phi and second_moment are [phi, 1] and [E h^2, 1] from the moments kernel. Only
+        # the single-node ELBO passes them (its backward returns the (..., H) moments' gradients,
+        # which autograd would refuse for (..., H + 1) inputs)
+        if augmented:
             width = variance.shape[-1]
             loc_square = loc[:, :width] * loc[:, :width]
             gamma = torch.mm(phi, loc.mT)  # the bias in the product: no pass to add it, none to sum it
@@ -733,7 +736,8 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
     :class:`_NormalELLGivenPreactivation`), keeping their contexts on :class:`_Tape` objects;
     the backward pass calls their backward passes in reverse. The arithmetic is theirs, to the
     last operation: what this saves is autograd's bookkeeping, per node and per scalar operation
-    of the ELBO's sum (about a tenth of the step of a D-200-200-1 network on a 2-core CPU)."""
+    of the ELBO's sum (~4 % of the step of a D-200-200-1 network on a 2-core CPU, measured side
+    by side), and it lets the hidden-layer kernel hand on ``[Phi, 1]`` and ``[Ups, 1]``."""
 
     @staticmethod
     def forward(ctx, x, y, log_precision, op, biases, prior_variance: float, scale: float, *parameters):

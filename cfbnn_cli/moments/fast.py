@@ -15,11 +15,15 @@ CPU, where fresh pages from the allocator (glibc returns freed blocks of this si
 to the system) cost ~1 us per 4 kB. The general engine, whose forward pass is
 expensive, saves the four partial derivatives instead.
 
-Beyond the moments the library holds two kernels of the closed-form ELBO itself (used by
+Beyond the moments the library holds kernels of the closed-form ELBO itself (used by
 :mod:`cfbnn_cli.bnn.fused`): ``tail_pass``, the last hidden layer's moments, a one-output
 layer integrated exactly and their gradients in one pass over the block each way
-(:func:`normal_tail`), and the KL of a mean-field matrix and its gradients in one pass
-each (:func:`diagonal_kl_sums`, :func:`diagonal_kl_gradients`).
+(:func:`normal_tail`), with the Normal likelihood's rows around it in one loop each
+(:func:`normal_rows`, :func:`normal_row_gradients`, :func:`normal_output_gradients`);
+``hidden_pass``, a hidden layer's moments from its pre-activations' variances
+(:func:`moments_from_variance`; it can write ``[Phi, 1]`` and ``[Ups, 1]`` for the next
+layer's bias); and the KL of a mean-field matrix and its gradients in one pass each
+(:func:`diagonal_kl_sums`, :func:`diagonal_kl_gradients`).
 
 Build. The kernels are plain C++ (no torch headers) compiled once per machine with
 the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) and loaded
