@@ -186,8 +186,12 @@ class _DiagonalPreactivation(torch.autograd.Function):
             # the inputs narrower than the outputs: [h, 1] built once is cheaper than the bias
             # broadcast into each (N, rows) result, and the products then give the bias column's
             # gradient too (no sums, no slices)
-            augmented = torch.nn.functional.pad(h, (0, 1), value=1.0)
-            squared = augmented * augmented
+            pair = fast_moments.augment_pair(h)  # [h, 1] and [h^2, 1] in one pass where the kernels run
+            if pair is None:
+                augmented = torch.nn.functional.pad(h, (0, 1), value=1.0)
+                squared = augmented * augmented
+            else:
+                augmented, squared = pair
             gamma = _affine(augmented, loc, None)
             xi2 = _affine(squared, variance, None)
         else:

@@ -57,7 +57,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 14
+#define CFBNN_ABI 15
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -983,6 +983,26 @@ static void diag_kl_backward(int64_t n, const T* loc, const T* ls, double scaled
   }
 }
 
+/* [x, 1] and [x^2, 1] of a (rows, D) input in one pass: a first layer's inputs with its bias
+   column, for its mean and its variance (fused.py's _DiagonalPreactivation). */
+template <typename T>
+static void augment_pair(int64_t rows, int64_t D, const T* x, T* aug, T* aug_sq, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && rows * D >= PAR_MIN)
+  for (int64_t r = 0; r < rows; r++) {
+    const T* RS xr = x + r * D;
+    T* RS a = aug + r * (D + 1);
+    T* RS q = aug_sq + r * (D + 1);
+#pragma omp simd
+    for (int64_t c = 0; c < D; c++) {
+      const T v = xr[c];
+      a[c] = v;
+      q[c] = v * v;
+    }
+    a[D] = (T)1;
+    q[D] = (T)1;
+  }
+}
+
 /* ------------------------------------- the Normal likelihood's rows around tail_pass */
 
 /* After tail_pass's forward: with the output bias (mean_bias, spread_bias) the row's residual
@@ -1877,6 +1897,9 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
 BOTH(ACT_ENTRIES)
 
 #define NORMAL_ROW_ENTRIES(T, SUF)                                                                               \
+  extern "C" void augment_pair_##SUF(int64_t rows, int64_t D, const T* x, T* aug, T* sq, int nt) {              \
+    augment_pair<T>(rows, D, x, aug, sq, nt);                                                                    \
+  }                                                                                                              \
   extern "C" double normal_rows_##SUF(int64_t rows, const T* mean, const T* spread, const T* y, double mb,      \
                                       double sb, double beta, double lt, T* res, T* sq, T* ell) {               \
     return normal_rows<T>(rows, mean, spread, y, mb, sb, beta, lt, res, sq, ell);                                \

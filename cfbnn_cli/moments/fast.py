@@ -97,7 +97,7 @@ __all__ = [
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 14  # must match CFBNN_ABI in the source
+_ABI = 15  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:
@@ -251,6 +251,7 @@ _SIGNATURES = {
     "hidden_pass": [_INT, _INT, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 8 + [_I64, _INT],
     "tail_pass": [_INT, _INT, _I64, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 10 + [_INT],
     "diag_kl_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
+    "augment_pair": [_I64, _I64, _POINTER, _POINTER, _POINTER, _INT],
     "normal_rows": [_I64] + [_POINTER] * 3 + [_DOUBLE] * 4 + [_POINTER] * 3,
     "normal_row_gradients": [_I64] + [_POINTER] * 3 + [_DOUBLE] + [_POINTER] * 3,
     "normal_output_gradients": [_I64, _POINTER, _POINTER, _INT, _DOUBLE, _DOUBLE, _POINTER, _POINTER],
@@ -1041,6 +1042,18 @@ def normal_tail(op: _Op, mean: torch.Tensor, std: torch.Tensor, weight_phi: torc
              row_spread_grad.data_ptr(), None, None, grad_mean.data_ptr(), grad_std.data_ptr(),
              columns.data_ptr(), threads)
     return grad_mean, grad_std, columns
+
+
+def augment_pair(x: torch.Tensor):
+    """``([x, 1], [x^2, 1])`` in one pass (kernel ``augment_pair``), or ``None`` where the kernels
+    do not take ``x`` (not a plain contiguous CPU float32/float64 tensor, torch.func transforms)."""
+    if not _kl_kernels_apply(x):
+        return None
+    augmented = x.new_empty(*x.shape[:-1], x.shape[-1] + 1)
+    squared = torch.empty_like(augmented)
+    _kernel("augment_pair", x.dtype)(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.data_ptr(),
+                                     augmented.data_ptr(), squared.data_ptr(), torch.get_num_threads())
+    return augmented, squared
 
 
 def normal_rows(mean_sum: torch.Tensor, spread_sum: torch.Tensor, y: torch.Tensor, mean_bias: float,

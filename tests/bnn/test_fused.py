@@ -460,3 +460,18 @@ def test_the_hidden_kernel_writes_the_next_layers_bias_column(dtype, rows, width
         torch.testing.assert_close(found[:, :width], expected, rtol=0.0, atol=0.0)
         assert (found[:, width] == 1).all()
     torch.testing.assert_close(augmented[2], plain[2], rtol=0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(7, 3), (2, 40, 91)])
+def test_the_first_layers_augmented_inputs_come_from_one_kernel_pass(dtype, shape):
+    """augment_pair's [x, 1] and [x^2, 1] against torch's pad and square."""
+    from cfbnn_cli.moments import fast
+
+    x = torch.randn(*shape, generator=_generator(14), dtype=dtype)
+    pair = fast.augment_pair(x)
+    assert pair is not None
+    expected = torch.nn.functional.pad(x, (0, 1), value=1.0)
+    torch.testing.assert_close(pair[0], expected, rtol=0.0, atol=0.0)
+    torch.testing.assert_close(pair[1], expected * expected, rtol=0.0, atol=0.0)
+    assert fast.augment_pair(x.mT if x.dim() == 2 else x[..., ::2]) is None  # not contiguous: the torch route
