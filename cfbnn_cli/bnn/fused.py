@@ -805,18 +805,17 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
         return (None, None, grad_log_precision, None, None, None, None, *parameter_grads)
 
 
-def closed_form_normal_elbo(x: torch.Tensor, y: torch.Tensor, log_precision: torch.Tensor, op, layers,
-                            prior_variance: float, scale: float) -> torch.Tensor:
+def closed_form_normal_elbo(x: torch.Tensor, y: torch.Tensor, log_precision: torch.Tensor, op, parameters,
+                            biases, prior_variance: float, scale: float) -> torch.Tensor:
     """``scale * sum_n E_q[log N(y_n | f(x_n), 1/beta)] - sum_l KL(q_l || N(0, prior_variance I))``
     for a network whose every layer is a diagonal Gaussian integrated in closed form -- the first
     exactly (eq. (12)), later hidden layers by diagonal moment propagation, the one-output layer
     exactly (eqs. (7)-(9)) -- as one autograd node (:class:`_ClosedFormNormalELBO`): the value and
     gradients of the same functions called one by one, less the graph's overhead.
 
-    ``layers``: ``(loc, log_scale, bias)`` per layer, first to output; ``x`` ``(N, D)``, ``y``
-    ``(N, 1)``; ``op`` the activation's :func:`layer_kernel_op` for all of these tensors (not
-    ``None``), which also says the KL kernels take them."""
-    parameters = [tensor for loc, log_scale, _ in layers for tensor in (loc, log_scale)]
-    biases = tuple(bool(bias) for _, _, bias in layers)
-    return _ClosedFormNormalELBO.apply(x, y.contiguous(), log_precision, op, biases, float(prior_variance),
-                                       float(scale), *parameters)
+    ``parameters``: ``loc, log_scale`` of each layer in turn, first to output; ``biases``: whether
+    each layer has a bias column; ``x`` ``(N, D)``, ``y`` ``(N, 1)``; ``op`` the activation's
+    :func:`layer_kernel_op` for all of these tensors (not ``None``), which also says the KL
+    kernels take them."""
+    return _ClosedFormNormalELBO.apply(x, y.contiguous(), log_precision, op, tuple(bool(b) for b in biases),
+                                       float(prior_variance), float(scale), *parameters)

@@ -721,24 +721,36 @@ class BayesianNetwork(nn.Module):
         kernels take; else ``None`` (then :meth:`_elbo`). Same value and gradients, less autograd
         bookkeeping (``tests/bnn/test_fused.py`` compares the two)."""
         # (deterministic_full carries the activations' covariance across units: not this route)
-        if noise or self.point_layers or self.prior == "empirical_bayes" or self.output_dim != 1 \
-                or estimator == "deterministic_full" or self.treatments(estimator)[0] != "closed_form" \
-                or type(self.likelihood) is not NormalLikelihood:
+        if noise or estimator == "deterministic_full" or x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad:
             return None
-        layers = self.layers
-        if x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad or len(layers) < 2 \
-                or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers):
+        likelihood, layers = self.likelihood, self.layers
+        # what the network's structure says, once per estimator (this runs every training step)
+        key = (estimator, self.prior, self.point_layers, len(layers), type(likelihood))
+        plans = self.__dict__.setdefault("_single_node_plans", {})
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = self._single_node_plan(estimator, layers)
+        if not plan:
             return None
+        op = plan[0]
         target = y.unsqueeze(-1)
-        log_precision = self.likelihood.log_precision
-        tensors = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
-        op = fused.layer_kernel_op(self.activation, x, target, log_precision, *tensors)
-        if op is None:
+        log_precision = likelihood.log_precision
+        parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
+        if not fast_moments.layer_kernels_apply(op, x, target, log_precision, *parameters):
             return None
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        return fused.closed_form_normal_elbo(x, target, log_precision, op,
-                                             [(layer.loc, layer.log_scale, layer.bias) for layer in layers],
-                                             self.prior_scale ** 2, scale)
+        return fused.closed_form_normal_elbo(x, target, log_precision, op, parameters,
+                                             [layer.bias for layer in layers], self.prior_scale ** 2, scale)
+
+    def _single_node_plan(self, estimator: str, layers):
+        """``(the activation's kernels,)`` when the structure allows the single-node ELBO under
+        ``estimator`` (whatever the tensors), else ``()``."""
+        if self.point_layers or self.prior == "empirical_bayes" or self.output_dim != 1 or len(layers) < 2 \
+                or self.treatments(estimator)[0] != "closed_form" or type(self.likelihood) is not NormalLikelihood \
+                or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers):
+            return ()
+        op = self.activation._fast_op() if hasattr(self.activation, "_fast_op") else None
+        return (op,) if op is not None and op.tail_kind is not None else ()
 
     def _elbo(self, expected_log_likelihood, x, num_data: Optional[int]):
         """``(num_data / batch) ELL - KL`` with the KL terms the ELL's evaluation folded in

@@ -390,8 +390,7 @@ def test_the_single_node_elbo_passes_gradcheck():
     assert op is not None
 
     def elbo(log_precision, *p):
-        layers = [(p[0], p[1], True), (p[2], p[3], True), (p[4], p[5], True)]
-        return fused.closed_form_normal_elbo(x, y, log_precision, op, layers, 0.64, 10.0)
+        return fused.closed_form_normal_elbo(x, y, log_precision, op, p, [True, True, True], 0.64, 10.0)
 
     torch.autograd.gradcheck(elbo, (log_precision, *parameters))
 
