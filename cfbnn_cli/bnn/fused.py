@@ -661,6 +661,12 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
                 None, grad_log_precision, None, None, None)
 
 
+def activation_kernels(activation):
+    """The activation's kernel object (``None`` for one without kernels); whether they take
+    given tensors is :func:`~cfbnn_cli.moments.fast.layer_kernels_apply`'s question."""
+    return activation._fast_op() if hasattr(activation, "_fast_op") else None
+
+
 def layer_kernel_op(activation, *tensors):
     """The activation's kernels when the layer kernels (the fused tail, the hidden layers'
     moments from variances) take these tensors, else ``None``: an activation without them
@@ -668,7 +674,7 @@ def layer_kernel_op(activation, *tensors):
     float32/float64 of one dtype, torch.func transforms or the fast path switched off."""
     if _transforms_active():
         return None
-    op = activation._fast_op() if hasattr(activation, "_fast_op") else None
+    op = activation_kernels(activation)
     return op if fast_moments.layer_kernels_apply(op, *tensors) else None
 
 

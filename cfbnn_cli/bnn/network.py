@@ -744,13 +744,12 @@ class BayesianNetwork(nn.Module):
 
     def _single_node_plan(self, estimator: str, layers):
         """``(the activation's kernels,)`` when the structure allows the single-node ELBO under
-        ``estimator`` (whatever the tensors), else ``()``."""
+        ``estimator`` (whether the kernels take the tensors is asked per call), else ``()``."""
         if self.point_layers or self.prior == "empirical_bayes" or self.output_dim != 1 or len(layers) < 2 \
                 or self.treatments(estimator)[0] != "closed_form" or type(self.likelihood) is not NormalLikelihood \
                 or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers):
             return ()
-        op = self.activation._fast_op() if hasattr(self.activation, "_fast_op") else None
-        return (op,) if op is not None and op.tail_kind is not None else ()
+        return (fused.activation_kernels(self.activation),)
 
     def _elbo(self, expected_log_likelihood, x, num_data: Optional[int]):
         """``(num_data / batch) ELL - KL`` with the KL terms the ELL's evaluation folded in

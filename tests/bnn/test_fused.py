@@ -417,7 +417,7 @@ def test_the_single_node_elbo_keeps_autograd_semantics():
 
 
 @pytest.mark.parametrize("case", ["empirical_bayes", "sampling", "two_outputs", "x_requires_grad", "fast_path_off",
-                                  "batched", "deterministic_full"])
+                                  "batched", "deterministic_full", "no_kernels"])
 def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
     """Outside its conditions the ELBO goes node by node, with the same value as the reference."""
     from cfbnn_cli.bnn.network import BayesianNetwork
@@ -425,6 +425,7 @@ def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
 
     torch.manual_seed(5)
     network = BayesianNetwork(4, [6, 5], 2 if case == "two_outputs" else 1,
+                              activation="hard_sigmoid" if case == "no_kernels" else "relu",
                               prior="empirical_bayes" if case == "empirical_bayes" else "fixed")
     x = torch.randn(3, 10, 4) if case == "batched" else torch.randn(10, 4, requires_grad=case == "x_requires_grad")
     y = torch.randn(*x.shape[:-1], 2) if case == "two_outputs" else torch.randn(x.shape[:-1])
