@@ -158,12 +158,13 @@ def compose_config(config_name: str, overrides: Sequence[str] = (), return_hydra
 
 
 def _report_error(error: CfbnnError) -> None:
-    """One line for the user: through the job log (console + <job>.log) when Hydra set
-    logging up, else straight to stderr."""
-    if logging.getLogger().handlers:
-        log.error("%s", error)
-    else:
-        print(f"cfbnn: error: {error}", file=sys.stderr)
+    """One line for the user on stderr, and the same line in the run's ``<job>.log`` when
+    Hydra set logging up (the console handler writes to stdout, so it is left out)."""
+    print(f"cfbnn: error: {error}", file=sys.stderr, flush=True)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (error,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _save_hydra_record(run_dir: Path, cfg) -> None:
@@ -236,7 +237,9 @@ def make_task(sub: Subcommand):
         from .report.results import write_results
         from .runtime.checks import validate_common
         from .runtime.device import resolve_device
+        from .runtime.errors import ConfigError
         from .runtime.rundir import RunDirLock, claim_run_dir
+        from .runtime.safefs import UnsafePathError
         from .runtime.threads import configure_threads, flush_denormals, tune_allocator
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -279,6 +282,11 @@ def make_task(sub: Subcommand):
                         f"{', ...' if len(bad) > 8 else ''}): results.json says status \"failed\" and no `done` is "
                         f"written; check the data for extreme values or lower trainer.lr ({run_dir})"
                     )
+        except UnsafePathError as error:  # a link or a foreign folder met while writing
+            refused = ConfigError(str(error))
+            _report_error(refused)
+            refused.reported = True
+            raise refused from None
         except CfbnnError as error:
             _report_error(error)
             error.reported = True
@@ -375,9 +383,22 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
         if _mentions_launcher(rest):
             print(LAUNCHER_HINT, file=sys.stderr)
         return 2
-    except Exception:  # a bug, not a user error: the traceback helps
+    except KeyboardInterrupt:
         if user_wants_traceback:
             raise
+        print("cfbnn: interrupted; the last checkpoint is kept: rerun with resume=true to continue", file=sys.stderr)
+        return 130
+    except Exception as error:  # a bug, not a user error: the traceback helps
+        if user_wants_traceback:
+            raise
+        refused = _unsafe_path_in(error)
+        if refused is not None:  # a link or a foreign folder met while Hydra set logging up
+            print(f"cfbnn: error: {refused}", file=sys.stderr)
+            return 2
+        if isinstance(error, (FileExistsError, NotADirectoryError)):  # Hydra making the run dir
+            print(f"cfbnn: error: cannot make the output folder {error.filename}: a file is in the way; choose "
+                  "another hydra.run.dir (or move the file)", file=sys.stderr)
+            return 2
         traceback.print_exc()
         if _mentions_launcher(rest):
             print(LAUNCHER_HINT, file=sys.stderr)
@@ -386,6 +407,19 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
         if not user_wants_traceback:
             os.environ.pop("HYDRA_FULL_ERROR", None)
     return 0
+
+
+def _unsafe_path_in(error: BaseException):
+    """The :class:`~cfbnn_cli.runtime.safefs.UnsafePathError` that caused ``error``, if any."""
+    from .runtime.safefs import UnsafePathError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UnsafePathError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _mentions_launcher(rest: Sequence[str]) -> bool:

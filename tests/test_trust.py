@@ -158,6 +158,18 @@ def _record(pipeline, metrics, config=None, status="complete"):
     return {"pipeline": pipeline, "schema": 1, "status": status, "config": config or {"seed": 0}, "metrics": metrics}
 
 
+def test_a_checkpoint_of_the_wrong_structure_via_the_cli_is_one_line(finished_run, tmp_path):
+    """It loads safely (tensors and plain containers only) but is no training state."""
+    run = _copy_run(finished_run, tmp_path / "run")
+    last = run / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    del state["history"]
+    torch.save(state, last)
+    (run / "done").unlink()
+    text = one_line_error(cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION))
+    assert "last.pt is not a checkpoint of this training loop" in text
+
+
 def test_report_sanitizes_names_and_writes_only_under_its_path(tmp_path):
     root = tmp_path / "a" / "b" / "c" / "runs"
     (root / "0").mkdir(parents=True)
@@ -234,15 +246,21 @@ def test_a_uci_run_resumed_with_another_budget_is_refused_and_progress_files_are
         regression.run(other, fresh)
 
 
-def test_fingerprint_ignores_resume_device_and_paths_inside_the_run_dir(tmp_path):
+def test_fingerprint_ignores_resume_and_device_and_where_the_run_dir_lies(tmp_path):
     base = _config()
     moved = _config("resume=true", "device=auto")
     assert config_fingerprint(base) == config_fingerprint(moved)
     assert config_fingerprint(base) != config_fingerprint(_config("seed=3"))
-    with open_dict(base):
-        base.data.path = str(tmp_path / "run" / "x.csv")
-    assert config_fingerprint(base, tmp_path / "run") == config_fingerprint(moved, tmp_path / "run")
-    assert config_fingerprint(base, tmp_path / "elsewhere") != config_fingerprint(moved, tmp_path / "elsewhere")
+    # a path inside the run dir counts relative to it: the same run dir, moved, still resumes
+    for run in (tmp_path / "run", tmp_path / "moved"):
+        run.mkdir()
+        (run / "x.csv").write_text("a,y\n1,2\n")
+    first, second = _config(), _config()
+    with open_dict(first), open_dict(second):
+        first.data.path = str(tmp_path / "run" / "x.csv")
+        second.data.path = str(tmp_path / "moved" / "x.csv")
+    assert config_fingerprint(first, tmp_path / "run") == config_fingerprint(second, tmp_path / "moved")
+    assert config_fingerprint(first, tmp_path / "elsewhere") != config_fingerprint(second, tmp_path / "elsewhere")
 
 
 def test_sweep_jobs_are_bound_to_their_config(tmp_path):
@@ -421,11 +439,17 @@ def test_atomic_files_get_the_normal_umask_mode(tmp_path):
 
 def test_temporary_files_of_a_killed_write_are_removed_on_the_next_run(finished_run, tmp_path):
     run = _copy_run(finished_run, tmp_path / "run")
-    (run / ".results.json.k1ll3d.tmp").write_text("half")
-    (run / "checkpoints" / ".last.pt.abc123.tmp").write_bytes(b"half")
+    # the names atomic_write_bytes gives its temporary files
+    (run / ".results.json.cfbnn-k1ll3d.tmp").write_text("half")
+    (run / "checkpoints" / ".last.pt.cfbnn-abc123.tmp").write_bytes(b"half")
+    # a user's own temporary files, and another run's inside this folder, are not the CLI's
+    (run / ".notes.tmp").write_text("mine")
+    (run / "nested_run").mkdir()
+    (run / "nested_run" / ".results.json.cfbnn-other.tmp").write_text("another run's")
     out = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION)
     assert out.returncode == 0
-    assert not list(run.rglob("*.tmp"))
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*.tmp")) == [
+        ".notes.tmp", "nested_run/.results.json.cfbnn-other.tmp"]
 
 
 def test_test_evaluation_is_chunked(monkeypatch):

@@ -49,6 +49,7 @@ and ``torch.autograd.gradcheck``), and all but the kernel tail support ``torch.f
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -56,7 +57,9 @@ import torch
 from ..moments import fast as fast_moments
 from ..moments.gaussian import check_mean_std, is_transformed, validating_args
 
+_LOG_MAX_DOUBLE = math.log(sys.float_info.max)
 _LOG_2PI = math.log(2.0 * math.pi)
+_LOG_MAX_DOUBLE = math.log(sys.float_info.max)
 
 
 def _transforms_active() -> bool:
@@ -624,7 +627,9 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
         # the precision and the bias as numbers, the rows in one kernel loop (seven small tensor
         # operations were most of this function's time)
         log_beta = float(log_precision)
-        precision = math.exp(log_beta)
+        # as torch.exp would: +inf past the float64 range (an L-BFGS line search probes such steps,
+        # and must see the -inf ELL the reference path gives, not an OverflowError)
+        precision = math.exp(log_beta) if log_beta < _LOG_MAX_DOUBLE else math.inf
         mean_bias, spread_bias = (float(loc[0, width]), float(weight_variance[0, width])) if bias else (0.0, 0.0)
         residual, squares, ell, ell_sum = fast_moments.normal_rows(mean, spread, y, mean_bias, spread_bias, precision,
                                                                    0.5 * (log_beta - _LOG_2PI))

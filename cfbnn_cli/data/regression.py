@@ -212,10 +212,77 @@ class RegressionTable:
                             self.columns, self.target)
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise DataError(f"cannot read {path} ({error.strerror or type(error).__name__}); check the file's "
+                        "permissions, or point data.path at a readable copy") from None
+
+
+def _numeric_array(arrays, name: str, path: Path) -> np.ndarray:
+    """Array ``name`` of an open ``.npz`` as float64; an object, string or otherwise
+    non-numeric array is an error naming it (object arrays are never unpickled)."""
+    try:
+        array = arrays[name]
+    except ValueError:  # numpy refuses object arrays without allow_pickle
+        raise DataError(f"{path}: array `{name}` holds Python objects; save plain numeric arrays "
+                        "(numpy.savez(path, x=x.astype(float), y=y.astype(float)))") from None
+    except (OSError, EOFError, zipfile.BadZipFile, KeyError) as error:
+        raise DataError(f"{path}: array `{name}` cannot be read ({type(error).__name__}); re-save the file") from None
+    if array.dtype.kind not in "biuf":
+        raise DataError(f"{path}: array `{name}` is of type {array.dtype}, not numeric; save numbers "
+                        "(numpy.savez(path, x=x.astype(float), y=y.astype(float)))")
+    return array.astype(np.float64)
+
+
+def _read_npz(path: Path, target: str):
+    """``(x, y, feature names)`` of an ``.npz``: arrays ``x`` (N, D) and ``<target>`` (N,), or one
+    (N,) array per column; every other shape or type is a one-line :class:`DataError`."""
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+        raise DataError(f"{path} is not a readable .npz archive ({type(error).__name__}); save it with "
+                        "numpy.savez(path, x=..., y=...)") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise DataError(f"{path} holds a single array, not an .npz archive of named arrays; save it with "
+                        "numpy.savez(path, x=..., y=...)")
+    with archive as arrays:
+        if target not in arrays.files:
+            raise DataError(f"{path}: no array named `{target}` (data.target); it holds {arrays.files[:20]}")
+        y = _numeric_array(arrays, target, path)
+        if "x" in arrays.files:
+            x = _numeric_array(arrays, "x", path)
+            columns = None
+            if x.ndim != 2:
+                raise DataError(f"{path}: array `x` has shape {x.shape}; it must be 2-D (rows, features)")
+        else:
+            columns = [k for k in arrays.files if k != target]
+            parts = [_numeric_array(arrays, k, path) for k in columns]
+            for name, part in zip(columns, parts):
+                if part.ndim != 1:
+                    raise DataError(f"{path}: column array `{name}` has shape {part.shape}; without an `x` array "
+                                    "every array must be one column (rows,)")
+            if any(len(part) != len(y) for part in parts):
+                raise DataError(f"{path}: the column arrays have {sorted({len(p) for p in parts})} rows and the "
+                                f"target `{target}` {len(y)}; every column needs one value per row")
+            x = np.stack(parts, 1) if parts else np.empty((len(y), 0))
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise DataError(f"{path}: the target `{target}` has shape {y.shape}; it must be one value per row (rows,)")
+    if len(x) != len(y):
+        raise DataError(f"{path}: `x` has {len(x)} rows and the target `{target}` {len(y)}; they must match")
+    bad = ~np.isfinite(x).all(1) | ~np.isfinite(y)
+    if bad.any():
+        raise DataError(f"{path}: row {int(np.argmax(bad))} has NaN or infinite values")
+    return x, y, columns
+
+
 def _decoded_lines(path: Path) -> List[str]:
     """The lines of a UTF-8 text file (a byte-order mark dropped); a byte that is not
     UTF-8 is an error naming its line, not a traceback."""
-    data = path.read_bytes()
+    data = _read_bytes(path)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
@@ -258,20 +325,7 @@ def _read_tabular(path, target):
     if not path.is_file():
         raise DataError(f"data file not found: {path} (set data.path=...)")
     if path.suffix == ".npz":
-        with np.load(path) as arrays:
-            if "x" in arrays and target in arrays:
-                x = np.asarray(arrays["x"], dtype=np.float64)
-                y = np.asarray(arrays[target], dtype=np.float64)
-                columns = None
-            elif target in arrays:
-                columns = [k for k in arrays.files if k != target]
-                x = np.stack([np.asarray(arrays[k], dtype=np.float64) for k in columns], 1)
-                y = np.asarray(arrays[target], dtype=np.float64)
-            else:
-                raise DataError(f"{path}: no array named `{target}` (data.target); it holds {arrays.files}")
-        bad = ~np.isfinite(x).all(1) | ~np.isfinite(y)
-        if bad.any():
-            raise DataError(f"{path}: row {int(np.argmax(bad))} has NaN or infinite values")
+        x, y, columns = _read_npz(path, target)
     else:
         lines = _decoded_lines(path)
         if not lines or not lines[0].strip():
@@ -285,6 +339,9 @@ def _read_tabular(path, target):
         y = table[:, column]
         x = np.delete(table, column, axis=1)
         columns = [name for i, name in enumerate(header) if i != column]
+    if x.shape[1] == 0:
+        raise DataError(f"{path} holds only the target `{target}`: no feature column to regress on; add the "
+                        "input columns to the file")
     if len(y) and np.all(y == y[0]):
         raise DataError(f"{path}: the target column `{target}` is constant ({y[0]:g}); nothing to regress")
     return x, y, columns
@@ -381,3 +438,32 @@ def load_regression_data(cfg) -> RegressionData:
         train, test = _random_split(len(table.y), cfg.test_fraction, cfg.seed)
         return table.split(train, test)
     raise ConfigError(f"data.name={name!r} is not one of {REGRESSION_DATA}")
+
+
+def validate_data_config(cfg) -> None:
+    """Check the ``data`` group's numbers before any work (sizes and counts positive, a
+    fraction in (0, 1), a seed the generators take); each error names the key."""
+    from omegaconf import OmegaConf
+
+    from ..runtime.checks import SEED_MAXIMUM, require_choice, require_int
+
+    name = require_choice(cfg, "data.name", REGRESSION_DATA)
+    present = lambda key: OmegaConf.select(cfg, key, default=None) is not None  # noqa: E731
+    if name == "synthetic":
+        require_int(cfg, "data.input_dim", minimum=1)
+        require_int(cfg, "data.n_train", minimum=2)
+        require_int(cfg, "data.n_test", minimum=1)
+        require_int(cfg, "data.teacher_hidden", minimum=1)
+        noise = OmegaConf.select(cfg, "data.noise_std")
+        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < math.inf:
+            raise ConfigError(f"data.noise_std={noise!r:.60} must be a finite number >= 0")
+    if name == "year_prediction_msd":
+        require_int(cfg, "data.n_train", minimum=1)
+        if present("data.expected_rows"):
+            require_int(cfg, "data.expected_rows", minimum=2)
+    if present("data.test_fraction"):
+        fraction = OmegaConf.select(cfg, "data.test_fraction")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+            raise ConfigError(f"data.test_fraction={fraction!r:.60} must be a number between 0 and 1")
+    if present("data.seed"):
+        require_int(cfg, "data.seed", minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")

@@ -29,7 +29,11 @@ Build. The kernels are plain C++ (no torch headers) compiled once per machine wi
 the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) and loaded
 with :mod:`ctypes`; a build takes a few seconds and is cached under
 ``$CFBNN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/cfbnn`` or ``~/.cache/cfbnn``),
-keyed by the source, the compiler, its flags and the CPU. ``-march=native``,
+keyed by the source, the compiler, its flags and the CPU. The cache directory must be
+the user's own (mode 0700; :func:`~cfbnn_cli.runtime.safefs.private_directory`), and each
+library's SHA-256, recorded beside it at build time, is checked before the library is
+loaded: a file planted by someone else, truncated or altered is rebuilt (one warning),
+never handed to the dynamic loader. ``-march=native``,
 OpenMP and glibc's vector math library (libmvec) are used when they work and
 dropped one by one when they do not. Every build is checked against a few
 known values before use. If no compiler is found or every build fails, a
@@ -73,6 +77,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from ..runtime.safefs import UnsafePathError, cache_root, owned_regular_file, private_directory, sha256_of_file
 from ._kernel_source import SOURCE
 from .gaussian import align_batched, is_transformed, standard_normal_cdf, standard_normal_pdf, standardize
 
@@ -152,11 +157,7 @@ def fast_path_info() -> Dict[str, object]:
 
 
 def _cache_root() -> str:
-    root = os.environ.get(_ENV_CACHE)
-    if root:
-        return root
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "cfbnn")
+    return str(cache_root())
 
 
 def _compiler() -> Optional[str]:
@@ -279,9 +280,13 @@ def _bind(library) -> None:
 
 
 def _build(compiler: str, flags, target: str) -> Optional[str]:
-    """Compile SOURCE into ``target`` (atomically: a temporary file, then a rename)."""
-    directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
+    """Compile SOURCE into ``target`` and record its content hash beside it (``<target>.sha256``).
+
+    Both files are written atomically (a temporary file, then a rename) inside a
+    private directory (:func:`~cfbnn_cli.runtime.safefs.private_directory`); the hash
+    is what :func:`_verified` checks before the library is ever loaded.
+    """
+    directory = str(private_directory(os.path.dirname(target)))
     with tempfile.TemporaryDirectory(dir=directory) as work:
         source = os.path.join(work, "cfbnn_moments.cpp")
         with open(source, "w") as handle:
@@ -296,7 +301,38 @@ def _build(compiler: str, flags, target: str) -> Optional[str]:
             return f"{type(error).__name__}: {error}"
         if result.returncode != 0:
             return result.stderr.decode(errors="replace")[-2000:]
+        os.chmod(output, 0o700)
+        record = os.path.join(work, "cfbnn_moments.so.sha256")
+        with open(record, "w") as handle:
+            handle.write(sha256_of_file(output) + "\n")
+        # the library first: a reader that finds the new hash finds the new library too
         os.replace(output, target)
+        os.replace(record, target + _HASH_SUFFIX)
+    return None
+
+
+_HASH_SUFFIX = ".sha256"
+
+
+def _verified(target: str) -> Optional[str]:
+    """Why the cached library ``target`` must not be loaded, or ``None`` if it may.
+
+    It must be a regular file of this user that nobody else can write, with a hash
+    record of the same kind, and its bytes must hash to the recorded value: a file
+    planted by someone else, or truncated (which would crash the process with SIGBUS
+    when loaded), or altered, is never handed to the dynamic loader.
+    """
+    record = target + _HASH_SUFFIX
+    try:
+        owned_regular_file(target)
+        owned_regular_file(record)
+        with open(record) as handle:
+            expected = handle.read(200).strip()
+        actual = sha256_of_file(target)
+    except OSError as error:
+        return str(error) if isinstance(error, UnsafePathError) else f"{type(error).__name__}: {error}"
+    if actual != expected:
+        return f"{target} does not match the content hash recorded when it was built (truncated or altered)"
     return None
 
 
@@ -334,24 +370,44 @@ def _load(rebuild: bool):
     compiler = _compiler()
     if compiler is None:
         return None, {"error": "no C++ compiler found (set $CXX)"}
+    try:
+        root = private_directory(_cache_root())
+    except OSError as error:  # someone else's directory, a link, or unwritable: never load from it
+        return None, {"error": f"kernel cache refused: {error}"}
     version = _compiler_version(compiler)
     errors = []
     for flags in _flag_sets():
         key = hashlib.sha256(
             "\n".join([SOURCE, compiler, version, " ".join(flags), _cpu_signature(), str(_ABI)]).encode()
         ).hexdigest()[:20]
-        target = os.path.join(_cache_root(), f"moments-{key}", "cfbnn_moments.so")
-        cached = os.path.isfile(target) and not rebuild
+        target = os.path.join(root, f"moments-{key}", "cfbnn_moments.so")
+        cached = os.path.lexists(target) and not rebuild
+        if cached:
+            try:
+                private_directory(os.path.dirname(target))
+                problem = _verified(target)
+            except OSError as error:
+                problem = str(error)
+            if problem is not None:
+                warnings.warn(f"cfbnn: not loading the cached kernel library: {problem}; rebuilding it",
+                              RuntimeWarning, stacklevel=4)
+                cached = False
         build_seconds = 0.0
         if not cached:
             start = time.perf_counter()
             try:
+                private_directory(os.path.dirname(target))
+                _discard(target)
                 error = _build(compiler, flags, target)
-            except OSError as failure:  # e.g. an unwritable cache directory
-                error = f"{type(failure).__name__}: {failure}"
+            except OSError as failure:  # e.g. an unwritable or foreign cache directory
+                error = f"{type(failure).__name__}: {failure}" if not isinstance(failure, UnsafePathError) else str(failure)
             build_seconds = time.perf_counter() - start
             if error is not None:
                 errors.append(f"{' '.join(flags)}: {error.strip().splitlines()[-1] if error.strip() else error}")
+                continue
+            problem = _verified(target)  # what was just built, as any later process will check it
+            if problem is not None:
+                errors.append(f"{' '.join(flags)}: {problem}")
                 continue
         start = time.perf_counter()
         try:
@@ -377,6 +433,14 @@ def _load(rebuild: bool):
         }
         return library, info
     return None, {"error": "; ".join(errors) or "no build succeeded"}
+
+
+def _discard(target: str) -> None:
+    """Remove a cached library and its hash record that failed verification (only those two
+    names, only if they are not directories; a link is removed, never followed)."""
+    for path in (target, target + _HASH_SUFFIX):
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
 
 
 # --------------------------------------------------------------------------- dispatch

@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import re
+import stat as stat_module
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,9 +93,15 @@ def _results_files(root: Path) -> List[Path]:
         if "results.json" not in names:
             continue
         file = Path(folder) / "results.json"
-        if file.is_symlink() and not file.resolve().is_relative_to(inside):
-            _skip(file, f"a symbolic link out of {root} ({file.resolve()})")
-            continue
+        if file.is_symlink():
+            try:
+                target = file.resolve(strict=True)
+            except (OSError, RuntimeError) as error:  # a dangling link or a loop
+                _skip(file, f"a symbolic link that does not lead to a file ({type(error).__name__})")
+                continue
+            if not target.is_relative_to(inside):
+                _skip(file, f"a symbolic link out of {root} ({target})")
+                continue
         files.append(file)
     return sorted(files)
 
@@ -104,17 +111,70 @@ def _skip(file, reason) -> None:
     print(f"cfbnn report: skipping {file}: {reason}", file=sys.stderr)
 
 
+MAX_RECORD_BYTES = 64 << 20  # a results.json is a few kB; anything near this is not one
+MAX_RECORD_DEPTH = 32  # a config nests a handful of levels
+
+
+def _depth(tree, limit: int) -> int:
+    """Nesting depth of a JSON tree, counted without recursion (a crafted file may nest 10^5 deep)."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        if isinstance(node, dict):
+            stack.extend((value, depth + 1) for value in node.values())
+        elif isinstance(node, list):
+            stack.extend((value, depth + 1) for value in node)
+    return deepest
+
+
+def _finite_number(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer beyond float's range (a 400-digit number)
+        return False
+
+
 def _check_record(record) -> None:
-    """Raise ``ValueError`` naming what makes ``record`` unusable for a report."""
+    """Raise ``ValueError`` naming what makes ``record`` unusable for a report: the wrong types
+    (``config`` not an object, ``seed`` not an integer, a metric that is not a number or beyond
+    float's range), nesting deeper than any config, a failed run, or no finite metric at all."""
     if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict) or "pipeline" not in record:
         raise ValueError("not a cfbnn results record (pipeline/metrics missing)")
+    if _depth(record, MAX_RECORD_DEPTH) > MAX_RECORD_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_RECORD_DEPTH} levels: not a cfbnn results record")
     if not isinstance(record["pipeline"], str):
-        raise ValueError(f"its pipeline is {record['pipeline']!r}, not a name")
+        raise ValueError(f"its pipeline is {record['pipeline']!r:.60}, not a name")
+    if not isinstance(record.get("config", {}), dict):
+        raise ValueError(f"its config is a {type(record['config']).__name__}, not an object")
+    seed = record.get("config", {}).get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"its seed is {seed!r:.60}, not an integer")
     for name, value in record["metrics"].items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"metric {name!r} is {value!r}, not a number")
+            raise ValueError(f"metric {name!r:.80} is {value!r:.60}, not a number")
+        if isinstance(value, int) and not _finite_number(value):
+            raise ValueError(f"metric {name!r:.80} is an integer of {len(str(abs(value)))} digits, beyond a float's range")
     if record.get("status", "complete") != "complete":
-        raise ValueError(f"its status is {record.get('status')!r} (a failed or unfinished run)")
+        raise ValueError(f"its status is {record.get('status')!r:.60} (a failed or unfinished run)")
+    if record["metrics"] and not any(_finite_number(v) for v in record["metrics"].values() if v is not None):
+        raise ValueError("every metric is NaN, infinite or empty: the run has no result to aggregate")
+
+
+def _read_record(file: Path):
+    """The parsed JSON of ``file``, which must be a regular file (a FIFO or a device would hang
+    or never end) of a sane size; ``ValueError``/``OSError`` otherwise."""
+    info = os.stat(file)  # follows a link already checked to stay inside the tree
+    if not stat_module.S_ISREG(info.st_mode):
+        raise ValueError("not a regular file")
+    if info.st_size > MAX_RECORD_BYTES:
+        raise ValueError(f"{info.st_size} bytes: too large for a results record")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError("nested too deeply to be a cfbnn results record") from None
 
 
 def collect(path) -> List[dict]:
@@ -122,13 +182,13 @@ def collect(path) -> List[dict]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"cfbnn report: {path} does not exist")
-    files = [path] if path.is_file() else _results_files(path)
+    files = [path] if not path.is_dir() else _results_files(path)
     runs = []
     for file in files:
         try:
-            record = json.loads(file.read_text(encoding="utf-8"))
+            record = _read_record(file)
             _check_record(record)
-        except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        except (OSError, ValueError, RuntimeError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             _skip(file, error)
             continue
         record["_path"] = str(file.parent)
@@ -220,7 +280,8 @@ def stat(values) -> Stat:
     if not n:
         return Stat(math.nan, None, 0, [])
     mean = sum(values) / n
-    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else None
+    # d * d, not d ** 2: a float power raises OverflowError past 1e154 where a product gives inf
+    se = math.sqrt(sum((v - mean) * (v - mean) for v in values) / (n - 1) / n) if n > 1 else None
     return Stat(mean, se, n, values)
 
 
@@ -555,8 +616,10 @@ def section_table(section: Section) -> Tuple[pd.DataFrame, List[str]]:
 def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, List[str]]:
     """Aggregate ``path``; returns ``{table key: [written files]}`` (the key is the pipeline,
     or ``pipeline/protocol`` where the pipeline has protocols)."""
-    runs = collect(path)
     out = Path(out) if out is not None else (Path(path) if Path(path).is_dir() else Path(path).parent)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"cfbnn report: --out {out} is a file, not a folder; name a folder (it is made if missing)")
+    runs = collect(path)
     runs, duplicates = drop_duplicates(runs)
     for duplicate, kept in duplicates:
         message = (f"duplicate of {kept['_path']} (the same configuration and seed {_seed(kept)}): left out, "

@@ -40,6 +40,40 @@ def load_checkpoint(path, map_location="cpu", what: str = "checkpoint") -> dict:
     return state
 
 
+def load_model_weights(model, path, map_location="cpu", what: str = "checkpoint", hint: str = "") -> dict:
+    """Load the ``model`` entry of the checkpoint ``path`` into ``model``; a file without one, or
+    with weights of other shapes, is a one-line :class:`CheckpointError` (``hint`` says what
+    the shapes depend on). Returns the whole checkpoint."""
+    path = Path(path)
+    state = load_checkpoint(path, map_location=map_location, what=what)
+    weights = state.get("model")
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise CheckpointError(f"{path} is not a cfbnn {what} (no model weights in it); delete it or point at "
+                              "another file")
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, ValueError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path} does not fit this model ({reason[:200]}){hint}") from None
+    return state
+
+
+def training_state_problem(state: dict) -> Optional[str]:
+    """Why a loaded ``last.pt`` cannot be a training state written by :func:`save_training_state`
+    (wrong types, a negative epoch, a missing field), or ``None``."""
+    epoch = state.get("epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        return f"its epoch is {epoch!r:.40}, not a count of finished epochs"
+    for key in ("model", "optimizer", "generators"):
+        if not isinstance(state.get(key), dict):
+            return f"its {key} is {'missing' if key not in state else 'a ' + type(state[key]).__name__}, not a dict"
+    if not all(isinstance(value, torch.Tensor) for value in state["model"].values()):
+        return "its model holds values that are not tensors"
+    if not all(isinstance(value, torch.Tensor) and value.dtype == torch.uint8 for value in state["generators"].values()):
+        return "its generator states are not byte tensors"
+    return None
+
+
 def save_training_state(path, model, optimizer, epoch: int, generators: Dict[str, torch.Generator],
                         fingerprint: Optional[str] = None, **extra) -> Path:
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
@@ -62,6 +96,10 @@ def restore_training_state(path, model, optimizer, generators: Dict[str, torch.G
     state = load_checkpoint(path, map_location=device, what="training checkpoint")
     if fingerprint is not None:
         refuse_other_config(str(path), state.get("config_fingerprint"), fingerprint)
+    problem = training_state_problem(state)
+    if problem is not None:
+        raise CheckpointError(f"{path} is not a cfbnn training checkpoint ({problem}); delete it or start a fresh "
+                              "run dir")
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .device import resolve_device
 from .errors import ConfigError
@@ -25,13 +25,43 @@ def _get(cfg: DictConfig, key: str):
 _MISSING = object()
 
 
-def require_int(cfg: DictConfig, key: str, minimum: int = None) -> int:
+def require_int(cfg: DictConfig, key: str, minimum: int = None, maximum: int = None, why: str = "") -> int:
     value = _get(cfg, key)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}={value!r} must be an integer")
+        raise ConfigError(f"{key}={_short(value)} must be an integer")
     if minimum is not None and value < minimum:
-        raise ConfigError(f"{key}={value} must be >= {minimum}")
+        raise ConfigError(f"{key}={_short(value)} must be >= {minimum}{why}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{key}={_short(value)} must be <= {maximum}{why}")
     return value
+
+
+def _short(value) -> str:
+    """A value as the user typed it, cut to fit one line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
+
+
+SEED_MAXIMUM = 2**32 - 1  # numpy's and Python's random generators take seeds in [0, 2**32)
+THREADS_PER_CORE = 4  # more threads than this per core only oversubscribes (and OpenMP crashes at ~1e6)
+
+
+def max_threads() -> int:
+    """The largest ``runtime.threads`` accepted: the machine's cores times :data:`THREADS_PER_CORE`."""
+    import os
+
+    return (os.cpu_count() or 1) * THREADS_PER_CORE
+
+
+def require_widths(cfg: DictConfig, key: str, minimum_length: int = 1, example: str = "[200,200]") -> list:
+    """A list of at least ``minimum_length`` positive integers (layer widths), as a plain list."""
+    value = _get(cfg, key)
+    widths = list(value) if isinstance(value, (list, tuple, ListConfig)) else None
+    if (widths is None or len(widths) < minimum_length
+            or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in widths)):
+        least = "non-empty" if minimum_length == 1 else f"{minimum_length} or more long"
+        raise ConfigError(f"{key}={_short(value)} must be a {least} list of positive integers, e.g. {example}")
+    return widths
 
 
 def require_positive_float(cfg: DictConfig, key: str) -> float:
@@ -59,12 +89,15 @@ def require_choice(cfg: DictConfig, key: str, choices: Iterable[Any]):
 def validate_common(cfg: DictConfig) -> None:
     """Check ``seed``, ``device``, ``resume``, ``runtime.threads``, ``runtime.flush_denormals``, ``trainer.epochs``, ``trainer.batch_size``,
     ``trainer.lr``."""
-    require_int(cfg, "seed", minimum=0)
+    require_int(cfg, "seed", minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")
     resolve_device(_get(cfg, "device"))
     require_bool(cfg, "resume")
     threads = _get(cfg, "runtime.threads")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"runtime.threads={threads!r} must be auto or a positive integer")
+        raise ConfigError(f"runtime.threads={_short(threads)} must be auto or a positive integer")
+    if threads != "auto" and threads > max_threads():
+        raise ConfigError(f"runtime.threads={threads} is more than {THREADS_PER_CORE} per core on this machine "
+                          f"({max_threads()} at most); use auto or a smaller number")
     require_bool(cfg, "runtime.flush_denormals")
     if OmegaConf.select(cfg, "trainer", default=None) is not None:
         require_int(cfg, "trainer.epochs", minimum=0)

@@ -19,9 +19,9 @@ class ConfigError(CfbnnError):
 
 
 class DataError(CfbnnError):
-    """A data file is missing or malformed."""
+    """A data file is missing or malformed (exit code 2: the user fixes the input)."""
 
-    exit_code = 1
+    exit_code = 2
 
 
 class CheckpointError(CfbnnError):

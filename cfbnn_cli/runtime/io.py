@@ -1,7 +1,10 @@
 """Atomic file writes: a temporary file in the same directory, then ``os.replace``.
 
 A reader (or a killed run) sees either the old file or the complete new one,
-never a half-written file.
+never a half-written file. The temporary file is named ``.<name>.cfbnn-<random>.tmp``:
+the marker lets :func:`remove_stale_temporary_files` delete only what a killed cfbnn
+write left behind, never a user's own ``.*.tmp`` files. ``os.replace`` swaps the
+directory entry: a link at the target is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -14,9 +17,15 @@ from typing import Any, List
 
 
 TEMPORARY_SUFFIX = ".tmp"
+TEMPORARY_MARKER = ".cfbnn-"
 
 
-def _file_mode() -> int:
+def temporary_name_pattern(name: str = "*") -> str:
+    """The glob of the temporary files :func:`atomic_write_bytes` makes for ``name``."""
+    return f".{name}{TEMPORARY_MARKER}*{TEMPORARY_SUFFIX}"
+
+
+def file_mode() -> int:
     """The mode ``open()`` would give a new file: 0o666 less the process umask
     (``mkstemp`` makes every file 0600, unlike the rest of the run dir)."""
     mask = os.umask(0)
@@ -27,9 +36,9 @@ def _file_mode() -> int:
 def atomic_write_bytes(path, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}", suffix=TEMPORARY_SUFFIX)
     try:
-        os.fchmod(fd, _file_mode())
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -79,16 +88,18 @@ def _json_default(value):
 
 def remove_stale_temporary_files(folder) -> List[str]:
     """Delete the temporary files of :func:`atomic_write_bytes` that a killed process left
-    under ``folder`` (``.<name>.<random>.tmp``); returns their paths relative to ``folder``.
+    directly in ``folder`` (``.<name>.cfbnn-<random>.tmp``; not in its subfolders, and no other
+    name); returns their names.
 
-    Call it only while no other process writes there (e.g. holding the run-dir lock).
+    Call it only while no other process writes there (e.g. holding the run-dir lock),
+    and only on folders cfbnn itself writes into.
     """
     folder = Path(folder)
-    if not folder.is_dir():
+    if folder.is_symlink() or not folder.is_dir():
         return []
     removed = []
-    for path in folder.rglob(f".*{TEMPORARY_SUFFIX}"):
+    for path in folder.glob(temporary_name_pattern()):
         if path.is_file() and not path.is_symlink():
             path.unlink(missing_ok=True)
-            removed.append(str(path.relative_to(folder)))
+            removed.append(path.name)
     return removed

@@ -12,8 +12,9 @@ Everything cfbnn keeps about a run dir (as opposed to the run's outputs) lives i
   lock when its owner dies, so a lock left by a killed run is simply taken over.
 
 The fingerprint ignores the keys that do not change results (:data:`IGNORED_KEYS`:
-``resume``, ``device``, ``runtime.threads``) and any string value that is a path inside the run dir
-(e.g. ``evaluation.checkpoint=<run dir>/checkpoints/best.pt``).
+``resume``, ``device``, ``runtime.threads``), records a path inside the run dir relative to
+it (a moved run dir still resumes), and covers every input file a key names by its size
+and SHA-256 (:func:`fingerprinted_config`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .errors import CheckpointError, ConfigError
-from .io import atomic_write_json, remove_stale_temporary_files
+from .io import file_mode, atomic_write_json, remove_stale_temporary_files
+from .safefs import UnsafePathError, open_no_follow
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +49,71 @@ def _flatten(tree, prefix: str = "") -> Dict[str, object]:
     return out
 
 
-def _is_path_inside(value: str, run_dir: Optional[Path]) -> bool:
-    if run_dir is None or not value or ("/" not in value and os.sep not in value):
-        return False
+def _looks_like_path(value: str) -> bool:
+    return bool(value) and ("/" in value or os.sep in value or bool(Path(value).suffix))
+
+
+def _inside(path: Path, run_dir: Optional[Path]) -> Optional[Path]:
+    """``path`` relative to ``run_dir`` if it lies inside it, else ``None``."""
+    if run_dir is None:
+        return None
     try:
-        return Path(value).resolve().is_relative_to(Path(run_dir).resolve())
-    except (OSError, ValueError):
-        return False
+        return path.resolve().relative_to(Path(run_dir).resolve())
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+_CONTENT_CACHE: Dict[Tuple[str, int, int, int], str] = {}
+
+
+def file_signature(path: Path) -> Optional[str]:
+    """``<size>:<sha256>`` of a regular file (``None`` for anything else), cached per process by
+    (path, inode, size, mtime) so that the several fingerprints of one run hash it once."""
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        key = (str(path.resolve()), info.st_ino, info.st_size, info.st_mtime_ns)
+        if key not in _CONTENT_CACHE:
+            digest = hashlib.sha256()
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+            _CONTENT_CACHE[key] = f"{info.st_size}:{digest.hexdigest()}"
+        return _CONTENT_CACHE[key]
+    except OSError:
+        return None
 
 
 def fingerprinted_config(cfg, run_dir=None) -> Dict[str, object]:
-    """The flattened resolved config that the fingerprint covers (ignored keys removed)."""
+    """The flattened resolved config that the fingerprint covers.
+
+    The keys of :data:`IGNORED_KEYS` are left out. A value naming a path inside the run
+    dir is recorded relative to it (``<run dir>/x.csv``), so a run dir that was moved still
+    resumes. A value naming an existing regular file adds ``<key>#content``, its size and
+    SHA-256: a data file edited or swapped between a run and its resume changes the
+    fingerprint. Files in cfbnn's own folders of the run dir (its checkpoints) change
+    while the run goes on and are covered by path only.
+    """
     from omegaconf import DictConfig, OmegaConf
 
     container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     container.pop("hydra", None)
-    flat = _flatten(container)
-    return {
-        key: value for key, value in sorted(flat.items())
-        if key not in IGNORED_KEYS and not (isinstance(value, str) and _is_path_inside(value, run_dir))
-    }
+    out: Dict[str, object] = {}
+    for key, value in sorted(_flatten(container).items()):
+        if key in IGNORED_KEYS:
+            continue
+        if isinstance(value, str) and _looks_like_path(value):
+            path = Path(value).expanduser()
+            relative = _inside(path, run_dir)
+            if relative is not None:
+                value = f"<run dir>/{relative.as_posix()}"
+            own = relative is not None and relative.parts[:1] in {(name,) for name in OWN_FOLDERS}
+            signature = None if own else file_signature(path)
+            if signature is not None:
+                out[f"{key}#content"] = signature
+        out[key] = value
+    return dict(sorted(out.items()))
 
 
 def config_fingerprint(cfg, run_dir=None) -> str:
@@ -88,11 +136,26 @@ def differing_keys(recorded: Dict[str, object], current: Dict[str, object]) -> L
 
 def refuse_other_config(what: str, recorded: Optional[str], current: str) -> None:
     """Raise :class:`ConfigError` unless a file's recorded fingerprint is ``current``."""
-    if recorded != current:
+    if not isinstance(recorded, str) or recorded != current:
+        shown = recorded if isinstance(recorded, str) and recorded else "none"
         raise ConfigError(
-            f"{what} was written by another configuration (fingerprint {recorded or 'none'}, this run's is {current}); "
+            f"{what} was written by another configuration (fingerprint {shown:.40}, this run's is {current}); "
             "resume=true continues only the same configuration: start a fresh run dir, or delete it"
         )
+
+
+# the folders cfbnn writes inside a run dir (beside the run dir itself)
+OWN_FOLDERS = (STATE_FOLDER, ".hydra", "checkpoints", "distributed")
+
+
+def refuse_links_inside(run_dir, *names: str) -> None:
+    """Raise :class:`ConfigError` if any of ``names`` inside ``run_dir`` is a symbolic link: cfbnn
+    would write through it (a linked ``checkpoints/`` sends every checkpoint elsewhere)."""
+    for name in names:
+        path = Path(run_dir) / name
+        if path.is_symlink():
+            raise ConfigError(f"{path} is a symbolic link; cfbnn does not write through links in a run dir: "
+                              "remove the link, or choose another hydra.run.dir")
 
 
 # ----------------------------------------------------------------------------- the lock
@@ -112,14 +175,21 @@ class RunDirLock:
 
     def _owner(self) -> str:
         try:
-            info = json.loads(self.path.read_text() or "{}")
-        except (OSError, ValueError):
+            info = json.loads(self.path.read_text(errors="replace")[:4096] or "{}")
+        except (OSError, ValueError, RecursionError):
+            return "another process"
+        if not isinstance(info, dict):
             return "another process"
         return f"pid {info.get('pid', '?')} on {info.get('host', '?')} (since {info.get('started', '?')})"
 
     def acquire(self) -> "RunDirLock":
+        refuse_links_inside(self.path.parent.parent, STATE_FOLDER)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")
+        # never through a link: the lock is truncated below, and its old content logged
+        try:
+            handle = os.fdopen(open_no_follow(self.path, os.O_RDWR | os.O_CREAT, file_mode()), "r+")
+        except UnsafePathError as error:
+            raise ConfigError(f"{error}, or choose another hydra.run.dir") from None
         try:
             import fcntl
 
@@ -190,9 +260,9 @@ def _read_record(run_dir: Path) -> Optional[dict]:
         if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
             raise ValueError("not a cfbnn config record")
         return record
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:
         raise CheckpointError(
-            f"{path} is unreadable ({error}); it records which configuration owns {run_dir}. "
+            f"{path} is unreadable ({type(error).__name__}: {str(error)[:200]}); it records which configuration owns {run_dir}. "
             "Start a fresh run dir (another hydra.run.dir), or delete that file and run with resume=false"
         ) from None
 
@@ -208,7 +278,9 @@ def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
     new run is never mistaken for the old finished one.
     """
     run_dir = Path(run_dir)
-    removed = remove_stale_temporary_files(run_dir)
+    refuse_links_inside(run_dir, *OWN_FOLDERS)
+    removed = [str(Path(sub) / name) for sub in ("",) + OWN_FOLDERS
+               for name in remove_stale_temporary_files(run_dir / sub)]
     if removed:
         log.info("removed %d temporary file(s) left by a killed run: %s", len(removed), ", ".join(removed))
     current = fingerprinted_config(cfg, run_dir)

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .safefs import UnsafePathError, cache_root, open_no_follow, private_directory
+
 log = logging.getLogger(__name__)
 
 _REGISTRY: Optional["JobRegistry"] = None
@@ -80,19 +82,21 @@ class JobRegistry:
     removed."""
 
     def __init__(self, folder: Optional[Path] = None):
-        root = os.environ.get("CFBNN_CACHE_DIR") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "cfbnn")
-        self.folder = Path(folder) if folder is not None else Path(root) / "jobs"
+        self.folder = Path(folder) if folder is not None else cache_root() / "jobs"
         self._handle = None
+        self._name = None
 
     def register(self) -> None:
         import fcntl
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        # private: another user could otherwise plant a link named after our pid
+        private_directory(self.folder.parent)
+        private_directory(self.folder)
         path = self.folder / f"{socket.gethostname()}-{os.getpid()}"
-        handle = open(path, "w")
+        handle = os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._handle = handle
+        self._name = path.name
 
     def count(self) -> int:
         """Live jobs, this one included (stale files are removed on the way)."""
@@ -100,11 +104,13 @@ class JobRegistry:
 
         live = 0
         for path in self.folder.glob(f"{socket.gethostname()}-*"):
-            if self._handle is not None and path.name == Path(self._handle.name).name:
+            if path.name == self._name:
                 live += 1
                 continue
+            if path.is_symlink():  # not a file this registry wrote: neither followed nor removed
+                continue
             try:
-                with open(path) as handle:
+                with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as handle:
                     try:
                         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except BlockingIOError:
@@ -138,6 +144,8 @@ def configure_threads(setting="auto") -> int:
                 _REGISTRY = JobRegistry()
                 _REGISTRY.register()
             jobs = _REGISTRY.count()
+        except UnsafePathError as error:  # a link or someone else's folder: refused, said once
+            log.warning("cfbnn job registry refused (%s); counting this job alone", error)
         except (OSError, ImportError) as error:  # no writable cache or no flock: count this job alone
             log.debug("cfbnn job registry unavailable (%s)", error)
     threads = threads_for(setting, jobs)

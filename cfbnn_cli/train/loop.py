@@ -34,7 +34,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..runtime import distributed, threads
-from ..runtime.checkpoints import load_checkpoint, restore_training_state, save_training_state
+from ..runtime.checkpoints import load_model_weights, restore_training_state, save_training_state
+from ..runtime.errors import CheckpointError
 from ..runtime.io import atomic_torch_save, atomic_write_text
 from ..runtime.numerics import ensure_finite
 
@@ -122,7 +123,15 @@ class TrainingLoop:
                                        self.fingerprint)
         if state is None:
             return 0
-        self.history, self.best, self.start_epoch = list(state["history"]), dict(state["best"]), int(state["epoch"])
+        history, best = state.get("history"), state.get("best")
+        if (not isinstance(history, list) or not all(isinstance(row, dict) for row in history)
+                or not isinstance(best, dict) or isinstance(best.get("epoch"), bool)
+                or not isinstance(best.get("epoch"), int) or not 0 <= best["epoch"] <= state["epoch"]
+                or not isinstance(state.get("extra", {}), dict) or state["epoch"] > self.epochs):
+            raise CheckpointError(f"{self.last_path} is not a checkpoint of this training loop (its history, best "
+                                  f"epoch or epoch {state['epoch']} of {self.epochs} is malformed); delete it or start "
+                                  "a fresh run dir")
+        self.history, self.best, self.start_epoch = list(history), dict(best), int(state["epoch"])
         self.extra.clear()
         self.extra.update(state.get("extra", {}))
         log.info("%s: resumed from %s after epoch %d", self.label, self.last_path, self.start_epoch)
@@ -156,7 +165,7 @@ class TrainingLoop:
             return True
         if self.best_path is None or not self.best_path.exists():
             return False
-        self.model.load_state_dict(load_checkpoint(self.best_path, self.device, "best-epoch checkpoint")["model"])
+        load_model_weights(self.model, self.best_path, self.device, "best-epoch checkpoint")
         return True
 
     def _copy_state(self) -> dict:

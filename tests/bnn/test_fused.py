@@ -173,6 +173,25 @@ def test_the_fused_tail_is_finite_at_the_extremes_in_float32():
     assert all(torch.isfinite(grad).all() for grad in grads)
 
 
+def test_the_fused_tail_takes_a_precision_beyond_float64_as_the_reference_path_does():
+    """An L-BFGS line search can probe log beta = 800 (exp overflows float64): the fused tail
+    must give the reference path's -inf ELL, not raise OverflowError (seen on a 2,000-column
+    CSV)."""
+    from cfbnn_cli.moments import fast_path, get_activation
+
+    g_act = get_activation("relu")
+    gamma, xi2, loc, log_scale, y, _ = _tail_case(DT, True, rows=5, width=4)
+    for log_beta in (700.0, 800.0, 1e6):
+        log_precision = torch.tensor(log_beta, dtype=DT)
+        op = fused.normal_tail_op(g_act, loc, log_scale, y)
+        ell = fused.normal_ell_given_preactivation(gamma, xi2, op, loc, log_scale, y, log_precision)
+        with fast_path(False):
+            phi, _, variance = g_act.moments(gamma, xi2.sqrt(), return_variance=True)
+            reference = fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision)
+        torch.testing.assert_close(ell, reference)
+        assert (ell < -1e100).all()
+
+
 def test_the_fused_tail_declines_what_it_does_not_cover():
     from cfbnn_cli.moments import fast_path, get_activation
 

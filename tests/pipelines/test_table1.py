@@ -156,7 +156,7 @@ def test_cli_end_to_end_small(tmp_path, cfbnn, tiny_overrides):
     assert (run_dir / "done").exists()
     missing = cfbnn("train", "regression", f"hydra.run.dir={tmp_path / 'r2'}", "data=year_prediction_msd",
                     f"data.path={tmp_path}/none.txt")
-    assert missing.returncode == 1 and "fetch_year_prediction_msd.py" in missing.stdout + missing.stderr
+    assert missing.returncode == 2 and "fetch_year_prediction_msd.py" in missing.stdout + missing.stderr
 
 
 @pytest.mark.slow

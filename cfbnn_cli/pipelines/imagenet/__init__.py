@@ -44,9 +44,9 @@ from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float
 from ...runtime.device import resolve_device
-from ...runtime.errors import ConfigError
+from ...runtime.errors import CheckpointError, ConfigError
 from ...runtime import distributed
-from ...runtime.checkpoints import load_checkpoint
+from ...runtime.checkpoints import load_model_weights
 from ...runtime.rundir import config_fingerprint
 from ...runtime.seed import seed_everything
 from ...train import TrainingLoop
@@ -98,9 +98,12 @@ def compute_features(cfg, device):
     fields = {"data": cfg.data.name, **OmegaConf.to_container(cfg.data, resolve=True), **description}
     folder = feature_cache.cache_folder(cfg.features.cache_dir, fields)
     kwargs = dict(device=device, batch_size=cfg.features.batch_size, shard_size=cfg.features.shard_size,
-                  num_workers=cfg.features.get("num_workers", 0))
+                  num_workers=cfg.features.get("num_workers", 0), num_classes=num_classes)
     train = feature_cache.extract(train_set, "train", backbone, folder, fields, **kwargs)
     held_out = feature_cache.extract(held_out_set, "held_out", backbone, folder, fields, **kwargs)
+    if train[0].shape[1] != held_out[0].shape[1]:
+        raise CheckpointError(f"the feature cache {folder} holds train features of width {train[0].shape[1]} and "
+                              f"held-out features of width {held_out[0].shape[1]}; delete the folder to extract again")
     return {"train": train, "held_out": held_out, "num_classes": num_classes, "folder": folder}
 
 
@@ -185,11 +188,9 @@ def load_head(cfg, data, run_dir: Path, device) -> BayesianNetwork:
             "or set evaluation.checkpoint=/path/to/best.pt"
         )
     model = build_head(cfg, data).to(device)
-    try:
-        model.load_state_dict(load_checkpoint(path, device, "trained head")["model"])
-    except (RuntimeError, KeyError) as error:
-        raise ConfigError(f"{path} was trained with other sizes than model.hidden_sizes={list(cfg.model.hidden_sizes)} "
-                          f"and these features ({error.args[0].splitlines()[0]})") from error
+    load_model_weights(model, path, device, "trained head",
+                       hint=f"; was it trained with other sizes than model.hidden_sizes={list(cfg.model.hidden_sizes)} "
+                            "and these features?")
     return model.eval()
 
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ...runtime import distributed
 from ...runtime.checkpoints import load_checkpoint
-from ...runtime.errors import DataError
+from ...runtime.errors import CheckpointError, DataError
 from ...runtime.io import atomic_torch_save, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -83,14 +83,36 @@ def build_backbone(name: str, weights, device) -> Tuple[Optional[nn.Module], dic
     return model, description
 
 
+def load_feature_shard(path: Path) -> dict:
+    """One cached shard (``features`` (n, F) float, ``labels`` (n,) integers, ``ok`` (n,)), loaded
+    without running code and checked: a file of another structure is a one-line
+    :class:`CheckpointError` naming it."""
+    shard = load_checkpoint(path, what="feature shard")
+    features, labels, ok = (shard.get(key) for key in ("features", "labels", "ok"))
+    problem = None
+    if not all(isinstance(t, torch.Tensor) for t in (features, labels, ok)):
+        problem = "it lacks the tensors features, labels and ok"
+    elif features.dim() != 2 or not features.is_floating_point():
+        problem = f"its features are {tuple(features.shape)} {features.dtype}, not a (rows, features) float matrix"
+    elif labels.dim() != 1 or labels.is_floating_point() or labels.is_complex():
+        problem = "its labels are not one integer per row"
+    elif ok.dim() != 1 or not len(features) == len(labels) == len(ok):
+        problem = f"its features, labels and ok have {len(features)}, {len(labels)} and {len(ok)} rows"
+    if problem is not None:
+        raise CheckpointError(f"{path} is not a cfbnn feature shard ({problem}); delete {path.parent} to extract "
+                              "its features again")
+    return shard
+
+
 def cache_folder(cache_dir, fields: dict) -> Path:
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Path(cache_dir) / f"{fields.get('data', 'data')}-{fields.get('backbone', 'backbone')}-{digest}"
 
 
 def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fields: dict, device,
-            batch_size: int = 128, shard_size: int = 4096, num_workers: int = 0):
-    """``(features float16 (N, F), labels (N,), skipped)`` for ``dataset``, cached in ``folder``."""
+            batch_size: int = 128, shard_size: int = 4096, num_workers: int = 0, num_classes: Optional[int] = None):
+    """``(features float16 (N, F), labels (N,), skipped)`` for ``dataset``, cached in ``folder``
+    (every shard checked: one width, labels in ``0..num_classes-1``)."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest_path = folder / "manifest.json"
     if manifest_path.exists():
@@ -125,7 +147,17 @@ def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fi
                         bar.update(len(label))
                 atomic_torch_save({"features": torch.cat(features), "labels": torch.cat(labels), "ok": torch.cat(ok)}, paths[index])
     distributed.barrier()  # every rank's shards are on disk before anyone reads them
-    parts = [load_checkpoint(path, what="feature shard") for path in paths]
+    parts = [load_feature_shard(path) for path in paths]
+    widths = sorted({p["features"].shape[1] for p in parts})
+    # an unreadable image's row (ok = 0) carries a placeholder label
+    labels_seen = torch.cat([p["labels"][p["ok"].bool()] for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
+    if len(widths) > 1 or (num_classes is not None and len(labels_seen)
+                           and not 0 <= int(labels_seen.min()) <= int(labels_seen.max()) < num_classes):
+        problem = (f"its shards hold features of widths {widths}" if len(widths) > 1 else
+                   f"its labels run from {int(labels_seen.min())} to {int(labels_seen.max())}, outside the "
+                   f"{num_classes} classes of the data")
+        raise CheckpointError(f"the feature cache {folder} is inconsistent ({problem}); delete the folder to "
+                              "extract its features again")
     features = torch.cat([p["features"] for p in parts])
     labels = torch.cat([p["labels"] for p in parts])
     ok = torch.cat([p["ok"] for p in parts]).bool()

@@ -24,12 +24,12 @@ from tqdm.auto import tqdm
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
 from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork, mixture_log_likelihood, mixture_mean
 from ...bnn.gradient_variance import gradient_variance
-from ...data.regression import RegressionData, load_regression_data
+from ...data.regression import RegressionData, load_regression_data, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import caption, legend_below, new_figure, save_figure
 from ...report.numbers import format_value
 from ...report.tables import write_table
-from ...runtime.checks import require_choice, require_int, require_positive_float
+from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
 from ...runtime import distributed
@@ -55,9 +55,8 @@ def validate(cfg: DictConfig) -> None:
     require_choice(cfg, "likelihood", LIKELIHOODS)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_choice(cfg, "model.prior", list(PRIORS))
-    sizes = OmegaConf.select(cfg, "model.hidden_sizes")
-    if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
-        raise ConfigError(f"model.hidden_sizes={sizes} must be a non-empty list of positive integers, e.g. [200,200]")
+    validate_data_config(cfg)
+    require_widths(cfg, "model.hidden_sizes", example="[200,200]")
     require_positive_float(cfg, "model.prior_scale")
     require_positive_float(cfg, "model.init_scale")
     require_positive_float(cfg, "model.precision")
@@ -233,9 +232,15 @@ def _plot_gradient_variance(results, path, description: str, last_epoch: int, co
             values = [results[epoch][estimator][layer][kind] for layer, kind in pairs]
             ax.bar([i + offset for i in range(len(values))], values, width, label=ESTIMATOR_LABELS[estimator],
                    **styles[estimator])
-            low, high = min(low, min(v for v in values if v > 0)), max(high, max(values))
+            positive = [v for v in values if v > 0]  # a log axis shows no 0 (nothing sampled: exact)
+            if positive:
+                low, high = min(low, min(positive)), max(high, max(positive))
         for i, (layer, kind) in enumerate(pairs):
             analytic, sampling = results[epoch]["analytic"][layer][kind], results[epoch]["sampling"][layer][kind]
+            for offset, value, color in ((-width / 2, analytic, "C0"), (width / 2, sampling, "C1")):
+                if value == 0:  # exactly 0 (that layer is integrated, not sampled): said where its bar would stand
+                    ax.text(i + offset, 0.02, "0", transform=ax.get_xaxis_transform(), ha="center", va="bottom",
+                            fontsize=8, color=color)
             if analytic > 0:
                 ax.annotate(f"×{format_value(sampling / analytic, sig=2)}", (i, max(analytic, sampling)),
                             xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=7)
@@ -244,6 +249,11 @@ def _plot_gradient_variance(results, path, description: str, last_epoch: int, co
         ax.set_xticklabels([f"{layer}\n{KIND_LABELS[kind]}" for layer, kind in pairs])
         ax.set_title(epoch_heading(epoch, last_epoch, converged))
         ax.grid(axis="y", alpha=0.3)
+    if high == 0.0:  # every variance is exactly 0: the network is integrated in closed form throughout
+        low, high = 1e-12, 1e-9
+        for ax in axes:
+            ax.text(0.5, 0.5, "every gradient variance is 0\n(nothing is sampled)", transform=ax.transAxes,
+                    ha="center", va="center", fontsize=8)
     axes[0].set_ylim(low / 3, high * 30)  # room above the tallest pair for its ratio
     axes[0].set_ylabel("gradient variance\n(mean over the tensor's elements)")
     legend_below(fig, axes)

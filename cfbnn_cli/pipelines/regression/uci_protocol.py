@@ -79,12 +79,12 @@ from tqdm.auto import tqdm
 
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
 from ...bnn.network import PRIORS, BayesianNetwork, mixture_log_likelihood, mixture_mean
-from ...data.regression import RegressionData, RegressionTable, load_regression_table
+from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import new_figure, save_figure
 from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
-from ...runtime.checks import require_choice, require_int, require_positive_float
+from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
 from ...runtime.device import resolve_device
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
@@ -132,10 +132,8 @@ def validate(cfg: DictConfig) -> List[str]:
     require_positive_float(cfg, "uci.rtol")
     require_positive_float(cfg, "trainer.lr")
     require_choice(cfg, "model.prior", list(PRIORS))
-    deep = OmegaConf.select(cfg, "uci.deep_hidden_sizes")
-    if not deep or len(deep) < 2 or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in deep):
-        raise ConfigError(f"uci.deep_hidden_sizes={deep} must list two or more positive widths (the deterministic "
-                          "methods' hidden layers), e.g. [50, 50]")
+    # the deterministic methods' hidden layers
+    require_widths(cfg, "uci.deep_hidden_sizes", minimum_length=2, example="[50,50]")
     validation = OmegaConf.select(cfg, "uci.validation_fraction")
     if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
         raise ConfigError(f"uci.validation_fraction={validation!r} must be a number in (0, 0.5): the share of each "
@@ -145,12 +143,10 @@ def validate(cfg: DictConfig) -> List[str]:
     require_positive_float(cfg, "uci.sampling_init_scale")
     require_positive_float(cfg, "model.prior_scale")
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
-    sizes = OmegaConf.select(cfg, "model.hidden_sizes")
-    if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
-        raise ConfigError(f"model.hidden_sizes={sizes} must be a non-empty list of positive widths, e.g. [50]")
-    fraction = OmegaConf.select(cfg, "data.test_fraction")
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        raise ConfigError(f"data.test_fraction={fraction!r} must be a number strictly between 0 and 1 (the protocol uses 0.1)")
+    sizes = require_widths(cfg, "model.hidden_sizes", example="[50]")
+    validate_data_config(cfg)
+    if OmegaConf.select(cfg, "data.test_fraction", default=None) is None:
+        raise ConfigError("data.test_fraction is missing: the protocol needs it (the paper uses 0.1)")
     methods = OmegaConf.select(cfg, "uci.methods")
     methods = list(methods) if methods is not None else []
     unknown = [m for m in methods if m not in METHODS]
@@ -500,17 +496,60 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+# what every finished (split, method) record holds: numbers (finite or not: a diverged fit is
+# a result), counts and flags; the summary averages these over splits, so none may be missing
+_PROGRESS_NUMBERS = ("test_ll", "rmse", "train_seconds", "predict_seconds_per_1000", "noise_std")
+_PROGRESS_FLAGS = ("converged", "stopped_early")
+
+
+def _progress_record_problem(record) -> Optional[str]:
+    """Why ``record`` is not a finished (split, method) record, or ``None``."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not an object"
+    split, method = record.get("split"), record.get("method")
+    if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+        return f"split {split!r:.40} is not a non-negative integer"
+    if not isinstance(method, str) or method not in METHODS:
+        return f"method {method!r:.40} is not one of the protocol's methods"
+    for key in _PROGRESS_NUMBERS:
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, int) and abs(value) > 1e300):
+            return f"split {split} {method}: {key} is {'missing' if value is None else repr(value)[:40]}, not a number"
+    iterations = record.get("iterations")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
+        return f"split {split} {method}: iterations {iterations!r:.40} is not a count"
+    for key in _PROGRESS_FLAGS:
+        if not isinstance(record.get(key), bool):
+            return f"split {split} {method}: {key} is not true/false"
+    equal = record.get("equal_time_test_ll")
+    if equal is not None and (isinstance(equal, bool) or not isinstance(equal, (int, float))
+                              or (isinstance(equal, int) and abs(equal) > 1e300)):
+        return f"split {split} {method}: equal_time_test_ll is not a number"
+    return None
+
+
 def read_progress(path: Path, fingerprint: str, n_splits: int, methods: List[str]) -> List[dict]:
-    """The finished (split, method) records of ``uci_progress.json``, if this configuration wrote them."""
+    """The finished (split, method) records of ``uci_progress.json``, if this configuration wrote them.
+
+    Every record is checked (types, ranges, required fields, one record per (split,
+    method)); anything else is a one-line :class:`CheckpointError` naming the file."""
     try:
+        if not path.is_file():
+            raise ValueError("not a regular file")
         progress = json.loads(path.read_text())
+        if not isinstance(progress, dict):
+            raise ValueError(f"a {type(progress).__name__}, not an object")
         records = progress["records"]
-        if not isinstance(records, list) or not all(
-            isinstance(r, dict) and isinstance(r.get("split"), int) and r.get("method") in METHODS
-            and isinstance(r.get("test_ll"), (int, float)) for r in records
-        ):
-            raise ValueError("its records are not (split, method, test_ll, ...) entries")
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        if not isinstance(records, list):
+            raise ValueError("its records are not a list")
+        for record in records:
+            problem = _progress_record_problem(record)
+            if problem is not None:
+                raise ValueError(f"a record is not a finished (split, method) result: {problem}")
+        keys = [(r["split"], r["method"]) for r in records]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a (split, method) appears twice")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise CheckpointError(
             f"cannot read {path} ({type(error).__name__}: {str(error)[:200]}); delete it to re-run every split, "
             "or start a fresh run dir"

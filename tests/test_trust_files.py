@@ -1,0 +1,288 @@
+"""Trust, files: the kernel cache loads only what this user built, no link inside a run dir or
+the cache is written through, temporary-file cleanup touches only the CLI's own names, and
+the config fingerprint covers input files by content. Each test first builds the fault the
+issue "Trust, second pass" reproduced (a planted library, a link, a swapped data file), then
+checks the named error or the correct result."""
+
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from omegaconf import open_dict
+
+from cfbnn_cli.cli import compose_config
+from cfbnn_cli.moments import fast
+from cfbnn_cli.runtime import safefs
+from cfbnn_cli.runtime.errors import ConfigError
+from cfbnn_cli.runtime.io import atomic_write_text, remove_stale_temporary_files
+from cfbnn_cli.runtime.rundir import claim_run_dir, config_fingerprint
+from cfbnn_cli.runtime.threads import JobRegistry
+
+REGRESSION = [
+    "data.n_train=200", "data.n_test=50", "data.input_dim=4", "model.hidden_sizes=[8,8]", "trainer.epochs=2",
+    "trainer.batch_size=50", "gradient_variance.num_samples=20", "gradient_variance.batch_size=50",
+    "evaluation.num_samples=4", "device=cpu",
+]
+AS_ROOT = os.geteuid() == 0
+
+
+def cfbnn(*args, timeout=300, env=None):
+    return subprocess.run([sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True,
+                          env=dict(os.environ, HYDRA_FULL_ERROR="0", **(env or {})), timeout=timeout)
+
+
+def one_line_error(out, code=2):
+    text = out.stdout + out.stderr
+    assert out.returncode == code, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    return text
+
+
+# ----------------------------------------------------------------------------- the kernel cache
+
+needs_kernels = pytest.mark.skipif(fast.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)")
+
+LOAD_KERNELS = """
+    import warnings
+    warnings.simplefilter("always")
+    from cfbnn_cli.moments import fast
+    info = fast.fast_path_info()
+    print("AVAILABLE", info["available"], "CACHED", info.get("cached"))
+    print("ERROR", info.get("error"))
+    """
+
+
+COPYING_COMPILER = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "copying-c++ 1.0"; exit 0; fi
+out=""; previous=""
+for argument in "$@"; do [ "$previous" = "-o" ] && out="$argument"; previous="$argument"; done
+cp {good} "$out"
+"""  # a stand-in compiler that 'builds' by copying the library this test process built: what the
+# cache does around a build is tested without a real 20-second build per test
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """A cache as a first run leaves it (built by the copying compiler), copied by each test."""
+    folder = tmp_path_factory.mktemp("built")
+    compiler = folder / "copying-c++"
+    good = fast.fast_path_info()["library"]
+    compiler.write_text(COPYING_COMPILER.format(good=good))
+    compiler.chmod(0o755)
+    out = _load_in_subprocess(folder / "cache", compiler)
+    assert "AVAILABLE True CACHED False" in out.stdout, out.stdout + out.stderr
+    return folder / "cache", compiler
+
+
+def _copy_of(built_cache, tmp_path):
+    cache, compiler = built_cache
+    shutil.copytree(cache, tmp_path / "cache")
+    return tmp_path / "cache", compiler
+
+
+def _load_in_subprocess(cache, compiler):
+    env = dict(os.environ, CFBNN_CACHE_DIR=str(cache), CXX=str(compiler))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(LOAD_KERNELS)], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _built_library(cache):
+    libraries = list(cache.glob("moments-*/cfbnn_moments.so"))
+    assert len(libraries) == 1, libraries
+    return libraries[0]
+
+
+def _planted_library(tmp_path, marker):
+    """A shared library whose constructor creates ``marker`` when it is loaded."""
+    source = tmp_path / "planted.c"
+    source.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{\n'
+                      f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\nint cfbnn_abi(void) {{ return 15; }}\n')
+    library = tmp_path / "planted.so"
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the planted library")
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    return library
+
+
+@needs_kernels
+def test_a_fresh_cache_is_private_and_records_each_librarys_hash(built_cache, tmp_path):
+    cache, compiler = built_cache
+    library = _built_library(cache)
+    for folder in (cache, library.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert (library.parent / "cfbnn_moments.so.sha256").read_text().strip() == safefs.sha256_of_file(library)
+    cache, compiler = _copy_of(built_cache, tmp_path)
+    again = _load_in_subprocess(cache, compiler)
+    assert "AVAILABLE True CACHED True" in again.stdout and "rebuilding" not in again.stderr
+
+
+@needs_kernels
+@pytest.mark.parametrize("forge_hash", [False, True])
+def test_a_planted_library_is_never_loaded(built_cache, tmp_path, forge_hash):
+    """The fault: a .so with a constructor at the cache path ran as the user. Now its bytes
+    must match the hash recorded at build time (or, with a forged record, the record and the
+    library must be the user's own and writable by nobody else) before anything loads it."""
+    cache, compiler = _copy_of(built_cache, tmp_path)
+    library = _built_library(cache)
+    marker = tmp_path / "planted-code-ran"
+    shutil.copy(_planted_library(tmp_path, marker), library)
+    if forge_hash:
+        if not AS_ROOT:
+            pytest.skip("a file of another user can be made only as root")
+        record = library.parent / "cfbnn_moments.so.sha256"
+        record.write_text(safefs.sha256_of_file(library) + "\n")
+        os.chown(library, 12345, 12345)  # planted by someone else, hash record and all
+    out = _load_in_subprocess(cache, compiler)
+    assert out.returncode == 0, out.stderr
+    assert not marker.exists(), "the planted library's code ran"
+    reason = "owned by uid 12345" if forge_hash else "does not match the content hash"
+    assert reason in out.stderr and "rebuilding it" in out.stderr
+    assert "AVAILABLE True" in out.stdout  # rebuilt, and the fast path still serves
+    assert safefs.sha256_of_file(library) == safefs.sha256_of_file(fast.fast_path_info()["library"])
+
+
+@needs_kernels
+@pytest.mark.parametrize("damage", ["truncated", "random bytes"])
+def test_a_damaged_library_is_rebuilt_with_one_warning_instead_of_sigbus(built_cache, tmp_path, damage):
+    cache, compiler = _copy_of(built_cache, tmp_path)
+    library = _built_library(cache)
+    data = library.read_bytes()
+    library.write_bytes(data[: len(data) // 3] if damage == "truncated" else os.urandom(len(data)))
+    out = _load_in_subprocess(cache, compiler)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # was 135 (SIGBUS) for a truncated file
+    warnings = [line for line in out.stderr.splitlines() if "not loading the cached kernel library" in line]
+    assert len(warnings) == 1 and "does not match the content hash" in warnings[0]
+    assert "AVAILABLE True CACHED False" in out.stdout
+
+
+def test_a_cache_directory_owned_by_someone_else_is_refused_and_the_torch_path_serves(tmp_path, monkeypatch):
+    cache = tmp_path / "shared-cache"
+    cache.mkdir(mode=0o777)
+    monkeypatch.setenv("CFBNN_CACHE_DIR", str(cache))
+    monkeypatch.setattr(safefs, "_this_user", lambda: os.geteuid() + 1)  # the directory is now "someone else's"
+    library, info = fast._load(rebuild=False)
+    assert library is None and "kernel cache refused" in info["error"] and "not by you" in info["error"]
+    assert not any(cache.iterdir())  # nothing built, nothing loaded from there
+
+
+def test_a_cache_directory_of_ours_is_narrowed_to_0700_and_a_link_is_refused(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    os.chmod(mine, 0o777)
+    safefs.private_directory(mine)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(safefs.UnsafePathError, match="is a symbolic link"):
+        safefs.private_directory(link)
+
+
+# ----------------------------------------------------------------------------- links are not written through
+
+
+def test_the_job_registry_neither_writes_through_nor_removes_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    jobs = tmp_path / "cache" / "jobs"
+    jobs.mkdir(parents=True)
+    (jobs / f"{socket.gethostname()}-{os.getpid()}").symlink_to(victim)
+    with pytest.raises(safefs.UnsafePathError, match="symbolic link"):
+        JobRegistry(jobs).register()
+    assert victim.read_text() == "precious"  # was truncated
+    (jobs / f"{socket.gethostname()}-{os.getpid()}").unlink()
+    other = jobs / f"{socket.gethostname()}-999999"
+    other.symlink_to(victim)
+    registry = JobRegistry(jobs)
+    registry.register()
+    assert registry.count() == 1
+    assert other.is_symlink() and victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("link", [".cfbnn/lock", "train_regression.log", "checkpoints"])
+def test_a_link_in_a_run_dir_is_refused_with_one_line_and_its_target_is_untouched(tmp_path, link):
+    run = tmp_path / "run"
+    victim_dir = tmp_path / "victim"
+    victim_dir.mkdir()
+    victim = victim_dir / "file.txt"
+    victim.write_text("precious\n")
+    (run / link).parent.mkdir(parents=True, exist_ok=True)
+    (run / link).symlink_to(victim_dir if link == "checkpoints" else victim)
+    text = one_line_error(cfbnn("train", "regression", f"hydra.run.dir={run}", *REGRESSION))
+    assert "symbolic link" in text and link.split("/")[-1] in text
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in victim_dir.iterdir()) == ["file.txt"]  # nothing written into a linked folder
+    if link != "train_regression.log":  # the lock's old content was copied into the log
+        assert "precious" not in (run / "train_regression.log").read_text()
+
+
+# ----------------------------------------------------------------------------- temporary files
+
+
+def test_cleanup_removes_only_the_clis_own_temporary_names_in_its_own_folders(tmp_path):
+    atomic_write_text(tmp_path / "kept.txt", "x")  # how the CLI names its temporary files
+    stale = tmp_path / ".results.json.cfbnn-x1y2z3.tmp"
+    stale.write_text("half")
+    mine = [tmp_path / ".notes.tmp", tmp_path / ".results.json.k1ll3d.tmp", tmp_path / "sub" / ".a.cfbnn-q.tmp"]
+    for path in mine:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("the user's")
+    assert remove_stale_temporary_files(tmp_path) == [stale.name]
+    assert all(path.read_text() == "the user's" for path in mine)
+
+
+# ----------------------------------------------------------------------------- the fingerprint covers input files
+
+
+def _claim(run, data_path, resume):
+    cfg = compose_config("train_regression", ["data=csv", "data.target=y", f"resume={str(resume).lower()}"])
+    with open_dict(cfg):
+        cfg.data.path = str(data_path)
+    return claim_run_dir(cfg, run)
+
+
+def test_resuming_with_another_data_file_is_refused_wherever_the_file_lies(tmp_path):
+    """The fault: with the first run's `done` removed, resume trained on a.csv and recorded b.csv
+    (paths inside the run dir were left out of the fingerprint)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "a.csv").write_text("x,y\n1,2\n3,4\n5,7\n")
+    (run / "b.csv").write_text("x,y\n1,2\n3,4\n5,9\n")
+    _claim(run, run / "a.csv", resume=False)
+    with pytest.raises(ConfigError, match=r"data.path#content"):
+        _claim(run, run / "b.csv", resume=True)
+    (run / "a.csv").write_text("x,y\n1,2\n3,4\n5,8\n")  # the same name, edited in place
+    with pytest.raises(ConfigError, match=r"data.path#content"):
+        _claim(run, run / "a.csv", resume=True)
+    outside = tmp_path / "data.csv"
+    outside.write_text("x,y\n1,2\n")
+    _claim(run, outside, resume=False)
+    outside.write_text("x,y\n1,3\n")
+    with pytest.raises(ConfigError, match=r"data.path#content"):
+        _claim(run, outside, resume=True)
+
+
+def test_the_fingerprint_records_an_input_files_size_and_hash_but_not_the_runs_own_checkpoints(tmp_path):
+    data = tmp_path / "d.csv"
+    data.write_text("x,y\n1,2\n")
+    cfg = compose_config("train_regression", REGRESSION)
+    with open_dict(cfg):
+        cfg.data.path = str(data)
+        cfg.evaluation.checkpoint = str(tmp_path / "run" / "checkpoints" / "best.pt")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "best.pt").write_bytes(b"one")
+    before = config_fingerprint(cfg, tmp_path / "run")
+    (tmp_path / "run" / "checkpoints" / "best.pt").write_bytes(b"two: the run itself rewrites it")
+    assert config_fingerprint(cfg, tmp_path / "run") == before
+    data.write_text("x,y\n1,3\n")
+    assert config_fingerprint(cfg, tmp_path / "run") != before
+    record = json.dumps(claim_run_dir(cfg, tmp_path / "run"))
+    assert record  # claimed without error
+    stored = json.loads((tmp_path / "run" / ".cfbnn" / "config.json").read_text())["config"]
+    assert stored["data.path#content"].startswith(f"{data.stat().st_size}:")
