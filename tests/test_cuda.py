@@ -142,3 +142,121 @@ def test_head_prediction_on_cuda_matches_cpu_float64():
                 logits = on_gpu.output_mean(x.to("cuda", dtype))
                 assert logits.device.type == "cuda" and logits.dtype == dtype
                 torch.testing.assert_close(logits.cpu().double(), reference, rtol=tolerance, atol=tolerance)
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+
+def _graph_failures(caplog):
+    return [r.getMessage() for r in caplog.records if "CUDA graph capture" in r.getMessage()]
+
+
+def _train_on_cuda(cuda_graphs, loss_hook=None, estimator="sampling", epochs=3):
+    """The Table 1 step on CUDA through the loop: 29 rows in batches of 8 (a last batch of 5)."""
+    from cfbnn_cli.train import TrainingLoop
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(29, 5, generator=g).cuda()
+    y = torch.randn(29, generator=g).cuda()
+    model = BayesianNetwork(5, [16, 16], generator=torch.Generator().manual_seed(0)).cuda()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    sampler = torch.Generator(device="cuda").manual_seed(3)
+
+    def loss(rows):
+        noise = model.sample_noise(rows.numel(), estimator, sampler)
+        value = -model.elbo(x[rows], y[rows], len(y), estimator, noise)
+        return loss_hook(value) if loss_hook is not None else value
+
+    loop = TrainingLoop(model, optimizer, loss, len(y), 8, torch.device("cuda"), epochs=epochs,
+                        data_generator=torch.Generator().manual_seed(1), generators={"sampler": sampler},
+                        cuda_graphs=cuda_graphs)
+    loop.run()
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, loop
+
+
+@pytest.mark.parametrize("estimator", ["sampling", "analytic", "deterministic"])
+def test_graphed_training_gives_the_eager_parameters_after_k_steps(caplog, estimator):
+    eager, _ = _train_on_cuda(False, estimator=estimator)
+    graphed, loop = _train_on_cuda(True, estimator=estimator)
+    assert loop.graphed is not None and loop.graphed.enabled, _graph_failures(caplog)
+    assert set(loop.graphed.graphs) == {8, 5}  # the last partial batch has a graph of its own
+    for name in eager:
+        torch.testing.assert_close(graphed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_graph_replays_draw_new_numbers_and_a_seed_reproduces_them():
+    first, _ = _train_on_cuda(True, epochs=2)
+    again, _ = _train_on_cuda(True, epochs=2)
+    for name in first:
+        assert torch.equal(first[name], again[name]), name
+    from cfbnn_cli.runtime.cuda_graphs import GraphedCall
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    draw = GraphedCall(lambda x: x + torch.randn(x.shape, generator=generator, device="cuda"), "cuda",
+                       generators=(generator,))
+    zeros = torch.zeros(1000, device="cuda")
+    draws = [draw(zeros) for _ in range(4)]  # eager, then three replays
+    assert draw.graphs and all(not torch.equal(a, b) for a, b in zip(draws, draws[1:]))
+    generator.manual_seed(0)
+    eager = [zeros + torch.randn(1000, generator=generator, device="cuda") for _ in range(4)]
+    for a, b in zip(draws, eager):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_step_that_cannot_be_captured_falls_back_with_one_log_line(caplog):
+    def synchronizes(value):
+        float(value)  # a host synchronization: not allowed inside a capture
+        return value
+
+    eager, _ = _train_on_cuda(False, loss_hook=synchronizes)
+    with caplog.at_level("WARNING"):
+        graphed, loop = _train_on_cuda(True, loss_hook=synchronizes)
+    assert not loop.graphed.enabled and len(_graph_failures(caplog)) == 1
+    for name in eager:
+        torch.testing.assert_close(graphed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_graphed_prediction_and_evaluation_equal_eager():
+    from cfbnn_cli.bnn.vae import BayesianDecoderVAE
+    from cfbnn_cli.pipelines.vae import importance_weighted_test_ll
+    from cfbnn_cli.runtime.cuda_graphs import GraphedCall
+
+    torch.manual_seed(0)
+    head = bayesian_head(64, [128, 128], 10, init_scale=0.3).cuda().eval()
+    x = torch.randn(300, 64, device="cuda")
+    with torch.no_grad():
+        graphed = GraphedCall(head.output_moments, "cuda")
+        for rows in (x[:128], x[128:256], x[:128], x[256:]):
+            for a, b in zip(graphed(rows), head.output_moments(rows)):
+                torch.testing.assert_close(a, b)
+        assert len(graphed.graphs) == 2 and graphed.enabled
+    vae = BayesianDecoderVAE(12, 3, [16], 8, "v3", init_scale=0.3, generator=torch.Generator().manual_seed(0)).cuda()
+    data = torch.randn(50, 12, device="cuda")
+    with_graphs = importance_weighted_test_ll(vae, data, 20, 3, 40, seed=5, cuda_graphs=True)
+    without = importance_weighted_test_ll(vae, data, 20, 3, 40, seed=5, cuda_graphs=False)
+    torch.testing.assert_close(with_graphs, without, rtol=1e-6, atol=1e-6)
+
+
+def test_graphed_gradient_draws_equal_eager():
+    torch.manual_seed(0)
+    model = BayesianNetwork(8, [16, 16]).cuda()
+    x, y = torch.randn(64, 8, device="cuda"), torch.randn(64, device="cuda")
+    results = [gradient_variance(model, x, y, 640, "sampling", 100, 25, torch.Generator(device="cuda").manual_seed(0),
+                                 cuda_graphs=flag) for flag in (True, False)]
+    for name in results[0]:
+        assert results[0][name] == pytest.approx(results[1][name], rel=1e-4), name
+
+
+@pytest.mark.parametrize("command", ["regression", "vae", "imagenet"])
+def test_every_pipeline_trains_graphed_on_cuda_without_a_fallback(tmp_path, caplog, regression_cfg, vae_cfg,
+                                                                  imagenet_cfg, command):
+    from cfbnn_cli.pipelines import imagenet, regression, vae
+
+    with caplog.at_level("WARNING"):
+        if command == "regression":
+            regression.run(regression_cfg("device=cuda"), tmp_path)
+        elif command == "vae":
+            vae.run(vae_cfg("device=cuda", "trainer.epochs=2"), tmp_path)
+        else:
+            imagenet.run(imagenet_cfg("device=cuda"), tmp_path / "run")
+    assert not _graph_failures(caplog)

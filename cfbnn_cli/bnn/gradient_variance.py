@@ -2,7 +2,8 @@
 
 Paper Table 1 protocol: fix one minibatch, draw many single-sample gradients of the
 negative ELBO, take the variance of every parameter element across draws and
-average it over each tensor.
+average it over each tensor. On CUDA each chunk of draws is one CUDA graph
+(:class:`~cfbnn_cli.runtime.cuda_graphs.GraphedCall`), so a chunk costs one launch.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from typing import Dict
 import torch
 from torch.func import functional_call, grad, vmap
 
+from ..moments import validate_args
 from ..runtime import threads
+from ..runtime.cuda_graphs import GraphedCall
 
 
-def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: int, chunk_size: int = 25, generator=None, progress=None) -> Dict[str, float]:
+def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: int, chunk_size: int = 25, generator=None,
+                      progress=None, cuda_graphs: bool = True) -> Dict[str, float]:
     """``{parameter name: mean over its elements of Var_samples[dL/dparam]}``.
 
     ``model`` is a :class:`cfbnn_cli.bnn.network.BayesianNetwork`. The KL term of the ELBO
@@ -41,13 +45,17 @@ def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: i
         return -scale * functional_call(model, p, (x, y, estimator, noise))
 
     per_sample = vmap(grad(negative_elbo), in_dims=(None, 0))
+    # the noise is drawn outside the graph (eagerly, one call); the draws' gradients inside it
+    draws = GraphedCall(lambda *noise: per_sample(params, noise), x.device, label="gradient draws",
+                        enabled=cuda_graphs)
     shift = sums = squares = None
     drawn = 0
     while drawn < num_samples:
         threads.rebalance()  # share the cores with other cfbnn jobs (once a second at most)
         count = min(chunk_size, num_samples - drawn)
         noise = model.sample_noise(x.shape[0], estimator, generator, num_samples=count)
-        grads = {k: v.double() for k, v in per_sample(params, noise).items()}
+        with validate_args(False):  # the argument checks would wait for the GPU inside the graph
+            grads = {k: v.double() for k, v in draws(*noise).items()}
         if shift is None:
             shift = {k: g.mean(0) for k, g in grads.items()}
             sums = {k: torch.zeros_like(s) for k, s in shift.items()}

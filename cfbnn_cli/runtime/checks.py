@@ -88,7 +88,7 @@ def require_choice(cfg: DictConfig, key: str, choices: Iterable[Any]):
 
 def validate_common(cfg: DictConfig) -> None:
     """Check ``seed``, ``device``, ``resume``, ``runtime.threads``, ``runtime.flush_denormals``, ``trainer.epochs``, ``trainer.batch_size``,
-    ``trainer.lr``."""
+    ``trainer.lr``, ``trainer.cuda_graphs``."""
     require_int(cfg, "seed", minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")
     resolve_device(_get(cfg, "device"))
     require_bool(cfg, "resume")
@@ -103,3 +103,4 @@ def validate_common(cfg: DictConfig) -> None:
         require_int(cfg, "trainer.epochs", minimum=0)
         require_int(cfg, "trainer.batch_size", minimum=1)
         require_positive_float(cfg, "trainer.lr")
+        require_bool(cfg, "trainer.cuda_graphs")

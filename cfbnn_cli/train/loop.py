@@ -6,7 +6,11 @@
   ``schedule`` of ``(steps, batch)`` row indices (the UCI protocol's equal budgets);
   under ``torchrun`` each rank takes its rows of every global batch
   (:func:`~cfbnn_cli.runtime.distributed.local_rows`), so N processes train as one;
-* the optimizer step, with the NaN/Inf guard (the message names the epoch and step);
+* the optimizer step, with the NaN/Inf guard (the message names the epoch and step); on
+  CUDA each step (forward, backward, Adam) runs as one CUDA graph per batch size
+  (:mod:`.graphs`; ``cuda_graphs=False``, i.e. ``trainer.cuda_graphs=false``, runs it
+  eagerly), and the guard checks the epoch's losses at its end instead of waiting for
+  the GPU at every step;
 * after each epoch: the pipeline's evaluation (``evaluate(epoch) -> metrics``) and hook
   (``after_epoch(epoch, row)``), the validation-picked ``checkpoints/best.pt``
   (``select=(metric, "max"|"min")``), ``checkpoints/last.pt`` (model, optimizer, epoch,
@@ -38,6 +42,7 @@ from ..runtime.checkpoints import load_model_weights, restore_training_state, sa
 from ..runtime.errors import CheckpointError
 from ..runtime.io import atomic_torch_save, atomic_write_text
 from ..runtime.numerics import ensure_finite
+from .graphs import GraphedTrainingStep
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,7 @@ class TrainingLoop:
     progress: Optional[tqdm] = None  # an outer bar to advance per step, instead of one per epoch
     extra: dict = field(default_factory=dict)  # the pipeline's state, saved in and restored from last.pt
     config: Optional[dict] = None  # the resolved config, recorded in last.pt
+    cuda_graphs: bool = True  # on CUDA, each step as one CUDA graph (train/graphs.py); trainer.cuda_graphs
 
     def __post_init__(self):
         self.history: List[dict] = []
@@ -103,6 +109,10 @@ class TrainingLoop:
             self.trained = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
         if self.schedule is not None:
             self.epochs = 1
+        # DDP's gradient hooks would need their own warm-up and capture: one process only
+        self.graphed = (GraphedTrainingStep(self.model, self.optimizer, self.loss, self.device,
+                                            list(self.generators.values()), self.label)
+                        if self.cuda_graphs and self.trained is self.model and self.device.type == "cuda" else None)
 
     # ----------------------------------------------------------------------------- state
 
@@ -189,6 +199,23 @@ class TrainingLoop:
         self.optimizer.step()
         return float(loss.detach())
 
+    def _graphed_step(self, rows: torch.Tensor, losses: torch.Tensor, step: int) -> None:
+        """One step through :class:`GraphedTrainingStep`: no host synchronization; the loss is
+        kept on the device in ``losses[step]`` (checked at the epoch's end)."""
+        threads.rebalance()
+        losses[step].copy_(self.graphed(rows))
+        if self.snapshot_after_seconds is not None:
+            torch.cuda.synchronize(self.device)  # the equal-time clock must time the GPU's work
+
+    def _epoch_total(self, losses: torch.Tensor, sizes: List[int], epoch: int) -> float:
+        """``-sum_k loss_k n_k`` of a graphed epoch, after the one NaN/Inf check of its losses."""
+        values = losses.tolist()  # the epoch's one synchronization
+        for step, value in enumerate(values):
+            if not math.isfinite(value):
+                ensure_finite(losses[step], epoch=epoch if self.schedule is None else None, step=step,
+                              what=f"{self.label} loss")
+        return -sum(value * size for value, size in zip(values, sizes))
+
     def run(self) -> TrainingResult:
         """Train from the restored epoch (call :meth:`restore` first to resume) to ``epochs``."""
         started = time.perf_counter()
@@ -198,6 +225,9 @@ class TrainingLoop:
             epoch_started = time.perf_counter()
             batches = self._batches()
             total = 0.0
+            graphed = self.graphed is not None and self.graphed.enabled
+            losses = torch.empty(len(batches), device=self.device) if graphed else None
+            sizes: List[int] = []
             own_bar = self.progress is None
             bar = tqdm(total=len(batches), desc=f"{self.label} epoch {epoch}/{self.epochs}", leave=False,
                        disable=not distributed.is_main()) if own_bar else self.progress
@@ -205,7 +235,11 @@ class TrainingLoop:
                 for step, batch in enumerate(batches):
                     rows = distributed.local_rows(batch)
                     step_started = time.perf_counter()
-                    total -= self._step(rows, epoch, step) * rows.numel()
+                    if graphed:
+                        self._graphed_step(rows, losses, step)
+                        sizes.append(rows.numel())
+                    else:
+                        total -= self._step(rows, epoch, step) * rows.numel()
                     self.training_seconds += time.perf_counter() - step_started
                     if (self.snapshot is None and self.snapshot_after_seconds is not None
                             and self.training_seconds >= self.snapshot_after_seconds):
@@ -215,6 +249,8 @@ class TrainingLoop:
             finally:
                 if own_bar:
                     bar.close()
+            if graphed:
+                total = self._epoch_total(losses, sizes, epoch)
             total = distributed.all_reduce_sum(total, self.device)
             row = {**self.row_fields, "epoch": epoch,
                    self.objective_name: total / (self.num_rows if self.schedule is None else self.schedule.numel())

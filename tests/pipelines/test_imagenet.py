@@ -68,7 +68,8 @@ def test_deterministic_prediction_is_the_monte_carlo_limit_for_a_narrow_posterio
 @pytest.mark.parametrize("objective", ["sampling", "approximation", "control_variate"])
 def test_each_objective_trains_and_writes_the_figure_and_tables(tmp_path, objective, imagenet_cfg):
     # every training image (the demo's 100-image subset is too few for 3 epochs of this tiny head)
-    result = pipeline.run(imagenet_cfg(f"objective={objective}", "data.train_size=null"), tmp_path / "run")
+    timing = "evaluation.paper_head_timing=" + ("true" if objective == "sampling" else "false")
+    result = pipeline.run(imagenet_cfg(f"objective={objective}", "data.train_size=null", timing), tmp_path / "run")
     run = tmp_path / "run"
     history = pd.read_csv(run / "metrics.csv")
     assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
@@ -84,7 +85,12 @@ def test_each_objective_trains_and_writes_the_figure_and_tables(tmp_path, object
         assert (se is None) == (n == 64)  # one outer trial: no s.e.
         assert m[f"monte_carlo/N{n}/top3_mean"] >= m[f"monte_carlo/N{n}/top1_mean"]
     timing = pd.read_csv(run / "timing.csv")
-    assert timing["× deterministic"].iloc[0] == 1 and len(timing) == 5
+    # this run's head, then (objective=sampling) a head of the paper's sizes: the paper's claim at its size
+    paper = objective == "sampling"
+    assert timing["× deterministic"].iloc[0] == 1 and len(timing) == (10 if paper else 5)
+    assert list(timing["Head"]) == ["64-32-32-10 (this run's)"] * 5 + ["2048-1000-1000-1000 (paper size)"] * 5 * paper
+    if paper:
+        assert m["paper_head/monte_carlo/N64/speed_ratio_mc_over_deterministic"] > 1  # 64 samples of 256 x 1000 logits
     markdown = (run / "prediction.md").read_text()
     assert markdown.count("| Monte Carlo ") == 4 and "('" not in markdown  # plain row labels, no tuples
     assert "\\pm" in (run / "prediction.tex").read_text() and "('" not in (run / "prediction.tex").read_text()

@@ -27,7 +27,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import pandas as pd
@@ -42,7 +42,8 @@ from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import caption, legend_below, new_figure, save_figure
 from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
-from ...runtime.checks import require_choice, require_int, require_positive_float
+from ...runtime.checks import require_bool, require_choice, require_int, require_positive_float
+from ...runtime.cuda_graphs import GraphedCall
 from ...runtime.device import resolve_device
 from ...runtime.errors import CheckpointError, ConfigError
 from ...runtime import distributed
@@ -81,6 +82,7 @@ def validate(cfg: DictConfig) -> None:
     require_int(cfg, "evaluation.top_k", minimum=2)
     require_int(cfg, "evaluation.batch_size", minimum=1)
     require_int(cfg, "evaluation.timing_images", minimum=1)
+    require_bool(cfg, "evaluation.paper_head_timing")
     require_int(cfg, "features.batch_size", minimum=1)
     require_int(cfg, "features.shard_size", minimum=1)
     fraction = OmegaConf.select(cfg, "split.validation_fraction")
@@ -169,7 +171,7 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         data_generator=generator, generators={"sampler": sampler}, checkpoint_dir=run_dir / "checkpoints",
         fingerprint=config_fingerprint(cfg, run_dir), resume=cfg.resume, evaluate=validation_accuracy,
         select=("val_top1", "max"), best_payload=lambda: {"sizes": _sizes(data)}, metrics_path=run_dir / "metrics.csv",
-        label=f"head ({cfg.objective})", config=OmegaConf.to_container(cfg, resolve=True),
+        label=f"head ({cfg.objective})", config=OmegaConf.to_container(cfg, resolve=True), cuda_graphs=cfg.trainer.cuda_graphs,
     )
     loop.restore()
     result = loop.run()
@@ -199,29 +201,47 @@ def load_head(cfg, data, run_dir: Path, device) -> BayesianNetwork:
 
 @torch.no_grad()
 def monte_carlo_accuracy(model, features, labels, total: int, inner_list: List[int], batch_size: int, generator,
-                         chunk: int = 512, top_k: int = 5):
+                         chunk: int = 512, top_k: int = 5, cuda_graphs: bool = True):
     """Top-1/top-k correct shares per (N_inner, outer trial): ``{n: (top1 (N_outer,), topk (N_outer,))}``.
 
     Per image, ``total`` logit samples are drawn (``chunk`` at a time, batched); for
     each ``n`` consecutive groups of ``n`` samples average their softmax
-    probabilities, and each group is one outer trial.
+    probabilities, and each group is one outer trial. The counts stay on the device (on
+    CUDA each chunk is one CUDA graph, its draws from ``generator``): one synchronization
+    at the end.
     """
     chunk = max(max(inner_list), min(chunk, total))
-    counts = {n: (torch.zeros(total // n, dtype=torch.float64), torch.zeros(total // n, dtype=torch.float64)) for n in inner_list}
+    device = features.device
+    counts = {n: (torch.zeros(total // n, dtype=torch.float64, device=device),
+                  torch.zeros(total // n, dtype=torch.float64, device=device)) for n in inner_list}
+
+    def chunk_counts(size):
+        def correct(hidden, y):
+            probabilities = torch.softmax(model.sample_outputs(hidden, size, generator, after_point_layers=True), -1)
+            out = []
+            for n in inner_list:  # (size, B, O) -> groups of n samples averaged: one outer trial each
+                if size % n == 0:
+                    grouped = probabilities.view(size // n, n, *probabilities.shape[1:]).mean(1)
+                    out += [top_k_correct(grouped, y, 1).double().sum(-1), top_k_correct(grouped, y, top_k).double().sum(-1)]
+            return tuple(out)
+
+        return GraphedCall(correct, device, generators=(generator,), label="Monte Carlo prediction", enabled=cuda_graphs)
+
+    graphed = {}
     for start in tqdm(range(0, len(labels), batch_size), desc="Monte Carlo prediction", leave=False):
         x, y = features[start : start + batch_size], labels[start : start + batch_size]
         hidden = model.point_features(x)
         for offset in range(0, total, chunk):
             size = min(chunk, total - offset)
-            probabilities = torch.softmax(model.sample_outputs(hidden, size, generator, after_point_layers=True), -1)  # (size, B, O)
+            if size not in graphed:
+                graphed[size] = chunk_counts(size)
+            parts = iter(graphed[size](hidden, y))
             for n in inner_list:
-                if size % n:
-                    continue
-                grouped = probabilities.view(size // n, n, *probabilities.shape[1:]).mean(1)
-                trials = slice(offset // n, (offset + size) // n)
-                counts[n][0][trials] += top_k_correct(grouped, y, 1).double().sum(-1).cpu()
-                counts[n][1][trials] += top_k_correct(grouped, y, top_k).double().sum(-1).cpu()
-    return {n: (top1 / len(labels), topk / len(labels)) for n, (top1, topk) in counts.items()}
+                if size % n == 0:
+                    trials = slice(offset // n, (offset + size) // n)
+                    counts[n][0][trials] += next(parts)
+                    counts[n][1][trials] += next(parts)
+    return {n: (top1.cpu() / len(labels), topk.cpu() / len(labels)) for n, (top1, topk) in counts.items()}
 
 
 def _sync(device):
@@ -230,26 +250,57 @@ def _sync(device):
 
 
 @torch.no_grad()
-def time_per_image(model, features, inner_list, batch_size, generator, device):
-    """Seconds per image: deterministic argmax y_hat, and Monte Carlo with each N_inner (one trial)."""
+def time_per_image(model, features, inner_list, batch_size, generator, device, cuda_graphs: bool = True):
+    """Seconds per image: deterministic argmax y_hat, and Monte Carlo with each N_inner (one trial).
+
+    Each method is timed as the pipeline predicts: on CUDA as a CUDA graph per batch size
+    (captured, and replayed once, before the clock starts)."""
     def deterministic(x):
         return model.output_mean(x).argmax(-1)
 
     def monte_carlo(n):
         return lambda x: torch.softmax(model.sample_outputs(x, n, generator), -1).mean(0).argmax(-1)
 
-    def timed(function):
-        function(features[: min(8, len(features))])  # warm-up
+    sizes = sorted({len(features[i : i + batch_size]) for i in range(0, len(features), batch_size)})
+
+    def timed(function, label):
+        function = GraphedCall(function, device, generators=(generator,), label=label, enabled=cuda_graphs)
+        for size in sizes:  # warm-up: eager, captured, replayed
+            function(features[:size])
+            function(features[:size])
         _sync(device)
         started = time.perf_counter()
         _batched(function, features, batch_size)
         _sync(device)
         return (time.perf_counter() - started) / len(features)
 
-    return timed(deterministic), {n: timed(monte_carlo(n)) for n in inner_list}
+    return (timed(deterministic, "deterministic prediction"),
+            {n: timed(monte_carlo(n), f"Monte Carlo prediction (N_inner={n})") for n in inner_list})
+
+
+PAPER_HEAD = (2048, [1000, 1000], 1000)  # the paper's Figure 1 head: ResNet50 features, 1000 classes
+PAPER_BATCH = 256
+
+
+@torch.no_grad()
+def time_paper_head(cfg, inner_list, device) -> Tuple[float, Dict[int, float]]:
+    """:func:`time_per_image` for a head of the paper's sizes (2048-1000-1000-1000, random
+    weights and random features: the time does not depend on the values) on
+    ``PAPER_BATCH`` images, so the timing table shows the paper's claim at the paper's size."""
+    feature_dim, hidden, classes = PAPER_HEAD
+    generator = torch.Generator().manual_seed(cfg.seed + 7)
+    head = bayesian_head(feature_dim, hidden, classes, cfg.model.activation, cfg.model.prior_scale,
+                         cfg.model.init_scale, generator, objective=cfg.objective).to(device).eval()
+    features = torch.randn(PAPER_BATCH, feature_dim, generator=generator).to(device)
+    sampler = torch.Generator(device=device).manual_seed(cfg.seed + 8)
+    return time_per_image(head, features, inner_list, PAPER_BATCH, sampler, device, cfg.trainer.cuda_graphs)
 
 
 DETERMINISTIC_LABEL = "Deterministic argmax ŷ (eq. 42)"
+
+
+def _head_sizes(cfg, data) -> List[int]:
+    return [data["x_train"].shape[1], *cfg.model.hidden_sizes, data["num_classes"]]
 
 
 def describe_run(cfg, data) -> str:
@@ -257,7 +308,7 @@ def describe_run(cfg, data) -> str:
     subset = cfg.data.get("train_size")
     images = f"{len(data['y_train'])} training images" + (" (a class-balanced subset)" if subset else "")
     features = "raw pixels" if cfg.backbone.name == "identity" else f"{cfg.backbone.name} features"
-    sizes = [data["x_train"].shape[1], *cfg.model.hidden_sizes, data["num_classes"]]
+    sizes = _head_sizes(cfg, data)
     return (f"{cfg.data.name}, {images}, {len(data['y_test'])} test images, {features}; head "
             f"{'-'.join(str(n) for n in sizes)} trained with objective={cfg.objective}, batch {cfg.trainer.batch_size}, "
             f"seed {cfg.seed}")
@@ -317,7 +368,9 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
     batch = cfg.evaluation.batch_size
     top_k = cfg.evaluation.top_k
     total = cfg.evaluation.total_samples
-    means, variances = (torch.cat(parts) for parts in zip(*_batched(model.output_moments, x, batch)))
+    output_moments = GraphedCall(model.output_moments, device, label="deterministic prediction",
+                                 enabled=cfg.trainer.cuda_graphs)
+    means, variances = (torch.cat(parts) for parts in zip(*_batched(output_moments, x, batch)))
     deterministic = {"top1": round(float(top_k_correct(means, y, 1).double().mean()), 12),
                      f"top{top_k}": round(float(top_k_correct(means, y, top_k).double().mean()), 12)}
     corrected = approximate_class_probabilities(means, variances)  # the logits' moments are already here
@@ -328,9 +381,12 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
         calibration[f"{name}/ece"] = expected_calibration_error(probabilities, y)
     inner_list = sorted(cfg.evaluation.inner_samples)
     generator = torch.Generator(device=device).manual_seed(cfg.seed + 5)
-    accuracy = monte_carlo_accuracy(model, x, y, total, inner_list, batch, generator, top_k=top_k)
+    accuracy = monte_carlo_accuracy(model, x, y, total, inner_list, batch, generator, top_k=top_k,
+                                    cuda_graphs=cfg.trainer.cuda_graphs)
     timing_rows = x[: cfg.evaluation.timing_images]
-    deterministic_seconds, mc_seconds = time_per_image(model, timing_rows, inner_list, batch, generator, device)
+    deterministic_seconds, mc_seconds = time_per_image(model, timing_rows, inner_list, batch, generator, device,
+                                                       cfg.trainer.cuda_graphs)
+    paper = time_paper_head(cfg, inner_list, device) if cfg.evaluation.paper_head_timing else None
     raw_rows = []
     for n in inner_list:
         row = {"N_inner": n, "N_outer": len(accuracy[n][0])}
@@ -347,15 +403,24 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
                          caption=f"Test accuracy of Monte Carlo (N_inner samples averaged per prediction; {total} "
                                  f"per image as N_inner × N_outer outer trials; mean ± s.e. over the trials) and of the "
                                  f"deterministic prediction argmax ŷ. {description}")
-    timing = pd.DataFrame(
-        [{"Method": DETERMINISTIC_LABEL, "N_inner": "", "ms / image": format_value(1e3 * deterministic_seconds),
+    heads = [("-".join(str(n) for n in _head_sizes(cfg, data)) + " (this run's)", deterministic_seconds, mc_seconds)]
+    if paper is not None:
+        heads.append(("-".join(str(n) for n in [PAPER_HEAD[0], *PAPER_HEAD[1], PAPER_HEAD[2]]) + " (paper size)",
+                      *paper))
+    timing = pd.DataFrame([
+        row for head, det, mc in heads for row in
+        [{"Head": head, "Method": DETERMINISTIC_LABEL, "N_inner": "", "ms / image": format_value(1e3 * det),
           "× deterministic": "1"}]
-        + [{"Method": "Monte Carlo", "N_inner": str(n), "ms / image": format_value(1e3 * t),
-            "× deterministic": format_value(t / deterministic_seconds)} for n, t in mc_seconds.items()]
-    )
+        + [{"Head": head, "Method": "Monte Carlo", "N_inner": str(n), "ms / image": format_value(1e3 * t),
+            "× deterministic": format_value(t / det)} for n, t in mc.items()]
+    ])
+    graphs = "as CUDA graphs" if device.type == "cuda" and cfg.trainer.cuda_graphs else "eagerly"
     tables.update(write_table(timing, run_dir, "timing", index=False,
-                              caption=f"Prediction time per image on {device.type} (one outer trial for Monte Carlo; "
-                                      f"{len(timing_rows)} images in batches of {batch})"))
+                              caption=f"Prediction time per image on {device.type}, run {graphs} (one outer trial "
+                                      f"for Monte Carlo): this run's head on {len(timing_rows)} test images in "
+                                      f"batches of {batch}"
+                                      + ("" if paper is None else f"; a head of the paper's sizes (random weights: "
+                                         f"the time does not depend on them) on one batch of {PAPER_BATCH}")))
     log.info("prediction on %d test images:\n%s\n%s", len(y), table.to_markdown(index=False),
              timing.to_markdown(index=False))
     figures = {"prediction": _plot(raw, deterministic, top_k, total, description, run_dir / "prediction.png")}
@@ -371,6 +436,11 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
                 metrics[f"monte_carlo/N{n}/top{k}_{stat}"] = row[f"top{k}_{stat}"]
         metrics[f"monte_carlo/N{n}/ms_per_image"] = 1e3 * mc_seconds[n]
         metrics[f"monte_carlo/N{n}/speed_ratio_mc_over_deterministic"] = mc_seconds[n] / deterministic_seconds
+    if paper is not None:
+        metrics["paper_head/deterministic/ms_per_image"] = 1e3 * paper[0]
+        for n, seconds in paper[1].items():
+            metrics[f"paper_head/monte_carlo/N{n}/ms_per_image"] = 1e3 * seconds
+            metrics[f"paper_head/monte_carlo/N{n}/speed_ratio_mc_over_deterministic"] = seconds / paper[0]
     return {"metrics": metrics, "tables": tables, "figures": figures}
 
 

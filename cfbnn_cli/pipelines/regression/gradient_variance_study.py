@@ -143,7 +143,7 @@ def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dic
         with tqdm(total=cfg.gradient_variance.num_samples, desc=f"grad var {estimator} @ epoch {epoch}", leave=False) as bar:
             per_param = gradient_variance(
                 model, x, y, num_data, estimator, cfg.gradient_variance.num_samples,
-                cfg.gradient_variance.chunk_size, generator, progress=bar,
+                cfg.gradient_variance.chunk_size, generator, progress=bar, cuda_graphs=cfg.trainer.cuda_graphs,
             )
         out[estimator] = {
             names[i]: {"mean": per_param[f"layers.{i}.loc"], "scale": per_param[f"layers.{i}.log_scale"]}
@@ -347,6 +347,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         fingerprint=config_fingerprint(cfg, run_dir), resume=cfg.resume, evaluate=evaluate_epoch, after_epoch=measure,
         metrics_path=run_dir / "metrics.csv", objective_scale=1.0 / num_data, label="epoch",
         extra={"gradient_variance": {}}, config=OmegaConf.to_container(cfg, resolve=True),
+        cuda_graphs=cfg.trainer.cuda_graphs,
     )
     loop.restore()
     gv_results: Dict[int, dict] = loop.extra["gradient_variance"]

@@ -68,7 +68,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import matplotlib.ticker
 import numpy as np
@@ -258,7 +258,7 @@ def _predictive_log_likelihood(predict, x, y) -> float:
 
 
 def _fit_by_validation(name, module, parameters, loss_on_rows, predict, validation_predict, split: Split, cfg,
-                       device, noise_std: Callable[[], float]) -> Fitted:
+                       device, noise_std: Callable[[], float], generators: Sequence[torch.Generator] = ()) -> Fitted:
     """Adam on minibatches of the training rows less a validation part; the best validation
     log-likelihood kept, stop ``uci.patience`` epochs after it (``trainer.epochs`` caps it).
     Leaves ``module`` at its best epoch; ``equal_time`` holds the test metrics of its
@@ -274,6 +274,7 @@ def _fit_by_validation(name, module, parameters, loss_on_rows, predict, validati
         evaluate=lambda epoch: {"validation_ll": _predictive_log_likelihood(validation_predict, x_validation, y_validation)},
         select=("validation_ll", "max"), patience=cfg.uci.patience, evaluate_every=cfg.uci.evaluate_every,
         snapshot_after_seconds=split.equal_time_seconds, progress=_StepCount(split.progress),
+        generators={f"sampler{i}": g for i, g in enumerate(generators)}, cuda_graphs=cfg.trainer.cuda_graphs,
     )
     with _quiet("cfbnn_cli.train.loop"):
         result = loop.run()
@@ -374,7 +375,7 @@ def _fit_local_reparameterization(split: Split, cfg, device, generator):
         "local_reparameterization", model, model.parameters(),
         lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, "sampling", generator=sampler),
         predictor(cfg.uci.predictive_samples), predictor(cfg.uci.validation_samples), split, cfg, device,
-        lambda: float(model.precision.detach()) ** -0.5,
+        lambda: float(model.precision.detach()) ** -0.5, generators=(sampler,),
     )
 
 
