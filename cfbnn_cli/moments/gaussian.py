@@ -232,13 +232,23 @@ def _continued_fraction(std, t, order, extra_depth):
 _CF_BANDS_F64 = ((_RECURSION_LIMIT_F64, 80), (3.0, 64), (4.5, 40), (8.0, 24))
 
 
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s work is being recorded into a CUDA graph: no branch on its values
+    then (reading one waits for the GPU, which a capture forbids)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _positive_part_moments_f64(mean, std, order):
     t, _, _ = standardize(mean, std)
     out = _recursion(mean, std, t, order)
     edges = [edge for edge, _ in _CF_BANDS_F64[1:]] + [math.inf]
+    branchless = _capturing(mean)
     for (lower, depth), upper in zip(_CF_BANDS_F64, edges):
         band = (t < -lower) & (t >= -upper)
-        if bool(band.any()):
+        if branchless:  # the same elementwise values, computed everywhere (t kept in the band) and selected
+            inside = torch.where(band, t, torch.full_like(t, -lower))
+            out = torch.where(band.unsqueeze(-1), _continued_fraction(std, inside, order, depth), out)
+        elif bool(band.any()):
             out[band] = _continued_fraction(std[band], t[band], order, depth)
     return out
 
@@ -280,9 +290,11 @@ def _positive_part_moments_block(mean: torch.Tensor, std: torch.Tensor, order: i
     t, _, _ = standardize(work_mean, work_std)
     out = _recursion(work_mean, work_std, t, order)
     tail = t < -_RECURSION_LIMIT_F32
-    if bool(tail.any()):
-        tail_mean = work_mean[tail].double()
-        tail_std = work_std[tail].double()
+    branchless = _capturing(mean)
+    if branchless or bool(tail.any()):
+        # inside a CUDA graph: every element through the tail's formulas, then selected
+        tail_mean = (work_mean if branchless else work_mean[tail]).double()
+        tail_std = (work_std if branchless else work_std[tail]).double()
         if order <= _F64_RECURSION_MAX_ORDER_FOR_F32:
             # The float64 recursion loses ~x^(2k)/k! ulps: < 1e-6 relative for k <= 4
             # out to x = 25, beyond which no float32 result is representable.
@@ -290,7 +302,10 @@ def _positive_part_moments_block(mean: torch.Tensor, std: torch.Tensor, order: i
             tail_out = _recursion(tail_mean, tail_std, tail_t, order)
         else:
             tail_out = _positive_part_moments_f64(tail_mean, tail_std, order)
-        out[tail] = tail_out.float()
+        if branchless:
+            out = torch.where(tail.unsqueeze(-1), tail_out.float(), out)
+        else:
+            out[tail] = tail_out.float()
     return out.to(dtype)
 
 
