@@ -267,6 +267,25 @@ def test_numeric_keys_out_of_range_are_refused_before_any_work(override, message
         validate(cfg)
 
 
+@pytest.mark.parametrize("command, override, message", [
+    ("vae", "model.encoder_hidden=-5", "model.encoder_hidden=-5 must be a non-empty list"),  # was a TypeError
+    ("vae", "data.rows=0", "data.rows=0 must be >= 10"),
+    ("vae", "data.noise_std=-0.1", "data.noise_std=-0.1 must be a finite number >= 0"),
+    ("imagenet_predict", "model.hidden_sizes=-5", "model.hidden_sizes=-5 must be a non-empty list"),
+    ("imagenet_predict", "model.hidden_sizes=[8]", r"must be two positive widths"),
+    ("imagenet_predict", "data.train_size=0", "data.train_size=0 must be >= 1"),
+    ("imagenet_predict", "data.train_fraction=1.5", "data.train_fraction=1.5 must be a number between 0 and 1"),
+    ("imagenet_predict", "split.seed=-2", "split.seed=-2 must be >= 0"),
+])
+def test_every_commands_sizes_and_data_keys_are_bounded(command, override, message):
+    from cfbnn_cli.pipelines import imagenet, vae
+
+    data = ["data=synthetic"] if command == "vae" else []
+    cfg = compose_config(command, [*data, override])
+    with pytest.raises(ConfigError, match=message):
+        (vae if command == "vae" else imagenet).validate(cfg)
+
+
 # ----------------------------------------------------------------------------- cfbnn report
 
 

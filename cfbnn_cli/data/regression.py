@@ -443,27 +443,10 @@ def load_regression_data(cfg) -> RegressionData:
 def validate_data_config(cfg) -> None:
     """Check the ``data`` group's numbers before any work (sizes and counts positive, a
     fraction in (0, 1), a seed the generators take); each error names the key."""
-    from omegaconf import OmegaConf
-
-    from ..runtime.checks import SEED_MAXIMUM, require_choice, require_int
+    from ..runtime.checks import require_choice, require_present_bounds
 
     name = require_choice(cfg, "data.name", REGRESSION_DATA)
-    present = lambda key: OmegaConf.select(cfg, key, default=None) is not None  # noqa: E731
-    if name == "synthetic":
-        require_int(cfg, "data.input_dim", minimum=1)
-        require_int(cfg, "data.n_train", minimum=2)
-        require_int(cfg, "data.n_test", minimum=1)
-        require_int(cfg, "data.teacher_hidden", minimum=1)
-        noise = OmegaConf.select(cfg, "data.noise_std")
-        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < math.inf:
-            raise ConfigError(f"data.noise_std={noise!r:.60} must be a finite number >= 0")
-    if name == "year_prediction_msd":
-        require_int(cfg, "data.n_train", minimum=1)
-        if present("data.expected_rows"):
-            require_int(cfg, "data.expected_rows", minimum=2)
-    if present("data.test_fraction"):
-        fraction = OmegaConf.select(cfg, "data.test_fraction")
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-            raise ConfigError(f"data.test_fraction={fraction!r:.60} must be a number between 0 and 1")
-    if present("data.seed"):
-        require_int(cfg, "data.seed", minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")
+    counts = {"data.n_train": 2 if name == "synthetic" else 1, "data.n_test": 1, "data.input_dim": 1,
+              "data.teacher_hidden": 1, "data.expected_rows": 2}
+    require_present_bounds(cfg, counts, fractions=["data.test_fraction"], seeds=["data.seed"],
+                           nonnegative=["data.noise_std"])

@@ -31,7 +31,7 @@ from ..moments import ACTIVATIONS, validate_args
 from ..report.figures import caption, legend_below, new_figure, save_figure
 from ..report.numbers import format_mean_se, format_value
 from ..report.tables import write_table
-from ..runtime.checks import require_choice, require_int, require_positive_float
+from ..runtime.checks import require_choice, require_int, require_positive_float, require_present_bounds, require_widths
 from ..runtime.cuda_graphs import GraphedCall
 from ..runtime.device import resolve_device
 from ..runtime.errors import ConfigError
@@ -48,9 +48,9 @@ def validate(cfg: DictConfig) -> List[str]:
     variant = require_choice(cfg, "variant", VARIANT_CHOICES)
     require_int(cfg, "model.latent_dim", minimum=1)
     require_int(cfg, "model.decoder_hidden", minimum=1)
-    sizes = OmegaConf.select(cfg, "model.encoder_hidden")
-    if not sizes or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
-        raise ConfigError(f"model.encoder_hidden={sizes} must be a non-empty list of positive integers, e.g. [500,500]")
+    require_widths(cfg, "model.encoder_hidden", example="[500,500]")
+    require_present_bounds(cfg, {"data.input_dim": 1, "data.rows": 10, "data.latent_dim": 1, "data.teacher_hidden": 1,
+                                 "data.expected_rows": 10}, seeds=["data.seed"], nonnegative=["data.noise_std"])
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_positive_float(cfg, "model.prior_scale")
     require_positive_float(cfg, "model.init_scale")

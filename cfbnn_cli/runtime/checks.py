@@ -64,6 +64,29 @@ def require_widths(cfg: DictConfig, key: str, minimum_length: int = 1, example: 
     return widths
 
 
+def require_present_bounds(cfg: DictConfig, counts: dict = None, fractions: Iterable[str] = (),
+                           seeds: Iterable[str] = (), nonnegative: Iterable[str] = ()) -> None:
+    """Bounds on the keys of ``cfg`` that are set (absent or null keys are left alone): ``counts``
+    maps an integer key to its minimum; ``fractions`` lie strictly between 0 and 1; ``seeds`` in
+    the generators' range; ``nonnegative`` are finite numbers >= 0."""
+    present = lambda key: OmegaConf.select(cfg, key, default=None) is not None  # noqa: E731
+    for key, minimum in (counts or {}).items():
+        if present(key):
+            require_int(cfg, key, minimum=minimum)
+    for key in fractions:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1):
+            raise ConfigError(f"{key}={_short(value)} must be a number between 0 and 1")
+    for key in seeds:
+        if present(key):
+            require_int(cfg, key, minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")
+    for key in nonnegative:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value < math.inf):
+            raise ConfigError(f"{key}={_short(value)} must be a finite number >= 0")
+
+
 def require_positive_float(cfg: DictConfig, key: str) -> float:
     value = _get(cfg, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:

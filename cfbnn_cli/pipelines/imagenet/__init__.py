@@ -42,7 +42,8 @@ from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import caption, legend_below, new_figure, save_figure
 from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
-from ...runtime.checks import require_bool, require_choice, require_int, require_positive_float
+from ...runtime.checks import (require_bool, require_choice, require_int, require_positive_float,
+                               require_present_bounds, require_widths)
 from ...runtime.cuda_graphs import GraphedCall
 from ...runtime.device import resolve_device
 from ...runtime.errors import CheckpointError, ConfigError
@@ -65,9 +66,12 @@ def validate(cfg: DictConfig) -> None:
     require_choice(cfg, "objective", OBJECTIVES)
     require_choice(cfg, "backbone.name", BACKBONES)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
-    sizes = OmegaConf.select(cfg, "model.hidden_sizes")
-    if not sizes or len(sizes) != 2 or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in sizes):
-        raise ConfigError(f"model.hidden_sizes={sizes} must be two positive widths [ML layer, Bayesian layer], e.g. [1000,1000]")
+    if len(require_widths(cfg, "model.hidden_sizes", example="[1000,1000]")) != 2:
+        raise ConfigError(f"model.hidden_sizes={list(cfg.model.hidden_sizes)} must be two positive widths [ML layer, "
+                          "Bayesian layer], e.g. [1000,1000]")
+    require_present_bounds(cfg, {"data.n_train": 1, "data.n_held_out": 2, "data.num_classes": 2,
+                                 "data.image_size_raw": 1, "data.image_size": 1, "data.resize": 1, "data.train_size": 1},
+                           fractions=["data.train_fraction"], seeds=["data.seed", "split.seed"])
     require_positive_float(cfg, "model.prior_scale")
     require_positive_float(cfg, "model.init_scale")
     require_int(cfg, "trainer.num_samples", minimum=1)
