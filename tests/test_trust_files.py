@@ -32,11 +32,6 @@ REGRESSION = [
 AS_ROOT = os.geteuid() == 0
 
 
-def cfbnn(*args, timeout=300, env=None):
-    return subprocess.run([sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True,
-                          env=dict(os.environ, HYDRA_FULL_ERROR="0", **(env or {})), timeout=timeout)
-
-
 def one_line_error(out, code=2):
     text = out.stdout + out.stderr
     assert out.returncode == code, text[-3000:]
@@ -111,38 +106,77 @@ def _planted_library(tmp_path, marker):
     return library
 
 
+def _forge(library):
+    """A planted library with a hash record that matches it, both owned by another user."""
+    record = library.parent / "cfbnn_moments.so.sha256"
+    record.write_text(safefs.sha256_of_file(library) + "\n")
+    os.chown(library, 12345, 12345)
+
+
+SCENARIOS = {  # name -> what is done to a copy of a built cache before a process loads from it
+    "as built": None,
+    "planted": "plant",
+    "planted, hash record forged, owned by another user": "plant+forge",
+    "truncated": "truncate",
+    "random bytes": "randomize",
+}
+
+
+@pytest.fixture(scope="module")
+def cache_outcomes(built_cache, tmp_path_factory):
+    """Every scenario prepared on its own copy of the cache, then loaded by processes started at
+    once: ``{name: (completed process, library path, marker path)}``."""
+    folder = tmp_path_factory.mktemp("scenarios")
+    processes = {}
+    for index, (name, action) in enumerate(SCENARIOS.items()):
+        if action == "plant+forge" and not AS_ROOT:
+            continue  # a file of another user can be made only as root
+        place = folder / f"s{index}"
+        place.mkdir()
+        cache, compiler = _copy_of(built_cache, place)
+        library = _built_library(cache)
+        marker = place / "planted-code-ran"
+        if action and action.startswith("plant"):
+            shutil.copy(_planted_library(place, marker), library)
+            if action == "plant+forge":
+                _forge(library)
+        elif action == "truncate":
+            library.write_bytes(library.read_bytes()[: library.stat().st_size // 3])
+        elif action == "randomize":
+            library.write_bytes(os.urandom(library.stat().st_size))
+        env = dict(os.environ, CFBNN_CACHE_DIR=str(cache), CXX=str(compiler))
+        processes[name] = (subprocess.Popen([sys.executable, "-c", textwrap.dedent(LOAD_KERNELS)], env=env,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), library, marker)
+    outcomes = {}
+    for name, (process, library, marker) in processes.items():
+        stdout, stderr = process.communicate(timeout=300)
+        outcomes[name] = (subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), library, marker)
+    return outcomes
+
+
 @needs_kernels
-def test_a_fresh_cache_is_private_and_records_each_librarys_hash(built_cache, tmp_path):
+def test_a_fresh_cache_is_private_and_records_each_librarys_hash(built_cache, cache_outcomes):
     cache, compiler = built_cache
     library = _built_library(cache)
     for folder in (cache, library.parent):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert (library.parent / "cfbnn_moments.so.sha256").read_text().strip() == safefs.sha256_of_file(library)
-    cache, compiler = _copy_of(built_cache, tmp_path)
-    again = _load_in_subprocess(cache, compiler)
+    again = cache_outcomes["as built"][0]
     assert "AVAILABLE True CACHED True" in again.stdout and "rebuilding" not in again.stderr
 
 
 @needs_kernels
-@pytest.mark.parametrize("forge_hash", [False, True])
-def test_a_planted_library_is_never_loaded(built_cache, tmp_path, forge_hash):
+@pytest.mark.parametrize("scenario", ["planted", "planted, hash record forged, owned by another user"])
+def test_a_planted_library_is_never_loaded(cache_outcomes, scenario):
     """The fault: a .so with a constructor at the cache path ran as the user. Now its bytes
     must match the hash recorded at build time (or, with a forged record, the record and the
     library must be the user's own and writable by nobody else) before anything loads it."""
-    cache, compiler = _copy_of(built_cache, tmp_path)
-    library = _built_library(cache)
-    marker = tmp_path / "planted-code-ran"
-    shutil.copy(_planted_library(tmp_path, marker), library)
-    if forge_hash:
-        if not AS_ROOT:
-            pytest.skip("a file of another user can be made only as root")
-        record = library.parent / "cfbnn_moments.so.sha256"
-        record.write_text(safefs.sha256_of_file(library) + "\n")
-        os.chown(library, 12345, 12345)  # planted by someone else, hash record and all
-    out = _load_in_subprocess(cache, compiler)
+    if scenario not in cache_outcomes:
+        pytest.skip("a file of another user can be made only as root")
+    out, library, marker = cache_outcomes[scenario]
     assert out.returncode == 0, out.stderr
     assert not marker.exists(), "the planted library's code ran"
-    reason = "owned by uid 12345" if forge_hash else "does not match the content hash"
+    reason = "owned by uid 12345" if "forged" in scenario else "does not match the content hash"
     assert reason in out.stderr and "rebuilding it" in out.stderr
     assert "AVAILABLE True" in out.stdout  # rebuilt, and the fast path still serves
     assert safefs.sha256_of_file(library) == safefs.sha256_of_file(fast.fast_path_info()["library"])
@@ -150,12 +184,8 @@ def test_a_planted_library_is_never_loaded(built_cache, tmp_path, forge_hash):
 
 @needs_kernels
 @pytest.mark.parametrize("damage", ["truncated", "random bytes"])
-def test_a_damaged_library_is_rebuilt_with_one_warning_instead_of_sigbus(built_cache, tmp_path, damage):
-    cache, compiler = _copy_of(built_cache, tmp_path)
-    library = _built_library(cache)
-    data = library.read_bytes()
-    library.write_bytes(data[: len(data) // 3] if damage == "truncated" else os.urandom(len(data)))
-    out = _load_in_subprocess(cache, compiler)
+def test_a_damaged_library_is_rebuilt_with_one_warning_instead_of_sigbus(cache_outcomes, damage):
+    out = cache_outcomes[damage][0]
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # was 135 (SIGBUS) for a truncated file
     warnings = [line for line in out.stderr.splitlines() if "not loading the cached kernel library" in line]
     assert len(warnings) == 1 and "does not match the content hash" in warnings[0]
@@ -205,18 +235,37 @@ def test_the_job_registry_neither_writes_through_nor_removes_a_link(tmp_path):
     assert other.is_symlink() and victim.read_text() == "precious"
 
 
-@pytest.mark.parametrize("link", [".cfbnn/lock", "train_regression.log", "checkpoints"])
-def test_a_link_in_a_run_dir_is_refused_with_one_line_and_its_target_is_untouched(tmp_path, link):
-    run = tmp_path / "run"
-    victim_dir = tmp_path / "victim"
-    victim_dir.mkdir()
-    victim = victim_dir / "file.txt"
-    victim.write_text("precious\n")
-    (run / link).parent.mkdir(parents=True, exist_ok=True)
-    (run / link).symlink_to(victim_dir if link == "checkpoints" else victim)
-    text = one_line_error(cfbnn("train", "regression", f"hydra.run.dir={run}", *REGRESSION))
+LINKS = [".cfbnn/lock", "train_regression.log", "checkpoints"]
+
+
+@pytest.fixture(scope="module")
+def link_outcomes(tmp_path_factory):
+    """A run into a dir holding each link, all started at once: ``{link: (process, run, victim dir)}``."""
+    folder = tmp_path_factory.mktemp("links")
+    started = {}
+    for index, link in enumerate(LINKS):
+        run, victim_dir = folder / f"run{index}", folder / f"victim{index}"
+        victim_dir.mkdir()
+        (victim_dir / "file.txt").write_text("precious\n")
+        (run / link).parent.mkdir(parents=True, exist_ok=True)
+        (run / link).symlink_to(victim_dir if link == "checkpoints" else victim_dir / "file.txt")
+        started[link] = (subprocess.Popen([sys.executable, "-m", "cfbnn_cli.cli", "train", "regression",
+                                           f"hydra.run.dir={run}", *REGRESSION], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, HYDRA_FULL_ERROR="0")),
+                         run, victim_dir)
+    outcomes = {}
+    for link, (process, run, victim_dir) in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        outcomes[link] = (subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), run, victim_dir)
+    return outcomes
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_a_link_in_a_run_dir_is_refused_with_one_line_and_its_target_is_untouched(link_outcomes, link):
+    out, run, victim_dir = link_outcomes[link]
+    text = one_line_error(out)
     assert "symbolic link" in text and link.split("/")[-1] in text
-    assert victim.read_text() == "precious\n"
+    assert (victim_dir / "file.txt").read_text() == "precious\n"
     assert sorted(p.name for p in victim_dir.iterdir()) == ["file.txt"]  # nothing written into a linked folder
     if link != "train_regression.log":  # the lock's old content was copied into the log
         assert "precious" not in (run / "train_regression.log").read_text()
