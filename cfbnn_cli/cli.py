@@ -81,10 +81,10 @@ ends by printing that directory and its main table.
 
   cfbnn report PATH                         # aggregate every results.json under PATH
   cfbnn report PATH --paper                 # ... and paper_reproduction.md (the paper's numbers beside)
-  cfbnn train regression -m seed=0,1 hydra/launcher=joblib   # parallel jobs (README: Sweeps)
+  cfbnn train regression -m seed=0,1 hydra/launcher=joblib   # parallel jobs (docs/cli.md: Sweeps)
 """
 LAUNCHER_HINT = (
-    "cfbnn: see the README section 'Sweeps and launchers' for hydra/launcher=joblib|slurm|submitit_local "
+    "cfbnn: see 'Sweeps and launchers' in docs/cli.md for hydra/launcher=joblib|slurm|submitit_local "
     "and the options each needs (e.g. hydra.launcher.partition=... for SLURM)"
 )
 

@@ -47,4 +47,4 @@ def test_report_with_no_results_fails_and_a_bad_launcher_points_to_the_readme(tm
     assert out.returncode != 0 and "no results.json of a complete run under" in out.stderr
     bad = cfbnn("vae", "-m", "seed=0", "hydra/launcher=nosuch", f"hydra.sweep.dir={tmp_path / 's'}")
     assert bad.returncode != 0
-    assert "Could not find 'hydra/launcher/nosuch'" in bad.stderr and "README section 'Sweeps and launchers'" in bad.stderr
+    assert "Could not find 'hydra/launcher/nosuch'" in bad.stderr and "'Sweeps and launchers' in docs/cli.md" in bad.stderr
