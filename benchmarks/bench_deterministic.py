@@ -35,6 +35,7 @@ def elbo_step(model, x, y, estimator):
     def step():
         model.zero_grad(set_to_none=True)
         (-model.elbo(x, y, 10_000, estimator)).backward()
+
     return step
 
 
@@ -52,8 +53,9 @@ def main(argv=None):
     D, H = 90, 200
     x = torch.randn(args.batch, D, device=device)
     y = torch.randn(args.batch, device=device)
-    mlp = torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, H), torch.nn.ReLU(),
-                              torch.nn.Linear(H, 1)).to(device)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(D, H), torch.nn.ReLU(), torch.nn.Linear(H, H), torch.nn.ReLU(), torch.nn.Linear(H, 1)
+    ).to(device)
 
     def mlp_step():
         mlp.zero_grad(set_to_none=True)
@@ -61,14 +63,20 @@ def main(argv=None):
 
     network = BayesianNetwork(D, [H, H], 1).to(device)
     steps = {"plain MLP": mlp_step}
-    steps.update({estimator: elbo_step(network, x, y, estimator) for estimator in ("deterministic", "analytic", "sampling")})
+    steps.update(
+        {estimator: elbo_step(network, x, y, estimator) for estimator in ("deterministic", "analytic", "sampling")}
+    )
     rows = median_times(steps, args.repeats, device)
-    print(f"# D={D}, H={H}-{H}, batch {args.batch}, float32, {device}, torch threads {torch.get_num_threads()}, "
-          f"median of {args.repeats}, {settings}")
+    print(
+        f"# D={D}, H={H}-{H}, batch {args.batch}, float32, {device}, torch threads {torch.get_num_threads()}, "
+        f"median of {args.repeats}, {settings}"
+    )
     print("| step | ms | × plain MLP | × analytic (sample first layer) |")
     print("|---|---|---|---|")
     for name, seconds in rows.items():
-        print(f"| {name} | {1e3 * seconds:.2f} | {seconds / rows['plain MLP']:.2f} | {seconds / rows['analytic']:.2f} |")
+        print(
+            f"| {name} | {1e3 * seconds:.2f} | {seconds / rows['plain MLP']:.2f} | {seconds / rows['analytic']:.2f} |"
+        )
     ratio = rows["deterministic"] / rows["plain MLP"]
     print(f"\ntarget deterministic <= 3x plain MLP: {ratio:.2f}x -> {'MET' if ratio <= 3 else 'MISSED'}\n")
 
@@ -76,28 +84,37 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     for width in (50, 200, 1000):
         if width == 1000:  # a Cholesky factor per row: H (H + 1)^2 floats for the second layer alone
-            gib = width * (width + 1) ** 2 * 4 / 2 ** 30
-            print(f"| {width} | full | — | not run: {gib:.1f} GiB of float32 parameters per layer (and its gradient) | — |")
+            gib = width * (width + 1) ** 2 * 4 / 2**30
+            print(
+                f"| {width} | full | — | not run: {gib:.1f} GiB of float32 parameters per layer (and its gradient) | — |"
+            )
             continue
         models = {c: BayesianNetwork(D, [width, width], 1, covariance=c).to(device) for c in ("diagonal", "full")}
-        times = median_times({c: elbo_step(m, x, y, "deterministic") for c, m in models.items()},
-                             max(3, args.repeats // 3), device)
-        print(f"| {width} | full | {1e3 * times['diagonal']:.2f} | {1e3 * times['full']:.1f} | "
-              f"{times['full'] / times['diagonal']:.1f} |")
+        times = median_times(
+            {c: elbo_step(m, x, y, "deterministic") for c, m in models.items()}, max(3, args.repeats // 3), device
+        )
+        print(
+            f"| {width} | full | {1e3 * times['diagonal']:.2f} | {1e3 * times['full']:.1f} | "
+            f"{times['full'] / times['diagonal']:.1f} |"
+        )
 
     # DVI proper: the activations' covariance across units carried layer to layer (estimator
     # deterministic_full): N H^2 pairs per hidden layer, each with a bivariate Normal CDF
-    print("\n| H | batch | diagonal propagation ms | full covariance across units ms | full / diagonal | "
-          "largest (N, H, H) tensor |")
+    print(
+        "\n| H | batch | diagonal propagation ms | full covariance across units ms | full / diagonal | "
+        "largest (N, H, H) tensor |"
+    )
     print("|---|---|---|---|---|---|")
     for width, batch in ((50, args.batch), (200, args.batch), (1000, 8)):
         xb, yb = x[:batch], y[:batch]
         model = BayesianNetwork(D, [width, width], 1).to(device)
         steps = {e: elbo_step(model, xb, yb, e) for e in ("deterministic", "deterministic_full")}
         times = median_times(steps, max(3, args.repeats // 5), device)
-        mib = batch * width * width * 4 / 2 ** 20
-        print(f"| {width} | {batch} | {1e3 * times['deterministic']:.2f} | {1e3 * times['deterministic_full']:.1f} | "
-              f"{times['deterministic_full'] / times['deterministic']:.0f} | {mib:.0f} MiB |")
+        mib = batch * width * width * 4 / 2**20
+        print(
+            f"| {width} | {batch} | {1e3 * times['deterministic']:.2f} | {1e3 * times['deterministic_full']:.1f} | "
+            f"{times['deterministic_full'] / times['deterministic']:.0f} | {mib:.0f} MiB |"
+        )
 
 
 if __name__ == "__main__":

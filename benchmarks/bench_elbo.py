@@ -90,7 +90,9 @@ def main(argv=None):
     parser.add_argument("--full-limit", type=float, default=2e8)
     parser.add_argument("--variance-draws", type=int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile'd closed form (diagonal) and plain MLP")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time torch.compile'd closed form (diagonal) and plain MLP"
+    )
     parser.add_argument("--keep-denormals", action="store_true", help="run with runtime.flush_denormals=false")
     args = parser.parse_args(argv)
     settings = configure_like_cli(args.keep_denormals)
@@ -113,9 +115,11 @@ def main(argv=None):
             loss = (mlp(x).squeeze(-1) - y).pow(2).mean()
             loss.backward()
 
-        models = {covariance: ClosedFormBNN(D, H, a_covariance=covariance, rank=10).to(device)
-                  for covariance in ("diagonal", "full", "lowrank")
-                  if covariance != "full" or H * (D + 1) ** 2 <= args.full_limit}
+        models = {
+            covariance: ClosedFormBNN(D, H, a_covariance=covariance, rank=10).to(device)
+            for covariance in ("diagonal", "full", "lowrank")
+            if covariance != "full" or H * (D + 1) ** 2 <= args.full_limit
+        }
 
         def closed_step(model):
             return lambda: (-model.elbo(x, y, num_data)).backward()
@@ -136,31 +140,46 @@ def main(argv=None):
 
         # the steps the targets compare, timed round-robin (one of each per round): a slow spell of
         # this shared machine then hits them alike; the slower variants after, on their own
-        core = median_times({"(iv) plain MLP": mlp_step, "(i) closed form, diagonal": closed_step(models["diagonal"]),
-                             "(ii) local reparameterization, 1 sample": local_step,
-                             "(iii) Pyro Trace_ELBO + AutoNormal": pyro_step}, args.repeats, device)
+        core = median_times(
+            {
+                "(iv) plain MLP": mlp_step,
+                "(i) closed form, diagonal": closed_step(models["diagonal"]),
+                "(ii) local reparameterization, 1 sample": local_step,
+                "(iii) Pyro Trace_ELBO + AutoNormal": pyro_step,
+            },
+            args.repeats,
+            device,
+        )
         plain = core["(iv) plain MLP"]
         rows["(iv) plain MLP"] = plain
         for covariance in ("diagonal", "full", "lowrank"):
             if covariance not in models:
                 numbers = H * (D + 1) ** 2
-                rows[f"(i) closed form, full  [skipped: {numbers:.1e} covariance entries, "
-                     f"{numbers * 4 * 4 / 1e9:.0f} GB with Adam state]"] = None
+                rows[
+                    f"(i) closed form, full  [skipped: {numbers:.1e} covariance entries, "
+                    f"{numbers * 4 * 4 / 1e9:.0f} GB with Adam state]"
+                ] = None
                 continue
             name = f"(i) closed form, {covariance}"
-            rows[name] = core[name] if name in core else median_time(closed_step(models[covariance]), args.repeats,
-                                                                     device)
+            rows[name] = (
+                core[name] if name in core else median_time(closed_step(models[covariance]), args.repeats, device)
+            )
             if covariance == "diagonal":
                 with fast_path(False):
                     rows["(i) closed form, diagonal, reference torch moments"] = median_time(
-                        closed_step(models["diagonal"]), args.repeats, device)
+                        closed_step(models["diagonal"]), args.repeats, device
+                    )
         rows["(ii) local reparameterization, 1 sample"] = core["(ii) local reparameterization, 1 sample"]
         if args.compile:
             compiled_mlp_loss = torch.compile(lambda: (mlp(x).squeeze(-1) - y).pow(2).mean())
-            rows["(iv) plain MLP, torch.compile"] = median_time(lambda: compiled_mlp_loss().backward(), args.repeats, device)
+            rows["(iv) plain MLP, torch.compile"] = median_time(
+                lambda: compiled_mlp_loss().backward(), args.repeats, device
+            )
             compiled_model = ClosedFormBNN(D, H).to(device)
             compiled_elbo = torch.compile(lambda: -compiled_model.elbo(x, y, num_data))
-            rows["(i) closed form, diagonal, torch.compile"] = median_time(lambda: compiled_elbo().backward(), args.repeats, device)
+            rows["(i) closed form, diagonal, torch.compile"] = median_time(
+                lambda: compiled_elbo().backward(), args.repeats, device
+            )
         rows["(iii) Pyro Trace_ELBO + AutoNormal"] = core["(iii) Pyro Trace_ELBO + AutoNormal"]
         print(f"\nD={D}, H={H}: forward+backward per step, ratio to the plain MLP")
         for name, seconds in rows.items():
@@ -170,13 +189,19 @@ def main(argv=None):
                 print(f"  {name:<55} {seconds * 1e3:9.2f} ms   {seconds / plain:7.2f}x")
         closed = rows["(i) closed form, diagonal"]
         lowrank = rows["(i) closed form, lowrank"]
-        print(f"  target: diagonal closed form <= 2.5x the plain MLP: {closed / plain:.2f}x "
-              f"({'met' if closed <= 2.5 * plain else 'missed'})")
-        print(f"  target: faster than local reparameterization ({closed / rows['(ii) local reparameterization, 1 sample']:.2f}x) "
-              f"and than Pyro ({closed / rows['(iii) Pyro Trace_ELBO + AutoNormal']:.2f}x): "
-              f"{'met' if closed < min(rows['(ii) local reparameterization, 1 sample'], rows['(iii) Pyro Trace_ELBO + AutoNormal']) else 'missed'}")
-        print(f"  target: low rank <= 2x the diagonal: {lowrank / closed:.2f}x ({'met' if lowrank <= 2 * closed else 'missed'}; "
-              f"its variance pass alone is N*H*D*r multiply-adds, r={10} times the diagonal's)")
+        print(
+            f"  target: diagonal closed form <= 2.5x the plain MLP: {closed / plain:.2f}x "
+            f"({'met' if closed <= 2.5 * plain else 'missed'})"
+        )
+        print(
+            f"  target: faster than local reparameterization ({closed / rows['(ii) local reparameterization, 1 sample']:.2f}x) "
+            f"and than Pyro ({closed / rows['(iii) Pyro Trace_ELBO + AutoNormal']:.2f}x): "
+            f"{'met' if closed < min(rows['(ii) local reparameterization, 1 sample'], rows['(iii) Pyro Trace_ELBO + AutoNormal']) else 'missed'}"
+        )
+        print(
+            f"  target: low rank <= 2x the diagonal: {lowrank / closed:.2f}x ({'met' if lowrank <= 2 * closed else 'missed'}; "
+            f"its variance pass alone is N*H*D*r multiply-adds, r={10} times the diagonal's)"
+        )
 
         # gradient variance on one minibatch (diagonal q, the paper's mean field)
         model = ClosedFormBNN(D, H).to(device)
@@ -191,7 +216,9 @@ def main(argv=None):
         variance_closed = gradient_variance(lambda: -model.elbo(x, y, num_data), params, 5)
         print(f"  gradient variance (mean over all parameters, {draws} draws):")
         print(f"    (ii) local reparameterization     {variance_local:.3e}")
-        print(f"    sample A, integrate B             {variance_sample_a:.3e}   ({variance_local / max(variance_sample_a, 1e-300):.1f}x lower than (ii))")
+        print(
+            f"    sample A, integrate B             {variance_sample_a:.3e}   ({variance_local / max(variance_sample_a, 1e-300):.1f}x lower than (ii))"
+        )
         print(f"    (i) closed form                   {variance_closed:.3e}   (deterministic)")
 
 

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from cfbnn_cli.bnn.network import BayesianNetwork
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
+from cfbnn_cli.bnn.network import BayesianNetwork
 from cfbnn_cli.moments import set_validate_args
 
 MSD_TRAIN = 463_715
@@ -82,7 +82,9 @@ def main(argv=None):
     sync()
     per_step = (time.perf_counter() - start) / args.train_steps
     steps = math.ceil(MSD_TRAIN / 500)
-    print(f"  MSD epoch estimate (analytic, {steps} steps of 500): {per_step * 1e3:.1f} ms/step -> {per_step * steps:.1f} s/epoch")
+    print(
+        f"  MSD epoch estimate (analytic, {steps} steps of 500): {per_step * 1e3:.1f} ms/step -> {per_step * steps:.1f} s/epoch"
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ except ImportError:  # pragma: no cover - not on Windows
     resource = None
 
 import torch
-
 from bench_elbo import configure_like_cli  # the benchmarks' helpers (benchmarks/ on sys.path)
 
 from cfbnn_cli.moments import fast_path, fast_path_info, get_activation, piecewise_polynomial, set_validate_args
@@ -89,14 +88,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=10_000_000, help="elements for target 2")
     parser.add_argument("--block", type=int, nargs=2, default=(500, 200), help="block shape for target 1")
-    parser.add_argument("--others-n", type=int, default=1_000_000, help="elements per activation in the table (same n for all)")
+    parser.add_argument(
+        "--others-n", type=int, default=1_000_000, help="elements per activation in the table (same n for all)"
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the reference ops (relu)")
     parser.add_argument("--devices", nargs="*", default=None)
-    parser.add_argument("--plain-process", action="store_true",
-                        help="skip the settings the CLI makes before any work (denormals flushed, glibc's "
-                             "allocator kept from returning freed memory: runtime.threads.tune_allocator); "
-                             "shows how much of a time is the allocator's page faults")
+    parser.add_argument(
+        "--plain-process",
+        action="store_true",
+        help="skip the settings the CLI makes before any work (denormals flushed, glibc's "
+        "allocator kept from returning freed memory: runtime.threads.tune_allocator); "
+        "shows how much of a time is the allocator's page faults",
+    )
     args = parser.parse_args(argv)
     if args.plain_process:
         print("process as Python starts it (no CLI settings)")
@@ -132,15 +136,21 @@ def main(argv=None):
         fast_fb_fn()  # warm-up outside the count: the heap grows once, on first use
         faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
         fast_fb = median_time(fast_fb_fn, 5 * args.repeats, device, warmup=0)
-        faults = ((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / (5 * args.repeats)) if resource else float("nan")
+        faults = (
+            ((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / (5 * args.repeats))
+            if resource
+            else float("nan")
+        )
         fast_f = median_time(forward_fn(relu, mean, std), 5 * args.repeats, device)
         with fast_path(False):
             ref_fb = median_time(forward_backward_fn(relu, mean, std), 5 * args.repeats, device)
         print(f"\n[target 1] relu.moments on a {rows}x{cols} float32 block ({n_block} elements)")
         print(f"  erfc + exp (floor)          {floor1 * 1e6:9.1f} us")
         print(f"  fast      fwd               {fast_f * 1e6:9.1f} us   {fast_f / floor1:6.2f}x floor")
-        print(f"  fast      fwd+bwd           {fast_fb * 1e6:9.1f} us   {fast_fb / floor1:6.2f}x floor"
-              f"   ({faults:.0f} page faults per call: fresh pages from the allocator, ~1 us each here)")
+        print(
+            f"  fast      fwd+bwd           {fast_fb * 1e6:9.1f} us   {fast_fb / floor1:6.2f}x floor"
+            f"   ({faults:.0f} page faults per call: fresh pages from the allocator, ~1 us each here)"
+        )
         print(f"  reference fwd+bwd           {ref_fb * 1e6:9.1f} us   {ref_fb / floor1:6.2f}x floor")
         print(f"  target 1: {verdict(fast_fb / floor1, 5.0)}")
 
@@ -171,7 +181,7 @@ def main(argv=None):
 
         # ---- the table: every activation at one n, ns per element
         n = args.others_n
-        mean = (torch.randn(n, generator=generator, device=device))
+        mean = torch.randn(n, generator=generator, device=device)
         std = 0.1 + 0.9 * torch.rand(n, generator=generator, device=device)
         activations = [
             ("relu", relu),
@@ -194,8 +204,12 @@ def main(argv=None):
                     row["ref fwd+bwd"] = median_time(forward_backward_fn(activation, m, s), reps, device)
                 results[(dtype, label_a)] = row
         for dtype in (torch.float32, torch.float64):
-            print(f"\n[all activations] n = {n:.0e} {str(dtype).replace('torch.', '')}, ns per element (ratio to relu of the same column)")
-            print(f"  {'activation':<16}{'fast fwd':>16}{'fast fwd+bwd':>18}{'ref fwd':>16}{'ref fwd+bwd':>18}{'speed-up fwd+bwd':>18}")
+            print(
+                f"\n[all activations] n = {n:.0e} {str(dtype).replace('torch.', '')}, ns per element (ratio to relu of the same column)"
+            )
+            print(
+                f"  {'activation':<16}{'fast fwd':>16}{'fast fwd+bwd':>18}{'ref fwd':>16}{'ref fwd+bwd':>18}{'speed-up fwd+bwd':>18}"
+            )
             base = results[(dtype, "relu")]
             for label_a, _ in activations:
                 row = results[(dtype, label_a)]
@@ -208,11 +222,15 @@ def main(argv=None):
         base = results[(torch.float32, "relu")]
         for label_a in ("leaky_relu", "relu_squared", "hard_sigmoid", "user piecewise"):
             row = results[(torch.float32, label_a)]
-            print(f"  {label_a:<16} fwd {verdict(row['fast fwd'] / base['fast fwd'], 3.0)};"
-                  f" fwd+bwd {verdict(row['fast fwd+bwd'] / base['fast fwd+bwd'], 3.0)}")
+            print(
+                f"  {label_a:<16} fwd {verdict(row['fast fwd'] / base['fast fwd'], 3.0)};"
+                f" fwd+bwd {verdict(row['fast fwd+bwd'] / base['fast fwd+bwd'], 3.0)}"
+            )
 
         if args.compile and device.type == "cpu":
-            print("\n[torch.compile] the reference ops compiled by inductor (the fast kernels are skipped while tracing)")
+            print(
+                "\n[torch.compile] the reference ops compiled by inductor (the fast kernels are skipped while tracing)"
+            )
             rows, cols = args.block
             block_mean = torch.randn(rows, cols, generator=generator)
             block_std = 0.1 + 0.9 * torch.rand(rows, cols, generator=generator)
@@ -222,8 +240,10 @@ def main(argv=None):
             compile_seconds = time.perf_counter() - start
             steady = median_time(lambda: compiled(block_mean, block_std), 5 * args.repeats, device)
             eager = median_time(forward_fn(relu, block_mean, block_std), 5 * args.repeats, device)
-            print(f"  relu fwd {rows}x{cols}: compiled {steady * 1e6:.1f} us (first call {compile_seconds:.1f} s),"
-                  f" fast kernel {eager * 1e6:.1f} us")
+            print(
+                f"  relu fwd {rows}x{cols}: compiled {steady * 1e6:.1f} us (first call {compile_seconds:.1f} s),"
+                f" fast kernel {eager * 1e6:.1f} us"
+            )
 
 
 if __name__ == "__main__":

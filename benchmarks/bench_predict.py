@@ -43,8 +43,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stream-seconds", type=float, default=0.5, help="length of each timed stream of batches")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true",
-                        help="also time torch.compile(mode='reduce-overhead') of the plain head, the deterministic prediction and MC-max(samples)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile(mode='reduce-overhead') of the plain head, the deterministic prediction and MC-max(samples)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -68,6 +71,7 @@ def main(argv=None):
 
     def timed(function):
         """(seconds for one synchronized batch, seconds per batch in a stream): best of repeats."""
+
         def call():
             if device.type == "cuda":  # compiled functions: each call is a new CUDA-graph step
                 torch.compiler.cudagraph_mark_step_begin()
@@ -95,8 +99,10 @@ def main(argv=None):
         return latency, stream
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__}, {where}; head {F}-{H1}-{H2}-{O}, batch {args.batch}, "
-          f"float32 matmul precision {torch.get_float32_matmul_precision()!r}")
+    print(
+        f"torch {torch.__version__}, {where}; head {F}-{H1}-{H2}-{O}, batch {args.batch}, "
+        f"float32 matmul precision {torch.get_float32_matmul_precision()!r}"
+    )
     with validate_args(False):
         times = {"plain deterministic head": timed(plain), "deterministic argmax y_hat": timed(deterministic)}
         for n in args.samples:
@@ -113,8 +119,12 @@ def main(argv=None):
             # an explicit torch.Generator would break the graph)
             n = max(args.samples)
             try:
-                times[f"Monte Carlo, N={n}, compiled"] = timed(torch.compile(
-                    lambda x: torch.softmax(head.sample_outputs(x, n), -1).mean(0).argmax(-1), mode="reduce-overhead"))
+                times[f"Monte Carlo, N={n}, compiled"] = timed(
+                    torch.compile(
+                        lambda x: torch.softmax(head.sample_outputs(x, n), -1).mean(0).argmax(-1),
+                        mode="reduce-overhead",
+                    )
+                )
             except Exception as error:  # report, do not hide, a compiler failure
                 print(f"  Monte Carlo, N={n} could not be compiled: {type(error).__name__}: {str(error)[:200]}")
     reference = times["deterministic argmax y_hat"][1]
@@ -130,9 +140,11 @@ def main(argv=None):
         for measure, index in (("stream", 1), ("one batch", 0)):
             speedup = mc_peer[index] / times[det][index]
             slowdown = times[det][index] / times[plain_name][index]
-            print(f"  targets, {label} {measure}: deterministic is {speedup:.0f}x faster than MC-{max(args.samples)} "
-                  f"({'met' if speedup >= 100 else 'missed'}, >= 100x) and {slowdown:.2f}x the plain head's time "
-                  f"({'met' if slowdown <= 2 else 'missed'}, <= 2x)")
+            print(
+                f"  targets, {label} {measure}: deterministic is {speedup:.0f}x faster than MC-{max(args.samples)} "
+                f"({'met' if speedup >= 100 else 'missed'}, >= 100x) and {slowdown:.2f}x the plain head's time "
+                f"({'met' if slowdown <= 2 else 'missed'}, <= 2x)"
+            )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,14 @@ def run_jobs(count: int, overrides, folder: Path) -> list:
     processes = []
     for index in range(count):
         run_dir = folder / f"job{index}-{time.monotonic_ns()}"
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "cfbnn_cli.cli", "train", "regression", f"hydra.run.dir={run_dir}", *overrides],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "cfbnn_cli.cli", "train", "regression", f"hydra.run.dir={run_dir}", *overrides],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     seconds = []
     for process in processes:
         _, error = process.communicate()
@@ -52,17 +57,25 @@ def main(argv=None):
     print(f"{cores} cores; {args.jobs} concurrent `cfbnn train regression` jobs ({' '.join(job)}) against one alone")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, threads in (("runtime.threads=auto (default)", "auto"), (f"runtime.threads={cores} (each job all cores)", cores)):
+        for label, threads in (
+            ("runtime.threads=auto (default)", "auto"),
+            (f"runtime.threads={cores} (each job all cores)", cores),
+        ):
             overrides = job + [f"runtime.threads={threads}"]
             alone = statistics.median(run_jobs(1, overrides, Path(tmp))[0] for _ in range(args.repeats))
-            together = statistics.median(statistics.median(run_jobs(args.jobs, overrides, Path(tmp)))
-                                         for _ in range(args.repeats))
+            together = statistics.median(
+                statistics.median(run_jobs(args.jobs, overrides, Path(tmp))) for _ in range(args.repeats)
+            )
             results[label] = together / alone
-            print(f"  {label:<40} alone {alone:6.1f} s   {args.jobs} together {together:6.1f} s each (median)   "
-                  f"ratio {together / alone:4.2f}x")
+            print(
+                f"  {label:<40} alone {alone:6.1f} s   {args.jobs} together {together:6.1f} s each (median)   "
+                f"ratio {together / alone:4.2f}x"
+            )
     ratio = results["runtime.threads=auto (default)"]
-    print(f"  target: each of {args.jobs} concurrent jobs <= 1.5x its time alone: {ratio:.2f}x "
-          f"({'met' if ratio <= 1.5 else 'missed'})")
+    print(
+        f"  target: each of {args.jobs} concurrent jobs <= 1.5x its time alone: {ratio:.2f}x "
+        f"({'met' if ratio <= 1.5 else 'missed'})"
+    )
 
 
 if __name__ == "__main__":

@@ -81,8 +81,10 @@ def main(argv=None):
             )
             if args.compile:
                 compiled = times[variant + "+compile"]
-                print(f"  {variant} torch.compile: {compiled * 1e3:6.1f} ms/step   {compiled / times['v1+compile']:5.2f}x compiled v1"
-                      f"   {compiled / times['v1']:5.2f}x eager v1")
+                print(
+                    f"  {variant} torch.compile: {compiled * 1e3:6.1f} ms/step   {compiled / times['v1+compile']:5.2f}x compiled v1"
+                    f"   {compiled / times['v1']:5.2f}x eager v1"
+                )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ def random_networks(depth: int, init_scale: float, seed: int = 0, points: int = 
     x = torch.randn(points, 8, dtype=torch.float64, generator=generator)
     y = torch.randn(points, dtype=torch.float64, generator=generator)
     homoscedastic = BayesianNetwork(8, [width] * depth, 1, init_scale=init_scale, generator=generator).double()
-    heteroscedastic = BayesianNetwork(8, [width] * depth, 2, init_scale=init_scale, generator=generator,
-                                      likelihood=HeteroscedasticNormalLikelihood()).double()
+    heteroscedastic = BayesianNetwork(
+        8, [width] * depth, 2, init_scale=init_scale, generator=generator, likelihood=HeteroscedasticNormalLikelihood()
+    ).double()
     return homoscedastic, heteroscedastic, x, y
 
 
@@ -57,11 +58,15 @@ def trained_networks(depth: int, iterations: int = 300, width: int = 50, points:
     generator = torch.Generator().manual_seed(0)
     networks = []
     for outputs, likelihood in ((1, None), (2, HeteroscedasticNormalLikelihood())):
-        net = BayesianNetwork(x.shape[1], [width] * depth, outputs, init_scale=0.1, generator=generator,
-                              likelihood=likelihood).double()
+        net = BayesianNetwork(
+            x.shape[1], [width] * depth, outputs, init_scale=0.1, generator=generator, likelihood=likelihood
+        ).double()
         num_data = len(y[train])
-        minimize_full_batch(lambda: -net.elbo(x[train], y[train], num_data, "deterministic") / num_data,
-                            net.parameters(), max_iterations=iterations)
+        minimize_full_batch(
+            lambda: -net.elbo(x[train], y[train], num_data, "deterministic") / num_data,
+            net.parameters(),
+            max_iterations=iterations,
+        )
         networks.append(net)
     return networks[0], networks[1], x[test], y[test]
 
@@ -74,13 +79,15 @@ def measure(homoscedastic, heteroscedastic, x, y, samples: int, seed: int = 0):
         draws = torch.cat([homoscedastic.sample_outputs(x, 10_000, generator) for _ in range(samples // 10_000)])
         sd = draws.std(0)
         mean_bias = ((mean - draws.mean(0)).abs() / sd).mean().item()
-        mean_se = (1 / math.sqrt(len(draws)))  # in units of sd
+        mean_se = 1 / math.sqrt(len(draws))  # in units of sd
         variance_bias = (variance / draws.var(0) - 1).mean().item()
         _, full_variance = homoscedastic.output_moments(x, "deterministic_full", ())
         full_variance_bias = (full_variance / draws.var(0) - 1).mean().item()
         ell = heteroscedastic.expected_log_likelihood_per_point(x, y, "deterministic")
         pairs = torch.cat([heteroscedastic.sample_outputs(x, 10_000, generator) for _ in range(samples // 10_000)])
-        log_density = -0.5 * (math.log(2 * math.pi) + pairs[..., 1] + (y - pairs[..., 0]).square() * torch.exp(-pairs[..., 1]))
+        log_density = -0.5 * (
+            math.log(2 * math.pi) + pairs[..., 1] + (y - pairs[..., 0]).square() * torch.exp(-pairs[..., 1])
+        )
         ell_bias = (ell - log_density.mean(0)).mean().item()
         ell_se = (log_density.std(0) / math.sqrt(len(pairs))).square().mean().sqrt().item() / math.sqrt(points)
         predictive = mixture_log_likelihood(y, *heteroscedastic.predictive_components(x, "deterministic"))
@@ -93,9 +100,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200_000)
     args = parser.parse_args()
-    print("| network | hidden layers | posterior s.d. | mean: mean abs bias / sd (MC s.e.) | variance: relative bias, "
-          "diagonal | variance: relative bias, full covariance | heteroscedastic ELL bias, nats (MC s.e.) | "
-          "heteroscedastic log predictive bias, nats |")
+    print(
+        "| network | hidden layers | posterior s.d. | mean: mean abs bias / sd (MC s.e.) | variance: relative bias, "
+        "diagonal | variance: relative bias, full covariance | heteroscedastic ELL bias, nats (MC s.e.) | "
+        "heteroscedastic log predictive bias, nats |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     cases = [("random", depth, init_scale) for depth in (1, 2, 3) for init_scale in (0.02, 0.1, 0.3)]
     cases += [("trained on diabetes", depth, None) for depth in (1, 2, 3)]

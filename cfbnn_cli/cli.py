@@ -90,8 +90,11 @@ LAUNCHER_HINT = (
 
 
 # not a Hydra application: `cfbnn report` reads finished runs (cfbnn_cli.report.aggregate)
-REPORT_SUMMARY = ("report PATH", "tables and figures over every results.json under PATH, mean ± s.e. over seeds "
-                                 "(--paper: beside the paper's numbers)")
+REPORT_SUMMARY = (
+    "report PATH",
+    "tables and figures over every results.json under PATH, mean ± s.e. over seeds "
+    "(--paper: beside the paper's numbers)",
+)
 
 
 def usage() -> str:
@@ -211,8 +214,10 @@ def run_pipeline(sub: Subcommand, cfg, run_dir) -> dict:
     if nproc == 1:
         return pipeline.run(cfg, Path(run_dir))
     if not pipeline.supports_distributed(cfg):
-        raise ConfigError(f"distributed.nproc={nproc}: `cfbnn {sub.name}` with this configuration runs in one process; "
-                          "set distributed.nproc=1")
+        raise ConfigError(
+            f"distributed.nproc={nproc}: `cfbnn {sub.name}` with this configuration runs in one process; "
+            "set distributed.nproc=1"
+        )
     pipeline.validate(cfg)  # before starting N processes that would each fail alike
     return distributed.launch(cfg, run_dir, nproc, ["-m", "cfbnn_cli.cli", WORKER_FLAG, sub.config_name])
 
@@ -254,8 +259,10 @@ def make_task(sub: Subcommand):
                 tune_allocator()
                 fingerprint, finished = claim_run_dir(cfg, run_dir)
                 if finished:
-                    log.info("resume=true and %s/done exists for this configuration: this job already finished, "
-                             "skipping", run_dir)
+                    log.info(
+                        "resume=true and %s/done exists for this configuration: this job already finished, skipping",
+                        run_dir,
+                    )
                     return
                 _save_hydra_record(run_dir, cfg)
                 started = time.perf_counter()
@@ -279,7 +286,7 @@ def make_task(sub: Subcommand):
                 if bad:
                     raise NonFiniteResultError(
                         f"the run finished with non-finite metrics ({', '.join(bad[:8])}"
-                        f"{', ...' if len(bad) > 8 else ''}): results.json says status \"failed\" and no `done` is "
+                        f'{", ..." if len(bad) > 8 else ""}): results.json says status "failed" and no `done` is '
                         f"written; check the data for extreme values or lower trainer.lr ({run_dir})"
                     )
         except UnsafePathError as error:  # a link or a foreign folder met while writing
@@ -329,7 +336,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if sub is None:
         completions = [s.name for s in SUBCOMMANDS if len(s.words) > 1 and s.words[0] == argv[0]]
         if completions:
-            print(f"cfbnn: error: incomplete command {argv[0]!r}; did you mean {' or '.join(completions)!r}?\n", file=sys.stderr)
+            print(
+                f"cfbnn: error: incomplete command {argv[0]!r}; did you mean {' or '.join(completions)!r}?\n",
+                file=sys.stderr,
+            )
         else:
             print(f"cfbnn: error: unknown command {' '.join(argv[:2])!r}\n", file=sys.stderr)
         print(usage(), end="", file=sys.stderr)
@@ -361,8 +371,9 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     sys.argv = [f"cfbnn {sub.name}"] + rest
     _point_hydra_at_shared_configs(conf)
     try:
-        hydra.main(config_path=str(conf / sub.config_name), config_name=sub.config_name,
-                   version_base="1.3")(make_task(sub))()
+        hydra.main(config_path=str(conf / sub.config_name), config_name=sub.config_name, version_base="1.3")(
+            make_task(sub)
+        )()
     except SystemExit as exit:
         if exit.code not in (0, None) and _mentions_launcher(rest):
             print(LAUNCHER_HINT, file=sys.stderr)
@@ -396,8 +407,11 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
             print(f"cfbnn: error: {refused}", file=sys.stderr)
             return 2
         if isinstance(error, (FileExistsError, NotADirectoryError)):  # Hydra making the run dir
-            print(f"cfbnn: error: cannot make the output folder {error.filename}: a file is in the way; choose "
-                  "another hydra.run.dir (or move the file)", file=sys.stderr)
+            print(
+                f"cfbnn: error: cannot make the output folder {error.filename}: a file is in the way; choose "
+                "another hydra.run.dir (or move the file)",
+                file=sys.stderr,
+            )
             return 2
         traceback.print_exc()
         if _mentions_launcher(rest):

@@ -69,7 +69,10 @@ def main(argv=None) -> int:
             with urllib.request.urlopen(URL, timeout=60) as response:
                 data = response.read()
         except OSError as error:
-            print(f"download failed ({error}); fetch {URL} by hand into {out}/ and re-run with --verify-only", file=sys.stderr)
+            print(
+                f"download failed ({error}); fetch {URL} by hand into {out}/ and re-run with --verify-only",
+                file=sys.stderr,
+            )
             return 1
         partial = target.with_suffix(".part")
         partial.write_bytes(data)

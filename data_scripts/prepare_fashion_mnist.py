@@ -33,7 +33,9 @@ DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 def debian_files():
     try:
-        listing = subprocess.run(["dpkg", "-L", "dataset-fashion-mnist"], capture_output=True, text=True, check=True).stdout
+        listing = subprocess.run(
+            ["dpkg", "-L", "dataset-fashion-mnist"], capture_output=True, text=True, check=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return []
     return [Path(line) for line in listing.splitlines() if line.endswith("-ubyte.gz")]
@@ -62,7 +64,9 @@ def check_header(path: Path, name: str, full: bool, source: Path):
     path = source  # errors name the file the user has
     expected_magic, expected_count = FILES[name]
     if magic != expected_magic:
-        raise SystemExit(f"error: {path} is not an IDX file of the expected kind (magic {magic}, expected {expected_magic})")
+        raise SystemExit(
+            f"error: {path} is not an IDX file of the expected kind (magic {magic}, expected {expected_magic})"
+        )
     if full and count != expected_count:
         raise SystemExit(f"error: {path} holds {count} items, expected {expected_count}; the file is incomplete")
     return count
@@ -71,7 +75,9 @@ def check_header(path: Path, name: str, full: bool, source: Path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data/fashion_mnist", help="folder to create FashionMNIST/raw/ in")
-    parser.add_argument("--source", default=None, help="folder holding the *-ubyte.gz files (default: the Debian package's)")
+    parser.add_argument(
+        "--source", default=None, help="folder holding the *-ubyte.gz files (default: the Debian package's)"
+    )
     parser.add_argument("--allow-subset", action="store_true", help=argparse.SUPPRESS)  # tests use tiny files
     args = parser.parse_args(argv)
     sources = find_sources(args.source)

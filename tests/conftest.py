@@ -17,24 +17,60 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 # small but real settings of each command (seconds, not minutes, on 2 cores)
 TINY_REGRESSION = [
-    "data.n_train=400", "data.n_test=100", "data.input_dim=8", "model.hidden_sizes=[16,16]",
-    "trainer.epochs=3", "trainer.batch_size=100", "trainer.lr=0.01", "gradient_variance.num_samples=300",
-    "gradient_variance.batch_size=100", "evaluation.num_samples=4", "device=cpu",
+    "data.n_train=400",
+    "data.n_test=100",
+    "data.input_dim=8",
+    "model.hidden_sizes=[16,16]",
+    "trainer.epochs=3",
+    "trainer.batch_size=100",
+    "trainer.lr=0.01",
+    "gradient_variance.num_samples=300",
+    "gradient_variance.batch_size=100",
+    "evaluation.num_samples=4",
+    "device=cpu",
 ]
 SMALL_UCI = [
-    "experiment=uci", "data=synthetic", "data.input_dim=4", "data.n_train=160", "data.n_test=40",
-    "data.noise_std=0.3", "uci.n_splits=2", "trainer.epochs=60", "model.hidden_sizes=[16]",
-    "uci.predictive_samples=64", "uci.validation_samples=16", "uci.patience=10", "uci.evaluate_every=2",
-    "uci.max_iterations=1500", "uci.timing_repeats=2", "trainer.batch_size=32", "device=cpu",
+    "experiment=uci",
+    "data=synthetic",
+    "data.input_dim=4",
+    "data.n_train=160",
+    "data.n_test=40",
+    "data.noise_std=0.3",
+    "uci.n_splits=2",
+    "trainer.epochs=60",
+    "model.hidden_sizes=[16]",
+    "uci.predictive_samples=64",
+    "uci.validation_samples=16",
+    "uci.patience=10",
+    "uci.evaluate_every=2",
+    "uci.max_iterations=1500",
+    "uci.timing_repeats=2",
+    "trainer.batch_size=32",
+    "device=cpu",
 ]
 TINY_VAE = [
-    "data=synthetic", "data.input_dim=6", "data.rows=300", "model.encoder_hidden=[16,16]",
-    "model.latent_dim=2", "model.decoder_hidden=12", "trainer.epochs=4", "trainer.batch_size=25", "trainer.lr=0.01",
-    "evaluation.inner_samples=8", "evaluation.trials=3", "device=cpu",
+    "data=synthetic",
+    "data.input_dim=6",
+    "data.rows=300",
+    "model.encoder_hidden=[16,16]",
+    "model.latent_dim=2",
+    "model.decoder_hidden=12",
+    "trainer.epochs=4",
+    "trainer.batch_size=25",
+    "trainer.lr=0.01",
+    "evaluation.inner_samples=8",
+    "evaluation.trials=3",
+    "device=cpu",
 ]
 TINY_IMAGENET = [
-    "model.hidden_sizes=[32,32]", "trainer.epochs=3", "trainer.batch_size=64", "trainer.lr=0.01",
-    "evaluation.total_samples=64", "evaluation.inner_samples=[1,4,16,64]", "evaluation.timing_images=64", "device=cpu",
+    "model.hidden_sizes=[32,32]",
+    "trainer.epochs=3",
+    "trainer.batch_size=64",
+    "trainer.lr=0.01",
+    "evaluation.total_samples=64",
+    "evaluation.inner_samples=[1,4,16,64]",
+    "evaluation.timing_images=64",
+    "device=cpu",
     "evaluation.paper_head_timing=false",  # ~2.5 s on the CPU; one test turns it on
 ]
 
@@ -78,8 +114,9 @@ def vae_cfg():
 @pytest.fixture
 def imagenet_cfg(tmp_path):
     """``imagenet_cfg(*overrides)``: a tiny ``cfbnn imagenet-predict`` config (digits, cache under tmp_path)."""
-    return lambda *overrides: _compose("imagenet_predict", TINY_IMAGENET + [f"features.cache_dir={tmp_path / 'cache'}"],
-                                       overrides)
+    return lambda *overrides: _compose(
+        "imagenet_predict", TINY_IMAGENET + [f"features.cache_dir={tmp_path / 'cache'}"], overrides
+    )
 
 
 @pytest.fixture(scope="session")
@@ -94,8 +131,14 @@ def cfbnn():
 
     def run(*args, timeout=600, env=None, cwd=None):
         environment = dict(os.environ, HYDRA_FULL_ERROR="0", **(env or {}))
-        return subprocess.run([sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True,
-                              env=environment, timeout=timeout, cwd=cwd)
+        return subprocess.run(
+            [sys.executable, "-m", "cfbnn_cli.cli", *args],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=timeout,
+            cwd=cwd,
+        )
 
     return run
 

@@ -55,12 +55,23 @@ def test_config_groups_and_keys_switch():
 
 @pytest.mark.parametrize(
     "sub, own, foreign",
-    [("vae", ["variant", "data: digits, fashion_mnist, synthetic, year_prediction_msd", "experiment: paper_table2"],
-      ["paper_table1", "head_small", "protocol", "csv"]),
-     ("train regression", ["protocol: gradient_variance, uci", "estimator", "experiment: paper_table1, uci"],
-      ["paper_table2", "variant", "digits", "head_small"]),
-     ("imagenet-predict", ["objective", "model: head, head_small", "data: digits, fake, fashion_mnist, imagenet"],
-      ["paper_table1", "variant", "protocol", "synthetic"])],
+    [
+        (
+            "vae",
+            ["variant", "data: digits, fashion_mnist, synthetic, year_prediction_msd", "experiment: paper_table2"],
+            ["paper_table1", "head_small", "protocol", "csv"],
+        ),
+        (
+            "train regression",
+            ["protocol: gradient_variance, uci", "estimator", "experiment: paper_table1, uci"],
+            ["paper_table2", "variant", "digits", "head_small"],
+        ),
+        (
+            "imagenet-predict",
+            ["objective", "model: head, head_small", "data: digits, fake, fashion_mnist, imagenet"],
+            ["paper_table1", "variant", "protocol", "synthetic"],
+        ),
+    ],
 )
 def test_each_command_help_lists_only_its_own_groups_and_keys(cfbnn, sub, own, foreign):
     out = cfbnn(*sub.split(), "--help")
@@ -74,8 +85,14 @@ def test_each_command_help_lists_only_its_own_groups_and_keys(cfbnn, sub, own, f
 
 @pytest.mark.parametrize(
     "override,key",
-    [("device=gpu", "device"), ("seed=-1", "seed"), ("trainer.epochs=-3", "trainer.epochs"),
-     ("trainer.batch_size=0", "trainer.batch_size"), ("trainer.lr=0", "trainer.lr"), ("resume=maybe", "resume")],
+    [
+        ("device=gpu", "device"),
+        ("seed=-1", "seed"),
+        ("trainer.epochs=-3", "trainer.epochs"),
+        ("trainer.batch_size=0", "trainer.batch_size"),
+        ("trainer.lr=0", "trainer.lr"),
+        ("resume=maybe", "resume"),
+    ],
 )
 def test_invalid_common_values_are_named(override, key):
     cfg = compose_config("train_regression", [override])
@@ -92,13 +109,21 @@ def test_cfg_job_prints_composed_config(cfbnn):
 
 def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path, cfbnn):
     run_dir = tmp_path / "run"
-    args = ["imagenet-predict", f"hydra.run.dir={run_dir}", f"features.cache_dir={tmp_path / 'cache'}", "device=cpu",
-            "trainer.batch_size=64",
-            "trainer.epochs=1", "model.hidden_sizes=[16,16]", "evaluation.total_samples=16", "evaluation.inner_samples=[1,16]"]
+    args = [
+        "imagenet-predict",
+        f"hydra.run.dir={run_dir}",
+        f"features.cache_dir={tmp_path / 'cache'}",
+        "device=cpu",
+        "trainer.batch_size=64",
+        "trainer.epochs=1",
+        "model.hidden_sizes=[16,16]",
+        "evaluation.total_samples=16",
+        "evaluation.inner_samples=[1,16]",
+    ]
     out = cfbnn(*args)
     assert out.returncode == 0, out.stderr[-2000:]
     # the command ends by saying where its outputs went and printing its main table
-    tail = out.stdout[out.stdout.index(f"cfbnn: outputs in {run_dir}"):]
+    tail = out.stdout[out.stdout.index(f"cfbnn: outputs in {run_dir}") :]
     assert tail.splitlines()[1] == "prediction.md:" and "| Deterministic argmax ŷ (eq. 42)" in tail
     saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert saved.trainer.epochs == 1
@@ -118,8 +143,15 @@ def test_invalid_value_exits_2_before_work(tmp_path, cfbnn):
 
 def test_multirun_makes_one_dir_per_job(tmp_path, cfbnn):
     sweep = tmp_path / "sweep"
-    out = cfbnn("imagenet-predict", "-m", "seed=0,1", f"hydra.sweep.dir={sweep}", "stage=features", "device=cpu",
-                f"features.cache_dir={tmp_path / 'cache'}")
+    out = cfbnn(
+        "imagenet-predict",
+        "-m",
+        "seed=0,1",
+        f"hydra.sweep.dir={sweep}",
+        "stage=features",
+        "device=cpu",
+        f"features.cache_dir={tmp_path / 'cache'}",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (sweep / "multirun.yaml").exists()
     for job in (0, 1):

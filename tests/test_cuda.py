@@ -11,8 +11,14 @@ from cfbnn_cli.bnn import BayesianNetwork, ClosedFormBNN, bayesian_head
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-FAKE = ["data=fake", "backbone.name=resnet50", "features.shard_size=16", "features.batch_size=8", "data.n_train=40",
-        "data.n_held_out=10"]
+FAKE = [
+    "data=fake",
+    "backbone.name=resnet50",
+    "features.shard_size=16",
+    "features.batch_size=8",
+    "data.n_train=40",
+    "data.n_held_out=10",
+]
 
 
 def _copy_to(module, device):
@@ -99,7 +105,9 @@ def test_vae_decoder_closed_form_on_cuda_matches_cpu_and_pipeline_runs(tmp_path,
     z = torch.randn(5, 3, generator=g, dtype=torch.float64)
     x = torch.randn(5, 4, generator=g, dtype=torch.float64)
     gpu = _copy_to(model, "cuda")
-    torch.testing.assert_close(gpu.decoder_expected_log_likelihood(z.cuda(), x.cuda()).cpu(), model.decoder_expected_log_likelihood(z, x))
+    torch.testing.assert_close(
+        gpu.decoder_expected_log_likelihood(z.cuda(), x.cuda()).cpu(), model.decoder_expected_log_likelihood(z, x)
+    )
     estimate = gpu.importance_weighted_log_likelihood(x.cuda(), 50, torch.Generator(device="cuda").manual_seed(0))
     assert estimate.device.type == "cuda" and bool(torch.isfinite(estimate).all())
     result = vae.run(vae_cfg("device=cuda", "trainer.epochs=2"), tmp_path)
@@ -111,8 +119,14 @@ def test_uci_protocol_runs_every_method_on_cuda(tmp_path, uci_cfg):
     from cfbnn_cli.pipelines import regression
 
     result = regression.run(uci_cfg("device=cuda", "trainer.epochs=10", "uci.predictive_samples=20"), tmp_path)
-    for method in ("closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro",
-                   "pyro_local_reparameterization", "plain_mlp"):
+    for method in (
+        "closed_form_diagonal",
+        "closed_form_full",
+        "local_reparameterization",
+        "pyro",
+        "pyro_local_reparameterization",
+        "plain_mlp",
+    ):
         assert torch.isfinite(torch.tensor(result["metrics"][f"uci/{method}/test_ll_mean"])), method
 
 
@@ -121,10 +135,12 @@ def test_imagenet_predict_runs_on_cuda_and_resnet50_features_match_cpu(tmp_path,
 
     result = imagenet.run(imagenet_cfg("device=cuda"), tmp_path / "run")
     assert str(result["device"]).startswith("cuda") and result["metrics"]["deterministic/top1"] > 0.5
-    cpu = imagenet.compute_features(imagenet_cfg(*FAKE, f"features.cache_dir={tmp_path / 'cpu'}"),
-                                    torch.device("cpu"))["train"][0].float()
-    gpu = imagenet.compute_features(imagenet_cfg(*FAKE, f"features.cache_dir={tmp_path / 'gpu'}"),
-                                    torch.device("cuda"))["train"][0].float()
+    cpu = imagenet.compute_features(imagenet_cfg(*FAKE, f"features.cache_dir={tmp_path / 'cpu'}"), torch.device("cpu"))[
+        "train"
+    ][0].float()
+    gpu = imagenet.compute_features(
+        imagenet_cfg(*FAKE, f"features.cache_dir={tmp_path / 'gpu'}"), torch.device("cuda")
+    )["train"][0].float()
     torch.testing.assert_close(gpu, cpu, rtol=2e-2, atol=2e-2)
 
 
@@ -167,9 +183,18 @@ def _train_on_cuda(cuda_graphs, loss_hook=None, estimator="sampling", epochs=3):
         value = -model.elbo(x[rows], y[rows], len(y), estimator, noise)
         return loss_hook(value) if loss_hook is not None else value
 
-    loop = TrainingLoop(model, optimizer, loss, len(y), 8, torch.device("cuda"), epochs=epochs,
-                        data_generator=torch.Generator().manual_seed(1), generators={"sampler": sampler},
-                        cuda_graphs=cuda_graphs)
+    loop = TrainingLoop(
+        model,
+        optimizer,
+        loss,
+        len(y),
+        8,
+        torch.device("cuda"),
+        epochs=epochs,
+        data_generator=torch.Generator().manual_seed(1),
+        generators={"sampler": sampler},
+        cuda_graphs=cuda_graphs,
+    )
     loop.run()
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}, loop
 
@@ -192,8 +217,9 @@ def test_graph_replays_draw_new_numbers_and_a_seed_reproduces_them():
     from cfbnn_cli.runtime.cuda_graphs import GraphedCall
 
     generator = torch.Generator(device="cuda").manual_seed(0)
-    draw = GraphedCall(lambda x: x + torch.randn(x.shape, generator=generator, device="cuda"), "cuda",
-                       generators=(generator,))
+    draw = GraphedCall(
+        lambda x: x + torch.randn(x.shape, generator=generator, device="cuda"), "cuda", generators=(generator,)
+    )
     zeros = torch.zeros(1000, device="cuda")
     draws = [draw(zeros) for _ in range(4)]  # eager, then three replays
     assert draw.graphs and all(not torch.equal(a, b) for a, b in zip(draws, draws[1:]))
@@ -241,15 +267,20 @@ def test_graphed_gradient_draws_equal_eager():
     torch.manual_seed(0)
     model = BayesianNetwork(8, [16, 16]).cuda()
     x, y = torch.randn(64, 8, device="cuda"), torch.randn(64, device="cuda")
-    results = [gradient_variance(model, x, y, 640, "sampling", 100, 25, torch.Generator(device="cuda").manual_seed(0),
-                                 cuda_graphs=flag) for flag in (True, False)]
+    results = [
+        gradient_variance(
+            model, x, y, 640, "sampling", 100, 25, torch.Generator(device="cuda").manual_seed(0), cuda_graphs=flag
+        )
+        for flag in (True, False)
+    ]
     for name in results[0]:
         assert results[0][name] == pytest.approx(results[1][name], rel=1e-4), name
 
 
 @pytest.mark.parametrize("command", ["regression", "vae", "imagenet"])
-def test_every_pipeline_trains_graphed_on_cuda_without_a_fallback(tmp_path, caplog, regression_cfg, vae_cfg,
-                                                                  imagenet_cfg, command):
+def test_every_pipeline_trains_graphed_on_cuda_without_a_fallback(
+    tmp_path, caplog, regression_cfg, vae_cfg, imagenet_cfg, command
+):
     from cfbnn_cli.pipelines import imagenet, regression, vae
 
     with caplog.at_level("WARNING"):

@@ -16,8 +16,17 @@ def _results(sweep):
 def test_two_by_two_sweep_on_a_launcher_gives_four_results_and_one_table(tmp_path, launcher, cfbnn):
     sweep = tmp_path / "sweep"
     extra = ["hydra.launcher.n_jobs=2"] if launcher == "joblib" else []
-    out = cfbnn("imagenet-predict", "-m", "seed=0,1", "objective=sampling,control_variate", f"hydra/launcher={launcher}",
-                *extra, f"hydra.sweep.dir={sweep}", f"features.cache_dir={tmp_path / 'cache'}", *FAST)
+    out = cfbnn(
+        "imagenet-predict",
+        "-m",
+        "seed=0,1",
+        "objective=sampling,control_variate",
+        f"hydra/launcher={launcher}",
+        *extra,
+        f"hydra.sweep.dir={sweep}",
+        f"features.cache_dir={tmp_path / 'cache'}",
+        *FAST,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(_results(sweep)) == 4
     table = pd.read_csv(sweep / "report_imagenet_predict_table.csv")
@@ -47,4 +56,6 @@ def test_report_with_no_results_fails_and_a_bad_launcher_points_to_the_readme(tm
     assert out.returncode != 0 and "no results.json of a complete run under" in out.stderr
     bad = cfbnn("vae", "-m", "seed=0", "hydra/launcher=nosuch", f"hydra.sweep.dir={tmp_path / 's'}")
     assert bad.returncode != 0
-    assert "Could not find 'hydra/launcher/nosuch'" in bad.stderr and "'Sweeps and launchers' in docs/cli.md" in bad.stderr
+    assert (
+        "Could not find 'hydra/launcher/nosuch'" in bad.stderr and "'Sweeps and launchers' in docs/cli.md" in bad.stderr
+    )

@@ -30,21 +30,41 @@ from cfbnn_cli.runtime.io import atomic_write_json
 from cfbnn_cli.runtime.rundir import RunDirLock, claim_run_dir, config_fingerprint
 
 REGRESSION = [
-    "data.n_train=200", "data.n_test=50", "data.input_dim=4", "model.hidden_sizes=[8,8]", "trainer.epochs=2",
-    "trainer.batch_size=50", "gradient_variance.num_samples=20", "gradient_variance.batch_size=50",
-    "evaluation.num_samples=4", "device=cpu",
+    "data.n_train=200",
+    "data.n_test=50",
+    "data.input_dim=4",
+    "model.hidden_sizes=[8,8]",
+    "trainer.epochs=2",
+    "trainer.batch_size=50",
+    "gradient_variance.num_samples=20",
+    "gradient_variance.batch_size=50",
+    "evaluation.num_samples=4",
+    "device=cpu",
 ]
 UCI = [
-    "experiment=uci", "data=synthetic", "data.input_dim=3", "data.n_train=90", "data.n_test=30", "uci.n_splits=2",
-    "trainer.epochs=5", "model.hidden_sizes=[8]", "uci.predictive_samples=16", "uci.methods=[closed_form_diagonal,plain_mlp]",
-    "uci.validation_samples=8", "uci.max_iterations=500", "uci.timing_repeats=1", "trainer.batch_size=16", "device=cpu",
+    "experiment=uci",
+    "data=synthetic",
+    "data.input_dim=3",
+    "data.n_train=90",
+    "data.n_test=30",
+    "uci.n_splits=2",
+    "trainer.epochs=5",
+    "model.hidden_sizes=[8]",
+    "uci.predictive_samples=16",
+    "uci.methods=[closed_form_diagonal,plain_mlp]",
+    "uci.validation_samples=8",
+    "uci.max_iterations=500",
+    "uci.timing_repeats=1",
+    "trainer.batch_size=16",
+    "device=cpu",
 ]
 
 
 def cfbnn(*args, timeout=300):
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
-    return subprocess.run([sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cfbnn_cli.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def _config(*overrides, base=REGRESSION):
@@ -106,8 +126,15 @@ def test_a_crafted_evaluation_checkpoint_for_imagenet_predict_runs_nothing(tmp_p
     marker = tmp_path / "PWNED"
     evil = tmp_path / "best.pt"
     torch.save({"model": RunsCode(marker)}, evil)
-    out = cfbnn("imagenet-predict", f"hydra.run.dir={tmp_path / 'run'}", "stage=evaluate", f"evaluation.checkpoint={evil}",
-                f"features.cache_dir={tmp_path / 'cache'}", "model.hidden_sizes=[16,16]", "device=cpu")
+    out = cfbnn(
+        "imagenet-predict",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "stage=evaluate",
+        f"evaluation.checkpoint={evil}",
+        f"features.cache_dir={tmp_path / 'cache'}",
+        "model.hidden_sizes=[16,16]",
+        "device=cpu",
+    )
     text = one_line_error(out)
     assert not marker.exists() and "cannot load the trained head" in text
 
@@ -134,8 +161,11 @@ def test_a_damaged_checkpoint_is_one_named_error(tmp_path, damage):
     path = tmp_path / "last.pt"
     torch.save({"model": {"w": torch.randn(50, 50)}, "epoch": 3}, path)
     data = path.read_bytes()
-    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint at all",
-                      "not_a_dict": b"", "empty": b""}[damage])
+    path.write_bytes(
+        {"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint at all", "not_a_dict": b"", "empty": b""}[
+            damage
+        ]
+    )
     if damage == "not_a_dict":
         torch.save([1, 2, 3], path)
     with pytest.raises(CheckpointError, match=re.escape(str(path))):
@@ -202,8 +232,9 @@ def test_report_names_and_skips_a_non_numeric_metric_and_failed_runs(tmp_path, c
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "results.json").write_text(json.dumps(_record("train_regression", metrics, {"seed": i})))
     (tmp_path / "3").mkdir()
-    (tmp_path / "3" / "results.json").write_text(json.dumps(_record("train_regression", {"final_test_rmse": None},
-                                                                     {"seed": 3}, status="failed")))
+    (tmp_path / "3" / "results.json").write_text(
+        json.dumps(_record("train_regression", {"final_test_rmse": None}, {"seed": 3}, status="failed"))
+    )
     (tmp_path / "4").mkdir()
     (tmp_path / "4" / "results.json").write_bytes(b"\xff\xfe not json")
     report(tmp_path)
@@ -278,13 +309,21 @@ def test_sweep_jobs_are_bound_to_their_config(tmp_path):
 
 def test_a_second_run_into_a_locked_dir_exits_2_naming_the_pid_and_touches_nothing(tmp_path):
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from cfbnn_cli.runtime.rundir import RunDirLock
         with RunDirLock({str(run)!r}):
             print("locked", flush=True)
             time.sleep(120)
-        """)], stdout=subprocess.PIPE, text=True)
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         (run / ".hydra").mkdir()
@@ -365,8 +404,7 @@ def test_extreme_but_finite_scales_give_the_same_model_as_unit_scales(tmp_path, 
     x, y = _rows()
     unit = tabular_file(_write_csv(tmp_path / "unit.csv", ["a", "b", "c", "y"], [[*r, v] for r, v in zip(x, y)]), "y")
     xs, ys = _rows(scale_y=scale_y, scale_x=scale_x)
-    scaled = tabular_file(_write_csv(tmp_path / "s.csv", ["a", "b", "c", "y"],
-                                     [[*r, v] for r, v in zip(xs, ys)]), "y")
+    scaled = tabular_file(_write_csv(tmp_path / "s.csv", ["a", "b", "c", "y"], [[*r, v] for r, v in zip(xs, ys)]), "y")
     torch.testing.assert_close(scaled.x_train, unit.x_train, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(scaled.y_train, unit.y_train, rtol=1e-6, atol=1e-6)
     assert scaled.target_std == pytest.approx(unit.target_std * scale_y, rel=1e-12)
@@ -386,9 +424,15 @@ def test_a_column_that_overflows_float32_when_standardized_is_named(tmp_path):
 def test_a_1e200_target_trains_to_finite_metrics_in_original_units(tmp_path):
     x, y = _rows(n=120, scale_y=1e200)
     path = _write_csv(tmp_path / "big.csv", ["a", "b", "c", "y"], [[*r, v] for r, v in zip(x, y)])
-    cfg = _config("data=csv", f"data.path={path}", "data.target=y", "trainer.epochs=1", "trainer.batch_size=27",
-                  "gradient_variance.num_samples=0",
-                  base=[o for o in REGRESSION if not o.startswith(("data.", "trainer.batch_size"))])
+    cfg = _config(
+        "data=csv",
+        f"data.path={path}",
+        "data.target=y",
+        "trainer.epochs=1",
+        "trainer.batch_size=27",
+        "gradient_variance.num_samples=0",
+        base=[o for o in REGRESSION if not o.startswith(("data.", "trainer.batch_size"))],
+    )
     result = regression.run(cfg, tmp_path / "run")
     metrics = result["metrics"]
     assert 1e197 < metrics["final_test_rmse"] < 1e203
@@ -401,8 +445,9 @@ def test_non_finite_final_metrics_end_as_failed_with_a_non_zero_exit(tmp_path, m
     from cfbnn_cli.cli import SUBCOMMANDS, make_task
     from cfbnn_cli.runtime.errors import NonFiniteResultError
 
-    monkeypatch.setattr(regression, "run", lambda cfg, run_dir: {"metrics": {"final_test_rmse": float("inf"),
-                                                                            "test_ll_se": None}})
+    monkeypatch.setattr(
+        regression, "run", lambda cfg, run_dir: {"metrics": {"final_test_rmse": float("inf"), "test_ll_se": None}}
+    )
     hydra_cfg = OmegaConf.create({"runtime": {"output_dir": str(tmp_path)}, "overrides": {"task": []}})
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra_cfg))
     cfg = _config()
@@ -416,8 +461,10 @@ def test_non_finite_final_metrics_end_as_failed_with_a_non_zero_exit(tmp_path, m
 # ----------------------------------------------------------------------------- 7, 8. smaller defects
 
 
-@pytest.mark.parametrize("override, words", [("data=nope", "Could not find 'data/nope'"),
-                                             ("trainer.nosuchkey=1", "nosuchkey"), ("seed=[", "seed=[")])
+@pytest.mark.parametrize(
+    "override, words",
+    [("data=nope", "Could not find 'data/nope'"), ("trainer.nosuchkey=1", "nosuchkey"), ("seed=[", "seed=[")],
+)
 def test_hydra_composition_errors_exit_2_with_hydras_message(tmp_path, override, words):
     text = one_line_error(cfbnn("train", "regression", f"hydra.run.dir={tmp_path}", override))
     assert words in text
@@ -449,7 +496,9 @@ def test_temporary_files_of_a_killed_write_are_removed_on_the_next_run(finished_
     out = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION)
     assert out.returncode == 0
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*.tmp")) == [
-        ".notes.tmp", "nested_run/.results.json.cfbnn-other.tmp"]
+        ".notes.tmp",
+        "nested_run/.results.json.cfbnn-other.tmp",
+    ]
 
 
 def test_test_evaluation_is_chunked(monkeypatch):
@@ -460,8 +509,11 @@ def test_test_evaluation_is_chunked(monkeypatch):
     monkeypatch.setattr(gradient_variance_study, "rows_per_chunk", lambda elements_per_row: 300)
     seen = []
     original = BayesianNetwork.predictive_components
-    monkeypatch.setattr(BayesianNetwork, "predictive_components",
-                        lambda self, x, *a, **k: seen.append(len(x)) or original(self, x, *a, **k))
+    monkeypatch.setattr(
+        BayesianNetwork,
+        "predictive_components",
+        lambda self, x, *a, **k: seen.append(len(x)) or original(self, x, *a, **k),
+    )
     data = synthetic_teacher(input_dim=4, n_train=50, n_test=1000)
     model = BayesianNetwork(4, [8, 8], init_scale=0.1, generator=torch.Generator().manual_seed(0))
     metrics = gradient_variance_study.evaluate(model, data, 4, torch.Generator().manual_seed(0))
@@ -478,8 +530,12 @@ def _progress_saved(run):
 def _kill_at(args, run, delay):
     """Start the command, wait until it has saved some progress, then ``delay`` seconds
     more, and SIGKILL it (if it is still running). Returns whether it was killed."""
-    process = subprocess.Popen([sys.executable, "-m", "cfbnn_cli.cli", *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, env=dict(os.environ, HYDRA_FULL_ERROR="0"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cfbnn_cli.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, HYDRA_FULL_ERROR="0"),
+    )
     try:
         while process.poll() is None and not _progress_saved(run):
             time.sleep(0.01)
@@ -525,14 +581,17 @@ def _kill_and_resume_matches(tmp_path, command, overrides, seeds, compare):
 
 def _same_regression_outputs(run, reference):
     drop = ["epoch_seconds"]
-    pd.testing.assert_frame_equal(pd.read_csv(run / "metrics.csv").drop(columns=drop),
-                                  pd.read_csv(reference / "metrics.csv").drop(columns=drop))
+    pd.testing.assert_frame_equal(
+        pd.read_csv(run / "metrics.csv").drop(columns=drop), pd.read_csv(reference / "metrics.csv").drop(columns=drop)
+    )
     assert (run / "gradient_variance.csv").read_text() == (reference / "gradient_variance.csv").read_text()
 
 
 def _same_uci_outputs(run, reference):
     keep = ["split", "method", "test_ll", "rmse", "noise_std", "iterations", "converged", "stopped_early"]
-    pd.testing.assert_frame_equal(pd.read_csv(run / "uci_splits.csv")[keep], pd.read_csv(reference / "uci_splits.csv")[keep])
+    pd.testing.assert_frame_equal(
+        pd.read_csv(run / "uci_splits.csv")[keep], pd.read_csv(reference / "uci_splits.csv")[keep]
+    )
 
 
 # The default suite kills each protocol once, right after its first saved progress (a kill that surely
@@ -551,8 +610,18 @@ def test_kill_9_then_resume_equals_an_uninterrupted_uci_run(tmp_path):
 @pytest.mark.parametrize("protocol", ["regression", "uci"])
 def test_kill_9_at_many_points(tmp_path, protocol):
     if protocol == "regression":
-        _kill_and_resume_matches(tmp_path, ["train", "regression"], [*REGRESSION, "trainer.epochs=6", "data.n_train=2000"],
-                                 range(2, 8), _same_regression_outputs)
+        _kill_and_resume_matches(
+            tmp_path,
+            ["train", "regression"],
+            [*REGRESSION, "trainer.epochs=6", "data.n_train=2000"],
+            range(2, 8),
+            _same_regression_outputs,
+        )
     else:
-        _kill_and_resume_matches(tmp_path, ["train", "regression"], [*UCI, "uci.n_splits=4", "trainer.epochs=30"],
-                                 range(2, 8), _same_uci_outputs)
+        _kill_and_resume_matches(
+            tmp_path,
+            ["train", "regression"],
+            [*UCI, "uci.n_splits=4", "trainer.epochs=30"],
+            range(2, 8),
+            _same_uci_outputs,
+        )

@@ -25,9 +25,16 @@ from cfbnn_cli.runtime.rundir import claim_run_dir, config_fingerprint
 from cfbnn_cli.runtime.threads import JobRegistry
 
 REGRESSION = [
-    "data.n_train=200", "data.n_test=50", "data.input_dim=4", "model.hidden_sizes=[8,8]", "trainer.epochs=2",
-    "trainer.batch_size=50", "gradient_variance.num_samples=20", "gradient_variance.batch_size=50",
-    "evaluation.num_samples=4", "device=cpu",
+    "data.n_train=200",
+    "data.n_test=50",
+    "data.input_dim=4",
+    "model.hidden_sizes=[8,8]",
+    "trainer.epochs=2",
+    "trainer.batch_size=50",
+    "gradient_variance.num_samples=20",
+    "gradient_variance.batch_size=50",
+    "evaluation.num_samples=4",
+    "device=cpu",
 ]
 AS_ROOT = os.geteuid() == 0
 
@@ -41,7 +48,9 @@ def one_line_error(out, code=2):
 
 # ----------------------------------------------------------------------------- the kernel cache
 
-needs_kernels = pytest.mark.skipif(fast.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)")
+needs_kernels = pytest.mark.skipif(
+    fast.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)"
+)
 
 LOAD_KERNELS = """
     import warnings
@@ -83,8 +92,9 @@ def _copy_of(built_cache, tmp_path):
 
 def _load_in_subprocess(cache, compiler):
     env = dict(os.environ, CFBNN_CACHE_DIR=str(cache), CXX=str(compiler))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(LOAD_KERNELS)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LOAD_KERNELS)], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _built_library(cache):
@@ -96,8 +106,10 @@ def _built_library(cache):
 def _planted_library(tmp_path, marker):
     """A shared library whose constructor creates ``marker`` when it is loaded."""
     source = tmp_path / "planted.c"
-    source.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{\n'
-                      f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\nint cfbnn_abi(void) {{ return 15; }}\n')
+    source.write_text(
+        f"#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{\n"
+        f'  FILE *f = fopen("{marker}", "w"); if (f) fclose(f);\n}}\nint cfbnn_abi(void) {{ return 15; }}\n'
+    )
     library = tmp_path / "planted.so"
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
@@ -145,12 +157,25 @@ def cache_outcomes(built_cache, tmp_path_factory):
         elif action == "randomize":
             library.write_bytes(os.urandom(library.stat().st_size))
         env = dict(os.environ, CFBNN_CACHE_DIR=str(cache), CXX=str(compiler))
-        processes[name] = (subprocess.Popen([sys.executable, "-c", textwrap.dedent(LOAD_KERNELS)], env=env,
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), library, marker)
+        processes[name] = (
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(LOAD_KERNELS)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+            library,
+            marker,
+        )
     outcomes = {}
     for name, (process, library, marker) in processes.items():
         stdout, stderr = process.communicate(timeout=300)
-        outcomes[name] = (subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), library, marker)
+        outcomes[name] = (
+            subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr),
+            library,
+            marker,
+        )
     return outcomes
 
 
@@ -249,14 +274,25 @@ def link_outcomes(tmp_path_factory):
         (victim_dir / "file.txt").write_text("precious\n")
         (run / link).parent.mkdir(parents=True, exist_ok=True)
         (run / link).symlink_to(victim_dir if link == "checkpoints" else victim_dir / "file.txt")
-        started[link] = (subprocess.Popen([sys.executable, "-m", "cfbnn_cli.cli", "train", "regression",
-                                           f"hydra.run.dir={run}", *REGRESSION], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, HYDRA_FULL_ERROR="0")),
-                         run, victim_dir)
+        started[link] = (
+            subprocess.Popen(
+                [sys.executable, "-m", "cfbnn_cli.cli", "train", "regression", f"hydra.run.dir={run}", *REGRESSION],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, HYDRA_FULL_ERROR="0"),
+            ),
+            run,
+            victim_dir,
+        )
     outcomes = {}
     for link, (process, run, victim_dir) in started.items():
         stdout, stderr = process.communicate(timeout=300)
-        outcomes[link] = (subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), run, victim_dir)
+        outcomes[link] = (
+            subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr),
+            run,
+            victim_dir,
+        )
     return outcomes
 
 

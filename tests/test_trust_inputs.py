@@ -31,12 +31,28 @@ from cfbnn_cli.runtime.errors import CfbnnError, CheckpointError, ConfigError, D
 from cfbnn_cli.runtime.rundir import claim_run_dir
 
 SMALL = [
-    "data.n_train=200", "data.n_test=50", "data.input_dim=4", "model.hidden_sizes=[8,8]", "trainer.epochs=2",
-    "trainer.batch_size=50", "gradient_variance.num_samples=20", "gradient_variance.batch_size=50",
-    "evaluation.num_samples=4", "device=cpu",
+    "data.n_train=200",
+    "data.n_test=50",
+    "data.input_dim=4",
+    "model.hidden_sizes=[8,8]",
+    "trainer.epochs=2",
+    "trainer.batch_size=50",
+    "gradient_variance.num_samples=20",
+    "gradient_variance.batch_size=50",
+    "evaluation.num_samples=4",
+    "device=cpu",
 ]
-CSV_SMALL = ["data=csv", "data.target=y", "model.hidden_sizes=[8]", "trainer.epochs=1", "trainer.batch_size=4",
-             "gradient_variance.num_samples=4", "gradient_variance.batch_size=4", "evaluation.num_samples=2", "device=cpu"]
+CSV_SMALL = [
+    "data=csv",
+    "data.target=y",
+    "model.hidden_sizes=[8]",
+    "trainer.epochs=1",
+    "trainer.batch_size=4",
+    "gradient_variance.num_samples=4",
+    "gradient_variance.batch_size=4",
+    "evaluation.num_samples=2",
+    "device=cpu",
+]
 
 
 def _command(*args):
@@ -83,8 +99,9 @@ def cli_outcomes(tmp_path_factory):
     processes = {}
     for index, (name, args) in enumerate(_cli_cases(folder).items()):
         run = [f"hydra.run.dir={folder / 'runs' / f'case{index}'}"] if "run dir" not in name else []
-        processes[name] = subprocess.Popen(_command(*args, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                           text=True, env=env, cwd=folder)
+        processes[name] = subprocess.Popen(
+            _command(*args, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=folder
+        )
     return {name: (p.wait(timeout=300), *p.communicate()) for name, p in processes.items()}
 
 
@@ -107,23 +124,33 @@ def test_an_unreadable_csv_is_a_named_error(tmp_path, monkeypatch):
     path.chmod(0)
     if os.geteuid() == 0:  # root reads any file: make the read fail as it does for other users
         real = Path.read_bytes
-        monkeypatch.setattr(Path, "read_bytes", lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
-                            if self == path else real(self))
-    with pytest.raises(DataError, match="cannot read .*locked.csv \\(Permission denied\\); check the file's permissions"):
+        monkeypatch.setattr(
+            Path,
+            "read_bytes",
+            lambda self: (
+                (_ for _ in ()).throw(PermissionError(13, "Permission denied")) if self == path else real(self)
+            ),
+        )
+    with pytest.raises(
+        DataError, match="cannot read .*locked.csv \\(Permission denied\\); check the file's permissions"
+    ):
         tabular_file(path, "y")
 
 
-@pytest.mark.parametrize("arrays, message", [
-    (dict(x=np.array([[1, 2]] * 6, dtype=object), y=np.arange(6.0)), "array `x` holds Python objects"),
-    (dict(x=np.arange(6.0), y=np.arange(6.0)), r"array `x` has shape \(6,\)"),
-    (dict(x=np.ones((6, 2)), y=np.arange(4.0)), "`x` has 6 rows and the target `y` 4"),
-    (dict(x=np.array([["a", "b"]] * 6), y=np.arange(6.0)), "array `x` is of type <U1, not numeric"),
-    (dict(x=np.ones((6, 2, 2)), y=np.arange(6.0)), r"array `x` has shape \(6, 2, 2\)"),
-    (dict(a=np.ones(6), b=np.ones(5), y=np.arange(6.0)), r"column arrays have \[5, 6\] rows"),
-    (dict(a=np.ones((6, 2)), y=np.arange(6.0)), r"column array `a` has shape \(6, 2\)"),
-    (dict(x=np.ones((6, 2)), y=np.ones((6, 2))), r"target `y` has shape \(6, 2\)"),
-    (dict(x=np.ones((6, 2))), "no array named `y`"),
-])
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        (dict(x=np.array([[1, 2]] * 6, dtype=object), y=np.arange(6.0)), "array `x` holds Python objects"),
+        (dict(x=np.arange(6.0), y=np.arange(6.0)), r"array `x` has shape \(6,\)"),
+        (dict(x=np.ones((6, 2)), y=np.arange(4.0)), "`x` has 6 rows and the target `y` 4"),
+        (dict(x=np.array([["a", "b"]] * 6), y=np.arange(6.0)), "array `x` is of type <U1, not numeric"),
+        (dict(x=np.ones((6, 2, 2)), y=np.arange(6.0)), r"array `x` has shape \(6, 2, 2\)"),
+        (dict(a=np.ones(6), b=np.ones(5), y=np.arange(6.0)), r"column arrays have \[5, 6\] rows"),
+        (dict(a=np.ones((6, 2)), y=np.arange(6.0)), r"column array `a` has shape \(6, 2\)"),
+        (dict(x=np.ones((6, 2)), y=np.ones((6, 2))), r"target `y` has shape \(6, 2\)"),
+        (dict(x=np.ones((6, 2))), "no array named `y`"),
+    ],
+)
 def test_malformed_npz_files_are_named_errors(tmp_path, arrays, message):
     path = tmp_path / "data.npz"
     np.savez(path, **arrays)
@@ -131,11 +158,14 @@ def test_malformed_npz_files_are_named_errors(tmp_path, arrays, message):
         tabular_file(path, "y")
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"PK\x03\x04 this is not a zip", "is not a readable .npz archive"),
-    (b"hello", "is not a readable .npz archive"),
-    (None, "holds a single array, not an .npz archive"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"PK\x03\x04 this is not a zip", "is not a readable .npz archive"),
+        (b"hello", "is not a readable .npz archive"),
+        (None, "holds a single array, not an .npz archive"),
+    ],
+)
 def test_a_file_that_is_not_an_npz_archive_is_a_named_error(tmp_path, content, message):
     path = tmp_path / "data.npz"
     if content is None:
@@ -161,14 +191,17 @@ def _state(**changes):
     return model, optimizer, changes
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"epoch": -3}, "its epoch is -3"),
-    ({"epoch": "x"}, "its epoch is 'x'"),
-    ({"epoch": True}, "its epoch is True"),
-    ({"generators": {"data_order": 1}}, "generator states are not byte tensors"),
-    ({"model": [1, 2]}, "its model is a list"),
-    ({"optimizer": None}, "its optimizer is a NoneType"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"epoch": -3}, "its epoch is -3"),
+        ({"epoch": "x"}, "its epoch is 'x'"),
+        ({"epoch": True}, "its epoch is True"),
+        ({"generators": {"data_order": 1}}, "generator states are not byte tensors"),
+        ({"model": [1, 2]}, "its model is a list"),
+        ({"optimizer": None}, "its optimizer is a NoneType"),
+    ],
+)
 def test_a_training_checkpoint_with_bad_contents_is_one_named_error(tmp_path, change, message):
     model, optimizer, _ = _state()
     generator = torch.Generator().manual_seed(0)
@@ -187,19 +220,33 @@ def _progress(tmp_path, records):
     return path
 
 
-GOOD_RECORD = {"split": 0, "method": "plain_mlp", "train_seconds": 1.0, "iterations": 3, "optimizer": "adam",
-               "converged": False, "stopped_early": True, "test_ll": -1.0, "rmse": 0.5,
-               "predict_seconds_per_1000": 0.01, "noise_std": 0.3, "equal_time_test_ll": None}
+GOOD_RECORD = {
+    "split": 0,
+    "method": "plain_mlp",
+    "train_seconds": 1.0,
+    "iterations": 3,
+    "optimizer": "adam",
+    "converged": False,
+    "stopped_early": True,
+    "test_ll": -1.0,
+    "rmse": 0.5,
+    "predict_seconds_per_1000": 0.01,
+    "noise_std": 0.3,
+    "equal_time_test_ll": None,
+}
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"rmse": None}, "rmse is missing, not a number"),  # was averaged over the splits that had it
-    ({"split": -1}, "split -1 is not a non-negative integer"),
-    ({"split": True}, "split True is not a non-negative integer"),
-    ({"iterations": 2.5}, "iterations 2.5 is not a count"),
-    ({"converged": "yes"}, "converged is not true/false"),
-    ({"method": "nope"}, "method 'nope' is not one of"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rmse": None}, "rmse is missing, not a number"),  # was averaged over the splits that had it
+        ({"split": -1}, "split -1 is not a non-negative integer"),
+        ({"split": True}, "split True is not a non-negative integer"),
+        ({"iterations": 2.5}, "iterations 2.5 is not a count"),
+        ({"converged": "yes"}, "converged is not true/false"),
+        ({"method": "nope"}, "method 'nope' is not one of"),
+    ],
+)
 def test_a_progress_record_with_bad_contents_is_one_named_error(tmp_path, change, message):
     record = {k: v for k, v in {**GOOD_RECORD, **change}.items() if v is not None or k == "equal_time_test_ll"}
     with pytest.raises(CheckpointError, match=message):
@@ -219,18 +266,24 @@ def _shard_folder(tmp_path, shards, fields):
 
 
 def _shard(rows=4, width=3, labels=None):
-    return {"features": torch.ones(rows, width, dtype=torch.float16),
-            "labels": torch.arange(rows) % 2 if labels is None else labels, "ok": torch.ones(rows, dtype=torch.bool)}
+    return {
+        "features": torch.ones(rows, width, dtype=torch.float16),
+        "labels": torch.arange(rows) % 2 if labels is None else labels,
+        "ok": torch.ones(rows, dtype=torch.bool),
+    }
 
 
-@pytest.mark.parametrize("shards, message", [
-    ([{"a": 1}], "lacks the tensors features, labels and ok"),
-    ([{**_shard(), "features": torch.ones(4)}], r"its features are \(4,\)"),
-    ([{**_shard(), "labels": torch.ones(4)}], "its labels are not one integer per row"),
-    ([{**_shard(), "ok": torch.ones(3, dtype=torch.bool)}], "have 4, 4 and 3 rows"),
-    ([_shard(), _shard(width=5)], r"shards hold features of widths \[3, 5\]"),
-    ([_shard(labels=torch.tensor([0, 1, 1000000, 0]))], "labels run from 0 to 1000000, outside the 2 classes"),
-])
+@pytest.mark.parametrize(
+    "shards, message",
+    [
+        ([{"a": 1}], "lacks the tensors features, labels and ok"),
+        ([{**_shard(), "features": torch.ones(4)}], r"its features are \(4,\)"),
+        ([{**_shard(), "labels": torch.ones(4)}], "its labels are not one integer per row"),
+        ([{**_shard(), "ok": torch.ones(3, dtype=torch.bool)}], "have 4, 4 and 3 rows"),
+        ([_shard(), _shard(width=5)], r"shards hold features of widths \[3, 5\]"),
+        ([_shard(labels=torch.tensor([0, 1, 1000000, 0]))], "labels run from 0 to 1000000, outside the 2 classes"),
+    ],
+)
 def test_a_feature_shard_of_the_wrong_structure_is_one_named_error(tmp_path, shards, message):
     folder = _shard_folder(tmp_path, shards, {"data": "toy"})
     rows = 4 * len(shards)
@@ -240,24 +293,28 @@ def test_a_feature_shard_of_the_wrong_structure_is_one_named_error(tmp_path, sha
 
 def test_good_feature_shards_still_load(tmp_path):
     folder = _shard_folder(tmp_path, [_shard(), _shard()], {"data": "toy"})
-    features, labels, skipped = feature_cache.extract([None] * 8, "train", None, folder, {"data": "toy"}, "cpu",
-                                                      shard_size=4, num_classes=2)
+    features, labels, skipped = feature_cache.extract(
+        [None] * 8, "train", None, folder, {"data": "toy"}, "cpu", shard_size=4, num_classes=2
+    )
     assert features.shape == (8, 3) and labels.tolist() == [0, 1] * 4 and skipped == 0
 
 
 # ----------------------------------------------------------------------------- numeric keys are bounded
 
 
-@pytest.mark.parametrize("override, message", [
-    ("runtime.threads=1000000", "more than 4 per core"),
-    ("seed=4294967296", "must be <= 4294967295"),
-    ("data.n_train=-3", "data.n_train=-3 must be >= 2"),  # was accepted: 994 rows trained, 3 tested, "complete"
-    ("data.input_dim=0", "data.input_dim=0 must be >= 1"),
-    ("model.hidden_sizes=[8,0]", r"model.hidden_sizes=\[8, 0\] must be a non-empty list"),
-    ("data.n_test=0", "data.n_test=0 must be >= 1"),
-    ("data.noise_std=-1", "data.noise_std=-1 must be a finite number >= 0"),
-    ("data.seed=-1", "data.seed=-1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("runtime.threads=1000000", "more than 4 per core"),
+        ("seed=4294967296", "must be <= 4294967295"),
+        ("data.n_train=-3", "data.n_train=-3 must be >= 2"),  # was accepted: 994 rows trained, 3 tested, "complete"
+        ("data.input_dim=0", "data.input_dim=0 must be >= 1"),
+        ("model.hidden_sizes=[8,0]", r"model.hidden_sizes=\[8, 0\] must be a non-empty list"),
+        ("data.n_test=0", "data.n_test=0 must be >= 1"),
+        ("data.noise_std=-1", "data.noise_std=-1 must be a finite number >= 0"),
+        ("data.seed=-1", "data.seed=-1 must be >= 0"),
+    ],
+)
 def test_numeric_keys_out_of_range_are_refused_before_any_work(override, message):
     from cfbnn_cli.pipelines.regression import validate
 
@@ -267,16 +324,19 @@ def test_numeric_keys_out_of_range_are_refused_before_any_work(override, message
         validate(cfg)
 
 
-@pytest.mark.parametrize("command, override, message", [
-    ("vae", "model.encoder_hidden=-5", "model.encoder_hidden=-5 must be a non-empty list"),  # was a TypeError
-    ("vae", "data.rows=0", "data.rows=0 must be >= 10"),
-    ("vae", "data.noise_std=-0.1", "data.noise_std=-0.1 must be a finite number >= 0"),
-    ("imagenet_predict", "model.hidden_sizes=-5", "model.hidden_sizes=-5 must be a non-empty list"),
-    ("imagenet_predict", "model.hidden_sizes=[8]", r"must be two positive widths"),
-    ("imagenet_predict", "data.train_size=0", "data.train_size=0 must be >= 1"),
-    ("imagenet_predict", "data.train_fraction=1.5", "data.train_fraction=1.5 must be a number between 0 and 1"),
-    ("imagenet_predict", "split.seed=-2", "split.seed=-2 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "command, override, message",
+    [
+        ("vae", "model.encoder_hidden=-5", "model.encoder_hidden=-5 must be a non-empty list"),  # was a TypeError
+        ("vae", "data.rows=0", "data.rows=0 must be >= 10"),
+        ("vae", "data.noise_std=-0.1", "data.noise_std=-0.1 must be a finite number >= 0"),
+        ("imagenet_predict", "model.hidden_sizes=-5", "model.hidden_sizes=-5 must be a non-empty list"),
+        ("imagenet_predict", "model.hidden_sizes=[8]", r"must be two positive widths"),
+        ("imagenet_predict", "data.train_size=0", "data.train_size=0 must be >= 1"),
+        ("imagenet_predict", "data.train_fraction=1.5", "data.train_fraction=1.5 must be a number between 0 and 1"),
+        ("imagenet_predict", "split.seed=-2", "split.seed=-2 must be >= 0"),
+    ],
+)
 def test_every_commands_sizes_and_data_keys_are_bounded(command, override, message):
     from cfbnn_cli.pipelines import imagenet, vae
 
@@ -291,8 +351,13 @@ def test_every_commands_sizes_and_data_keys_are_bounded(command, override, messa
 
 def _results(folder, metrics=None, config=None, pipeline="train_regression"):
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"pipeline": pipeline, "schema": 1, "status": "complete", "config": {"seed": 0} if config is None else config,
-              "metrics": {"final_test_rmse": 1.0} if metrics is None else metrics}
+    record = {
+        "pipeline": pipeline,
+        "schema": 1,
+        "status": "complete",
+        "config": {"seed": 0} if config is None else config,
+        "metrics": {"final_test_rmse": 1.0} if metrics is None else metrics,
+    }
     (folder / "results.json").write_text(json.dumps(record))
     return folder / "results.json"
 
@@ -307,7 +372,8 @@ def test_report_skips_and_names_every_unreadable_record_and_counts_only_contribu
     _results(root / "config_list", config=[1, 2])
     (root / "huge").mkdir()
     (root / "huge" / "results.json").write_text(
-        '{"pipeline": "train_regression", "config": {"seed": 2}, "metrics": {"final_test_rmse": 1' + "0" * 400 + "}}")
+        '{"pipeline": "train_regression", "config": {"seed": 2}, "metrics": {"final_test_rmse": 1' + "0" * 400 + "}}"
+    )
     _results(root / "seed_list", config={"seed": [1]})
     _results(root / "all_nan", {"final_test_rmse": float("nan")}, config={"seed": 5})
     (root / "loop").mkdir()
@@ -325,10 +391,16 @@ def test_report_skips_and_names_every_unreadable_record_and_counts_only_contribu
     worker.start()
     assert done.wait(120), "cfbnn report hangs (a FIFO named results.json)"
     err = capsys.readouterr().err
-    for folder, reason in [("deep", "nested"), ("config_string", "its config is a str"),
-                           ("config_list", "its config is a list"), ("huge", "an integer of 401 digits"),
-                           ("seed_list", "its seed is [1]"), ("all_nan", "every metric is NaN"),
-                           ("loop", "does not lead to a file"), ("fifo", "not a regular file")]:
+    for folder, reason in [
+        ("deep", "nested"),
+        ("config_string", "its config is a str"),
+        ("config_list", "its config is a list"),
+        ("huge", "an integer of 401 digits"),
+        ("seed_list", "its seed is [1]"),
+        ("all_nan", "every metric is NaN"),
+        ("loop", "does not lead to a file"),
+        ("fifo", "not a regular file"),
+    ]:
         assert f"skipping {root / folder / 'results.json'}: " in err and reason in err, (folder, err)
     table = (root / "report_train_regression_table.md").read_text()
     assert "2 runs" in table  # the two that contributed, not the ten files
@@ -346,8 +418,12 @@ def test_report_of_only_unusable_runs_is_an_error_naming_them(tmp_path, capsys):
 def test_report_out_naming_a_file_is_one_line(tmp_path):
     _results(tmp_path / "runs" / "0")
     (tmp_path / "taken").write_text("mine\n")
-    out = subprocess.run(_command("report", str(tmp_path / "runs"), "--out", str(tmp_path / "taken")),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        _command("report", str(tmp_path / "runs"), "--out", str(tmp_path / "taken")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "--out" in out.stderr and "is a file, not a folder" in out.stderr
     assert (tmp_path / "taken").read_text() == "mine\n"
@@ -359,8 +435,15 @@ def test_report_out_naming_a_file_is_one_line(tmp_path):
 def test_ctrl_c_ends_with_one_line_and_exit_130_and_leaves_a_resumable_run(tmp_path):
     """Resuming from last.pt itself is tested by the kill -9 tests (tests/test_trust.py)."""
     run = tmp_path / "run"
-    args = ["train", "regression", f"hydra.run.dir={run}", *SMALL, "trainer.epochs=150", "gradient_variance.num_samples=0",
-            "gradient_variance.epochs=[]"]
+    args = [
+        "train",
+        "regression",
+        f"hydra.run.dir={run}",
+        *SMALL,
+        "trainer.epochs=150",
+        "gradient_variance.num_samples=0",
+        "gradient_variance.epochs=[]",
+    ]
     process = subprocess.Popen(_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (run / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
@@ -370,7 +453,8 @@ def test_ctrl_c_ends_with_one_line_and_exit_130_and_leaves_a_resumable_run(tmp_p
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stdout + stderr
     assert [line for line in stderr.splitlines() if line.startswith("cfbnn:")] == [
-        "cfbnn: interrupted; the last checkpoint is kept: rerun with resume=true to continue"]
+        "cfbnn: interrupted; the last checkpoint is kept: rerun with resume=true to continue"
+    ]
     state = load_checkpoint(run / "checkpoints" / "last.pt")
     assert 1 <= state["epoch"] < 150 and not (run / "done").exists()  # a finished epoch to resume from
     assert (run / ".cfbnn" / "lock").read_text() == ""  # the lock was released
@@ -385,12 +469,31 @@ def _random_json(rng: random.Random, depth=0):
     if kind == "list":
         return [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))]
     if kind == "dict":
-        keys = ["pipeline", "config", "metrics", "seed", "status", "records", "split", "method", "test_ll", "rmse",
-                "config_fingerprint", "x", rng.choice("abcdefgh")]
+        keys = [
+            "pipeline",
+            "config",
+            "metrics",
+            "seed",
+            "status",
+            "records",
+            "split",
+            "method",
+            "test_ll",
+            "rmse",
+            "config_fingerprint",
+            "x",
+            rng.choice("abcdefgh"),
+        ]
         return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randint(0, 5))}
-    return {"int": lambda: rng.randint(-5, 5), "float": lambda: rng.uniform(-1e3, 1e3), "str": lambda: rng.choice(["", "a", "vae", "plain_mlp", "complete"]),
-            "none": lambda: None, "bool": lambda: rng.random() < 0.5, "nan": lambda: float("nan"),
-            "huge": lambda: 10 ** rng.randint(300, 500)}[kind]()
+    return {
+        "int": lambda: rng.randint(-5, 5),
+        "float": lambda: rng.uniform(-1e3, 1e3),
+        "str": lambda: rng.choice(["", "a", "vae", "plain_mlp", "complete"]),
+        "none": lambda: None,
+        "bool": lambda: rng.random() < 0.5,
+        "nan": lambda: float("nan"),
+        "huge": lambda: 10 ** rng.randint(300, 500),
+    }[kind]()
 
 
 def _mutations(rng: random.Random, valid):
@@ -427,7 +530,7 @@ def test_fuzz_the_csv_reader(tmp_path):
     rng = random.Random(1)
     path = tmp_path / "data.csv"
     texts = [b for b in _bytes_payloads(rng)]
-    alphabet = "0123456789.,-+eE \n\"naiNfy;\t\xef"
+    alphabet = '0123456789.,-+eE \n"naiNfy;\t\xef'
     texts += ["y,a\n" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200))) for _ in range(100)]
 
     def read(payload):
@@ -442,8 +545,17 @@ def test_fuzz_the_npz_reader(tmp_path):
     rng = random.Random(2)
     path = tmp_path / "data.npz"
     payloads = _bytes_payloads(rng, 30)
-    choices = [np.ones((6, 2)), np.arange(6.0), np.ones((6, 2, 2)), np.array(["a"] * 6), np.ones((0, 2)),
-               np.array([1, 2], dtype=object), np.full((6, 2), np.nan), np.ones((5, 3)), np.arange(6) % 2]
+    choices = [
+        np.ones((6, 2)),
+        np.arange(6.0),
+        np.ones((6, 2, 2)),
+        np.array(["a"] * 6),
+        np.ones((0, 2)),
+        np.array([1, 2], dtype=object),
+        np.full((6, 2), np.nan),
+        np.ones((5, 3)),
+        np.arange(6) % 2,
+    ]
     for _ in range(80):
         names = rng.sample(["x", "y", "a", "b"], rng.randint(0, 4))
         payloads.append({name: rng.choice(choices) for name in names})
@@ -464,11 +576,29 @@ def test_fuzz_the_checkpoint_readers(tmp_path):
     path = tmp_path / "last.pt"
     model, optimizer, _ = _state()
     generator = torch.Generator().manual_seed(0)
-    save_training_state(path, model, optimizer, 1, {"data_order": generator}, "f", history=[{"epoch": 1}],
-                        best={"epoch": 1, "value": 0.5})
+    save_training_state(
+        path,
+        model,
+        optimizer,
+        1,
+        {"data_order": generator},
+        "f",
+        history=[{"epoch": 1}],
+        best={"epoch": 1, "value": 0.5},
+    )
     valid = torch.load(path, weights_only=True)
     payloads = _bytes_payloads(rng, 30)
-    values = [1, -3, "x", None, [1], {"a": 1}, torch.ones(2), torch.ones(3, dtype=torch.uint8), {"weight": torch.ones(9)}]
+    values = [
+        1,
+        -3,
+        "x",
+        None,
+        [1],
+        {"a": 1},
+        torch.ones(2),
+        torch.ones(3, dtype=torch.uint8),
+        {"weight": torch.ones(9)},
+    ]
     for _ in range(60):
         state = dict(valid)
         for key in rng.sample(sorted(state), rng.randint(1, 3)):
@@ -508,8 +638,13 @@ def test_fuzz_the_progress_record_reader(tmp_path):
 def test_fuzz_the_results_and_run_dir_records(tmp_path):
     rng = random.Random(5)
     root = tmp_path / "runs"
-    valid = {"pipeline": "train_regression", "schema": 1, "status": "complete", "config": {"seed": 0, "trainer": {"lr": 0.1}},
-             "metrics": {"final_test_rmse": 1.0, "final_test_ll": -1.0}}
+    valid = {
+        "pipeline": "train_regression",
+        "schema": 1,
+        "status": "complete",
+        "config": {"seed": 0, "trainer": {"lr": 0.1}},
+        "metrics": {"final_test_rmse": 1.0, "final_test_ll": -1.0},
+    }
     payloads = _bytes_payloads(rng, 20) + [json.dumps(_random_json(rng)) for _ in range(40)]
     payloads += [json.dumps(_mutations(rng, valid)) for _ in range(120)]
 

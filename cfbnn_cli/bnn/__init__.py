@@ -17,8 +17,8 @@ from .functional import (
     LowRankScale,
     augment,
     kl_normal_rows,
-    predictive_moments,
     preactivation_moments,
+    predictive_moments,
     regression_ell_given_hidden,
     regression_expected_log_likelihood,
 )

@@ -126,7 +126,9 @@ def preactivation_moments(x: torch.Tensor, a_loc: torch.Tensor, a_scale: AScale)
     return gamma, _std_from_variance(variance)
 
 
-def diagonal_preactivation_moments(x: torch.Tensor, a_loc_and_variance: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def diagonal_preactivation_moments(
+    x: torch.Tensor, a_loc_and_variance: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`preactivation_moments` of a mean-field q given its means and elementwise
     variances stacked, ``a_loc_and_variance = stack([a_loc, a_scale**2])`` ``(2, H, D)``:
     ``gamma = x a_loc^T`` and ``xi^2 = x^2 (a_scale^2)^T`` (``a_h^T x ~ N(a_0^T x, x^T Sigma_a x)``,
@@ -137,7 +139,9 @@ def diagonal_preactivation_moments(x: torch.Tensor, a_loc_and_variance: torch.Te
     (:meth:`~cfbnn_cli.bnn.network.GaussianMatrix.loc_and_variance`) across batches.
     """
     if a_loc_and_variance.dim() != 3 or a_loc_and_variance.shape[0] != 2:
-        raise ValueError(f"`a_loc_and_variance` must be (2, H, D) (means, variances); got {tuple(a_loc_and_variance.shape)}")
+        raise ValueError(
+            f"`a_loc_and_variance` must be (2, H, D) (means, variances); got {tuple(a_loc_and_variance.shape)}"
+        )
     _check_x(x, a_loc_and_variance[0])
     gamma, variance = (torch.stack([x, x * x], -3) @ a_loc_and_variance.transpose(-1, -2)).unbind(-3)
     return gamma, _std_from_variance(variance)
@@ -218,7 +222,9 @@ def check_precision(precision):
         precision = torch.as_tensor(float(precision), dtype=torch.float64)
         if not precision > 0:
             raise ValueError(f"`precision` (the likelihood precision beta) must be > 0; got {precision.item()!r}")
-    elif validating_args() and precision.numel() == 1 and not torch._C._functorch.is_functorch_wrapped_tensor(precision):
+    elif (
+        validating_args() and precision.numel() == 1 and not torch._C._functorch.is_functorch_wrapped_tensor(precision)
+    ):
         if not bool(precision.detach() > 0):
             raise ValueError(f"`precision` (the likelihood precision beta) must be > 0; got {precision.item()!r}")
     return precision
@@ -232,13 +238,15 @@ def gaussian_log_likelihood(y, mean, variance_terms, precision, data_dims: int =
     """
     squared = (y - mean).square() + variance_terms
     dims = tuple(range(squared.dim() - data_dims, squared.dim()))
-    count = math.prod(squared.shape[squared.dim() - data_dims:])
+    count = math.prod(squared.shape[squared.dim() - data_dims :])
     return -0.5 * precision * squared.sum(dims) + 0.5 * count * (torch.log(precision) - _LOG_2PI)
 
 
 def _check_y(y, mean):
-    if y.dim() == 0 or y.dim() > mean.dim() or y.shape != mean.shape[mean.dim() - y.dim():]:
-        raise ValueError(f"`y` must have shape {tuple(mean.shape)} (or its trailing dims) to match x and b_loc; got {tuple(y.shape)}")
+    if y.dim() == 0 or y.dim() > mean.dim() or y.shape != mean.shape[mean.dim() - y.dim() :]:
+        raise ValueError(
+            f"`y` must have shape {tuple(mean.shape)} (or its trailing dims) to match x and b_loc; got {tuple(y.shape)}"
+        )
 
 
 def regression_expected_log_likelihood(x, y, a_loc, a_scale_tril, b_loc, b_scale_tril, precision, activation):
@@ -305,6 +313,8 @@ def kl_normal_rows(loc: torch.Tensor, scale, prior_scale: float = 1.0) -> torch.
         capacitance = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device) + torch.einsum(
             "hdr,hd,hds->hrs", factor, 1.0 / diag_var, factor
         )
-        log_det = diag_var.log().sum(-1) + 2.0 * torch.linalg.cholesky(capacitance).diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        log_det = diag_var.log().sum(-1) + 2.0 * torch.linalg.cholesky(capacitance).diagonal(
+            dim1=-2, dim2=-1
+        ).log().sum(-1)
     kl = 0.5 * ((trace + loc.square().sum(-1)) / prior_var - D + D * log_prior_var - log_det)
     return kl.sum()

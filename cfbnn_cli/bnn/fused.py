@@ -55,7 +55,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..moments import fast as fast_moments
-from ..moments.gaussian import check_mean_std, is_transformed, validating_args
+from ..moments.gaussian import check_mean_std, validating_args
 
 _LOG_MAX_DOUBLE = math.log(sys.float_info.max)
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -135,8 +135,10 @@ def _weight_gradient(left: torch.Tensor, right: torch.Tensor, bias: bool, scale:
 def _kl_from_sums(sums, count: int, prior_variance: float) -> float:
     """``KL(N(loc, diag Var) || N(0, s^2 I))`` from ``(sum Var, sum loc^2, sum log_scale)``."""
     variance_sum, loc_square_sum, log_scale_sum = sums
-    return 0.5 * ((variance_sum + loc_square_sum) / prior_variance - count + count * math.log(prior_variance)) \
+    return (
+        0.5 * ((variance_sum + loc_square_sum) / prior_variance - count + count * math.log(prior_variance))
         - log_scale_sum
+    )
 
 
 def _folded_kl_forward(loc: torch.Tensor, log_scale: torch.Tensor, prior_variance: Optional[float]):
@@ -157,8 +159,9 @@ def _folded_kl_backward(loc, variance, grad_loc, grad_variance, scale: float, pr
     Var / scale``) becomes ``dL/d log_scale`` (one kernel pass over the matrix, no second pair of
     gradient buffers for autograd to add)."""
     kl_grad = 0.0 if grad_kl is None else float(grad_kl)
-    fast_moments.finish_diagonal_gradients(loc, variance, grad_loc, grad_variance, scale, kl_grad / prior_variance,
-                                           kl_grad)
+    fast_moments.finish_diagonal_gradients(
+        loc, variance, grad_loc, grad_variance, scale, kl_grad / prior_variance, kl_grad
+    )
     return grad_loc, grad_variance
 
 
@@ -216,14 +219,16 @@ class _DiagonalPreactivation(torch.autograd.Function):
         ctx.mark_non_differentiable(variance, squared, augmented)
         # variance and h^2 are kept from the forward pass: on a wide first layer (D=2048,
         # H=1000) recomputing exp(2 log_scale) is two passes over 2M parameters
-        ctx.save_for_backward(augmented if ctx.augmented else h, loc, None if variance_output else xi, variance,
-                              squared)
+        ctx.save_for_backward(
+            augmented if ctx.augmented else h, loc, None if variance_output else xi, variance, squared
+        )
 
     @staticmethod
     def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared, grad_kl=None, _grad_augmented=None):
         inputs, loc, xi, variance, squared = ctx.saved_tensors  # inputs: [h, 1] when augmented
-        grad_gamma, grad_xi = _gradient_pair(grad_gamma, grad_xi,
-                                             lambda: inputs.new_zeros(*inputs.shape[:-1], loc.shape[0]))
+        grad_gamma, grad_xi = _gradient_pair(
+            grad_gamma, grad_xi, lambda: inputs.new_zeros(*inputs.shape[:-1], loc.shape[0])
+        )
         bias = ctx.bias and not ctx.augmented  # an augmented input carries the bias column itself
         h = inputs[..., :-1] if ctx.augmented else inputs
         width = h.shape[-1]
@@ -241,8 +246,9 @@ class _DiagonalPreactivation(torch.autograd.Function):
         grad_loc = _weight_gradient(grad_gamma, inputs, bias)
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
             grad_log_scale = _weight_gradient(ratio, squared, bias)
-            grad_loc, grad_log_scale = _folded_kl_backward(loc, variance, grad_loc, grad_log_scale, scale,
-                                                           ctx.prior_variance, grad_kl)
+            grad_loc, grad_log_scale = _folded_kl_backward(
+                loc, variance, grad_loc, grad_log_scale, scale, ctx.prior_variance, grad_kl
+            )
             return grad_h, grad_loc, grad_log_scale, None, None, None
         grad_log_scale = _weight_gradient(ratio, squared, bias, scale)
         grad_log_scale = grad_log_scale * variance if _transforms_active() else grad_log_scale.mul_(variance)
@@ -299,15 +305,17 @@ def _flat_sum(tensor: torch.Tensor) -> torch.Tensor:
 _DiagonalPreactivationClassic = _classic_twin(_DiagonalPreactivation)
 
 
-def diagonal_preactivation(h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
-                           bias: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+def diagonal_preactivation(
+    h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor, bias: bool = True
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(gamma, xi)`` of the pre-activations of ``[h, 1]`` (``bias``) or ``h`` under a
     mean-field q with means ``loc`` and standard deviations ``exp(log_scale)`` (eq. (12))."""
     return _apply(_DiagonalPreactivation, _DiagonalPreactivationClassic, h, loc, log_scale, bias, False)[:2]
 
 
-def diagonal_preactivation_variance(h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
-                                    bias: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+def diagonal_preactivation_variance(
+    h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor, bias: bool = True
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`diagonal_preactivation` with the variance ``xi^2`` in place of ``xi`` (for
     :func:`normal_ell_given_preactivation`, which takes the square root in its own pass)."""
     return _apply(_DiagonalPreactivation, _DiagonalPreactivationClassic, h, loc, log_scale, bias, True)[:2]
@@ -319,23 +327,48 @@ def _with_folded_kl(outputs):
     return outputs[0], outputs[1], (kl if kl.numel() == 1 else None)
 
 
-def diagonal_preactivation_and_kl(h: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor, bias: bool,
-                                  variance_output: bool, prior_variance: float):
+def diagonal_preactivation_and_kl(
+    h: torch.Tensor,
+    loc: torch.Tensor,
+    log_scale: torch.Tensor,
+    bias: bool,
+    variance_output: bool,
+    prior_variance: float,
+):
     """``(gamma, xi or xi^2, KL)``: :func:`diagonal_preactivation` (``variance_output``: its
     variance form) with the layer's ``KL(q || N(0, prior_variance I))`` from the same function,
     its gradient folded into the layer's in one pass over the matrix. ``KL`` is ``None`` where
     that does not apply (torch.func transforms, tensors the kernels do not take): then take
     :func:`diagonal_kl` as usual."""
-    return _with_folded_kl(_apply(_DiagonalPreactivation, _DiagonalPreactivationClassic, h, loc, log_scale, bias,
-                                  variance_output, float(prior_variance)))
+    return _with_folded_kl(
+        _apply(
+            _DiagonalPreactivation,
+            _DiagonalPreactivationClassic,
+            h,
+            loc,
+            log_scale,
+            bias,
+            variance_output,
+            float(prior_variance),
+        )
+    )
 
 
 class _PropagatedPreactivation(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(phi, variance, second_moment, loc, log_scale, bias: bool, variance_output: bool,
-                prior_variance: Optional[float] = None, augmented: bool = False):
+    def forward(
+        phi,
+        variance,
+        second_moment,
+        loc,
+        log_scale,
+        bias: bool,
+        variance_output: bool,
+        prior_variance: Optional[float] = None,
+        augmented: bool = False,
+    ):
         folded = _folded_kl_forward(loc, log_scale, prior_variance)
         weight_variance, kl = folded if folded is not None else (torch.exp(2.0 * log_scale), _placeholder(loc))
         # augmented: phi and second_moment are [phi, 1] and [E h^2, 1] from the moments kernel. Only
@@ -347,8 +380,14 @@ class _PropagatedPreactivation(torch.autograd.Function):
             gamma = torch.mm(phi, loc.mT)  # the bias in the product: no pass to add it, none to sum it
             xi2 = torch.mm(second_moment, weight_variance.mT)
             xi2.addmm_(variance, loc_square.mT)
-            return gamma, (xi2 if variance_output else _sqrt_floored(xi2)), weight_variance, phi.new_empty(0), kl, \
-                loc_square
+            return (
+                gamma,
+                (xi2 if variance_output else _sqrt_floored(xi2)),
+                weight_variance,
+                phi.new_empty(0),
+                kl,
+                loc_square,
+            )
         width = phi.shape[-1]
         loc_h, loc_b = _columns(loc, width, bias)
         variance_h, variance_b = _columns(weight_variance, width, bias)
@@ -378,15 +417,13 @@ class _PropagatedPreactivation(torch.autograd.Function):
         ctx.prior_variance = prior[0] if prior and kl.numel() == 1 else None
         ctx.given_second_moment = second_moment is not None
         ctx.mark_non_differentiable(weight_variance, formed, loc_square)
-        ctx.save_for_backward(phi, variance, second, loc, weight_variance, None if variance_output else xi,
-                              loc_square)
+        ctx.save_for_backward(phi, variance, second, loc, weight_variance, None if variance_output else xi, loc_square)
 
     @staticmethod
     def backward(ctx, grad_gamma, grad_xi, _grad_weight_variance, _grad_second, grad_kl=None, _grad_loc_square=None):
         phi, variance, second, loc, weight_variance, xi, loc_square = ctx.saved_tensors
         width = variance.shape[-1]
-        grad_gamma, grad_xi = _gradient_pair(grad_gamma, grad_xi,
-                                             lambda: phi.new_zeros(*phi.shape[:-1], loc.shape[0]))
+        grad_gamma, grad_xi = _gradient_pair(grad_gamma, grad_xi, lambda: phi.new_zeros(*phi.shape[:-1], loc.shape[0]))
         loc_h, variance_h = loc[:, :width], weight_variance[:, :width]
         # as in the diagonal case, ratio = 2 grad_xi2 (grad_xi / xi for the standard deviation);
         # the halves go on the small weights (none for the variance form: its 2 and the half cancel)
@@ -400,8 +437,9 @@ class _PropagatedPreactivation(torch.autograd.Function):
             grad_loc = torch.mm(grad_gamma.mT, phi)
             grad_loc[:, :width].addcmul_(loc_h, torch.mm(ratio.mT, variance), value=scale)
         elif _transforms_active():
-            grad_loc_h = torch.addcmul(_flat_product(grad_gamma, phi), loc_h, _flat_product(ratio, variance),
-                                       value=scale)
+            grad_loc_h = torch.addcmul(
+                _flat_product(grad_gamma, phi), loc_h, _flat_product(ratio, variance), value=scale
+            )
             grad_loc = _gradient_with_bias_column(grad_loc_h, _flat_sum(grad_gamma), ctx.bias)
         else:  # built in one buffer: no (rows, width) temporaries, no concatenation for the bias column
             flat_gamma = _flat(grad_gamma)
@@ -416,12 +454,14 @@ class _PropagatedPreactivation(torch.autograd.Function):
         bias_column = ctx.bias and not ctx.augmented
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
             grad_log_scale = _weight_gradient(ratio, second, bias_column)
-            grad_loc, grad_log_scale = _folded_kl_backward(loc, weight_variance, grad_loc, grad_log_scale, scale,
-                                                           ctx.prior_variance, grad_kl)
+            grad_loc, grad_log_scale = _folded_kl_backward(
+                loc, weight_variance, grad_loc, grad_log_scale, scale, ctx.prior_variance, grad_kl
+            )
         else:
             grad_log_scale = _weight_gradient(ratio, second, bias_column, scale)
-            grad_log_scale = grad_log_scale * weight_variance if _transforms_active() else \
-                grad_log_scale.mul_(weight_variance)
+            grad_log_scale = (
+                grad_log_scale * weight_variance if _transforms_active() else grad_log_scale.mul_(weight_variance)
+            )
         # the inputs' gradients last: the activation's backward kernel reads them next, still in cache
         grad_phi = grad_gamma @ loc_h
         grad_second = ratio @ variance_h
@@ -436,34 +476,81 @@ class _PropagatedPreactivation(torch.autograd.Function):
 _PropagatedPreactivationClassic = _classic_twin(_PropagatedPreactivation)
 
 
-def propagated_preactivation(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
-                             bias: bool = True, second_moment: Optional[torch.Tensor] = None
-                             ) -> Tuple[torch.Tensor, torch.Tensor]:
+def propagated_preactivation(
+    phi: torch.Tensor,
+    variance: torch.Tensor,
+    loc: torch.Tensor,
+    log_scale: torch.Tensor,
+    bias: bool = True,
+    second_moment: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(gamma, xi)`` of ``W [h, 1]`` under a mean-field q when the inputs ``h`` are uncertain
     too: independent, of means ``phi`` and variances ``variance`` (the deterministic estimator's
     diagonal propagation), ``xi^2 = E[h^2]^T Var W + Var[h]^T loc^2`` per row.
 
     ``second_moment`` is ``E[h^2]`` when the caller has it (the activation kernels return it as
     Upsilon, eq. (9)): it then carries its own gradient, and ``phi^2 + variance`` is not formed."""
-    return _apply(_PropagatedPreactivation, _PropagatedPreactivationClassic, phi, variance, second_moment, loc,
-                  log_scale, bias, False)[:2]
+    return _apply(
+        _PropagatedPreactivation,
+        _PropagatedPreactivationClassic,
+        phi,
+        variance,
+        second_moment,
+        loc,
+        log_scale,
+        bias,
+        False,
+    )[:2]
 
 
-def propagated_preactivation_and_kl(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor,
-                                    log_scale: torch.Tensor, bias: bool, second_moment: Optional[torch.Tensor],
-                                    variance_output: bool, prior_variance: float):
+def propagated_preactivation_and_kl(
+    phi: torch.Tensor,
+    variance: torch.Tensor,
+    loc: torch.Tensor,
+    log_scale: torch.Tensor,
+    bias: bool,
+    second_moment: Optional[torch.Tensor],
+    variance_output: bool,
+    prior_variance: float,
+):
     """``(gamma, xi or xi^2, KL)``: :func:`propagated_preactivation` with the layer's KL folded
     in, as :func:`diagonal_preactivation_and_kl` (``KL`` ``None`` where that does not apply)."""
-    return _with_folded_kl(_apply(_PropagatedPreactivation, _PropagatedPreactivationClassic, phi, variance,
-                                  second_moment, loc, log_scale, bias, variance_output, float(prior_variance)))
+    return _with_folded_kl(
+        _apply(
+            _PropagatedPreactivation,
+            _PropagatedPreactivationClassic,
+            phi,
+            variance,
+            second_moment,
+            loc,
+            log_scale,
+            bias,
+            variance_output,
+            float(prior_variance),
+        )
+    )
 
 
-def propagated_preactivation_variance(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor,
-                                      log_scale: torch.Tensor, bias: bool = True,
-                                      second_moment: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def propagated_preactivation_variance(
+    phi: torch.Tensor,
+    variance: torch.Tensor,
+    loc: torch.Tensor,
+    log_scale: torch.Tensor,
+    bias: bool = True,
+    second_moment: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`propagated_preactivation` with the variance ``xi^2`` in place of ``xi``."""
-    return _apply(_PropagatedPreactivation, _PropagatedPreactivationClassic, phi, variance, second_moment, loc,
-                  log_scale, bias, True)[:2]
+    return _apply(
+        _PropagatedPreactivation,
+        _PropagatedPreactivationClassic,
+        phi,
+        variance,
+        second_moment,
+        loc,
+        log_scale,
+        bias,
+        True,
+    )[:2]
 
 
 class _DiagonalKL(torch.autograd.Function):
@@ -499,8 +586,9 @@ class _DiagonalKL(torch.autograd.Function):
         gradients = None
         if not _transforms_active() and grad.device.type == "cpu":
             grad_value = float(grad)
-            gradients = fast_moments.diagonal_kl_gradients(loc, log_scale, grad_value / float(prior_variance),
-                                                           grad_value)
+            gradients = fast_moments.diagonal_kl_gradients(
+                loc, log_scale, grad_value / float(prior_variance), grad_value
+            )
         if gradients is not None:
             grad_loc, grad_log_scale = gradients
         else:
@@ -509,7 +597,7 @@ class _DiagonalKL(torch.autograd.Function):
             grad_log_scale = scaled * torch.exp(2.0 * log_scale) - grad
         grad_prior = None
         if ctx.needs_input_grad[2]:
-            grad_prior = grad * 0.5 * (loc.numel() / prior_variance - second_moment / prior_variance ** 2)
+            grad_prior = grad * 0.5 * (loc.numel() / prior_variance - second_moment / prior_variance**2)
         return grad_loc, grad_log_scale, grad_prior
 
 
@@ -583,28 +671,55 @@ class _NormalELLGivenHidden(torch.autograd.Function):
             grad_phi = torch.addcmul(grad_phi, column * column_variance, phi, value=2.0)
             weighted_second = weighted_variance + flat_half @ (phi * phi).reshape(-1, width)
         flat_mean = grad_mean.reshape(-1, rows)
-        grad_loc = _gradient_with_bias_column(_flat_product(grad_mean, phi) + 2.0 * loc_h * weighted_variance,
-                                              flat_mean.sum(0), ctx.bias)
-        grad_weight_variance = _gradient_with_bias_column(weighted_second.expand(rows, width),
-                                                          flat_half.sum().expand(rows), ctx.bias)
+        grad_loc = _gradient_with_bias_column(
+            _flat_product(grad_mean, phi) + 2.0 * loc_h * weighted_variance, flat_mean.sum(0), ctx.bias
+        )
+        grad_weight_variance = _gradient_with_bias_column(
+            weighted_second.expand(rows, width), flat_half.sum().expand(rows), ctx.bias
+        )
         grad_log_precision = (grad_ell * (-0.5 * precision * squares + 0.5 * rows)).sum()
-        return (grad_phi, grad_variance, grad_second, grad_loc, 2.0 * weight_variance * grad_weight_variance, None,
-                grad_log_precision, None)
+        return (
+            grad_phi,
+            grad_variance,
+            grad_second,
+            grad_loc,
+            2.0 * weight_variance * grad_weight_variance,
+            None,
+            grad_log_precision,
+            None,
+        )
 
 
 _NormalELLGivenHiddenClassic = _classic_twin(_NormalELLGivenHidden)
 
 
-def normal_ell_given_hidden(phi: torch.Tensor, variance: torch.Tensor, loc: torch.Tensor, log_scale: torch.Tensor,
-                            y: torch.Tensor, log_precision: torch.Tensor, bias: bool = True,
-                            second_moment: Optional[torch.Tensor] = None) -> torch.Tensor:
+def normal_ell_given_hidden(
+    phi: torch.Tensor,
+    variance: torch.Tensor,
+    loc: torch.Tensor,
+    log_scale: torch.Tensor,
+    y: torch.Tensor,
+    log_precision: torch.Tensor,
+    bias: bool = True,
+    second_moment: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``E_q[log N(y_n | W [g, 1], 1/beta)]`` per data point ``(..., N)`` for hidden units of
     mean ``phi`` and variance ``variance`` (independent given x) and a diagonal q over the
     output layer ``W`` (``loc``/``log_scale`` ``(O, H[+1])``): eqs. (7)-(8), summed over the O
     outputs. ``y`` is ``(..., N, O)``. ``second_moment`` is ``E[h^2]`` (Upsilon, eq. (9))
     when the caller has it, as for :func:`propagated_preactivation`."""
-    return _apply(_NormalELLGivenHidden, _NormalELLGivenHiddenClassic, phi, variance, second_moment, loc, log_scale, y,
-                  log_precision, bias)[0]
+    return _apply(
+        _NormalELLGivenHidden,
+        _NormalELLGivenHiddenClassic,
+        phi,
+        variance,
+        second_moment,
+        loc,
+        log_scale,
+        y,
+        log_precision,
+        bias,
+    )[0]
 
 
 class _NormalELLGivenPreactivation(torch.autograd.Function):
@@ -631,39 +746,54 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
         # and must see the -inf ELL the reference path gives, not an OverflowError)
         precision = math.exp(log_beta) if log_beta < _LOG_MAX_DOUBLE else math.inf
         mean_bias, spread_bias = (float(loc[0, width]), float(weight_variance[0, width])) if bias else (0.0, 0.0)
-        residual, squares, ell, ell_sum = fast_moments.normal_rows(mean, spread, y, mean_bias, spread_bias, precision,
-                                                                   0.5 * (log_beta - _LOG_2PI))
+        residual, squares, ell, ell_sum = fast_moments.normal_rows(
+            mean, spread, y, mean_bias, spread_bias, precision, 0.5 * (log_beta - _LOG_2PI)
+        )
         ctx.bias, ctx.op, ctx.shape, ctx.precision = bias, op, gamma.shape, precision
         ctx.prior_variance = prior_variance if folded is not None else None
         ctx.ell_sum = ell_sum  # for the single-node ELBO (no pass over ELL to sum it)
-        ctx.save_for_backward(flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second,
-                              residual, squares)
+        ctx.save_for_backward(
+            flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second, residual, squares
+        )
         return ell.reshape(gamma.shape[:-1]), kl
 
     @staticmethod
     def backward(ctx, grad_ell, grad_kl):
-        (flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second, residual,
-         squares) = ctx.saved_tensors
+        (flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second, residual, squares) = (
+            ctx.saved_tensors
+        )
         precision = ctx.precision
         grad_ell = grad_ell.reshape(-1).contiguous()
         row_mean_grad, row_spread_grad, sum_u, sum_k, log_beta_grad = fast_moments.normal_row_gradients(
-            grad_ell, residual, squares, precision)
-        grad_gamma, grad_xi, columns = fast_moments.normal_tail(ctx.op, flat_gamma, flat_xi, weight_phi, weight_loc2,
-                                                               weight_second, row_mean_grad, row_spread_grad)
+            grad_ell, residual, squares, precision
+        )
+        grad_gamma, grad_xi, columns = fast_moments.normal_tail(
+            ctx.op, flat_gamma, flat_xi, weight_phi, weight_loc2, weight_second, row_mean_grad, row_spread_grad
+        )
         # d/d loc_c = sum_n u_n Phi_nc + 2 loc_c sum_n k_n Var_nc; d/d Var W_c = sum_n k_n Ups_nc;
         # the bias column's input is 1
         grad_loc, grad_variance = torch.empty_like(loc), torch.empty_like(weight_variance)
         fast_moments.normal_output_gradients(columns, weight_phi, ctx.bias, sum_u, sum_k, grad_loc, grad_variance)
         if ctx.prior_variance is not None:  # the output layer's KL folded in
-            grad_loc, grad_log_scale = _folded_kl_backward(loc, weight_variance, grad_loc, grad_variance, 2.0,
-                                                           ctx.prior_variance, grad_kl)
+            grad_loc, grad_log_scale = _folded_kl_backward(
+                loc, weight_variance, grad_loc, grad_variance, 2.0, ctx.prior_variance, grad_kl
+            )
         else:
             grad_log_scale = grad_variance.mul_(weight_variance).mul_(2.0)
         grad_log_precision = None
         if ctx.needs_input_grad[5]:  # sum_n g_n (-beta/2 squares_n + 1/2)
             grad_log_precision = torch.scalar_tensor(log_beta_grad, dtype=loc.dtype)
-        return (grad_gamma.reshape(ctx.shape), grad_xi.reshape(ctx.shape), grad_loc, grad_log_scale,
-                None, grad_log_precision, None, None, None)
+        return (
+            grad_gamma.reshape(ctx.shape),
+            grad_xi.reshape(ctx.shape),
+            grad_loc,
+            grad_log_scale,
+            None,
+            grad_log_precision,
+            None,
+            None,
+            None,
+        )
 
 
 def activation_kernels(activation):
@@ -689,9 +819,16 @@ def normal_tail_op(activation, loc: torch.Tensor, *tensors):
     return layer_kernel_op(activation, loc, *tensors) if loc.shape[0] == 1 else None
 
 
-def normal_ell_given_preactivation(gamma: torch.Tensor, xi2: torch.Tensor, op, loc: torch.Tensor,
-                                   log_scale: torch.Tensor, y: torch.Tensor, log_precision: torch.Tensor,
-                                   bias: bool = True) -> torch.Tensor:
+def normal_ell_given_preactivation(
+    gamma: torch.Tensor,
+    xi2: torch.Tensor,
+    op,
+    loc: torch.Tensor,
+    log_scale: torch.Tensor,
+    y: torch.Tensor,
+    log_precision: torch.Tensor,
+    bias: bool = True,
+) -> torch.Tensor:
     """``E_q[log N(y_n | W [g(a), 1], 1/beta)]`` per data point for last-hidden-layer
     pre-activations ``a ~ N(gamma, xi2)`` (independent units; ``xi2`` the variance) and a
     diagonal q over a one-output layer ``W`` (``loc``/``log_scale`` ``(1, H[+1])``):
@@ -701,18 +838,34 @@ def normal_ell_given_preactivation(gamma: torch.Tensor, xi2: torch.Tensor, op, l
     return normal_ell_given_preactivation_and_kl(gamma, xi2, op, loc, log_scale, y, log_precision, bias)[0]
 
 
-def normal_ell_given_preactivation_and_kl(gamma: torch.Tensor, xi2: torch.Tensor, op, loc: torch.Tensor,
-                                          log_scale: torch.Tensor, y: torch.Tensor, log_precision: torch.Tensor,
-                                          bias: bool = True, prior_variance: Optional[float] = None):
+def normal_ell_given_preactivation_and_kl(
+    gamma: torch.Tensor,
+    xi2: torch.Tensor,
+    op,
+    loc: torch.Tensor,
+    log_scale: torch.Tensor,
+    y: torch.Tensor,
+    log_precision: torch.Tensor,
+    bias: bool = True,
+    prior_variance: Optional[float] = None,
+):
     """``(ELL per point, KL)``: :func:`normal_ell_given_preactivation` with the output layer's
     ``KL(q || N(0, prior_variance I))`` from the same function (its gradient folded into the
     layer's); ``KL`` is ``None`` when no prior is given or the kernels do not take the layer."""
     check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the argument checks activation.moments makes (if on)
     gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
     y = torch.broadcast_to(y, gamma.shape[:-1] + (1,)).contiguous()  # one target per row of gamma
-    ell, kl = _NormalELLGivenPreactivation.apply(gamma.contiguous(), xi2.contiguous(), loc, log_scale, y,
-                                                 log_precision, bias, op,
-                                                 None if prior_variance is None else float(prior_variance))
+    ell, kl = _NormalELLGivenPreactivation.apply(
+        gamma.contiguous(),
+        xi2.contiguous(),
+        loc,
+        log_scale,
+        y,
+        log_precision,
+        bias,
+        op,
+        None if prior_variance is None else float(prior_variance),
+    )
     return ell, (kl if kl.numel() == 1 else None)
 
 
@@ -758,26 +911,38 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
     def forward(ctx, x, y, log_precision, op, biases, prior_variance: float, scale: float, *parameters):
         locs, log_scales = parameters[0::2], parameters[1::2]
         tapes = [_Tape((False, True, True))]
-        gamma, xi2, _, _, kl, _ = _record(_DiagonalPreactivation, tapes[0], x, locs[0], log_scales[0], biases[0], True,
-                                          prior_variance)
+        gamma, xi2, _, _, kl, _ = _record(
+            _DiagonalPreactivation, tapes[0], x, locs[0], log_scales[0], biases[0], True, prior_variance
+        )
         kls = [kl]
         for loc, log_scale, bias in zip(locs[1:-1], log_scales[1:-1], biases[1:-1]):
             if validating_args():  # the checks activation.moments makes (off while training)
                 check_mean_std(gamma, xi2, names=("gamma", "xi2"))
             moments_tape = _Tape((True, True, False))
             # with a bias, the kernel writes [Phi, 1] and [Ups, 1]: the layer's products carry its bias
-            phi, second_moment, variance = fast_moments._MomentsFromVariance.forward(moments_tape, gamma, xi2, op,
-                                                                                     bias)
+            phi, second_moment, variance = fast_moments._MomentsFromVariance.forward(moments_tape, gamma, xi2, op, bias)
             layer_tape = _Tape((True, True, True, True, True))
-            gamma, xi2, _, _, kl, _ = _record(_PropagatedPreactivation, layer_tape, phi, variance, second_moment, loc,
-                                              log_scale, bias, True, prior_variance, bias)
+            gamma, xi2, _, _, kl, _ = _record(
+                _PropagatedPreactivation,
+                layer_tape,
+                phi,
+                variance,
+                second_moment,
+                loc,
+                log_scale,
+                bias,
+                True,
+                prior_variance,
+                bias,
+            )
             tapes += [moments_tape, layer_tape]
             kls.append(kl)
         if validating_args():
             check_mean_std(gamma, xi2, names=("gamma", "xi2"))
         tail_tape = _Tape((True, True, True, True, False, ctx.needs_input_grad[2]))
-        ell, kl = _NormalELLGivenPreactivation.forward(tail_tape, gamma, xi2, locs[-1], log_scales[-1], y,
-                                                       log_precision, biases[-1], op, prior_variance)
+        ell, kl = _NormalELLGivenPreactivation.forward(
+            tail_tape, gamma, xi2, locs[-1], log_scales[-1], y, log_precision, biases[-1], op, prior_variance
+        )
         tapes.append(tail_tape)
         kls.append(kl)
         if any(term.numel() != 1 for term in kls):  # the callers check that the kernels take every layer
@@ -797,7 +962,7 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
     def backward(ctx, grad):
         tapes, scale, saved, start = ctx.tapes, ctx.scale, ctx.saved_tensors, 0
         for tape, count in zip(tapes, ctx.counts):
-            tape.saved_tensors, start = saved[start:start + count], start + count
+            tape.saved_tensors, start = saved[start : start + count], start + count
         grad_kl = -float(grad)  # every KL enters with weight -1
         grad_ell = torch.full(ctx.rows, scale * float(grad), dtype=grad.dtype)
         tail = _NormalELLGivenPreactivation.backward(tapes[-1], grad_ell, grad_kl)
@@ -806,8 +971,9 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
             layer = _PropagatedPreactivation.backward(tapes[index], grad_gamma, grad_xi, None, None, grad_kl, None)
             grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale = layer[:5]
             layer_grads.append((grad_loc, grad_log_scale))
-            grad_gamma, grad_xi, _ = fast_moments._MomentsFromVariance.backward(tapes[index - 1], grad_phi,
-                                                                                grad_second, grad_variance)
+            grad_gamma, grad_xi, _ = fast_moments._MomentsFromVariance.backward(
+                tapes[index - 1], grad_phi, grad_second, grad_variance
+            )
         first = _DiagonalPreactivation.backward(tapes[0], grad_gamma, grad_xi, None, None, grad_kl, None)
         layer_grads.append(first[1:3])
         parameter_grads = [g for pair in reversed(layer_grads) for g in pair]
@@ -816,8 +982,16 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
         return (None, None, grad_log_precision, None, None, None, None, *parameter_grads)
 
 
-def closed_form_normal_elbo(x: torch.Tensor, y: torch.Tensor, log_precision: torch.Tensor, op, parameters,
-                            biases, prior_variance: float, scale: float) -> torch.Tensor:
+def closed_form_normal_elbo(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    log_precision: torch.Tensor,
+    op,
+    parameters,
+    biases,
+    prior_variance: float,
+    scale: float,
+) -> torch.Tensor:
     """``scale * sum_n E_q[log N(y_n | f(x_n), 1/beta)] - sum_l KL(q_l || N(0, prior_variance I))``
     for a network whose every layer is a diagonal Gaussian integrated in closed form -- the first
     exactly (eq. (12)), later hidden layers by diagonal moment propagation, the one-output layer
@@ -828,5 +1002,13 @@ def closed_form_normal_elbo(x: torch.Tensor, y: torch.Tensor, log_precision: tor
     each layer has a bias column; ``x`` ``(N, D)``, ``y`` ``(N, 1)``; ``op`` the activation's
     :func:`layer_kernel_op` for all of these tensors (not ``None``), which also says the KL
     kernels take them."""
-    return _ClosedFormNormalELBO.apply(x, y.contiguous(), log_precision, op, tuple(bool(b) for b in biases),
-                                       float(prior_variance), float(scale), *parameters)
+    return _ClosedFormNormalELBO.apply(
+        x,
+        y.contiguous(),
+        log_precision,
+        op,
+        tuple(bool(b) for b in biases),
+        float(prior_variance),
+        float(scale),
+        *parameters,
+    )

@@ -18,8 +18,18 @@ from ..runtime import threads
 from ..runtime.cuda_graphs import GraphedCall
 
 
-def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: int, chunk_size: int = 25, generator=None,
-                      progress=None, cuda_graphs: bool = True) -> Dict[str, float]:
+def gradient_variance(
+    model,
+    x,
+    y,
+    num_data: int,
+    estimator: str,
+    num_samples: int,
+    chunk_size: int = 25,
+    generator=None,
+    progress=None,
+    cuda_graphs: bool = True,
+) -> Dict[str, float]:
     """``{parameter name: mean over its elements of Var_samples[dL/dparam]}``.
 
     ``model`` is a :class:`cfbnn_cli.bnn.network.BayesianNetwork`. The KL term of the ELBO
@@ -46,8 +56,7 @@ def gradient_variance(model, x, y, num_data: int, estimator: str, num_samples: i
 
     per_sample = vmap(grad(negative_elbo), in_dims=(None, 0))
     # the noise is drawn outside the graph (eagerly, one call); the draws' gradients inside it
-    draws = GraphedCall(lambda *noise: per_sample(params, noise), x.device, label="gradient draws",
-                        enabled=cuda_graphs)
+    draws = GraphedCall(lambda *noise: per_sample(params, noise), x.device, label="gradient draws", enabled=cuda_graphs)
     shift = sums = squares = None
     drawn = 0
     while drawn < num_samples:

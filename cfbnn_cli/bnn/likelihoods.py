@@ -66,8 +66,9 @@ class NormalLikelihood(nn.Module):
     def needs_samples(self, objective: Optional[str] = None) -> bool:
         return False
 
-    def expected_log_likelihood(self, y, mean, variance, samples=None, objective: Optional[str] = None,
-                                multi_output: bool = False) -> torch.Tensor:
+    def expected_log_likelihood(
+        self, y, mean, variance, samples=None, objective: Optional[str] = None, multi_output: bool = False
+    ) -> torch.Tensor:
         """Per data point ``(..., N)``: exact given the output moments (eqs. (7)-(8))."""
         precision = self.precision
         per_output = -0.5 * precision * ((y - mean).square() + variance) + 0.5 * (self.log_precision - _LOG_2PI)
@@ -95,8 +96,9 @@ class HeteroscedasticNormalLikelihood(nn.Module):
     def needs_samples(self, objective: Optional[str] = None) -> bool:
         return False
 
-    def expected_log_likelihood(self, y, mean, covariance, samples=None, objective: Optional[str] = None,
-                                multi_output: bool = True) -> torch.Tensor:
+    def expected_log_likelihood(
+        self, y, mean, covariance, samples=None, objective: Optional[str] = None, multi_output: bool = True
+    ) -> torch.Tensor:
         """Per data point ``(..., N)``: for ``(m, l) ~ N(mu, Sigma)``,
 
         ``E[log N(y | m, e^l)] = -1/2 log 2 pi - 1/2 mu_l
@@ -127,8 +129,9 @@ class HeteroscedasticNormalLikelihood(nn.Module):
         nodes, weights = np.polynomial.hermite_e.hermegauss(num_nodes)
         shape = (num_nodes,) + (1,) * (mean.dim() - 1)
         nodes = torch.as_tensor(nodes, dtype=mean.dtype, device=mean.device).reshape(shape)
-        log_weights = torch.as_tensor(np.log(weights / math.sqrt(2.0 * math.pi)), dtype=mean.dtype,
-                                      device=mean.device).reshape(shape)
+        log_weights = torch.as_tensor(
+            np.log(weights / math.sqrt(2.0 * math.pi)), dtype=mean.dtype, device=mean.device
+        ).reshape(shape)
         mu_m, mu_l = mean[..., 0], mean[..., 1]
         s_mm, s_ll, s_ml = covariance[..., 0, 0], covariance[..., 1, 1], covariance[..., 0, 1]
         sd_l = s_ll.clamp(min=0).sqrt()
@@ -154,8 +157,9 @@ class CategoricalLikelihood(nn.Module):
     def needs_samples(self, objective: Optional[str] = None) -> bool:
         return (objective or self.objective) != "approximation"
 
-    def expected_log_likelihood(self, labels, mean, variance, samples=None, objective: Optional[str] = None,
-                                multi_output: bool = True) -> torch.Tensor:
+    def expected_log_likelihood(
+        self, labels, mean, variance, samples=None, objective: Optional[str] = None, multi_output: bool = True
+    ) -> torch.Tensor:
         """Per data point ``(N,)`` under ``objective`` (default: this likelihood's)."""
         objective = check_objective(objective or self.objective)
         if self.logistic:
@@ -180,8 +184,9 @@ def check_objective(objective: str) -> str:
 LIKELIHOODS = ("normal", "heteroscedastic", "softmax", "logistic")
 
 
-def make_likelihood(name: str, precision: float = 1.0, learn_precision: bool = True,
-                    objective: str = "approximation") -> nn.Module:
+def make_likelihood(
+    name: str, precision: float = 1.0, learn_precision: bool = True, objective: str = "approximation"
+) -> nn.Module:
     """A likelihood object from its name (``normal``, ``heteroscedastic``, ``softmax``, ``logistic``)."""
     if name == "normal":
         return NormalLikelihood(precision, learn_precision)

@@ -21,8 +21,8 @@ from .functional import (
     covariance_kind,
     gaussian_log_likelihood,
     output_moments_given_hidden,
-    preactivation_moments,
     output_rows,
+    preactivation_moments,
     regression_ell_given_hidden,
 )
 
@@ -89,13 +89,17 @@ def _per_sample_log_likelihood(y, outputs, precision):
     return gaussian_log_likelihood(y, outputs, 0.0, check_precision(precision), data_dims=outputs.dim() - 1)
 
 
-def regression_ell_local_reparameterization(x, y, a_loc, a_scale, b_loc, b_scale, precision, activation, num_samples, generator=None):
+def regression_ell_local_reparameterization(
+    x, y, a_loc, a_scale, b_loc, b_scale, precision, activation, num_samples, generator=None
+):
     """Per-sample estimates ``(S,)`` of the ELL, all weights sampled by local reparameterization."""
     outputs = sample_outputs_local(x, a_loc, a_scale, b_loc, b_scale, activation, num_samples, generator)
     return _per_sample_log_likelihood(y, outputs, precision)
 
 
-def regression_ell_weight_space(x, y, a_loc, a_scale, b_loc, b_scale, precision, activation, num_samples, generator=None):
+def regression_ell_weight_space(
+    x, y, a_loc, a_scale, b_loc, b_scale, precision, activation, num_samples, generator=None
+):
     """Per-sample estimates ``(S,)`` of the ELL with weight-space samples of A and B."""
     outputs = sample_outputs_weight_space(x, a_loc, a_scale, b_loc, b_scale, activation, num_samples, generator)
     return _per_sample_log_likelihood(y, outputs, precision)

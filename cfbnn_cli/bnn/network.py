@@ -62,8 +62,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..moments import get_activation
 from ..moments import fast as fast_moments
+from ..moments import get_activation
 from ..moments.gaussian import check_mean_std, is_transformed
 from . import functional as F
 from . import fused
@@ -73,8 +73,13 @@ from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
 COVARIANCES = ("diagonal", "full", "lowrank")
 ESTIMATORS = ("analytic", "integrate_output_layer", "sampling", "deterministic", "deterministic_full")
 PRIORS = ("fixed", "empirical_bayes")
-_CLOSED_FORM_LAYERS = {"analytic": 2, "integrate_output_layer": 1, "sampling": 0, "deterministic": 1 << 30,
-                       "deterministic_full": 1 << 30}
+_CLOSED_FORM_LAYERS = {
+    "analytic": 2,
+    "integrate_output_layer": 1,
+    "sampling": 0,
+    "deterministic": 1 << 30,
+    "deterministic_full": 1 << 30,
+}
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
 
 
@@ -115,7 +120,9 @@ class GaussianMatrix(nn.Module):
         elif covariance == "lowrank":
             if rank < 1:
                 raise ValueError(f"`rank` must be >= 1 for lowrank covariance; got {rank}")
-            self.factor = nn.Parameter(torch.randn(rows, cols, rank, generator=generator) * init_scale / math.sqrt(rank))
+            self.factor = nn.Parameter(
+                torch.randn(rows, cols, rank, generator=generator) * init_scale / math.sqrt(rank)
+            )
 
     @property
     def out_features(self) -> int:
@@ -167,8 +174,9 @@ class GaussianMatrix(nn.Module):
             if moments is None:
                 return fused.diagonal_preactivation_variance(h, self.loc, self.log_scale, self.bias)
             phi, variance, second_moment = moments
-            return fused.propagated_preactivation_variance(phi, variance, self.loc, self.log_scale, self.bias,
-                                                           second_moment)
+            return fused.propagated_preactivation_variance(
+                phi, variance, self.loc, self.log_scale, self.bias, second_moment
+            )
         gamma, xi = self._moments_from(h, moments)
         return gamma, xi.square()
 
@@ -177,8 +185,9 @@ class GaussianMatrix(nn.Module):
         from propagated ones."""
         return self.preactivation_moments(h) if moments is None else self.propagated_preactivation_moments(*moments)
 
-    def preactivation_and_kl(self, h: torch.Tensor, moments=None, variance_output: bool = False,
-                             prior_scale: Optional[float] = None):
+    def preactivation_and_kl(
+        self, h: torch.Tensor, moments=None, variance_output: bool = False, prior_scale: Optional[float] = None
+    ):
         """``(gamma, xi or xi^2, KL or None)``: the pre-activation moments from exact inputs ``h``
         or, ``moments = (phi, variance, second_moment)``, from propagated ones (the variance with
         ``variance_output``), and with a ``prior_scale`` this matrix's ``KL(q || N(0, s^2 I))``
@@ -188,11 +197,13 @@ class GaussianMatrix(nn.Module):
         if prior_scale is not None and self.covariance == "diagonal":
             prior_variance = prior_scale * prior_scale
             if moments is None:
-                return fused.diagonal_preactivation_and_kl(h, self.loc, self.log_scale, self.bias, variance_output,
-                                                           prior_variance)
+                return fused.diagonal_preactivation_and_kl(
+                    h, self.loc, self.log_scale, self.bias, variance_output, prior_variance
+                )
             phi, variance, second_moment = moments
-            return fused.propagated_preactivation_and_kl(phi, variance, self.loc, self.log_scale, self.bias,
-                                                         second_moment, variance_output, prior_variance)
+            return fused.propagated_preactivation_and_kl(
+                phi, variance, self.loc, self.log_scale, self.bias, second_moment, variance_output, prior_variance
+            )
         if variance_output:
             return (*self.preactivation_mean_and_variance(h, moments), None)
         return (*self._moments_from(h, moments), None)
@@ -206,9 +217,9 @@ class GaussianMatrix(nn.Module):
             return scale.square().sum(-1)  # diag(L L^T)_c = sum_k L_ck^2
         return scale.diag.square() + scale.factor.square().sum(-1)
 
-    def propagated_preactivation_moments(self, phi: torch.Tensor, variance: torch.Tensor,
-                                         second_moment: Optional[torch.Tensor] = None
-                                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def propagated_preactivation_moments(
+        self, phi: torch.Tensor, variance: torch.Tensor, second_moment: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(gamma, xi)`` (mean, standard deviation) of ``W [h, 1]`` when the inputs ``h``
         are themselves uncertain: independent across units with means ``phi`` and
         variances ``variance``, and independent of W (the ``deterministic`` estimator).
@@ -229,8 +240,9 @@ class GaussianMatrix(nn.Module):
         spread = variance @ weights.transpose(-1, -2)
         return gamma, (xi.square() + spread).sqrt()
 
-    def propagated_preactivation_covariance(self, phi: torch.Tensor, covariance: torch.Tensor
-                                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def propagated_preactivation_covariance(
+        self, phi: torch.Tensor, covariance: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Mean ``(..., N, rows)`` and covariance ``(..., N, rows, rows)`` of ``W [h, 1]`` for
         inputs ``h`` of mean ``phi`` and covariance ``covariance`` ``(..., N, C, C)`` across units,
         independent of W (``deterministic_full``; a mean-field q).
@@ -246,8 +258,9 @@ class GaussianMatrix(nn.Module):
         """``(mean, loc C loc^T, sum_c Var W_rc E[h_c^2])``: the two parts of
         :meth:`propagated_preactivation_covariance` (the output layer reports them apart)."""
         if self.covariance != "diagonal":
-            raise ValueError(f"full-covariance propagation needs a mean-field (diagonal) q; this layer has "
-                             f"{self.covariance!r}")
+            raise ValueError(
+                f"full-covariance propagation needs a mean-field (diagonal) q; this layer has {self.covariance!r}"
+            )
         width = phi.shape[-1]
         loc, weight_variance = self.loc[:, :width], self.log_scale[:, :width].mul(2.0).exp()
         mean = phi @ loc.mT
@@ -356,8 +369,17 @@ class BayesianNetwork(nn.Module):
                 layers.append(PointLinear(inp, out))
             else:
                 bias = output_bias or index < n_layers - 1
-                layers.append(GaussianMatrix(out, inp + bias, covariances[index - point_layers], rank, init_scale,
-                                             generator=generator, bias=bias))
+                layers.append(
+                    GaussianMatrix(
+                        out,
+                        inp + bias,
+                        covariances[index - point_layers],
+                        rank,
+                        init_scale,
+                        generator=generator,
+                        bias=bias,
+                    )
+                )
         self.layers = nn.ModuleList(layers)
         # {layer index: KL} collected while an ELBO is evaluated: a layer's KL comes out of its
         # pre-activation function, its gradient folded into the layer's (see elbo())
@@ -371,8 +393,10 @@ class BayesianNetwork(nn.Module):
 
     def prior_scales(self) -> List[float]:
         """The prior standard deviation of each Gaussian layer (learned under empirical Bayes)."""
-        return [float(layer.empirical_bayes_prior_scale().detach()) if self.prior == "empirical_bayes" else self.prior_scale
-                for layer in self.gaussian_layers]
+        return [
+            float(layer.empirical_bayes_prior_scale().detach()) if self.prior == "empirical_bayes" else self.prior_scale
+            for layer in self.gaussian_layers
+        ]
 
     @property
     def precision(self) -> torch.Tensor:
@@ -382,8 +406,10 @@ class BayesianNetwork(nn.Module):
     def layer_names(self) -> List[str]:
         """Names of the Gaussian layers for tables: ``first``, ``second``, ..., ``final``."""
         count = len(self.gaussian_layers)
-        return [(_ORDINALS[i] if i < len(_ORDINALS) else f"layer {i + 1}") if i < count - 1 else "final"
-                for i in range(count)]
+        return [
+            (_ORDINALS[i] if i < len(_ORDINALS) else f"layer {i + 1}") if i < count - 1 else "final"
+            for i in range(count)
+        ]
 
     def treatments(self, estimator: str) -> Tuple[str, ...]:
         """Per layer: ``point``, ``sampled`` or ``closed_form`` under ``estimator``."""
@@ -392,14 +418,18 @@ class BayesianNetwork(nn.Module):
         cache = self.__dict__.setdefault("_treatments_cache", {})  # asked several times per step
         if key not in cache:
             closed = min(_CLOSED_FORM_LAYERS[_check_estimator(estimator)], n - self.point_layers)
-            cache[key] = tuple("point" if i < self.point_layers else "closed_form" if i >= n - closed else "sampled"
-                               for i in range(n))
+            cache[key] = tuple(
+                "point" if i < self.point_layers else "closed_form" if i >= n - closed else "sampled" for i in range(n)
+            )
         return cache[key]
 
     def noise_shapes(self, batch: int, estimator: str) -> Tuple[Tuple[int, ...], ...]:
         """Shapes of the standard-normal noise one evaluation consumes (one per sampled layer)."""
-        return tuple((batch, layer.out_features) for layer, treatment in zip(self.layers, self.treatments(estimator))
-                     if treatment == "sampled")
+        return tuple(
+            (batch, layer.out_features)
+            for layer, treatment in zip(self.layers, self.treatments(estimator))
+            if treatment == "sampled"
+        )
 
     def sample_noise(self, batch: int, estimator: str, generator=None, num_samples: Optional[int] = None, lead=()):
         lead = tuple(lead) + (() if num_samples is None else (num_samples,))
@@ -407,8 +437,9 @@ class BayesianNetwork(nn.Module):
         if not shapes:  # nothing sampled (the closed form's hot path: no parameter walk)
             return ()
         like = next(self.parameters())
-        return tuple(torch.randn(lead + shape, generator=generator, dtype=like.dtype, device=like.device)
-                     for shape in shapes)
+        return tuple(
+            torch.randn(lead + shape, generator=generator, dtype=like.dtype, device=like.device) for shape in shapes
+        )
 
     def kl(self, folded: Optional[dict] = None) -> torch.Tensor:
         """``KL(q || p)`` of every Gaussian layer, in closed form; with ``prior="empirical_bayes"``
@@ -416,8 +447,11 @@ class BayesianNetwork(nn.Module):
         already computed, by layer index (:meth:`elbo`)."""
         prior_scale = None if self.prior == "empirical_bayes" else self.prior_scale
         folded = folded or {}
-        terms = [folded[index] if index in folded else layer.kl(prior_scale)
-                 for index, layer in enumerate(self.layers) if isinstance(layer, GaussianMatrix)]
+        terms = [
+            folded[index] if index in folded else layer.kl(prior_scale)
+            for index, layer in enumerate(self.layers)
+            if isinstance(layer, GaussianMatrix)
+        ]
         if not terms:  # every layer a point estimate
             first = self.layers[0].weight
             return torch.zeros((), dtype=first.dtype, device=first.device)
@@ -485,8 +519,9 @@ class BayesianNetwork(nn.Module):
         (:meth:`GaussianMatrix.preactivation_and_kl`). While an ELBO is evaluated the layer's KL
         comes out of the same function and goes to ``self._kl_sink``."""
         sink = self._kl_sink
-        gamma, xi, kl = self.layers[index].preactivation_and_kl(h, moments, variance_output,
-                                                                None if sink is None else self.prior_scale)
+        gamma, xi, kl = self.layers[index].preactivation_and_kl(
+            h, moments, variance_output, None if sink is None else self.prior_scale
+        )
         if kl is not None:
             sink[index] = kl
         return gamma, xi
@@ -504,17 +539,20 @@ class BayesianNetwork(nn.Module):
         from ..moments.bivariate import activation_covariance
 
         phi = covariance = None
-        for layer in self.layers[self.point_layers: -1]:
+        for layer in self.layers[self.point_layers : -1]:
             if layer.covariance != "diagonal":
-                raise ValueError(f"estimator='deterministic_full' needs mean-field (diagonal) q on every layer; "
-                                 f"got {layer.covariance!r}")
+                raise ValueError(
+                    f"estimator='deterministic_full' needs mean-field (diagonal) q on every layer; "
+                    f"got {layer.covariance!r}"
+                )
             if phi is None:  # the first layer's units are independent given x: a diagonal covariance
                 gamma, xi = layer.preactivation_moments(h)
                 phi, _, variance = self.activation.moments(gamma, xi, return_variance=True)
                 covariance = torch.diag_embed(variance)
             else:
-                phi, covariance = activation_covariance(self.activation,
-                                                        *layer.propagated_preactivation_covariance(phi, covariance))
+                phi, covariance = activation_covariance(
+                    self.activation, *layer.propagated_preactivation_covariance(phi, covariance)
+                )
         if phi is None:
             raise ValueError("estimator='deterministic_full' needs at least one Gaussian hidden layer")
         return phi, covariance
@@ -583,21 +621,43 @@ class BayesianNetwork(nn.Module):
         elif tail is not None:
             sink = self._kl_sink
             ell, kl = fused.normal_ell_given_preactivation_and_kl(
-                *value, tail, output.loc, output.log_scale, target, self.likelihood.log_precision, output.bias,
-                None if sink is None else self.prior_scale ** 2)
+                *value,
+                tail,
+                output.loc,
+                output.log_scale,
+                target,
+                self.likelihood.log_precision,
+                output.bias,
+                None if sink is None else self.prior_scale**2,
+            )
             if kl is not None:
                 sink[len(self.layers) - 1] = kl
             return ell
         else:
             phi, second_moment, variance = self.activation.moments(*value, return_variance=True)
-        return fused.normal_ell_given_hidden(phi, variance, output.loc, output.log_scale, target,
-                                             self.likelihood.log_precision, output.bias, second_moment)
+        return fused.normal_ell_given_hidden(
+            phi,
+            variance,
+            output.loc,
+            output.log_scale,
+            target,
+            self.likelihood.log_precision,
+            output.bias,
+            second_moment,
+        )
 
     def _squeeze(self, *values):
         return tuple(v[..., 0] for v in values) if self.output_dim == 1 else values
 
-    def output_moments(self, x, estimator: str = "analytic", noise=None, generator=None,
-                       after_point_layers: bool = False, split_variance: bool = False):
+    def output_moments(
+        self,
+        x,
+        estimator: str = "analytic",
+        noise=None,
+        generator=None,
+        after_point_layers: bool = False,
+        split_variance: bool = False,
+    ):
         """Mean and variance of the outputs under q, given the noise of the sampled layers.
 
         ``(mean, variance)``, or ``(mean, var_A, var_B)`` with ``split_variance`` (the
@@ -623,8 +683,12 @@ class BayesianNetwork(nn.Module):
         """
         treatments = self.treatments("analytic")
         hidden_index = len(self.layers) - 2
-        if (hidden_index < 0 or treatments[hidden_index] != "closed_form"
-                or self.layers[hidden_index].covariance != "diagonal" or "sampled" in treatments):
+        if (
+            hidden_index < 0
+            or treatments[hidden_index] != "closed_form"
+            or self.layers[hidden_index].covariance != "diagonal"
+            or "sampled" in treatments
+        ):
             return self.output_moments(x, "analytic", ())[0]
         hidden, output = self.layers[hidden_index], self.layers[-1]
         h = self.point_features(x)
@@ -641,8 +705,9 @@ class BayesianNetwork(nn.Module):
         return self.output_moments(h, "sampling", noise, after_point_layers=True)[0]
 
     @torch.no_grad()
-    def predictive_components(self, x, estimator: str = "analytic", num_samples: int = 32, generator=None,
-                              chunk: int = 8, num_nodes: int = 64):
+    def predictive_components(
+        self, x, estimator: str = "analytic", num_samples: int = 32, generator=None, chunk: int = 8, num_nodes: int = 64
+    ):
         """The predictive density of ``y`` as a mixture of Normals, ``(means, variances,
         log_weights)`` each ``(K, N)``, for a one-output Normal or a heteroscedastic likelihood
         (:func:`mixture_log_likelihood` scores it).
@@ -657,15 +722,21 @@ class BayesianNetwork(nn.Module):
         heteroscedastic = getattr(self.likelihood, "needs_covariance", False)
         sampled = bool(self.noise_shapes(h.shape[-2], estimator))
         num_draws = num_samples if sampled else 1  # each draw's components share 1 / num_draws
-        draws = [()] if not sampled else [
-            self.sample_noise(h.shape[-2], estimator, generator, num_samples=min(chunk, num_samples - start))
-            for start in range(0, num_samples, chunk)]  # chunks bound memory; draws within one are batched
+        draws = (
+            [()]
+            if not sampled
+            else [
+                self.sample_noise(h.shape[-2], estimator, generator, num_samples=min(chunk, num_samples - start))
+                for start in range(0, num_samples, chunk)
+            ]
+        )  # chunks bound memory; draws within one are batched
         means, variances, log_weights = [], [], []
         for noise in draws:
             if heteroscedastic:
                 mean, covariance = self._mean_and_covariance(h, estimator, noise)
-                mean, variance, log_weight = (v.flatten(0, -2) for v in
-                                              self.likelihood.predictive_mixture(mean, covariance, num_nodes))
+                mean, variance, log_weight = (
+                    v.flatten(0, -2) for v in self.likelihood.predictive_mixture(mean, covariance, num_nodes)
+                )
             else:
                 mean, variance = self.output_moments(h, estimator, noise, after_point_layers=True)
                 variance = variance + 1.0 / self.precision
@@ -679,8 +750,16 @@ class BayesianNetwork(nn.Module):
 
     # ------------------------------------------------------------------ objectives
 
-    def expected_log_likelihood_per_point(self, x, y, estimator: str = "analytic", noise=None, generator=None,
-                                          num_samples: int = 1, objective: Optional[str] = None):
+    def expected_log_likelihood_per_point(
+        self,
+        x,
+        y,
+        estimator: str = "analytic",
+        noise=None,
+        generator=None,
+        num_samples: int = 1,
+        objective: Optional[str] = None,
+    ):
         """``E_q[log p(y_n | x_n, W)]`` per data point ``(..., N)`` (summed over outputs):
         exact, or a one-sample estimate over the sampled layers."""
         likelihood = self.likelihood
@@ -697,22 +776,41 @@ class BayesianNetwork(nn.Module):
             mean, variance = self.output_moments(h, estimator, noise, generator, after_point_layers=True)
         if likelihood.needs_samples(objective):
             samples = self.sample_outputs(h, num_samples, generator, after_point_layers=True)
-        return likelihood.expected_log_likelihood(y, mean, variance, samples, objective=objective,
-                                                  multi_output=self.output_dim > 1)
+        return likelihood.expected_log_likelihood(
+            y, mean, variance, samples, objective=objective, multi_output=self.output_dim > 1
+        )
 
-    def expected_log_likelihood(self, x, y, estimator: str = "analytic", noise=None, generator=None,
-                                num_samples: int = 1, objective: Optional[str] = None):
+    def expected_log_likelihood(
+        self,
+        x,
+        y,
+        estimator: str = "analytic",
+        noise=None,
+        generator=None,
+        num_samples: int = 1,
+        objective: Optional[str] = None,
+    ):
         """The summed ``E_q[sum_n log p(y_n | x_n, W)]`` (eq. (7) for the Normal likelihood)."""
         return self.expected_log_likelihood_per_point(x, y, estimator, noise, generator, num_samples, objective).sum(-1)
 
-    def elbo(self, x, y, num_data: Optional[int] = None, estimator: str = "analytic", noise=None, generator=None,
-             num_samples: int = 1, objective: Optional[str] = None):
+    def elbo(
+        self,
+        x,
+        y,
+        num_data: Optional[int] = None,
+        estimator: str = "analytic",
+        noise=None,
+        generator=None,
+        num_samples: int = 1,
+        objective: Optional[str] = None,
+    ):
         """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO."""
         single = self._single_node_elbo(x, y, num_data, estimator, noise)
         if single is not None:
             return single
-        return self._elbo(lambda: self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples,
-                                                               objective), x, num_data)
+        return self._elbo(
+            lambda: self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective), x, num_data
+        )
 
     def _single_node_elbo(self, x, y, num_data: Optional[int], estimator: str, noise):
         """The ELBO as one autograd node (:func:`.fused.closed_form_normal_elbo`) where every layer
@@ -739,15 +837,22 @@ class BayesianNetwork(nn.Module):
         if not fast_moments.layer_kernels_apply(op, x, target, log_precision, *parameters):
             return None
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        return fused.closed_form_normal_elbo(x, target, log_precision, op, parameters,
-                                             [layer.bias for layer in layers], self.prior_scale ** 2, scale)
+        return fused.closed_form_normal_elbo(
+            x, target, log_precision, op, parameters, [layer.bias for layer in layers], self.prior_scale**2, scale
+        )
 
     def _single_node_plan(self, estimator: str, layers):
         """``(the activation's kernels,)`` when the structure allows the single-node ELBO under
         ``estimator`` (whether the kernels take the tensors is asked per call), else ``()``."""
-        if self.point_layers or self.prior == "empirical_bayes" or self.output_dim != 1 or len(layers) < 2 \
-                or self.treatments(estimator)[0] != "closed_form" or type(self.likelihood) is not NormalLikelihood \
-                or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers):
+        if (
+            self.point_layers
+            or self.prior == "empirical_bayes"
+            or self.output_dim != 1
+            or len(layers) < 2
+            or self.treatments(estimator)[0] != "closed_form"
+            or type(self.likelihood) is not NormalLikelihood
+            or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers)
+        ):
             return ()
         return (fused.activation_kernels(self.activation),)
 
@@ -764,8 +869,16 @@ class BayesianNetwork(nn.Module):
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
         return scale * ell - self.kl(folded)
 
-    def forward(self, x, y, estimator: str = "analytic", noise=None, generator=None, num_samples: int = 1,
-                objective: Optional[str] = None):
+    def forward(
+        self,
+        x,
+        y,
+        estimator: str = "analytic",
+        noise=None,
+        generator=None,
+        num_samples: int = 1,
+        objective: Optional[str] = None,
+    ):
         """The summed expected log-likelihood (so that ``torch.func.functional_call`` and
         ``DistributedDataParallel`` can evaluate it)."""
         return self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective)
@@ -804,8 +917,16 @@ class ClosedFormBNN(BayesianNetwork):
         if likelihood == "logistic" and output_dim != 1:
             raise ValueError(f"`output_dim` must be 1 for the logistic likelihood; got {output_dim}")
         super().__init__(
-            input_dim, [hidden_dim], output_dim, activation, [a_covariance, b_covariance], rank, prior_scale,
-            init_scale, make_likelihood(likelihood, precision, learn_precision, objective), output_bias=output_bias,
+            input_dim,
+            [hidden_dim],
+            output_dim,
+            activation,
+            [a_covariance, b_covariance],
+            rank,
+            prior_scale,
+            init_scale,
+            make_likelihood(likelihood, precision, learn_precision, objective),
+            output_bias=output_bias,
             generator=generator,
         )
 
@@ -824,22 +945,48 @@ class ClosedFormBNN(BayesianNetwork):
         noise = 1.0 / self.precision if isinstance(self.likelihood, NormalLikelihood) else None
         return mean, var_a, var_b, noise
 
-    def expected_log_likelihood(self, x, y, objective: Optional[str] = None, num_samples: int = 1, generator=None,
-                                estimator: str = "analytic", noise=None):
+    def expected_log_likelihood(
+        self,
+        x,
+        y,
+        objective: Optional[str] = None,
+        num_samples: int = 1,
+        generator=None,
+        estimator: str = "analytic",
+        noise=None,
+    ):
         """Summed ``E_q[log p(y | x, A, B)]`` over the batch (exact for the Normal likelihood)."""
         return super().expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective)
 
-    def elbo(self, x, y, num_data: Optional[int] = None, objective: Optional[str] = None, num_samples: int = 1,
-             generator=None, estimator: str = "analytic", noise=None):
+    def elbo(
+        self,
+        x,
+        y,
+        num_data: Optional[int] = None,
+        objective: Optional[str] = None,
+        num_samples: int = 1,
+        generator=None,
+        estimator: str = "analytic",
+        noise=None,
+    ):
         """``(num_data / batch) ELL - KL(A) - KL(B)``: an unbiased minibatch ELBO (exact for Normal)."""
         single = self._single_node_elbo(x, y, num_data, estimator, noise)
         if single is not None:
             return single
-        return self._elbo(lambda: self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator,
-                                                               noise), x, num_data)
+        return self._elbo(
+            lambda: self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise), x, num_data
+        )
 
-    def forward(self, x, y, estimator: str = "analytic", noise=None, generator=None, num_samples: int = 1,
-                objective: Optional[str] = None):
+    def forward(
+        self,
+        x,
+        y,
+        estimator: str = "analytic",
+        noise=None,
+        generator=None,
+        num_samples: int = 1,
+        objective: Optional[str] = None,
+    ):
         return self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise)
 
 
@@ -857,9 +1004,16 @@ def mixture_mean(means, log_weights=None):
     return means.mean(0) if log_weights is None else (means * log_weights.exp()).sum(0)
 
 
-def bayesian_head(feature_dim: int, hidden_sizes: Sequence[int], num_classes: int, activation="relu",
-                  prior_scale: float = 1.0, init_scale: float = 1e-2, generator: Optional[torch.Generator] = None,
-                  objective: str = "approximation") -> BayesianNetwork:
+def bayesian_head(
+    feature_dim: int,
+    hidden_sizes: Sequence[int],
+    num_classes: int,
+    activation="relu",
+    prior_scale: float = 1.0,
+    init_scale: float = 1e-2,
+    generator: Optional[torch.Generator] = None,
+    objective: str = "approximation",
+) -> BayesianNetwork:
     """The Figure 1 head on frozen features (paper "Fast Prediction"):
     ``features -> Linear (point estimate) -> g -> [Gaussian] -> g -> [Gaussian] -> logits``.
 
@@ -871,9 +1025,20 @@ def bayesian_head(feature_dim: int, hidden_sizes: Sequence[int], num_classes: in
 
     hidden_sizes = list(hidden_sizes)
     if len(hidden_sizes) != 2 or any(int(h) < 1 for h in hidden_sizes):
-        raise ValueError(f"`hidden_sizes` must be two positive widths [point layer, Bayesian hidden layer]; got {hidden_sizes}")
+        raise ValueError(
+            f"`hidden_sizes` must be two positive widths [point layer, Bayesian hidden layer]; got {hidden_sizes}"
+        )
     if int(num_classes) < 2:
         raise ValueError(f"`num_classes` must be >= 2; got {num_classes}")
-    return BayesianNetwork(feature_dim, hidden_sizes, num_classes, activation, "diagonal", prior_scale=prior_scale,
-                           init_scale=init_scale, likelihood=CategoricalLikelihood(objective), point_layers=1,
-                           generator=generator)
+    return BayesianNetwork(
+        feature_dim,
+        hidden_sizes,
+        num_classes,
+        activation,
+        "diagonal",
+        prior_scale=prior_scale,
+        init_scale=init_scale,
+        likelihood=CategoricalLikelihood(objective),
+        point_layers=1,
+        generator=generator,
+    )

@@ -29,12 +29,13 @@ from pyro.nn import PyroModule, PyroParam, PyroSample
 from torch.distributions import constraints
 
 from ..moments import get_activation
-from .functional import kl_normal_rows, regression_expected_log_likelihood
-from .functional import augment
+from .functional import augment, kl_normal_rows, regression_expected_log_likelihood
 
 
 class BNNRegressionModel(PyroModule):
-    def __init__(self, input_dim: int, hidden_dim: int, activation="relu", prior_scale: float = 1.0, precision: float = 1.0):
+    def __init__(
+        self, input_dim: int, hidden_dim: int, activation="relu", prior_scale: float = 1.0, precision: float = 1.0
+    ):
         super().__init__()
         self.input_dim = input_dim
         self.hidden_dim = hidden_dim
@@ -63,7 +64,9 @@ class BNNRegressionGuide(PyroModule):
         super().__init__()
         D, H = input_dim + 1, hidden_dim
         self.a_loc = PyroParam(torch.randn(H, D, generator=generator) / D**0.5)
-        self.a_scale_tril = PyroParam(init_scale * torch.eye(D).expand(H, D, D).clone(), constraint=constraints.lower_cholesky)
+        self.a_scale_tril = PyroParam(
+            init_scale * torch.eye(D).expand(H, D, D).clone(), constraint=constraints.lower_cholesky
+        )
         self.b_loc = PyroParam(torch.randn(H, generator=generator) / H**0.5)
         self.b_scale_tril = PyroParam(init_scale * torch.eye(H), constraint=constraints.lower_cholesky)
 
@@ -183,20 +186,35 @@ class PyroLocalReparameterizationRegression(PyroModule):
 
     SITES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
-    def __init__(self, input_dim: int, hidden_dim: int, activation="relu", prior_scale: float = 1.0,
-                 init_scale: float = 0.01, start=None, device=None):
+    def __init__(
+        self,
+        input_dim: int,
+        hidden_dim: int,
+        activation="relu",
+        prior_scale: float = 1.0,
+        init_scale: float = 0.01,
+        start=None,
+        device=None,
+    ):
         super().__init__()
         self.activation = get_activation(activation)
         self.prior_scale = float(prior_scale)
-        shapes = {"fc1.weight": (hidden_dim, input_dim), "fc1.bias": (hidden_dim,), "fc2.weight": (1, hidden_dim),
-                  "fc2.bias": (1,)}
+        shapes = {
+            "fc1.weight": (hidden_dim, input_dim),
+            "fc1.bias": (hidden_dim,),
+            "fc2.weight": (1, hidden_dim),
+            "fc2.bias": (1,),
+        }
         self.shapes = shapes
         start = start or {}
         for name, shape in shapes.items():
             loc = start.get(name, torch.zeros(shape)).detach().to(device=device, dtype=torch.float32).clone()
             setattr(self, _param_name(name, "loc"), PyroParam(loc))
-            setattr(self, _param_name(name, "scale"),
-                    PyroParam(torch.full(shape, float(init_scale), device=device), constraint=constraints.positive))
+            setattr(
+                self,
+                _param_name(name, "scale"),
+                PyroParam(torch.full(shape, float(init_scale), device=device), constraint=constraints.positive),
+            )
         self.noise_scale = PyroParam(torch.ones((), device=device), constraint=constraints.positive)
 
     def _loc_scale(self, name):

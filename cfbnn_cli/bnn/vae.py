@@ -30,7 +30,11 @@ from .network import BayesianNetwork
 
 VARIANTS = {
     "v1": {"bayesian": False, "estimator": "analytic", "sampled": "z"},
-    "v2": {"bayesian": True, "estimator": "integrate_output_layer", "sampled": "z, first decoder layer (local reparam.)"},
+    "v2": {
+        "bayesian": True,
+        "estimator": "integrate_output_layer",
+        "sampled": "z, first decoder layer (local reparam.)",
+    },
     "v3": {"bayesian": True, "estimator": "analytic", "sampled": "z only"},
 }
 _LOG_2PI = math.log(2 * math.pi)
@@ -69,9 +73,15 @@ class BayesianDecoderVAE(nn.Module):
         self.encoder = nn.Sequential(*layers, nn.Linear(widths[-1], 2 * self.latent_dim))
         # one network for every variant: V1's decoder is all point layers, V2/V3's all Gaussian
         self.decoder = BayesianNetwork(
-            self.latent_dim, [decoder_hidden], self.data_dim, activation, prior_scale=prior_scale,
-            init_scale=init_scale, likelihood=NormalLikelihood(precision, learn=True),
-            point_layers=0 if VARIANTS[variant]["bayesian"] else 2, generator=generator,
+            self.latent_dim,
+            [decoder_hidden],
+            self.data_dim,
+            activation,
+            prior_scale=prior_scale,
+            init_scale=init_scale,
+            likelihood=NormalLikelihood(precision, learn=True),
+            point_layers=0 if VARIANTS[variant]["bayesian"] else 2,
+            generator=generator,
         )
 
     @property

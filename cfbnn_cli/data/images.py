@@ -116,8 +116,11 @@ def _fashion_mnist(cfg, transform):
     images = torch.as_tensor(pixels, dtype=torch.float32).view(-1, 1, 28, 28)
     labels = torch.as_tensor(labels)
     train = torch.as_tensor(training_subset(labels[:n_train], cfg.get("train_size"), cfg.get("seed", 0)))
-    return (TensorImages(images[train], labels[train], transform),
-            TensorImages(images[n_train:], labels[n_train:], transform), 10)
+    return (
+        TensorImages(images[train], labels[train], transform),
+        TensorImages(images[n_train:], labels[n_train:], transform),
+        10,
+    )
 
 
 def _imagenet(cfg, transform):
@@ -152,7 +155,12 @@ def load_image_datasets(cfg, backbone: str) -> Tuple[Dataset, Dataset, int]:
     features); with ``resnet50`` they get the paper's fixed resize/crop/normalization.
     """
     name = cfg.name
-    loaders = {"digits": (_digits, 1), "fashion_mnist": (_fashion_mnist, 1), "imagenet": (_imagenet, 3), "fake": (_fake, 3)}
+    loaders = {
+        "digits": (_digits, 1),
+        "fashion_mnist": (_fashion_mnist, 1),
+        "imagenet": (_imagenet, 3),
+        "fake": (_fake, 3),
+    }
     if name not in loaders:
         raise ConfigError(f"data.name={name!r} is not one of {sorted(loaders)} (for imagenet-predict)")
     loader, channels = loaders[name]

@@ -47,8 +47,9 @@ class RegressionData:
         return self.x_train.shape[0]
 
 
-def _standardize(name, x_train, y_train, x_test, y_test, columns: Optional[Sequence[str]] = None,
-                 target: str = "target") -> RegressionData:
+def _standardize(
+    name, x_train, y_train, x_test, y_test, columns: Optional[Sequence[str]] = None, target: str = "target"
+) -> RegressionData:
     """Standardize by the training rows (:mod:`.standardize`: no overflow for any finite
     value); every standardized value is checked finite in float32, naming the column."""
     x_mean, x_std = column_statistics(x_train)
@@ -64,8 +65,9 @@ def _standardize(name, x_train, y_train, x_test, y_test, columns: Optional[Seque
         return values
 
     def target_tensor(y):
-        return tensor(standardize_columns(np.asarray(y, dtype=np.float64)[:, None], y_mean, y_std)[:, 0],
-                      "target", [target])
+        return tensor(
+            standardize_columns(np.asarray(y, dtype=np.float64)[:, None], y_mean, y_std)[:, 0], "target", [target]
+        )
 
     return RegressionData(
         name=name,
@@ -88,7 +90,9 @@ def _random_split(n: int, test_fraction: float, seed: int):
     return order[n_test:], order[:n_test]
 
 
-def synthetic_teacher(input_dim=90, n_train=4000, n_test=1000, teacher_hidden=50, noise_std=0.5, seed=0) -> RegressionData:
+def synthetic_teacher(
+    input_dim=90, n_train=4000, n_test=1000, teacher_hidden=50, noise_std=0.5, seed=0
+) -> RegressionData:
     """A random one-hidden-layer tanh teacher network plus Gaussian noise, from ``seed``.
 
     Deterministic: the same arguments always give the same data.
@@ -121,8 +125,9 @@ def _parse_numeric_rows(lines, source: str, expected_columns: Optional[int] = No
     try:
         _parse_into(rows, lines, source, expected_columns, first_line)
     except UnicodeDecodeError:  # a streamed file decodes in blocks: the line is where the block starts
-        raise DataError(f"{source}, near line {first_line + len(rows)}: bytes that are not UTF-8 text; re-save the "
-                        "file as UTF-8") from None
+        raise DataError(
+            f"{source}, near line {first_line + len(rows)}: bytes that are not UTF-8 text; re-save the file as UTF-8"
+        ) from None
     return np.asarray(rows, dtype=np.float64)
 
 
@@ -134,7 +139,9 @@ def _parse_into(rows, lines, source, expected_columns, first_line):
         try:
             values = [float(cell) for cell in row]
         except ValueError:
-            raise DataError(f"{source}, line {line}: non-numeric value in {row[:6]}{'...' if len(row) > 6 else ''}") from None
+            raise DataError(
+                f"{source}, line {line}: non-numeric value in {row[:6]}{'...' if len(row) > 6 else ''}"
+            ) from None
         if not all(math.isfinite(v) for v in values):
             raise DataError(f"{source}, line {line}: NaN or infinite value")
         if expected_columns is not None and len(values) != expected_columns:
@@ -142,7 +149,9 @@ def _parse_into(rows, lines, source, expected_columns, first_line):
         rows.append(values)
 
 
-def year_prediction_msd(path="data/YearPredictionMSD.txt", n_train=MSD_TRAIN_ROWS, expected_rows: Optional[int] = MSD_ROWS) -> RegressionData:
+def year_prediction_msd(
+    path="data/YearPredictionMSD.txt", n_train=MSD_TRAIN_ROWS, expected_rows: Optional[int] = MSD_ROWS
+) -> RegressionData:
     """UCI YearPredictionMSD: first column the year, then 90 audio features.
 
     The standard split: the first ``n_train`` (463,715) rows train, the rest (51,630)
@@ -208,16 +217,25 @@ class RegressionTable:
 
     def split(self, train_index, test_index) -> RegressionData:
         """Standardize by the training rows' statistics; see :class:`RegressionData`."""
-        return _standardize(self.name, self.x[train_index], self.y[train_index], self.x[test_index], self.y[test_index],
-                            self.columns, self.target)
+        return _standardize(
+            self.name,
+            self.x[train_index],
+            self.y[train_index],
+            self.x[test_index],
+            self.y[test_index],
+            self.columns,
+            self.target,
+        )
 
 
 def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as error:
-        raise DataError(f"cannot read {path} ({error.strerror or type(error).__name__}); check the file's "
-                        "permissions, or point data.path at a readable copy") from None
+        raise DataError(
+            f"cannot read {path} ({error.strerror or type(error).__name__}); check the file's "
+            "permissions, or point data.path at a readable copy"
+        ) from None
 
 
 def _numeric_array(arrays, name: str, path: Path) -> np.ndarray:
@@ -226,13 +244,17 @@ def _numeric_array(arrays, name: str, path: Path) -> np.ndarray:
     try:
         array = arrays[name]
     except ValueError:  # numpy refuses object arrays without allow_pickle
-        raise DataError(f"{path}: array `{name}` holds Python objects; save plain numeric arrays "
-                        "(numpy.savez(path, x=x.astype(float), y=y.astype(float)))") from None
+        raise DataError(
+            f"{path}: array `{name}` holds Python objects; save plain numeric arrays "
+            "(numpy.savez(path, x=x.astype(float), y=y.astype(float)))"
+        ) from None
     except (OSError, EOFError, zipfile.BadZipFile, KeyError) as error:
         raise DataError(f"{path}: array `{name}` cannot be read ({type(error).__name__}); re-save the file") from None
     if array.dtype.kind not in "biuf":
-        raise DataError(f"{path}: array `{name}` is of type {array.dtype}, not numeric; save numbers "
-                        "(numpy.savez(path, x=x.astype(float), y=y.astype(float)))")
+        raise DataError(
+            f"{path}: array `{name}` is of type {array.dtype}, not numeric; save numbers "
+            "(numpy.savez(path, x=x.astype(float), y=y.astype(float)))"
+        )
     return array.astype(np.float64)
 
 
@@ -242,11 +264,15 @@ def _read_npz(path: Path, target: str):
     try:
         archive = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
-        raise DataError(f"{path} is not a readable .npz archive ({type(error).__name__}); save it with "
-                        "numpy.savez(path, x=..., y=...)") from None
+        raise DataError(
+            f"{path} is not a readable .npz archive ({type(error).__name__}); save it with "
+            "numpy.savez(path, x=..., y=...)"
+        ) from None
     if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise DataError(f"{path} holds a single array, not an .npz archive of named arrays; save it with "
-                        "numpy.savez(path, x=..., y=...)")
+        raise DataError(
+            f"{path} holds a single array, not an .npz archive of named arrays; save it with "
+            "numpy.savez(path, x=..., y=...)"
+        )
     with archive as arrays:
         if target not in arrays.files:
             raise DataError(f"{path}: no array named `{target}` (data.target); it holds {arrays.files[:20]}")
@@ -261,11 +287,15 @@ def _read_npz(path: Path, target: str):
             parts = [_numeric_array(arrays, k, path) for k in columns]
             for name, part in zip(columns, parts):
                 if part.ndim != 1:
-                    raise DataError(f"{path}: column array `{name}` has shape {part.shape}; without an `x` array "
-                                    "every array must be one column (rows,)")
+                    raise DataError(
+                        f"{path}: column array `{name}` has shape {part.shape}; without an `x` array "
+                        "every array must be one column (rows,)"
+                    )
             if any(len(part) != len(y) for part in parts):
-                raise DataError(f"{path}: the column arrays have {sorted({len(p) for p in parts})} rows and the "
-                                f"target `{target}` {len(y)}; every column needs one value per row")
+                raise DataError(
+                    f"{path}: the column arrays have {sorted({len(p) for p in parts})} rows and the "
+                    f"target `{target}` {len(y)}; every column needs one value per row"
+                )
             x = np.stack(parts, 1) if parts else np.empty((len(y), 0))
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
@@ -310,8 +340,10 @@ def _check_header(path: Path, header: List[str], target: str) -> None:
             duplicates.append(name)
         seen.add(name)
     if duplicates:
-        raise DataError(f"{path}: duplicate column name(s) {duplicates} in the header; every column needs its own "
-                        "name (which one is the target otherwise?)")
+        raise DataError(
+            f"{path}: duplicate column name(s) {duplicates} in the header; every column needs its own "
+            "name (which one is the target otherwise?)"
+        )
     if target not in header:
         raise DataError(f"{path}: no column named `{target}` (data.target); columns are {header}")
 
@@ -340,8 +372,10 @@ def _read_tabular(path, target):
         x = np.delete(table, column, axis=1)
         columns = [name for i, name in enumerate(header) if i != column]
     if x.shape[1] == 0:
-        raise DataError(f"{path} holds only the target `{target}`: no feature column to regress on; add the "
-                        "input columns to the file")
+        raise DataError(
+            f"{path} holds only the target `{target}`: no feature column to regress on; add the "
+            "input columns to the file"
+        )
     if len(y) and np.all(y == y[0]):
         raise DataError(f"{path}: the target column `{target}` is constant ({y[0]:g}); nothing to regress")
     return x, y, columns
@@ -352,7 +386,9 @@ def load_regression_table(cfg) -> RegressionTable:
     unsplit and in original units (for protocols that split it themselves)."""
     name = cfg.name
     if name == "synthetic":
-        x, y = _synthetic_teacher_rows(cfg.input_dim, cfg.n_train + cfg.n_test, cfg.teacher_hidden, cfg.noise_std, cfg.seed)
+        x, y = _synthetic_teacher_rows(
+            cfg.input_dim, cfg.n_train + cfg.n_test, cfg.teacher_hidden, cfg.noise_std, cfg.seed
+        )
         return RegressionTable("synthetic", x, y)
     if name == "diabetes":
         from sklearn.datasets import load_diabetes
@@ -388,13 +424,15 @@ def rdataset(dataset: str, target: str, drop=()) -> RegressionTable:
         if not pd.api.types.is_numeric_dtype(frame[column]):
             values = set(frame[column].dropna().unique())
             if not values <= {"yes", "no"}:
-                raise DataError(f"data {dataset}: column `{column}` is not numeric ({sorted(values)[:4]}...); "
-                                "add it to data.drop")
+                raise DataError(
+                    f"data {dataset}: column `{column}` is not numeric ({sorted(values)[:4]}...); add it to data.drop"
+                )
             frame[column] = (frame[column] == "yes").astype(float)
     frame = frame.dropna()
     y = frame.pop(target).to_numpy(dtype=np.float64)
-    return RegressionTable(dataset.split("/")[-1].lower(), frame.to_numpy(dtype=np.float64), y, target,
-                           list(frame.columns))
+    return RegressionTable(
+        dataset.split("/")[-1].lower(), frame.to_numpy(dtype=np.float64), y, target, list(frame.columns)
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -446,7 +484,13 @@ def validate_data_config(cfg) -> None:
     from ..runtime.checks import require_choice, require_present_bounds
 
     name = require_choice(cfg, "data.name", REGRESSION_DATA)
-    counts = {"data.n_train": 2 if name == "synthetic" else 1, "data.n_test": 1, "data.input_dim": 1,
-              "data.teacher_hidden": 1, "data.expected_rows": 2}
-    require_present_bounds(cfg, counts, fractions=["data.test_fraction"], seeds=["data.seed"],
-                           nonnegative=["data.noise_std"])
+    counts = {
+        "data.n_train": 2 if name == "synthetic" else 1,
+        "data.n_test": 1,
+        "data.input_dim": 1,
+        "data.teacher_hidden": 1,
+        "data.expected_rows": 2,
+    }
+    require_present_bounds(
+        cfg, counts, fractions=["data.test_fraction"], seeds=["data.seed"], nonnegative=["data.noise_std"]
+    )

@@ -41,8 +41,9 @@ def standardize_columns(a: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.
         return (a / scale - mean / scale) / (std / scale)
 
 
-def check_finite_columns(array: np.ndarray, source: str, columns: Optional[Sequence[str]] = None,
-                         what: str = "column") -> None:
+def check_finite_columns(
+    array: np.ndarray, source: str, columns: Optional[Sequence[str]] = None, what: str = "column"
+) -> None:
     """Raise :class:`DataError` naming the columns of ``array`` that hold NaN or infinity
     (e.g. after standardization or a float32 cast of values beyond its range)."""
     array = np.asarray(array)

@@ -96,7 +96,9 @@ def fashion_mnist_arrays(root):
         try:
             dataset = FashionMNIST(str(root), train=train, download=False)
         except Exception as error:  # torchvision raises RuntimeError/ValueError on a truncated file
-            raise DataError(f"Fashion-MNIST files under {raw} could not be read ({error}); re-run `{FASHION_MNIST_SCRIPT}`") from error
+            raise DataError(
+                f"Fashion-MNIST files under {raw} could not be read ({error}); re-run `{FASHION_MNIST_SCRIPT}`"
+            ) from error
         parts.append(dataset.data.reshape(dataset.data.shape[0], -1).numpy().astype(np.float64) / 255.0)
         labels.append(dataset.targets.numpy())
     return np.concatenate(parts), np.concatenate(labels), len(labels[0])
@@ -113,8 +115,11 @@ def load_unsupervised_data(cfg) -> UnsupervisedData:
         x = synthetic_latent(cfg.input_dim, cfg.rows, cfg.latent_dim, cfg.teacher_hidden, cfg.noise_std, cfg.seed)
         return split_and_standardize("synthetic", x, cfg.seed)
     if name == "year_prediction_msd":
-        return split_and_standardize("year_prediction_msd", read_year_prediction_msd(cfg.path, cfg.expected_rows)[:, 1:],
-                                     cfg.seed)
+        return split_and_standardize(
+            "year_prediction_msd", read_year_prediction_msd(cfg.path, cfg.expected_rows)[:, 1:], cfg.seed
+        )
     if name == "fashion_mnist":
         return split_and_standardize("fashion_mnist", fashion_mnist_pixels(cfg.root), cfg.seed)
-    raise ConfigError(f"data.name={name!r} is not one of digits, synthetic, year_prediction_msd, fashion_mnist (for the VAE)")
+    raise ConfigError(
+        f"data.name={name!r} is not one of digits, synthetic, year_prediction_msd, fashion_mnist (for the VAE)"
+    )

@@ -529,9 +529,7 @@ class PiecewisePolynomial(Activation):
             for j in (i - 1, i):
                 if 0 <= j < len(breakpoints):
                     self._expansions[(i, j)] = _taylor_coefficients(p, breakpoints[j])
-        self._derivatives = [
-            [_derivative_over_factorial(p, k) for k in range(len(p))] for p in polynomials
-        ]
+        self._derivatives = [[_derivative_over_factorial(p, k) for k in range(len(p))] for p in polynomials]
 
     def __repr__(self):
         coefficients = [p.tolist() for p in self.polynomials]
@@ -600,8 +598,8 @@ class PiecewisePolynomial(Activation):
                 else:
                     moments = lower_tails[j]
                     sign = -1.0
-                e1 = sum(d1[k] * (sign ** k) * moments[..., k] for k in range(len(d1)))
-                e2 = sum(d2[k] * (sign ** k) * moments[..., k] for k in range(len(d2)))
+                e1 = sum(d1[k] * (sign**k) * moments[..., k] for k in range(len(d1)))
+                e2 = sum(d2[k] * (sign**k) * moments[..., k] for k in range(len(d2)))
                 return e1, e2
 
             def full():
@@ -609,12 +607,8 @@ class PiecewisePolynomial(Activation):
                 e1 = [_horner(list(c), mean) for c in self._derivatives[i]]
                 e1[0] = e1[0] - centre
                 e2 = _square(e1)
-                first = sum(
-                    e1[k] * std.pow(k) * _gaussian_central_moment(k) for k in range(len(e1)) if k % 2 == 0
-                )
-                second = sum(
-                    e2[k] * std.pow(k) * _gaussian_central_moment(k) for k in range(len(e2)) if k % 2 == 0
-                )
+                first = sum(e1[k] * std.pow(k) * _gaussian_central_moment(k) for k in range(len(e1)) if k % 2 == 0)
+                second = sum(e2[k] * std.pow(k) * _gaussian_central_moment(k) for k in range(len(e2)) if k % 2 == 0)
                 return first, second
 
             if lo is None and hi is None:

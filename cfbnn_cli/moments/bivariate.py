@@ -73,12 +73,21 @@ def _upper_high(h, k, r):
     bs = (h - k).square()
     c, d = (4.0 - hk) / 8.0, (12.0 - hk) / 16.0
     exponent = -(bs / as_ + hk) / 2.0
-    total = torch.where(exponent > -100.0, a * torch.exp(exponent.clamp(min=-100.0))
-                        * (1.0 - c * (bs - as_) * (1.0 - d * bs / 5.0) / 3.0 + c * d * as_ * as_ / 5.0),
-                        torch.zeros_like(a))
+    total = torch.where(
+        exponent > -100.0,
+        a
+        * torch.exp(exponent.clamp(min=-100.0))
+        * (1.0 - c * (bs - as_) * (1.0 - d * bs / 5.0) / 3.0 + c * d * as_ * as_ / 5.0),
+        torch.zeros_like(a),
+    )
     b = bs.sqrt()
-    tail = torch.exp((-hk / 2.0).clamp(max=100.0)) * math.sqrt(2.0 * math.pi) * standard_normal_cdf(-b / a) * b \
+    tail = (
+        torch.exp((-hk / 2.0).clamp(max=100.0))
+        * math.sqrt(2.0 * math.pi)
+        * standard_normal_cdf(-b / a)
+        * b
         * (1.0 - c * bs * (1.0 - d * bs / 5.0) / 3.0)
+    )
     total = total - torch.where(hk > -100.0, tail, torch.zeros_like(tail))
     half = a / 2.0
     xs = (half * (nodes + 1.0)).square()
@@ -86,12 +95,14 @@ def _upper_high(h, k, r):
     exponent = -(bs / xs + hk) / 2.0
     sp = 1.0 + c * xs * (1.0 + d * xs)
     ep = torch.exp(-hk * (1.0 - rs) / (2.0 * (1.0 + rs))) / rs
-    terms = torch.where(exponent > -100.0, half * weights * torch.exp(exponent.clamp(min=-100.0)) * (ep - sp),
-                        torch.zeros_like(xs))
+    terms = torch.where(
+        exponent > -100.0, half * weights * torch.exp(exponent.clamp(min=-100.0)) * (ep - sp), torch.zeros_like(xs)
+    )
     total = torch.where(inside, -(total + terms.sum(0)) / (2.0 * math.pi), torch.zeros_like(total))
     positive = total + standard_normal_cdf(-torch.maximum(h, k))
-    between = torch.where(h < 0, standard_normal_cdf(k) - standard_normal_cdf(h),
-                          standard_normal_cdf(-h) - standard_normal_cdf(-k))
+    between = torch.where(
+        h < 0, standard_normal_cdf(k) - standard_normal_cdf(h), standard_normal_cdf(-h) - standard_normal_cdf(-k)
+    )
     negative = torch.where(h >= k, -total, between - total)
     return torch.where(r > 0, positive, negative)
 
@@ -178,8 +189,9 @@ def relu_cross_moment(mean_i, mean_j, sd_i, sd_j, cov_ij) -> torch.Tensor:
 FULL_COVARIANCE_ACTIVATIONS = ("relu", "leaky_relu", "identity")
 
 
-def activation_covariance(activation, mean: torch.Tensor, covariance: torch.Tensor
-                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+def activation_covariance(
+    activation, mean: torch.Tensor, covariance: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(E[g(u)] (..., H), Cov[g(u)] (..., H, H))`` for ``u ~ N(mean, covariance)``.
 
     The diagonal and the means come from the activation's own exact univariate moments;
@@ -191,7 +203,8 @@ def activation_covariance(activation, mean: torch.Tensor, covariance: torch.Tens
         raise ValueError(
             f"full-covariance propagation has closed-form cross-moments for {list(FULL_COVARIANCE_ACTIVATIONS)}; "
             f"got activation {name!r} (relu_squared, hard_sigmoid and user-defined pieces: use the diagonal "
-            f"`deterministic` estimator)")
+            f"`deterministic` estimator)"
+        )
     variance_diag = torch.diagonal(covariance, dim1=-2, dim2=-1)
     tiny = torch.finfo(mean.dtype).tiny
     sd = variance_diag.clamp(min=tiny).sqrt()
@@ -208,8 +221,10 @@ def activation_covariance(activation, mean: torch.Tensor, covariance: torch.Tens
         from .activations import get_activation
 
         relu_mean = get_activation("relu").mean(mean, sd)
-    relu_cov = (relu_cross_moment(mean[..., rows], mean[..., cols], sd[..., rows], sd[..., cols], cov_ij)
-                - relu_mean[..., rows] * relu_mean[..., cols])
+    relu_cov = (
+        relu_cross_moment(mean[..., rows], mean[..., cols], sd[..., rows], sd[..., cols], cov_ij)
+        - relu_mean[..., rows] * relu_mean[..., cols]
+    )
     if name == "relu":
         upper = relu_cov
     else:  # leaky(u) = a u + (1 - a) relu(u); Cov[u_i, relu(u_j)] = S_ij Phi(h_j) (Stein's lemma)

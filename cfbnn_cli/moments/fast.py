@@ -219,12 +219,15 @@ def _self_test(library) -> Optional[str]:
     phi = np.empty_like(mean)
     ups = np.empty_like(mean)
     _bind(library)
-    library.relu_forward_f64(mean.size, mean.ctypes.data, std.ctypes.data, phi.ctypes.data, ups.ctypes.data,
-                             None, None, None, 1)
+    library.relu_forward_f64(
+        mean.size, mean.ctypes.data, std.ctypes.data, phi.ctypes.data, ups.ctypes.data, None, None, None, 1
+    )
     expected_phi = np.array([c[2] for c in cases] * 40)
     expected_ups = np.array([c[3] for c in cases] * 40)
-    error = max(np.max(np.abs(phi - expected_phi) / np.abs(expected_phi)),
-                np.max(np.abs(ups - expected_ups) / np.abs(expected_ups)))
+    error = max(
+        np.max(np.abs(phi - expected_phi) / np.abs(expected_phi)),
+        np.max(np.abs(ups - expected_ups) / np.abs(expected_ups)),
+    )
     if not error <= 1e-12:
         return f"self-test failed (relative error {error:.2e})"
     return None
@@ -259,9 +262,16 @@ _SIGNATURES = {
 }
 _RESULT_TYPES = {"count_negative": ctypes.c_int64, "normal_rows": ctypes.c_double}
 _SIGNATURES_F32_ONLY = {
-    "hs_forward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 9 + [_DOUBLE, _DOUBLE] + [_POINTER] * 7 + [_INT],
-    "hs_backward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 9 + [_DOUBLE, _DOUBLE, _POINTER]
-    + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
+    "hs_forward": [_I64, _POINTER, _POINTER, _INT, _INT]
+    + [_POINTER] * 9
+    + [_DOUBLE, _DOUBLE]
+    + [_POINTER] * 7
+    + [_INT],
+    "hs_backward": [_I64, _POINTER, _POINTER, _INT, _INT]
+    + [_POINTER] * 9
+    + [_DOUBLE, _DOUBLE, _POINTER]
+    + [_POINTER, _INT] * 3
+    + [_POINTER, _POINTER, _INT],
 }
 
 
@@ -292,9 +302,11 @@ def _build(compiler: str, flags, target: str) -> Optional[str]:
         with open(source, "w") as handle:
             handle.write(SOURCE)
         output = os.path.join(work, "cfbnn_moments.so")
-        command = [compiler, source, "-o", output] + [f for f in flags if not f.startswith("-l")] + [
-            f for f in flags if f.startswith("-l")
-        ]
+        command = (
+            [compiler, source, "-o", output]
+            + [f for f in flags if not f.startswith("-l")]
+            + [f for f in flags if f.startswith("-l")]
+        )
         try:
             result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=300)
         except (OSError, subprocess.SubprocessError) as error:
@@ -389,8 +401,11 @@ def _load(rebuild: bool):
             except OSError as error:
                 problem = str(error)
             if problem is not None:
-                warnings.warn(f"cfbnn: not loading the cached kernel library: {problem}; rebuilding it",
-                              RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"cfbnn: not loading the cached kernel library: {problem}; rebuilding it",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
                 cached = False
         build_seconds = 0.0
         if not cached:
@@ -400,7 +415,9 @@ def _load(rebuild: bool):
                 _discard(target)
                 error = _build(compiler, flags, target)
             except OSError as failure:  # e.g. an unwritable or foreign cache directory
-                error = f"{type(failure).__name__}: {failure}" if not isinstance(failure, UnsafePathError) else str(failure)
+                error = (
+                    f"{type(failure).__name__}: {failure}" if not isinstance(failure, UnsafePathError) else str(failure)
+                )
             build_seconds = time.perf_counter() - start
             if error is not None:
                 errors.append(f"{' '.join(flags)}: {error.strip().splitlines()[-1] if error.strip() else error}")
@@ -531,8 +548,21 @@ def _partials_backward(phi, saved, grads, torch_ops=False, plain=False):
         gm, gs = _outputs(phi, 2)
         (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
         _kernel("partials_backward", phi.dtype)(
-            phi.numel(), phi.data_ptr(), pm.data_ptr(), ps.data_ptr(), vm.data_ptr(), vs.data_ptr(),
-            p_ptr, p_scalar, u_ptr, u_scalar, v_ptr, v_scalar, gm.data_ptr(), gs.data_ptr(), torch.get_num_threads(),
+            phi.numel(),
+            phi.data_ptr(),
+            pm.data_ptr(),
+            ps.data_ptr(),
+            vm.data_ptr(),
+            vs.data_ptr(),
+            p_ptr,
+            p_scalar,
+            u_ptr,
+            u_scalar,
+            v_ptr,
+            v_scalar,
+            gm.data_ptr(),
+            gs.data_ptr(),
+            torch.get_num_threads(),
         )
         return gm, gs
     first = _combine(gp, None if gu is None else 2.0 * phi * gu)
@@ -566,8 +596,15 @@ class ReLUOp(_Op):
         ups = torch.empty(mean.shape, dtype=mean.dtype)
         var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
         _kernel("relu_forward", mean.dtype)(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), phi.data_ptr(), ups.data_ptr(), _ptr(var),
-            None, None, torch.get_num_threads(),
+            mean.numel(),
+            mean.data_ptr(),
+            std.data_ptr(),
+            phi.data_ptr(),
+            ups.data_ptr(),
+            _ptr(var),
+            None,
+            None,
+            torch.get_num_threads(),
         )
         return phi, ups, var if var is not None else _placeholder(mean)
 
@@ -577,8 +614,18 @@ class ReLUOp(_Op):
             gs = torch.empty(mean.shape, dtype=mean.dtype)
             (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
             _kernel("relu_backward", mean.dtype)(
-                mean.numel(), mean.data_ptr(), std.data_ptr(), phi.data_ptr(),
-                p_ptr, p_scalar, u_ptr, u_scalar, v_ptr, v_scalar, gm.data_ptr(), gs.data_ptr(),
+                mean.numel(),
+                mean.data_ptr(),
+                std.data_ptr(),
+                phi.data_ptr(),
+                p_ptr,
+                p_scalar,
+                u_ptr,
+                u_scalar,
+                v_ptr,
+                v_scalar,
+                gm.data_ptr(),
+                gs.data_ptr(),
                 torch.get_num_threads(),
             )
             return gm, gs
@@ -616,8 +663,18 @@ class _RecomputingOp(_Op):
         ups = torch.empty(mean.shape, dtype=mean.dtype)
         var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
         _kernel(self.kernel + "_forward", mean.dtype)(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), *self._eps(mean.dtype), phi.data_ptr(), ups.data_ptr(),
-            _ptr(var), None, None, None, None, torch.get_num_threads(),
+            mean.numel(),
+            mean.data_ptr(),
+            std.data_ptr(),
+            *self._eps(mean.dtype),
+            phi.data_ptr(),
+            ups.data_ptr(),
+            _ptr(var),
+            None,
+            None,
+            None,
+            None,
+            torch.get_num_threads(),
         )
         return phi, ups, var if var is not None else _placeholder(mean)
 
@@ -627,8 +684,19 @@ class _RecomputingOp(_Op):
             gs = torch.empty(mean.shape, dtype=mean.dtype)
             (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
             _kernel(self.kernel + "_backward", mean.dtype)(
-                mean.numel(), mean.data_ptr(), std.data_ptr(), *self._eps(mean.dtype), phi.data_ptr(),
-                p_ptr, p_scalar, u_ptr, u_scalar, v_ptr, v_scalar, gm.data_ptr(), gs.data_ptr(),
+                mean.numel(),
+                mean.data_ptr(),
+                std.data_ptr(),
+                *self._eps(mean.dtype),
+                phi.data_ptr(),
+                p_ptr,
+                p_scalar,
+                u_ptr,
+                u_scalar,
+                v_ptr,
+                v_scalar,
+                gm.data_ptr(),
+                gs.data_ptr(),
                 torch.get_num_threads(),
             )
             return gm, gs
@@ -663,14 +731,18 @@ class IdentityOp(_Op):
         phi, ups = _outputs(mean, 2)
         var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
         _kernel("identity_forward", mean.dtype)(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), phi.data_ptr(), ups.data_ptr(), _ptr(var),
+            mean.numel(),
+            mean.data_ptr(),
+            std.data_ptr(),
+            phi.data_ptr(),
+            ups.data_ptr(),
+            _ptr(var),
             torch.get_num_threads(),
         )
         return (phi, ups, var if var is not None else _placeholder(mean))
 
     def differentiable_backward(self, mean, std, phi, grads):
         return self.backward(mean, std, phi, (), grads)
-
 
     def backward(self, mean, std, phi, saved, grads, plain=False):
         gp, gu, gv = grads
@@ -692,9 +764,20 @@ class PiecewiseOp(_PartialsOp):
         saved = _outputs(mean, 4) if need_grad else [None] * 4
         tables = self.tables[mean.dtype]
         _kernel("pw_forward", mean.dtype)(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), tables["B"], tables["D"],
-            *(tables[key].ctypes.data for key in ("bp", "coef", "deriv", "side", "tails", "jumps", "gl", "coef32", "bp32")),
-            phi.data_ptr(), ups.data_ptr(), _ptr(var), *(_ptr(t) for t in saved), torch.get_num_threads(),
+            mean.numel(),
+            mean.data_ptr(),
+            std.data_ptr(),
+            tables["B"],
+            tables["D"],
+            *(
+                tables[key].ctypes.data
+                for key in ("bp", "coef", "deriv", "side", "tails", "jumps", "gl", "coef32", "bp32")
+            ),
+            phi.data_ptr(),
+            ups.data_ptr(),
+            _ptr(var),
+            *(_ptr(t) for t in saved),
+            torch.get_num_threads(),
         )
         return (phi, ups, var if var is not None else _placeholder(mean), *(t for t in saved if t is not None))
 
@@ -722,8 +805,20 @@ class HardSigmoidOp(PiecewiseOp):
         ups = torch.empty(mean.shape, dtype=mean.dtype)
         var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
         _State.library.hs_forward_f32(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), *self._tables(mean.dtype), self.a, self.sign,
-            phi.data_ptr(), ups.data_ptr(), _ptr(var), None, None, None, None, torch.get_num_threads(),
+            mean.numel(),
+            mean.data_ptr(),
+            std.data_ptr(),
+            *self._tables(mean.dtype),
+            self.a,
+            self.sign,
+            phi.data_ptr(),
+            ups.data_ptr(),
+            _ptr(var),
+            None,
+            None,
+            None,
+            None,
+            torch.get_num_threads(),
         )
         return phi, ups, var if var is not None else _placeholder(mean)
 
@@ -736,8 +831,21 @@ class HardSigmoidOp(PiecewiseOp):
         gs = torch.empty(mean.shape, dtype=mean.dtype)
         (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
         _State.library.hs_backward_f32(
-            mean.numel(), mean.data_ptr(), std.data_ptr(), *self._tables(mean.dtype), self.a, self.sign,
-            phi.data_ptr(), p_ptr, p_scalar, u_ptr, u_scalar, v_ptr, v_scalar, gm.data_ptr(), gs.data_ptr(),
+            mean.numel(),
+            mean.data_ptr(),
+            std.data_ptr(),
+            *self._tables(mean.dtype),
+            self.a,
+            self.sign,
+            phi.data_ptr(),
+            p_ptr,
+            p_scalar,
+            u_ptr,
+            u_scalar,
+            v_ptr,
+            v_scalar,
+            gm.data_ptr(),
+            gs.data_ptr(),
             torch.get_num_threads(),
         )
         return gm, gs
@@ -756,12 +864,17 @@ def _taylor(coefficients: np.ndarray, point: float) -> np.ndarray:
     """Coefficients of p(point + u) in powers of u."""
     degree = len(coefficients) - 1
     return np.array(
-        [sum(math.comb(k, j) * coefficients[k] * point ** (k - j) for k in range(j, degree + 1)) for j in range(degree + 1)]
+        [
+            sum(math.comb(k, j) * coefficients[k] * point ** (k - j) for k in range(j, degree + 1))
+            for j in range(degree + 1)
+        ]
     )
 
 
 def _derivative(coefficients: np.ndarray) -> np.ndarray:
-    return np.array([k * coefficients[k] for k in range(1, len(coefficients))]) if len(coefficients) > 1 else np.zeros(1)
+    return (
+        np.array([k * coefficients[k] for k in range(1, len(coefficients))]) if len(coefficients) > 1 else np.zeros(1)
+    )
 
 
 def _pad(vector, length):
@@ -997,7 +1110,9 @@ class _ReLUMean(torch.autograd.Function):
         mean = mean.contiguous()
         std = std.contiguous()
         phi = torch.empty(mean.shape, dtype=mean.dtype)
-        _kernel("relu_mean", mean.dtype)(mean.numel(), mean.data_ptr(), std.data_ptr(), phi.data_ptr(), torch.get_num_threads())
+        _kernel("relu_mean", mean.dtype)(
+            mean.numel(), mean.data_ptr(), std.data_ptr(), phi.data_ptr(), torch.get_num_threads()
+        )
         return phi
 
     @staticmethod
@@ -1035,28 +1150,45 @@ def _kl_kernels_apply(*tensors) -> bool:
     return (_State.library if _State.tried else load_kernels()) is not None
 
 
-def diagonal_kl_sums(loc: torch.Tensor, log_scale: torch.Tensor,
-                     variance_out: Optional[torch.Tensor] = None) -> Optional[Tuple[float, float, float]]:
+def diagonal_kl_sums(
+    loc: torch.Tensor, log_scale: torch.Tensor, variance_out: Optional[torch.Tensor] = None
+) -> Optional[Tuple[float, float, float]]:
     """``(sum exp(2 log_scale), sum loc^2, sum log_scale)`` in one pass (float64 sums), or None
     where the kernels do not apply: what KL(q || N(0, s^2 I)) of a mean-field matrix needs.
     ``variance_out`` (contiguous, like ``log_scale``) receives ``exp(2 log_scale)`` in the same pass."""
     if not _kl_kernels_apply(loc, log_scale):
         return None
     out = np.empty(3, dtype=np.float64)
-    _kernel("diag_kl_sums", loc.dtype)(loc.numel(), loc.data_ptr(), log_scale.data_ptr(), out.ctypes.data,
-                                       _ptr(variance_out), torch.get_num_threads())
+    _kernel("diag_kl_sums", loc.dtype)(
+        loc.numel(), loc.data_ptr(), log_scale.data_ptr(), out.ctypes.data, _ptr(variance_out), torch.get_num_threads()
+    )
     return float(out[0]), float(out[1]), float(out[2])
 
 
-def finish_diagonal_gradients(loc: torch.Tensor, variance: torch.Tensor, grad_loc: torch.Tensor,
-                              grad_variance: torch.Tensor, scale: float, kl_scaled: float, kl_grad: float) -> None:
+def finish_diagonal_gradients(
+    loc: torch.Tensor,
+    variance: torch.Tensor,
+    grad_loc: torch.Tensor,
+    grad_variance: torch.Tensor,
+    scale: float,
+    kl_scaled: float,
+    kl_grad: float,
+) -> None:
     """In place, one pass: ``grad_loc += kl_scaled loc`` and ``grad_variance <- variance (scale
     grad_variance + kl_scaled) - kl_grad``, which turns a layer's ``dL/d Var`` (over ``scale``)
     into ``dL/d log_scale`` with its KL's gradient folded in (``kl_grad`` = dL/dKL,
     ``kl_scaled`` = dL/dKL / s^2). All four tensors contiguous, of one dtype, on the CPU."""
-    _kernel("diag_gradient_finish", loc.dtype)(loc.numel(), loc.data_ptr(), variance.data_ptr(), float(scale),
-                                               float(kl_scaled), float(kl_grad), grad_loc.data_ptr(),
-                                               grad_variance.data_ptr(), torch.get_num_threads())
+    _kernel("diag_gradient_finish", loc.dtype)(
+        loc.numel(),
+        loc.data_ptr(),
+        variance.data_ptr(),
+        float(scale),
+        float(kl_scaled),
+        float(kl_grad),
+        grad_loc.data_ptr(),
+        grad_variance.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
 def diagonal_kl_gradients(loc: torch.Tensor, log_scale: torch.Tensor, scaled: float, grad: float):
@@ -1065,9 +1197,16 @@ def diagonal_kl_gradients(loc: torch.Tensor, log_scale: torch.Tensor, scaled: fl
     if not _kl_kernels_apply(loc, log_scale):
         return None
     grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(log_scale)
-    _kernel("diag_kl_backward", loc.dtype)(loc.numel(), loc.data_ptr(), log_scale.data_ptr(), float(scaled),
-                                           float(grad), grad_loc.data_ptr(), grad_log_scale.data_ptr(),
-                                           torch.get_num_threads())
+    _kernel("diag_kl_backward", loc.dtype)(
+        loc.numel(),
+        loc.data_ptr(),
+        log_scale.data_ptr(),
+        float(scaled),
+        float(grad),
+        grad_loc.data_ptr(),
+        grad_log_scale.data_ptr(),
+        torch.get_num_threads(),
+    )
     return grad_loc, grad_log_scale
 
 
@@ -1078,9 +1217,16 @@ def layer_kernels_apply(op: Optional[_Op], *tensors) -> bool:
     return op is not None and op.tail_kind is not None and _kl_kernels_apply(*tensors)
 
 
-def normal_tail(op: _Op, mean: torch.Tensor, std: torch.Tensor, weight_phi: torch.Tensor, weight_variance: torch.Tensor,
-                weight_second: torch.Tensor, row_mean_grad: Optional[torch.Tensor] = None,
-                row_spread_grad: Optional[torch.Tensor] = None):
+def normal_tail(
+    op: _Op,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    weight_phi: torch.Tensor,
+    weight_variance: torch.Tensor,
+    weight_second: torch.Tensor,
+    row_mean_grad: Optional[torch.Tensor] = None,
+    row_spread_grad: Optional[torch.Tensor] = None,
+):
     """The activation's moments and one output's integrated Normal terms in one pass over
     ``(rows, H)`` pre-activation moments ``mean``, ``std`` (the kernel ``tail_pass``).
 
@@ -1095,16 +1241,49 @@ def normal_tail(op: _Op, mean: torch.Tensor, std: torch.Tensor, weight_phi: torc
     function = _kernel("tail_pass", mean.dtype)
     if row_mean_grad is None:
         mean_sum, spread_sum = mean.new_empty(rows), mean.new_empty(rows)
-        function(op.tail_kind, 0, rows, width, mean.data_ptr(), std.data_ptr(), eps, weight_phi.data_ptr(),
-                 weight_variance.data_ptr(), weight_second.data_ptr(), None, None, mean_sum.data_ptr(),
-                 spread_sum.data_ptr(), None, None, None, threads)
+        function(
+            op.tail_kind,
+            0,
+            rows,
+            width,
+            mean.data_ptr(),
+            std.data_ptr(),
+            eps,
+            weight_phi.data_ptr(),
+            weight_variance.data_ptr(),
+            weight_second.data_ptr(),
+            None,
+            None,
+            mean_sum.data_ptr(),
+            spread_sum.data_ptr(),
+            None,
+            None,
+            None,
+            threads,
+        )
         return mean_sum, spread_sum
     grad_mean, grad_std = torch.empty_like(mean), torch.empty_like(std)
     columns = torch.empty(3, width, dtype=torch.float64)
-    function(op.tail_kind, 1, rows, width, mean.data_ptr(), std.data_ptr(), eps, weight_phi.data_ptr(),
-             weight_variance.data_ptr(), weight_second.data_ptr(), row_mean_grad.data_ptr(),
-             row_spread_grad.data_ptr(), None, None, grad_mean.data_ptr(), grad_std.data_ptr(),
-             columns.data_ptr(), threads)
+    function(
+        op.tail_kind,
+        1,
+        rows,
+        width,
+        mean.data_ptr(),
+        std.data_ptr(),
+        eps,
+        weight_phi.data_ptr(),
+        weight_variance.data_ptr(),
+        weight_second.data_ptr(),
+        row_mean_grad.data_ptr(),
+        row_spread_grad.data_ptr(),
+        None,
+        None,
+        grad_mean.data_ptr(),
+        grad_std.data_ptr(),
+        columns.data_ptr(),
+        threads,
+    )
     return grad_mean, grad_std, columns
 
 
@@ -1115,21 +1294,44 @@ def augment_pair(x: torch.Tensor):
         return None
     augmented = x.new_empty(*x.shape[:-1], x.shape[-1] + 1)
     squared = torch.empty_like(augmented)
-    _kernel("augment_pair", x.dtype)(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.data_ptr(),
-                                     augmented.data_ptr(), squared.data_ptr(), torch.get_num_threads())
+    _kernel("augment_pair", x.dtype)(
+        x.numel() // max(x.shape[-1], 1),
+        x.shape[-1],
+        x.data_ptr(),
+        augmented.data_ptr(),
+        squared.data_ptr(),
+        torch.get_num_threads(),
+    )
     return augmented, squared
 
 
-def normal_rows(mean_sum: torch.Tensor, spread_sum: torch.Tensor, y: torch.Tensor, mean_bias: float,
-                spread_bias: float, precision: float, log_term: float):
+def normal_rows(
+    mean_sum: torch.Tensor,
+    spread_sum: torch.Tensor,
+    y: torch.Tensor,
+    mean_bias: float,
+    spread_bias: float,
+    precision: float,
+    log_term: float,
+):
     """The Normal likelihood's rows after :func:`normal_tail`'s forward pass, one loop (kernel
     ``normal_rows``): ``(residual, squares, ELL, sum ELL)`` with ``residual = y - mean_sum - mean_bias``,
     ``squares = spread_sum + spread_bias + residual^2`` and ``ELL = -precision/2 squares + log_term``
     (eq. (7), one output). ``residual`` and ``squares`` are written over ``mean_sum`` and ``spread_sum``."""
     ell = torch.empty_like(mean_sum)
-    total = _kernel("normal_rows", mean_sum.dtype)(mean_sum.shape[0], mean_sum.data_ptr(), spread_sum.data_ptr(),
-                                                   y.data_ptr(), mean_bias, spread_bias, precision, log_term,
-                                                   mean_sum.data_ptr(), spread_sum.data_ptr(), ell.data_ptr())
+    total = _kernel("normal_rows", mean_sum.dtype)(
+        mean_sum.shape[0],
+        mean_sum.data_ptr(),
+        spread_sum.data_ptr(),
+        y.data_ptr(),
+        mean_bias,
+        spread_bias,
+        precision,
+        log_term,
+        mean_sum.data_ptr(),
+        spread_sum.data_ptr(),
+        ell.data_ptr(),
+    )
     return mean_sum, spread_sum, ell, total
 
 
@@ -1140,20 +1342,41 @@ def normal_row_gradients(grad_ell: torch.Tensor, residual: torch.Tensor, squares
     gradients and ``dL/d log precision``."""
     row_u, row_k = torch.empty_like(grad_ell), torch.empty_like(grad_ell)
     sums = np.empty(3, dtype=np.float64)
-    _kernel("normal_row_gradients", grad_ell.dtype)(grad_ell.shape[0], grad_ell.data_ptr(), residual.data_ptr(),
-                                                    squares.data_ptr(), precision, row_u.data_ptr(),
-                                                    row_k.data_ptr(), sums.ctypes.data)
+    _kernel("normal_row_gradients", grad_ell.dtype)(
+        grad_ell.shape[0],
+        grad_ell.data_ptr(),
+        residual.data_ptr(),
+        squares.data_ptr(),
+        precision,
+        row_u.data_ptr(),
+        row_k.data_ptr(),
+        sums.ctypes.data,
+    )
     return row_u, row_k, float(sums[0]), float(sums[1]), float(sums[2])
 
 
-def normal_output_gradients(columns: torch.Tensor, weight_phi: torch.Tensor, bias: bool, sum_u: float, sum_k: float,
-                            grad_loc: torch.Tensor, grad_variance: torch.Tensor) -> None:
+def normal_output_gradients(
+    columns: torch.Tensor,
+    weight_phi: torch.Tensor,
+    bias: bool,
+    sum_u: float,
+    sum_k: float,
+    grad_loc: torch.Tensor,
+    grad_variance: torch.Tensor,
+) -> None:
     """After :func:`normal_tail`'s backward pass (kernel ``normal_output_gradients``), into the
     one-output layer's ``(1, H [+ 1])`` gradient buffers: ``d/d loc_c = columns_0c + 2 w_c
     columns_1c``, ``d/d Var W_c = columns_2c`` and the bias column's ``(sum_u, sum_k)``."""
-    _kernel("normal_output_gradients", grad_loc.dtype)(columns.shape[1], columns.data_ptr(), weight_phi.data_ptr(),
-                                                       int(bias), sum_u, sum_k, grad_loc.data_ptr(),
-                                                       grad_variance.data_ptr())
+    _kernel("normal_output_gradients", grad_loc.dtype)(
+        columns.shape[1],
+        columns.data_ptr(),
+        weight_phi.data_ptr(),
+        int(bias),
+        sum_u,
+        sum_k,
+        grad_loc.data_ptr(),
+        grad_variance.data_ptr(),
+    )
 
 
 class _MomentsFromVariance(torch.autograd.Function):
@@ -1172,9 +1395,24 @@ class _MomentsFromVariance(torch.autograd.Function):
             width, phi, ups = 0, torch.empty_like(mean), torch.empty_like(mean)
         var = torch.empty_like(mean)
         eps = op._eps(mean.dtype)
-        _kernel("hidden_pass", mean.dtype)(op.tail_kind, 0, mean.numel(), mean.data_ptr(), variance.data_ptr(),
-                                           eps[0] if eps else 0.0, phi.data_ptr(), ups.data_ptr(), var.data_ptr(),
-                                           None, None, None, None, None, width, torch.get_num_threads())
+        _kernel("hidden_pass", mean.dtype)(
+            op.tail_kind,
+            0,
+            mean.numel(),
+            mean.data_ptr(),
+            variance.data_ptr(),
+            eps[0] if eps else 0.0,
+            phi.data_ptr(),
+            ups.data_ptr(),
+            var.data_ptr(),
+            None,
+            None,
+            None,
+            None,
+            None,
+            width,
+            torch.get_num_threads(),
+        )
         ctx.op = op
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(mean, variance)
@@ -1187,9 +1425,22 @@ class _MomentsFromVariance(torch.autograd.Function):
         grads = [None if g is None else g.contiguous() for g in (grad_phi, grad_ups, grad_var)]
         grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
         eps = ctx.op._eps(mean.dtype)
-        _kernel("hidden_pass", mean.dtype)(ctx.op.tail_kind, 1, mean.numel(), mean.data_ptr(), variance.data_ptr(),
-                                           eps[0] if eps else 0.0, None, None, None, *(_ptr(g) for g in grads),
-                                           grad_mean.data_ptr(), grad_variance.data_ptr(), 0, torch.get_num_threads())
+        _kernel("hidden_pass", mean.dtype)(
+            ctx.op.tail_kind,
+            1,
+            mean.numel(),
+            mean.data_ptr(),
+            variance.data_ptr(),
+            eps[0] if eps else 0.0,
+            None,
+            None,
+            None,
+            *(_ptr(g) for g in grads),
+            grad_mean.data_ptr(),
+            grad_variance.data_ptr(),
+            0,
+            torch.get_num_threads(),
+        )
         return grad_mean, grad_variance, None
 
 

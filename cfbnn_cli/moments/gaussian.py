@@ -116,7 +116,6 @@ def is_transformed(x: torch.Tensor) -> bool:
         return False
 
 
-
 def _any_negative(x: torch.Tensor) -> bool:
     """``bool((x < 0).any())``; on CPU one pass of the fast kernels, without the boolean temporary."""
     if x.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -136,14 +135,18 @@ def check_mean_std(mean, std, *, names: Tuple[str, str] = ("mean", "std")) -> Tu
     """
     mean_name, std_name = names
     if not isinstance(mean, torch.Tensor):
-        mean = torch.as_tensor(mean, dtype=std.dtype if isinstance(std, torch.Tensor) and std.is_floating_point() else None)
+        mean = torch.as_tensor(
+            mean, dtype=std.dtype if isinstance(std, torch.Tensor) and std.is_floating_point() else None
+        )
     if not isinstance(std, torch.Tensor):
         std = torch.as_tensor(std, dtype=mean.dtype if mean.is_floating_point() else None, device=mean.device)
     dtype = torch.promote_types(mean.dtype, std.dtype)
     if not dtype.is_floating_point:
         dtype = torch.get_default_dtype()
     if mean.device != std.device and mean.dim() > 0 and std.dim() > 0:
-        raise ValueError(f"`{mean_name}` is on {mean.device} but `{std_name}` is on {std.device}; move both to one device")
+        raise ValueError(
+            f"`{mean_name}` is on {mean.device} but `{std_name}` is on {std.device}; move both to one device"
+        )
     device = mean.device if mean.dim() > 0 or std.dim() == 0 else std.device
     if mean.dtype != dtype or mean.device != device:
         mean = mean.to(dtype=dtype, device=device)

@@ -49,8 +49,18 @@ def validate(cfg: DictConfig) -> List[str]:
     require_int(cfg, "model.latent_dim", minimum=1)
     require_int(cfg, "model.decoder_hidden", minimum=1)
     require_widths(cfg, "model.encoder_hidden", example="[500,500]")
-    require_present_bounds(cfg, {"data.input_dim": 1, "data.rows": 10, "data.latent_dim": 1, "data.teacher_hidden": 1,
-                                 "data.expected_rows": 10}, seeds=["data.seed"], nonnegative=["data.noise_std"])
+    require_present_bounds(
+        cfg,
+        {
+            "data.input_dim": 1,
+            "data.rows": 10,
+            "data.latent_dim": 1,
+            "data.teacher_hidden": 1,
+            "data.expected_rows": 10,
+        },
+        seeds=["data.seed"],
+        nonnegative=["data.noise_std"],
+    )
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_positive_float(cfg, "model.prior_scale")
     require_positive_float(cfg, "model.init_scale")
@@ -67,8 +77,15 @@ def validate(cfg: DictConfig) -> List[str]:
 def _build(cfg, data_dim, variant, generator) -> BayesianDecoderVAE:
     m = cfg.model
     return BayesianDecoderVAE(
-        data_dim, m.latent_dim, list(m.encoder_hidden), m.decoder_hidden, variant, m.activation,
-        m.prior_scale, m.init_scale, generator=generator,
+        data_dim,
+        m.latent_dim,
+        list(m.encoder_hidden),
+        m.decoder_hidden,
+        variant,
+        m.activation,
+        m.prior_scale,
+        m.init_scale,
+        generator=generator,
     )
 
 
@@ -97,8 +114,9 @@ def elbo_terms(model, x, num_train: int, seed: int, batch_size: int) -> Dict[str
 
 
 @torch.no_grad()
-def importance_weighted_test_ll(model, x, inner_samples: int, trials: int, batch_size: int, seed: int, progress=None,
-                                cuda_graphs: bool = True):
+def importance_weighted_test_ll(
+    model, x, inner_samples: int, trials: int, batch_size: int, seed: int, progress=None, cuda_graphs: bool = True
+):
     """Per-trial mean over ``x`` of the K-sample importance-weighted log-likelihood: ``(T,)``.
 
     On CUDA each chunk's estimate is one CUDA graph (its draws from ``seed``'s generator,
@@ -107,7 +125,11 @@ def importance_weighted_test_ll(model, x, inner_samples: int, trials: int, batch
     chunk = max(1, batch_size // max(1, inner_samples // 10))  # keep K x chunk x hidden bounded
     chunk_sum = GraphedCall(
         lambda rows: model.importance_weighted_log_likelihood(rows, inner_samples, generator).sum(),
-        x.device, generators=(generator,), label="importance-weighted evaluation", enabled=cuda_graphs)
+        x.device,
+        generators=(generator,),
+        label="importance-weighted evaluation",
+        enabled=cuda_graphs,
+    )
     values = []
     with validate_args(False):  # argument checks would wait for the GPU inside the graph
         for _ in range(trials):
@@ -137,15 +159,33 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
         negative_elbo_per_point = torch.compile(negative_elbo_per_point)
 
     def validation_elbo(epoch):
-        return {"val_elbo_per_point": mean_elbo_per_point(model, data.x_val, num_data, cfg.seed + 2, cfg.evaluation.batch_size)}
+        return {
+            "val_elbo_per_point": mean_elbo_per_point(
+                model, data.x_val, num_data, cfg.seed + 2, cfg.evaluation.batch_size
+            )
+        }
 
     loop = TrainingLoop(
-        model, optimizer, lambda rows: negative_elbo_per_point(x_train[rows]), num_data, cfg.trainer.batch_size, device,
-        epochs=cfg.trainer.epochs, data_generator=generator, generators={"sampler": sampler},
-        checkpoint_dir=run_dir / "checkpoints" / variant, fingerprint=config_fingerprint(cfg, run_dir), resume=cfg.resume,
-        evaluate=validation_elbo, select=("val_elbo_per_point", "max"), metrics_path=run_dir / "metrics.csv",
-        metrics_prefix=earlier_rows, row_fields={"variant": variant}, label=variant,
-        config=OmegaConf.to_container(cfg, resolve=True), cuda_graphs=cfg.trainer.cuda_graphs,
+        model,
+        optimizer,
+        lambda rows: negative_elbo_per_point(x_train[rows]),
+        num_data,
+        cfg.trainer.batch_size,
+        device,
+        epochs=cfg.trainer.epochs,
+        data_generator=generator,
+        generators={"sampler": sampler},
+        checkpoint_dir=run_dir / "checkpoints" / variant,
+        fingerprint=config_fingerprint(cfg, run_dir),
+        resume=cfg.resume,
+        evaluate=validation_elbo,
+        select=("val_elbo_per_point", "max"),
+        metrics_path=run_dir / "metrics.csv",
+        metrics_prefix=earlier_rows,
+        row_fields={"variant": variant},
+        label=variant,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        cuda_graphs=cfg.trainer.cuda_graphs,
     )
     loop.restore()
     stopped = train_with_patience(loop, cfg.trainer.epochs, OmegaConf.select(cfg, "trainer.patience"))
@@ -178,24 +218,34 @@ def results_table(rows: List[dict], trials: int) -> pd.DataFrame:
     sampled, test LL (± s.e. over the ``trials`` evaluation trials of this one run),
     test ELBO = E[log p(x|z,W)] − KL(z) − KL(W)/N, the epochs. Per test point, in the
     data's original units (the log-likelihood terms; the KLs have no units)."""
-    frame = pd.DataFrame([{
-        "Variant": row["variant"].upper(),
-        "Bayesian decoder": "yes" if VARIANTS[row["variant"]]["bayesian"] else "no",
-        "Sampled": VARIANTS[row["variant"]]["sampled"],
-        f"{TEST_LL_COLUMN} (± s.e., {trials} trials)": format_mean_se(row["test_ll"], row["test_ll_se"], sig=5),
-        "Test ELBO": format_value(row["test_elbo"], sig=5),
-        "E[log p(x|z,W)]": format_value(row["test_ell"], sig=5),
-        "KL(z)": format_value(row["test_kl_z"], sig=3),
-        "KL(W) / N": format_value(row["test_kl_w"], sig=3),
-        "Best epoch": row["best_epoch"],
-        "Epochs": f"{row['epochs']} ({'stopped: no gain in ' + str(row['patience']) if row['stopped'] == 'patience' else 'cap'})",
-        "s / epoch": format_value(row["seconds_per_epoch"], sig=2) if row["seconds_per_epoch"] is not None else "",
-    } for row in rows])
+    frame = pd.DataFrame(
+        [
+            {
+                "Variant": row["variant"].upper(),
+                "Bayesian decoder": "yes" if VARIANTS[row["variant"]]["bayesian"] else "no",
+                "Sampled": VARIANTS[row["variant"]]["sampled"],
+                f"{TEST_LL_COLUMN} (± s.e., {trials} trials)": format_mean_se(row["test_ll"], row["test_ll_se"], sig=5),
+                "Test ELBO": format_value(row["test_elbo"], sig=5),
+                "E[log p(x|z,W)]": format_value(row["test_ell"], sig=5),
+                "KL(z)": format_value(row["test_kl_z"], sig=3),
+                "KL(W) / N": format_value(row["test_kl_w"], sig=3),
+                "Best epoch": row["best_epoch"],
+                "Epochs": f"{row['epochs']} ({'stopped: no gain in ' + str(row['patience']) if row['stopped'] == 'patience' else 'cap'})",
+                "s / epoch": format_value(row["seconds_per_epoch"], sig=2)
+                if row["seconds_per_epoch"] is not None
+                else "",
+            }
+            for row in rows
+        ]
+    )
     return frame.set_index("Variant")
 
 
-VARIANT_STYLE = {"v1": dict(ls="-", marker=None, color="C0"), "v2": dict(ls="--", marker="o", color="C1"),
-                 "v3": dict(ls=":", marker="s", color="C2")}
+VARIANT_STYLE = {
+    "v1": dict(ls="-", marker=None, color="C0"),
+    "v2": dict(ls="--", marker="o", color="C1"),
+    "v3": dict(ls=":", marker="s", color="C2"),
+}
 
 
 def _plot_training(history: List[dict], path: Path, log_scale: float, title: str) -> str:
@@ -206,11 +256,25 @@ def _plot_training(history: List[dict], path: Path, log_scale: float, title: str
         style = dict(VARIANT_STYLE.get(variant, {}))
         every = max(1, len(part) // 8)
         for ax, column in zip(axes, ("train_elbo_per_point", "val_elbo_per_point")):
-            ax.plot(part["epoch"], part[column] - log_scale, lw=1.4, ms=4, markevery=every, mfc="none",
-                    label=variant.upper(), **style)
+            ax.plot(
+                part["epoch"],
+                part[column] - log_scale,
+                lw=1.4,
+                ms=4,
+                markevery=every,
+                mfc="none",
+                label=variant.upper(),
+                **style,
+            )
         best = part.loc[part["val_elbo_per_point"].idxmax()]
-        axes[1].plot([best["epoch"]], [best["val_elbo_per_point"] - log_scale], marker="*", ms=10, color=style.get("color"),
-                     ls="none")
+        axes[1].plot(
+            [best["epoch"]],
+            [best["val_elbo_per_point"] - log_scale],
+            marker="*",
+            ms=10,
+            color=style.get("color"),
+            ls="none",
+        )
     axes[1].plot([], [], marker="*", ms=8, color="0.3", ls="none", label="best epoch (validation)")
     axes[0].set_ylabel("train ELBO per point\n(original units, nats)")
     axes[1].set_ylabel("validation ELBO per point\n(original units, nats)")
@@ -233,10 +297,20 @@ def run(cfg: DictConfig, run_dir) -> dict:
     device = resolve_device(cfg.device)
     data = load_unsupervised_data(cfg.data)
     if cfg.trainer.batch_size > len(data.x_train):
-        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} exceeds the {len(data.x_train)} training rows; lower it")
+        raise ConfigError(
+            f"trainer.batch_size={cfg.trainer.batch_size} exceeds the {len(data.x_train)} training rows; lower it"
+        )
     data.x_train, data.x_val, data.x_test = data.x_train.to(device), data.x_val.to(device), data.x_test.to(device)
-    log.info("VAE on %s (%d train / %d validation / %d test rows, %d dims), variants %s, device=%s",
-             data.name, len(data.x_train), len(data.x_val), len(data.x_test), data.dim, variants, device)
+    log.info(
+        "VAE on %s (%d train / %d validation / %d test rows, %d dims), variants %s, device=%s",
+        data.name,
+        len(data.x_train),
+        len(data.x_val),
+        len(data.x_test),
+        data.dim,
+        variants,
+        device,
+    )
     history: List[dict] = []
     rows: List[dict] = []
     K, T = cfg.evaluation.inner_samples, cfg.evaluation.trials
@@ -246,44 +320,78 @@ def run(cfg: DictConfig, run_dir) -> dict:
             trained = _train_variant(cfg, variant, data, device, run_dir, list(history))
             history.extend(trained["history"])
             with tqdm(total=T, desc=f"{variant} test LL (K={K})", leave=False) as bar:
-                trials = importance_weighted_test_ll(trained["model"], data.x_test, K, T, cfg.evaluation.batch_size,
-                                                     cfg.seed + 3, bar, cuda_graphs=cfg.trainer.cuda_graphs)
+                trials = importance_weighted_test_ll(
+                    trained["model"],
+                    data.x_test,
+                    K,
+                    T,
+                    cfg.evaluation.batch_size,
+                    cfg.seed + 3,
+                    bar,
+                    cuda_graphs=cfg.trainer.cuda_graphs,
+                )
             trials = trials - data.log_scale  # original units
             seconds = [h["epoch_seconds"] for h in trained["history"]]
             terms = elbo_terms(trained["model"], data.x_test, num_train, cfg.seed + 4, cfg.evaluation.batch_size)
-            rows.append({
-                "variant": variant,
-                "test_ll": float(trials.mean()),
-                "test_ll_se": float(trials.std() / math.sqrt(T)) if T > 1 else None,
-                "test_elbo": terms["elbo"] - data.log_scale,
-                "test_ell": terms["ell"] - data.log_scale,
-                "test_kl_z": terms["kl_z"],
-                "test_kl_w": terms["kl_w"],
-                "best_epoch": trained["best"]["epoch"],
-                "epochs": trained["history"][-1]["epoch"] if trained["history"] else 0,
-                "stopped": trained["stopped"],
-                "patience": OmegaConf.select(cfg, "trainer.patience"),
-                "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else None,
-            })
-            log.info("%s: test LL %.3f (K=%d, T=%d), test ELBO %.3f = E[log p] %.3f - KL(z) %.3f - KL(W)/N %.3f, "
-                     "best epoch %d of %d (%s)", variant, rows[-1]["test_ll"], K, T, rows[-1]["test_elbo"],
-                     rows[-1]["test_ell"], rows[-1]["test_kl_z"], rows[-1]["test_kl_w"], rows[-1]["best_epoch"],
-                     rows[-1]["epochs"], trained["stopped"])
+            rows.append(
+                {
+                    "variant": variant,
+                    "test_ll": float(trials.mean()),
+                    "test_ll_se": float(trials.std() / math.sqrt(T)) if T > 1 else None,
+                    "test_elbo": terms["elbo"] - data.log_scale,
+                    "test_ell": terms["ell"] - data.log_scale,
+                    "test_kl_z": terms["kl_z"],
+                    "test_kl_w": terms["kl_w"],
+                    "best_epoch": trained["best"]["epoch"],
+                    "epochs": trained["history"][-1]["epoch"] if trained["history"] else 0,
+                    "stopped": trained["stopped"],
+                    "patience": OmegaConf.select(cfg, "trainer.patience"),
+                    "seconds_per_epoch": sum(seconds) / len(seconds) if seconds else None,
+                }
+            )
+            log.info(
+                "%s: test LL %.3f (K=%d, T=%d), test ELBO %.3f = E[log p] %.3f - KL(z) %.3f - KL(W)/N %.3f, "
+                "best epoch %d of %d (%s)",
+                variant,
+                rows[-1]["test_ll"],
+                K,
+                T,
+                rows[-1]["test_elbo"],
+                rows[-1]["test_ell"],
+                rows[-1]["test_kl_z"],
+                rows[-1]["test_kl_w"],
+                rows[-1]["best_epoch"],
+                rows[-1]["epochs"],
+                trained["stopped"],
+            )
     table = results_table(rows, T)
-    caption = (f"VAE on {data.name} ({num_train} training rows, {len(data.x_test)} test rows, {data.dim} dims), seed "
-               f"{cfg.seed}: test log-likelihood per point in original units (importance weighted, K={K} samples "
-               f"inside the log, ± s.e. over T={T} trials of this one run: it leaves out the training seed's spread, "
-               f"see cfbnn report over seeds); Test ELBO = E[log p(x|z,W)] − KL(z) − KL(W)/N, N = {num_train}; the "
-               f"gap between Test ELBO and Test LL is mostly KL(W)/N, the decoder-weight KL shared by the training "
-               f"rows (0 for V1)")
+    caption = (
+        f"VAE on {data.name} ({num_train} training rows, {len(data.x_test)} test rows, {data.dim} dims), seed "
+        f"{cfg.seed}: test log-likelihood per point in original units (importance weighted, K={K} samples "
+        f"inside the log, ± s.e. over T={T} trials of this one run: it leaves out the training seed's spread, "
+        f"see cfbnn report over seeds); Test ELBO = E[log p(x|z,W)] − KL(z) − KL(W)/N, N = {num_train}; the "
+        f"gap between Test ELBO and Test LL is mostly KL(W)/N, the decoder-weight KL shared by the training "
+        f"rows (0 for V1)"
+    )
     tables = write_table(table, run_dir, "vae_results", caption=caption)
     log.info("VAE results on %s:\n%s", data.name, table.to_markdown())
-    title = (f"VAE on {data.name} ({num_train} training rows), batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
-             f"seed {cfg.seed}")
+    title = (
+        f"VAE on {data.name} ({num_train} training rows), batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
+        f"seed {cfg.seed}"
+    )
     figures = {"training": _plot_training(history, run_dir / "training.png", data.log_scale, title)} if history else {}
     metrics = {}
     for row in rows:
-        for key in ("test_ll", "test_ll_se", "test_elbo", "test_ell", "test_kl_z", "test_kl_w", "best_epoch", "epochs",
-                    "seconds_per_epoch"):
+        for key in (
+            "test_ll",
+            "test_ll_se",
+            "test_elbo",
+            "test_ell",
+            "test_kl_z",
+            "test_kl_w",
+            "best_epoch",
+            "epochs",
+            "seconds_per_epoch",
+        ):
             metrics[f"vae/{row['variant']}/{key}"] = row[key]
     return {"metrics": metrics, "tables": tables, "figures": figures, "device": device, "main_table": "vae_results.md"}

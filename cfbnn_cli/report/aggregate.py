@@ -56,8 +56,10 @@ IGNORED_KEYS = re.compile(
     r"|data\.path|data\.root|evaluation\.(checkpoint|batch_size|timing_images))$"
 )
 # keys that do not change a run's results: two runs equal in everything else (seed included) are duplicates
-NOT_SETTINGS = re.compile(r"^(resume|device|runtime\..*|distributed\.nproc|features\.(cache_dir|num_workers)"
-                          r"|evaluation\.checkpoint)$")
+NOT_SETTINGS = re.compile(
+    r"^(resume|device|runtime\..*|distributed\.nproc|features\.(cache_dir|num_workers)"
+    r"|evaluation\.checkpoint)$"
+)
 # a pipeline's protocols are separate tables
 VARIANT_KEYS = {"train_regression": "protocol"}
 COMMAND_WORDS = {"train_regression": "train regression", "vae": "vae", "imagenet_predict": "imagenet-predict"}
@@ -156,7 +158,9 @@ def _check_record(record) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"metric {name!r:.80} is {value!r:.60}, not a number")
         if isinstance(value, int) and not _finite_number(value):
-            raise ValueError(f"metric {name!r:.80} is an integer of {len(str(abs(value)))} digits, beyond a float's range")
+            raise ValueError(
+                f"metric {name!r:.80} is an integer of {len(str(abs(value)))} digits, beyond a float's range"
+            )
     if record.get("status", "complete") != "complete":
         raise ValueError(f"its status is {record.get('status')!r:.60} (a failed or unfinished run)")
     if record["metrics"] and not any(_finite_number(v) for v in record["metrics"].values() if v is not None):
@@ -194,7 +198,9 @@ def collect(path) -> List[dict]:
         record["_path"] = str(file.parent)
         runs.append(record)
     if not runs:
-        raise DataError(f"cfbnn report: no results.json of a complete run under {path} (nothing to aggregate; did the runs finish?)")
+        raise DataError(
+            f"cfbnn report: no results.json of a complete run under {path} (nothing to aggregate; did the runs finish?)"
+        )
     return runs
 
 
@@ -306,8 +312,10 @@ def summarize(runs: Sequence[dict]) -> pd.DataFrame:
 
 def _headline(metrics: Sequence[str]) -> List[str]:
     """The metrics worth a column in a generic table: final/test numbers, not every detail."""
-    pattern = re.compile(r"^(final_test_|deterministic/top|monte_carlo/N(1|16|512)/top1_mean|calibration/variance_corrected"
-                         r"|features/(train|held_out)_images)")
+    pattern = re.compile(
+        r"^(final_test_|deterministic/top|monte_carlo/N(1|16|512)/top1_mean|calibration/variance_corrected"
+        r"|features/(train|held_out)_images)"
+    )
     chosen = [m for m in metrics if pattern.search(m)]
     return chosen or list(metrics)[:12]
 
@@ -342,8 +350,17 @@ def _epoch_heading(epoch: int, runs) -> str:
     last = {run.get("config", {}).get("trainer", {}).get("epochs") for run in runs}
     converged = _metric(runs, "train/converged")
     if last == {epoch}:
-        state = "" if not converged.n else (", converged" if converged.mean == 1 else
-                                            ", not converged" if converged.mean == 0 else ", converged in some runs")
+        state = (
+            ""
+            if not converged.n
+            else (
+                ", converged"
+                if converged.mean == 1
+                else ", not converged"
+                if converged.mean == 0
+                else ", converged in some runs"
+            )
+        )
         return f"End of training (epoch {epoch}{state})"
     return f"Epoch {epoch}"
 
@@ -354,15 +371,22 @@ def table1_table(runs, keys) -> pd.DataFrame:
     epochs, layers = _gradvar_layout(runs)
     rows = []
     for group, members in group_runs(runs, keys):
-        for estimator, label in (("analytic", "Analytic"), ("sampling", "Sampling"), ("ratio", "Ratio sampling / analytic")):
+        for estimator, label in (
+            ("analytic", "Analytic"),
+            ("sampling", "Sampling"),
+            ("ratio", "Ratio sampling / analytic"),
+        ):
             row = {**group, "Estimator": label}
             for epoch in epochs:
                 heading = _epoch_heading(epoch, members)
                 for layer in layers:
                     cells = []
                     for kind in ("mean", "scale"):
-                        name = (f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}" if estimator == "ratio"
-                                else f"gradvar/{estimator}/epoch{epoch}/{layer}/{kind}")
+                        name = (
+                            f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}"
+                            if estimator == "ratio"
+                            else f"gradvar/{estimator}/epoch{epoch}/{layer}/{kind}"
+                        )
                         cells.append(_metric(members, name).text(sig=2) or MISSING)
                     row[f"{heading}: {layer.capitalize()} Layer"] = " / ".join(cells)
             row.update({"runs": len(members), "seeds": _seeds_text(members)})
@@ -388,7 +412,8 @@ def uci_table(runs, keys) -> pd.DataFrame:
                 if s.n == 1:
                     se = _metric(members, f"uci/{method}/{column}_se").mean
                     row[f"{label} (± s.e. over splits)" if len(members) == 1 else label] = format_mean_se(
-                        s.mean, se if math.isfinite(se) else None)
+                        s.mean, se if math.isfinite(se) else None
+                    )
                 else:
                     row[label] = s.text()
             row.update({"runs": len(members), "seeds": _seeds_text(members)})
@@ -396,8 +421,15 @@ def uci_table(runs, keys) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-VAE_COLUMNS = (("test_ll", "Test LL"), ("test_elbo", "Test ELBO"), ("test_ell", "E[log p(x|z,W)]"),
-               ("test_kl_z", "KL(z)"), ("test_kl_w", "KL(W) / N"), ("best_epoch", "Best epoch"), ("epochs", "Epochs trained"))
+VAE_COLUMNS = (
+    ("test_ll", "Test LL"),
+    ("test_elbo", "Test ELBO"),
+    ("test_ell", "E[log p(x|z,W)]"),
+    ("test_kl_z", "KL(z)"),
+    ("test_kl_w", "KL(W) / N"),
+    ("best_epoch", "Best epoch"),
+    ("epochs", "Epochs trained"),
+)
 
 
 def _vae_variants(run) -> List[str]:
@@ -429,14 +461,23 @@ def _top_k(runs) -> int:
 
 
 def _inner_samples(runs) -> List[int]:
-    return sorted({int(m.group(1)) for run in runs for name in run["metrics"]
-                   if (m := re.fullmatch(r"monte_carlo/N(\d+)/top1_mean", name))})
+    return sorted(
+        {
+            int(m.group(1))
+            for run in runs
+            for name in run["metrics"]
+            if (m := re.fullmatch(r"monte_carlo/N(\d+)/top1_mean", name))
+        }
+    )
 
 
 def _paired(runs, a: str, b: str) -> Stat:
     """Mean ± s.e. over runs of the per-run difference ``metric a - metric b``."""
-    return stat(run["metrics"][a] - run["metrics"][b] for run in runs
-                if run["metrics"].get(a) is not None and run["metrics"].get(b) is not None)
+    return stat(
+        run["metrics"][a] - run["metrics"][b]
+        for run in runs
+        if run["metrics"].get(a) is not None and run["metrics"].get(b) is not None
+    )
 
 
 def figure1_table(runs, keys) -> pd.DataFrame:
@@ -450,17 +491,22 @@ def figure1_table(runs, keys) -> pd.DataFrame:
             row = {**group, "Method": "Monte Carlo", "N_inner": str(n)}
             for kk in (1, k):
                 row[f"Top-{kk}"] = _metric(members, f"monte_carlo/N{n}/top{kk}_mean").text(sig=3)
-                row[f"Top-{kk} − deterministic"] = _paired(members, f"monte_carlo/N{n}/top{kk}_mean",
-                                                           f"deterministic/top{kk}").text(sig=3, signed=True,
-                                                                                         scientific=False)
+                row[f"Top-{kk} − deterministic"] = _paired(
+                    members, f"monte_carlo/N{n}/top{kk}_mean", f"deterministic/top{kk}"
+                ).text(sig=3, signed=True, scientific=False)
                 sd = _metric(members, f"monte_carlo/N{n}/top{kk}_sd")
                 row[f"Top-{kk} s.d. over trials"] = format_value(sd.mean, sig=2) if sd.n else ""
             row.update({"runs": len(members), "seeds": _seeds_text(members)})
             rows.append(row)
         row = {**group, "Method": "Deterministic argmax ŷ (eq. 42)", "N_inner": ""}
         for kk in (1, k):
-            row.update({f"Top-{kk}": _metric(members, f"deterministic/top{kk}").text(sig=3),
-                        f"Top-{kk} − deterministic": "", f"Top-{kk} s.d. over trials": ""})
+            row.update(
+                {
+                    f"Top-{kk}": _metric(members, f"deterministic/top{kk}").text(sig=3),
+                    f"Top-{kk} − deterministic": "",
+                    f"Top-{kk} s.d. over trials": "",
+                }
+            )
         row.update({"runs": len(members), "seeds": _seeds_text(members)})
         rows.append(row)
     return pd.DataFrame(rows)
@@ -485,17 +531,45 @@ def _figure_table1(runs, path) -> Optional[str]:
     fig, axes = new_figure(len(epochs), width=max(3.6 * len(epochs), 4.5), height=3.4, sharey=True)
     pairs = [(layer, kind) for layer in layers for kind in ("mean", "scale")]
     for ax, epoch in zip(axes, epochs):
-        stats = [_metric(runs, f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}") for layer, kind in pairs]
-        ax.bar(range(len(pairs)), [s.mean for s in stats], 0.6, yerr=[s.se or 0.0 for s in stats], capsize=3, color="C1",
-               label=f"cfbnn: mean ± s.e. over runs")
+        stats = [
+            _metric(runs, f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}") for layer, kind in pairs
+        ]
+        ax.bar(
+            range(len(pairs)),
+            [s.mean for s in stats],
+            0.6,
+            yerr=[s.se or 0.0 for s in stats],
+            capsize=3,
+            color="C1",
+            label="cfbnn: mean ± s.e. over runs",
+        )
         for i, s in enumerate(stats):
-            ax.plot([i] * len(s.values), s.values, "o", ms=3, mfc="none", color="0.25",
-                    label="cfbnn: one run" if i == 0 else None)
-        when, label = ("init", "paper (MSD), at initialization") if epoch == 0 else ("late", "paper (MSD), after 50 epochs")
-        paper_ratios = [paper_values.table1_ratio(when, layer, kind) if (when, layer, kind) in paper_values.TABLE1
-                        else math.nan for layer, kind in pairs]
-        ax.plot(range(len(pairs)), paper_ratios, "_", color="k" if epoch == 0 else "0.45", ms=18, mew=2, ls="none",
-                label=label)
+            ax.plot(
+                [i] * len(s.values),
+                s.values,
+                "o",
+                ms=3,
+                mfc="none",
+                color="0.25",
+                label="cfbnn: one run" if i == 0 else None,
+            )
+        when, label = (
+            ("init", "paper (MSD), at initialization") if epoch == 0 else ("late", "paper (MSD), after 50 epochs")
+        )
+        paper_ratios = [
+            paper_values.table1_ratio(when, layer, kind) if (when, layer, kind) in paper_values.TABLE1 else math.nan
+            for layer, kind in pairs
+        ]
+        ax.plot(
+            range(len(pairs)),
+            paper_ratios,
+            "_",
+            color="k" if epoch == 0 else "0.45",
+            ms=18,
+            mew=2,
+            ls="none",
+            label=label,
+        )
         ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
         ax.set_yscale("log")
         ax.set_xticks(range(len(pairs)))
@@ -504,8 +578,11 @@ def _figure_table1(runs, path) -> Optional[str]:
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("gradient variance ratio\nsampling / analytic")
     legend_below(fig, axes, ncol=3)
-    caption(fig, f"Table 1: how much larger the sampling estimator's gradient variance is than the analytic one's, per "
-                 f"layer, for the weight means and log σ. {_describe(runs)}")
+    caption(
+        fig,
+        f"Table 1: how much larger the sampling estimator's gradient variance is than the analytic one's, per "
+        f"layer, for the weight means and log σ. {_describe(runs)}",
+    )
     return save_figure(fig, path)
 
 
@@ -516,11 +593,26 @@ def _figure_vae(runs, path) -> Optional[str]:
     fig, axes = new_figure(1, width=4.2, height=3.2)
     ax = axes[0]
     stats = [_metric([r for r in runs if v in _vae_variants(r)], f"vae/{v}/test_ll") for v in variants]
-    ax.errorbar(range(len(variants)), [s.mean for s in stats], yerr=[s.se or 0.0 for s in stats], fmt="s", ms=6,
-                capsize=4, color="C0", label="mean ± s.e. over runs")
+    ax.errorbar(
+        range(len(variants)),
+        [s.mean for s in stats],
+        yerr=[s.se or 0.0 for s in stats],
+        fmt="s",
+        ms=6,
+        capsize=4,
+        color="C0",
+        label="mean ± s.e. over runs",
+    )
     for i, s in enumerate(stats):
-        ax.plot([i + 0.12] * len(s.values), s.values, "o", ms=3, mfc="none", color="0.3",
-                label="one run (seed)" if i == 0 else None)
+        ax.plot(
+            [i + 0.12] * len(s.values),
+            s.values,
+            "o",
+            ms=3,
+            mfc="none",
+            color="0.3",
+            label="one run (seed)" if i == 0 else None,
+        )
     ax.set_xticks(range(len(variants)))
     ax.set_xticklabels([v.upper() for v in variants])
     ax.set_xlim(-0.5, len(variants) - 0.5)
@@ -542,8 +634,16 @@ def _figure_figure1(runs, path) -> Optional[str]:
             values = [run["metrics"].get(f"monte_carlo/N{n}/top{kk}_mean") for n in inner]
             ax.plot(inner, values, "-", lw=0.8, color="C0", alpha=0.35, label="Monte Carlo: one run (seed)")
         stats = [_metric(runs, f"monte_carlo/N{n}/top{kk}_mean") for n in inner]
-        ax.errorbar(inner, [s.mean for s in stats], yerr=[s.se or 0.0 for s in stats], fmt="o-", ms=4, capsize=2,
-                    color="C0", label="Monte Carlo: mean ± s.e. over runs")
+        ax.errorbar(
+            inner,
+            [s.mean for s in stats],
+            yerr=[s.se or 0.0 for s in stats],
+            fmt="o-",
+            ms=4,
+            capsize=2,
+            color="C0",
+            label="Monte Carlo: mean ± s.e. over runs",
+        )
         det = _metric(runs, f"deterministic/top{kk}")
         if det.n:
             ax.axhline(det.mean, color="k", ls="--", lw=1.2, label="deterministic argmax ŷ: mean (band ± s.e.)")
@@ -557,7 +657,9 @@ def _figure_figure1(runs, path) -> Optional[str]:
         ax.set_title(f"top-{kk}")
         ax.grid(alpha=0.3)
     legend_below(fig, axes, ncol=3)
-    caption(fig, f"Figure 1: Monte Carlo prediction with N_inner samples vs the deterministic prediction; {_describe(runs)}")
+    caption(
+        fig, f"Figure 1: Monte Carlo prediction with N_inner samples vs the deterministic prediction; {_describe(runs)}"
+    )
     return save_figure(fig, path)
 
 
@@ -567,6 +669,7 @@ def _figure_figure1(runs, path) -> Optional[str]:
 @dataclass
 class Section:
     """The runs of one table: a pipeline and, where it has several, a protocol."""
+
     pipeline: str
     variant: Optional[str]
     runs: List[dict]
@@ -598,11 +701,21 @@ def sections(runs: Sequence[dict]) -> List[Section]:
     return [Section(p, v, out[(p, v)]) for p, v in sorted(out, key=lambda pv: (pv[0], pv[1] or ""))]
 
 
-TABLE_BUILDERS = {"table1": table1_table, "uci": uci_table, "table2": vae_table, "figure1": figure1_table,
-                  "generic": generic_table}
+TABLE_BUILDERS = {
+    "table1": table1_table,
+    "uci": uci_table,
+    "table2": vae_table,
+    "figure1": figure1_table,
+    "generic": generic_table,
+}
 FIGURES = {"table1": _figure_table1, "table2": _figure_vae, "figure1": _figure_figure1}
-TITLES = {"table1": "Table 1, gradient variance", "uci": "UCI protocol", "table2": "Table 2, VAE",
-          "figure1": "Figure 1, Monte Carlo vs deterministic prediction", "generic": "headline metrics"}
+TITLES = {
+    "table1": "Table 1, gradient variance",
+    "uci": "UCI protocol",
+    "table2": "Table 2, VAE",
+    "figure1": "Figure 1, Monte Carlo vs deterministic prediction",
+    "generic": "headline metrics",
+}
 
 
 def section_table(section: Section) -> Tuple[pd.DataFrame, List[str]]:
@@ -622,8 +735,10 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
     runs = collect(path)
     runs, duplicates = drop_duplicates(runs)
     for duplicate, kept in duplicates:
-        message = (f"duplicate of {kept['_path']} (the same configuration and seed {_seed(kept)}): left out, "
-                   f"not averaged as a replicate")
+        message = (
+            f"duplicate of {kept['_path']} (the same configuration and seed {_seed(kept)}): left out, "
+            f"not averaged as a replicate"
+        )
         _skip(Path(duplicate["_path"]) / "results.json", message)
     written: Dict[str, List[str]] = {}
     used_names: set = set()
@@ -631,8 +746,10 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
     for section in sections(runs):
         table, keys = section_table(section)
         if table.empty or len(table.columns) <= len(keys) + 2:  # only the group keys, runs and seeds: nothing to show
-            raise DataError(f"cfbnn report: the {len(section.runs)} {section.key} runs under {path} have no metric to "
-                            f"tabulate (e.g. {section.runs[0]['_path']})")
+            raise DataError(
+                f"cfbnn report: the {len(section.runs)} {section.key} runs under {path} have no metric to "
+                f"tabulate (e.g. {section.runs[0]['_path']})"
+            )
         name = f"report_{safe_name(section.pipeline)}" + (f"_{safe_name(section.variant)}" if section.variant else "")
         while name in used_names:  # two odd names that clean up alike must not overwrite each other
             name += "_"
@@ -641,9 +758,11 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
         files = [f"{name}.csv"]
         group_keys = [k for k in keys if not (section.kind == "table2" and k == "variant")]
         n_groups = len(group_runs(section.runs, group_keys))
-        title = (f"{section.key}: {TITLES[section.kind]}; {_plural(len(section.runs), 'run')}"
-                 + (f" in {n_groups} groups by {', '.join(group_keys)}" if group_keys else "")
-                 + "; mean ± s.e. over the runs of a row (seeds are replicates)")
+        title = (
+            f"{section.key}: {TITLES[section.kind]}; {_plural(len(section.runs), 'run')}"
+            + (f" in {n_groups} groups by {', '.join(group_keys)}" if group_keys else "")
+            + "; mean ± s.e. over the runs of a row (seeds are replicates)"
+        )
         files += list(write_table(table, out, f"{name}_table", caption=title, index=False))
         figure = FIGURES.get(section.kind)
         if figure is not None and figure(section.runs, out / f"{name}.png"):
@@ -652,12 +771,16 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
         built.append((section, table))
         print(f"{title}\n\n{table.to_markdown(index=False)}\n\n-> {', '.join(str(out / f) for f in files)}\n")
     if duplicates:
-        print(f"{len(duplicates)} duplicate run(s) left out (same configuration and seed as a kept run); see the lines above\n")
+        print(
+            f"{len(duplicates)} duplicate run(s) left out (same configuration and seed as a kept run); see the lines above\n"
+        )
     if paper:
         frame = paper_reproduction(built)
         if frame.empty:
-            raise DataError(f"cfbnn report --paper: no Table 1 (train regression), Table 2 (vae) or Figure 1 "
-                            f"(imagenet-predict) runs under {path}")
+            raise DataError(
+                f"cfbnn report --paper: no Table 1 (train regression), Table 2 (vae) or Figure 1 "
+                f"(imagenet-predict) runs under {path}"
+            )
         atomic_write_text(out / "paper_reproduction.csv", frame.to_csv(index=False))
         text = frame.to_markdown(index=False)
         atomic_write_text(out / "paper_reproduction.md", text + "\n")
@@ -688,6 +811,7 @@ def _sort_values(values):
             return (0, float(v), v)
         except ValueError:
             return (1, 0.0, v)
+
     return sorted(values, key=key)
 
 
@@ -710,15 +834,19 @@ def command_for(runs: Sequence[dict]) -> str:
                 values[key].append(value)
     in_every_run = {k for k in values if all(any(o.startswith(f"{k}=") for o in overrides) for overrides in recorded)}
     sweep = len(recorded) > 1 or any(len(v) > 1 for v in values.values())
-    parts = [f"{k}={','.join(_sort_values(v))}" + ("" if k in in_every_run else " (some runs)")
-             for k, v in sorted(values.items())]
+    parts = [
+        f"{k}={','.join(_sort_values(v))}" + ("" if k in in_every_run else " (some runs)")
+        for k, v in sorted(values.items())
+    ]
     return f"cfbnn {words}{' -m' if sweep else ''}{' ' + ' '.join(parts) if parts else ''}"
 
 
 def _runs_text(runs) -> str:
     names = sorted({str(run.get("config", {}).get("data", {}).get("name", "?")) for run in runs})
     minutes = sum(float(run.get("timing", {}).get("wall_s") or 0.0) for run in runs) / 60
-    return f"{', '.join(names)}; {_plural(len(runs), 'run')} (seeds {_seeds_text(runs) or '?'}); {minutes:.1f} min of runs"
+    return (
+        f"{', '.join(names)}; {_plural(len(runs), 'run')} (seeds {_seeds_text(runs) or '?'}); {minutes:.1f} min of runs"
+    )
 
 
 def _verdict(s: Stat, expect: str) -> str:
@@ -751,15 +879,17 @@ def _table1_rows(section: Section) -> List[dict]:
             ratio = paper_values.table1_ratio("init", layer, kind)
             cell = paper_values.TABLE1[("init", layer, kind)]
             expect = "> 1" if ratio >= 1.5 else "≈ 1"
-            rows.append({
-                "Claim": f"Table 1, at initialization, {layer} layer, {'weight means' if kind == 'mean' else 'log σ'}: "
-                         f"gradient variance sampling / analytic {expect}",
-                "Paper": f"{format_value(ratio, sig=2)} ({cell['sampling']:g} / {cell['analytic']:g})",
-                "cfbnn (stand-in data)": s.text(sig=2),
-                "Shown?": _verdict(s, expect),
-                "Runs": data,
-                "Command": command,
-            })
+            rows.append(
+                {
+                    "Claim": f"Table 1, at initialization, {layer} layer, {'weight means' if kind == 'mean' else 'log σ'}: "
+                    f"gradient variance sampling / analytic {expect}",
+                    "Paper": f"{format_value(ratio, sig=2)} ({cell['sampling']:g} / {cell['analytic']:g})",
+                    "cfbnn (stand-in data)": s.text(sig=2),
+                    "Shown?": _verdict(s, expect),
+                    "Runs": data,
+                    "Command": command,
+                }
+            )
     return rows
 
 
@@ -768,17 +898,28 @@ def _table2_rows(section: Section) -> List[dict]:
     by_variant = {v: [r for r in runs if v in _vae_variants(r)] for v in ("v1", "v2", "v3")}
     rows = []
     command, data = command_for(runs), _runs_text(runs)
-    for variant, label in (("v1", "point-estimate decoder"), ("v2", "Bayesian decoder, weights sampled"),
-                           ("v3", "Bayesian decoder in closed form")):
+    for variant, label in (
+        ("v1", "point-estimate decoder"),
+        ("v2", "Bayesian decoder, weights sampled"),
+        ("v3", "Bayesian decoder in closed form"),
+    ):
         s = _metric(by_variant[variant], f"vae/{variant}/test_ll")
         if s.n:
-            rows.append({"Claim": f"Table 2, test LL of {variant.upper()} ({label})",
-                         "Paper": f"{paper_values.TABLE2[variant]:.2f} ({paper_values.TABLE2_DATA})",
-                         "cfbnn (stand-in data)": s.text(sig=5),
-                         "Shown?": "— (a level, not an effect: it depends on the data)", "Runs": data, "Command": command})
-    for a, b, claim in (("v3", "v1", "V3 ≥ V1: a Bayesian decoder (integrated) beats a point estimate"),
-                        ("v3", "v2", "V3 ≥ V2: integrating the weights out beats sampling them"),
-                        ("v2", "v1", "V2 vs V1 (the paper: V1 slightly better)")):
+            rows.append(
+                {
+                    "Claim": f"Table 2, test LL of {variant.upper()} ({label})",
+                    "Paper": f"{paper_values.TABLE2[variant]:.2f} ({paper_values.TABLE2_DATA})",
+                    "cfbnn (stand-in data)": s.text(sig=5),
+                    "Shown?": "— (a level, not an effect: it depends on the data)",
+                    "Runs": data,
+                    "Command": command,
+                }
+            )
+    for a, b, claim in (
+        ("v3", "v1", "V3 ≥ V1: a Bayesian decoder (integrated) beats a point estimate"),
+        ("v3", "v2", "V3 ≥ V2: integrating the weights out beats sampling them"),
+        ("v2", "v1", "V2 vs V1 (the paper: V1 slightly better)"),
+    ):
         both = [r for r in runs if a in _vae_variants(r) and b in _vae_variants(r)]
         if both:  # paired by run (same seed, same split)
             s = _paired(both, f"vae/{a}/test_ll", f"vae/{b}/test_ll")
@@ -788,17 +929,26 @@ def _table2_rows(section: Section) -> List[dict]:
             continue
         difference = paper_values.TABLE2[a] - paper_values.TABLE2[b]
         expect = "> 0" if difference > 0 else "< 0"
-        rows.append({"Claim": f"Table 2, {claim}: test LL {a.upper()} − {b.upper()}",
-                     "Paper": f"{difference:+.2f} (no s.e. given)",
-                     "cfbnn (stand-in data)": s.text(sig=3, signed=True),
-                     "Shown?": _verdict(s, expect), "Runs": data, "Command": command})
+        rows.append(
+            {
+                "Claim": f"Table 2, {claim}: test LL {a.upper()} − {b.upper()}",
+                "Paper": f"{difference:+.2f} (no s.e. given)",
+                "cfbnn (stand-in data)": s.text(sig=3, signed=True),
+                "Shown?": _verdict(s, expect),
+                "Runs": data,
+                "Command": command,
+            }
+        )
     return rows
 
 
 def _seed_paired(runs_a, runs_b, metric_a, metric_b) -> Stat:
     b_by_seed = {_seed(r): r["metrics"].get(metric_b) for r in runs_b}
-    return stat(r["metrics"].get(metric_a) - b_by_seed[_seed(r)] for r in runs_a
-                if _seed(r) in b_by_seed and r["metrics"].get(metric_a) is not None and b_by_seed[_seed(r)] is not None)
+    return stat(
+        r["metrics"].get(metric_a) - b_by_seed[_seed(r)]
+        for r in runs_a
+        if _seed(r) in b_by_seed and r["metrics"].get(metric_a) is not None and b_by_seed[_seed(r)] is not None
+    )
 
 
 def _figure1_rows(section: Section) -> List[dict]:
@@ -813,27 +963,51 @@ def _figure1_rows(section: Section) -> List[dict]:
     for kk in (1, k):
         s = _paired(runs, f"deterministic/top{kk}", f"monte_carlo/N{top}/top{kk}_mean")
         det, mc = _metric(runs, f"deterministic/top{kk}"), _metric(runs, f"monte_carlo/N{top}/top{kk}_mean")
-        paper = ("deterministic ≥ MC-512 (qualitative)" if kk == 1 else
-                 "deterministic > MC-512 on top-5 (qualitative)" if kk == 5 else
-                 f"top-5: deterministic > MC-512 (qualitative; cfbnn shows top-{kk})")
-        rows.append({"Claim": f"Figure 1, top-{kk} accuracy: deterministic − Monte Carlo with N_inner = {top}",
-                     "Paper": paper,
-                     "cfbnn (stand-in data)": f"{s.text(sig=3, signed=True, scientific=False)} ({det.text(sig=3)} vs "
-                                                          f"{mc.text(sig=3)})",
-                     "Shown?": _verdict(s, "> 0"), "Runs": data, "Command": command})
+        paper = (
+            "deterministic ≥ MC-512 (qualitative)"
+            if kk == 1
+            else "deterministic > MC-512 on top-5 (qualitative)"
+            if kk == 5
+            else f"top-5: deterministic > MC-512 (qualitative; cfbnn shows top-{kk})"
+        )
+        rows.append(
+            {
+                "Claim": f"Figure 1, top-{kk} accuracy: deterministic − Monte Carlo with N_inner = {top}",
+                "Paper": paper,
+                "cfbnn (stand-in data)": f"{s.text(sig=3, signed=True, scientific=False)} ({det.text(sig=3)} vs "
+                f"{mc.text(sig=3)})",
+                "Shown?": _verdict(s, "> 0"),
+                "Runs": data,
+                "Command": command,
+            }
+        )
     for kk in (1, k):
         det = _metric(runs, f"deterministic/top{kk}")
         reach = next((n for n in inner if _metric(runs, f"monte_carlo/N{n}/top{kk}_mean").mean >= det.mean), None)
         small = _paired(runs, f"deterministic/top{kk}", f"monte_carlo/N{inner[0]}/top{kk}_mean")
-        found = (f"MC (mean over runs) reaches the deterministic accuracy at N_inner = {reach}" if reach is not None else
-                 f"MC (mean over runs) stays below the deterministic accuracy up to N_inner = {top}")
-        shown = ("yes" if reach is None or reach >= 128 else "partly (MC catches up by N_inner = %d)" % reach
-                 if reach >= 8 else "no (MC catches up by N_inner = %d)" % reach)
-        rows.append({"Claim": f"Figure 1, top-{kk}: Monte Carlo needs many samples to reach the deterministic accuracy",
-                     "Paper": "N_inner ≈ 512 (qualitative)",
-                     "cfbnn (stand-in data)": f"{found}; at N_inner = {inner[0]} "
-                                              f"deterministic − MC = {small.text(sig=3, signed=True, scientific=False)}",
-                     "Shown?": shown, "Runs": data, "Command": command})
+        found = (
+            f"MC (mean over runs) reaches the deterministic accuracy at N_inner = {reach}"
+            if reach is not None
+            else f"MC (mean over runs) stays below the deterministic accuracy up to N_inner = {top}"
+        )
+        shown = (
+            "yes"
+            if reach is None or reach >= 128
+            else "partly (MC catches up by N_inner = %d)" % reach
+            if reach >= 8
+            else "no (MC catches up by N_inner = %d)" % reach
+        )
+        rows.append(
+            {
+                "Claim": f"Figure 1, top-{kk}: Monte Carlo needs many samples to reach the deterministic accuracy",
+                "Paper": "N_inner ≈ 512 (qualitative)",
+                "cfbnn (stand-in data)": f"{found}; at N_inner = {inner[0]} "
+                f"deterministic − MC = {small.text(sig=3, signed=True, scientific=False)}",
+                "Shown?": shown,
+                "Runs": data,
+                "Command": command,
+            }
+        )
     return rows
 
 
@@ -855,11 +1029,16 @@ def paper_reproduction(built: Sequence[Tuple[Section, pd.DataFrame]]) -> pd.Data
 def main(argv: Sequence[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="cfbnn report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="cfbnn report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("path", help="a run dir, a sweep dir or any folder holding results.json files")
     parser.add_argument("--out", default=None, help="where to write the report (default: PATH)")
-    parser.add_argument("--paper", action="store_true",
-                        help="also write paper_reproduction.md: the paper's numbers beside these runs' (one row per claim)")
+    parser.add_argument(
+        "--paper",
+        action="store_true",
+        help="also write paper_reproduction.md: the paper's numbers beside these runs' (one row per claim)",
+    )
     args = parser.parse_args(list(argv))
     try:
         report(args.path, args.out, paper=args.paper)

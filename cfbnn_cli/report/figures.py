@@ -19,13 +19,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ..runtime.io import atomic_write_bytes  # noqa: E402
 
-PAPER_STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "xtick.labelsize": 8, "ytick.labelsize": 8,
-               "legend.fontsize": 8, "figure.titlesize": 9, "figure.dpi": 150}
+PAPER_STYLE = {
+    "font.size": 9,
+    "axes.titlesize": 9,
+    "axes.labelsize": 9,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "legend.fontsize": 8,
+    "figure.titlesize": 9,
+    "figure.dpi": 150,
+}
 # every text of a figure follows the style, also the titles and labels set after the axes exist
 matplotlib.rcParams.update(PAPER_STYLE)
 
 
-def new_figure(ncols: int = 1, width: float = 6.5, height: float = 2.4, sharey: bool = False, layout: str = "constrained"):
+def new_figure(
+    ncols: int = 1, width: float = 6.5, height: float = 2.4, sharey: bool = False, layout: str = "constrained"
+):
     """``(fig, axes)`` with ``ncols`` axes in a row; constrained layout by default (room is made
     for a legend or caption placed outside the axes)."""
     with plt.rc_context(PAPER_STYLE):
@@ -54,8 +64,11 @@ def legend_below(fig, axes, ncol: int = None) -> None:
     labels = list(seen)
     ncol = ncol or min(len(labels), 4)
     # about 15 characters of 8 pt text per inch, plus the handle: fewer columns until a row fits the figure
-    while ncol > 1 and max(sum(len(label) + 6 for label in labels[i : i + ncol])
-                           for i in range(0, len(labels), ncol)) > 15 * fig.get_figwidth():
+    while (
+        ncol > 1
+        and max(sum(len(label) + 6 for label in labels[i : i + ncol]) for i in range(0, len(labels), ncol))
+        > 15 * fig.get_figwidth()
+    ):
         ncol -= 1
     with plt.rc_context(PAPER_STYLE):
         fig.legend(list(seen.values()), labels, loc="outside lower center", ncol=ncol, frameon=False)

@@ -37,7 +37,7 @@ def se_decimals(se: float) -> int:
     so that rounding never changes the s.e. by more than about 15 %.
     """
     exponent = math.floor(math.log10(se))
-    leading = se / 10.0 ** exponent  # in [1, 10)
+    leading = se / 10.0**exponent  # in [1, 10)
     if round(leading, 1) >= 9.5:  # rounds up to the next decade: 0.96 -> 1.0 (two digits)
         exponent += 1
         leading = 1.0
@@ -78,7 +78,7 @@ def format_mean_se(mean, se=None, *, sig: int = 4, signed: bool = False, scienti
     magnitude = max(abs(mean), se)
     if scientific and (magnitude < _SMALL or magnitude >= _LARGE):
         exponent = math.floor(math.log10(magnitude))
-        scale = 10.0 ** exponent
+        scale = 10.0**exponent
         inner = format_mean_se(mean / scale, se / scale, sig=sig, signed=signed)
         return f"({inner})e{exponent}"
     decimals = se_decimals(se)
@@ -103,7 +103,7 @@ def format_value(value, *, sig: int = 3, signed: bool = False, scientific: bool 
     rounded = float(f"{value:.{sig - 1}e}")  # the digits, e.g. 0.09996 -> 0.100 at sig 3
     exponent = math.floor(math.log10(abs(rounded)))
     if scientific and (abs(rounded) < _SMALL or abs(rounded) >= _LARGE):
-        mantissa = f"{rounded / 10.0 ** exponent:.{sig - 1}f}"
+        mantissa = f"{rounded / 10.0**exponent:.{sig - 1}f}"
         return f"{sign}{mantissa}e{exponent}"
     decimals = max(sig - 1 - exponent, 0)
     return f"{sign}{rounded:.{decimals}f}"

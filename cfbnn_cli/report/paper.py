@@ -33,8 +33,10 @@ TABLE2 = {"v1": -107.16, "v2": -107.20, "v3": -107.10}
 TABLE2_DATA = "YearPredictionMSD features"
 
 FIGURE1_DATA = "ImageNet, ResNet50 features, 2048-1000-1000-1000 head"
-FIGURE1_CLAIM = ("MC needs a large number of samples to reach the deterministic prediction; even with N_inner = 512 the "
-                 "deterministic prediction is better on top-5 (qualitative: no numbers in the paper)")
+FIGURE1_CLAIM = (
+    "MC needs a large number of samples to reach the deterministic prediction; even with N_inner = 512 the "
+    "deterministic prediction is better on top-5 (qualitative: no numbers in the paper)"
+)
 
 
 def table1_ratio(when: str, layer: str, kind: str) -> float:

@@ -15,11 +15,34 @@ import pandas as pd
 from ..runtime.io import atomic_write_text
 from .numbers import latex_cell
 
-_LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-                  "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
-_LATEX_UNICODE = {"±": r"$\pm$", "−": "-", "×": r"$\times$", "≥": r"$\geq$", "≤": r"$\leq$", "≈": r"$\approx$",
-                  "ŷ": r"$\hat{y}$", "σ": r"$\sigma$", "μ": r"$\mu$", "–": "--", "—": "---", "→": r"$\to$",
-                  "·": r"$\cdot$", "…": r"\dots{}"}
+_LATEX_SPECIAL = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
+_LATEX_UNICODE = {
+    "±": r"$\pm$",
+    "−": "-",
+    "×": r"$\times$",
+    "≥": r"$\geq$",
+    "≤": r"$\leq$",
+    "≈": r"$\approx$",
+    "ŷ": r"$\hat{y}$",
+    "σ": r"$\sigma$",
+    "μ": r"$\mu$",
+    "–": "--",
+    "—": "---",
+    "→": r"$\to$",
+    "·": r"$\cdot$",
+    "…": r"\dots{}",
+}
 
 
 def latex_text(text) -> str:
@@ -48,7 +71,9 @@ def plain_labels(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def write_table(frame: pd.DataFrame, run_dir, name: str, caption: Optional[str] = None, index: bool = True) -> Dict[str, str]:
+def write_table(
+    frame: pd.DataFrame, run_dir, name: str, caption: Optional[str] = None, index: bool = True
+) -> Dict[str, str]:
     """Write ``<name>.csv``, ``<name>.md`` and ``<name>.tex``; return their file names.
 
     The Markdown form carries ``caption`` under the table (``Table: ...``, as pandoc
@@ -69,8 +94,9 @@ def write_table(frame: pd.DataFrame, run_dir, name: str, caption: Optional[str] 
     if index:
         tex.index = [latex_text(v) for v in tex.index]
         tex.index.name = latex_text(frame.index.name) if frame.index.name is not None else None
-    latex = tex.to_latex(index=index, caption=latex_text(caption) if caption else None, label=f"tab:{name}",
-                         escape=False)
+    latex = tex.to_latex(
+        index=index, caption=latex_text(caption) if caption else None, label=f"tab:{name}", escape=False
+    )
     atomic_write_text(run_dir / f"{name}.tex", latex)
     return {f"{name}.{ext}": f"{name}.{ext}" for ext in ("csv", "md", "tex")}
 

@@ -9,9 +9,15 @@ not pull torch in. The names below resolve on first use.
 import importlib
 
 _EXPORTS = {
-    "CfbnnError": "errors", "ConfigError": "errors", "DataError": "errors",
-    "atomic_torch_save": "io", "atomic_write_bytes": "io", "atomic_write_json": "io", "atomic_write_text": "io",
-    "resolve_device": "device", "seed_everything": "seed",
+    "CfbnnError": "errors",
+    "ConfigError": "errors",
+    "DataError": "errors",
+    "atomic_torch_save": "io",
+    "atomic_write_bytes": "io",
+    "atomic_write_json": "io",
+    "atomic_write_text": "io",
+    "resolve_device": "device",
+    "seed_everything": "seed",
 }
 
 __all__ = sorted(_EXPORTS)

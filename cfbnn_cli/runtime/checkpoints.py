@@ -35,8 +35,9 @@ def load_checkpoint(path, map_location="cpu", what: str = "checkpoint") -> dict:
             "Delete the file to start that part afresh, or start a fresh run dir"
         ) from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path} is not a cfbnn {what} (a {type(state).__name__}, not a dict); delete it or "
-                              "start a fresh run dir")
+        raise CheckpointError(
+            f"{path} is not a cfbnn {what} (a {type(state).__name__}, not a dict); delete it or start a fresh run dir"
+        )
     return state
 
 
@@ -48,8 +49,9 @@ def load_model_weights(model, path, map_location="cpu", what: str = "checkpoint"
     state = load_checkpoint(path, map_location=map_location, what=what)
     weights = state.get("model")
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise CheckpointError(f"{path} is not a cfbnn {what} (no model weights in it); delete it or point at "
-                              "another file")
+        raise CheckpointError(
+            f"{path} is not a cfbnn {what} (no model weights in it); delete it or point at another file"
+        )
     try:
         model.load_state_dict(weights)
     except (RuntimeError, ValueError, TypeError) as error:
@@ -69,21 +71,36 @@ def training_state_problem(state: dict) -> Optional[str]:
             return f"its {key} is {'missing' if key not in state else 'a ' + type(state[key]).__name__}, not a dict"
     if not all(isinstance(value, torch.Tensor) for value in state["model"].values()):
         return "its model holds values that are not tensors"
-    if not all(isinstance(value, torch.Tensor) and value.dtype == torch.uint8 for value in state["generators"].values()):
+    if not all(
+        isinstance(value, torch.Tensor) and value.dtype == torch.uint8 for value in state["generators"].values()
+    ):
         return "its generator states are not byte tensors"
     return None
 
 
-def save_training_state(path, model, optimizer, epoch: int, generators: Dict[str, torch.Generator],
-                        fingerprint: Optional[str] = None, **extra) -> Path:
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-             "generators": {name: g.get_state() for name, g in generators.items()},
-             "config_fingerprint": fingerprint, **extra}
+def save_training_state(
+    path,
+    model,
+    optimizer,
+    epoch: int,
+    generators: Dict[str, torch.Generator],
+    fingerprint: Optional[str] = None,
+    **extra,
+) -> Path:
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "generators": {name: g.get_state() for name, g in generators.items()},
+        "config_fingerprint": fingerprint,
+        **extra,
+    }
     return atomic_torch_save(state, Path(path))
 
 
-def restore_training_state(path, model, optimizer, generators: Dict[str, torch.Generator], device,
-                           fingerprint: Optional[str] = None) -> Optional[dict]:
+def restore_training_state(
+    path, model, optimizer, generators: Dict[str, torch.Generator], device, fingerprint: Optional[str] = None
+) -> Optional[dict]:
     """Load ``path`` into ``model``, ``optimizer`` and ``generators``; ``None`` if it does not exist.
 
     With ``fingerprint``, a checkpoint written by another configuration is refused
@@ -98,8 +115,9 @@ def restore_training_state(path, model, optimizer, generators: Dict[str, torch.G
         refuse_other_config(str(path), state.get("config_fingerprint"), fingerprint)
     problem = training_state_problem(state)
     if problem is not None:
-        raise CheckpointError(f"{path} is not a cfbnn training checkpoint ({problem}); delete it or start a fresh "
-                              "run dir")
+        raise CheckpointError(
+            f"{path} is not a cfbnn training checkpoint ({problem}); delete it or start a fresh run dir"
+        )
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -57,15 +57,23 @@ def require_widths(cfg: DictConfig, key: str, minimum_length: int = 1, example: 
     """A list of at least ``minimum_length`` positive integers (layer widths), as a plain list."""
     value = _get(cfg, key)
     widths = list(value) if isinstance(value, (list, tuple, ListConfig)) else None
-    if (widths is None or len(widths) < minimum_length
-            or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in widths)):
+    if (
+        widths is None
+        or len(widths) < minimum_length
+        or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in widths)
+    ):
         least = "non-empty" if minimum_length == 1 else f"{minimum_length} or more long"
         raise ConfigError(f"{key}={_short(value)} must be a {least} list of positive integers, e.g. {example}")
     return widths
 
 
-def require_present_bounds(cfg: DictConfig, counts: dict = None, fractions: Iterable[str] = (),
-                           seeds: Iterable[str] = (), nonnegative: Iterable[str] = ()) -> None:
+def require_present_bounds(
+    cfg: DictConfig,
+    counts: dict = None,
+    fractions: Iterable[str] = (),
+    seeds: Iterable[str] = (),
+    nonnegative: Iterable[str] = (),
+) -> None:
     """Bounds on the keys of ``cfg`` that are set (absent or null keys are left alone): ``counts``
     maps an integer key to its minimum; ``fractions`` lie strictly between 0 and 1; ``seeds`` in
     the generators' range; ``nonnegative`` are finite numbers >= 0."""
@@ -82,8 +90,9 @@ def require_present_bounds(cfg: DictConfig, counts: dict = None, fractions: Iter
             require_int(cfg, key, minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")
     for key in nonnegative:
         value = OmegaConf.select(cfg, key, default=None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 <= value < math.inf):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf
+        ):
             raise ConfigError(f"{key}={_short(value)} must be a finite number >= 0")
 
 
@@ -119,8 +128,10 @@ def validate_common(cfg: DictConfig) -> None:
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"runtime.threads={_short(threads)} must be auto or a positive integer")
     if threads != "auto" and threads > max_threads():
-        raise ConfigError(f"runtime.threads={threads} is more than {THREADS_PER_CORE} per core on this machine "
-                          f"({max_threads()} at most); use auto or a smaller number")
+        raise ConfigError(
+            f"runtime.threads={threads} is more than {THREADS_PER_CORE} per core on this machine "
+            f"({max_threads()} at most); use auto or a smaller number"
+        )
     require_bool(cfg, "runtime.flush_denormals")
     if OmegaConf.select(cfg, "trainer", default=None) is not None:
         require_int(cfg, "trainer.epochs", minimum=0)

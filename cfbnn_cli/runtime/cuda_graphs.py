@@ -111,8 +111,15 @@ class GraphedCall:
     off CUDA, calls go straight to ``function``.
     """
 
-    def __init__(self, function: Callable, device, generators: Sequence[torch.Generator] = (), label: str = "",
-                 enabled: bool = True, capture: Optional[Capture] = None):
+    def __init__(
+        self,
+        function: Callable,
+        device,
+        generators: Sequence[torch.Generator] = (),
+        label: str = "",
+        enabled: bool = True,
+        capture: Optional[Capture] = None,
+    ):
         self.function = function
         self.generators = tuple(generators)
         self.label = label or getattr(function, "__name__", "computation")

@@ -24,7 +24,9 @@ def resolve_device(spec: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ConfigError(f"device={spec} was asked for but CUDA is not available here; use device=auto or device=cpu")
+            raise ConfigError(
+                f"device={spec} was asked for but CUDA is not available here; use device=auto or device=cpu"
+            )
         index = int(spec.split(":")[1]) if ":" in spec else 0
         if index >= torch.cuda.device_count():
             raise ConfigError(

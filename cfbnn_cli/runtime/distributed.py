@@ -85,17 +85,30 @@ def launch(cfg, run_dir, nproc: int, worker: Sequence[str]) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "result.json").unlink(missing_ok=True)  # never read an earlier launch's result
     OmegaConf.save(cfg, folder / "config.yaml", resolve=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *worker, "--config", str(folder / "config.yaml"), "--run-dir", str(run_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *worker,
+        "--config",
+        str(folder / "config.yaml"),
+        "--run-dir",
+        str(run_dir),
+    ]
     finished = subprocess.run(command)
     if finished.returncode != 0:
-        raise CfbnnError(f"the {nproc} distributed workers failed (exit {finished.returncode}); "
-                         f"see their output above and {run_dir}")
+        raise CfbnnError(
+            f"the {nproc} distributed workers failed (exit {finished.returncode}); see their output above and {run_dir}"
+        )
     try:  # JSON, not pickle: nothing in a run dir is ever executed
         return json.loads((folder / "result.json").read_text())
     except (OSError, ValueError) as error:
-        raise CfbnnError(f"the distributed workers finished but their result {folder / 'result.json'} is unreadable "
-                         f"({error}); see {run_dir}") from None
+        raise CfbnnError(
+            f"the distributed workers finished but their result {folder / 'result.json'} is unreadable "
+            f"({error}); see {run_dir}"
+        ) from None
 
 
 def run_worker(run: Callable, argv=None) -> int:
@@ -120,8 +133,10 @@ def run_worker(run: Callable, argv=None) -> int:
     try:
         import logging
 
-        logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING,
-                            format=f"[rank {rank()}][%(name)s][%(levelname)s] - %(message)s")
+        logging.basicConfig(
+            level=logging.INFO if is_main() else logging.WARNING,
+            format=f"[rank {rank()}][%(name)s][%(levelname)s] - %(message)s",
+        )
         result = run(cfg, Path(args.run_dir))
         if is_main():
             result = dict(result)

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, List
 
-
 TEMPORARY_SUFFIX = ".tmp"
 TEMPORARY_MARKER = ".cfbnn-"
 

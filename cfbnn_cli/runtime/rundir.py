@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .errors import CheckpointError, ConfigError
-from .io import file_mode, atomic_write_json, remove_stale_temporary_files
+from .io import atomic_write_json, file_mode, remove_stale_temporary_files
 from .safefs import UnsafePathError, open_no_follow
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,10 @@ def refuse_links_inside(run_dir, *names: str) -> None:
     for name in names:
         path = Path(run_dir) / name
         if path.is_symlink():
-            raise ConfigError(f"{path} is a symbolic link; cfbnn does not write through links in a run dir: "
-                              "remove the link, or choose another hydra.run.dir")
+            raise ConfigError(
+                f"{path} is a symbolic link; cfbnn does not write through links in a run dir: "
+                "remove the link, or choose another hydra.run.dir"
+            )
 
 
 # ----------------------------------------------------------------------------- the lock
@@ -209,8 +211,11 @@ class RunDirLock:
             log.info("took over the lock of a finished or killed run (%s)", previous)
         handle.seek(0)
         handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        handle.write(
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            )
+        )
         handle.flush()
         self._handle = handle
         return self
@@ -279,8 +284,9 @@ def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
     """
     run_dir = Path(run_dir)
     refuse_links_inside(run_dir, *OWN_FOLDERS)
-    removed = [str(Path(sub) / name) for sub in ("",) + OWN_FOLDERS
-               for name in remove_stale_temporary_files(run_dir / sub)]
+    removed = [
+        str(Path(sub) / name) for sub in ("",) + OWN_FOLDERS for name in remove_stale_temporary_files(run_dir / sub)
+    ]
     if removed:
         log.info("removed %d temporary file(s) left by a killed run: %s", len(removed), ", ".join(removed))
     current = fingerprinted_config(cfg, run_dir)
@@ -299,16 +305,22 @@ def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
             differences = differing_keys(record["config"], current)
             raise ConfigError(
                 f"resume=true, but {run_dir} belongs to another configuration; keys that differ (recorded -> now): "
-                + "; ".join(differences[:12]) + (f"; and {len(differences) - 12} more" if len(differences) > 12 else "")
+                + "; ".join(differences[:12])
+                + (f"; and {len(differences) - 12} more" if len(differences) > 12 else "")
                 + ". Resume with the recorded values, or start a fresh run dir"
             )
         finished = record is not None and (run_dir / "done").exists()
     else:
         if leftovers:
-            log.warning("resume=false: starting afresh in %s, which holds an earlier run's %s (they will be replaced)",
-                        run_dir, ", ".join(leftovers))
+            log.warning(
+                "resume=false: starting afresh in %s, which holds an earlier run's %s (they will be replaced)",
+                run_dir,
+                ", ".join(leftovers),
+            )
         for name in ("done", "results.json"):
             (run_dir / name).unlink(missing_ok=True)
     if not finished:
-        atomic_write_json(run_dir / STATE_FOLDER / "config.json", {"config_fingerprint": fingerprint, "config": current})
+        atomic_write_json(
+            run_dir / STATE_FOLDER / "config.json", {"config_fingerprint": fingerprint, "config": current}
+        )
     return fingerprint, finished

@@ -61,8 +61,10 @@ def open_no_follow(path: PathLike, flags: int, mode: int = 0o644) -> int:
         return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
     except OSError:
         if os.path.islink(path):  # ELOOP on Linux, EMLINK on the BSDs
-            raise UnsafePathError(f"{path} is a symbolic link; cfbnn does not write through links: remove the link "
-                "(or choose another directory)") from None
+            raise UnsafePathError(
+                f"{path} is a symbolic link; cfbnn does not write through links: remove the link "
+                "(or choose another directory)"
+            ) from None
         raise
 
 
@@ -82,13 +84,17 @@ def private_directory(path: PathLike) -> Path:
             pass
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
-        raise UnsafePathError(f"{path} is a symbolic link; cfbnn keeps its cache only in a directory "
-                                           "of its own: remove the link or set CFBNN_CACHE_DIR to a directory you own")
+        raise UnsafePathError(
+            f"{path} is a symbolic link; cfbnn keeps its cache only in a directory "
+            "of its own: remove the link or set CFBNN_CACHE_DIR to a directory you own"
+        )
     if not stat.S_ISDIR(info.st_mode):
         raise UnsafePathError(f"{path} is not a directory; remove it or set CFBNN_CACHE_DIR elsewhere")
     if info.st_uid != _this_user():
-        raise UnsafePathError(f"{path} is owned by uid {info.st_uid}, not by you (uid {_this_user()}); cfbnn loads code "
-            "only from a directory of your own: set CFBNN_CACHE_DIR to one")
+        raise UnsafePathError(
+            f"{path} is owned by uid {info.st_uid}, not by you (uid {_this_user()}); cfbnn loads code "
+            "only from a directory of your own: set CFBNN_CACHE_DIR to one"
+        )
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path

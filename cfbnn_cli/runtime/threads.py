@@ -150,8 +150,13 @@ def configure_threads(setting="auto") -> int:
             log.debug("cfbnn job registry unavailable (%s)", error)
     threads = threads_for(setting, jobs)
     torch.set_num_threads(threads)
-    log.info("runtime.threads=%s: %d torch threads (%d cores available, %d cfbnn job(s) on this machine)",
-             setting, threads, available_cores(), jobs)
+    log.info(
+        "runtime.threads=%s: %d torch threads (%d cores available, %d cfbnn job(s) on this machine)",
+        setting,
+        threads,
+        available_cores(),
+        jobs,
+    )
     return threads
 
 

@@ -32,13 +32,29 @@ class FullBatchResult:
     converged: bool
 
 
-def minimize_full_batch(objective: Callable[[], torch.Tensor], parameters: Iterable[torch.nn.Parameter], *,
-                        max_iterations: int = 2000, rtol: float = 1e-7, gtol: float = 1e-6, history_size: int = 20,
-                        round_iterations: int = 25, label: str = "full-batch objective", progress=None) -> FullBatchResult:
+def minimize_full_batch(
+    objective: Callable[[], torch.Tensor],
+    parameters: Iterable[torch.nn.Parameter],
+    *,
+    max_iterations: int = 2000,
+    rtol: float = 1e-7,
+    gtol: float = 1e-6,
+    history_size: int = 20,
+    round_iterations: int = 25,
+    label: str = "full-batch objective",
+    progress=None,
+) -> FullBatchResult:
     """Minimize ``objective()`` over ``parameters`` with L-BFGS (strong Wolfe) until convergence."""
     parameters = [p for p in parameters if p.requires_grad]
-    optimizer = torch.optim.LBFGS(parameters, lr=1.0, max_iter=round_iterations, history_size=history_size,
-                                  tolerance_grad=gtol, tolerance_change=0.0, line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        parameters,
+        lr=1.0,
+        max_iter=round_iterations,
+        history_size=history_size,
+        tolerance_grad=gtol,
+        tolerance_change=0.0,
+        line_search_fn="strong_wolfe",
+    )
     evaluations = 0
     rejected = 0  # line-search trial points where the objective overflowed
 

@@ -61,9 +61,16 @@ class GraphedTrainingStep:
     form, or after a failed capture.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss: Callable[[torch.Tensor], torch.Tensor], device, generators: Sequence[torch.Generator] = (),
-                 label: str = "train", capture: Optional[Capture] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss: Callable[[torch.Tensor], torch.Tensor],
+        device,
+        generators: Sequence[torch.Generator] = (),
+        label: str = "train",
+        capture: Optional[Capture] = None,
+    ):
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.device = torch.device(device)
         self.generators = tuple(generators)
@@ -88,8 +95,11 @@ class GraphedTrainingStep:
             # here, not at construction: a checkpoint restored since may have replaced the param groups
             if self.device.type == "cuda" and not make_capturable(self.optimizer):
                 self.enabled = False
-                log.info("%s: %s has no capturable form; training steps run eagerly", self.label,
-                         type(self.optimizer).__name__)
+                log.info(
+                    "%s: %s has no capturable form; training steps run eagerly",
+                    self.label,
+                    type(self.optimizer).__name__,
+                )
                 return self._eager(rows)
             with validate_args(False):
                 loss = on_side_stream(lambda: self._eager(rows), self.device)
@@ -117,8 +127,11 @@ class GraphedTrainingStep:
             self.enabled = False
             self.graphs.clear()
             self.failure = GraphedCall.describe(error)
-            log.warning("%s: CUDA graph capture of the training step failed (%s); training steps run eagerly",
-                        self.label, self.failure)
+            log.warning(
+                "%s: CUDA graph capture of the training step failed (%s); training steps run eagerly",
+                self.label,
+                self.failure,
+            )
             return
         self.graphs[rows.numel()] = (static_rows, replay)
         log.debug("%s: training step of %d rows captured as a CUDA graph", self.label, rows.numel())

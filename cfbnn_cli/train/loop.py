@@ -110,9 +110,13 @@ class TrainingLoop:
         if self.schedule is not None:
             self.epochs = 1
         # DDP's gradient hooks would need their own warm-up and capture: one process only
-        self.graphed = (GraphedTrainingStep(self.model, self.optimizer, self.loss, self.device,
-                                            list(self.generators.values()), self.label)
-                        if self.cuda_graphs and self.trained is self.model and self.device.type == "cuda" else None)
+        self.graphed = (
+            GraphedTrainingStep(
+                self.model, self.optimizer, self.loss, self.device, list(self.generators.values()), self.label
+            )
+            if self.cuda_graphs and self.trained is self.model and self.device.type == "cuda"
+            else None
+        )
 
     # ----------------------------------------------------------------------------- state
 
@@ -129,18 +133,27 @@ class TrainingLoop:
         if not self.resume or self.last_path is None:
             return 0
         generators = {"data_order": self.data_generator, **self.generators} if self.data_generator else self.generators
-        state = restore_training_state(self.last_path, self.model, self.optimizer, generators, self.device,
-                                       self.fingerprint)
+        state = restore_training_state(
+            self.last_path, self.model, self.optimizer, generators, self.device, self.fingerprint
+        )
         if state is None:
             return 0
         history, best = state.get("history"), state.get("best")
-        if (not isinstance(history, list) or not all(isinstance(row, dict) for row in history)
-                or not isinstance(best, dict) or isinstance(best.get("epoch"), bool)
-                or not isinstance(best.get("epoch"), int) or not 0 <= best["epoch"] <= state["epoch"]
-                or not isinstance(state.get("extra", {}), dict) or state["epoch"] > self.epochs):
-            raise CheckpointError(f"{self.last_path} is not a checkpoint of this training loop (its history, best "
-                                  f"epoch or epoch {state['epoch']} of {self.epochs} is malformed); delete it or start "
-                                  "a fresh run dir")
+        if (
+            not isinstance(history, list)
+            or not all(isinstance(row, dict) for row in history)
+            or not isinstance(best, dict)
+            or isinstance(best.get("epoch"), bool)
+            or not isinstance(best.get("epoch"), int)
+            or not 0 <= best["epoch"] <= state["epoch"]
+            or not isinstance(state.get("extra", {}), dict)
+            or state["epoch"] > self.epochs
+        ):
+            raise CheckpointError(
+                f"{self.last_path} is not a checkpoint of this training loop (its history, best "
+                f"epoch or epoch {state['epoch']} of {self.epochs} is malformed); delete it or start "
+                "a fresh run dir"
+            )
         self.history, self.best, self.start_epoch = list(history), dict(best), int(state["epoch"])
         self.extra.clear()
         self.extra.update(state.get("extra", {}))
@@ -151,12 +164,24 @@ class TrainingLoop:
         if self.last_path is None:
             return
         generators = {"data_order": self.data_generator, **self.generators} if self.data_generator else self.generators
-        save_training_state(self.last_path, self.model, self.optimizer, epoch, generators, self.fingerprint,
-                            history=self.history, best=self.best, extra=self.extra, config=self.config)
+        save_training_state(
+            self.last_path,
+            self.model,
+            self.optimizer,
+            epoch,
+            generators,
+            self.fingerprint,
+            history=self.history,
+            best=self.best,
+            extra=self.extra,
+            config=self.config,
+        )
 
     def _write_metrics(self) -> None:
         if self.metrics_path is not None:
-            atomic_write_text(self.metrics_path, pd.DataFrame([*self.metrics_prefix, *self.history]).to_csv(index=False))
+            atomic_write_text(
+                self.metrics_path, pd.DataFrame([*self.metrics_prefix, *self.history]).to_csv(index=False)
+            )
 
     def _improved(self, value: float) -> bool:
         if value is None or not math.isfinite(value):
@@ -212,8 +237,9 @@ class TrainingLoop:
         values = losses.tolist()  # the epoch's one synchronization
         for step, value in enumerate(values):
             if not math.isfinite(value):
-                ensure_finite(losses[step], epoch=epoch if self.schedule is None else None, step=step,
-                              what=f"{self.label} loss")
+                ensure_finite(
+                    losses[step], epoch=epoch if self.schedule is None else None, step=step, what=f"{self.label} loss"
+                )
         return -sum(value * size for value, size in zip(values, sizes))
 
     def run(self) -> TrainingResult:
@@ -229,8 +255,16 @@ class TrainingLoop:
             losses = torch.empty(len(batches), device=self.device) if graphed else None
             sizes: List[int] = []
             own_bar = self.progress is None
-            bar = tqdm(total=len(batches), desc=f"{self.label} epoch {epoch}/{self.epochs}", leave=False,
-                       disable=not distributed.is_main()) if own_bar else self.progress
+            bar = (
+                tqdm(
+                    total=len(batches),
+                    desc=f"{self.label} epoch {epoch}/{self.epochs}",
+                    leave=False,
+                    disable=not distributed.is_main(),
+                )
+                if own_bar
+                else self.progress
+            )
             try:
                 for step, batch in enumerate(batches):
                     rows = distributed.local_rows(batch)
@@ -241,8 +275,11 @@ class TrainingLoop:
                     else:
                         total -= self._step(rows, epoch, step) * rows.numel()
                     self.training_seconds += time.perf_counter() - step_started
-                    if (self.snapshot is None and self.snapshot_after_seconds is not None
-                            and self.training_seconds >= self.snapshot_after_seconds):
+                    if (
+                        self.snapshot is None
+                        and self.snapshot_after_seconds is not None
+                        and self.training_seconds >= self.snapshot_after_seconds
+                    ):
                         self.snapshot = self._copy_state()
                     steps_done += 1
                     bar.update(1)
@@ -252,19 +289,30 @@ class TrainingLoop:
             if graphed:
                 total = self._epoch_total(losses, sizes, epoch)
             total = distributed.all_reduce_sum(total, self.device)
-            row = {**self.row_fields, "epoch": epoch,
-                   self.objective_name: total / (self.num_rows if self.schedule is None else self.schedule.numel())
-                   * self.objective_scale,
-                   "epoch_seconds": time.perf_counter() - epoch_started}
+            row = {
+                **self.row_fields,
+                "epoch": epoch,
+                self.objective_name: total
+                / (self.num_rows if self.schedule is None else self.schedule.numel())
+                * self.objective_scale,
+                "epoch_seconds": time.perf_counter() - epoch_started,
+            }
             evaluating = epoch % self.evaluate_every == 0 or epoch == self.epochs
             if self.evaluate is not None and evaluating:
                 self.model.eval()
                 row.update(self.evaluate(epoch))
             self.history.append(row)
             if distributed.is_main():
-                log.info("%s %d: %s", self.label, epoch, ", ".join(
-                    f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
-                    for key, value in row.items() if key != "epoch"))
+                log.info(
+                    "%s %d: %s",
+                    self.label,
+                    epoch,
+                    ", ".join(
+                        f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+                        for key, value in row.items()
+                        if key != "epoch"
+                    ),
+                )
             if self.after_epoch is not None:
                 self.after_epoch(epoch, row)
             improved = self.select is not None and self._improved(row.get(self.select[0]))
@@ -281,8 +329,15 @@ class TrainingLoop:
             distributed.barrier()
             if self.patience is not None and self.best["epoch"] > 0 and epoch - self.best["epoch"] >= self.patience:
                 self.stopped_early = True
-                log.info("%s: stopped after epoch %d, %d epochs after the best (%s = %.4g)", self.label, epoch,
-                         epoch - self.best["epoch"], self.select[0], self.best["value"])
+                log.info(
+                    "%s: stopped after epoch %d, %d epochs after the best (%s = %.4g)",
+                    self.label,
+                    epoch,
+                    epoch - self.best["epoch"],
+                    self.select[0],
+                    self.best["value"],
+                )
                 break
-        return TrainingResult(self.history, self.best, self.extra, self.start_epoch, time.perf_counter() - started,
-                              steps_done)
+        return TrainingResult(
+            self.history, self.best, self.extra, self.start_epoch, time.perf_counter() - started, steps_done
+        )

@@ -36,7 +36,9 @@ def _network(seed=0, scale=0.3, O=3, N=5):
 
 def _truth(x, a_loc, a_scale, b_loc, b_scale, labels, seed, S=400_000, logistic=False):
     """Brute force E[log p(y|...)] with *weight-space* samples (independent of the estimators)."""
-    samples = sample_outputs_weight_space(x, a_loc, a_scale, b_loc, b_scale, "relu", S, torch.Generator().manual_seed(seed))
+    samples = sample_outputs_weight_space(
+        x, a_loc, a_scale, b_loc, b_scale, "relu", S, torch.Generator().manual_seed(seed)
+    )
     values = (logistic_ell_monte_carlo if logistic else softmax_ell_monte_carlo)(samples, labels, per_sample=True)
     return values.mean(0), values.std(0) / math.sqrt(S)
 
@@ -47,7 +49,9 @@ def test_control_variate_and_analytic_numerator_are_unbiased(seed):
     truth, truth_se = _truth(x, a_loc, a_scale, b_loc, b_scale, labels, seed=10 + seed)
     mean, var_a, var_b = predictive_moments(x, a_loc, a_scale, b_loc, b_scale, "relu")
     S = 200_000
-    samples = sample_outputs_local(x, a_loc, a_scale, b_loc, b_scale, "relu", S, torch.Generator().manual_seed(20 + seed))
+    samples = sample_outputs_local(
+        x, a_loc, a_scale, b_loc, b_scale, "relu", S, torch.Generator().manual_seed(20 + seed)
+    )
     cv = softmax_ell_control_variate(mean, var_a + var_b, samples, labels, per_sample=True)
     numerator = mean.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(samples, -1)
     torch.testing.assert_close(numerator.mean(0), softmax_ell_analytic_numerator(mean, samples, labels))
@@ -65,7 +69,9 @@ def test_control_variate_reduces_variance_of_the_analytic_numerator_estimator():
     for scale in (0.05, 0.2):
         x, a_loc, a_scale, b_loc, b_scale, labels = _network(3, scale=scale)
         mean, var_a, var_b = predictive_moments(x, a_loc, a_scale, b_loc, b_scale, "relu")
-        samples = sample_outputs_local(x, a_loc, a_scale, b_loc, b_scale, "relu", 50_000, torch.Generator().manual_seed(4))
+        samples = sample_outputs_local(
+            x, a_loc, a_scale, b_loc, b_scale, "relu", 50_000, torch.Generator().manual_seed(4)
+        )
         cv = softmax_ell_control_variate(mean, var_a + var_b, samples, labels, per_sample=True)
         numerator = mean.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(samples, -1)
         assert (cv.var(0) < numerator.var(0)).all(), (cv.var(0), numerator.var(0))
@@ -83,7 +89,9 @@ def test_approximation_is_not_a_bound():
     assert (below < -10 * se).any()
     # two classes, logit 1 ~ N(0, 100), label 0: truth ~ -E[log(1 + e^y)] ~ -4.0, approx = -log(52)
     g = torch.Generator().manual_seed(6)
-    logits = torch.stack([torch.zeros(1_000_000, 1, dtype=DT), 10 * torch.randn(1_000_000, 1, generator=g, dtype=DT)], -1)
+    logits = torch.stack(
+        [torch.zeros(1_000_000, 1, dtype=DT), 10 * torch.randn(1_000_000, 1, generator=g, dtype=DT)], -1
+    )
     labels0 = torch.zeros(1, dtype=torch.long)
     values = softmax_ell_monte_carlo(logits, labels0, per_sample=True)
     approx = softmax_ell_approximation(torch.zeros(1, 2, dtype=DT), torch.tensor([[0.0, 100.0]], dtype=DT), labels0)
@@ -124,7 +132,7 @@ def test_module_classification_objectives_train(objective):
     model = ClosedFormBNN(2, 16, 3, likelihood="softmax", init_scale=0.05)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     first = None
-    for step in range(60):
+    for _ in range(60):
         opt.zero_grad()
         loss = -model.elbo(x, labels, objective=objective, num_samples=4)
         loss.backward()

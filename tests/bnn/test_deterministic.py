@@ -27,8 +27,9 @@ ELL_BIAS_BOUND = 0.02
 def _network(hidden, outputs=1, init_scale=0.1, seed=0, dtype=torch.float64, heteroscedastic=False):
     generator = torch.Generator().manual_seed(seed)
     likelihood = HeteroscedasticNormalLikelihood() if heteroscedastic else None
-    return BayesianNetwork(6, hidden, outputs, init_scale=init_scale, generator=generator,
-                           likelihood=likelihood).to(dtype)
+    return BayesianNetwork(6, hidden, outputs, init_scale=init_scale, generator=generator, likelihood=likelihood).to(
+        dtype
+    )
 
 
 def _monte_carlo(net, x, samples=100_000, seed=1):
@@ -114,13 +115,25 @@ def test_full_covariance_elbo_is_finite_with_finite_gradients_at_the_extremes(dt
     and very wide posteriors, large inputs; the heteroscedastic likelihood on the same path."""
     x = torch.randn(8, 6, dtype=dtype, generator=torch.Generator().manual_seed(1)) * 20
     y = torch.randn(8, dtype=dtype)
-    for init_scale, activation in ((1e-12, "relu"), (1e-3, "relu"), (1.0, "relu"), (1e-12, "leaky_relu"),
-                                   (1.0, "leaky_relu")):
+    for init_scale, activation in (
+        (1e-12, "relu"),
+        (1e-3, "relu"),
+        (1.0, "relu"),
+        (1e-12, "leaky_relu"),
+        (1.0, "leaky_relu"),
+    ):
         for outputs, likelihood in ((1, None), (2, HeteroscedasticNormalLikelihood())):
             # as for the diagonal path: exp(Var[l] / 2) has no finite value past ~700 nats of variance
             scale = init_scale if outputs == 1 else min(init_scale, 0.3)
-            net = BayesianNetwork(6, [10, 10], outputs, activation, init_scale=scale, likelihood=likelihood,
-                                  generator=torch.Generator().manual_seed(2)).to(dtype)
+            net = BayesianNetwork(
+                6,
+                [10, 10],
+                outputs,
+                activation,
+                init_scale=scale,
+                likelihood=likelihood,
+                generator=torch.Generator().manual_seed(2),
+            ).to(dtype)
             loss = -net.elbo(x / (10 if outputs == 2 else 1), y, 80, "deterministic_full")
             loss.backward()
             assert torch.isfinite(loss), (init_scale, outputs)
@@ -212,12 +225,13 @@ def test_heteroscedastic_ell_matches_numerical_integration_under_the_gaussian(rh
     def integrand(t):  # over l only: m | l is Normal, E[(y - m)^2 | l] in closed form
         l = mu[1] + sd[1] * t
         m_mean = mu[0] + rho * sd[0] * t
-        m_var = sd[0] ** 2 * (1 - rho ** 2)
+        m_var = sd[0] ** 2 * (1 - rho**2)
         return stats.norm.pdf(t) * -0.5 * (math.log(2 * math.pi) + l + math.exp(-l) * ((y - m_mean) ** 2 + m_var))
 
     reference, _ = integrate.quad(integrand, -12, 12, epsabs=1e-12)
     ell = HeteroscedasticNormalLikelihood().expected_log_likelihood(
-        torch.tensor(y, dtype=torch.float64), torch.tensor(mu), torch.tensor(covariance))
+        torch.tensor(y, dtype=torch.float64), torch.tensor(mu), torch.tensor(covariance)
+    )
     assert float(ell) == pytest.approx(reference, abs=1e-9)
 
 
@@ -227,16 +241,23 @@ def test_predictive_mixture_matches_numerical_integration(rho, var_l):
     sd = np.array([0.6, math.sqrt(var_l)])
     covariance = torch.tensor([[sd[0] ** 2, rho * sd[0] * sd[1]], [rho * sd[0] * sd[1], sd[1] ** 2]])
     ys = np.array([-2.0, 0.1, 1.5, 4.0, 8.0])  # 8: an outlier whose density comes from l's far tail
-    ours = mixture_log_likelihood(torch.tensor(ys), *HeteroscedasticNormalLikelihood.predictive_mixture(
-        torch.tensor(mu).expand(len(ys), 2), covariance.expand(len(ys), 2, 2))).numpy()
+    ours = mixture_log_likelihood(
+        torch.tensor(ys),
+        *HeteroscedasticNormalLikelihood.predictive_mixture(
+            torch.tensor(mu).expand(len(ys), 2), covariance.expand(len(ys), 2, 2)
+        ),
+    ).numpy()
     for y, value in zip(ys, ours):
         if var_l == 0:
             reference = stats.norm.logpdf(y, mu[0], math.sqrt(sd[0] ** 2 + math.exp(mu[1])))
         else:
+
             def density(t):
                 l = mu[1] + sd[1] * t
-                return stats.norm.pdf(t) * stats.norm.pdf(y, mu[0] + rho * sd[0] * t,
-                                                          math.sqrt(sd[0] ** 2 * (1 - rho ** 2) + math.exp(l)))
+                return stats.norm.pdf(t) * stats.norm.pdf(
+                    y, mu[0] + rho * sd[0] * t, math.sqrt(sd[0] ** 2 * (1 - rho**2) + math.exp(l))
+                )
+
             reference = math.log(integrate.quad(density, -12, 12, epsabs=1e-13)[0])
         assert value == pytest.approx(reference, abs=1e-4), (y, value, reference)
 
@@ -250,7 +271,9 @@ def test_heteroscedastic_network_ell_and_predictive_agree_with_monte_carlo(hidde
         ell = net.expected_log_likelihood_per_point(x, y, "deterministic")
         predictive = mixture_log_likelihood(y, *net.predictive_components(x, "deterministic"))
     draws = _monte_carlo(net, x)
-    log_density = -0.5 * (math.log(2 * math.pi) + draws[..., 1] + (y - draws[..., 0]).square() * torch.exp(-draws[..., 1]))
+    log_density = -0.5 * (
+        math.log(2 * math.pi) + draws[..., 1] + (y - draws[..., 0]).square() * torch.exp(-draws[..., 1])
+    )
     se = log_density.std(0) / math.sqrt(draws.shape[0])
     assert ((ell - log_density.mean(0)).abs() <= 5 * se + ELL_BIAS_BOUND).all()
     monte_carlo = torch.logsumexp(log_density, 0) - math.log(draws.shape[0])
@@ -278,8 +301,9 @@ def test_predictive_components_weights_sum_to_one_with_sampled_layers(heterosced
     num_samples draws x (1 or 64 nodes), and its weights still sum to one per point."""
     net = _network([8, 8], outputs=2 if heteroscedastic else 1, heteroscedastic=heteroscedastic)
     x = torch.randn(5, 6, dtype=torch.float64)
-    means, variances, log_weights = net.predictive_components(x, "analytic", num_samples=12, chunk=5,
-                                                              generator=torch.Generator().manual_seed(0))
+    means, variances, log_weights = net.predictive_components(
+        x, "analytic", num_samples=12, chunk=5, generator=torch.Generator().manual_seed(0)
+    )
     assert means.shape[0] == 12 * (64 if heteroscedastic else 1) and means.shape == variances.shape == log_weights.shape
     torch.testing.assert_close(log_weights.exp().sum(0), torch.ones(5, dtype=torch.float64))
     assert (variances > 0).all()

@@ -11,7 +11,13 @@ import pytest
 import torch
 from torch.distributions import Independent, LowRankMultivariateNormal, MultivariateNormal, Normal, kl_divergence
 
-from cfbnn_cli.bnn import ClosedFormBNN, LowRankScale, kl_normal_rows, predictive_moments, regression_expected_log_likelihood
+from cfbnn_cli.bnn import (
+    ClosedFormBNN,
+    LowRankScale,
+    kl_normal_rows,
+    predictive_moments,
+    regression_expected_log_likelihood,
+)
 from cfbnn_cli.bnn.functional import regression_ell_given_hidden
 from cfbnn_cli.bnn.monte_carlo import (
     regression_ell_local_reparameterization,
@@ -61,7 +67,9 @@ def test_ell_matches_weight_space_monte_carlo(a_kind, activation):
     x, y, a_loc, a_scale, b_loc, b_scale = _problem(a_kind, "full")
     beta = torch.tensor(1.5, dtype=DT)
     exact = regression_expected_log_likelihood(x, y, a_loc, a_scale, b_loc, b_scale, beta, activation).item()
-    samples = regression_ell_weight_space(x, y, a_loc, a_scale, b_loc, b_scale, beta, activation, 100_000, torch.Generator().manual_seed(1))
+    samples = regression_ell_weight_space(
+        x, y, a_loc, a_scale, b_loc, b_scale, beta, activation, 100_000, torch.Generator().manual_seed(1)
+    )
     _within(exact, samples)
 
 
@@ -71,14 +79,18 @@ def test_multi_output_ell_and_other_estimators(b_kind):
     beta = torch.tensor(0.8, dtype=DT)
     exact = regression_expected_log_likelihood(x, y, a_loc, a_scale, b_loc, b_scale, beta, "relu").item()
     for estimator in (regression_ell_weight_space, regression_ell_local_reparameterization, regression_ell_sample_a):
-        samples = estimator(x, y, a_loc, a_scale, b_loc, b_scale, beta, "relu", 100_000, torch.Generator().manual_seed(2))
+        samples = estimator(
+            x, y, a_loc, a_scale, b_loc, b_scale, beta, "relu", 100_000, torch.Generator().manual_seed(2)
+        )
         _within(exact, samples)
 
 
 def test_predictive_mean_and_variance_match_monte_carlo():
     x, _, a_loc, a_scale, b_loc, b_scale = _problem("full", "full", seed=7)
     mean, var_a, var_b = predictive_moments(x, a_loc, a_scale, b_loc, b_scale, "relu")
-    outputs = sample_outputs_weight_space(x, a_loc, a_scale, b_loc, b_scale, "relu", 400_000, torch.Generator().manual_seed(3))
+    outputs = sample_outputs_weight_space(
+        x, a_loc, a_scale, b_loc, b_scale, "relu", 400_000, torch.Generator().manual_seed(3)
+    )
     for n in range(N):
         f = outputs[:, n]
         _within(mean[n].item(), f)
@@ -96,7 +108,7 @@ def test_variance_decomposition_parts():
     mean, var_a, var_b = predictive_moments(x, a_loc, a_scale, b_loc, b_scale, "relu")
     hidden = sample_hidden_local(x, a_loc, a_scale, "relu", 400_000, torch.Generator().manual_seed(4))
     e_b_f = hidden @ b_loc  # (S, N)
-    var_a_part = ((e_b_f - mean) ** 2)  # Var_A[E_B f] = b0^T diag(Var) b0
+    var_a_part = (e_b_f - mean) ** 2  # Var_A[E_B f] = b0^T diag(Var) b0
     sigma_b = b_scale @ b_scale.T
     hidden_var = predictive_moments(x, a_loc, a_scale, torch.eye(H, dtype=DT), torch.zeros(H, H, dtype=DT), "relu")[1]
     for n in range(N):
@@ -125,8 +137,9 @@ def test_elbo_gradient_matches_mean_of_monte_carlo_gradients():
     """The closed-form ELBO gradient equals the expectation of reparameterized MC gradients."""
     torch.manual_seed(0)
     # the functional reference has no output bias: compare the paper network without it
-    model = ClosedFormBNN(3, 4, a_covariance="full", b_covariance="full", init_scale=0.3, precision=2.0,
-                          output_bias=False).double()
+    model = ClosedFormBNN(
+        3, 4, a_covariance="full", b_covariance="full", init_scale=0.3, precision=2.0, output_bias=False
+    ).double()
     with torch.no_grad():
         model.a.off_diagonal.normal_(0, 0.2)
     g = torch.Generator().manual_seed(6)
@@ -138,8 +151,16 @@ def test_elbo_gradient_matches_mean_of_monte_carlo_gradients():
     batches = []
     for batch in range(40):
         estimate = regression_ell_weight_space(
-            xa, y, model.a.loc, model.a.scale(), model.b.loc[0], model.b.scale()[0], model.precision, model.activation,
-            5000, torch.Generator().manual_seed(100 + batch),
+            xa,
+            y,
+            model.a.loc,
+            model.a.scale(),
+            model.b.loc[0],
+            model.b.scale()[0],
+            model.precision,
+            model.activation,
+            5000,
+            torch.Generator().manual_seed(100 + batch),
         ).mean()
         batches.append(torch.cat([t.flatten() for t in torch.autograd.grad(estimate, params)]))
     batches = torch.stack(batches)
@@ -156,18 +177,28 @@ def test_partially_analytic_estimators_are_unbiased_given_sampled_inputs():
     x, y, a_loc, a_scale, b_loc, b_scale = _problem("diagonal", "diagonal", seed=9)
     beta = torch.tensor(1.0, dtype=DT)
     g = torch.Generator().manual_seed(7)
-    inputs = torch.relu(x + 0.5 * torch.randn((4,) + x.shape, generator=g, dtype=DT))  # (S=4, N, D): sampled activations
+    inputs = torch.relu(
+        x + 0.5 * torch.randn((4,) + x.shape, generator=g, dtype=DT)
+    )  # (S=4, N, D): sampled activations
     inputs[..., -1] = 1.0
     batched = regression_expected_log_likelihood(inputs, y, a_loc, a_scale, b_loc, b_scale, beta, "relu")
-    one_by_one = torch.stack([regression_expected_log_likelihood(inputs[s], y, a_loc, a_scale, b_loc, b_scale, beta, "relu") for s in range(4)])
+    one_by_one = torch.stack(
+        [
+            regression_expected_log_likelihood(inputs[s], y, a_loc, a_scale, b_loc, b_scale, beta, "relu")
+            for s in range(4)
+        ]
+    )
     assert batched.shape == (4,)
     torch.testing.assert_close(batched, one_by_one)
     hidden = torch.relu(torch.randn(3, N, H, generator=g, dtype=DT))
     exact_b = regression_ell_given_hidden(hidden, y, b_loc, b_scale, beta).sum()
     weights_b = b_loc + b_scale * torch.randn(200_000, H, generator=g, dtype=DT)
-    samples = torch.stack([
-        (-0.5 * (y[:, None] - hidden[s] @ weights_b.T).square() + 0.5 * math.log(1.0 / (2 * math.pi))).sum(0) for s in range(3)
-    ]).sum(0)
+    samples = torch.stack(
+        [
+            (-0.5 * (y[:, None] - hidden[s] @ weights_b.T).square() + 0.5 * math.log(1.0 / (2 * math.pi))).sum(0)
+            for s in range(3)
+        ]
+    ).sum(0)
     _within(exact_b.item(), samples)
 
 
@@ -175,7 +206,10 @@ def test_partially_analytic_estimators_are_unbiased_given_sampled_inputs():
     "call,argument",
     [
         (lambda p: regression_expected_log_likelihood(p[0][:, :3], p[1], *p[2:6], 1.0, "relu"), "x"),
-        (lambda p: regression_expected_log_likelihood(p[0], p[1], p[2], p[3][:, :2], p[4], p[5], 1.0, "relu"), "a_scale"),
+        (
+            lambda p: regression_expected_log_likelihood(p[0], p[1], p[2], p[3][:, :2], p[4], p[5], 1.0, "relu"),
+            "a_scale",
+        ),
         (lambda p: regression_expected_log_likelihood(p[0], p[1], *p[2:4], p[4][:3], p[5], 1.0, "relu"), "b_loc"),
         (lambda p: regression_expected_log_likelihood(p[0], p[1], *p[2:6], 0.0, "relu"), "precision"),
         (lambda p: regression_expected_log_likelihood(p[0], p[1][:2], *p[2:6], 1.0, "relu"), "y"),

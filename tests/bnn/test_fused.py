@@ -59,8 +59,9 @@ def test_diagonal_kl_matches_torch_distributions_and_gradcheck(prior_variance):
     loc = torch.randn(4, 3, generator=g, dtype=DT, requires_grad=True)
     log_scale = (0.5 * torch.randn(4, 3, generator=g, dtype=DT)).requires_grad_()
     prior = torch.tensor(prior_variance, dtype=DT, requires_grad=True)
-    torch.testing.assert_close(fused.diagonal_kl(loc, log_scale, prior),
-                               kl_normal_rows(loc, log_scale.exp(), prior.sqrt()))
+    torch.testing.assert_close(
+        fused.diagonal_kl(loc, log_scale, prior), kl_normal_rows(loc, log_scale.exp(), prior.sqrt())
+    )
     torch.autograd.gradcheck(fused.diagonal_kl, (loc, log_scale, prior))
 
 
@@ -79,11 +80,14 @@ def test_normal_ell_given_hidden_matches_the_functional_form_and_gradcheck(bias,
     hidden_var = torch.cat([variance, torch.zeros_like(variance[..., :1])], -1) if bias else variance
     mean, var_a, var_b = output_moments_given_hidden(hidden_phi, hidden_var, loc, log_scale.exp())
     beta = log_precision.exp()
-    reference = (-0.5 * beta * ((y - mean) ** 2 + var_a + var_b) + 0.5 * (log_precision - torch.log(
-        torch.tensor(2 * torch.pi, dtype=DT)))).sum(-1)
+    reference = (
+        -0.5 * beta * ((y - mean) ** 2 + var_a + var_b)
+        + 0.5 * (log_precision - torch.log(torch.tensor(2 * torch.pi, dtype=DT)))
+    ).sum(-1)
     torch.testing.assert_close(ell, reference)
-    torch.autograd.gradcheck(lambda *a: fused.normal_ell_given_hidden(*a[:4], y, a[4], bias),
-                             (phi, variance, loc, log_scale, log_precision))
+    torch.autograd.gradcheck(
+        lambda *a: fused.normal_ell_given_hidden(*a[:4], y, a[4], bias), (phi, variance, loc, log_scale, log_precision)
+    )
 
 
 def test_the_fused_functions_work_under_vmap_of_grad():
@@ -99,7 +103,9 @@ def test_the_fused_functions_work_under_vmap_of_grad():
     def loss(loc, eps):
         gamma, xi = fused.diagonal_preactivation(h, loc, log_scale)
         z = torch.relu(gamma + xi * eps)
-        ell = fused.normal_ell_given_hidden(z, torch.zeros_like(z), out_loc, out_log_scale, y, torch.tensor(0.0, dtype=DT))
+        ell = fused.normal_ell_given_hidden(
+            z, torch.zeros_like(z), out_loc, out_log_scale, y, torch.tensor(0.0, dtype=DT)
+        )
         return ell.sum() - fused.diagonal_kl(loc, log_scale, 1.0)
 
     batched = vmap(grad(loss), in_dims=(None, 0))(loc, noise)
@@ -154,8 +160,10 @@ def test_the_fused_tail_passes_gradcheck():
 
     gamma, xi2, loc, log_scale, y, log_precision = _tail_case(DT, True, rows=5, width=4)
     op = fused.normal_tail_op(get_activation("relu"), loc, log_scale, y)
-    torch.autograd.gradcheck(lambda *a: fused.normal_ell_given_preactivation(a[0], a[1], op, a[2], a[3], y, a[4]),
-                             (gamma, xi2, loc, log_scale, log_precision))
+    torch.autograd.gradcheck(
+        lambda *a: fused.normal_ell_given_preactivation(a[0], a[1], op, a[2], a[3], y, a[4]),
+        (gamma, xi2, loc, log_scale, log_precision),
+    )
 
 
 def test_the_fused_tail_is_finite_at_the_extremes_in_float32():
@@ -221,13 +229,17 @@ def test_the_variance_forms_are_the_squared_standard_deviations_and_pass_gradche
     gamma2, xi2 = fused.propagated_preactivation_variance(phi, variance, loc, log_scale, bias)
     torch.testing.assert_close(gamma2, gamma)
     torch.testing.assert_close(xi2, xi.square())
-    torch.autograd.gradcheck(lambda *a: fused.propagated_preactivation_variance(*a, bias), (phi, variance, loc, log_scale))
+    torch.autograd.gradcheck(
+        lambda *a: fused.propagated_preactivation_variance(*a, bias), (phi, variance, loc, log_scale)
+    )
     # E[h^2] given: the same moments, and its own gradient
     gamma3, xi3 = fused.propagated_preactivation(phi, variance, loc, log_scale, bias, second_moment=second)
     torch.testing.assert_close(gamma3, gamma)
     torch.testing.assert_close(xi3, xi)
-    torch.autograd.gradcheck(lambda p, v, s, l, ls: fused.propagated_preactivation(p, v, l, ls, bias, s),
-                             (phi, variance, second, loc, log_scale))
+    torch.autograd.gradcheck(
+        lambda p, v, s, l, ls: fused.propagated_preactivation(p, v, l, ls, bias, s),
+        (phi, variance, second, loc, log_scale),
+    )
 
 
 @pytest.mark.parametrize("outputs", [1, 3])
@@ -240,10 +252,14 @@ def test_normal_ell_given_hidden_takes_the_second_moment(outputs):
     log_scale = (0.3 * torch.randn(outputs, 7, generator=g, dtype=DT) - 1).requires_grad_()
     y = torch.randn(5, outputs, generator=g, dtype=DT)
     log_precision = torch.tensor(0.4, dtype=DT, requires_grad=True)
-    torch.testing.assert_close(fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision, True, second),
-                               fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision, True))
-    torch.autograd.gradcheck(lambda p, v, s, l, ls, lp: fused.normal_ell_given_hidden(p, v, l, ls, y, lp, True, s),
-                             (phi, variance, second, loc, log_scale, log_precision))
+    torch.testing.assert_close(
+        fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision, True, second),
+        fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision, True),
+    )
+    torch.autograd.gradcheck(
+        lambda p, v, s, l, ls, lp: fused.normal_ell_given_hidden(p, v, l, ls, y, lp, True, s),
+        (phi, variance, second, loc, log_scale, log_precision),
+    )
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
@@ -267,13 +283,20 @@ def test_the_kl_kernel_matches_the_torch_path(dtype, tolerance, learned_prior):
     torch.testing.assert_close(kl, reference, rtol=tolerance, atol=0.0)
     for found, expected in zip(grads, reference_grads):
         torch.testing.assert_close(found, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
-    torch.autograd.gradcheck(fused.diagonal_kl, (loc[:3, :4].detach().double().requires_grad_(),
-                                                 log_scale[:3, :4].detach().double().requires_grad_(),
-                                                 torch.tensor(0.7, dtype=DT, requires_grad=True)))
+    torch.autograd.gradcheck(
+        fused.diagonal_kl,
+        (
+            loc[:3, :4].detach().double().requires_grad_(),
+            log_scale[:3, :4].detach().double().requires_grad_(),
+            torch.tensor(0.7, dtype=DT, requires_grad=True),
+        ),
+    )
 
 
-@pytest.mark.parametrize("estimator, prior_scale", [("analytic", 1.0), ("deterministic", 1.0),
-                                                    ("deterministic", 0.3), ("integrate_output_layer", 0.3)])
+@pytest.mark.parametrize(
+    "estimator, prior_scale",
+    [("analytic", 1.0), ("deterministic", 1.0), ("deterministic", 0.3), ("integrate_output_layer", 0.3)],
+)
 def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator, prior_scale):
     """The fused route (variance-form pre-activations, the tail kernel, the KLs folded into the
     layers' functions, sampled layers included) against the reference torch route, through the
@@ -316,15 +339,16 @@ def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolera
         torch.testing.assert_close(value, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
     grads = torch.autograd.grad(sum((w * v).sum() for w, v in zip(weights, found)), [gamma, xi2])
     expected_grads = torch.autograd.grad(sum((w * v).sum() for w, v in zip(weights, reference)), [gamma, xi2])
-    for grad, expected in zip(grads, expected_grads):
-        torch.testing.assert_close(grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    for found_grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(found_grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
     # a gradient for one output only (the others None) is the same as zeros for them
-    only_phi = torch.autograd.grad((weights[0] * fast.moments_from_variance(g_act._fast_op(), gamma, xi2)[0]).sum(),
-                                   [gamma, xi2])
+    only_phi = torch.autograd.grad(
+        (weights[0] * fast.moments_from_variance(g_act._fast_op(), gamma, xi2)[0]).sum(), [gamma, xi2]
+    )
     with fast_path(False):
         expected_phi = torch.autograd.grad((weights[0] * g_act.moments(gamma, xi2.sqrt())[0]).sum(), [gamma, xi2])
-    for grad, expected in zip(only_phi, expected_phi):
-        torch.testing.assert_close(grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    for found_grad, expected in zip(only_phi, expected_phi):
+        torch.testing.assert_close(found_grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
 def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradcheck():
@@ -368,9 +392,15 @@ def _node_by_node_elbo(network, x, y, num_data, estimator):
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
-@pytest.mark.parametrize("hidden, estimator, output_bias", [([12, 9], "deterministic", True),
-                                                            ([7, 6, 5], "deterministic", False),
-                                                            ([12], "analytic", True), ([3], "deterministic", True)])
+@pytest.mark.parametrize(
+    "hidden, estimator, output_bias",
+    [
+        ([12, 9], "deterministic", True),
+        ([7, 6, 5], "deterministic", False),
+        ([12], "analytic", True),
+        ([3], "deterministic", True),
+    ],
+)
 def test_the_single_node_elbo_matches_the_node_by_node_route(dtype, tolerance, hidden, estimator, output_bias):
     """The closed-form ELBO as one autograd node (fused.closed_form_normal_elbo) against the same
     functions as separate nodes, value and every gradient (the learned noise precision's too);
@@ -392,7 +422,9 @@ def test_the_single_node_elbo_matches_the_node_by_node_route(dtype, tolerance, h
     assert type(reference.grad_fn).__name__ != "_ClosedFormNormalELBOBackward"
     torch.testing.assert_close(single, reference, rtol=tolerance, atol=0.0)
     for found, expected in zip(torch.autograd.grad(single, parameters), torch.autograd.grad(reference, parameters)):
-        torch.testing.assert_close(found, expected, rtol=50 * tolerance, atol=50 * tolerance * expected.abs().max().item())
+        torch.testing.assert_close(
+            found, expected, rtol=50 * tolerance, atol=50 * tolerance * expected.abs().max().item()
+        )
 
 
 def test_the_single_node_elbo_passes_gradcheck():
@@ -402,8 +434,10 @@ def test_the_single_node_elbo_passes_gradcheck():
     x, y = torch.randn(6, 3, generator=g, dtype=DT), torch.randn(6, 1, generator=g, dtype=DT)
     parameters = []
     for rows, columns in [(4, 4), (5, 5), (1, 6)]:  # (outputs, inputs + the bias column) per layer
-        parameters += [torch.randn(rows, columns, generator=g, dtype=DT).requires_grad_(),
-                       (0.3 * torch.randn(rows, columns, generator=g, dtype=DT) - 1.0).requires_grad_()]
+        parameters += [
+            torch.randn(rows, columns, generator=g, dtype=DT).requires_grad_(),
+            (0.3 * torch.randn(rows, columns, generator=g, dtype=DT) - 1.0).requires_grad_(),
+        ]
     log_precision = torch.tensor(0.2, dtype=DT, requires_grad=True)
     op = fused.layer_kernel_op(get_activation("relu"), x, y, log_precision, *parameters)
     assert op is not None
@@ -435,17 +469,32 @@ def test_the_single_node_elbo_keeps_autograd_semantics():
         elbo.backward()
 
 
-@pytest.mark.parametrize("case", ["empirical_bayes", "sampling", "two_outputs", "x_requires_grad", "fast_path_off",
-                                  "batched", "deterministic_full", "no_kernels"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "empirical_bayes",
+        "sampling",
+        "two_outputs",
+        "x_requires_grad",
+        "fast_path_off",
+        "batched",
+        "deterministic_full",
+        "no_kernels",
+    ],
+)
 def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
     """Outside its conditions the ELBO goes node by node, with the same value as the reference."""
     from cfbnn_cli.bnn.network import BayesianNetwork
     from cfbnn_cli.moments import fast_path
 
     torch.manual_seed(5)
-    network = BayesianNetwork(4, [6, 5], 2 if case == "two_outputs" else 1,
-                              activation="hard_sigmoid" if case == "no_kernels" else "relu",
-                              prior="empirical_bayes" if case == "empirical_bayes" else "fixed")
+    network = BayesianNetwork(
+        4,
+        [6, 5],
+        2 if case == "two_outputs" else 1,
+        activation="hard_sigmoid" if case == "no_kernels" else "relu",
+        prior="empirical_bayes" if case == "empirical_bayes" else "fixed",
+    )
     x = torch.randn(3, 10, 4) if case == "batched" else torch.randn(10, 4, requires_grad=case == "x_requires_grad")
     y = torch.randn(*x.shape[:-1], 2) if case == "two_outputs" else torch.randn(x.shape[:-1])
     estimator = case if case in ("sampling", "deterministic_full") else "deterministic"

@@ -29,8 +29,11 @@ def weight_space_outputs(network, x, num_samples, generator):
             if layer.covariance == "full":
                 weights = layer.loc + torch.einsum("rcd,srd->src", scale, eps)
             elif layer.covariance == "lowrank":  # Sigma_r = diag(d_r^2) + U_r U_r^T
-                low = torch.randn((num_samples, layer.loc.shape[0], scale.factor.shape[-1]), generator=generator,
-                                  dtype=layer.loc.dtype)
+                low = torch.randn(
+                    (num_samples, layer.loc.shape[0], scale.factor.shape[-1]),
+                    generator=generator,
+                    dtype=layer.loc.dtype,
+                )
                 weights = layer.loc + scale.diag * eps + torch.einsum("rck,srk->src", scale.factor, low)
             else:
                 weights = layer.loc + scale * eps
@@ -68,8 +71,18 @@ def _wide(network, scale=0.35, seed=0):
 @pytest.mark.parametrize("output_bias", [True, False])
 def test_one_hidden_layer_ell_and_predictive_match_weight_space_monte_carlo(a_cov, b_cov, output_bias):
     torch.manual_seed(0)
-    model = _wide(ClosedFormBNN(3, 5, a_covariance=a_cov, b_covariance=b_cov, rank=2, precision=1.7,
-                                output_bias=output_bias, generator=torch.Generator().manual_seed(1)).double())
+    model = _wide(
+        ClosedFormBNN(
+            3,
+            5,
+            a_covariance=a_cov,
+            b_covariance=b_cov,
+            rank=2,
+            precision=1.7,
+            output_bias=output_bias,
+            generator=torch.Generator().manual_seed(1),
+        ).double()
+    )
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 3, generator=g, dtype=DT)
     y = torch.randn(6, generator=g, dtype=DT)
@@ -87,8 +100,11 @@ def test_one_hidden_layer_ell_and_predictive_match_weight_space_monte_carlo(a_co
 @pytest.mark.parametrize("estimator", ["analytic", "integrate_output_layer", "sampling"])
 def test_every_estimator_of_a_deeper_network_is_unbiased_for_the_weight_space_ell(estimator):
     """3-4-4-2 network: each estimator's mean over its noise equals the weight-space ELL."""
-    model = _wide(BayesianNetwork(3, [4, 4], 2, likelihood=NormalLikelihood(0.9, learn=False),
-                                  generator=torch.Generator().manual_seed(4)).double())
+    model = _wide(
+        BayesianNetwork(
+            3, [4, 4], 2, likelihood=NormalLikelihood(0.9, learn=False), generator=torch.Generator().manual_seed(4)
+        ).double()
+    )
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5, 3, generator=g, dtype=DT)
     y = torch.randn(5, 2, generator=g, dtype=DT)

@@ -28,7 +28,12 @@ def test_trace_elbo_averages_to_closed_form():
     estimator = Trace_ELBO(num_particles=1, vectorize_particles=True, max_plate_nesting=1)
     # per-particle losses: split into 40 independent vectorized batches
     batch_losses = torch.tensor(
-        [Trace_ELBO(num_particles=particles // 40, vectorize_particles=True, max_plate_nesting=1).loss(model, guide, x, y) for _ in range(40)]
+        [
+            Trace_ELBO(num_particles=particles // 40, vectorize_particles=True, max_plate_nesting=1).loss(
+                model, guide, x, y
+            )
+            for _ in range(40)
+        ]
     )
     se = batch_losses.std().item() / math.sqrt(len(batch_losses))
     assert abs(batch_losses.mean().item() - exact) < 4 * se, (batch_losses.mean().item(), exact, se)
@@ -64,11 +69,16 @@ def test_pyro_local_reparameterization_loss_averages_to_the_exact_elbo():
     g = torch.Generator().manual_seed(1)
     D, H, N = 3, 5, 30
     x, y = torch.randn(N, D, generator=g), torch.randn(N, generator=g)
-    network = BayesianNetwork(D, [H], 1, init_scale=0.3, prior_scale=0.7, generator=g,
-                              likelihood=NormalLikelihood(precision=2.0))
+    network = BayesianNetwork(
+        D, [H], 1, init_scale=0.3, prior_scale=0.7, generator=g, likelihood=NormalLikelihood(precision=2.0)
+    )
     hidden, output = network.layers
-    start = {"fc1.weight": hidden.loc[:, :-1], "fc1.bias": hidden.loc[:, -1],
-             "fc2.weight": output.loc[:, :-1], "fc2.bias": output.loc[:, -1]}
+    start = {
+        "fc1.weight": hidden.loc[:, :-1],
+        "fc1.bias": hidden.loc[:, -1],
+        "fc2.weight": output.loc[:, :-1],
+        "fc2.bias": output.loc[:, -1],
+    }
     peer = PyroLocalReparameterizationRegression(D, H, "relu", prior_scale=0.7, init_scale=0.3, start=start)
     with torch.no_grad():  # distinct scales per entry, and the same noise as the network's
         hidden.log_scale.uniform_(-2.0, -0.5, generator=g)
@@ -76,12 +86,14 @@ def test_pyro_local_reparameterization_loss_averages_to_the_exact_elbo():
         for layer, name in ((hidden, "fc1"), (output, "fc2")):
             peer.__setattr__(f"{name}_weight_scale", layer.log_scale[:, :-1].exp().clone())
             peer.__setattr__(f"{name}_bias_scale", layer.log_scale[:, -1].exp().clone())
-        peer.noise_scale = torch.tensor(2.0 ** -0.5)
+        peer.noise_scale = torch.tensor(2.0**-0.5)
         exact = -float(network.elbo(x, y, N))
-    losses = torch.tensor([
-        TraceMeanField_ELBO(num_particles=200, vectorize_particles=False).loss(peer.model, peer.guide, x, y, N)
-        for _ in range(8)
-    ])
+    losses = torch.tensor(
+        [
+            TraceMeanField_ELBO(num_particles=200, vectorize_particles=False).loss(peer.model, peer.guide, x, y, N)
+            for _ in range(8)
+        ]
+    )
     # single-particle spread from the batches of 200, for a standard error of the mean
     se = losses.std().item() / math.sqrt(len(losses))
     assert abs(losses.mean().item() - exact) < 4 * se + 1e-6, (losses.mean().item(), exact, se)

@@ -30,14 +30,14 @@ def test_v3_decoder_ell_matches_monte_carlo_over_decoder_weights():
         exact = model.decoder_expected_log_likelihood(z, x)
         first, second = model.decoder.layers
         estimates = []
-        for chunk in range(20):
+        for _ in range(20):
             S = 10_000
             W1 = first.loc + first.scale() * torch.randn((S,) + first.loc.shape, generator=g, dtype=DT)
             W2 = second.loc + second.scale() * torch.randn((S,) + second.loc.shape, generator=g, dtype=DT)
             ones = torch.ones(5, 1, dtype=DT)
             hidden = torch.relu(torch.cat([z, ones], 1) @ W1.transpose(-1, -2))
             out = torch.cat([hidden, ones.expand(S, 5, 1)], -1) @ W2.transpose(-1, -2)
-            estimates.append(torch.distributions.Normal(out, model.precision ** -0.5).log_prob(x).sum(-1))
+            estimates.append(torch.distributions.Normal(out, model.precision**-0.5).log_prob(x).sum(-1))
         samples = torch.cat(estimates)
     mean = samples.mean(0)
     standard_error = samples.std(0) / math.sqrt(samples.shape[0])
@@ -66,7 +66,7 @@ def test_v1_importance_weighted_estimate_matches_brute_force_integration():
     with torch.no_grad():
         grid = torch.linspace(-12, 12, 40_001, dtype=DT).unsqueeze(-1)
         mean = model.decoder.output_mean(grid)  # (G, 4)
-        log_joint = torch.distributions.Normal(mean.unsqueeze(1), model.precision ** -0.5).log_prob(x).sum(-1) + (
+        log_joint = torch.distributions.Normal(mean.unsqueeze(1), model.precision**-0.5).log_prob(x).sum(-1) + (
             torch.distributions.Normal(0.0, 1.0).log_prob(grid)
         )  # (G, 3)
         brute_force = torch.logsumexp(log_joint, 0) + math.log(grid[1, 0] - grid[0, 0])

@@ -49,7 +49,9 @@ def test_fetch_script_verifies_local_file(tmp_path):
     txt = tmp_path / "YearPredictionMSD.txt"
     _fake_msd(txt, rows=12)
     script = os.path.join(os.path.dirname(__file__), "..", "..", "data_scripts", "fetch_year_prediction_msd.py")
-    ok = subprocess.run([sys.executable, script, "--verify-only", str(txt), "--rows", "12"], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, script, "--verify-only", str(txt), "--rows", "12"], capture_output=True, text=True
+    )
     assert ok.returncode == 0 and "12 rows, OK" in ok.stdout
     bad = subprocess.run([sys.executable, script, "--verify-only", str(txt)], capture_output=True, text=True)
     assert bad.returncode != 0 and "expected 515345" in bad.stderr

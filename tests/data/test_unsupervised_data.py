@@ -28,7 +28,11 @@ def test_split_is_seven_two_one_and_standardized_by_train():
 
 def _write_idx(path, magic, array):
     with gzip.open(path, "wb") as handle:
-        handle.write(struct.pack(">I", magic) + b"".join(struct.pack(">I", n) for n in array.shape) + array.astype(np.uint8).tobytes())
+        handle.write(
+            struct.pack(">I", magic)
+            + b"".join(struct.pack(">I", n) for n in array.shape)
+            + array.astype(np.uint8).tobytes()
+        )
 
 
 def test_fashion_mnist_prepare_script_and_loader_on_small_local_files(tmp_path):
@@ -55,7 +59,9 @@ def test_fashion_mnist_prepare_script_and_loader_on_small_local_files(tmp_path):
     assert data.dim == 784 and len(data.x_train) == 28
     from cfbnn_cli.data.images import load_image_datasets
 
-    train, held_out, classes = load_image_datasets(OmegaConf.create({"name": "fashion_mnist", "root": str(root)}), "identity")
+    train, held_out, classes = load_image_datasets(
+        OmegaConf.create({"name": "fashion_mnist", "root": str(root)}), "identity"
+    )
     assert (len(train), len(held_out), classes) == (30, 10, 10)  # the package's train / test files
     image, label, ok = train[0]
     assert image.shape == (1, 28, 28) and 0 <= label < 10 and ok
@@ -63,4 +69,6 @@ def test_fashion_mnist_prepare_script_and_loader_on_small_local_files(tmp_path):
 
 def test_missing_fashion_mnist_names_the_install_step(tmp_path):
     with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist.*prepare_fashion_mnist.py"):
-        load_unsupervised_data(OmegaConf.create({"name": "fashion_mnist", "root": str(tmp_path / "nothing"), "seed": 0}))
+        load_unsupervised_data(
+            OmegaConf.create({"name": "fashion_mnist", "root": str(tmp_path / "nothing"), "seed": 0})
+        )

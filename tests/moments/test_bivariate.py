@@ -21,11 +21,23 @@ def _t(*values, dtype=F64):
     return [torch.tensor(v, dtype=dtype) for v in values]
 
 
-@pytest.mark.parametrize("h,k,rho", [
-    (0.3, -0.5, 0.2), (1.0, 2.0, 0.95), (-1.0, 0.5, -0.99), (2.0, 2.0, 0.9999), (0.0, 0.0, 0.5),
-    (-3.0, -3.0, 0.93), (1.0, -1.0, -0.93), (-6.0, 4.0, 0.6), (5.0, -7.0, -0.3), (0.4, 0.41, 0.99999),
-    (0.7, -0.4, 0.85), (-0.2, 1.1, -0.8),
-])
+@pytest.mark.parametrize(
+    "h,k,rho",
+    [
+        (0.3, -0.5, 0.2),
+        (1.0, 2.0, 0.95),
+        (-1.0, 0.5, -0.99),
+        (2.0, 2.0, 0.9999),
+        (0.0, 0.0, 0.5),
+        (-3.0, -3.0, 0.93),
+        (1.0, -1.0, -0.93),
+        (-6.0, 4.0, 0.6),
+        (5.0, -7.0, -0.3),
+        (0.4, 0.41, 0.99999),
+        (0.7, -0.4, 0.85),
+        (-0.2, 1.1, -0.8),
+    ],
+)
 def test_bivariate_cdf_matches_scipy(h, k, rho):
     ours = bivariate_normal_cdf(*_t(h, k, rho)).item()
     reference = multivariate_normal(mean=[0, 0], cov=[[1, rho], [rho, 1]]).cdf([h, k])
@@ -36,23 +48,38 @@ def test_bivariate_cdf_matches_scipy(h, k, rho):
 def test_bivariate_cdf_at_correlation_one_and_minus_one(h, k):
     """rho = 1: Z1 = Z2, Phi(min); rho = -1: Z1 = -Z2, max(0, Phi(h) + Phi(k) - 1)."""
     assert bivariate_normal_cdf(*_t(h, k, 1.0)).item() == pytest.approx(norm.cdf(min(h, k)), abs=1e-15)
-    assert bivariate_normal_cdf(*_t(h, k, -1.0)).item() == pytest.approx(max(0.0, norm.cdf(h) + norm.cdf(k) - 1),
-                                                                         abs=1e-15)
+    assert bivariate_normal_cdf(*_t(h, k, -1.0)).item() == pytest.approx(
+        max(0.0, norm.cdf(h) + norm.cdf(k) - 1), abs=1e-15
+    )
 
 
 def _cross_moment_by_quadrature(mean_i, mean_j, sd_i, sd_j, rho):
     """E[relu(u) relu(v)] by scipy's dblquad over the positive quadrant (to 12 sd)."""
-    cov = np.array([[sd_i ** 2, rho * sd_i * sd_j], [rho * sd_i * sd_j, sd_j ** 2]])
+    cov = np.array([[sd_i**2, rho * sd_i * sd_j], [rho * sd_i * sd_j, sd_j**2]])
     density = multivariate_normal(mean=[mean_i, mean_j], cov=cov)
-    value, _ = integrate.dblquad(lambda v, u: u * v * density.pdf([u, v]), 0, max(mean_i, 0) + 12 * sd_i,
-                                 0, max(mean_j, 0) + 12 * sd_j, epsabs=1e-13, epsrel=1e-10)
+    value, _ = integrate.dblquad(
+        lambda v, u: u * v * density.pdf([u, v]),
+        0,
+        max(mean_i, 0) + 12 * sd_i,
+        0,
+        max(mean_j, 0) + 12 * sd_j,
+        epsabs=1e-13,
+        epsrel=1e-10,
+    )
     return value
 
 
-@pytest.mark.parametrize("mean_i,mean_j,sd_i,sd_j,rho", [
-    (0.3, -0.2, 1.0, 0.5, 0.4), (1.0, 2.0, 0.3, 0.7, -0.8), (-0.5, 0.1, 0.2, 0.3, 0.96),
-    (0.1, 0.1, 1.0, 1.0, -0.97), (-1.5, -0.5, 0.5, 0.4, 0.7), (0.0, 0.0, 1.0, 2.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "mean_i,mean_j,sd_i,sd_j,rho",
+    [
+        (0.3, -0.2, 1.0, 0.5, 0.4),
+        (1.0, 2.0, 0.3, 0.7, -0.8),
+        (-0.5, 0.1, 0.2, 0.3, 0.96),
+        (0.1, 0.1, 1.0, 1.0, -0.97),
+        (-1.5, -0.5, 0.5, 0.4, 0.7),
+        (0.0, 0.0, 1.0, 2.0, 0.0),
+    ],
+)
 def test_relu_cross_moment_matches_quadrature(mean_i, mean_j, sd_i, sd_j, rho):
     ours = relu_cross_moment(*_t(mean_i, mean_j, sd_i, sd_j, rho * sd_i * sd_j)).item()
     assert ours == pytest.approx(_cross_moment_by_quadrature(mean_i, mean_j, sd_i, sd_j, rho), rel=1e-7, abs=1e-12)
@@ -62,12 +89,14 @@ def test_relu_cross_moment_at_correlation_one_is_the_second_moment():
     """u = v: E[relu(u)^2] = sd^2 ((h^2 + 1) Phi(h) + h phi(h)); u = -v: relu(u) relu(-u) = 0."""
     for mean, sd in ((0.4, 1.3), (-0.7, 0.5), (2.0, 0.1)):
         h = mean / sd
-        expected = sd ** 2 * ((h * h + 1) * norm.cdf(h) + h * norm.pdf(h))
+        expected = sd**2 * ((h * h + 1) * norm.cdf(h) + h * norm.pdf(h))
         assert relu_cross_moment(*_t(mean, mean, sd, sd, sd * sd)).item() == pytest.approx(expected, rel=1e-12)
         assert relu_cross_moment(*_t(mean, -mean, sd, sd, -sd * sd)).item() == pytest.approx(0.0, abs=1e-15)
 
 
-@pytest.mark.parametrize("point", [(0.3, -0.2, 1.0, 0.5, 0.2), (0.3, -0.2, 0.3, 0.5, 0.147), (-1.2, 0.8, 0.6, 0.9, -0.5)])
+@pytest.mark.parametrize(
+    "point", [(0.3, -0.2, 1.0, 0.5, 0.2), (0.3, -0.2, 0.3, 0.5, 0.147), (-1.2, 0.8, 0.6, 0.9, -0.5)]
+)
 def test_relu_cross_moment_backward_gradchecks(point):
     args = [torch.tensor(v, dtype=F64, requires_grad=True) for v in point]
     assert torch.autograd.gradcheck(relu_cross_moment, args)
@@ -78,9 +107,14 @@ def test_relu_cross_moment_is_finite_with_finite_gradients_at_the_limits(dtype):
     """rho = +-1 exactly, standard deviations down to 0 (a unit with no spread), means far out."""
     tiny = torch.finfo(dtype).tiny
     cases = [  # mean_i, mean_j, sd_i, sd_j, cov
-        (0.5, 0.5, 1.0, 1.0, 1.0), (0.5, -0.5, 1.0, 1.0, -1.0), (0.2, 0.7, 1.0, 2.0, 2.0),
-        (0.5, -0.3, 1e-30, 1.0, 0.0), (1.0, 1.0, math.sqrt(tiny), math.sqrt(tiny), tiny), (-50.0, 30.0, 0.1, 0.1, 0.0),
-        (0.0, 0.3, 1e-20, 1.0, 1e-20), (1e3, -1e3, 1.0, 1.0, 0.5),
+        (0.5, 0.5, 1.0, 1.0, 1.0),
+        (0.5, -0.5, 1.0, 1.0, -1.0),
+        (0.2, 0.7, 1.0, 2.0, 2.0),
+        (0.5, -0.3, 1e-30, 1.0, 0.0),
+        (1.0, 1.0, math.sqrt(tiny), math.sqrt(tiny), tiny),
+        (-50.0, 30.0, 0.1, 0.1, 0.0),
+        (0.0, 0.3, 1e-20, 1.0, 1e-20),
+        (1e3, -1e3, 1.0, 1.0, 0.5),
     ]
     for case in cases:
         args = [torch.tensor(v, dtype=dtype, requires_grad=True) for v in case]

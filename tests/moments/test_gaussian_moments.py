@@ -6,9 +6,9 @@ import warnings
 import mpmath
 import pytest
 import torch
+from reference import gaussian_expectation
 
 from cfbnn_cli.moments import abs_moment, normal_raw_moment, positive_part_moment, positive_part_moments
-from reference import gaussian_expectation
 
 T_GRID = [-40.0, -30.0, -13.0, -8.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 2.0, 5.0, 40.0]
 STD_GRID = [1e-4, 1.0, 1e3]
@@ -76,7 +76,10 @@ def test_paper_named_integrals():
     psi = c * g * x * e + (x * x + g * g) * erf
     zeta = c * (2 * x**3 + g * g * x) * e + (3 * g * x * x + g**3) * erf
     rho = c * (g**3 * x + 5 * g * x**3) * e + (g**4 + 6 * g * g * x * x + 3 * x**4) * erf
-    values = [abs_moment(n, torch.tensor(g, dtype=torch.float64), torch.tensor(x, dtype=torch.float64)).item() for n in range(4)]
+    values = [
+        abs_moment(n, torch.tensor(g, dtype=torch.float64), torch.tensor(x, dtype=torch.float64)).item()
+        for n in range(4)
+    ]
     assert values == pytest.approx([omega, psi, zeta, rho], rel=1e-14)
 
 

@@ -107,7 +107,11 @@ def test_float32_small_tails_on_a_dense_grid():
     for std_value in (1e-4, 1.0, 1e3, 1e30):
         std = torch.full_like(t, std_value)
         mean = (t * std_value).float().double()
-        for activation in (get_activation("relu"), get_activation("relu_squared"), get_activation("leaky_relu", negative_slope=0.01)):
+        for activation in (
+            get_activation("relu"),
+            get_activation("relu_squared"),
+            get_activation("leaky_relu", negative_slope=0.01),
+        ):
             if activation.name == "relu_squared" and std_value > 1e9:
                 continue  # std^4 overflows float32
             assert_close_to_reference(activation, mean.float(), std.float(), 1e-5, f"dense std={std_value}")
@@ -134,7 +138,11 @@ def test_fast_gradients_match_reference(activation, dtype):
     tol = 1e-8 if dtype == torch.float64 else 2e-4
     for a, b in zip(got, reference):
         scale = b.abs().max().clamp(min=1e-300)
-        assert ((a.double() - b).abs() <= tol * (b.abs() + 1e-3 * scale)).all(), (activation, dtype, (a.double() - b).abs().max())
+        assert ((a.double() - b).abs() <= tol * (b.abs() + 1e-3 * scale)).all(), (
+            activation,
+            dtype,
+            (a.double() - b).abs().max(),
+        )
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=repr)
@@ -285,8 +293,12 @@ def test_info_reports_the_build():
 def _run_python(code, env_update):
     env = dict(os.environ)
     env.update(env_update)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] + [env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] + [env.get("PYTHONPATH", "")]
+    )
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 CHECK_REFERENCE = """
@@ -347,8 +359,17 @@ def test_float32_hard_sigmoid_on_a_dense_grid():
         hard = get_activation("hard_sigmoid", alpha=alpha)
         for std_value in (2.0**-13, 0.05, 1.0, 40.0, 1e30):
             std = torch.full((3000,), std_value, dtype=torch.float64)
-            t = torch.cat([torch.linspace(-30, 30, 2000, dtype=torch.float64), 30 * torch.randn(1000, generator=g, dtype=torch.float64)])
-            mean = (t * std_value + abs(alpha) * torch.sign(torch.randn(3000, generator=g, dtype=torch.float64))).float().double()
+            t = torch.cat(
+                [
+                    torch.linspace(-30, 30, 2000, dtype=torch.float64),
+                    30 * torch.randn(1000, generator=g, dtype=torch.float64),
+                ]
+            )
+            mean = (
+                (t * std_value + abs(alpha) * torch.sign(torch.randn(3000, generator=g, dtype=torch.float64)))
+                .float()
+                .double()
+            )
             assert_close_to_reference(hard, mean.float(), std.float(), 1e-5, f"dense alpha={alpha} std={std_value}")
 
 
@@ -363,13 +384,18 @@ def test_torch_compile_traces_the_reference_ops():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-KERNEL_BACKWARD = [get_activation("relu"), get_activation("leaky_relu", negative_slope=-0.5), get_activation("relu_squared")]
+KERNEL_BACKWARD = [
+    get_activation("relu"),
+    get_activation("leaky_relu", negative_slope=-0.5),
+    get_activation("relu_squared"),
+]
 
 
 @pytest.mark.parametrize("activation", KERNEL_BACKWARD, ids=repr)
 @pytest.mark.parametrize("weights", [(1.0, 0.3, -0.7), (0.0, 1.0, 0.0), (1.0, 0.0, 0.0)], ids=["all", "ups", "phi"])
 def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivatives_are_the_references(
-        activation, weights, monkeypatch):
+    activation, weights, monkeypatch
+):
     """create_graph=True (what torch.func.grad always asks for): the first derivative comes from
     the backward kernel (a function of its own), the second from the reference path's
     differentiable ops; both equal the reference path's (fast path off), in float64, also when

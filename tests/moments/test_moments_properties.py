@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import requires_cuda
 from torch.autograd import gradcheck, gradgradcheck
 
 from cfbnn_cli.moments import (
@@ -12,7 +13,6 @@ from cfbnn_cli.moments import (
     piecewise_polynomial,
     positive_part_moments,
 )
-from conftest import requires_cuda
 
 NAMED = [
     ("relu", {}),

@@ -15,9 +15,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from reference import activation_reference
 
 from cfbnn_cli.moments import get_activation
-from reference import activation_reference
 
 F64_TOL = 1e-10
 F32_TOL = 1e-5
@@ -91,8 +91,10 @@ def test_mean_without_autograd_matches_quadrature(name, params):
         with torch.no_grad():
             phis = activation.mean(means, stds)
         assert phis.dtype == dtype and phis.shape == means.shape
-        last = phis[-len(points):]  # from the last block
-        for (mean, std), (phi_ref, _, _, abs_ref), phi, phi_first in zip(points, references, last.tolist(), phis.tolist()):
+        last = phis[-len(points) :]  # from the last block
+        for (mean, std), (phi_ref, _, _, abs_ref), phi, phi_first in zip(
+            points, references, last.tolist(), phis.tolist()
+        ):
             where = f"{name}{params} mean={mean} std={std} {dtype}"
             _check(phi, phi_ref, abs_ref, tol, underflow * max(1.0, std * std), "Phi " + where)
             assert phi == phi_first, where  # every block computes the same numbers

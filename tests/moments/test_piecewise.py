@@ -5,9 +5,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from reference import activation_reference
 
 from cfbnn_cli.moments import get_activation, piecewise_polynomial
-from reference import activation_reference
 
 GRID_T = [-30.0, -8.0, -2.0, -0.5, 0.0, 0.5, 2.0, 8.0, 30.0]
 GRID_STD = [1e-3, 0.3, 1.0, 50.0]
@@ -48,7 +48,9 @@ def test_user_defined_discontinuous_piecewise_matches_quadrature():
                 phi, ups, var = (
                     v.item()
                     for v in g.moments(
-                        torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64), return_variance=True
+                        torch.tensor(mean, dtype=torch.float64),
+                        torch.tensor(std, dtype=torch.float64),
+                        return_variance=True,
                     )
                 )
                 assert abs(phi - phi_ref) <= 1e-10 * abs_ref, (mean, std)
@@ -60,7 +62,9 @@ def test_narrow_piece_uses_no_cancellation():
     """A piece of width 1e-6 std next to the mean (hard sigmoid with tiny alpha, ReLU-like
     indicator): Upsilon ~ alpha^2 must keep its digits although E[z^2] ~ std^2."""
     g = get_activation("hard_sigmoid", alpha=1e-6)
-    phi, ups, var = g.moments(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64), return_variance=True)
+    phi, ups, var = g.moments(
+        torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64), return_variance=True
+    )
     # E[min(z^2, a^2)] = a^2 - E[(a^2 - z^2) 1{|z|<a}] = a^2 (1 - 4 a phi(0)/3 + O(a^3))
     a = 1e-6
     expected = a * a * (1 - 4 * a * 0.3989422804014327 / 3)

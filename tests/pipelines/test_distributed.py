@@ -24,10 +24,9 @@ def test_local_rows_split_a_global_batch_between_ranks(monkeypatch):
 def test_runtime_imports_no_pipeline():
     """The launcher is handed the worker command; nothing in runtime/ names a pipeline."""
     import pathlib
+    import re
 
     import cfbnn_cli.runtime
-
-    import re
 
     for path in pathlib.Path(cfbnn_cli.runtime.__file__).parent.glob("*.py"):
         text = path.read_text()

@@ -81,7 +81,7 @@ def test_each_objective_trains_and_writes_the_figure_and_tables(tmp_path, object
     for cell, n in zip(table["Top-1"], [1, 4, 16, 64]):  # mean ± s.e. over the outer trials, rounded
         top1, se = split_mean_se(cell)
         decimals = len(cell.split(" ")[0].split(".")[1])
-        assert top1 == pytest.approx(m[f"monte_carlo/N{n}/top1_mean"], abs=0.51 * 10 ** -decimals)
+        assert top1 == pytest.approx(m[f"monte_carlo/N{n}/top1_mean"], abs=0.51 * 10**-decimals)
         assert (se is None) == (n == 64)  # one outer trial: no s.e.
         assert m[f"monte_carlo/N{n}/top3_mean"] >= m[f"monte_carlo/N{n}/top1_mean"]
     timing = pd.read_csv(run / "timing.csv")
@@ -140,8 +140,15 @@ def test_stages_reuse_each_other(tmp_path, monkeypatch, imagenet_cfg):
 
 
 def _fake_cfg(imagenet_cfg, *overrides):
-    return imagenet_cfg("data=fake", "backbone.name=resnet50", "features.shard_size=16", "features.batch_size=8",
-                        "data.n_train=40", "data.n_held_out=10", *overrides)
+    return imagenet_cfg(
+        "data=fake",
+        "backbone.name=resnet50",
+        "features.shard_size=16",
+        "features.batch_size=8",
+        "data.n_train=40",
+        "data.n_held_out=10",
+        *overrides,
+    )
 
 
 def test_resnet50_features_shapes_cache_resume_and_rebuild(tmp_path, monkeypatch, imagenet_cfg):
@@ -189,8 +196,14 @@ def _image_folder(root, corrupt: bool):
 
 def test_imagenet_layout_with_a_corrupt_image_is_skipped_and_counted(tmp_path, imagenet_cfg):
     _image_folder(tmp_path / "imagenet", corrupt=True)
-    cfg = imagenet_cfg("data=imagenet", f"data.root={tmp_path / 'imagenet'}", "backbone.name=resnet50",
-                  "data.image_size=32", "data.resize=36", "stage=features")
+    cfg = imagenet_cfg(
+        "data=imagenet",
+        f"data.root={tmp_path / 'imagenet'}",
+        "backbone.name=resnet50",
+        "data.image_size=32",
+        "data.resize=36",
+        "stage=features",
+    )
     result = pipeline.run(cfg, tmp_path / "run")
     assert result["metrics"]["features/skipped_unreadable_images"] == 1
     assert result["metrics"]["features/train_images"] == 6 and result["metrics"]["features/held_out_images"] == 6
@@ -226,9 +239,14 @@ def test_weights_from_a_local_file_are_loaded(tmp_path):
 
 @pytest.mark.parametrize(
     "override, message",
-    [("evaluation.inner_samples=[1,3]", "these do not: \\[3\\]"), ("objective=exact", "objective='exact'"),
-     ("stage=predict", "stage='predict'"), ("model.hidden_sizes=[10]", "two positive widths"),
-     ("split.validation_fraction=1", "split.validation_fraction=1"), ("backbone.name=vit", "backbone.name='vit'")],
+    [
+        ("evaluation.inner_samples=[1,3]", "these do not: \\[3\\]"),
+        ("objective=exact", "objective='exact'"),
+        ("stage=predict", "stage='predict'"),
+        ("model.hidden_sizes=[10]", "two positive widths"),
+        ("split.validation_fraction=1", "split.validation_fraction=1"),
+        ("backbone.name=vit", "backbone.name='vit'"),
+    ],
 )
 def test_bad_config_is_rejected_before_work(tmp_path, override, message, imagenet_cfg):
     with pytest.raises(ConfigError, match=message):

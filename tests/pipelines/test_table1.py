@@ -21,8 +21,10 @@ def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_c
     assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
     assert np.isfinite(history[["test_rmse", "test_ll_closed_form", "test_ll_monte_carlo"]].values).all()
     table = pd.read_csv(tmp_path / "gradient_variance.csv", index_col=0)
-    assert list(table.index) == ["Analytic", "Sampling", "Deterministic (nothing sampled)",
-                                 "Ratio sampling / analytic"] and table.shape[1] == 6
+    assert (
+        list(table.index) == ["Analytic", "Sampling", "Deterministic (nothing sampled)", "Ratio sampling / analytic"]
+        and table.shape[1] == 6
+    )
     assert "/" in table.iloc[0, 0]
     # the third row: nothing is sampled at any depth, so no layer's gradient varies
     assert set(table.loc["Deterministic (nothing sampled)"]) == {"0 / 0"}
@@ -33,7 +35,9 @@ def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_c
         means, scales = table.loc["Ratio sampling / analytic", f"{heading}: Final Layer"].split(" / ")
         ratio = m[f"gradvar/sampling/epoch{epoch}/final/mean"] / m[f"gradvar/analytic/epoch{epoch}/final/mean"]
         assert float(means) == pytest.approx(ratio, rel=0.05)
-        assert float(scales) == pytest.approx(m[f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/final/scale"], rel=0.05)
+        assert float(scales) == pytest.approx(
+            m[f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/final/scale"], rel=0.05
+        )
     assert (tmp_path / "gradient_variance.md").read_text().count("|") > 10
     assert "\\toprule" in (tmp_path / "gradient_variance.tex").read_text()
     for figure in ("gradient_variance.png", "training.png"):
@@ -43,13 +47,15 @@ def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_c
 
 
 @pytest.mark.parametrize("estimator", ["analytic", "deterministic"])
-def test_heteroscedastic_likelihood_trains_a_second_output_and_its_two_predictives_agree(tmp_path, estimator,
-                                                                                       regression_cfg):
+def test_heteroscedastic_likelihood_trains_a_second_output_and_its_two_predictives_agree(
+    tmp_path, estimator, regression_cfg
+):
     """likelihood=heteroscedastic: the network gains the log-variance output; the closed-form
     predictive (Gauss-Hermite over the log-variance) and Monte Carlo of every layer score the
     same test points alike; the learned noise is near the teacher's (0.5 on this data)."""
-    result = regression.run(regression_cfg("likelihood=heteroscedastic", f"estimator={estimator}",
-                                           "trainer.epochs=6"), tmp_path)
+    result = regression.run(
+        regression_cfg("likelihood=heteroscedastic", f"estimator={estimator}", "trainer.epochs=6"), tmp_path
+    )
     history = pd.read_csv(tmp_path / "metrics.csv")
     assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
     last = history.iloc[-1]
@@ -73,7 +79,7 @@ def test_convergence_is_judged_on_the_recent_rate_of_the_elbo():
     from cfbnn_cli.pipelines.regression.gradient_variance_study import convergence_note, epoch_heading
 
     linear = [{"train_elbo_per_point": -60.0 + 0.13 * e} for e in range(10)]  # still rising at its average rate
-    flat = [{"train_elbo_per_point": -60.0 + 10 * (1 - 0.5 ** e)} for e in range(30)]  # geometric: flat at the end
+    flat = [{"train_elbo_per_point": -60.0 + 10 * (1 - 0.5**e)} for e in range(30)]  # geometric: flat at the end
     assert not convergence_note(linear)["converged"] and "not converged" in convergence_note(linear)["text"]
     assert convergence_note(flat)["converged"] and convergence_note(flat)["text"].startswith("converged")
     assert not convergence_note(linear[:2])["converged"]  # too few epochs to tell
@@ -136,8 +142,12 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_checkpoint(tmp_path, monke
 
 @pytest.mark.parametrize(
     "override,key",
-    [("estimator=gibbs", "estimator"), ("trainer.batch_size=5000", "trainer.batch_size"),
-     ("model.hidden_sizes=[16,0]", "model.hidden_sizes"), ("gradient_variance.epochs=[0,9]", "gradient_variance.epochs")],
+    [
+        ("estimator=gibbs", "estimator"),
+        ("trainer.batch_size=5000", "trainer.batch_size"),
+        ("model.hidden_sizes=[16,0]", "model.hidden_sizes"),
+        ("gradient_variance.epochs=[0,9]", "gradient_variance.epochs"),
+    ],
 )
 def test_invalid_config_fails_before_work(tmp_path, override, key, regression_cfg):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -154,8 +164,13 @@ def test_cli_end_to_end_small(tmp_path, cfbnn, tiny_overrides):
     assert record["config"]["trainer"]["epochs"] == 3
     assert "gradient_variance.csv" in record["tables"] and record["figures"]["training"] == "training.png"
     assert (run_dir / "done").exists()
-    missing = cfbnn("train", "regression", f"hydra.run.dir={tmp_path / 'r2'}", "data=year_prediction_msd",
-                    f"data.path={tmp_path}/none.txt")
+    missing = cfbnn(
+        "train",
+        "regression",
+        f"hydra.run.dir={tmp_path / 'r2'}",
+        "data=year_prediction_msd",
+        f"data.path={tmp_path}/none.txt",
+    )
     assert missing.returncode == 2 and "fetch_year_prediction_msd.py" in missing.stdout + missing.stderr
 
 
@@ -164,7 +179,8 @@ def test_readme_main_command(tmp_path):
     """The README's main job exactly as written (default config), end to end."""
     import subprocess
 
-    out = subprocess.run(["cfbnn", "train", "regression", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                         timeout=1200)
+    out = subprocess.run(
+        ["cfbnn", "train", "regression", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=1200
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "results.json").read_text())["status"] == "complete"

@@ -19,8 +19,14 @@ from cfbnn_cli.runtime.errors import ConfigError, DataError
 def test_preset_composes_the_protocol():
     cfg = compose_config("train_regression", ["experiment=uci"])
     assert cfg.protocol == "uci" and cfg.data.name == "diabetes"
-    assert list(cfg.uci.methods) == ["closed_form_diagonal", "closed_form_full", "local_reparameterization", "pyro",
-                                     "pyro_local_reparameterization", "plain_mlp"]
+    assert list(cfg.uci.methods) == [
+        "closed_form_diagonal",
+        "closed_form_full",
+        "local_reparameterization",
+        "pyro",
+        "pyro_local_reparameterization",
+        "plain_mlp",
+    ]
     assert cfg.uci.n_splits == 20 and cfg.model.prior == "fixed"
     assert uci_protocol.validate(cfg) == list(cfg.uci.methods)
 
@@ -75,8 +81,13 @@ def test_every_method_is_finite_and_outputs_exist(small_run):
     for method in uci_protocol.METHODS:
         if method == "closed_form_lowrank" or method in uci_protocol.DETERMINISTIC_METHODS:
             continue  # not among the defaults: tested on their own below
-        for key in ("test_ll_mean", "rmse_mean", "train_seconds_median", "predict_seconds_per_1000_median",
-                    "iterations_median"):
+        for key in (
+            "test_ll_mean",
+            "rmse_mean",
+            "train_seconds_median",
+            "predict_seconds_per_1000_median",
+            "iterations_median",
+        ):
             assert math.isfinite(m[f"uci/{method}/{key}"]), (method, key)
     table = pd.read_csv(run_dir / "uci.csv", index_col=0)
     assert len(table) == 6 and "±" in table["Test LL"].iloc[0]
@@ -86,7 +97,9 @@ def test_every_method_is_finite_and_outputs_exist(small_run):
     splits_frame = pd.read_csv(run_dir / "uci_splits.csv").pivot(index="split", columns="method", values="test_ll")
     difference = splits_frame["plain_mlp"] - splits_frame["closed_form_diagonal"]
     mean, se = split_mean_se(paired[uci_protocol.METHODS["plain_mlp"]])
-    assert mean == pytest.approx(difference.mean(), abs=se) and se == pytest.approx(difference.std() / math.sqrt(2), rel=0.3)
+    assert mean == pytest.approx(difference.mean(), abs=se) and se == pytest.approx(
+        difference.std() / math.sqrt(2), rel=0.3
+    )
     assert "\\toprule" in (run_dir / "uci.tex").read_text()
     assert (run_dir / "uci.md").read_text().count("|") > 20
     assert (run_dir / "uci.png").read_bytes()[:4] == b"\x89PNG"
@@ -132,16 +145,23 @@ def test_each_method_stops_by_its_rule_and_keeps_an_equal_time_view(small_run):
 def test_validation_stopping_ends_a_peer_before_its_epoch_cap(tmp_path, uci_cfg):
     """A long cap (2,000 epochs) and a short patience: the plain MLP overfits 144 rows and the
     validation rule stops it long before the cap."""
-    cfg = uci_cfg("uci.methods=[plain_mlp]", "uci.n_splits=1", "trainer.epochs=2000", "uci.patience=20",
-                  "model.hidden_sizes=[64]", "trainer.lr=0.02")
+    cfg = uci_cfg(
+        "uci.methods=[plain_mlp]",
+        "uci.n_splits=1",
+        "trainer.epochs=2000",
+        "uci.patience=20",
+        "model.hidden_sizes=[64]",
+        "trainer.lr=0.02",
+    )
     regression.run(cfg, tmp_path)
     record = pd.read_csv(tmp_path / "uci_splits.csv").iloc[0]
     assert record["stopped_early"] and record["iterations"] < 2000
 
 
 def test_above_full_batch_max_rows_the_closed_form_trains_by_minibatches(tmp_path, uci_cfg):
-    cfg = uci_cfg("uci.methods=[closed_form_diagonal]", "uci.n_splits=1", "uci.full_batch_max_rows=100",
-                  "trainer.epochs=6")
+    cfg = uci_cfg(
+        "uci.methods=[closed_form_diagonal]", "uci.n_splits=1", "uci.full_batch_max_rows=100", "trainer.epochs=6"
+    )
     result = regression.run(cfg, tmp_path)
     record = pd.read_csv(tmp_path / "uci_splits.csv").iloc[0]
     assert record["optimizer"] == "adam" and record["iterations"] <= 6
@@ -152,8 +172,9 @@ def test_empirical_bayes_prior_continues_from_the_fixed_prior_optimum(tmp_path, 
     """model.prior=empirical_bayes: the closed form's ELBO with learned prior variances is at
     least the fixed prior's at its optimum (it starts there and maximizes over more)."""
     fixed = regression.run(uci_cfg("uci.methods=[closed_form_diagonal]", "uci.n_splits=1"), tmp_path / "fixed")
-    learned = regression.run(uci_cfg("uci.methods=[closed_form_diagonal]", "uci.n_splits=1",
-                                     "model.prior=empirical_bayes"), tmp_path / "eb")
+    learned = regression.run(
+        uci_cfg("uci.methods=[closed_form_diagonal]", "uci.n_splits=1", "model.prior=empirical_bayes"), tmp_path / "eb"
+    )
     eb_record = pd.read_csv(tmp_path / "eb" / "uci_splits.csv").iloc[0]
     fixed_record = pd.read_csv(tmp_path / "fixed" / "uci_splits.csv").iloc[0]
     assert eb_record["iterations"] > fixed_record["iterations"]  # the second stage ran
@@ -170,9 +191,14 @@ def test_resume_runs_only_what_is_missing(tmp_path, monkeypatch, uci_cfg):
     (tmp_path / "uci_progress.json").write_text(json.dumps(progress))
     calls = []
     original = uci_protocol.fit_method
-    monkeypatch.setattr(uci_protocol, "fit_method",
-                        lambda method, split, *a, **k: calls.append((method, split.warm_up)) or original(method, split, *a, **k))
-    result = regression.run(uci_cfg("uci.methods=[closed_form_diagonal,plain_mlp]", "trainer.epochs=4", "resume=true"), tmp_path)
+    monkeypatch.setattr(
+        uci_protocol,
+        "fit_method",
+        lambda method, split, *a, **k: calls.append((method, split.warm_up)) or original(method, split, *a, **k),
+    )
+    result = regression.run(
+        uci_cfg("uci.methods=[closed_form_diagonal,plain_mlp]", "trainer.epochs=4", "resume=true"), tmp_path
+    )
     assert calls == [("plain_mlp", True), ("plain_mlp", False)]  # the untimed warm-up, then the missing fit
     assert len(pd.read_csv(tmp_path / "uci_splits.csv")) == 4
     assert math.isfinite(result["metrics"]["uci/plain_mlp/test_ll_mean"])
@@ -243,8 +269,15 @@ def test_deterministic_and_heteroscedastic_methods_run_and_predict_sensibly(tmp_
     output. On the synthetic data (noise N(0, 0.3^2)) each gets near the noise floor, and the
     heteroscedastic methods' learned noise is near 0.3 (standardized back to original units)."""
     methods = ["closed_form_diagonal", "heteroscedastic", "deterministic_2_hidden", "heteroscedastic_2_hidden"]
-    result = regression.run(uci_cfg(f"uci.methods=[{','.join(methods)}]", "uci.deep_hidden_sizes=[12,12]",
-                                    "uci.n_splits=1", "uci.max_iterations=400"), tmp_path)
+    result = regression.run(
+        uci_cfg(
+            f"uci.methods=[{','.join(methods)}]",
+            "uci.deep_hidden_sizes=[12,12]",
+            "uci.n_splits=1",
+            "uci.max_iterations=400",
+        ),
+        tmp_path,
+    )
     m = result["metrics"]
     floor = -math.log(0.3) - 0.5 * math.log(2 * math.pi) - 0.5
     for method in methods:

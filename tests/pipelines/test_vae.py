@@ -37,7 +37,8 @@ def test_all_variants_write_the_table(tmp_path, vae_cfg):
         assert m[f"vae/{variant}/best_epoch"] in (1, 2) and m[f"vae/{variant}/epochs"] == 2
         # the ELBO's terms add up to it, and the table shows the same numbers
         assert m[f"vae/{variant}/test_elbo"] == pytest.approx(
-            m[f"vae/{variant}/test_ell"] - m[f"vae/{variant}/test_kl_z"] - m[f"vae/{variant}/test_kl_w"])
+            m[f"vae/{variant}/test_ell"] - m[f"vae/{variant}/test_kl_z"] - m[f"vae/{variant}/test_kl_w"]
+        )
         assert float(table.loc[variant.upper(), "KL(z)"]) == pytest.approx(m[f"vae/{variant}/test_kl_z"], rel=5e-3)
         assert m[f"vae/{variant}/test_kl_z"] > 0
     assert m["vae/v1/test_kl_w"] == 0  # a point-estimate decoder has no weight KL
@@ -93,10 +94,15 @@ def test_nan_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path, monkey
 
 @pytest.mark.parametrize(
     "override, message",
-    [("variant=v4", "variant='v4'"), ("model.latent_dim=0", "model.latent_dim=0"),
-     ("model.encoder_hidden=[]", "model.encoder_hidden"), ("trainer.batch_size=100000", "exceeds"),
-     ("evaluation.inner_samples=0", "evaluation.inner_samples=0"), ("trainer.compile=maybe", "trainer.compile"),
-     ("trainer.patience=0", "trainer.patience")],
+    [
+        ("variant=v4", "variant='v4'"),
+        ("model.latent_dim=0", "model.latent_dim=0"),
+        ("model.encoder_hidden=[]", "model.encoder_hidden"),
+        ("trainer.batch_size=100000", "exceeds"),
+        ("evaluation.inner_samples=0", "evaluation.inner_samples=0"),
+        ("trainer.compile=maybe", "trainer.compile"),
+        ("trainer.patience=0", "trainer.patience"),
+    ],
 )
 def test_bad_config_is_rejected_before_training(tmp_path, override, message, vae_cfg):
     with pytest.raises(ConfigError, match=message):

@@ -14,8 +14,14 @@ from cfbnn_cli.runtime.errors import DataError
 
 def _write_run(folder, pipeline, config, metrics, overrides=None, wall_s=60.0):
     folder.mkdir(parents=True)
-    record = {"pipeline": pipeline, "schema": 1, "status": "complete", "config": config, "metrics": metrics,
-              "timing": {"wall_s": wall_s}}
+    record = {
+        "pipeline": pipeline,
+        "schema": 1,
+        "status": "complete",
+        "config": config,
+        "metrics": metrics,
+        "timing": {"wall_s": wall_s},
+    }
     (folder / "results.json").write_text(json.dumps(record))
     if overrides is not None:
         (folder / ".hydra").mkdir()
@@ -23,7 +29,13 @@ def _write_run(folder, pipeline, config, metrics, overrides=None, wall_s=60.0):
 
 
 def test_report_on_hand_made_runs_gives_the_known_mean_and_standard_error(tmp_path, capsys):
-    values = {("analytic", 0): 1.0, ("analytic", 1): 3.0, ("analytic", 2): 5.0, ("sampling", 0): 10.0, ("sampling", 1): 14.0}
+    values = {
+        ("analytic", 0): 1.0,
+        ("analytic", 1): 3.0,
+        ("analytic", 2): 5.0,
+        ("sampling", 0): 10.0,
+        ("sampling", 1): 14.0,
+    }
     for i, ((estimator, seed), value) in enumerate(values.items()):
         config = {"seed": seed, "estimator": {"name": estimator}, "trainer": {"epochs": 3}, "device": "cpu"}
         _write_run(tmp_path / str(i), "train_regression", config, {"final_test_rmse": value, "other": None})
@@ -51,8 +63,12 @@ def test_report_on_hand_made_runs_gives_the_known_mean_and_standard_error(tmp_pa
 
 def test_report_makes_table_2_from_single_variant_runs(tmp_path):
     for i, (variant, seed, value) in enumerate([("v1", 0, -10.0), ("v1", 1, -12.0), ("v3", 0, -9.0), ("v3", 1, -9.5)]):
-        _write_run(tmp_path / str(i), "vae", {"variant": variant, "seed": seed, "data": {"seed": seed}},
-                   {f"vae/{variant}/test_ll": value})
+        _write_run(
+            tmp_path / str(i),
+            "vae",
+            {"variant": variant, "seed": seed, "data": {"seed": seed}},
+            {f"vae/{variant}/test_ll": value},
+        )
     report(tmp_path)
     table = pd.read_csv(tmp_path / "report_vae_table.csv", index_col="Variant")
     assert list(table.index) == ["V1", "V3"]
@@ -74,22 +90,49 @@ def _table1_metrics(scale):
     return metrics
 
 
-RATIOS = {"first": {"mean": 2.0, "scale": 1.0}, "second": {"mean": 4.0, "scale": 100.0},
-          "final": {"mean": 3.0, "scale": 1e4}}
+RATIOS = {
+    "first": {"mean": 2.0, "scale": 1.0},
+    "second": {"mean": 4.0, "scale": 100.0},
+    "final": {"mean": 3.0, "scale": 1e4},
+}
 
 
 def test_gradient_variance_and_uci_runs_get_separate_non_empty_tables(tmp_path, capsys):
     for seed in (0, 1):
         scaled = {layer: {kind: r * (1 + 0.1 * seed) for kind, r in kinds.items()} for layer, kinds in RATIOS.items()}
-        _write_run(tmp_path / f"gv{seed}", "train_regression",
-                   {"seed": seed, "protocol": "gradient_variance", "estimator": "analytic", "trainer": {"epochs": 10},
-                    "data": {"name": "synthetic", "seed": seed}}, _table1_metrics(scaled))
-    _write_run(tmp_path / "uci", "train_regression",
-               {"seed": 0, "protocol": "uci", "uci": {"n_splits": 10}, "trainer": {"epochs": 80}, "data": {"name": "diabetes"}},
-               {"uci/closed_form_diagonal/test_ll_mean": -5.503, "uci/closed_form_diagonal/test_ll_se": 0.028,
-                "uci/closed_form_diagonal/rmse_mean": 58.335, "uci/closed_form_diagonal/rmse_se": 2.16,
-                "uci/pyro/test_ll_mean": -5.612, "uci/pyro/test_ll_se": 0.031,
-                "uci/pyro/rmse_mean": 62.75, "uci/pyro/rmse_se": 3.217})
+        _write_run(
+            tmp_path / f"gv{seed}",
+            "train_regression",
+            {
+                "seed": seed,
+                "protocol": "gradient_variance",
+                "estimator": "analytic",
+                "trainer": {"epochs": 10},
+                "data": {"name": "synthetic", "seed": seed},
+            },
+            _table1_metrics(scaled),
+        )
+    _write_run(
+        tmp_path / "uci",
+        "train_regression",
+        {
+            "seed": 0,
+            "protocol": "uci",
+            "uci": {"n_splits": 10},
+            "trainer": {"epochs": 80},
+            "data": {"name": "diabetes"},
+        },
+        {
+            "uci/closed_form_diagonal/test_ll_mean": -5.503,
+            "uci/closed_form_diagonal/test_ll_se": 0.028,
+            "uci/closed_form_diagonal/rmse_mean": 58.335,
+            "uci/closed_form_diagonal/rmse_se": 2.16,
+            "uci/pyro/test_ll_mean": -5.612,
+            "uci/pyro/test_ll_se": 0.031,
+            "uci/pyro/rmse_mean": 62.75,
+            "uci/pyro/rmse_se": 3.217,
+        },
+    )
     written = report(tmp_path)
     assert set(written) == {"train_regression/gradient_variance", "train_regression/uci"}
     table1 = pd.read_csv(tmp_path / "report_train_regression_gradient_variance_table.csv").set_index("Estimator")
@@ -110,7 +153,9 @@ def test_identical_runs_with_the_same_seed_are_duplicates_not_replicates(tmp_pat
     config = {"seed": 0, "variant": "v1", "data": {"name": "digits", "seed": 0}, "device": "cpu"}
     _write_run(tmp_path / "a", "vae", config, {"vae/v1/test_ll": -10.0})
     _write_run(tmp_path / "b", "vae", {**config, "device": "cuda"}, {"vae/v1/test_ll": -10.0})  # the same experiment
-    _write_run(tmp_path / "c", "vae", {**config, "seed": 1, "data": {"name": "digits", "seed": 1}}, {"vae/v1/test_ll": -12.0})
+    _write_run(
+        tmp_path / "c", "vae", {**config, "seed": 1, "data": {"name": "digits", "seed": 1}}, {"vae/v1/test_ll": -12.0}
+    )
     report(tmp_path)
     out = capsys.readouterr()
     assert f"duplicate of {tmp_path / 'a'}" in out.err and str(tmp_path / "b") in out.err
@@ -118,14 +163,20 @@ def test_identical_runs_with_the_same_seed_are_duplicates_not_replicates(tmp_pat
     assert table.loc["V1", "runs"] == 2 and table.loc["V1", "seeds"] == "0,1"
     assert table.loc["V1", "Test LL (mean ± s.e. over runs)"] == "-11.0 ± 1.0"  # not ± 0 from the copy
     assert "vae: Table 2, VAE; 2 runs" in out.out
-    kept, duplicates = drop_duplicates([json.loads((tmp_path / d / "results.json").read_text()) | {"_path": d}
-                                        for d in "abc"])
-    assert [r["_path"] for r in kept] == ["a", "c"] and [(d["_path"], k["_path"]) for d, k in duplicates] == [("b", "a")]
+    kept, duplicates = drop_duplicates(
+        [json.loads((tmp_path / d / "results.json").read_text()) | {"_path": d} for d in "abc"]
+    )
+    assert [r["_path"] for r in kept] == ["a", "c"] and [(d["_path"], k["_path"]) for d, k in duplicates] == [
+        ("b", "a")
+    ]
 
 
 def test_keys_that_follow_the_seed_are_replicates_not_factors():
-    runs = [{"config": {"seed": s, "data": {"seed": s, "name": "synthetic"}, "trainer": {"lr": lr}}}
-            for s in (0, 1) for lr in (0.1, 0.01)]
+    runs = [
+        {"config": {"seed": s, "data": {"seed": s, "name": "synthetic"}, "trainer": {"lr": lr}}}
+        for s in (0, 1)
+        for lr in (0.1, 0.01)
+    ]
     assert swept_keys(runs) == ["trainer.lr"]
 
 
@@ -138,29 +189,56 @@ def test_a_section_without_any_metric_is_an_error_not_an_empty_table(tmp_path):
 def _figure1_metrics(det, mc, k=3):
     metrics = {"evaluation/top_k": k, "deterministic/top1": det[0], f"deterministic/top{k}": det[1]}
     for n, (top1, topk) in mc.items():
-        metrics.update({f"monte_carlo/N{n}/top1_mean": top1, f"monte_carlo/N{n}/top{k}_mean": topk,
-                        f"monte_carlo/N{n}/top1_sd": 0.01, f"monte_carlo/N{n}/top{k}_sd": 0.01})
+        metrics.update(
+            {
+                f"monte_carlo/N{n}/top1_mean": top1,
+                f"monte_carlo/N{n}/top{k}_mean": topk,
+                f"monte_carlo/N{n}/top1_sd": 0.01,
+                f"monte_carlo/N{n}/top{k}_sd": 0.01,
+            }
+        )
     return metrics
 
 
 def test_paper_reproduction_table_from_hand_made_runs(tmp_path, capsys):
     for seed in (0, 1, 2):
         scaled = {layer: {kind: r * (1 + 0.05 * seed) for kind, r in kinds.items()} for layer, kinds in RATIOS.items()}
-        _write_run(tmp_path / "t1" / str(seed), "train_regression",
-                   {"seed": seed, "protocol": "gradient_variance", "trainer": {"epochs": 10}, "data": {"name": "synthetic"}},
-                   _table1_metrics(scaled), overrides=[f"seed={seed}"], wall_s=60)
+        _write_run(
+            tmp_path / "t1" / str(seed),
+            "train_regression",
+            {"seed": seed, "protocol": "gradient_variance", "trainer": {"epochs": 10}, "data": {"name": "synthetic"}},
+            _table1_metrics(scaled),
+            overrides=[f"seed={seed}"],
+            wall_s=60,
+        )
         # V3 beats V1 by 1 in every seed, V2 is V3 minus 0.1 +- noise
-        _write_run(tmp_path / "t2" / str(seed), "vae", {"seed": seed, "variant": "all", "data": {"name": "digits"}},
-                   {"vae/v1/test_ll": -110.0 - seed, "vae/v2/test_ll": -109.0 - seed + 0.1 * (seed - 1),
-                    "vae/v3/test_ll": -109.0 - seed}, overrides=[f"seed={seed}", "trainer.epochs=300"], wall_s=120)
+        _write_run(
+            tmp_path / "t2" / str(seed),
+            "vae",
+            {"seed": seed, "variant": "all", "data": {"name": "digits"}},
+            {
+                "vae/v1/test_ll": -110.0 - seed,
+                "vae/v2/test_ll": -109.0 - seed + 0.1 * (seed - 1),
+                "vae/v3/test_ll": -109.0 - seed,
+            },
+            overrides=[f"seed={seed}", "trainer.epochs=300"],
+            wall_s=120,
+        )
         # deterministic 0.80 / 0.95; MC reaches 0.80 top-1 at N=64, never reaches 0.95 top-3
-        _write_run(tmp_path / "f1" / str(seed), "imagenet_predict", {"seed": seed, "data": {"name": "digits"}},
-                   _figure1_metrics((0.80, 0.95), {1: (0.60, 0.90), 8: (0.75, 0.93), 64: (0.80, 0.94), 512: (0.80, 0.94)}),
-                   overrides=[f"seed={seed}", "data.train_size=100"], wall_s=30)
+        _write_run(
+            tmp_path / "f1" / str(seed),
+            "imagenet_predict",
+            {"seed": seed, "data": {"name": "digits"}},
+            _figure1_metrics((0.80, 0.95), {1: (0.60, 0.90), 8: (0.75, 0.93), 64: (0.80, 0.94), 512: (0.80, 0.94)}),
+            overrides=[f"seed={seed}", "data.train_size=100"],
+            wall_s=30,
+        )
     written = report(tmp_path, paper=True)
     assert written["paper"] == ["paper_reproduction.md", "paper_reproduction.csv"]
     frame = pd.read_csv(tmp_path / "paper_reproduction.csv").set_index("Claim")
-    second_scale = frame.loc["Table 1, at initialization, second layer, log σ: gradient variance sampling / analytic > 1"]
+    second_scale = frame.loc[
+        "Table 1, at initialization, second layer, log σ: gradient variance sampling / analytic > 1"
+    ]
     assert second_scale["Paper"] == "100 (0.0002 / 2e-06)"  # the paper's cells as printed in its source
     assert split_mean_se(second_scale["cfbnn (stand-in data)"]) == pytest.approx((105.0, 2.9))  # 100, 105, 110
     assert second_scale["Shown?"] == "yes"
@@ -190,8 +268,15 @@ def test_paper_reproduction_table_from_hand_made_runs(tmp_path, capsys):
 def test_command_is_rebuilt_from_the_runs_overrides(tmp_path):
     runs = []
     for seed in (0, 1, 2):
-        _write_run(tmp_path / str(seed), "train_regression", {"seed": seed},
-                   {"m": 1.0}, overrides=[f"seed={seed}", f"hydra.sweep.dir={tmp_path}", "trainer.epochs=5"])
-        runs.append(json.loads((tmp_path / str(seed) / "results.json").read_text()) | {"_path": str(tmp_path / str(seed))})
+        _write_run(
+            tmp_path / str(seed),
+            "train_regression",
+            {"seed": seed},
+            {"m": 1.0},
+            overrides=[f"seed={seed}", f"hydra.sweep.dir={tmp_path}", "trainer.epochs=5"],
+        )
+        runs.append(
+            json.loads((tmp_path / str(seed) / "results.json").read_text()) | {"_path": str(tmp_path / str(seed))}
+        )
     assert command_for(runs) == "cfbnn train regression -m seed=0,1,2 trainer.epochs=5"
     assert command_for(runs[:1]) == "cfbnn train regression seed=0 trainer.epochs=5"

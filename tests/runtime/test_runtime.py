@@ -82,7 +82,8 @@ def test_flushing_denormals_before_any_work_reaches_every_thread(mode):
 def test_runtime_flush_denormals_must_be_a_bool():
     from cfbnn_cli.runtime.checks import validate_common
 
-    cfg = OmegaConf.create({"seed": 0, "device": "cpu", "resume": False,
-                            "runtime": {"threads": "auto", "flush_denormals": "yes"}})
+    cfg = OmegaConf.create(
+        {"seed": 0, "device": "cpu", "resume": False, "runtime": {"threads": "auto", "flush_denormals": "yes"}}
+    )
     with pytest.raises(ConfigError, match=r"runtime.flush_denormals='yes' must be true or false"):
         validate_common(cfg)

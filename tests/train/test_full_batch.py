@@ -30,4 +30,4 @@ def test_a_line_search_step_into_overflow_backtracks_instead_of_failing():
 def test_a_non_finite_start_is_an_error_naming_the_objective():
     x = torch.nn.Parameter(torch.tensor([float("nan")]))
     with pytest.raises(NonFiniteLossError, match="toy objective"):
-        minimize_full_batch(lambda: (x ** 2).sum(), [x], label="toy objective")
+        minimize_full_batch(lambda: (x**2).sum(), [x], label="toy objective")

@@ -64,8 +64,17 @@ def _train(graphed: bool, epochs=3, fail=None, nan_at=None):
         value = -model.elbo(x[rows], y[rows], len(y), "sampling", noise)
         return value * float("nan") if nan_at is not None and calls["n"] == nan_at else value
 
-    loop = TrainingLoop(model, optimizer, loss, len(y), 8, torch.device("cpu"), epochs=epochs,
-                        data_generator=torch.Generator().manual_seed(1), generators={"sampler": sampler})
+    loop = TrainingLoop(
+        model,
+        optimizer,
+        loss,
+        len(y),
+        8,
+        torch.device("cpu"),
+        epochs=epochs,
+        data_generator=torch.Generator().manual_seed(1),
+        generators={"sampler": sampler},
+    )
     stand_in = StandIn(optimizer, fail)
     if graphed:
         loop.graphed = GraphedTrainingStep(model, optimizer, loss, "cpu", [sampler], "toy", capture=stand_in)
@@ -113,16 +122,31 @@ def _train_named(label, **kwargs):
         value = -model.elbo(x[rows], y[rows], len(y), "deterministic")
         return value * float("nan") if calls["n"] == kwargs["nan_at"] else value
 
-    loop = TrainingLoop(model, optimizer, loss, len(y), 8, torch.device("cpu"), epochs=3, label=label,
-                        data_generator=torch.Generator().manual_seed(1))
+    loop = TrainingLoop(
+        model,
+        optimizer,
+        loss,
+        len(y),
+        8,
+        torch.device("cpu"),
+        epochs=3,
+        label=label,
+        data_generator=torch.Generator().manual_seed(1),
+    )
     loop.graphed = GraphedTrainingStep(model, optimizer, loss, "cpu", (), label, capture=StandIn(optimizer))
     loop.run()
 
 
 def test_off_cuda_the_loop_builds_no_graphs():
     x, y, model = _problem()
-    loop = TrainingLoop(model, torch.optim.Adam(model.parameters()), lambda rows: model(x[rows], y[rows]).sum(),
-                        len(y), 8, torch.device("cpu"))
+    loop = TrainingLoop(
+        model,
+        torch.optim.Adam(model.parameters()),
+        lambda rows: model(x[rows], y[rows]).sum(),
+        len(y),
+        8,
+        torch.device("cpu"),
+    )
     assert loop.graphed is None
 
 
@@ -143,6 +167,8 @@ def test_graphed_call_falls_back_with_one_warning(caplog):
         call = GraphedCall(lambda x: x * 2, "cpu", label="doubling", capture=StandIn(fail=RuntimeError("no")))
         results = [call(torch.ones(2)) for _ in range(3)]
     assert all(torch.equal(r, torch.full((2,), 2.0)) for r in results)
-    assert not call.enabled and sum("doubling: CUDA graph capture failed (RuntimeError: no)" in r.getMessage()
-                                    for r in caplog.records) == 1
+    assert (
+        not call.enabled
+        and sum("doubling: CUDA graph capture failed (RuntimeError: no)" in r.getMessage() for r in caplog.records) == 1
+    )
     assert GraphedCall(lambda x: x, "cpu").enabled is False  # off CUDA, no stand-in: the function itself

@@ -28,8 +28,14 @@ def _loop(model, x, y, tmp_path, scores=None, **kwargs):
         return (model(x[rows]).squeeze(-1) - y[rows]).square().mean()
 
     evaluate = (lambda epoch: {"score": scores[epoch - 1]}) if scores is not None else None
-    options = dict(epochs=5, data_generator=torch.Generator().manual_seed(1), checkpoint_dir=tmp_path / "checkpoints",
-                   metrics_path=tmp_path / "metrics.csv", evaluate=evaluate, fingerprint="abc")
+    options = dict(
+        epochs=5,
+        data_generator=torch.Generator().manual_seed(1),
+        checkpoint_dir=tmp_path / "checkpoints",
+        metrics_path=tmp_path / "metrics.csv",
+        evaluate=evaluate,
+        fingerprint="abc",
+    )
     options.update(kwargs)
     return TrainingLoop(model, optimizer, loss, len(y), 16, torch.device("cpu"), **options)
 
@@ -113,8 +119,19 @@ def test_patience_stops_after_the_best_and_the_in_memory_best_is_loaded(tmp_path
         seen[epoch] = model.weight.detach().clone()
         return {"score": scores[epoch]}
 
-    loop = _loop(model, x, y, tmp_path, epochs=12, evaluate=evaluate, evaluate_every=2, patience=4,
-                 select=("score", "max"), checkpoint_dir=None, metrics_path=None)
+    loop = _loop(
+        model,
+        x,
+        y,
+        tmp_path,
+        epochs=12,
+        evaluate=evaluate,
+        evaluate_every=2,
+        patience=4,
+        select=("score", "max"),
+        checkpoint_dir=None,
+        metrics_path=None,
+    )
     result = loop.run()
     assert sorted(seen) == [2, 4, 6, 8]  # evaluated every 2 epochs; stopped at 8 = best (4) + patience (4)
     assert loop.stopped_early and len(result.history) == 8 and result.best == {"epoch": 4, "value": 0.9}
@@ -146,7 +163,15 @@ def test_snapshot_holds_the_parameters_at_the_given_training_time(tmp_path, monk
     assert len(states) == 8  # 2 epochs of 4 batches of 16
     torch.testing.assert_close(loop.snapshot["weight"], states[2])
     assert not torch.equal(loop.snapshot["weight"], states[-1])
-    short = _loop(torch.nn.Linear(3, 1), x, y, tmp_path, epochs=1, snapshot_after_seconds=1e9, checkpoint_dir=None,
-                  metrics_path=None)
+    short = _loop(
+        torch.nn.Linear(3, 1),
+        x,
+        y,
+        tmp_path,
+        epochs=1,
+        snapshot_after_seconds=1e9,
+        checkpoint_dir=None,
+        metrics_path=None,
+    )
     short.run()
     assert short.snapshot is None

@@ -42,13 +42,19 @@ from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import caption, legend_below, new_figure, save_figure
 from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
-from ...runtime.checks import (require_bool, require_choice, require_int, require_positive_float,
-                               require_present_bounds, require_widths)
+from ...runtime import distributed
+from ...runtime.checkpoints import load_model_weights
+from ...runtime.checks import (
+    require_bool,
+    require_choice,
+    require_int,
+    require_positive_float,
+    require_present_bounds,
+    require_widths,
+)
 from ...runtime.cuda_graphs import GraphedCall
 from ...runtime.device import resolve_device
 from ...runtime.errors import CheckpointError, ConfigError
-from ...runtime import distributed
-from ...runtime.checkpoints import load_model_weights
 from ...runtime.rundir import config_fingerprint
 from ...runtime.seed import seed_everything
 from ...train import TrainingLoop
@@ -67,11 +73,24 @@ def validate(cfg: DictConfig) -> None:
     require_choice(cfg, "backbone.name", BACKBONES)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     if len(require_widths(cfg, "model.hidden_sizes", example="[1000,1000]")) != 2:
-        raise ConfigError(f"model.hidden_sizes={list(cfg.model.hidden_sizes)} must be two positive widths [ML layer, "
-                          "Bayesian layer], e.g. [1000,1000]")
-    require_present_bounds(cfg, {"data.n_train": 1, "data.n_held_out": 2, "data.num_classes": 2,
-                                 "data.image_size_raw": 1, "data.image_size": 1, "data.resize": 1, "data.train_size": 1},
-                           fractions=["data.train_fraction"], seeds=["data.seed", "split.seed"])
+        raise ConfigError(
+            f"model.hidden_sizes={list(cfg.model.hidden_sizes)} must be two positive widths [ML layer, "
+            "Bayesian layer], e.g. [1000,1000]"
+        )
+    require_present_bounds(
+        cfg,
+        {
+            "data.n_train": 1,
+            "data.n_held_out": 2,
+            "data.num_classes": 2,
+            "data.image_size_raw": 1,
+            "data.image_size": 1,
+            "data.resize": 1,
+            "data.train_size": 1,
+        },
+        fractions=["data.train_fraction"],
+        seeds=["data.seed", "split.seed"],
+    )
     require_positive_float(cfg, "model.prior_scale")
     require_positive_float(cfg, "model.init_scale")
     require_int(cfg, "trainer.num_samples", minimum=1)
@@ -91,7 +110,9 @@ def validate(cfg: DictConfig) -> None:
     require_int(cfg, "features.shard_size", minimum=1)
     fraction = OmegaConf.select(cfg, "split.validation_fraction")
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        raise ConfigError(f"split.validation_fraction={fraction!r} must be strictly between 0 and 1 (paper: 0.2 = 10k of 50k)")
+        raise ConfigError(
+            f"split.validation_fraction={fraction!r} must be strictly between 0 and 1 (paper: 0.2 = 10k of 50k)"
+        )
 
 
 # ----------------------------------------------------------------------------- stages
@@ -103,13 +124,20 @@ def compute_features(cfg, device):
     train_set, held_out_set, num_classes = load_image_datasets(cfg.data, cfg.backbone.name)
     fields = {"data": cfg.data.name, **OmegaConf.to_container(cfg.data, resolve=True), **description}
     folder = feature_cache.cache_folder(cfg.features.cache_dir, fields)
-    kwargs = dict(device=device, batch_size=cfg.features.batch_size, shard_size=cfg.features.shard_size,
-                  num_workers=cfg.features.get("num_workers", 0), num_classes=num_classes)
+    kwargs = dict(
+        device=device,
+        batch_size=cfg.features.batch_size,
+        shard_size=cfg.features.shard_size,
+        num_workers=cfg.features.get("num_workers", 0),
+        num_classes=num_classes,
+    )
     train = feature_cache.extract(train_set, "train", backbone, folder, fields, **kwargs)
     held_out = feature_cache.extract(held_out_set, "held_out", backbone, folder, fields, **kwargs)
     if train[0].shape[1] != held_out[0].shape[1]:
-        raise CheckpointError(f"the feature cache {folder} holds train features of width {train[0].shape[1]} and "
-                              f"held-out features of width {held_out[0].shape[1]}; delete the folder to extract again")
+        raise CheckpointError(
+            f"the feature cache {folder} holds train features of width {train[0].shape[1]} and "
+            f"held-out features of width {held_out[0].shape[1]}; delete the folder to extract again"
+        )
     return {"train": train, "held_out": held_out, "num_classes": num_classes, "folder": folder}
 
 
@@ -138,7 +166,9 @@ def expected_calibration_error(probabilities, labels, bins: int = 15) -> float:
     for b in range(bins):
         members = index == b
         if members.any():
-            ece += float(members.double().mean()) * abs(float(correct[members].mean()) - float(confidence[members].double().mean()))
+            ece += float(members.double().mean()) * abs(
+                float(correct[members].mean()) - float(confidence[members].double().mean())
+            )
     return ece
 
 
@@ -147,9 +177,16 @@ def _batched(function, features, batch_size):
 
 
 def build_head(cfg, data, generator=None):
-    return bayesian_head(data["x_train"].shape[1], list(cfg.model.hidden_sizes), data["num_classes"],
-                         cfg.model.activation, cfg.model.prior_scale, cfg.model.init_scale, generator,
-                         objective=cfg.objective)
+    return bayesian_head(
+        data["x_train"].shape[1],
+        list(cfg.model.hidden_sizes),
+        data["num_classes"],
+        cfg.model.activation,
+        cfg.model.prior_scale,
+        cfg.model.init_scale,
+        generator,
+        objective=cfg.objective,
+    )
 
 
 def train_head(cfg, data, run_dir: Path, device) -> Dict:
@@ -171,11 +208,25 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         return {"val_top1": float(top_k_correct(means, data["y_val"], 1).double().mean())}
 
     loop = TrainingLoop(
-        model, optimizer, loss, num_data, cfg.trainer.batch_size, device, epochs=cfg.trainer.epochs,
-        data_generator=generator, generators={"sampler": sampler}, checkpoint_dir=run_dir / "checkpoints",
-        fingerprint=config_fingerprint(cfg, run_dir), resume=cfg.resume, evaluate=validation_accuracy,
-        select=("val_top1", "max"), best_payload=lambda: {"sizes": _sizes(data)}, metrics_path=run_dir / "metrics.csv",
-        label=f"head ({cfg.objective})", config=OmegaConf.to_container(cfg, resolve=True), cuda_graphs=cfg.trainer.cuda_graphs,
+        model,
+        optimizer,
+        loss,
+        num_data,
+        cfg.trainer.batch_size,
+        device,
+        epochs=cfg.trainer.epochs,
+        data_generator=generator,
+        generators={"sampler": sampler},
+        checkpoint_dir=run_dir / "checkpoints",
+        fingerprint=config_fingerprint(cfg, run_dir),
+        resume=cfg.resume,
+        evaluate=validation_accuracy,
+        select=("val_top1", "max"),
+        best_payload=lambda: {"sizes": _sizes(data)},
+        metrics_path=run_dir / "metrics.csv",
+        label=f"head ({cfg.objective})",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        cuda_graphs=cfg.trainer.cuda_graphs,
     )
     loop.restore()
     result = loop.run()
@@ -194,9 +245,14 @@ def load_head(cfg, data, run_dir: Path, device) -> BayesianNetwork:
             "or set evaluation.checkpoint=/path/to/best.pt"
         )
     model = build_head(cfg, data).to(device)
-    load_model_weights(model, path, device, "trained head",
-                       hint=f"; was it trained with other sizes than model.hidden_sizes={list(cfg.model.hidden_sizes)} "
-                            "and these features?")
+    load_model_weights(
+        model,
+        path,
+        device,
+        "trained head",
+        hint=f"; was it trained with other sizes than model.hidden_sizes={list(cfg.model.hidden_sizes)} "
+        "and these features?",
+    )
     return model.eval()
 
 
@@ -204,8 +260,18 @@ def load_head(cfg, data, run_dir: Path, device) -> BayesianNetwork:
 
 
 @torch.no_grad()
-def monte_carlo_accuracy(model, features, labels, total: int, inner_list: List[int], batch_size: int, generator,
-                         chunk: int = 512, top_k: int = 5, cuda_graphs: bool = True):
+def monte_carlo_accuracy(
+    model,
+    features,
+    labels,
+    total: int,
+    inner_list: List[int],
+    batch_size: int,
+    generator,
+    chunk: int = 512,
+    top_k: int = 5,
+    cuda_graphs: bool = True,
+):
     """Top-1/top-k correct shares per (N_inner, outer trial): ``{n: (top1 (N_outer,), topk (N_outer,))}``.
 
     Per image, ``total`` logit samples are drawn (``chunk`` at a time, batched); for
@@ -216,8 +282,13 @@ def monte_carlo_accuracy(model, features, labels, total: int, inner_list: List[i
     """
     chunk = max(max(inner_list), min(chunk, total))
     device = features.device
-    counts = {n: (torch.zeros(total // n, dtype=torch.float64, device=device),
-                  torch.zeros(total // n, dtype=torch.float64, device=device)) for n in inner_list}
+    counts = {
+        n: (
+            torch.zeros(total // n, dtype=torch.float64, device=device),
+            torch.zeros(total // n, dtype=torch.float64, device=device),
+        )
+        for n in inner_list
+    }
 
     def chunk_counts(size):
         def correct(hidden, y):
@@ -226,10 +297,15 @@ def monte_carlo_accuracy(model, features, labels, total: int, inner_list: List[i
             for n in inner_list:  # (size, B, O) -> groups of n samples averaged: one outer trial each
                 if size % n == 0:
                     grouped = probabilities.view(size // n, n, *probabilities.shape[1:]).mean(1)
-                    out += [top_k_correct(grouped, y, 1).double().sum(-1), top_k_correct(grouped, y, top_k).double().sum(-1)]
+                    out += [
+                        top_k_correct(grouped, y, 1).double().sum(-1),
+                        top_k_correct(grouped, y, top_k).double().sum(-1),
+                    ]
             return tuple(out)
 
-        return GraphedCall(correct, device, generators=(generator,), label="Monte Carlo prediction", enabled=cuda_graphs)
+        return GraphedCall(
+            correct, device, generators=(generator,), label="Monte Carlo prediction", enabled=cuda_graphs
+        )
 
     graphed = {}
     for start in tqdm(range(0, len(labels), batch_size), desc="Monte Carlo prediction", leave=False):
@@ -259,6 +335,7 @@ def time_per_image(model, features, inner_list, batch_size, generator, device, c
 
     Each method is timed as the pipeline predicts: on CUDA as a CUDA graph per batch size
     (captured, and replayed once, before the clock starts)."""
+
     def deterministic(x):
         return model.output_mean(x).argmax(-1)
 
@@ -278,8 +355,10 @@ def time_per_image(model, features, inner_list, batch_size, generator, device, c
         _sync(device)
         return (time.perf_counter() - started) / len(features)
 
-    return (timed(deterministic, "deterministic prediction"),
-            {n: timed(monte_carlo(n), f"Monte Carlo prediction (N_inner={n})") for n in inner_list})
+    return (
+        timed(deterministic, "deterministic prediction"),
+        {n: timed(monte_carlo(n), f"Monte Carlo prediction (N_inner={n})") for n in inner_list},
+    )
 
 
 PAPER_HEAD = (2048, [1000, 1000], 1000)  # the paper's Figure 1 head: ResNet50 features, 1000 classes
@@ -293,8 +372,20 @@ def time_paper_head(cfg, inner_list, device) -> Tuple[float, Dict[int, float]]:
     ``PAPER_BATCH`` images, so the timing table shows the paper's claim at the paper's size."""
     feature_dim, hidden, classes = PAPER_HEAD
     generator = torch.Generator().manual_seed(cfg.seed + 7)
-    head = bayesian_head(feature_dim, hidden, classes, cfg.model.activation, cfg.model.prior_scale,
-                         cfg.model.init_scale, generator, objective=cfg.objective).to(device).eval()
+    head = (
+        bayesian_head(
+            feature_dim,
+            hidden,
+            classes,
+            cfg.model.activation,
+            cfg.model.prior_scale,
+            cfg.model.init_scale,
+            generator,
+            objective=cfg.objective,
+        )
+        .to(device)
+        .eval()
+    )
     features = torch.randn(PAPER_BATCH, feature_dim, generator=generator).to(device)
     sampler = torch.Generator(device=device).manual_seed(cfg.seed + 8)
     return time_per_image(head, features, inner_list, PAPER_BATCH, sampler, device, cfg.trainer.cuda_graphs)
@@ -313,9 +404,11 @@ def describe_run(cfg, data) -> str:
     images = f"{len(data['y_train'])} training images" + (" (a class-balanced subset)" if subset else "")
     features = "raw pixels" if cfg.backbone.name == "identity" else f"{cfg.backbone.name} features"
     sizes = _head_sizes(cfg, data)
-    return (f"{cfg.data.name}, {images}, {len(data['y_test'])} test images, {features}; head "
-            f"{'-'.join(str(n) for n in sizes)} trained with objective={cfg.objective}, batch {cfg.trainer.batch_size}, "
-            f"seed {cfg.seed}")
+    return (
+        f"{cfg.data.name}, {images}, {len(data['y_test'])} test images, {features}; head "
+        f"{'-'.join(str(n) for n in sizes)} trained with objective={cfg.objective}, batch {cfg.trainer.batch_size}, "
+        f"seed {cfg.seed}"
+    )
 
 
 def _plot(raw: pd.DataFrame, deterministic: Dict[str, float], top_k: int, total: int, description: str, path) -> str:
@@ -324,10 +417,27 @@ def _plot(raw: pd.DataFrame, deterministic: Dict[str, float], top_k: int, total:
     prediction (dashed)."""
     fig, axes = new_figure(2, width=7.0, height=3.2)
     for ax, k in zip(axes, (1, top_k)):
-        ax.errorbar(raw["N_inner"], raw[f"top{k}_mean"], yerr=raw[f"top{k}_sd"], fmt="o-", ms=4, lw=1.4, capsize=2,
-                    color="C0", label="Monte Carlo: mean ± s.d. over outer trials", zorder=3)
-        ax.fill_between(raw["N_inner"], raw[f"top{k}_min"], raw[f"top{k}_max"], color="C0", alpha=0.18, lw=0,
-                        label="Monte Carlo: min–max over outer trials")
+        ax.errorbar(
+            raw["N_inner"],
+            raw[f"top{k}_mean"],
+            yerr=raw[f"top{k}_sd"],
+            fmt="o-",
+            ms=4,
+            lw=1.4,
+            capsize=2,
+            color="C0",
+            label="Monte Carlo: mean ± s.d. over outer trials",
+            zorder=3,
+        )
+        ax.fill_between(
+            raw["N_inner"],
+            raw[f"top{k}_min"],
+            raw[f"top{k}_max"],
+            color="C0",
+            alpha=0.18,
+            lw=0,
+            label="Monte Carlo: min–max over outer trials",
+        )
         ax.axhline(deterministic[f"top{k}"], color="k", ls="--", lw=1.2, label="deterministic argmax ŷ (no sampling)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(raw["N_inner"]))
@@ -355,13 +465,19 @@ def prediction_table(raw: pd.DataFrame, deterministic: Dict[str, float], top_k: 
             se = sd / math.sqrt(n) if n > 1 else None
             row[f"Top-{k}"] = format_mean_se(mean, se, sig=3)
             row[f"Top-{k} s.d. (trials)"] = format_value(sd, sig=2) if n > 1 else ""
-            row[f"Top-{k} − deterministic"] = format_mean_se(mean - deterministic[f"top{k}"], se, sig=3, signed=True,
-                                                                 scientific=False)
+            row[f"Top-{k} − deterministic"] = format_mean_se(
+                mean - deterministic[f"top{k}"], se, sig=3, signed=True, scientific=False
+            )
         rows.append(row)
     row = {"Method": DETERMINISTIC_LABEL, "N_inner": "", "N_outer": ""}
     for k in (1, top_k):
-        row.update({f"Top-{k}": format_value(deterministic[f"top{k}"], sig=3), f"Top-{k} s.d. (trials)": "",
-                    f"Top-{k} − deterministic": ""})
+        row.update(
+            {
+                f"Top-{k}": format_value(deterministic[f"top{k}"], sig=3),
+                f"Top-{k} s.d. (trials)": "",
+                f"Top-{k} − deterministic": "",
+            }
+        )
     rows.append(row)
     return pd.DataFrame(rows)
 
@@ -372,66 +488,118 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
     batch = cfg.evaluation.batch_size
     top_k = cfg.evaluation.top_k
     total = cfg.evaluation.total_samples
-    output_moments = GraphedCall(model.output_moments, device, label="deterministic prediction",
-                                 enabled=cfg.trainer.cuda_graphs)
+    output_moments = GraphedCall(
+        model.output_moments, device, label="deterministic prediction", enabled=cfg.trainer.cuda_graphs
+    )
     means, variances = (torch.cat(parts) for parts in zip(*_batched(output_moments, x, batch)))
-    deterministic = {"top1": round(float(top_k_correct(means, y, 1).double().mean()), 12),
-                     f"top{top_k}": round(float(top_k_correct(means, y, top_k).double().mean()), 12)}
+    deterministic = {
+        "top1": round(float(top_k_correct(means, y, 1).double().mean()), 12),
+        f"top{top_k}": round(float(top_k_correct(means, y, top_k).double().mean()), 12),
+    }
     corrected = approximate_class_probabilities(means, variances)  # the logits' moments are already here
     plain = torch.softmax(means, -1)
     calibration = {}
     for name, probabilities in (("variance_corrected", corrected), ("plain_softmax", plain)):
-        calibration[f"{name}/nll"] = float(-torch.log(probabilities.gather(-1, y.unsqueeze(-1)).clamp(min=1e-12)).mean())
+        calibration[f"{name}/nll"] = float(
+            -torch.log(probabilities.gather(-1, y.unsqueeze(-1)).clamp(min=1e-12)).mean()
+        )
         calibration[f"{name}/ece"] = expected_calibration_error(probabilities, y)
     inner_list = sorted(cfg.evaluation.inner_samples)
     generator = torch.Generator(device=device).manual_seed(cfg.seed + 5)
-    accuracy = monte_carlo_accuracy(model, x, y, total, inner_list, batch, generator, top_k=top_k,
-                                    cuda_graphs=cfg.trainer.cuda_graphs)
+    accuracy = monte_carlo_accuracy(
+        model, x, y, total, inner_list, batch, generator, top_k=top_k, cuda_graphs=cfg.trainer.cuda_graphs
+    )
     timing_rows = x[: cfg.evaluation.timing_images]
-    deterministic_seconds, mc_seconds = time_per_image(model, timing_rows, inner_list, batch, generator, device,
-                                                       cfg.trainer.cuda_graphs)
+    deterministic_seconds, mc_seconds = time_per_image(
+        model, timing_rows, inner_list, batch, generator, device, cfg.trainer.cuda_graphs
+    )
     paper = time_paper_head(cfg, inner_list, device) if cfg.evaluation.paper_head_timing else None
     raw_rows = []
     for n in inner_list:
         row = {"N_inner": n, "N_outer": len(accuracy[n][0])}
         for k, values in zip((1, top_k), accuracy[n]):
             # accuracies are multiples of 1 / test images: 12 decimals drop float noise (an s.d. of 4e-16 over equal trials)
-            row.update({f"top{k}_mean": round(float(values.mean()), 12),
-                        f"top{k}_sd": round(float(values.std()), 12) if len(values) > 1 else 0.0,
-                        f"top{k}_min": float(values.min()), f"top{k}_max": float(values.max())})
+            row.update(
+                {
+                    f"top{k}_mean": round(float(values.mean()), 12),
+                    f"top{k}_sd": round(float(values.std()), 12) if len(values) > 1 else 0.0,
+                    f"top{k}_min": float(values.min()),
+                    f"top{k}_max": float(values.max()),
+                }
+            )
         raw_rows.append(row)
     raw = pd.DataFrame(raw_rows)
     description = describe_run(cfg, data)
     table = prediction_table(raw, deterministic, top_k)
-    tables = write_table(table, run_dir, "prediction", index=False,
-                         caption=f"Test accuracy of Monte Carlo (N_inner samples averaged per prediction; {total} "
-                                 f"per image as N_inner × N_outer outer trials; mean ± s.e. over the trials) and of the "
-                                 f"deterministic prediction argmax ŷ. {description}")
+    tables = write_table(
+        table,
+        run_dir,
+        "prediction",
+        index=False,
+        caption=f"Test accuracy of Monte Carlo (N_inner samples averaged per prediction; {total} "
+        f"per image as N_inner × N_outer outer trials; mean ± s.e. over the trials) and of the "
+        f"deterministic prediction argmax ŷ. {description}",
+    )
     heads = [("-".join(str(n) for n in _head_sizes(cfg, data)) + " (this run's)", deterministic_seconds, mc_seconds)]
     if paper is not None:
-        heads.append(("-".join(str(n) for n in [PAPER_HEAD[0], *PAPER_HEAD[1], PAPER_HEAD[2]]) + " (paper size)",
-                      *paper))
-    timing = pd.DataFrame([
-        row for head, det, mc in heads for row in
-        [{"Head": head, "Method": DETERMINISTIC_LABEL, "N_inner": "", "ms / image": format_value(1e3 * det),
-          "× deterministic": "1"}]
-        + [{"Head": head, "Method": "Monte Carlo", "N_inner": str(n), "ms / image": format_value(1e3 * t),
-            "× deterministic": format_value(t / det)} for n, t in mc.items()]
-    ])
+        heads.append(
+            ("-".join(str(n) for n in [PAPER_HEAD[0], *PAPER_HEAD[1], PAPER_HEAD[2]]) + " (paper size)", *paper)
+        )
+    timing = pd.DataFrame(
+        [
+            row
+            for head, det, mc in heads
+            for row in [
+                {
+                    "Head": head,
+                    "Method": DETERMINISTIC_LABEL,
+                    "N_inner": "",
+                    "ms / image": format_value(1e3 * det),
+                    "× deterministic": "1",
+                }
+            ]
+            + [
+                {
+                    "Head": head,
+                    "Method": "Monte Carlo",
+                    "N_inner": str(n),
+                    "ms / image": format_value(1e3 * t),
+                    "× deterministic": format_value(t / det),
+                }
+                for n, t in mc.items()
+            ]
+        ]
+    )
     graphs = "as CUDA graphs" if device.type == "cuda" and cfg.trainer.cuda_graphs else "eagerly"
-    tables.update(write_table(timing, run_dir, "timing", index=False,
-                              caption=f"Prediction time per image on {device.type}, run {graphs} (one outer trial "
-                                      f"for Monte Carlo): this run's head on {len(timing_rows)} test images in "
-                                      f"batches of {batch}"
-                                      + ("" if paper is None else f"; a head of the paper's sizes (random weights: "
-                                         f"the time does not depend on them) on one batch of {PAPER_BATCH}")))
-    log.info("prediction on %d test images:\n%s\n%s", len(y), table.to_markdown(index=False),
-             timing.to_markdown(index=False))
+    tables.update(
+        write_table(
+            timing,
+            run_dir,
+            "timing",
+            index=False,
+            caption=f"Prediction time per image on {device.type}, run {graphs} (one outer trial "
+            f"for Monte Carlo): this run's head on {len(timing_rows)} test images in "
+            f"batches of {batch}"
+            + (
+                ""
+                if paper is None
+                else f"; a head of the paper's sizes (random weights: "
+                f"the time does not depend on them) on one batch of {PAPER_BATCH}"
+            ),
+        )
+    )
+    log.info(
+        "prediction on %d test images:\n%s\n%s", len(y), table.to_markdown(index=False), timing.to_markdown(index=False)
+    )
     figures = {"prediction": _plot(raw, deterministic, top_k, total, description, run_dir / "prediction.png")}
-    metrics = {"evaluation/top_k": top_k, "deterministic/top1": deterministic["top1"],
-               f"deterministic/top{top_k}": deterministic[f"top{top_k}"],
-               "deterministic/ms_per_image": 1e3 * deterministic_seconds, "test_images": len(y),
-               "train_images": len(data["y_train"])}
+    metrics = {
+        "evaluation/top_k": top_k,
+        "deterministic/top1": deterministic["top1"],
+        f"deterministic/top{top_k}": deterministic[f"top{top_k}"],
+        "deterministic/ms_per_image": 1e3 * deterministic_seconds,
+        "test_images": len(y),
+        "train_images": len(data["y_train"]),
+    }
     metrics.update({f"calibration/{k}": v for k, v in calibration.items()})
     for row in raw_rows:
         n = row["N_inner"]
@@ -462,22 +630,41 @@ def run(cfg: DictConfig, run_dir) -> dict:
     device = resolve_device(cfg.device)
     computed = compute_features(cfg, device)
     (x_train, y_train, skipped_train), (x_held, y_held, skipped_held) = computed["train"], computed["held_out"]
-    metrics = {"features/train_images": len(y_train), "features/held_out_images": len(y_held),
-               "features/skipped_unreadable_images": skipped_train + skipped_held, "features/dim": x_train.shape[1]}
+    metrics = {
+        "features/train_images": len(y_train),
+        "features/held_out_images": len(y_held),
+        "features/skipped_unreadable_images": skipped_train + skipped_held,
+        "features/dim": x_train.shape[1],
+    }
     result = {"metrics": metrics, "tables": {}, "figures": {}, "device": device}
-    log.info("features: %d train, %d held-out images, %d dims (%s); %d unreadable skipped", len(y_train), len(y_held),
-             x_train.shape[1], computed["folder"], skipped_train + skipped_held)
+    log.info(
+        "features: %d train, %d held-out images, %d dims (%s); %d unreadable skipped",
+        len(y_train),
+        len(y_held),
+        x_train.shape[1],
+        computed["folder"],
+        skipped_train + skipped_held,
+    )
     if cfg.stage == "features":
         return result
     top_k, num_classes = cfg.evaluation.top_k, computed["num_classes"]
     if cfg.stage in ("evaluate", "all") and top_k >= num_classes:
-        raise ConfigError(f"evaluation.top_k={top_k} must be below the {num_classes} classes of data={cfg.data.name} "
-                          f"(top-{num_classes} accuracy is 1); e.g. evaluation.top_k={max(2, num_classes // 3)}")
+        raise ConfigError(
+            f"evaluation.top_k={top_k} must be below the {num_classes} classes of data={cfg.data.name} "
+            f"(top-{num_classes} accuracy is 1); e.g. evaluation.top_k={max(2, num_classes // 3)}"
+        )
     if cfg.stage in ("evaluate", "all") and 2 * top_k > num_classes:
-        log.warning("evaluation.top_k=%d is more than half of the %d classes: top-%d accuracy will be near 1 for any "
-                    "prediction", top_k, num_classes, top_k)
+        log.warning(
+            "evaluation.top_k=%d is more than half of the %d classes: top-%d accuracy will be near 1 for any "
+            "prediction",
+            top_k,
+            num_classes,
+            top_k,
+        )
     if cfg.trainer.batch_size > len(y_train):
-        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size} exceeds the {len(y_train)} training images; lower it")
+        raise ConfigError(
+            f"trainer.batch_size={cfg.trainer.batch_size} exceeds the {len(y_train)} training images; lower it"
+        )
     test_index, val_index = split_held_out(x_held, y_held, cfg.split.validation_fraction, cfg.split.seed)
     # standardize by the training features (ResNet features are >= 0 and of uneven scale)
     mean = x_train.float().mean(0)
@@ -486,9 +673,15 @@ def run(cfg: DictConfig, run_dir) -> dict:
     def prepare(x):
         return ((x.float() - mean) / std).to(device)
 
-    data = {"x_train": prepare(x_train), "y_train": y_train.to(device), "x_val": prepare(x_held[val_index]),
-            "y_val": y_held[val_index].to(device), "x_test": prepare(x_held[test_index]), "y_test": y_held[test_index].to(device),
-            "num_classes": computed["num_classes"]}
+    data = {
+        "x_train": prepare(x_train),
+        "y_train": y_train.to(device),
+        "x_val": prepare(x_held[val_index]),
+        "y_val": y_held[val_index].to(device),
+        "x_test": prepare(x_held[test_index]),
+        "y_test": y_held[test_index].to(device),
+        "num_classes": computed["num_classes"],
+    }
     with validate_args(False):
         if cfg.stage in ("train", "all"):
             trained = train_head(cfg, data, run_dir, device)

@@ -67,8 +67,10 @@ def build_backbone(name: str, weights, device) -> Tuple[Optional[nn.Module], dic
         torch.manual_seed(RANDOM_BACKBONE_SEED)
         model = resnet50(weights=None)
     if path is None:
-        log.warning("backbone.weights is not set: a randomly initialized ResNet50 (features are not meaningful; "
-                    "set backbone.weights=/path/to/resnet50.pth or backbone.weights=torchvision)")
+        log.warning(
+            "backbone.weights is not set: a randomly initialized ResNet50 (features are not meaningful; "
+            "set backbone.weights=/path/to/resnet50.pth or backbone.weights=torchvision)"
+        )
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -78,8 +80,12 @@ def build_backbone(name: str, weights, device) -> Tuple[Optional[nn.Module], dic
     model.fc = nn.Identity()
     model.eval().to(device)
     stat = path.stat() if path is not None else None
-    description = {"backbone": "resnet50", "weights": str(path) if path else f"random (seed {RANDOM_BACKBONE_SEED})",
-                   "weights_bytes": stat.st_size if stat else None, "weights_mtime": int(stat.st_mtime) if stat else None}
+    description = {
+        "backbone": "resnet50",
+        "weights": str(path) if path else f"random (seed {RANDOM_BACKBONE_SEED})",
+        "weights_bytes": stat.st_size if stat else None,
+        "weights_mtime": int(stat.st_mtime) if stat else None,
+    }
     return model, description
 
 
@@ -99,8 +105,9 @@ def load_feature_shard(path: Path) -> dict:
     elif ok.dim() != 1 or not len(features) == len(labels) == len(ok):
         problem = f"its features, labels and ok have {len(features)}, {len(labels)} and {len(ok)} rows"
     if problem is not None:
-        raise CheckpointError(f"{path} is not a cfbnn feature shard ({problem}); delete {path.parent} to extract "
-                              "its features again")
+        raise CheckpointError(
+            f"{path} is not a cfbnn feature shard ({problem}); delete {path.parent} to extract its features again"
+        )
     return shard
 
 
@@ -109,8 +116,18 @@ def cache_folder(cache_dir, fields: dict) -> Path:
     return Path(cache_dir) / f"{fields.get('data', 'data')}-{fields.get('backbone', 'backbone')}-{digest}"
 
 
-def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fields: dict, device,
-            batch_size: int = 128, shard_size: int = 4096, num_workers: int = 0, num_classes: Optional[int] = None):
+def extract(
+    dataset,
+    split: str,
+    backbone: Optional[nn.Module],
+    folder: Path,
+    fields: dict,
+    device,
+    batch_size: int = 128,
+    shard_size: int = 4096,
+    num_workers: int = 0,
+    num_classes: Optional[int] = None,
+):
     """``(features float16 (N, F), labels (N,), skipped)`` for ``dataset``, cached in ``folder``
     (every shard checked: one width, labels in ``0..num_classes-1``)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -119,20 +136,29 @@ def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fi
         try:
             recorded = json.loads(manifest_path.read_text())["fields"]
         except (OSError, ValueError, KeyError, TypeError) as error:
-            raise DataError(f"{manifest_path} is unreadable ({type(error).__name__}); delete {folder} to rebuild "
-                            "its features") from None
+            raise DataError(
+                f"{manifest_path} is unreadable ({type(error).__name__}); delete {folder} to rebuild its features"
+            ) from None
         if recorded != json.loads(json.dumps(fields, default=str)):
-            raise DataError(f"{folder}: its manifest records other settings than this run's; delete the folder to rebuild")
+            raise DataError(
+                f"{folder}: its manifest records other settings than this run's; delete the folder to rebuild"
+            )
     else:
         atomic_write_json(manifest_path, {"fields": fields})
     shards = math.ceil(len(dataset) / shard_size)
     paths = [folder / f"{split}_{index:05d}.pt" for index in range(shards)]
     # under torchrun each rank extracts every world_size-th missing shard
-    todo = [index for index, path in enumerate(paths) if not path.exists()][distributed.rank() :: distributed.world_size()]
+    todo = [index for index, path in enumerate(paths) if not path.exists()][
+        distributed.rank() :: distributed.world_size()
+    ]
     if todo:
         log.info("extracting %s features: %d of %d shards to do, into %s", split, len(todo), shards, folder)
-        with tqdm(total=sum(min(shard_size, len(dataset) - i * shard_size) for i in todo), desc=f"features {split}",
-                  leave=False, disable=not distributed.is_main()) as bar:
+        with tqdm(
+            total=sum(min(shard_size, len(dataset) - i * shard_size) for i in todo),
+            desc=f"features {split}",
+            leave=False,
+            disable=not distributed.is_main(),
+        ) as bar:
             for index in todo:
                 rows = range(index * shard_size, min((index + 1) * shard_size, len(dataset)))
                 loader = DataLoader(Subset(dataset, list(rows)), batch_size=batch_size, num_workers=num_workers)
@@ -145,19 +171,28 @@ def extract(dataset, split: str, backbone: Optional[nn.Module], folder: Path, fi
                         labels.append(label)
                         ok.append(good)
                         bar.update(len(label))
-                atomic_torch_save({"features": torch.cat(features), "labels": torch.cat(labels), "ok": torch.cat(ok)}, paths[index])
+                atomic_torch_save(
+                    {"features": torch.cat(features), "labels": torch.cat(labels), "ok": torch.cat(ok)}, paths[index]
+                )
     distributed.barrier()  # every rank's shards are on disk before anyone reads them
     parts = [load_feature_shard(path) for path in paths]
     widths = sorted({p["features"].shape[1] for p in parts})
     # an unreadable image's row (ok = 0) carries a placeholder label
     labels_seen = torch.cat([p["labels"][p["ok"].bool()] for p in parts]) if parts else torch.zeros(0, dtype=torch.long)
-    if len(widths) > 1 or (num_classes is not None and len(labels_seen)
-                           and not 0 <= int(labels_seen.min()) <= int(labels_seen.max()) < num_classes):
-        problem = (f"its shards hold features of widths {widths}" if len(widths) > 1 else
-                   f"its labels run from {int(labels_seen.min())} to {int(labels_seen.max())}, outside the "
-                   f"{num_classes} classes of the data")
-        raise CheckpointError(f"the feature cache {folder} is inconsistent ({problem}); delete the folder to "
-                              "extract its features again")
+    if len(widths) > 1 or (
+        num_classes is not None
+        and len(labels_seen)
+        and not 0 <= int(labels_seen.min()) <= int(labels_seen.max()) < num_classes
+    ):
+        problem = (
+            f"its shards hold features of widths {widths}"
+            if len(widths) > 1
+            else f"its labels run from {int(labels_seen.min())} to {int(labels_seen.max())}, outside the "
+            f"{num_classes} classes of the data"
+        )
+        raise CheckpointError(
+            f"the feature cache {folder} is inconsistent ({problem}); delete the folder to extract its features again"
+        )
     features = torch.cat([p["features"] for p in parts])
     labels = torch.cat([p["labels"] for p in parts])
     ok = torch.cat([p["ok"] for p in parts]).bool()

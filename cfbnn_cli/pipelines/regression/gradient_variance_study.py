@@ -21,18 +21,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from ...bnn.gradient_variance import gradient_variance
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
 from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork, mixture_log_likelihood, mixture_mean
-from ...bnn.gradient_variance import gradient_variance
 from ...data.regression import RegressionData, load_regression_data, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import caption, legend_below, new_figure, save_figure
 from ...report.numbers import format_value
 from ...report.tables import write_table
+from ...runtime import distributed
 from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
 from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
-from ...runtime import distributed
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.rundir import config_fingerprint
 from ...runtime.seed import seed_everything
@@ -127,11 +127,14 @@ def evaluate(model: BayesianNetwork, data: RegressionData, num_samples: int, gen
         return closed, monte_carlo, (mixture_mean(means, log_weights) - yb).square(), noise_variance
 
     closed, monte_carlo, squared_error, noise_variance = map_row_chunks(
-        per_point, torch.arange(len(y), device=x.device), chunk)
-    return {"test_rmse": squared_error.mean().sqrt().item() * data.target_std,
-            "test_ll_closed_form": closed.mean().item() - log_scale,
-            "test_ll_monte_carlo": monte_carlo.mean().item() - log_scale,
-            "noise_std": noise_variance.mean().sqrt().item() * data.target_std}
+        per_point, torch.arange(len(y), device=x.device), chunk
+    )
+    return {
+        "test_rmse": squared_error.mean().sqrt().item() * data.target_std,
+        "test_ll_closed_form": closed.mean().item() - log_scale,
+        "test_ll_monte_carlo": monte_carlo.mean().item() - log_scale,
+        "noise_std": noise_variance.mean().sqrt().item() * data.target_std,
+    }
 
 
 def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dict[str, Dict[str, Dict[str, float]]]:
@@ -140,18 +143,31 @@ def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dic
     out = {}
     for estimator in TABLE1_ESTIMATORS:
         started = time.perf_counter()
-        with tqdm(total=cfg.gradient_variance.num_samples, desc=f"grad var {estimator} @ epoch {epoch}", leave=False) as bar:
+        with tqdm(
+            total=cfg.gradient_variance.num_samples, desc=f"grad var {estimator} @ epoch {epoch}", leave=False
+        ) as bar:
             per_param = gradient_variance(
-                model, x, y, num_data, estimator, cfg.gradient_variance.num_samples,
-                cfg.gradient_variance.chunk_size, generator, progress=bar, cuda_graphs=cfg.trainer.cuda_graphs,
+                model,
+                x,
+                y,
+                num_data,
+                estimator,
+                cfg.gradient_variance.num_samples,
+                cfg.gradient_variance.chunk_size,
+                generator,
+                progress=bar,
+                cuda_graphs=cfg.trainer.cuda_graphs,
             )
         out[estimator] = {
             names[i]: {"mean": per_param[f"layers.{i}.loc"], "scale": per_param[f"layers.{i}.log_scale"]}
             for i in range(len(names))
         }
         log.info(
-            "gradient variance, %s, epoch %d (%d samples, %.1fs): %s", estimator, epoch,
-            cfg.gradient_variance.num_samples, time.perf_counter() - started,
+            "gradient variance, %s, epoch %d (%d samples, %.1fs): %s",
+            estimator,
+            epoch,
+            cfg.gradient_variance.num_samples,
+            time.perf_counter() - started,
             ", ".join(f"{k} {v['mean']:.3g}/{v['scale']:.3g}" for k, v in out[estimator].items()),
         )
     return out
@@ -171,17 +187,25 @@ def convergence_note(history: List[dict], key: str = "train_elbo_per_point") -> 
     (a linearly falling −ELBO is not converged, however slowly it falls)."""
     values = [h[key] for h in history if h.get(key) is not None]
     if len(values) < 3:
-        return {"converged": False, "rate": None, "average": None,
-                "text": f"{len(values)} epoch(s): too few to judge convergence"}
+        return {
+            "converged": False,
+            "rate": None,
+            "average": None,
+            "text": f"{len(values)} epoch(s): too few to judge convergence",
+        }
     window = max(2, len(values) // 10)
     rate = (values[-1] - values[-1 - window]) / window
     average = (values[-1] - values[0]) / (len(values) - 1)
     converged = average <= 0 or rate < 0.1 * average
-    text = (f"converged: the ELBO per point rose {rate:.2g} per epoch over the last {window} epochs, "
-            f"{rate / average:.0%} of its average rate" if converged and average > 0 else
-            f"not converged: the ELBO per point was still rising {rate:.2g} per epoch over the last {window} epochs "
-            f"({rate / average:.0%} of its average rate since epoch 1)" if average > 0 else
-            "converged: the ELBO per point stopped rising")
+    text = (
+        f"converged: the ELBO per point rose {rate:.2g} per epoch over the last {window} epochs, "
+        f"{rate / average:.0%} of its average rate"
+        if converged and average > 0
+        else f"not converged: the ELBO per point was still rising {rate:.2g} per epoch over the last {window} epochs "
+        f"({rate / average:.0%} of its average rate since epoch 1)"
+        if average > 0
+        else "converged: the ELBO per point stopped rising"
+    )
     return {"converged": converged, "rate": rate, "average": average, "text": text}
 
 
@@ -196,7 +220,9 @@ def epoch_heading(epoch: int, last_epoch: int, converged: Optional[bool]) -> str
     return f"Epoch {epoch} of {last_epoch}"
 
 
-def gradient_variance_table(results: Dict[int, dict], last_epoch: int, converged: Optional[bool] = None) -> pd.DataFrame:
+def gradient_variance_table(
+    results: Dict[int, dict], last_epoch: int, converged: Optional[bool] = None
+) -> pd.DataFrame:
     """Paper Table 1 layout: rows Analytic / Sampling / Deterministic / the ratio sampling /
     analytic; columns epoch x layer;
     cells "weight means / log σ" (two significant digits; the ratio row sampling / analytic)."""
@@ -204,14 +230,20 @@ def gradient_variance_table(results: Dict[int, dict], last_epoch: int, converged
     for epoch in sorted(results):
         when = epoch_heading(epoch, last_epoch, converged)
         for layer in next(iter(results[epoch].values())):
-            cells = [" / ".join(format_value(results[epoch][e][layer][kind], sig=GRADVAR_DIGITS) for kind in ("mean", "scale"))
-                     for e in TABLE1_ESTIMATORS]
+            cells = [
+                " / ".join(
+                    format_value(results[epoch][e][layer][kind], sig=GRADVAR_DIGITS) for kind in ("mean", "scale")
+                )
+                for e in TABLE1_ESTIMATORS
+            ]
             ratios = []
             for kind in ("mean", "scale"):
                 analytic, sampling = results[epoch]["analytic"][layer][kind], results[epoch]["sampling"][layer][kind]
                 ratios.append(format_value(sampling / analytic, sig=GRADVAR_DIGITS) if analytic > 0 else "—")
             columns[f"{when}: {layer.capitalize()} Layer"] = cells + [" / ".join(ratios)]
-    frame = pd.DataFrame(columns, index=[ESTIMATOR_LABELS[e] for e in TABLE1_ESTIMATORS] + ["Ratio sampling / analytic"])
+    frame = pd.DataFrame(
+        columns, index=[ESTIMATOR_LABELS[e] for e in TABLE1_ESTIMATORS] + ["Ratio sampling / analytic"]
+    )
     frame.index.name = "Estimator"
     return frame
 
@@ -230,8 +262,13 @@ def _plot_gradient_variance(results, path, description: str, last_epoch: int, co
         styles = {"analytic": dict(color="C0"), "sampling": dict(color="C1", hatch="///", edgecolor="white")}
         for offset, estimator in ((-width / 2, "analytic"), (width / 2, "sampling")):
             values = [results[epoch][estimator][layer][kind] for layer, kind in pairs]
-            ax.bar([i + offset for i in range(len(values))], values, width, label=ESTIMATOR_LABELS[estimator],
-                   **styles[estimator])
+            ax.bar(
+                [i + offset for i in range(len(values))],
+                values,
+                width,
+                label=ESTIMATOR_LABELS[estimator],
+                **styles[estimator],
+            )
             positive = [v for v in values if v > 0]  # a log axis shows no 0 (nothing sampled: exact)
             if positive:
                 low, high = min(low, min(positive)), max(high, max(positive))
@@ -239,11 +276,26 @@ def _plot_gradient_variance(results, path, description: str, last_epoch: int, co
             analytic, sampling = results[epoch]["analytic"][layer][kind], results[epoch]["sampling"][layer][kind]
             for offset, value, color in ((-width / 2, analytic, "C0"), (width / 2, sampling, "C1")):
                 if value == 0:  # exactly 0 (that layer is integrated, not sampled): said where its bar would stand
-                    ax.text(i + offset, 0.02, "0", transform=ax.get_xaxis_transform(), ha="center", va="bottom",
-                            fontsize=8, color=color)
+                    ax.text(
+                        i + offset,
+                        0.02,
+                        "0",
+                        transform=ax.get_xaxis_transform(),
+                        ha="center",
+                        va="bottom",
+                        fontsize=8,
+                        color=color,
+                    )
             if analytic > 0:
-                ax.annotate(f"×{format_value(sampling / analytic, sig=2)}", (i, max(analytic, sampling)),
-                            xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=7)
+                ax.annotate(
+                    f"×{format_value(sampling / analytic, sig=2)}",
+                    (i, max(analytic, sampling)),
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
         ax.set_yscale("log")
         ax.set_xticks(range(len(pairs)))
         ax.set_xticklabels([f"{layer}\n{KIND_LABELS[kind]}" for layer, kind in pairs])
@@ -252,14 +304,24 @@ def _plot_gradient_variance(results, path, description: str, last_epoch: int, co
     if high == 0.0:  # every variance is exactly 0: the network is integrated in closed form throughout
         low, high = 1e-12, 1e-9
         for ax in axes:
-            ax.text(0.5, 0.5, "every gradient variance is 0\n(nothing is sampled)", transform=ax.transAxes,
-                    ha="center", va="center", fontsize=8)
+            ax.text(
+                0.5,
+                0.5,
+                "every gradient variance is 0\n(nothing is sampled)",
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+                fontsize=8,
+            )
     axes[0].set_ylim(low / 3, high * 30)  # room above the tallest pair for its ratio
     axes[0].set_ylabel("gradient variance\n(mean over the tensor's elements)")
     legend_below(fig, axes)
-    caption(fig, f"Gradient variance of the weight means and of log σ (the log-scale parameters), per layer; "
-                 f"×: sampling / analytic. The deterministic estimator (not drawn: a log axis has no 0) has "
-                 f"variance 0 in every layer. {description}")
+    caption(
+        fig,
+        f"Gradient variance of the weight means and of log σ (the log-scale parameters), per layer; "
+        f"×: sampling / analytic. The deterministic estimator (not drawn: a log axis has no 0) has "
+        f"variance 0 in every layer. {description}",
+    )
     return save_figure(fig, path)
 
 
@@ -280,8 +342,11 @@ def _plot_training(history: List[dict], path, description: str, convergence: Dic
         ax.grid(alpha=0.3)
     gap = max(abs(a - b) for a, b in zip(closed, monte_carlo))
     legend_below(fig, axes)
-    caption(fig, f"{description}. Test log-likelihood: the two predictives differ by at most {format_value(gap, sig=1)} "
-                 f"nats. Training {convergence['text']}.")
+    caption(
+        fig,
+        f"{description}. Test log-likelihood: the two predictives differ by at most {format_value(gap, sig=1)} "
+        f"nats. Training {convergence['text']}.",
+    )
     return save_figure(fig, path)
 
 
@@ -290,12 +355,16 @@ def describe_run(cfg, data: RegressionData, num_draws: bool = True) -> str:
     heteroscedastic = cfg.likelihood == "heteroscedastic"
     sizes = "-".join(str(n) for n in [data.input_dim, *cfg.model.hidden_sizes, 2 if heteroscedastic else 1])
     noise = " (outputs: mean and log noise variance)" if heteroscedastic else ""
-    text = (f"Data {data.name} ({data.num_train} training rows, {data.input_dim} features), network {sizes}{noise}, "
-            f"trained with the {cfg.estimator} estimator (batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
-            f"{cfg.trainer.epochs} epochs), seed {cfg.seed}")
+    text = (
+        f"Data {data.name} ({data.num_train} training rows, {data.input_dim} features), network {sizes}{noise}, "
+        f"trained with the {cfg.estimator} estimator (batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
+        f"{cfg.trainer.epochs} epochs), seed {cfg.seed}"
+    )
     if num_draws:
-        text += (f"; {cfg.gradient_variance.num_samples} single-sample gradients per estimator on one fixed batch of "
-                 f"{cfg.gradient_variance.batch_size} training rows")
+        text += (
+            f"; {cfg.gradient_variance.num_samples} single-sample gradients per estimator on one fixed batch of "
+            f"{cfg.gradient_variance.batch_size} training rows"
+        )
     return text
 
 
@@ -309,19 +378,30 @@ def run(cfg: DictConfig, run_dir) -> dict:
     gv_epochs = gradient_variance_epochs(cfg) if cfg.gradient_variance.num_samples else []
     estimator = cfg.estimator
     heteroscedastic = cfg.likelihood == "heteroscedastic"
-    likelihood = (HeteroscedasticNormalLikelihood() if heteroscedastic
-                  else NormalLikelihood(cfg.model.precision, cfg.model.learn_precision))
+    likelihood = (
+        HeteroscedasticNormalLikelihood()
+        if heteroscedastic
+        else NormalLikelihood(cfg.model.precision, cfg.model.learn_precision)
+    )
     model = BayesianNetwork(
-        data.input_dim, list(cfg.model.hidden_sizes), 2 if heteroscedastic else 1, cfg.model.activation,
-        prior_scale=cfg.model.prior_scale, init_scale=cfg.model.init_scale, likelihood=likelihood,
-        generator=generator, prior=cfg.model.prior,
+        data.input_dim,
+        list(cfg.model.hidden_sizes),
+        2 if heteroscedastic else 1,
+        cfg.model.activation,
+        prior_scale=cfg.model.prior_scale,
+        init_scale=cfg.model.init_scale,
+        likelihood=likelihood,
+        generator=generator,
+        prior=cfg.model.prior,
     ).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
     data.x_test, data.y_test = data.x_test.to(device), data.y_test.to(device)
     num_data = data.num_train
     # one fixed minibatch for the gradient variances (paper: 500 random training points)
-    gv_index = torch.randperm(num_data, generator=torch.Generator().manual_seed(cfg.seed + 1))[: cfg.gradient_variance.batch_size]
+    gv_index = torch.randperm(num_data, generator=torch.Generator().manual_seed(cfg.seed + 1))[
+        : cfg.gradient_variance.batch_size
+    ]
     gv_x, gv_y = x_train[gv_index.to(device)], y_train[gv_index.to(device)]
     # each rank draws its own noise (rank 0's stream is the single-process one)
     sample_generator = torch.Generator(device=device).manual_seed(cfg.seed + 2 + 1000 * distributed.rank())
@@ -342,19 +422,41 @@ def run(cfg: DictConfig, run_dir) -> dict:
             gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
 
     loop = TrainingLoop(
-        model, optimizer, loss, num_data, cfg.trainer.batch_size, device, epochs=cfg.trainer.epochs,
-        data_generator=generator, generators={"sampler": sample_generator}, checkpoint_dir=run_dir / "checkpoints",
-        fingerprint=config_fingerprint(cfg, run_dir), resume=cfg.resume, evaluate=evaluate_epoch, after_epoch=measure,
-        metrics_path=run_dir / "metrics.csv", objective_scale=1.0 / num_data, label="epoch",
-        extra={"gradient_variance": {}}, config=OmegaConf.to_container(cfg, resolve=True),
+        model,
+        optimizer,
+        loss,
+        num_data,
+        cfg.trainer.batch_size,
+        device,
+        epochs=cfg.trainer.epochs,
+        data_generator=generator,
+        generators={"sampler": sample_generator},
+        checkpoint_dir=run_dir / "checkpoints",
+        fingerprint=config_fingerprint(cfg, run_dir),
+        resume=cfg.resume,
+        evaluate=evaluate_epoch,
+        after_epoch=measure,
+        metrics_path=run_dir / "metrics.csv",
+        objective_scale=1.0 / num_data,
+        label="epoch",
+        extra={"gradient_variance": {}},
+        config=OmegaConf.to_container(cfg, resolve=True),
         cuda_graphs=cfg.trainer.cuda_graphs,
     )
     loop.restore()
     gv_results: Dict[int, dict] = loop.extra["gradient_variance"]
     log.info(
         "data=%s (%d train, %d test, %d features), network %d-%s-%d, estimator=%s, likelihood=%s, device=%s",
-        data.name, num_data, data.x_test.shape[0], data.input_dim, data.input_dim,
-        "-".join(str(h) for h in cfg.model.hidden_sizes), model.output_dim, estimator, cfg.likelihood, device,
+        data.name,
+        num_data,
+        data.x_test.shape[0],
+        data.input_dim,
+        data.input_dim,
+        "-".join(str(h) for h in cfg.model.hidden_sizes),
+        model.output_dim,
+        estimator,
+        cfg.likelihood,
+        device,
     )
     if 0 in gv_epochs and 0 not in gv_results and distributed.is_main():
         gv_results[0] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, 0)
@@ -366,21 +468,29 @@ def run(cfg: DictConfig, run_dir) -> dict:
     tables, figures, metrics_out = {}, {}, {}
     convergence = convergence_note(history) if history else {"converged": None, "text": "no epochs"}
     if history:
-        figures["training"] = _plot_training(history, run_dir / "training.png", describe_run(cfg, data, False), convergence)
+        figures["training"] = _plot_training(
+            history, run_dir / "training.png", describe_run(cfg, data, False), convergence
+        )
         metrics_out.update({f"final_{k}": v for k, v in history[-1].items() if k != "epoch"})
         metrics_out["train/converged"] = None if convergence["converged"] is None else float(convergence["converged"])
     result_extra = {}
     if gv_results:
         frame = gradient_variance_table(gv_results, cfg.trainer.epochs, convergence["converged"])
-        table_caption = (f"Mean gradient variances (weight means / log σ, the log-scale parameters; two significant digits: "
-                   f"{cfg.gradient_variance.num_samples} draws give a relative s.e. of about "
-                   f"{100 * math.sqrt(2 / max(cfg.gradient_variance.num_samples - 1, 1)):.0f} %). "
-                   f"{describe_run(cfg, data)}. End of training: {convergence['text']}.")
+        table_caption = (
+            f"Mean gradient variances (weight means / log σ, the log-scale parameters; two significant digits: "
+            f"{cfg.gradient_variance.num_samples} draws give a relative s.e. of about "
+            f"{100 * math.sqrt(2 / max(cfg.gradient_variance.num_samples - 1, 1)):.0f} %). "
+            f"{describe_run(cfg, data)}. End of training: {convergence['text']}."
+        )
         tables.update(write_table(frame, run_dir, "gradient_variance", caption=table_caption))
         log.info("gradient variance (weight means / log σ):\n%s", frame.to_markdown())
-        figures["gradient_variance"] = _plot_gradient_variance(gv_results, run_dir / "gradient_variance.png",
-                                                               describe_run(cfg, data), cfg.trainer.epochs,
-                                                               convergence["converged"])
+        figures["gradient_variance"] = _plot_gradient_variance(
+            gv_results,
+            run_dir / "gradient_variance.png",
+            describe_run(cfg, data),
+            cfg.trainer.epochs,
+            convergence["converged"],
+        )
         result_extra["main_table"] = "gradient_variance.md"
         for epoch, by_estimator in gv_results.items():
             for est, layers in by_estimator.items():

@@ -109,8 +109,11 @@ METHODS = {
 }
 # beyond the paper (moment propagation and an input-dependent noise): (likelihood, deep) per method;
 # they train like the closed forms (full-batch L-BFGS on their deterministic ELBO)
-DETERMINISTIC_METHODS = {"deterministic_2_hidden": ("normal", True), "heteroscedastic": ("heteroscedastic", False),
-                         "heteroscedastic_2_hidden": ("heteroscedastic", True)}
+DETERMINISTIC_METHODS = {
+    "deterministic_2_hidden": ("normal", True),
+    "heteroscedastic": ("heteroscedastic", False),
+    "heteroscedastic_2_hidden": ("heteroscedastic", True),
+}
 MIN_ROWS = 10  # a 90/10 split needs at least one test point and a handful of training rows
 
 
@@ -136,8 +139,10 @@ def validate(cfg: DictConfig) -> List[str]:
     require_widths(cfg, "uci.deep_hidden_sizes", minimum_length=2, example="[50,50]")
     validation = OmegaConf.select(cfg, "uci.validation_fraction")
     if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
-        raise ConfigError(f"uci.validation_fraction={validation!r} must be a number in (0, 0.5): the share of each "
-                          "split's training rows that decides when the minibatch methods stop (e.g. 0.1)")
+        raise ConfigError(
+            f"uci.validation_fraction={validation!r} must be a number in (0, 0.5): the share of each "
+            "split's training rows that decides when the minibatch methods stop (e.g. 0.1)"
+        )
     require_int(cfg, "model.rank", minimum=1)
     require_positive_float(cfg, "model.init_scale")
     require_positive_float(cfg, "uci.sampling_init_scale")
@@ -159,8 +164,10 @@ def validate(cfg: DictConfig) -> List[str]:
         raise ConfigError(f"uci.methods={methods} lists a method twice")
     pyro_peers = [m for m in methods if m.startswith("pyro")]
     if len(sizes) > 1 and pyro_peers:
-        raise ConfigError(f"uci.methods includes {pyro_peers}, whose peer network has one hidden layer; "
-                          f"model.hidden_sizes={sizes} (drop them or use one hidden layer)")
+        raise ConfigError(
+            f"uci.methods includes {pyro_peers}, whose peer network has one hidden layer; "
+            f"model.hidden_sizes={sizes} (drop them or use one hidden layer)"
+        )
     return methods
 
 
@@ -226,9 +233,16 @@ class Split:
     warm_up: bool = False  # the untimed warm-up fit before the first split, not a result
 
 
-def _network(data, cfg, generator, covariance="diagonal", point_layers: int = 0,
-             init_scale: Optional[float] = None, sizes: Optional[List[int]] = None,
-             heteroscedastic: bool = False) -> BayesianNetwork:
+def _network(
+    data,
+    cfg,
+    generator,
+    covariance="diagonal",
+    point_layers: int = 0,
+    init_scale: Optional[float] = None,
+    sizes: Optional[List[int]] = None,
+    heteroscedastic: bool = False,
+) -> BayesianNetwork:
     """The network every cfbnn method of the protocol uses (``model.*``), with a learned noise
     (or, ``heteroscedastic``, a second output for the log noise variance); posterior standard
     deviations start at ``init_scale`` (default ``model.init_scale``)."""
@@ -236,12 +250,23 @@ def _network(data, cfg, generator, covariance="diagonal", point_layers: int = 0,
     if isinstance(covariance, str):
         # the output layer's covariance is diagonal or full; low rank applies to the hidden layers
         covariance = [covariance] * len(sizes) + ["full" if covariance == "full" else "diagonal"]
-    likelihood = (HeteroscedasticNormalLikelihood() if heteroscedastic
-                  else NormalLikelihood(cfg.model.precision, cfg.model.learn_precision))
+    likelihood = (
+        HeteroscedasticNormalLikelihood()
+        if heteroscedastic
+        else NormalLikelihood(cfg.model.precision, cfg.model.learn_precision)
+    )
     return BayesianNetwork(
-        data.input_dim, sizes, 2 if heteroscedastic else 1, cfg.model.activation, covariance[point_layers:],
-        cfg.model.rank, cfg.model.prior_scale, cfg.model.init_scale if init_scale is None else init_scale,
-        likelihood, point_layers=point_layers, generator=generator,
+        data.input_dim,
+        sizes,
+        2 if heteroscedastic else 1,
+        cfg.model.activation,
+        covariance[point_layers:],
+        cfg.model.rank,
+        cfg.model.prior_scale,
+        cfg.model.init_scale if init_scale is None else init_scale,
+        likelihood,
+        point_layers=point_layers,
+        generator=generator,
     )
 
 
@@ -257,8 +282,19 @@ def _predictive_log_likelihood(predict, x, y) -> float:
         return float(mixture_log_likelihood(y, *predict(x)).mean())
 
 
-def _fit_by_validation(name, module, parameters, loss_on_rows, predict, validation_predict, split: Split, cfg,
-                       device, noise_std: Callable[[], float], generators: Sequence[torch.Generator] = ()) -> Fitted:
+def _fit_by_validation(
+    name,
+    module,
+    parameters,
+    loss_on_rows,
+    predict,
+    validation_predict,
+    split: Split,
+    cfg,
+    device,
+    noise_std: Callable[[], float],
+    generators: Sequence[torch.Generator] = (),
+) -> Fitted:
     """Adam on minibatches of the training rows less a validation part; the best validation
     log-likelihood kept, stop ``uci.patience`` epochs after it (``trainer.epochs`` caps it).
     Leaves ``module`` at its best epoch; ``equal_time`` holds the test metrics of its
@@ -268,13 +304,25 @@ def _fit_by_validation(name, module, parameters, loss_on_rows, predict, validati
     fit_rows, validation_rows = fit_rows.to(device), validation_rows.to(device)
     x_validation, y_validation = data.x_train[validation_rows], data.y_train[validation_rows]
     loop = TrainingLoop(
-        module, torch.optim.Adam(parameters, lr=cfg.trainer.lr), lambda rows: loss_on_rows(fit_rows[rows], len(fit_rows)),
-        len(fit_rows), min(cfg.trainer.batch_size, len(fit_rows)), device, epochs=cfg.trainer.epochs,
-        data_generator=torch.Generator().manual_seed(split.index), label=name,
-        evaluate=lambda epoch: {"validation_ll": _predictive_log_likelihood(validation_predict, x_validation, y_validation)},
-        select=("validation_ll", "max"), patience=cfg.uci.patience, evaluate_every=cfg.uci.evaluate_every,
-        snapshot_after_seconds=split.equal_time_seconds, progress=_StepCount(split.progress),
-        generators={f"sampler{i}": g for i, g in enumerate(generators)}, cuda_graphs=cfg.trainer.cuda_graphs,
+        module,
+        torch.optim.Adam(parameters, lr=cfg.trainer.lr),
+        lambda rows: loss_on_rows(fit_rows[rows], len(fit_rows)),
+        len(fit_rows),
+        min(cfg.trainer.batch_size, len(fit_rows)),
+        device,
+        epochs=cfg.trainer.epochs,
+        data_generator=torch.Generator().manual_seed(split.index),
+        label=name,
+        evaluate=lambda epoch: {
+            "validation_ll": _predictive_log_likelihood(validation_predict, x_validation, y_validation)
+        },
+        select=("validation_ll", "max"),
+        patience=cfg.uci.patience,
+        evaluate_every=cfg.uci.evaluate_every,
+        snapshot_after_seconds=split.equal_time_seconds,
+        progress=_StepCount(split.progress),
+        generators={f"sampler{i}": g for i, g in enumerate(generators)},
+        cuda_graphs=cfg.trainer.cuda_graphs,
     )
     with _quiet("cfbnn_cli.train.loop"):
         result = loop.run()
@@ -285,8 +333,9 @@ def _fit_by_validation(name, module, parameters, loss_on_rows, predict, validati
         equal_time = test_metrics(predict, data, cfg)
         module.load_state_dict(final)
     loop.load_best()
-    return Fitted(predict, noise_std(), "adam", len(result.history), stopped_early=loop.stopped_early,
-                  equal_time=equal_time)
+    return Fitted(
+        predict, noise_std(), "adam", len(result.history), stopped_early=loop.stopped_early, equal_time=equal_time
+    )
 
 
 class _StepCount:
@@ -321,8 +370,14 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
     name = method or f"closed_form_{covariance}"
     likelihood, deep = DETERMINISTIC_METHODS.get(method, ("normal", False))
     estimator = "deterministic" if deep else "analytic"
-    model = _network(data, cfg, generator, covariance, sizes=list(cfg.uci.deep_hidden_sizes) if deep else None,
-                     heteroscedastic=likelihood == "heteroscedastic").to(device)
+    model = _network(
+        data,
+        cfg,
+        generator,
+        covariance,
+        sizes=list(cfg.uci.deep_hidden_sizes) if deep else None,
+        heteroscedastic=likelihood == "heteroscedastic",
+    ).to(device)
     sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
 
     @torch.no_grad()
@@ -338,17 +393,28 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
 
     if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
         return _fit_by_validation(
-            name, model, model.parameters(),
-            lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, estimator), predict, predict,
-            Split(data, split.index), cfg, device, noise_std,
+            name,
+            model,
+            model.parameters(),
+            lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, estimator),
+            predict,
+            predict,
+            Split(data, split.index),
+            cfg,
+            device,
+            noise_std,
         )
     num_data = data.num_train
 
     def negative_elbo_per_point():
         return -model.elbo(data.x_train, data.y_train, num_data, estimator) / num_data
 
-    options = dict(max_iterations=cfg.uci.max_iterations, rtol=cfg.uci.rtol, label=f"{name} ELBO",
-                   progress=_StepCount(split.progress))
+    options = dict(
+        max_iterations=cfg.uci.max_iterations,
+        rtol=cfg.uci.rtol,
+        label=f"{name} ELBO",
+        progress=_StepCount(split.progress),
+    )
     result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
     iterations, converged = result.iterations, result.converged
     if cfg.model.prior == "empirical_bayes":  # learned prior variances, from the fixed-prior optimum
@@ -372,10 +438,17 @@ def _fit_local_reparameterization(split: Split, cfg, device, generator):
         return predict
 
     return _fit_by_validation(
-        "local_reparameterization", model, model.parameters(),
+        "local_reparameterization",
+        model,
+        model.parameters(),
         lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, "sampling", generator=sampler),
-        predictor(cfg.uci.predictive_samples), predictor(cfg.uci.validation_samples), split, cfg, device,
-        lambda: float(model.precision.detach()) ** -0.5, generators=(sampler,),
+        predictor(cfg.uci.predictive_samples),
+        predictor(cfg.uci.validation_samples),
+        split,
+        cfg,
+        device,
+        lambda: float(model.precision.detach()) ** -0.5,
+        generators=(sampler,),
     )
 
 
@@ -384,8 +457,12 @@ def _starting_means(data, cfg, generator) -> Dict[str, torch.Tensor]:
     and biases ``fc1``/``fc2``: every method of a split starts from the same point."""
     network = _network(data, cfg, generator)
     hidden, output = network.layers
-    return {"fc1.weight": hidden.loc[:, :-1].detach(), "fc1.bias": hidden.loc[:, -1].detach(),
-            "fc2.weight": output.loc[:, :-1].detach(), "fc2.bias": output.loc[:, -1].detach()}
+    return {
+        "fc1.weight": hidden.loc[:, :-1].detach(),
+        "fc1.bias": hidden.loc[:, -1].detach(),
+        "fc2.weight": output.loc[:, :-1].detach(),
+        "fc2.bias": output.loc[:, -1].detach(),
+    }
 
 
 def _fit_pyro(split: Split, cfg, device, generator):
@@ -403,8 +480,11 @@ def _fit_pyro(split: Split, cfg, device, generator):
     model = PyroMLPRegression(D, H, cfg.model.activation, cfg.model.prior_scale, device=device)
     # the same starting means as cfbnn's (randn / sqrt(fan_in)), not Pyro's all-zero default
     start = _starting_means(data, cfg, generator)
-    guide = AutoNormal(model, init_loc_fn=init_to_value(values={k: v.to(device) for k, v in start.items()}),
-                       init_scale=cfg.uci.sampling_init_scale)
+    guide = AutoNormal(
+        model,
+        init_loc_fn=init_to_value(values={k: v.to(device) for k, v in start.items()}),
+        init_scale=cfg.uci.sampling_init_scale,
+    )
     elbo = Trace_ELBO()
     elbo.differentiable_loss(model, guide, data.x_train[:2], data.y_train[:2], data.num_train)  # creates the parameters
     both = torch.nn.ModuleDict({"guide": guide, "model": model})
@@ -418,9 +498,15 @@ def _fit_pyro(split: Split, cfg, device, generator):
         return predict
 
     return _fit_by_validation(
-        "pyro", both, list(both.parameters()),
+        "pyro",
+        both,
+        list(both.parameters()),
         lambda rows, count: elbo.differentiable_loss(model, guide, data.x_train[rows], data.y_train[rows], count),
-        predictor(cfg.uci.predictive_samples), predictor(cfg.uci.validation_samples), split, cfg, device,
+        predictor(cfg.uci.predictive_samples),
+        predictor(cfg.uci.validation_samples),
+        split,
+        cfg,
+        device,
         lambda: float(model.noise_scale.detach()),
     )
 
@@ -435,9 +521,13 @@ def _fit_pyro_local_reparameterization(split: Split, cfg, device, generator):
     pyro.clear_param_store()
     pyro.set_rng_seed(int(generator.initial_seed()))
     model = PyroLocalReparameterizationRegression(
-        data.input_dim, cfg.model.hidden_sizes[0], cfg.model.activation, cfg.model.prior_scale,
+        data.input_dim,
+        cfg.model.hidden_sizes[0],
+        cfg.model.activation,
+        cfg.model.prior_scale,
         cfg.uci.sampling_init_scale,
-        start=_starting_means(data, cfg, generator), device=device,
+        start=_starting_means(data, cfg, generator),
+        device=device,
     )
     elbo = TraceMeanField_ELBO()  # the weights' KL analytically; the likelihood by local reparameterization
 
@@ -451,10 +541,17 @@ def _fit_pyro_local_reparameterization(split: Split, cfg, device, generator):
         return predict
 
     return _fit_by_validation(
-        "pyro_local_reparameterization", model, list(model.parameters()),
-        lambda rows, count: elbo.differentiable_loss(model.model, model.guide, data.x_train[rows], data.y_train[rows],
-                                                     count),
-        predictor(cfg.uci.predictive_samples), predictor(cfg.uci.validation_samples), split, cfg, device,
+        "pyro_local_reparameterization",
+        model,
+        list(model.parameters()),
+        lambda rows, count: elbo.differentiable_loss(
+            model.model, model.guide, data.x_train[rows], data.y_train[rows], count
+        ),
+        predictor(cfg.uci.predictive_samples),
+        predictor(cfg.uci.validation_samples),
+        split,
+        cfg,
+        device,
         lambda: float(model.noise_scale.detach()),
     )
 
@@ -477,18 +574,32 @@ def _fit_plain_mlp(split: Split, cfg, device, generator):
     def loss(rows, count):  # maximum likelihood with a learned noise: the mean negative log-likelihood
         return -model.expected_log_likelihood(data.x_train[rows], data.y_train[rows]) / rows.numel()
 
-    return _fit_by_validation("plain_mlp", model, model.parameters(), loss, predict, predict, split, cfg, device,
-                              lambda: float(model.precision.detach()) ** -0.5)
+    return _fit_by_validation(
+        "plain_mlp",
+        model,
+        model.parameters(),
+        loss,
+        predict,
+        predict,
+        split,
+        cfg,
+        device,
+        lambda: float(model.precision.detach()) ** -0.5,
+    )
 
 
 def fit_method(method: str, split: Split, cfg, device, seed: int) -> Fitted:
     generator = torch.Generator().manual_seed(seed)
     if method.startswith("closed_form_"):
-        return _fit_closed_form(method[len("closed_form_"):], split, cfg, device, generator)
+        return _fit_closed_form(method[len("closed_form_") :], split, cfg, device, generator)
     if method in DETERMINISTIC_METHODS:
         return _fit_closed_form("diagonal", split, cfg, device, generator, method)
-    fit = {"local_reparameterization": _fit_local_reparameterization, "pyro": _fit_pyro,
-           "pyro_local_reparameterization": _fit_pyro_local_reparameterization, "plain_mlp": _fit_plain_mlp}[method]
+    fit = {
+        "local_reparameterization": _fit_local_reparameterization,
+        "pyro": _fit_pyro,
+        "pyro_local_reparameterization": _fit_pyro_local_reparameterization,
+        "plain_mlp": _fit_plain_mlp,
+    }[method]
     return fit(split, cfg, device, generator)
 
 
@@ -514,7 +625,11 @@ def _progress_record_problem(record) -> Optional[str]:
         return f"method {method!r:.40} is not one of the protocol's methods"
     for key in _PROGRESS_NUMBERS:
         value = record.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, int) and abs(value) > 1e300):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (isinstance(value, int) and abs(value) > 1e300)
+        ):
             return f"split {split} {method}: {key} is {'missing' if value is None else repr(value)[:40]}, not a number"
     iterations = record.get("iterations")
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
@@ -523,8 +638,11 @@ def _progress_record_problem(record) -> Optional[str]:
         if not isinstance(record.get(key), bool):
             return f"split {split} {method}: {key} is not true/false"
     equal = record.get("equal_time_test_ll")
-    if equal is not None and (isinstance(equal, bool) or not isinstance(equal, (int, float))
-                              or (isinstance(equal, int) and abs(equal) > 1e300)):
+    if equal is not None and (
+        isinstance(equal, bool)
+        or not isinstance(equal, (int, float))
+        or (isinstance(equal, int) and abs(equal) > 1e300)
+    ):
         return f"split {split} {method}: equal_time_test_ll is not a number"
     return None
 
@@ -562,7 +680,9 @@ def read_progress(path: Path, fingerprint: str, n_splits: int, methods: List[str
 def test_metrics(predict, data: RegressionData, cfg) -> Dict[str, float]:
     """Test LL and RMSE in the target's original units; ``predict`` over row chunks (peak
     memory bounded whatever the test-set size)."""
-    chunk = rows_per_chunk(cfg.uci.predictive_samples * max(list(cfg.model.hidden_sizes) + list(cfg.uci.deep_hidden_sizes)))
+    chunk = rows_per_chunk(
+        cfg.uci.predictive_samples * max(list(cfg.model.hidden_sizes) + list(cfg.uci.deep_hidden_sizes))
+    )
     with torch.no_grad():
         mixture = map_row_chunks(predict, data.x_test, chunk)  # (means, variances[, log_weights])
     log_likelihood = mixture_log_likelihood(data.y_test, *mixture)
@@ -588,12 +708,15 @@ def prediction_seconds_per_1000(predict, data: RegressionData, device, repeats: 
 def evaluate(fitted: Fitted, data: RegressionData, device, cfg) -> Dict[str, float]:
     """Test metrics, the learned noise (original units) and the robust prediction time."""
     record = test_metrics(fitted.predict, data, cfg)
-    record["predict_seconds_per_1000"] = prediction_seconds_per_1000(fitted.predict, data, device, cfg.uci.timing_repeats)
+    record["predict_seconds_per_1000"] = prediction_seconds_per_1000(
+        fitted.predict, data, device, cfg.uci.timing_repeats
+    )
     record["noise_std"] = fitted.noise_std * data.target_std
     return record
 
 
 # ----------------------------------------------------------------------------- outputs
+
 
 def _mean_and_standard_error(values: pd.Series) -> Tuple[float, Optional[float]]:
     values = values.astype(float).dropna()
@@ -618,8 +741,7 @@ def summary_table(records: pd.DataFrame, methods: List[str], cfg, reference: Opt
     real), the test LL at the reference's training time, and medians over splits of
     training seconds, iterations and prediction time. Rounded by the shared
     :func:`~cfbnn_cli.report.numbers.format_mean_se` like every cfbnn table."""
-    base = (records[records["method"] == reference].set_index("split")["test_ll"]
-            if reference is not None else None)
+    base = records[records["method"] == reference].set_index("split")["test_ll"] if reference is not None else None
     rows = []
     for method in methods:
         part = records[records["method"] == method]
@@ -628,25 +750,33 @@ def summary_table(records: pd.DataFrame, methods: List[str], cfg, reference: Opt
         if base is not None and method != reference:
             difference = (part.set_index("split")["test_ll"] - base).dropna()
             paired = format_mean_se(*_mean_and_standard_error(difference), signed=True, scientific=False)
-        rows.append({
-            "Method": METHODS[method],
-            "Test LL": format_mean_se(*_mean_and_standard_error(part["test_ll"])),
-            f"Test LL − {SHORT_NAMES.get(reference, 'closed form')} (paired)": paired,
-            "RMSE": format_mean_se(*_mean_and_standard_error(part["rmse"])),
-            "Test LL at closed form's time": (format_mean_se(*_mean_and_standard_error(equal))
-                                              if equal.notna().all() else "—"),
-            "Train s (median)": format_value(part["train_seconds"].median()),
-            "Stopping": _iterations(method, part, cfg),
-            "Predict ms / 1000 pts (median)": format_value(1e3 * part["predict_seconds_per_1000"].median()),
-        })
+        rows.append(
+            {
+                "Method": METHODS[method],
+                "Test LL": format_mean_se(*_mean_and_standard_error(part["test_ll"])),
+                f"Test LL − {SHORT_NAMES.get(reference, 'closed form')} (paired)": paired,
+                "RMSE": format_mean_se(*_mean_and_standard_error(part["rmse"])),
+                "Test LL at closed form's time": (
+                    format_mean_se(*_mean_and_standard_error(equal)) if equal.notna().all() else "—"
+                ),
+                "Train s (median)": format_value(part["train_seconds"].median()),
+                "Stopping": _iterations(method, part, cfg),
+                "Predict ms / 1000 pts (median)": format_value(1e3 * part["predict_seconds_per_1000"].median()),
+            }
+        )
     return pd.DataFrame(rows).set_index("Method")
 
 
 SHORT_NAMES = {
-    "closed_form_diagonal": "closed form (diag.)", "closed_form_full": "closed form (full)",
-    "closed_form_lowrank": "closed form (low-rank)", "local_reparameterization": "cfbnn local reparam.",
-    "pyro": "Pyro AutoNormal", "pyro_local_reparameterization": "Pyro local reparam.", "plain_mlp": "plain MLP",
-    "deterministic_2_hidden": "deterministic, 2 hidden", "heteroscedastic": "heteroscedastic",
+    "closed_form_diagonal": "closed form (diag.)",
+    "closed_form_full": "closed form (full)",
+    "closed_form_lowrank": "closed form (low-rank)",
+    "local_reparameterization": "cfbnn local reparam.",
+    "pyro": "Pyro AutoNormal",
+    "pyro_local_reparameterization": "Pyro local reparam.",
+    "plain_mlp": "plain MLP",
+    "deterministic_2_hidden": "deterministic, 2 hidden",
+    "heteroscedastic": "heteroscedastic",
     "heteroscedastic_2_hidden": "heteroscedastic, 2 hidden",
 }
 
@@ -671,8 +801,16 @@ def _plot(records: pd.DataFrame, methods: List[str], reference: Optional[str], t
     for method in methods:
         part = records[records["method"] == method]
         mean, se = _mean_and_standard_error(part["test_ll"])
-        axes[1].errorbar(float(part["train_seconds"].median()), mean, yerr=se or 0.0, fmt="o", ms=4,
-                         color=colors[method], capsize=2, label=SHORT_NAMES[method])
+        axes[1].errorbar(
+            float(part["train_seconds"].median()),
+            mean,
+            yerr=se or 0.0,
+            fmt="o",
+            ms=4,
+            color=colors[method],
+            capsize=2,
+            label=SHORT_NAMES[method],
+        )
     axes[1].set_xscale("log")
     # plain-number ticks (1, 2, 5, 10, ...) and no minor labels: matplotlib's default minor
     # labels on a log axis spanning less than a decade print on top of each other
@@ -715,17 +853,26 @@ def run(cfg: DictConfig, run_dir) -> dict:
     n_train = len(splits[0][0])
     batch_size = cfg.trainer.batch_size
     minibatch = [m for m in methods if not m.startswith("closed_form_") and m not in DETERMINISTIC_METHODS] or (
-        methods if n_train > cfg.uci.full_batch_max_rows else [])
+        methods if n_train > cfg.uci.full_batch_max_rows else []
+    )
     n_fit = n_train - max(1, int(round(cfg.uci.validation_fraction * n_train)))
     if minibatch and batch_size > n_fit:
         raise ConfigError(
             f"trainer.batch_size={batch_size} exceeds the {n_fit} rows a split trains {', '.join(minibatch)} on "
-            f"(its training rows less uci.validation_fraction={cfg.uci.validation_fraction}); lower it")
-    atomic_write_json(run_dir / "splits.json", {
-        "data": table.name, "rows": len(table.y), "test_fraction": cfg.data.test_fraction,
-        "seeds": list(range(len(splits))),
-        "splits": [{"seed": k, "train": train.tolist(), "test": test.tolist()} for k, (train, test) in enumerate(splits)],
-    })
+            f"(its training rows less uci.validation_fraction={cfg.uci.validation_fraction}); lower it"
+        )
+    atomic_write_json(
+        run_dir / "splits.json",
+        {
+            "data": table.name,
+            "rows": len(table.y),
+            "test_fraction": cfg.data.test_fraction,
+            "seeds": list(range(len(splits))),
+            "splits": [
+                {"seed": k, "train": train.tolist(), "test": test.tolist()} for k, (train, test) in enumerate(splits)
+            ],
+        },
+    )
     progress_path = run_dir / "uci_progress.json"
     fingerprint = config_fingerprint(cfg, run_dir)
     records: List[dict] = []
@@ -739,11 +886,19 @@ def run(cfg: DictConfig, run_dir) -> dict:
     order = ([reference] if reference else []) + [m for m in methods if m != reference]
     log.info(
         "UCI protocol on %s (%d rows, %d features): %d splits, %s, hidden layers %s, device=%s",
-        table.name, len(table.y), table.x.shape[1], len(splits), ", ".join(methods), list(cfg.model.hidden_sizes), device,
+        table.name,
+        len(table.y),
+        table.x.shape[1],
+        len(splits),
+        ", ".join(methods),
+        list(cfg.model.hidden_sizes),
+        device,
     )
     remaining = len(splits) * len(methods) - len(done)
     with validate_args(False):
-        _warm_up([m for m in methods if any((k, m) not in done for k in range(len(splits)))], table, splits, cfg, device)
+        _warm_up(
+            [m for m in methods if any((k, m) not in done for k in range(len(splits)))], table, splits, cfg, device
+        )
         with tqdm(total=remaining, desc="uci", unit="fit", leave=False) as bar:
             for k, (train, test) in enumerate(splits):
                 split = Split(_to_device(table.split(train, test), device), k, progress=bar)
@@ -760,9 +915,15 @@ def run(cfg: DictConfig, run_dir) -> dict:
                     seconds = time.perf_counter() - started
                     if method == reference:
                         split.equal_time_seconds = seconds
-                    record = {"split": k, "method": method, "train_seconds": seconds, "iterations": fitted.iterations,
-                              "optimizer": fitted.optimizer, "converged": fitted.converged,
-                              "stopped_early": fitted.stopped_early}
+                    record = {
+                        "split": k,
+                        "method": method,
+                        "train_seconds": seconds,
+                        "iterations": fitted.iterations,
+                        "optimizer": fitted.optimizer,
+                        "converged": fitted.converged,
+                        "stopped_early": fitted.stopped_early,
+                    }
                     record.update(evaluate(fitted, split.data, device, cfg))
                     if method == reference:
                         record["equal_time_test_ll"] = record["test_ll"]
@@ -776,21 +937,40 @@ def run(cfg: DictConfig, run_dir) -> dict:
                     bar.update(1)
                     log.info(
                         "split %d %-26s test LL %8.4f  RMSE %10.4g  train %6.2fs (%s %d)  predict %.2f ms/1000",
-                        k, method, record["test_ll"], record["rmse"], seconds, fitted.optimizer, fitted.iterations,
+                        k,
+                        method,
+                        record["test_ll"],
+                        record["rmse"],
+                        seconds,
+                        fitted.optimizer,
+                        fitted.iterations,
                         1e3 * record["predict_seconds_per_1000"],
                     )
     frame = pd.DataFrame(records).sort_values(["split", "method"])
     tables = write_table(frame.set_index(["split", "method"]), run_dir, "uci_splits")
     summary = summary_table(frame, methods, cfg, reference)
-    caption = (f"UCI protocol on {table.name} ({len(table.y)} rows, {table.x.shape[1]} features): {len(splits)} random 90/10 "
-               f"splits, mean ± s.e. over splits; test LL per point and RMSE in the target's units; times are medians "
-               f"over splits; the equal-time column is each method at the training time of {METHODS[reference] if reference else '—'}")
+    caption = (
+        f"UCI protocol on {table.name} ({len(table.y)} rows, {table.x.shape[1]} features): {len(splits)} random 90/10 "
+        f"splits, mean ± s.e. over splits; test LL per point and RMSE in the target's units; times are medians "
+        f"over splits; the equal-time column is each method at the training time of {METHODS[reference] if reference else '—'}"
+    )
     tables.update(write_table(summary, run_dir, "uci", caption=caption))
     log.info("UCI protocol, %s:\n%s", table.name, summary.to_markdown())
-    figures = {"uci": _plot(frame, methods, reference, f"UCI protocol on {table.name}: {len(splits)} random 90/10 splits",
-                            run_dir / "uci.png")}
-    return {"metrics": _metrics(frame, methods, reference, len(splits)), "tables": tables, "figures": figures,
-            "device": device}
+    figures = {
+        "uci": _plot(
+            frame,
+            methods,
+            reference,
+            f"UCI protocol on {table.name}: {len(splits)} random 90/10 splits",
+            run_dir / "uci.png",
+        )
+    }
+    return {
+        "metrics": _metrics(frame, methods, reference, len(splits)),
+        "tables": tables,
+        "figures": figures,
+        "device": device,
+    }
 
 
 def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], n_splits: int) -> Dict[str, float]:
@@ -811,13 +991,18 @@ def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], 
         for peer in [m for m in methods if not m.startswith("closed_form_")]:
             key = f"uci/compare/{closed}_vs_{peer}"
             # paired over splits: the same split's difference, so split-to-split spread cancels
-            paired = (frame[frame["method"] == closed].set_index("split")["test_ll"]
-                      - frame[frame["method"] == peer].set_index("split")["test_ll"]).dropna()
+            paired = (
+                frame[frame["method"] == closed].set_index("split")["test_ll"]
+                - frame[frame["method"] == peer].set_index("split")["test_ll"]
+            ).dropna()
             mean, se = _mean_and_standard_error(paired)
             metrics[f"{key}/test_ll_difference"] = mean
             metrics[f"{key}/test_ll_difference_se"] = se
-            metrics[f"{key}/train_time_ratio"] = (metrics[f"uci/{closed}/train_seconds_median"]
-                                                  / metrics[f"uci/{peer}/train_seconds_median"])
-            metrics[f"{key}/predict_speedup"] = (metrics[f"uci/{peer}/predict_seconds_per_1000_median"]
-                                                 / metrics[f"uci/{closed}/predict_seconds_per_1000_median"])
+            metrics[f"{key}/train_time_ratio"] = (
+                metrics[f"uci/{closed}/train_seconds_median"] / metrics[f"uci/{peer}/train_seconds_median"]
+            )
+            metrics[f"{key}/predict_speedup"] = (
+                metrics[f"uci/{peer}/predict_seconds_per_1000_median"]
+                / metrics[f"uci/{closed}/predict_seconds_per_1000_median"]
+            )
     return metrics
