@@ -259,7 +259,9 @@ def test_head_training_resumes_from_its_last_checkpoint(tmp_path, interrupt_on_c
     cfg = imagenet_cfg("stage=train", "trainer.epochs=3")
     pipeline.run(cfg, tmp_path / "whole")
     reference = pd.read_csv(tmp_path / "whole" / "metrics.csv")
-    restore = interrupt_on_call(pipeline, "top_k_correct", 3)  # the validation accuracy, once per epoch
+    from cfbnn_cli.pipelines.imagenet import pipeline as stages
+
+    restore = interrupt_on_call(stages, "top_k_correct", 3)  # the validation accuracy, once per epoch
     with pytest.raises(KeyboardInterrupt):
         pipeline.run(cfg, tmp_path / "run")
     restore()
