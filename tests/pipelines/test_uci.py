@@ -11,7 +11,8 @@ import torch
 from cfbnn_cli.cli import compose_config
 from cfbnn_cli.pipelines import regression
 from cfbnn_cli.pipelines.regression import uci_protocol
-from cfbnn_cli.pipelines.regression.uci_protocol import make_splits, original_units, prediction_seconds_per_1000
+from cfbnn_cli.pipelines.regression.uci_methods import original_units
+from cfbnn_cli.pipelines.regression.uci_protocol import make_splits, prediction_seconds_per_1000
 from cfbnn_cli.report.numbers import split_mean_se
 from cfbnn_cli.runtime.errors import ConfigError, DataError
 

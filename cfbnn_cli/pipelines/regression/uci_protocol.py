@@ -59,61 +59,33 @@ then the median over splits. Progress is saved after every (split, method), so
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import logging
 import math
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
-import matplotlib.ticker
 import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
-from ...bnn.network import PRIORS, BayesianNetwork, mixture_log_likelihood, mixture_mean
+from ...bnn.network import PRIORS
 from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
-from ...report.figures import new_figure, save_figure
-from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
 from ...runtime.device import resolve_device
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
-from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.rundir import config_fingerprint, refuse_other_config
-from ...train import TrainingLoop
-from ...train.full_batch import minimize_full_batch
+from .uci_methods import DETERMINISTIC_METHODS, METHODS, Fitted, Split, fit_method, quiet, test_metrics
+from .uci_report import mean_and_standard_error, plot_paired_differences, summary_table
 
 log = logging.getLogger(__name__)
-
-METHODS = {
-    "closed_form_diagonal": "cfbnn closed form (diagonal)",
-    "closed_form_full": "cfbnn closed form (full)",
-    "closed_form_lowrank": "cfbnn closed form (low-rank)",
-    "local_reparameterization": "cfbnn local reparam. (1 sample)",
-    "pyro": "Pyro AutoNormal + Trace_ELBO",
-    "pyro_local_reparameterization": "Pyro local reparam. (TraceMeanField_ELBO)",
-    "plain_mlp": "plain MLP (ML, learned noise)",
-    "deterministic_2_hidden": "cfbnn deterministic, 2 hidden layers",
-    "heteroscedastic": "cfbnn closed form, heteroscedastic",
-    "heteroscedastic_2_hidden": "cfbnn deterministic, heteroscedastic, 2 hidden",
-}
-# beyond the paper (moment propagation and an input-dependent noise): (likelihood, deep) per method;
-# they train like the closed forms (full-batch L-BFGS on their deterministic ELBO)
-DETERMINISTIC_METHODS = {
-    "deterministic_2_hidden": ("normal", True),
-    "heteroscedastic": ("heteroscedastic", False),
-    "heteroscedastic_2_hidden": ("heteroscedastic", True),
-}
 MIN_ROWS = 10  # a 90/10 split needs at least one test point and a handful of training rows
 
 
@@ -187,420 +159,6 @@ def make_splits(num_rows: int, n_splits: int, test_fraction: float) -> List[Tupl
         order = np.random.default_rng(k).permutation(num_rows)
         splits.append((np.sort(order[n_test:]), np.sort(order[:n_test])))
     return splits
-
-
-def original_units(log_likelihood: torch.Tensor, squared_error: torch.Tensor, target_std: float) -> Tuple[float, float]:
-    """Per-point test LL and RMSE of standardized targets, in the target's original units.
-
-    ``y = mean + target_std * z`` changes densities by the Jacobian ``1/target_std``:
-    ``log p(y) = log p(z) - log target_std``; errors scale by ``target_std``.
-    """
-    return (
-        float(log_likelihood.mean()) - math.log(target_std),
-        math.sqrt(float(squared_error.mean())) * target_std,
-    )
-
-
-# ----------------------------------------------------------------------------- the methods
-
-
-@dataclass
-class Fitted:
-    """A trained method: ``predict(x) -> (component means (S, N), component variances (S, N))``.
-
-    The predictive density is the equal mixture of ``N(mean_s, var_s)``; ``iterations`` are
-    L-BFGS iterations or Adam epochs; ``equal_time`` the test metrics at the default closed
-    form's training time (minibatch methods only).
-    """
-
-    predict: Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
-    noise_std: float  # the learned observation noise, standardized units
-    optimizer: str  # "lbfgs" (full batch, to convergence) or "adam" (minibatches, validation stopping)
-    iterations: int  # L-BFGS iterations or Adam epochs
-    converged: bool = False  # L-BFGS met its convergence test
-    stopped_early: bool = False  # Adam stopped by the validation rule before trainer.epochs
-    equal_time: Optional[Dict[str, float]] = None
-
-
-@dataclass
-class Split:
-    """One split's data and what every method of it shares."""
-
-    data: RegressionData
-    index: int
-    equal_time_seconds: Optional[float] = None  # the default closed form's training time on this split
-    progress: Optional[object] = None  # the protocol's bar (one tick per fit): steps show as its postfix
-    warm_up: bool = False  # the untimed warm-up fit before the first split, not a result
-
-
-def _network(
-    data,
-    cfg,
-    generator,
-    covariance="diagonal",
-    point_layers: int = 0,
-    init_scale: Optional[float] = None,
-    sizes: Optional[List[int]] = None,
-    heteroscedastic: bool = False,
-) -> BayesianNetwork:
-    """The network every cfbnn method of the protocol uses (``model.*``), with a learned noise
-    (or, ``heteroscedastic``, a second output for the log noise variance); posterior standard
-    deviations start at ``init_scale`` (default ``model.init_scale``)."""
-    sizes = list(cfg.model.hidden_sizes) if sizes is None else list(sizes)
-    if isinstance(covariance, str):
-        # the output layer's covariance is diagonal or full; low rank applies to the hidden layers
-        covariance = [covariance] * len(sizes) + ["full" if covariance == "full" else "diagonal"]
-    likelihood = (
-        HeteroscedasticNormalLikelihood()
-        if heteroscedastic
-        else NormalLikelihood(cfg.model.precision, cfg.model.learn_precision)
-    )
-    return BayesianNetwork(
-        data.input_dim,
-        sizes,
-        2 if heteroscedastic else 1,
-        cfg.model.activation,
-        covariance[point_layers:],
-        cfg.model.rank,
-        cfg.model.prior_scale,
-        cfg.model.init_scale if init_scale is None else init_scale,
-        likelihood,
-        point_layers=point_layers,
-        generator=generator,
-    )
-
-
-def _validation_split(num_train: int, fraction: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(fit rows, validation rows)`` of the training rows, drawn from ``seed``."""
-    order = torch.randperm(num_train, generator=torch.Generator().manual_seed(seed))
-    count = max(1, int(round(fraction * num_train)))
-    return order[count:].sort().values, order[:count].sort().values
-
-
-def _predictive_log_likelihood(predict, x, y) -> float:
-    with torch.no_grad():
-        return float(mixture_log_likelihood(y, *predict(x)).mean())
-
-
-def _fit_by_validation(
-    name,
-    module,
-    parameters,
-    loss_on_rows,
-    predict,
-    validation_predict,
-    split: Split,
-    cfg,
-    device,
-    noise_std: Callable[[], float],
-    generators: Sequence[torch.Generator] = (),
-) -> Fitted:
-    """Adam on minibatches of the training rows less a validation part; the best validation
-    log-likelihood kept, stop ``uci.patience`` epochs after it (``trainer.epochs`` caps it).
-    Leaves ``module`` at its best epoch; ``equal_time`` holds the test metrics of its
-    parameters at ``split.equal_time_seconds`` of training, if it trained that long."""
-    data = split.data
-    fit_rows, validation_rows = _validation_split(data.num_train, cfg.uci.validation_fraction, 10_000 + split.index)
-    fit_rows, validation_rows = fit_rows.to(device), validation_rows.to(device)
-    x_validation, y_validation = data.x_train[validation_rows], data.y_train[validation_rows]
-    loop = TrainingLoop(
-        module,
-        torch.optim.Adam(parameters, lr=cfg.trainer.lr),
-        lambda rows: loss_on_rows(fit_rows[rows], len(fit_rows)),
-        len(fit_rows),
-        min(cfg.trainer.batch_size, len(fit_rows)),
-        device,
-        epochs=cfg.trainer.epochs,
-        data_generator=torch.Generator().manual_seed(split.index),
-        label=name,
-        evaluate=lambda epoch: {
-            "validation_ll": _predictive_log_likelihood(validation_predict, x_validation, y_validation)
-        },
-        select=("validation_ll", "max"),
-        patience=cfg.uci.patience,
-        evaluate_every=cfg.uci.evaluate_every,
-        snapshot_after_seconds=split.equal_time_seconds,
-        progress=_StepCount(split.progress),
-        generators={f"sampler{i}": g for i, g in enumerate(generators)},
-        cuda_graphs=cfg.trainer.cuda_graphs,
-    )
-    with _quiet("cfbnn_cli.train.loop"):
-        result = loop.run()
-    equal_time = None
-    if loop.snapshot is not None:
-        final = copy.deepcopy(module.state_dict())
-        module.load_state_dict(loop.snapshot)
-        equal_time = test_metrics(predict, data, cfg)
-        module.load_state_dict(final)
-    loop.load_best()
-    return Fitted(
-        predict, noise_std(), "adam", len(result.history), stopped_early=loop.stopped_early, equal_time=equal_time
-    )
-
-
-class _StepCount:
-    """Stands in for the loop's per-epoch bars: counts steps on the protocol's bar postfix."""
-
-    def __init__(self, bar):
-        self.bar, self.steps = bar, 0
-
-    def update(self, steps: int) -> None:
-        before, self.steps = self.steps, self.steps + steps
-        if self.bar is not None and before // 200 != self.steps // 200:
-            self.bar.set_postfix_str(f"{self.steps} steps", refresh=False)
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str, level: int = logging.WARNING):
-    """The training loop logs one line per epoch; the protocol's thousands of short epochs
-    would drown its log, so it logs one line per (split, method) instead."""
-    logger = logging.getLogger(logger_name)
-    previous = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)
-
-
-def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: Optional[str] = None):
-    """A method with nothing sampled in its ELBO: a closed form (``covariance``) or one of
-    :data:`DETERMINISTIC_METHODS` (``method``)."""
-    data = split.data
-    name = method or f"closed_form_{covariance}"
-    likelihood, deep = DETERMINISTIC_METHODS.get(method, ("normal", False))
-    estimator = "deterministic" if deep else "analytic"
-    model = _network(
-        data,
-        cfg,
-        generator,
-        covariance,
-        sizes=list(cfg.uci.deep_hidden_sizes) if deep else None,
-        heteroscedastic=likelihood == "heteroscedastic",
-    ).to(device)
-    sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
-
-    @torch.no_grad()
-    def predict(x):  # exact when nothing is sampled (one hidden layer, or the deterministic methods)
-        return model.predictive_components(x, estimator, cfg.uci.predictive_samples, sampler)
-
-    def noise_std():  # the learned noise, or for a heteroscedastic net root mean exp(l) over the training inputs
-        if likelihood == "normal":
-            return float(model.precision.detach()) ** -0.5
-        with torch.no_grad():
-            mean, _ = model.output_moments(data.x_train, estimator, ())
-        return float(mean[..., 1].exp().mean().sqrt())
-
-    if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
-        return _fit_by_validation(
-            name,
-            model,
-            model.parameters(),
-            lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, estimator),
-            predict,
-            predict,
-            Split(data, split.index),
-            cfg,
-            device,
-            noise_std,
-        )
-    num_data = data.num_train
-
-    def negative_elbo_per_point():
-        return -model.elbo(data.x_train, data.y_train, num_data, estimator) / num_data
-
-    options = dict(
-        max_iterations=cfg.uci.max_iterations,
-        rtol=cfg.uci.rtol,
-        label=f"{name} ELBO",
-        progress=_StepCount(split.progress),
-    )
-    result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
-    iterations, converged = result.iterations, result.converged
-    if cfg.model.prior == "empirical_bayes":  # learned prior variances, from the fixed-prior optimum
-        model.prior = "empirical_bayes"
-        result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
-        iterations, converged = iterations + result.iterations, converged and result.converged
-    return Fitted(predict, noise_std(), "lbfgs", iterations, converged)
-
-
-def _fit_local_reparameterization(split: Split, cfg, device, generator):
-    data = split.data
-    model = _network(data, cfg, generator, init_scale=cfg.uci.sampling_init_scale).to(device)
-    sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
-
-    def predictor(samples):
-        @torch.no_grad()
-        def predict(x):
-            outputs = model.sample_outputs(x, samples, sampler)
-            return outputs, torch.full_like(outputs, 1.0 / float(model.precision))
-
-        return predict
-
-    return _fit_by_validation(
-        "local_reparameterization",
-        model,
-        model.parameters(),
-        lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, "sampling", generator=sampler),
-        predictor(cfg.uci.predictive_samples),
-        predictor(cfg.uci.validation_samples),
-        split,
-        cfg,
-        device,
-        lambda: float(model.precision.detach()) ** -0.5,
-        generators=(sampler,),
-    )
-
-
-def _starting_means(data, cfg, generator) -> Dict[str, torch.Tensor]:
-    """cfbnn's starting means (a fresh network from the same seed) as ``nn.Linear`` weights
-    and biases ``fc1``/``fc2``: every method of a split starts from the same point."""
-    network = _network(data, cfg, generator)
-    hidden, output = network.layers
-    return {
-        "fc1.weight": hidden.loc[:, :-1].detach(),
-        "fc1.bias": hidden.loc[:, -1].detach(),
-        "fc2.weight": output.loc[:, :-1].detach(),
-        "fc2.bias": output.loc[:, -1].detach(),
-    }
-
-
-def _fit_pyro(split: Split, cfg, device, generator):
-    import pyro
-    from pyro.infer import Predictive, Trace_ELBO
-    from pyro.infer.autoguide import AutoNormal
-    from pyro.infer.autoguide.initialization import init_to_value
-
-    from ...bnn.pyro_glue import PyroMLPRegression
-
-    data = split.data
-    pyro.clear_param_store()
-    pyro.set_rng_seed(int(generator.initial_seed()))
-    D, H = data.input_dim, cfg.model.hidden_sizes[0]
-    model = PyroMLPRegression(D, H, cfg.model.activation, cfg.model.prior_scale, device=device)
-    # the same starting means as cfbnn's (randn / sqrt(fan_in)), not Pyro's all-zero default
-    start = _starting_means(data, cfg, generator)
-    guide = AutoNormal(
-        model,
-        init_loc_fn=init_to_value(values={k: v.to(device) for k, v in start.items()}),
-        init_scale=cfg.uci.sampling_init_scale,
-    )
-    elbo = Trace_ELBO()
-    elbo.differentiable_loss(model, guide, data.x_train[:2], data.y_train[:2], data.num_train)  # creates the parameters
-    both = torch.nn.ModuleDict({"guide": guide, "model": model})
-
-    def predictor(samples):
-        @torch.no_grad()
-        def predict(x):
-            outputs = Predictive(model, guide=guide, num_samples=samples, return_sites=("_RETURN",))(x)["_RETURN"]
-            return outputs, torch.full_like(outputs, float(model.noise_scale.detach()) ** 2)
-
-        return predict
-
-    return _fit_by_validation(
-        "pyro",
-        both,
-        list(both.parameters()),
-        lambda rows, count: elbo.differentiable_loss(model, guide, data.x_train[rows], data.y_train[rows], count),
-        predictor(cfg.uci.predictive_samples),
-        predictor(cfg.uci.validation_samples),
-        split,
-        cfg,
-        device,
-        lambda: float(model.noise_scale.detach()),
-    )
-
-
-def _fit_pyro_local_reparameterization(split: Split, cfg, device, generator):
-    import pyro
-    from pyro.infer import Predictive, TraceMeanField_ELBO
-
-    from ...bnn.pyro_glue import PyroLocalReparameterizationRegression
-
-    data = split.data
-    pyro.clear_param_store()
-    pyro.set_rng_seed(int(generator.initial_seed()))
-    model = PyroLocalReparameterizationRegression(
-        data.input_dim,
-        cfg.model.hidden_sizes[0],
-        cfg.model.activation,
-        cfg.model.prior_scale,
-        cfg.uci.sampling_init_scale,
-        start=_starting_means(data, cfg, generator),
-        device=device,
-    )
-    elbo = TraceMeanField_ELBO()  # the weights' KL analytically; the likelihood by local reparameterization
-
-    def predictor(samples):
-        @torch.no_grad()
-        def predict(x):
-            outputs = Predictive(model.model, guide=model.guide, num_samples=samples, return_sites=("_RETURN",))(x)
-            outputs = outputs["_RETURN"]
-            return outputs, torch.full_like(outputs, float(model.noise_scale.detach()) ** 2)
-
-        return predict
-
-    return _fit_by_validation(
-        "pyro_local_reparameterization",
-        model,
-        list(model.parameters()),
-        lambda rows, count: elbo.differentiable_loss(
-            model.model, model.guide, data.x_train[rows], data.y_train[rows], count
-        ),
-        predictor(cfg.uci.predictive_samples),
-        predictor(cfg.uci.validation_samples),
-        split,
-        cfg,
-        device,
-        lambda: float(model.noise_scale.detach()),
-    )
-
-
-def _fit_plain_mlp(split: Split, cfg, device, generator):
-    data = split.data
-    start = _starting_means(data, cfg, generator)
-    model = _network(data, cfg, None, point_layers=len(cfg.model.hidden_sizes) + 1)
-    with torch.no_grad():  # the same starting means as the Bayesian methods
-        for index, name in enumerate(("fc1", "fc2")):
-            model.layers[index].weight.copy_(start[f"{name}.weight"])
-            model.layers[index].bias.copy_(start[f"{name}.bias"])
-    model = model.to(device)
-
-    @torch.no_grad()
-    def predict(x):
-        mean = model.output_mean(x).unsqueeze(0)
-        return mean, torch.full_like(mean, 1.0 / float(model.precision))
-
-    def loss(rows, count):  # maximum likelihood with a learned noise: the mean negative log-likelihood
-        return -model.expected_log_likelihood(data.x_train[rows], data.y_train[rows]) / rows.numel()
-
-    return _fit_by_validation(
-        "plain_mlp",
-        model,
-        model.parameters(),
-        loss,
-        predict,
-        predict,
-        split,
-        cfg,
-        device,
-        lambda: float(model.precision.detach()) ** -0.5,
-    )
-
-
-def fit_method(method: str, split: Split, cfg, device, seed: int) -> Fitted:
-    generator = torch.Generator().manual_seed(seed)
-    if method.startswith("closed_form_"):
-        return _fit_closed_form(method[len("closed_form_") :], split, cfg, device, generator)
-    if method in DETERMINISTIC_METHODS:
-        return _fit_closed_form("diagonal", split, cfg, device, generator, method)
-    fit = {
-        "local_reparameterization": _fit_local_reparameterization,
-        "pyro": _fit_pyro,
-        "pyro_local_reparameterization": _fit_pyro_local_reparameterization,
-        "plain_mlp": _fit_plain_mlp,
-    }[method]
-    return fit(split, cfg, device, generator)
 
 
 def _sync(device):
@@ -677,20 +235,6 @@ def read_progress(path: Path, fingerprint: str, n_splits: int, methods: List[str
     return [r for r in records if r["split"] < n_splits and r["method"] in methods]
 
 
-def test_metrics(predict, data: RegressionData, cfg) -> Dict[str, float]:
-    """Test LL and RMSE in the target's original units; ``predict`` over row chunks (peak
-    memory bounded whatever the test-set size)."""
-    chunk = rows_per_chunk(
-        cfg.uci.predictive_samples * max(list(cfg.model.hidden_sizes) + list(cfg.uci.deep_hidden_sizes))
-    )
-    with torch.no_grad():
-        mixture = map_row_chunks(predict, data.x_test, chunk)  # (means, variances[, log_weights])
-    log_likelihood = mixture_log_likelihood(data.y_test, *mixture)
-    squared_error = (mixture_mean(mixture[0], *mixture[2:]) - data.y_test).square()
-    test_ll, rmse = original_units(log_likelihood, squared_error, data.target_std)
-    return {"test_ll": test_ll, "rmse": rmse}
-
-
 def prediction_seconds_per_1000(predict, data: RegressionData, device, repeats: int) -> float:
     """The median of ``repeats`` timed predictions of 1,000 points, after a warm-up."""
     thousand = data.x_test.repeat(math.ceil(1000 / data.x_test.shape[0]), 1)[:1000]
@@ -715,115 +259,6 @@ def evaluate(fitted: Fitted, data: RegressionData, device, cfg) -> Dict[str, flo
     return record
 
 
-# ----------------------------------------------------------------------------- outputs
-
-
-def _mean_and_standard_error(values: pd.Series) -> Tuple[float, Optional[float]]:
-    values = values.astype(float).dropna()
-    se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None  # one split: no s.e.
-    return float(values.mean()), se
-
-
-def _iterations(method: str, part: pd.DataFrame, cfg) -> str:
-    """How the method stopped, with its median count: L-BFGS iterations or Adam epochs."""
-    median = int(round(float(part["iterations"].median())))
-    if part["optimizer"].iloc[0] == "lbfgs":
-        converged = int(part["converged"].sum())
-        return f"L-BFGS {median} it. ({converged}/{len(part)} converged)"
-    stopped = int(part["stopped_early"].sum())
-    return f"Adam {median} ep. ({stopped}/{len(part)} stopped by validation)"
-
-
-def summary_table(records: pd.DataFrame, methods: List[str], cfg, reference: Optional[str] = None) -> pd.DataFrame:
-    """One row per method: mean ± s.e. over splits of the test LL and RMSE (original
-    units), the test LL minus the reference closed form's on the same split (paired, so
-    the split-to-split spread cancels: the column that says whether a difference is
-    real), the test LL at the reference's training time, and medians over splits of
-    training seconds, iterations and prediction time. Rounded by the shared
-    :func:`~cfbnn_cli.report.numbers.format_mean_se` like every cfbnn table."""
-    base = records[records["method"] == reference].set_index("split")["test_ll"] if reference is not None else None
-    rows = []
-    for method in methods:
-        part = records[records["method"] == method]
-        equal = part["equal_time_test_ll"].astype(float)
-        paired = "—"
-        if base is not None and method != reference:
-            difference = (part.set_index("split")["test_ll"] - base).dropna()
-            paired = format_mean_se(*_mean_and_standard_error(difference), signed=True, scientific=False)
-        rows.append(
-            {
-                "Method": METHODS[method],
-                "Test LL": format_mean_se(*_mean_and_standard_error(part["test_ll"])),
-                f"Test LL − {SHORT_NAMES.get(reference, 'closed form')} (paired)": paired,
-                "RMSE": format_mean_se(*_mean_and_standard_error(part["rmse"])),
-                "Test LL at closed form's time": (
-                    format_mean_se(*_mean_and_standard_error(equal)) if equal.notna().all() else "—"
-                ),
-                "Train s (median)": format_value(part["train_seconds"].median()),
-                "Stopping": _iterations(method, part, cfg),
-                "Predict ms / 1000 pts (median)": format_value(1e3 * part["predict_seconds_per_1000"].median()),
-            }
-        )
-    return pd.DataFrame(rows).set_index("Method")
-
-
-SHORT_NAMES = {
-    "closed_form_diagonal": "closed form (diag.)",
-    "closed_form_full": "closed form (full)",
-    "closed_form_lowrank": "closed form (low-rank)",
-    "local_reparameterization": "cfbnn local reparam.",
-    "pyro": "Pyro AutoNormal",
-    "pyro_local_reparameterization": "Pyro local reparam.",
-    "plain_mlp": "plain MLP",
-    "deterministic_2_hidden": "deterministic, 2 hidden",
-    "heteroscedastic": "heteroscedastic",
-    "heteroscedastic_2_hidden": "heteroscedastic, 2 hidden",
-}
-
-
-def _plot(records: pd.DataFrame, methods: List[str], reference: Optional[str], title: str, path: Path) -> str:
-    """Left: each method's test LL minus the reference closed form's on the same split (one
-    dot per split, the mean as a bar; right of zero = better than the closed form). Right:
-    mean test LL (± s.e.) against the median training time, the accuracy-for-cost view."""
-    fig, axes = new_figure(2, width=7.5, height=max(2.8, 1.2 + 0.3 * len(methods)))
-    colors = {m: f"C{i}" for i, m in enumerate(methods)}
-    rows = list(reversed(methods))  # the first method on top
-    if reference is not None:
-        base = records[records["method"] == reference].set_index("split")["test_ll"]
-        for row, method in enumerate(rows):
-            difference = (records[records["method"] == method].set_index("split")["test_ll"] - base).dropna()
-            axes[0].plot(difference, np.full(len(difference), row), "o", ms=2.5, alpha=0.6, color=colors[method])
-            axes[0].plot([difference.mean()] * 2, [row - 0.3, row + 0.3], "-", lw=2, color=colors[method])
-        axes[0].axvline(0.0, color="0.5", lw=0.8, ls="--")
-        axes[0].set_xlabel(f"test LL − {SHORT_NAMES[reference]}\n(same split, nats/point)")
-    axes[0].set_yticks(range(len(rows)), [SHORT_NAMES[m] for m in rows])
-    axes[0].set_ylim(-0.6, len(rows) - 0.4)
-    for method in methods:
-        part = records[records["method"] == method]
-        mean, se = _mean_and_standard_error(part["test_ll"])
-        axes[1].errorbar(
-            float(part["train_seconds"].median()),
-            mean,
-            yerr=se or 0.0,
-            fmt="o",
-            ms=4,
-            color=colors[method],
-            capsize=2,
-            label=SHORT_NAMES[method],
-        )
-    axes[1].set_xscale("log")
-    # plain-number ticks (1, 2, 5, 10, ...) and no minor labels: matplotlib's default minor
-    # labels on a log axis spanning less than a decade print on top of each other
-    axes[1].xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axes[1].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    axes[1].set_xlabel("training time per split\n(median, s)")
-    axes[1].set_ylabel("test LL (mean ± s.e.)")
-    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=6, frameon=False)
-    fig.suptitle(title, fontsize=8)
-    return save_figure(fig, path)
-
-
 def _warm_up(methods: List[str], table: RegressionTable, splits, cfg, device) -> None:
     """Untimed: each method trained briefly once (compiles the fast moments, imports Pyro,
     fills the allocator), so the first timed split is not charged for one-off costs."""
@@ -833,7 +268,7 @@ def _warm_up(methods: List[str], table: RegressionTable, splits, cfg, device) ->
     small = OmegaConf.create(small)
     train, test = splits[0]
     data = _to_device(table.split(train, test), device)
-    with _quiet("cfbnn_cli.train.loop"):
+    with quiet("cfbnn_cli.train.loop"):
         for method in methods:
             evaluate(fit_method(method, Split(data, 0, warm_up=True), small, device, seed=0), data, device, small)
 
@@ -957,7 +392,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
     tables.update(write_table(summary, run_dir, "uci", caption=caption))
     log.info("UCI protocol, %s:\n%s", table.name, summary.to_markdown())
     figures = {
-        "uci": _plot(
+        "uci": plot_paired_differences(
             frame,
             methods,
             reference,
@@ -978,7 +413,7 @@ def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], 
     for method in methods:
         part = frame[frame["method"] == method]
         for column in ("test_ll", "rmse"):
-            mean, se = _mean_and_standard_error(part[column])
+            mean, se = mean_and_standard_error(part[column])
             metrics[f"uci/{method}/{column}_mean"] = mean
             metrics[f"uci/{method}/{column}_se"] = se
         equal = part["equal_time_test_ll"].astype(float)
@@ -995,7 +430,7 @@ def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], 
                 frame[frame["method"] == closed].set_index("split")["test_ll"]
                 - frame[frame["method"] == peer].set_index("split")["test_ll"]
             ).dropna()
-            mean, se = _mean_and_standard_error(paired)
+            mean, se = mean_and_standard_error(paired)
             metrics[f"{key}/test_ll_difference"] = mean
             metrics[f"{key}/test_ll_difference_se"] = se
             metrics[f"{key}/train_time_ratio"] = (

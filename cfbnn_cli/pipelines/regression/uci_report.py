@@ -1,0 +1,126 @@
+"""The UCI protocol's summary table (one row per method: test LL and RMSE, paired differences,
+equal-time LL, times) and its figure."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import matplotlib.ticker
+import numpy as np
+import pandas as pd
+
+from ...report.figures import new_figure, save_figure
+from ...report.numbers import format_mean_se, format_value
+from .uci_methods import METHODS
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def mean_and_standard_error(values: pd.Series) -> Tuple[float, Optional[float]]:
+    values = values.astype(float).dropna()
+    se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None  # one split: no s.e.
+    return float(values.mean()), se
+
+
+def _iterations(method: str, part: pd.DataFrame, cfg) -> str:
+    """How the method stopped, with its median count: L-BFGS iterations or Adam epochs."""
+    median = int(round(float(part["iterations"].median())))
+    if part["optimizer"].iloc[0] == "lbfgs":
+        converged = int(part["converged"].sum())
+        return f"L-BFGS {median} it. ({converged}/{len(part)} converged)"
+    stopped = int(part["stopped_early"].sum())
+    return f"Adam {median} ep. ({stopped}/{len(part)} stopped by validation)"
+
+
+def summary_table(records: pd.DataFrame, methods: List[str], cfg, reference: Optional[str] = None) -> pd.DataFrame:
+    """One row per method: mean ± s.e. over splits of the test LL and RMSE (original
+    units), the test LL minus the reference closed form's on the same split (paired, so
+    the split-to-split spread cancels: the column that says whether a difference is
+    real), the test LL at the reference's training time, and medians over splits of
+    training seconds, iterations and prediction time. Rounded by the shared
+    :func:`~cfbnn_cli.report.numbers.format_mean_se` like every cfbnn table."""
+    base = records[records["method"] == reference].set_index("split")["test_ll"] if reference is not None else None
+    rows = []
+    for method in methods:
+        part = records[records["method"] == method]
+        equal = part["equal_time_test_ll"].astype(float)
+        paired = "—"
+        if base is not None and method != reference:
+            difference = (part.set_index("split")["test_ll"] - base).dropna()
+            paired = format_mean_se(*mean_and_standard_error(difference), signed=True, scientific=False)
+        rows.append(
+            {
+                "Method": METHODS[method],
+                "Test LL": format_mean_se(*mean_and_standard_error(part["test_ll"])),
+                f"Test LL − {SHORT_NAMES.get(reference, 'closed form')} (paired)": paired,
+                "RMSE": format_mean_se(*mean_and_standard_error(part["rmse"])),
+                "Test LL at closed form's time": (
+                    format_mean_se(*mean_and_standard_error(equal)) if equal.notna().all() else "—"
+                ),
+                "Train s (median)": format_value(part["train_seconds"].median()),
+                "Stopping": _iterations(method, part, cfg),
+                "Predict ms / 1000 pts (median)": format_value(1e3 * part["predict_seconds_per_1000"].median()),
+            }
+        )
+    return pd.DataFrame(rows).set_index("Method")
+
+
+SHORT_NAMES = {
+    "closed_form_diagonal": "closed form (diag.)",
+    "closed_form_full": "closed form (full)",
+    "closed_form_lowrank": "closed form (low-rank)",
+    "local_reparameterization": "cfbnn local reparam.",
+    "pyro": "Pyro AutoNormal",
+    "pyro_local_reparameterization": "Pyro local reparam.",
+    "plain_mlp": "plain MLP",
+    "deterministic_2_hidden": "deterministic, 2 hidden",
+    "heteroscedastic": "heteroscedastic",
+    "heteroscedastic_2_hidden": "heteroscedastic, 2 hidden",
+}
+
+
+def plot_paired_differences(
+    records: pd.DataFrame, methods: List[str], reference: Optional[str], title: str, path: Path
+) -> str:
+    """Left: each method's test LL minus the reference closed form's on the same split (one
+    dot per split, the mean as a bar; right of zero = better than the closed form). Right:
+    mean test LL (± s.e.) against the median training time, the accuracy-for-cost view."""
+    fig, axes = new_figure(2, width=7.5, height=max(2.8, 1.2 + 0.3 * len(methods)))
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    rows = list(reversed(methods))  # the first method on top
+    if reference is not None:
+        base = records[records["method"] == reference].set_index("split")["test_ll"]
+        for row, method in enumerate(rows):
+            difference = (records[records["method"] == method].set_index("split")["test_ll"] - base).dropna()
+            axes[0].plot(difference, np.full(len(difference), row), "o", ms=2.5, alpha=0.6, color=colors[method])
+            axes[0].plot([difference.mean()] * 2, [row - 0.3, row + 0.3], "-", lw=2, color=colors[method])
+        axes[0].axvline(0.0, color="0.5", lw=0.8, ls="--")
+        axes[0].set_xlabel(f"test LL − {SHORT_NAMES[reference]}\n(same split, nats/point)")
+    axes[0].set_yticks(range(len(rows)), [SHORT_NAMES[m] for m in rows])
+    axes[0].set_ylim(-0.6, len(rows) - 0.4)
+    for method in methods:
+        part = records[records["method"] == method]
+        mean, se = mean_and_standard_error(part["test_ll"])
+        axes[1].errorbar(
+            float(part["train_seconds"].median()),
+            mean,
+            yerr=se or 0.0,
+            fmt="o",
+            ms=4,
+            color=colors[method],
+            capsize=2,
+            label=SHORT_NAMES[method],
+        )
+    axes[1].set_xscale("log")
+    # plain-number ticks (1, 2, 5, 10, ...) and no minor labels: matplotlib's default minor
+    # labels on a log axis spanning less than a decade print on top of each other
+    axes[1].xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axes[1].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes[1].set_xlabel("training time per split\n(median, s)")
+    axes[1].set_ylabel("test LL (mean ± s.e.)")
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=6, frameon=False)
+    fig.suptitle(title, fontsize=8)
+    return save_figure(fig, path)
