@@ -24,7 +24,8 @@ from cfbnn_cli.cli import compose_config
 from cfbnn_cli.data.regression import tabular_file
 from cfbnn_cli.pipelines.imagenet import features as feature_cache
 from cfbnn_cli.pipelines.regression.uci_protocol import read_progress
-from cfbnn_cli.report.aggregate import collect, report
+from cfbnn_cli.report.aggregate import report
+from cfbnn_cli.report.records import collect
 from cfbnn_cli.runtime.checkpoints import load_checkpoint, restore_training_state, save_training_state
 from cfbnn_cli.runtime.checks import validate_common
 from cfbnn_cli.runtime.errors import CfbnnError, CheckpointError, ConfigError, DataError

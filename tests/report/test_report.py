@@ -1,4 +1,4 @@
-"""report/aggregate.py: `cfbnn report` groups runs, gives mean and standard error, one table per
+"""report/ (aggregate, records, grouping, sections, reproduction): `cfbnn report` groups runs, gives mean and standard error, one table per
 pipeline protocol, flags duplicates, draws the tables and figures, and --paper's reproduction table."""
 
 import json
@@ -7,8 +7,10 @@ import math
 import pandas as pd
 import pytest
 
-from cfbnn_cli.report.aggregate import command_for, drop_duplicates, report, swept_keys
+from cfbnn_cli.report.aggregate import report
+from cfbnn_cli.report.grouping import drop_duplicates, swept_keys
 from cfbnn_cli.report.numbers import split_mean_se
+from cfbnn_cli.report.reproduction import command_for
 from cfbnn_cli.runtime.errors import DataError
 
 

@@ -1,0 +1,129 @@
+"""Grouping runs for ``cfbnn report``: the swept keys, duplicates (same configuration and seed),
+and mean ± standard error over the replicates of a group."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pandas as pd
+
+from .numbers import format_mean_se
+from .records import MISSING, flatten
+
+# keys that differ between runs without being an experimental factor (seeds are the replicates)
+IGNORED_KEYS = re.compile(
+    r"^(seed|resume|device|runtime\..*|distributed\.nproc|features\.(cache_dir|num_workers|batch_size|shard_size)"
+    r"|data\.path|data\.root|evaluation\.(checkpoint|batch_size|timing_images))$"
+)
+# keys that do not change a run's results: two runs equal in everything else (seed included) are duplicates
+NOT_SETTINGS = re.compile(
+    r"^(resume|device|runtime\..*|distributed\.nproc|features\.(cache_dir|num_workers)"
+    r"|evaluation\.checkpoint)$"
+)
+
+
+def run_settings(run) -> str:
+    """The run's configuration without what does not change its results (the seed stays)."""
+    flat = flatten(run.get("config", {}))
+    return json.dumps({k: v for k, v in sorted(flat.items()) if not NOT_SETTINGS.match(k)}, default=str)
+
+
+def drop_duplicates(runs: Sequence[dict]) -> Tuple[List[dict], List[Tuple[dict, dict]]]:
+    """``(kept, [(duplicate, kept_run), ...])``: of the runs of one pipeline with the same
+    configuration and the same seed, only the first (by path) is kept. Such runs repeat
+    one experiment; averaging them would shrink the standard error without any new
+    replicate (two identical seed-0 runs gave ``± 0.0000``)."""
+    kept, duplicates, first = [], [], {}
+    for run in sorted(runs, key=lambda r: r.get("_path", "")):
+        key = (run["pipeline"], run_settings(run))
+        if key in first:
+            duplicates.append((run, first[key]))
+        else:
+            first[key] = run
+            kept.append(run)
+    return kept, duplicates
+
+
+# ----------------------------------------------------------------------------- grouping
+
+
+def swept_keys(runs: Sequence[dict]) -> List[str]:
+    """Config keys whose values differ between ``runs``: not the seed, not a key that
+    follows the seed in every run (``data.seed: ${seed}``), not paths and devices."""
+    flat = [flatten(run.get("config", {})) for run in runs]
+    keys = sorted(set().union(*flat)) if flat else []
+    out = []
+    for key in keys:
+        if IGNORED_KEYS.match(key):
+            continue
+        if len({json.dumps(f.get(key), default=str) for f in flat}) < 2:
+            continue
+        if all(key in f and "seed" in f and f[key] == f["seed"] for f in flat):
+            continue  # follows the seed: a replicate, not a factor
+        out.append(key)
+    return out
+
+
+def group_value(value) -> str:
+    return MISSING if value is None else str(value)
+
+
+def group_runs(runs: Sequence[dict], keys: Sequence[str]) -> List[Tuple[Dict[str, str], List[dict]]]:
+    """``[(group key values, runs)]`` in sorted order; a key a run lacks reads ``—``."""
+    groups: Dict[Tuple[str, ...], List[dict]] = {}
+    for run in runs:
+        flat = flatten(run.get("config", {}))
+        groups.setdefault(tuple(group_value(flat.get(k)) for k in keys), []).append(run)
+    return [(dict(zip(keys, values)), groups[values]) for values in sorted(groups)]
+
+
+def run_seed(run):
+    return run.get("config", {}).get("seed")
+
+
+def seeds_text(runs) -> str:
+    seeds = sorted({run_seed(r) for r in runs if run_seed(r) is not None})
+    return ",".join(str(s) for s in seeds)
+
+
+@dataclass
+class Stat:
+    mean: float
+    se: Optional[float]
+    n: int
+    values: List[float] = field(default_factory=list)
+
+    def text(self, sig: int = 4, signed: bool = False, scientific: bool = True) -> str:
+        return format_mean_se(self.mean, self.se, sig=sig, signed=signed, scientific=scientific) if self.n else ""
+
+
+def stat(values) -> Stat:
+    """Mean ± standard error (``sd / sqrt(n)``, none for one value) of the finite ``values``."""
+    values = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    n = len(values)
+    if not n:
+        return Stat(math.nan, None, 0, [])
+    mean = sum(values) / n
+    # d * d, not d ** 2: a float power raises OverflowError past 1e154 where a product gives inf
+    se = math.sqrt(sum((v - mean) * (v - mean) for v in values) / (n - 1) / n) if n > 1 else None
+    return Stat(mean, se, n, values)
+
+
+def metric_stat(runs, name) -> Stat:
+    return stat(run["metrics"].get(name) for run in runs)
+
+
+def summarize(runs: Sequence[dict]) -> pd.DataFrame:
+    """Long table: one row per (group, metric) with mean, se, n."""
+    keys = swept_keys(runs)
+    rows = []
+    for group, members in group_runs(runs, keys):
+        metrics = sorted({m for run in members for m in run["metrics"]})
+        for metric in metrics:
+            s = metric_stat(members, metric)
+            rows.append({**group, "metric": metric, "mean": s.mean, "se": s.se, "n": s.n})
+    return pd.DataFrame(rows, columns=[*keys, "metric", "mean", "se", "n"])

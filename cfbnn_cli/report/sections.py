@@ -1,0 +1,442 @@
+"""The report's sections: one table (and a figure where one helps) per pipeline and protocol --
+Table 1, the UCI protocol, Table 2, Figure 1, and a generic table of headline metrics."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pandas as pd
+
+from . import paper as paper_values
+from .figures import caption, legend_below, new_figure, save_figure
+from .grouping import Stat, group_runs, metric_stat, seeds_text, stat, swept_keys
+from .numbers import format_mean_se, format_value
+from .records import MISSING
+
+# a pipeline's protocols are separate tables
+VARIANT_KEYS = {"train_regression": "protocol"}
+COMMAND_WORDS = {"train_regression": "train regression", "vae": "vae", "imagenet_predict": "imagenet-predict"}
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def headline_metrics(metrics: Sequence[str]) -> List[str]:
+    """The metrics worth a column in a generic table: final/test numbers, not every detail."""
+    pattern = re.compile(
+        r"^(final_test_|deterministic/top|monte_carlo/N(1|16|512)/top1_mean|calibration/variance_corrected"
+        r"|features/(train|held_out)_images)"
+    )
+    chosen = [m for m in metrics if pattern.search(m)]
+    return chosen or list(metrics)[:12]
+
+
+def generic_table(runs, keys) -> pd.DataFrame:
+    metrics = headline_metrics(sorted({m for run in runs for m in run["metrics"]}))
+    rows = []
+    for group, members in group_runs(runs, keys):
+        row = dict(group)
+        for metric in metrics:
+            row[metric] = metric_stat(members, metric).text()
+        row.update({"runs": len(members), "seeds": seeds_text(members)})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def gradvar_layout(runs) -> Tuple[List[int], List[str]]:
+    epochs, layers = set(), []
+    for run in runs:
+        for metric in run["metrics"]:
+            match = re.fullmatch(r"gradvar/analytic/epoch(\d+)/([^/]+)/mean", metric)
+            if match:
+                epochs.add(int(match.group(1)))
+                if match.group(2) not in layers:
+                    layers.append(match.group(2))
+    return sorted(epochs), layers
+
+
+def epoch_heading(epoch: int, runs) -> str:
+    if epoch == 0:
+        return "Upon initialization (epoch 0)"
+    last = {run.get("config", {}).get("trainer", {}).get("epochs") for run in runs}
+    converged = metric_stat(runs, "train/converged")
+    if last == {epoch}:
+        state = (
+            ""
+            if not converged.n
+            else (
+                ", converged"
+                if converged.mean == 1
+                else ", not converged"
+                if converged.mean == 0
+                else ", converged in some runs"
+            )
+        )
+        return f"End of training (epoch {epoch}{state})"
+    return f"Epoch {epoch}"
+
+
+def table1_table(runs, keys) -> pd.DataFrame:
+    """Table 1 over runs: rows (group, estimator and their ratio), columns epoch x layer, cells
+    "weight means / log σ" as mean ± s.e. over seeds (the ratio: of the per-run ratios)."""
+    epochs, layers = gradvar_layout(runs)
+    rows = []
+    for group, members in group_runs(runs, keys):
+        for estimator, label in (
+            ("analytic", "Analytic"),
+            ("sampling", "Sampling"),
+            ("ratio", "Ratio sampling / analytic"),
+        ):
+            row = {**group, "Estimator": label}
+            for epoch in epochs:
+                heading = epoch_heading(epoch, members)
+                for layer in layers:
+                    cells = []
+                    for kind in ("mean", "scale"):
+                        name = (
+                            f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}"
+                            if estimator == "ratio"
+                            else f"gradvar/{estimator}/epoch{epoch}/{layer}/{kind}"
+                        )
+                        cells.append(metric_stat(members, name).text(sig=2) or MISSING)
+                    row[f"{heading}: {layer.capitalize()} Layer"] = " / ".join(cells)
+            row.update({"runs": len(members), "seeds": seeds_text(members)})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def uci_table(runs, keys) -> pd.DataFrame:
+    """The UCI protocol over runs: rows (group, method); test LL and RMSE. One run keeps its
+    own mean ± s.e. over splits; several runs give mean ± s.e. over the runs."""
+    rows = []
+    for group, members in group_runs(runs, keys):
+        methods = []
+        for run in members:
+            for metric in run["metrics"]:
+                match = re.fullmatch(r"uci/([^/]+)/test_ll_mean", metric)
+                if match and match.group(1) not in methods:
+                    methods.append(match.group(1))
+        for method in methods:
+            row = {**group, "Method": method}
+            for column, label in (("test_ll", "Test LL"), ("rmse", "RMSE")):
+                s = metric_stat(members, f"uci/{method}/{column}_mean")
+                if s.n == 1:
+                    se = metric_stat(members, f"uci/{method}/{column}_se").mean
+                    row[f"{label} (± s.e. over splits)" if len(members) == 1 else label] = format_mean_se(
+                        s.mean, se if math.isfinite(se) else None
+                    )
+                else:
+                    row[label] = s.text()
+            row.update({"runs": len(members), "seeds": seeds_text(members)})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+VAE_COLUMNS = (
+    ("test_ll", "Test LL"),
+    ("test_elbo", "Test ELBO"),
+    ("test_ell", "E[log p(x|z,W)]"),
+    ("test_kl_z", "KL(z)"),
+    ("test_kl_w", "KL(W) / N"),
+    ("best_epoch", "Best epoch"),
+    ("epochs", "Epochs trained"),
+)
+
+
+def vae_variants_of(run) -> List[str]:
+    return sorted({m.split("/")[1] for m in run["metrics"] if re.fullmatch(r"vae/v\d/test_ll", m)})
+
+
+def vae_table(runs, keys) -> pd.DataFrame:
+    """Table 2 from any mix of ``variant=all`` and single-variant runs: rows (group, variant);
+    test LL and the ELBO's terms as mean ± s.e. over the runs (seeds) that trained the variant."""
+    keys = [k for k in keys if k != "variant"]
+    rows = []
+    for group, members in group_runs(runs, keys):
+        for variant in sorted({v for run in members for v in vae_variants_of(run)}):
+            trained = [run for run in members if variant in vae_variants_of(run)]
+            row = {**group, "Variant": variant.upper()}
+            for metric, label in VAE_COLUMNS:
+                s = metric_stat(trained, f"vae/{variant}/{metric}")
+                row[f"{label} (mean ± s.e. over runs)" if metric == "test_ll" else label] = s.text(sig=5)
+            row.update({"runs": len(trained), "seeds": seeds_text(trained)})
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def top_k_of(runs) -> int:
+    ks = {int(run["metrics"]["evaluation/top_k"]) for run in runs if run["metrics"].get("evaluation/top_k") is not None}
+    if not ks:  # runs written before top_k was configurable report top-5
+        return 5
+    return max(ks)
+
+
+def inner_samples_of(runs) -> List[int]:
+    return sorted(
+        {
+            int(m.group(1))
+            for run in runs
+            for name in run["metrics"]
+            if (m := re.fullmatch(r"monte_carlo/N(\d+)/top1_mean", name))
+        }
+    )
+
+
+def paired_stat(runs, a: str, b: str) -> Stat:
+    """Mean ± s.e. over runs of the per-run difference ``metric a - metric b``."""
+    return stat(
+        run["metrics"][a] - run["metrics"][b]
+        for run in runs
+        if run["metrics"].get(a) is not None and run["metrics"].get(b) is not None
+    )
+
+
+def figure1_table(runs, keys) -> pd.DataFrame:
+    """Figure 1 over runs: rows (group, method, N_inner); top-1 and top-k as mean ± s.e. over
+    runs (seeds), the per-run difference to the deterministic prediction, and the s.d.
+    over the outer trials (averaged over runs)."""
+    rows = []
+    for group, members in group_runs(runs, keys):
+        k = top_k_of(members)
+        for n in inner_samples_of(members):
+            row = {**group, "Method": "Monte Carlo", "N_inner": str(n)}
+            for kk in (1, k):
+                row[f"Top-{kk}"] = metric_stat(members, f"monte_carlo/N{n}/top{kk}_mean").text(sig=3)
+                row[f"Top-{kk} − deterministic"] = paired_stat(
+                    members, f"monte_carlo/N{n}/top{kk}_mean", f"deterministic/top{kk}"
+                ).text(sig=3, signed=True, scientific=False)
+                sd = metric_stat(members, f"monte_carlo/N{n}/top{kk}_sd")
+                row[f"Top-{kk} s.d. over trials"] = format_value(sd.mean, sig=2) if sd.n else ""
+            row.update({"runs": len(members), "seeds": seeds_text(members)})
+            rows.append(row)
+        row = {**group, "Method": "Deterministic argmax ŷ (eq. 42)", "N_inner": ""}
+        for kk in (1, k):
+            row.update(
+                {
+                    f"Top-{kk}": metric_stat(members, f"deterministic/top{kk}").text(sig=3),
+                    f"Top-{kk} − deterministic": "",
+                    f"Top-{kk} s.d. over trials": "",
+                }
+            )
+        row.update({"runs": len(members), "seeds": seeds_text(members)})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def describe_runs(runs) -> str:
+    names = sorted({str(run.get("config", {}).get("data", {}).get("name", "?")) for run in runs})
+    return f"data {', '.join(names)}; {plural(len(runs), 'run')}, seeds {seeds_text(runs) or '?'}"
+
+
+def figure_table1(runs, path) -> Optional[str]:
+    epochs, layers = gradvar_layout(runs)
+    if not epochs:
+        return None
+    fig, axes = new_figure(len(epochs), width=max(3.6 * len(epochs), 4.5), height=3.4, sharey=True)
+    pairs = [(layer, kind) for layer in layers for kind in ("mean", "scale")]
+    for ax, epoch in zip(axes, epochs):
+        stats = [
+            metric_stat(runs, f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}")
+            for layer, kind in pairs
+        ]
+        ax.bar(
+            range(len(pairs)),
+            [s.mean for s in stats],
+            0.6,
+            yerr=[s.se or 0.0 for s in stats],
+            capsize=3,
+            color="C1",
+            label="cfbnn: mean ± s.e. over runs",
+        )
+        for i, s in enumerate(stats):
+            ax.plot(
+                [i] * len(s.values),
+                s.values,
+                "o",
+                ms=3,
+                mfc="none",
+                color="0.25",
+                label="cfbnn: one run" if i == 0 else None,
+            )
+        when, label = (
+            ("init", "paper (MSD), at initialization") if epoch == 0 else ("late", "paper (MSD), after 50 epochs")
+        )
+        paper_ratios = [
+            paper_values.table1_ratio(when, layer, kind) if (when, layer, kind) in paper_values.TABLE1 else math.nan
+            for layer, kind in pairs
+        ]
+        ax.plot(
+            range(len(pairs)),
+            paper_ratios,
+            "_",
+            color="k" if epoch == 0 else "0.45",
+            ms=18,
+            mew=2,
+            ls="none",
+            label=label,
+        )
+        ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(pairs)))
+        ax.set_xticklabels([f"{layer}\n{'means' if kind == 'mean' else 'log σ'}" for layer, kind in pairs])
+        ax.set_title(epoch_heading(epoch, runs))
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("gradient variance ratio\nsampling / analytic")
+    legend_below(fig, axes, ncol=3)
+    caption(
+        fig,
+        f"Table 1: how much larger the sampling estimator's gradient variance is than the analytic one's, per "
+        f"layer, for the weight means and log σ. {describe_runs(runs)}",
+    )
+    return save_figure(fig, path)
+
+
+def figure_vae(runs, path) -> Optional[str]:
+    variants = sorted({v for run in runs for v in vae_variants_of(run)})
+    if not variants:
+        return None
+    fig, axes = new_figure(1, width=4.2, height=3.2)
+    ax = axes[0]
+    stats = [metric_stat([r for r in runs if v in vae_variants_of(r)], f"vae/{v}/test_ll") for v in variants]
+    ax.errorbar(
+        range(len(variants)),
+        [s.mean for s in stats],
+        yerr=[s.se or 0.0 for s in stats],
+        fmt="s",
+        ms=6,
+        capsize=4,
+        color="C0",
+        label="mean ± s.e. over runs",
+    )
+    for i, s in enumerate(stats):
+        ax.plot(
+            [i + 0.12] * len(s.values),
+            s.values,
+            "o",
+            ms=3,
+            mfc="none",
+            color="0.3",
+            label="one run (seed)" if i == 0 else None,
+        )
+    ax.set_xticks(range(len(variants)))
+    ax.set_xticklabels([v.upper() for v in variants])
+    ax.set_xlim(-0.5, len(variants) - 0.5)
+    ax.set_ylabel("test log-likelihood per point\n(original units, nats)")
+    ax.grid(axis="y", alpha=0.3)
+    legend_below(fig, axes, ncol=2)
+    caption(fig, f"Table 2: VAE test log-likelihood by variant; {describe_runs(runs)}", width_chars=60)
+    return save_figure(fig, path)
+
+
+def figure_figure1(runs, path) -> Optional[str]:
+    inner = inner_samples_of(runs)
+    if not inner:
+        return None
+    k = top_k_of(runs)
+    fig, axes = new_figure(2, width=7.0, height=3.3)
+    for ax, kk in zip(axes, (1, k)):
+        for run in runs:
+            values = [run["metrics"].get(f"monte_carlo/N{n}/top{kk}_mean") for n in inner]
+            ax.plot(inner, values, "-", lw=0.8, color="C0", alpha=0.35, label="Monte Carlo: one run (seed)")
+        stats = [metric_stat(runs, f"monte_carlo/N{n}/top{kk}_mean") for n in inner]
+        ax.errorbar(
+            inner,
+            [s.mean for s in stats],
+            yerr=[s.se or 0.0 for s in stats],
+            fmt="o-",
+            ms=4,
+            capsize=2,
+            color="C0",
+            label="Monte Carlo: mean ± s.e. over runs",
+        )
+        det = metric_stat(runs, f"deterministic/top{kk}")
+        if det.n:
+            ax.axhline(det.mean, color="k", ls="--", lw=1.2, label="deterministic argmax ŷ: mean (band ± s.e.)")
+            if det.se:
+                ax.axhspan(det.mean - det.se, det.mean + det.se, color="k", alpha=0.1, lw=0)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(inner)
+        ax.set_xticklabels([str(n) for n in inner])
+        ax.set_xlabel("N_inner (samples averaged per prediction)")
+        ax.set_ylabel(f"top-{kk} test accuracy")
+        ax.set_title(f"top-{kk}")
+        ax.grid(alpha=0.3)
+    legend_below(fig, axes, ncol=3)
+    caption(
+        fig,
+        f"Figure 1: Monte Carlo prediction with N_inner samples vs the deterministic prediction; {describe_runs(runs)}",
+    )
+    return save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------- one table per pipeline variant
+
+
+@dataclass
+class Section:
+    """The runs of one table: a pipeline and, where it has several, a protocol."""
+
+    pipeline: str
+    variant: Optional[str]
+    runs: List[dict]
+
+    @property
+    def key(self) -> str:
+        return self.pipeline if self.variant is None else f"{self.pipeline}/{self.variant}"
+
+    @property
+    def kind(self) -> str:
+        metrics = {m for run in self.runs for m in run["metrics"]}
+        if self.pipeline == "vae" and any(re.fullmatch(r"vae/v\d/test_ll", m) for m in metrics):
+            return "table2"
+        if self.pipeline == "imagenet_predict" and "deterministic/top1" in metrics:
+            return "figure1"
+        if self.pipeline == "train_regression" and any(m.startswith("gradvar/") for m in metrics):
+            return "table1"
+        if self.pipeline == "train_regression" and any(re.fullmatch(r"uci/[^/]+/test_ll_mean", m) for m in metrics):
+            return "uci"
+        return "generic"
+
+
+def sections(runs: Sequence[dict]) -> List[Section]:
+    out: Dict[Tuple[str, Optional[str]], List[dict]] = {}
+    for run in runs:
+        key = VARIANT_KEYS.get(run["pipeline"])
+        variant = run.get("config", {}).get(key) if key else None
+        out.setdefault((run["pipeline"], None if variant is None else str(variant)), []).append(run)
+    return [Section(p, v, out[(p, v)]) for p, v in sorted(out, key=lambda pv: (pv[0], pv[1] or ""))]
+
+
+TABLE_BUILDERS = {
+    "table1": table1_table,
+    "uci": uci_table,
+    "table2": vae_table,
+    "figure1": figure1_table,
+    "generic": generic_table,
+}
+FIGURES = {"table1": figure_table1, "table2": figure_vae, "figure1": figure_figure1}
+TITLES = {
+    "table1": "Table 1, gradient variance",
+    "uci": "UCI protocol",
+    "table2": "Table 2, VAE",
+    "figure1": "Figure 1, Monte Carlo vs deterministic prediction",
+    "generic": "headline metrics",
+}
+
+
+def section_table(section: Section) -> Tuple[pd.DataFrame, List[str]]:
+    keys = swept_keys(section.runs)
+    if section.variant is not None:
+        keys = [k for k in keys if k != VARIANT_KEYS[section.pipeline]]
+    table = TABLE_BUILDERS[section.kind](section.runs, keys)
+    return table, keys
