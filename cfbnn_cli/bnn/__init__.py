@@ -1,9 +1,10 @@
 """Models and objectives: the paper's main text on top of :mod:`cfbnn_cli.moments`.
 
 * :mod:`.network` -- the one network: :class:`BayesianNetwork` (a stack of Gaussian or
-  point weight layers; estimators ``analytic`` / ``integrate_output_layer`` /
-  ``sampling``), :class:`ClosedFormBNN` (the paper's one-hidden-layer network) and
-  :func:`bayesian_head` (Figure 1's head).
+  point weight layers; the estimators of :data:`ESTIMATORS`: ``analytic``,
+  ``integrate_output_layer``, ``sampling``, ``deterministic`` and ``deterministic_full``),
+  :class:`ClosedFormBNN` (the paper's one-hidden-layer network) and :func:`bayesian_head`
+  (Figure 1's head).
 * :mod:`.likelihoods` -- Normal and categorical (softmax/logistic) likelihoods, passed in.
 * :mod:`.functional` -- pure functions: exact ELL, predictive moments, KL.
 * :mod:`.monte_carlo` -- sampling baselines (local reparameterization, weight space).

@@ -33,3 +33,10 @@ def resolve_device(spec: str = "auto") -> torch.device:
                 f"device={spec}: only {torch.cuda.device_count()} CUDA device(s) are visible; use cuda:0..cuda:{torch.cuda.device_count() - 1}"
             )
     return torch.device(spec)
+
+
+def synchronize(device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA): before and after a timed region."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -65,6 +65,15 @@ def requested_processes(cfg) -> int:
     return nproc
 
 
+def first_gpu(cfg):
+    """The GPU of rank 0 under ``device`` (``auto`` or ``cuda``: 0; ``cuda:N``: N; each later rank the
+    next one), or ``None`` where the processes run on the CPU (gloo)."""
+    from .device import resolve_device
+
+    device = resolve_device(cfg.get("device", "auto"))
+    return (device.index or 0) if device.type == "cuda" else None
+
+
 def launch(cfg, run_dir, nproc: int, worker: Sequence[str]) -> dict:
     """Start ``nproc`` torchrun workers and return rank 0's result.
 
@@ -73,11 +82,12 @@ def launch(cfg, run_dir, nproc: int, worker: Sequence[str]) -> dict:
     ``--run-dir``; runtime never imports a pipeline. The config, resolved once here, is
     written to ``<run dir>/distributed/config.yaml`` for every worker to read.
     """
-    wants_cuda = torch.cuda.is_available() and str(cfg.get("device", "auto")) in ("auto", "cuda")
-    if wants_cuda and nproc > torch.cuda.device_count():
+    first = first_gpu(cfg)
+    if first is not None and first + nproc > torch.cuda.device_count():
         raise ConfigError(
-            f"distributed.nproc={nproc} needs {nproc} GPUs (one per process) but {torch.cuda.device_count()} are visible; "
-            "lower it, or set device=cpu for gloo processes on the CPU"
+            f"distributed.nproc={nproc} from device={cfg.get('device', 'auto')} needs GPUs {first}..{first + nproc - 1} "
+            f"(one per process) but {torch.cuda.device_count()} are visible; lower it, or set device=cpu for gloo "
+            "processes on the CPU"
         )
     from omegaconf import OmegaConf
 
@@ -124,11 +134,12 @@ def run_worker(run: Callable, argv=None) -> int:
     from .threads import flush_denormals
 
     flush_denormals(OmegaConf.select(cfg, "runtime.flush_denormals", default=True))  # before any work, as the CLI
-    use_cuda = torch.cuda.is_available() and str(cfg.get("device", "auto")) in ("auto", "cuda")
+    first = first_gpu(cfg)
+    use_cuda = first is not None
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        cfg.device = f"cuda:{local_rank}"
+        torch.cuda.set_device(first + local_rank)
+        cfg.device = f"cuda:{first + local_rank}"
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     try:
         import logging

@@ -20,6 +20,7 @@ from ...report.figures import caption, legend_below, new_figure, save_figure
 from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
 from ...runtime.cuda_graphs import GraphedCall
+from ...runtime.device import synchronize
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +119,6 @@ def monte_carlo_accuracy(
     return {n: (top1.cpu() / len(labels), topk.cpu() / len(labels)) for n, (top1, topk) in counts.items()}
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def time_per_image(model, features, inner_list, batch_size, generator, device, cuda_graphs: bool = True):
     """Seconds per image: deterministic argmax y_hat, and Monte Carlo with each N_inner (one trial).
@@ -143,10 +139,10 @@ def time_per_image(model, features, inner_list, batch_size, generator, device, c
         for size in sizes:  # warm-up: eager, captured, replayed
             function(features[:size])
             function(features[:size])
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         batched(function, features, batch_size)
-        _sync(device)
+        synchronize(device)
         return (time.perf_counter() - started) / len(features)
 
     return (

@@ -69,7 +69,6 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pandas as pd
-import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -78,7 +77,7 @@ from ...data.regression import RegressionData, RegressionTable, load_regression_
 from ...moments import ACTIVATIONS, validate_args
 from ...report.tables import write_table
 from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
-from ...runtime.device import resolve_device
+from ...runtime.device import resolve_device, synchronize
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
 from ...runtime.rundir import config_fingerprint, refuse_other_config
@@ -161,11 +160,6 @@ def make_splits(num_rows: int, n_splits: int, test_fraction: float) -> List[Tupl
     return splits
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # what every finished (split, method) record holds: numbers (finite or not: a diverged fit is
 # a result), counts and flags; the summary averages these over splits, so none may be missing
 _PROGRESS_NUMBERS = ("test_ll", "rmse", "train_seconds", "predict_seconds_per_1000", "noise_std")
@@ -241,10 +235,10 @@ def prediction_seconds_per_1000(predict, data: RegressionData, device, repeats: 
     predict(thousand)  # warm-up
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         predict(thousand)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -343,10 +337,10 @@ def run(cfg: DictConfig, run_dir) -> dict:
                             split.equal_time_seconds = done[(k, method)]["train_seconds"]
                         continue
                     bar.set_description(f"split {k} {method}")
-                    _sync(device)
+                    synchronize(device)
                     started = time.perf_counter()
                     fitted = fit_method(method, split, cfg, device, seed=cfg.seed * 1000 + k)
-                    _sync(device)
+                    synchronize(device)
                     seconds = time.perf_counter() - started
                     if method == reference:
                         split.equal_time_seconds = seconds
