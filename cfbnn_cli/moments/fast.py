@@ -79,7 +79,14 @@ import torch
 
 from ..runtime.safefs import UnsafePathError, cache_root, owned_regular_file, private_directory, sha256_of_file
 from ._kernel_source import SOURCE
-from .gaussian import align_batched, is_transformed, standard_normal_cdf, standard_normal_pdf, standardize
+from .gaussian import (
+    align_batched,
+    is_transformed,
+    register_negative_counter,
+    standard_normal_cdf,
+    standard_normal_pdf,
+    standardize,
+)
 
 __all__ = [
     "set_fast_path",
@@ -482,6 +489,9 @@ def count_negative(x: torch.Tensor) -> Optional[int]:
     if (_State.library if _State.tried else load_kernels()) is None:
         return None
     return _kernel("count_negative", x.dtype)(x.numel(), x.data_ptr(), torch.get_num_threads())
+
+
+register_negative_counter(count_negative)  # argument checks count on the CPU in one kernel pass
 
 
 def _kernel(name: str, dtype: torch.dtype):

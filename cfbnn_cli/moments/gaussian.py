@@ -116,12 +116,21 @@ def is_transformed(x: torch.Tensor) -> bool:
         return False
 
 
+# a CPU counter of negative entries (``x -> int``, or ``None`` where it does not apply), set by
+# :mod:`.fast` when its kernels load: this module stays below fast (which imports it), no cycle
+_NEGATIVE_COUNTER = None
+
+
+def register_negative_counter(counter) -> None:
+    """Let :func:`check_mean_std` count negative entries of CPU tensors with ``counter``."""
+    global _NEGATIVE_COUNTER
+    _NEGATIVE_COUNTER = counter
+
+
 def _any_negative(x: torch.Tensor) -> bool:
     """``bool((x < 0).any())``; on CPU one pass of the fast kernels, without the boolean temporary."""
-    if x.device.type == "cpu" and not torch.compiler.is_compiling():
-        from . import fast  # imported here: fast imports this module
-
-        count = fast.count_negative(x)
+    if _NEGATIVE_COUNTER is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        count = _NEGATIVE_COUNTER(x)
         if count is not None:
             return count > 0
     return bool((x < 0).any())
