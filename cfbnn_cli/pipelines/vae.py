@@ -186,9 +186,14 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
         label=variant,
         config=OmegaConf.to_container(cfg, resolve=True),
         cuda_graphs=cfg.trainer.cuda_graphs,
+        epoch_cap=cfg.trainer.epochs,  # the bar shows the cap, not the epoch run one at a time
+        log_summary=False,  # said once below, not after every epoch
     )
     loop.restore()
     stopped = train_with_patience(loop, cfg.trainer.epochs, OmegaConf.select(cfg, "trainer.patience"))
+    if loop.history:
+        why = "the cap" if stopped == "cap" else f"no gain in {cfg.trainer.patience} epochs"
+        log.info("%s (stopped: %s)", loop.summary(), why)
     loop.load_best()
     model.eval()
     return {"model": model, "history": list(loop.history), "best": dict(loop.best), "stopped": stopped}
@@ -374,7 +379,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         f"rows (0 for V1)"
     )
     tables = write_table(table, run_dir, "vae_results", caption=caption)
-    log.info("VAE results on %s:\n%s", data.name, table.to_markdown())
+    log.debug("VAE results on %s:\n%s", data.name, table.to_markdown())
     title = (
         f"VAE on {data.name} ({num_train} training rows), batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "
         f"seed {cfg.seed}"

@@ -107,11 +107,25 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
     return written
 
 
+HELP = """Aggregate every results.json under PATH (a run dir, a sweep dir, any folder): one table per
+pipeline and protocol, each number the mean +- standard error over the runs of a group (runs grouped
+by the config keys whose values differ; seeds are replicates; a run repeating another's config and
+seed is left out as a duplicate).
+
+Writes beside the runs (or under --out): report_<name>.csv (every metric's mean, s.e. and n per
+group), report_<name>_table.{csv,md,tex} and report_<name>.png. Unreadable records and failed runs
+are named on stderr and skipped.
+
+  cfbnn report outputs/train_regression/multirun/2026-11-27/10-00-00-000000
+  cfbnn report repro --paper        # also paper_reproduction.{md,csv}: the paper's numbers beside
+"""
+
+
 def main(argv: Sequence[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="cfbnn report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="cfbnn report", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("path", help="a run dir, a sweep dir or any folder holding results.json files")
     parser.add_argument("--out", default=None, help="where to write the report (default: PATH)")

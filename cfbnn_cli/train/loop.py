@@ -94,6 +94,8 @@ class TrainingLoop:
     extra: dict = field(default_factory=dict)  # the pipeline's state, saved in and restored from last.pt
     config: Optional[dict] = None  # the resolved config, recorded in last.pt
     cuda_graphs: bool = True  # on CUDA, each step as one CUDA graph (train/graphs.py); trainer.cuda_graphs
+    epoch_cap: Optional[int] = None  # the epochs shown in the bar when a caller runs one epoch at a time (the VAE)
+    log_summary: bool = True  # one INFO line when training ends (epochs, the best epoch); per-epoch lines are DEBUG
 
     def __post_init__(self):
         self.history: List[dict] = []
@@ -258,13 +260,15 @@ class TrainingLoop:
             bar = (
                 tqdm(
                     total=len(batches),
-                    desc=f"{self.label} epoch {epoch}/{self.epochs}",
+                    desc=f"{self.label}: epoch {epoch}/{self.epoch_cap or self.epochs}",
                     leave=False,
                     disable=not distributed.is_main(),
                 )
                 if own_bar
                 else self.progress
             )
+            if own_bar and self.history:  # the last epoch's numbers, in the bar instead of a log line
+                bar.set_postfix_str(self._short(self.history[-1]), refresh=False)
             try:
                 for step, batch in enumerate(batches):
                     rows = distributed.local_rows(batch)
@@ -303,7 +307,7 @@ class TrainingLoop:
                 row.update(self.evaluate(epoch))
             self.history.append(row)
             if distributed.is_main():
-                log.info(
+                log.debug(
                     "%s %d: %s",
                     self.label,
                     epoch,
@@ -338,6 +342,23 @@ class TrainingLoop:
                     self.best["value"],
                 )
                 break
+        if self.log_summary and distributed.is_main() and self.history:
+            log.info("%s", self.summary())
         return TrainingResult(
             self.history, self.best, self.extra, self.start_epoch, time.perf_counter() - started, steps_done
         )
+
+    def _short(self, row: dict) -> str:
+        keys = [self.objective_name] + ([self.select[0]] if self.select is not None else [])
+        return ", ".join(f"{key} {row[key]:.4g}" for key in keys if isinstance(row.get(key), (int, float)))
+
+    def summary(self) -> str:
+        """One line: the epochs trained, the last epoch's numbers and, where a metric picks it, the
+        epoch that was kept (``best.pt``)."""
+        last = self.history[-1]
+        text = f"{self.label}: trained {last['epoch']} epochs ({self._short(last)})"
+        if self.select is not None and self.best["epoch"] >= 1:
+            text += f"; kept epoch {self.best['epoch']}, the best {self.select[0]} ({self.best['value']:.4g})" + (
+                ", stopped early" if self.stopped_early else ""
+            )
+        return text

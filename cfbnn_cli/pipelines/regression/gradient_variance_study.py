@@ -143,8 +143,12 @@ def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dic
     out = {}
     for estimator in TABLE1_ESTIMATORS:
         started = time.perf_counter()
+        sampled = bool(model.noise_shapes(x.shape[0], estimator))  # nothing drawn: no bar to show
         with tqdm(
-            total=cfg.gradient_variance.num_samples, desc=f"grad var {estimator} @ epoch {epoch}", leave=False
+            total=cfg.gradient_variance.num_samples,
+            desc=f"gradient draws, {estimator}, epoch {epoch}",
+            leave=False,
+            disable=not sampled,
         ) as bar:
             per_param = gradient_variance(
                 model,
@@ -438,7 +442,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         after_epoch=measure,
         metrics_path=run_dir / "metrics.csv",
         objective_scale=1.0 / num_data,
-        label="epoch",
+        label="train",
         extra={"gradient_variance": {}},
         config=OmegaConf.to_container(cfg, resolve=True),
         cuda_graphs=cfg.trainer.cuda_graphs,
@@ -483,7 +487,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
             f"{describe_run(cfg, data)}. End of training: {convergence['text']}."
         )
         tables.update(write_table(frame, run_dir, "gradient_variance", caption=table_caption))
-        log.info("gradient variance (weight means / log σ):\n%s", frame.to_markdown())
+        log.debug("gradient variance (weight means / log σ):\n%s", frame.to_markdown())
         figures["gradient_variance"] = _plot_gradient_variance(
             gv_results,
             run_dir / "gradient_variance.png",

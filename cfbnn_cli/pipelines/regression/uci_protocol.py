@@ -384,7 +384,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         f"over splits; the equal-time column is each method at the training time of {METHODS[reference] if reference else '—'}"
     )
     tables.update(write_table(summary, run_dir, "uci", caption=caption))
-    log.info("UCI protocol, %s:\n%s", table.name, summary.to_markdown())
+    log.debug("UCI protocol, %s:\n%s", table.name, summary.to_markdown())
     figures = {
         "uci": plot_paired_differences(
             frame,
