@@ -252,10 +252,13 @@ def gradient_variance_table(
     return frame
 
 
-def _plot_gradient_variance(results, path, description: str, last_epoch: int, converged: Optional[bool]):
+def _plot_gradient_variance(
+    results, path, description: str, last_epoch: int, converged: Optional[bool], num_samples: int
+):
     """Bars of the two estimators' mean gradient variance for each layer's weight means and
-    log σ, one panel per epoch on one shared log axis; the ratio sampling / analytic
-    written above each pair."""
+    log σ, one panel per epoch on one shared log axis, with ± one standard error (a variance
+    from S draws: sqrt(2 / (S - 1)) of it); the ratio sampling / analytic written above each pair."""
+    relative_se = math.sqrt(2 / max(num_samples - 1, 1))
     epochs = sorted(results)
     fig, axes = new_figure(len(epochs), width=max(3.6 * len(epochs), 4.5), height=3.4, sharey=True)
     width = 0.4
@@ -266,10 +269,13 @@ def _plot_gradient_variance(results, path, description: str, last_epoch: int, co
         styles = {"analytic": dict(color="C0"), "sampling": dict(color="C1", hatch="///", edgecolor="white")}
         for offset, estimator in ((-width / 2, "analytic"), (width / 2, "sampling")):
             values = [results[epoch][estimator][layer][kind] for layer, kind in pairs]
+            errors = [[min(relative_se, 0.9) * v for v in values], [relative_se * v for v in values]]  # log axis: > 0
             ax.bar(
                 [i + offset for i in range(len(values))],
                 values,
                 width,
+                yerr=errors,
+                error_kw=dict(ecolor="0.2", capsize=2, lw=0.8),
                 label=ESTIMATOR_LABELS[estimator],
                 **styles[estimator],
             )
@@ -323,7 +329,8 @@ def _plot_gradient_variance(results, path, description: str, last_epoch: int, co
     caption(
         fig,
         f"Gradient variance of the weight means and of log σ (the log-scale parameters), per layer; "
-        f"×: sampling / analytic. The deterministic estimator (not drawn: a log axis has no 0) has "
+        f"×: sampling / analytic; error bars ± one standard error ({100 * relative_se:.0f} % of each variance, "
+        f"from {num_samples} draws). The deterministic estimator (not drawn: a log axis has no 0) has "
         f"variance 0 in every layer. {description}",
     )
     return save_figure(fig, path)
@@ -494,6 +501,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
             describe_run(cfg, data),
             cfg.trainer.epochs,
             convergence["converged"],
+            cfg.gradient_variance.num_samples,
         )
         result_extra["main_table"] = "gradient_variance.md"
         for epoch, by_estimator in gv_results.items():
