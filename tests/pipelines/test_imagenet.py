@@ -95,6 +95,8 @@ def test_each_objective_trains_and_writes_the_figure_and_tables(tmp_path, object
     assert markdown.count("| Monte Carlo ") == 4 and "('" not in markdown  # plain row labels, no tuples
     assert "\\pm" in (run / "prediction.tex").read_text() and "('" not in (run / "prediction.tex").read_text()
     assert (run / "prediction.png").read_bytes()[:4] == b"\x89PNG"
+    assert result["figures"]["accuracy_against_time"] == "accuracy_against_time.png"  # accuracy against ms per image
+    assert (run / "accuracy_against_time.png").read_bytes()[:4] == b"\x89PNG"
     assert m["deterministic/top1"] > 0.5  # digits: far above chance (0.1)
     assert m["deterministic/top3"] >= m["deterministic/top1"] and m["evaluation/top_k"] == 3
     assert m["calibration/variance_corrected/ece"] >= 0 and math.isfinite(m["calibration/variance_corrected/nll"])
