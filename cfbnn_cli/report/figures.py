@@ -86,3 +86,30 @@ def save_figure(fig, path, layout: bool = True) -> str:
     plt.close(fig)
     atomic_write_bytes(Path(path), buffer.getvalue())
     return Path(path).name
+
+
+def plot_calibration(pit, path, description: str) -> str:
+    """Calibration of a regression predictive: the coverage of its central intervals against their
+    nominal level (left; the diagonal is perfect calibration) and the histogram of the PIT values
+    (right; flat when calibrated)."""
+    import numpy as np
+
+    values = np.asarray(pit, dtype=float)
+    levels = np.linspace(0.05, 0.95, 19)
+    coverage = [float(np.mean(np.abs(values - 0.5) <= level / 2)) for level in levels]
+    fig, axes = new_figure(2, width=7.0, height=3.2)
+    axes[0].plot([0, 1], [0, 1], color="0.5", ls=":", lw=1, label="perfect calibration")
+    axes[0].plot(levels, coverage, "o-", ms=3, color="C0", label="this run's predictive")
+    axes[0].set_xlabel("nominal level of the central interval")
+    axes[0].set_ylabel("share of test targets inside")
+    axes[0].set_xlim(0, 1)
+    axes[0].set_ylim(0, 1)
+    axes[0].grid(alpha=0.3)
+    axes[1].hist(values, bins=20, range=(0, 1), density=True, color="C0", alpha=0.7, label="PIT of the test targets")
+    axes[1].axhline(1.0, color="0.5", ls=":", lw=1)
+    axes[1].set_xlabel("PIT = predictive CDF at the target")
+    axes[1].set_ylabel("density")
+    axes[1].grid(alpha=0.3)
+    legend_below(fig, axes)
+    caption(fig, f"Calibration on the test set ({len(values)} targets). {description}")
+    return save_figure(fig, path)

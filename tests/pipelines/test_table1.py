@@ -29,6 +29,10 @@ def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_c
     # the third row: nothing is sampled at any depth, so no layer's gradient varies
     assert set(table.loc["Deterministic (nothing sampled)"]) == {"0 / 0"}
     assert all(v == 0.0 for k, v in result["metrics"].items() if k.startswith("gradvar/deterministic/"))
+    # calibration of the final predictive: coverage of central intervals, nested and in [0, 1], and its figure
+    coverage = [result["metrics"][f"calibration/coverage_{level}"] for level in (50, 80, 90, 95)]
+    assert all(0.0 <= c <= 1.0 for c in coverage) and coverage == sorted(coverage)
+    assert result["figures"]["calibration"] == "calibration.png" and (tmp_path / "calibration.png").is_file()
     # the ratio row is the two estimators' ratio, to two significant digits
     m = result["metrics"]
     for epoch, heading in ((0, "Upon initialization (epoch 0)"), (3, "End of training (epoch 3, not converged)")):

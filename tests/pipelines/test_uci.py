@@ -90,6 +90,13 @@ def test_every_method_is_finite_and_outputs_exist(small_run):
             "iterations_median",
         ):
             assert math.isfinite(m[f"uci/{method}/{key}"]), (method, key)
+        # calibration: the shares inside the central 50/80/90/95 % intervals, nested, from the per-split records
+        coverage = [m[f"uci/{method}/coverage_{level}_mean"] for level in (50, 80, 90, 95)]
+        assert all(0 <= c <= 1 for c in coverage) and coverage == sorted(coverage), (method, coverage)
+    records = pd.read_csv(run_dir / "uci_splits.csv")
+    expected = records[records["method"] == "closed_form_diagonal"]["coverage_90"].mean()
+    assert m["uci/closed_form_diagonal/coverage_90_mean"] == pytest.approx(expected)
+    assert result["figures"]["calibration"] == "calibration.png" and (run_dir / "calibration.png").is_file()
     table = pd.read_csv(run_dir / "uci.csv", index_col=0)
     assert len(table) == 6 and "±" in table["Test LL"].iloc[0]
     # the paired column agrees with the per-split records (recomputed here from uci_splits.csv)

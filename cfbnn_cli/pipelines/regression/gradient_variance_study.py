@@ -21,12 +21,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
 from ...bnn.gradient_variance import gradient_variance
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
 from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork, mixture_log_likelihood, mixture_mean
 from ...data.regression import RegressionData, load_regression_data, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
-from ...report.figures import caption, legend_below, new_figure, save_figure
+from ...report.figures import caption, legend_below, new_figure, plot_calibration, save_figure
 from ...report.numbers import format_value
 from ...report.tables import write_table
 from ...runtime import distributed
@@ -96,6 +97,20 @@ def _check_against_data(cfg, data: RegressionData) -> None:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def test_pit(model: BayesianNetwork, data: RegressionData, num_samples: int, generator) -> torch.Tensor:
+    """The PIT of every test target under the closed-form predictive (the mixture :func:`evaluate`
+    scores), in row chunks."""
+    x, y = data.x_test, data.y_test
+    chunk = rows_per_chunk(num_samples * max(layer.out_features for layer in model.gaussian_layers))
+
+    def pit(rows: torch.Tensor):
+        means, variances, log_weights = model.predictive_components(x[rows], "analytic", num_samples, generator)
+        return mixture_cdf(y[rows], means, variances, log_weights)
+
+    return map_row_chunks(pit, torch.arange(len(y), device=x.device), chunk)
+
+
 def evaluate(model: BayesianNetwork, data: RegressionData, num_samples: int, generator) -> Dict[str, float]:
     """Test RMSE and per-point log-likelihood in the target's original units, under the
     closed-form predictive (the last two layers integrated, ``num_samples`` draws of any
@@ -483,6 +498,13 @@ def run(cfg: DictConfig, run_dir) -> dict:
             history, run_dir / "training.png", describe_run(cfg, data, False), convergence
         )
         metrics_out.update({f"final_{k}": v for k, v in history[-1].items() if k != "epoch"})
+        if model.output_dim == 1:  # a Normal predictive (a heteroscedastic one is not a Gaussian mixture here)
+            pit = test_pit(model, data, cfg.evaluation.num_samples, sample_generator).cpu()
+            for level, share in coverage_curve(pit, NOMINAL_LEVELS):
+                metrics_out[f"calibration/coverage_{round(100 * level)}"] = share
+            figures["calibration"] = plot_calibration(
+                pit, run_dir / "calibration.png", f"Closed-form predictive. {describe_run(cfg, data, False)}"
+            )
         metrics_out["train/converged"] = None if convergence["converged"] is None else float(convergence["converged"])
     result_extra = {}
     if gv_results:

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
 from ...bnn.network import BayesianNetwork, mixture_log_likelihood, mixture_mean
 from ...data.regression import RegressionData
@@ -469,4 +470,6 @@ def test_metrics(predict, data: RegressionData, cfg) -> Dict[str, float]:
     log_likelihood = mixture_log_likelihood(data.y_test, *mixture)
     squared_error = (mixture_mean(mixture[0], *mixture[2:]) - data.y_test).square()
     test_ll, rmse = original_units(log_likelihood, squared_error, data.target_std)
-    return {"test_ll": test_ll, "rmse": rmse}
+    pit = mixture_cdf(data.y_test, *mixture)  # calibration: the share of targets in each central interval
+    coverage = {f"coverage_{round(100 * level)}": share for level, share in coverage_curve(pit, NOMINAL_LEVELS)}
+    return {"test_ll": test_ll, "rmse": rmse, **coverage}

@@ -72,6 +72,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from ...bnn.calibration import NOMINAL_LEVELS
 from ...bnn.network import PRIORS
 from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
@@ -82,7 +83,7 @@ from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
 from ...runtime.rundir import config_fingerprint, refuse_other_config
 from .uci_methods import DETERMINISTIC_METHODS, METHODS, Fitted, Split, fit_method, quiet, test_metrics
-from .uci_report import mean_and_standard_error, plot_paired_differences, summary_table
+from .uci_report import mean_and_standard_error, plot_coverage, plot_paired_differences, summary_table
 
 log = logging.getLogger(__name__)
 MIN_ROWS = 10  # a 90/10 split needs at least one test point and a handful of training rows
@@ -394,12 +395,20 @@ def run(cfg: DictConfig, run_dir) -> dict:
             run_dir / "uci.png",
         )
     }
+    coverage = plot_coverage(
+        frame, methods, f"UCI protocol on {table.name}: {len(splits)} random 90/10 splits", run_dir / "calibration.png"
+    )
+    if coverage is not None:
+        figures["calibration"] = coverage
     return {
         "metrics": _metrics(frame, methods, reference, len(splits)),
         "tables": tables,
         "figures": figures,
         "device": device,
     }
+
+
+COVERAGE_COLUMNS = tuple(f"coverage_{round(100 * level)}" for level in NOMINAL_LEVELS)
 
 
 def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], n_splits: int) -> Dict[str, float]:
@@ -416,6 +425,11 @@ def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], 
         metrics[f"uci/{method}/train_seconds_median"] = float(part["train_seconds"].median())
         metrics[f"uci/{method}/iterations_median"] = float(part["iterations"].median())
         metrics[f"uci/{method}/predict_seconds_per_1000_median"] = float(part["predict_seconds_per_1000"].median())
+        for column in COVERAGE_COLUMNS:  # calibration: mean over splits (absent in records of older runs)
+            values = part[column].astype(float) if column in part else None
+            metrics[f"uci/{method}/{column}_mean"] = (
+                float(values.mean()) if values is not None and values.notna().all() else None
+            )
     for closed in [m for m in methods if m.startswith("closed_form_")]:
         for peer in [m for m in methods if not m.startswith("closed_form_")]:
             key = f"uci/compare/{closed}_vs_{peer}"

@@ -11,7 +11,7 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from ...report.figures import new_figure, save_figure
+from ...report.figures import caption, legend_below, new_figure, save_figure
 from ...report.numbers import format_mean_se, format_value
 from .uci_methods import METHODS
 
@@ -123,4 +123,36 @@ def plot_paired_differences(
     axes[1].set_ylabel("test LL (mean ± s.e.)")
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=6, frameon=False)
     fig.suptitle(title, fontsize=8)
+    return save_figure(fig, path)
+
+
+def plot_coverage(records: pd.DataFrame, methods: List[str], title: str, path: Path) -> Optional[str]:
+    """Calibration: each method's share of test targets inside its predictive's central intervals of
+    nominal level 50/80/90/95 % (mean ± s.e. over splits), against the diagonal of a calibrated one."""
+    levels = [int(column.split("_")[1]) for column in records.columns if column.startswith("coverage_")]
+    if not levels:
+        return None
+    levels.sort()
+    fig, axes = new_figure(1, width=4.8, height=3.6)
+    ax = axes[0]
+    ax.plot([0.45, 1.0], [0.45, 1.0], color="0.5", ls=":", lw=1, label="calibrated")
+    for i, method in enumerate(methods):
+        part = records[records["method"] == method]
+        stats = [mean_and_standard_error(part[f"coverage_{level}"].astype(float)) for level in levels]
+        ax.errorbar(
+            [level / 100 for level in levels],
+            [m for m, _ in stats],
+            yerr=[se or 0.0 for _, se in stats],
+            fmt="o-",
+            ms=3,
+            lw=1,
+            capsize=2,
+            color=f"C{i}",
+            label=SHORT_NAMES.get(method, method),
+        )
+    ax.set_xlabel("nominal level of the central interval")
+    ax.set_ylabel("share of test targets inside")
+    ax.grid(alpha=0.3)
+    legend_below(fig, axes, ncol=2)
+    caption(fig, f"{title}: calibration of each method's predictive (mean ± s.e. over splits)")
     return save_figure(fig, path)
