@@ -266,7 +266,20 @@ def make_task(sub: Subcommand):
                     return
                 _save_hydra_record(run_dir, cfg)
                 started = time.perf_counter()
-                result = run_pipeline(sub, cfg, run_dir)
+                try:
+                    result = run_pipeline(sub, cfg, run_dir)
+                except CfbnnError as error:  # the dir is this run's: say in it why the run failed
+                    write_results(
+                        run_dir,
+                        pipeline=sub.config_name,
+                        cfg=cfg,
+                        metrics={},
+                        status="failed",
+                        wall_s=time.perf_counter() - started,
+                        fingerprint=fingerprint,
+                        error=str(error),
+                    )
+                    raise
                 metrics = result.get("metrics", {})
                 bad = _non_finite(metrics)
                 write_results(
@@ -370,6 +383,8 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     # Hydra reads sys.argv; give it only the arguments after the subcommand.
     sys.argv = [f"cfbnn {sub.name}"] + rest
     _point_hydra_at_shared_configs(conf)
+    stderr = sys.stderr
+    sys.stderr = _WithoutHydraJobError(stderr)
     try:
         hydra.main(config_path=str(conf / sub.config_name), config_name=sub.config_name, version_base="1.3")(
             make_task(sub)
@@ -418,9 +433,26 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
             print(LAUNCHER_HINT, file=sys.stderr)
         return 1
     finally:
+        sys.stderr = stderr
         if not user_wants_traceback:
             os.environ.pop("HYDRA_FULL_ERROR", None)
     return 0
+
+
+class _WithoutHydraJobError:
+    """stderr without Hydra's "Error executing job with overrides: [...]" line: a failed job's error
+    is already one line of ours (or a traceback), and the user asked for the overrides."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        if text.startswith("Error executing job with overrides"):
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def _unsafe_path_in(error: BaseException):

@@ -113,7 +113,20 @@ def test_each_bad_input_is_one_line_on_stderr_and_exit_2(cli_outcomes, case):
     assert "Traceback" not in stdout + stderr, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("cfbnn: error:")]
     assert len(errors) == 1 and EXPECTED[case] in errors[0], stderr[-2000:]
+    assert [line for line in stderr.splitlines() if line.strip()] == errors  # that line alone
     assert "cfbnn: error" not in stdout  # errors go to stderr only
+
+
+def test_a_run_that_fails_says_why_in_its_run_dir(cli_outcomes, tmp_path_factory):
+    """A run stopped by an error once it owns its dir records ``status: failed`` and the error in
+    results.json (no ``done``), so the dir says why; ``cfbnn report`` names and skips it."""
+    folder = next(p for p in tmp_path_factory.getbasetemp().glob("cli_cases*"))
+    run = folder / "runs" / "case0"  # the 1-column CSV
+    record = json.loads((run / "results.json").read_text())
+    assert record["status"] == "failed" and "holds only the target `y`" in record["error"]
+    assert not (run / "done").exists()
+    with pytest.raises(DataError, match="no results.json of a complete run"):
+        collect(run)
 
 
 # ----------------------------------------------------------------------------- readers, in process

@@ -1,7 +1,8 @@
 """``results.json``: the machine-readable record every run writes last.
 
 Layout (schema 1): ``{"pipeline", "schema", "status", "config_fingerprint", "config",
-"metrics", "tables", "figures", "environment", "timing"}``; then an empty ``done``
+"metrics", "tables", "figures", "environment", "timing"}`` (and ``"error"`` for a run that stopped on
+one); then an empty ``done``
 marker, only when ``status`` is ``"complete"``.
 Both are written atomically so that a sweep can tell finished jobs from killed ones.
 """
@@ -38,8 +39,10 @@ def write_results(
     figures: Optional[Mapping[str, str]] = None,
     status: str = "complete",
     fingerprint: Optional[str] = None,
+    error: Optional[str] = None,
 ) -> Path:
-    """Write ``results.json`` and then the ``done`` marker into ``run_dir``."""
+    """Write ``results.json`` and then the ``done`` marker into ``run_dir``. A failed run's record
+    carries ``status: "failed"`` and, where it stopped on an error, that error's one line."""
     run_dir = Path(run_dir)
     record = {
         "pipeline": pipeline,
@@ -53,6 +56,8 @@ def write_results(
         "environment": environment_record(device),
         "timing": {"wall_s": float(wall_s)},
     }
+    if error is not None:
+        record["error"] = error
     path = atomic_write_json(run_dir / "results.json", record)
     if status == "complete":
         atomic_write_text(run_dir / "done", "")
