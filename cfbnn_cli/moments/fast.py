@@ -163,10 +163,6 @@ def fast_path_info() -> Dict[str, object]:
 # --------------------------------------------------------------------------- building
 
 
-def _cache_root() -> str:
-    return str(cache_root())
-
-
 def _compiler() -> Optional[str]:
     explicit = os.environ.get("CXX")
     if explicit:
@@ -390,7 +386,7 @@ def _load(rebuild: bool):
     if compiler is None:
         return None, {"error": "no C++ compiler found (set $CXX)"}
     try:
-        root = private_directory(_cache_root())
+        root = private_directory(cache_root())
     except OSError as error:  # someone else's directory, a link, or unwritable: never load from it
         return None, {"error": f"kernel cache refused: {error}"}
     version = _compiler_version(compiler)
