@@ -75,6 +75,38 @@ TINY_IMAGENET = [
 ]
 
 
+# the trust tests' small `train regression` run (tests/test_trust*.py)
+TRUST_REGRESSION = [
+    "data.n_train=200",
+    "data.n_test=50",
+    "data.input_dim=4",
+    "model.hidden_sizes=[8,8]",
+    "trainer.epochs=2",
+    "trainer.batch_size=50",
+    "gradient_variance.num_samples=20",
+    "gradient_variance.batch_size=50",
+    "evaluation.num_samples=4",
+    "device=cpu",
+]
+
+
+def one_line_error(out, code=2):
+    """The text of a finished CLI process that exited ``code`` without a traceback."""
+    text = out.stdout + out.stderr
+    assert out.returncode == code, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    return text
+
+
+def finish_all(processes, timeout=300):
+    """``{name: CompletedProcess}`` of processes started at once (``{name: Popen}``, text pipes)."""
+    finished = {}
+    for name, process in processes.items():
+        stdout, stderr = process.communicate(timeout=timeout)
+        finished[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return finished
+
+
 @pytest.fixture(autouse=True)
 def _clear_hydra():
     """Hydra keeps global state between compose/initialize calls; reset it around each test."""

@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import TRUST_REGRESSION as REGRESSION
+from conftest import one_line_error
 from omegaconf import OmegaConf, open_dict
 
 from cfbnn_cli.cli import compose_config
@@ -29,18 +31,6 @@ from cfbnn_cli.runtime.errors import CheckpointError, ConfigError, DataError
 from cfbnn_cli.runtime.io import atomic_write_json
 from cfbnn_cli.runtime.rundir import RunDirLock, claim_run_dir, config_fingerprint
 
-REGRESSION = [
-    "data.n_train=200",
-    "data.n_test=50",
-    "data.input_dim=4",
-    "model.hidden_sizes=[8,8]",
-    "trainer.epochs=2",
-    "trainer.batch_size=50",
-    "gradient_variance.num_samples=20",
-    "gradient_variance.batch_size=50",
-    "evaluation.num_samples=4",
-    "device=cpu",
-]
 UCI = [
     "experiment=uci",
     "data=synthetic",
@@ -69,13 +59,6 @@ def cfbnn(*args, timeout=300):
 
 def _config(*overrides, base=REGRESSION):
     return compose_config("train_regression", list(base) + list(overrides))
-
-
-def one_line_error(out, code=2):
-    text = out.stdout + out.stderr
-    assert out.returncode == code, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-    return text
 
 
 class RunsCode:

@@ -14,6 +14,8 @@ import sys
 import textwrap
 
 import pytest
+from conftest import TRUST_REGRESSION as REGRESSION
+from conftest import finish_all, one_line_error
 from omegaconf import open_dict
 
 from cfbnn_cli.cli import compose_config
@@ -24,26 +26,7 @@ from cfbnn_cli.runtime.io import atomic_write_text, remove_stale_temporary_files
 from cfbnn_cli.runtime.rundir import claim_run_dir, config_fingerprint
 from cfbnn_cli.runtime.threads import JobRegistry
 
-REGRESSION = [
-    "data.n_train=200",
-    "data.n_test=50",
-    "data.input_dim=4",
-    "model.hidden_sizes=[8,8]",
-    "trainer.epochs=2",
-    "trainer.batch_size=50",
-    "gradient_variance.num_samples=20",
-    "gradient_variance.batch_size=50",
-    "evaluation.num_samples=4",
-    "device=cpu",
-]
 AS_ROOT = os.geteuid() == 0
-
-
-def one_line_error(out, code=2):
-    text = out.stdout + out.stderr
-    assert out.returncode == code, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-    return text
 
 
 # ----------------------------------------------------------------------------- the kernel cache
@@ -139,7 +122,7 @@ def cache_outcomes(built_cache, tmp_path_factory):
     """Every scenario prepared on its own copy of the cache, then loaded by processes started at
     once: ``{name: (completed process, library path, marker path)}``."""
     folder = tmp_path_factory.mktemp("scenarios")
-    processes = {}
+    processes, files = {}, {}
     for index, (name, action) in enumerate(SCENARIOS.items()):
         if action == "plant+forge" and not AS_ROOT:
             continue  # a file of another user can be made only as root
@@ -157,26 +140,15 @@ def cache_outcomes(built_cache, tmp_path_factory):
         elif action == "randomize":
             library.write_bytes(os.urandom(library.stat().st_size))
         env = dict(os.environ, CFBNN_CACHE_DIR=str(cache), CXX=str(compiler))
-        processes[name] = (
-            subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(LOAD_KERNELS)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            ),
-            library,
-            marker,
+        processes[name] = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(LOAD_KERNELS)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-    outcomes = {}
-    for name, (process, library, marker) in processes.items():
-        stdout, stderr = process.communicate(timeout=300)
-        outcomes[name] = (
-            subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr),
-            library,
-            marker,
-        )
-    return outcomes
+        files[name] = (library, marker)
+    return {name: (out, *files[name]) for name, out in finish_all(processes).items()}
 
 
 @needs_kernels
@@ -267,33 +239,22 @@ LINKS = [".cfbnn/lock", "train_regression.log", "checkpoints"]
 def link_outcomes(tmp_path_factory):
     """A run into a dir holding each link, all started at once: ``{link: (process, run, victim dir)}``."""
     folder = tmp_path_factory.mktemp("links")
-    started = {}
+    processes, dirs = {}, {}
     for index, link in enumerate(LINKS):
         run, victim_dir = folder / f"run{index}", folder / f"victim{index}"
         victim_dir.mkdir()
         (victim_dir / "file.txt").write_text("precious\n")
         (run / link).parent.mkdir(parents=True, exist_ok=True)
         (run / link).symlink_to(victim_dir if link == "checkpoints" else victim_dir / "file.txt")
-        started[link] = (
-            subprocess.Popen(
-                [sys.executable, "-m", "cfbnn_cli.cli", "train", "regression", f"hydra.run.dir={run}", *REGRESSION],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=dict(os.environ, HYDRA_FULL_ERROR="0"),
-            ),
-            run,
-            victim_dir,
+        processes[link] = subprocess.Popen(
+            [sys.executable, "-m", "cfbnn_cli.cli", "train", "regression", f"hydra.run.dir={run}", *REGRESSION],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, HYDRA_FULL_ERROR="0"),
         )
-    outcomes = {}
-    for link, (process, run, victim_dir) in started.items():
-        stdout, stderr = process.communicate(timeout=300)
-        outcomes[link] = (
-            subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr),
-            run,
-            victim_dir,
-        )
-    return outcomes
+        dirs[link] = (run, victim_dir)
+    return {link: (out, *dirs[link]) for link, out in finish_all(processes).items()}
 
 
 @pytest.mark.parametrize("link", LINKS)

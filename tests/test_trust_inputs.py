@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TRUST_REGRESSION as SMALL
+from conftest import finish_all
 
 from cfbnn_cli.cli import compose_config
 from cfbnn_cli.data.regression import tabular_file
@@ -31,18 +33,6 @@ from cfbnn_cli.runtime.checks import validate_common
 from cfbnn_cli.runtime.errors import CfbnnError, CheckpointError, ConfigError, DataError
 from cfbnn_cli.runtime.rundir import claim_run_dir
 
-SMALL = [
-    "data.n_train=200",
-    "data.n_test=50",
-    "data.input_dim=4",
-    "model.hidden_sizes=[8,8]",
-    "trainer.epochs=2",
-    "trainer.batch_size=50",
-    "gradient_variance.num_samples=20",
-    "gradient_variance.batch_size=50",
-    "evaluation.num_samples=4",
-    "device=cpu",
-]
 CSV_SMALL = [
     "data=csv",
     "data.target=y",
@@ -64,8 +54,8 @@ def _command(*args):
 
 
 def _write_inputs(folder: Path):
-    """The files of the CLI cases: a 1-column CSV, an NPZ with a 3-D x, a finished run whose
-    last.pt loads safely but holds the wrong structure."""
+    """The files of the CLI cases: a 1-column CSV, an NPZ with a 3-D x, a file where a run dir
+    would go."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "one_column.csv").write_text("y\n1\n2\n3\n4\n5\n6\n7\n8\n")
     np.savez(folder / "three_d.npz", x=np.ones((12, 2, 2)), y=np.arange(12.0))
@@ -103,12 +93,13 @@ def cli_outcomes(tmp_path_factory):
         processes[name] = subprocess.Popen(
             _command(*args, *run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=folder
         )
-    return {name: (p.wait(timeout=300), *p.communicate()) for name, p in processes.items()}
+    return finish_all(processes)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_each_bad_input_is_one_line_on_stderr_and_exit_2(cli_outcomes, case):
-    code, stdout, stderr = cli_outcomes[case]
+    out = cli_outcomes[case]
+    code, stdout, stderr = out.returncode, out.stdout, out.stderr
     assert code == 2, (code, stderr[-3000:])
     assert "Traceback" not in stdout + stderr, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("cfbnn: error:")]

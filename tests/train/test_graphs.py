@@ -50,7 +50,7 @@ def _problem(seed=0, rows=29):
     return x, y, model
 
 
-def _train(graphed: bool, epochs=3, fail=None, nan_at=None):
+def _train(graphed: bool, epochs=3, fail=None, nan_at=None, label="toy"):
     """The Table 1 step (sampling estimator: random draws in every step), 29 rows in batches of 8
     (a last batch of 5), through the loop; returns the parameters, the history and the stand-in."""
     x, y, model = _problem()
@@ -72,12 +72,13 @@ def _train(graphed: bool, epochs=3, fail=None, nan_at=None):
         8,
         torch.device("cpu"),
         epochs=epochs,
+        label=label,
         data_generator=torch.Generator().manual_seed(1),
         generators={"sampler": sampler},
     )
     stand_in = StandIn(optimizer, fail)
     if graphed:
-        loop.graphed = GraphedTrainingStep(model, optimizer, loss, "cpu", [sampler], "toy", capture=stand_in)
+        loop.graphed = GraphedTrainingStep(model, optimizer, loss, "cpu", [sampler], label, capture=stand_in)
     loop.run()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, loop, stand_in
 
@@ -109,32 +110,7 @@ def test_a_failed_capture_says_why_once_and_training_goes_on_eagerly(caplog):
 def test_a_nan_loss_in_a_graphed_epoch_is_caught_at_the_epochs_end_naming_its_step():
     """No step waits for the GPU: the losses stay on the device and are checked once per epoch."""
     with pytest.raises(NonFiniteLossError, match=r"toy loss became nan at epoch 2, step 2"):
-        _train_named("toy", nan_at=4 + 3)  # epoch 2 (4 steps each), its third step
-
-
-def _train_named(label, **kwargs):
-    x, y, model = _problem()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    calls = {"n": 0}
-
-    def loss(rows):
-        calls["n"] += 1
-        value = -model.elbo(x[rows], y[rows], len(y), "deterministic")
-        return value * float("nan") if calls["n"] == kwargs["nan_at"] else value
-
-    loop = TrainingLoop(
-        model,
-        optimizer,
-        loss,
-        len(y),
-        8,
-        torch.device("cpu"),
-        epochs=3,
-        label=label,
-        data_generator=torch.Generator().manual_seed(1),
-    )
-    loop.graphed = GraphedTrainingStep(model, optimizer, loss, "cpu", (), label, capture=StandIn(optimizer))
-    loop.run()
+        _train(graphed=True, nan_at=4 + 3)  # epoch 2 (4 steps each), its third step
 
 
 def test_off_cuda_the_loop_builds_no_graphs():
