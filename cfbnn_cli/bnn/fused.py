@@ -16,7 +16,7 @@ out, reusing what the forward computed:
   likelihood, eqs. (7)-(8), per data point, from the hidden units' ``Phi`` and ``Var``;
 * :func:`normal_ell_given_preactivation` -- the same for one output straight from the last
   hidden layer's pre-activation means and *variances*, eqs. (7)-(9) in one C++ pass each way
-  (``tail_pass`` in moments/_kernel_source.py): ``Phi``, ``Upsilon`` and ``Var`` of the
+  (``tail_pass`` in moments/csrc/cfbnn_moments.cpp): ``Phi``, ``Upsilon`` and ``Var`` of the
   ``(N, H)`` block never reach memory, and with :func:`diagonal_preactivation_variance` /
   :func:`propagated_preactivation_variance` neither the square root nor its derivative
   is a pass of its own.

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .functional import augment
 from .likelihoods import NormalLikelihood
 from .network import BayesianNetwork
 
@@ -37,6 +38,9 @@ VARIANTS = {
     },
     "v3": {"bayesian": True, "estimator": "analytic", "sampled": "z only"},
 }
+# how a test likelihood treats V2's and V3's decoder weights: drawn from q(W) jointly with each z
+# inside the importance weights, or fixed at their posterior means (see importance_weighted_log_likelihood)
+DECODER_WEIGHT_READINGS = ("sampled", "posterior_mean")
 _LOG_2PI = math.log(2 * math.pi)
 
 
@@ -134,8 +138,20 @@ class BayesianDecoderVAE(nn.Module):
         """Minibatch ELBO of the whole data set: ``num_data * mean_n(elbo_n) - KL(q(W) || p(W))``."""
         return num_data * self.elbo_per_point(x, generator).mean() - self.weight_kl()
 
+    def _posterior_mean_decoder(self, z):
+        """The decoder's output mean with every weight at its posterior mean ``E_q[W]``
+        (``(..., N, D)``): the plug-in network, as V1 uses its point estimates."""
+        h = z
+        for index, layer in enumerate(self.decoder.layers):
+            h = (augment(h) if layer.bias else h) @ layer.loc.transpose(-1, -2)
+            if index < len(self.decoder.layers) - 1:
+                h = self.decoder.activation(h)
+        return h
+
     @torch.no_grad()
-    def importance_weighted_log_likelihood(self, x, inner_samples: int, generator=None) -> torch.Tensor:
+    def importance_weighted_log_likelihood(
+        self, x, inner_samples: int, generator=None, decoder_weights: str = "sampled"
+    ) -> torch.Tensor:
         """One trial of the importance-weighted estimate of ``log p(x_n)`` per point ``(N,)``.
 
         ``log (1/K) sum_k p(x | z_k, W_k) p(z_k) / q(z_k | x)`` with ``z_k ~ q(z|x)``
@@ -148,13 +164,22 @@ class BayesianDecoderVAE(nn.Module):
         predictive of the decoder), and for v1 ``log int p(x|z) p(z) dz``. Its
         expectation is a lower bound that rises with K to the true value (IWAE).
         The K samples are one batched computation (no loop over them).
+
+        ``decoder_weights="posterior_mean"`` is the other reading of a Bayesian decoder's
+        test likelihood: the weights fixed at their posterior means, ``log int p(x|z, E_q[W])
+        p(z) dz`` (no weight uncertainty; for v1 the two readings coincide).
         """
+        if decoder_weights not in DECODER_WEIGHT_READINGS:
+            raise ValueError(f"`decoder_weights` must be one of {DECODER_WEIGHT_READINGS}; got {decoder_weights!r}")
         mu, sigma = self.encode(x)
         eps = torch.randn((inner_samples,) + mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
         z = mu + sigma * eps  # (K, N, latent)
         log_q = (-0.5 * (eps.square() + _LOG_2PI) - torch.log(sigma)).sum(-1)
-        estimator = "integrate_output_layer"
-        mean, variance = self.decoder.output_moments(z, estimator, self._decoder_noise(z, estimator, generator))
+        if decoder_weights == "posterior_mean" and self.bayesian:
+            mean, variance = self._posterior_mean_decoder(z), torch.zeros((), dtype=z.dtype, device=z.device)
+        else:
+            estimator = "integrate_output_layer"
+            mean, variance = self.decoder.output_moments(z, estimator, self._decoder_noise(z, estimator, generator))
         log_px = self.decoder.likelihood.log_predictive_density(x, mean, variance).sum(-1)
         log_weights = log_px + _standard_normal_log_density(z) - log_q
         return torch.logsumexp(log_weights, 0) - math.log(inner_samples)

@@ -104,6 +104,19 @@ def fashion_mnist_arrays(root):
     return np.concatenate(parts), np.concatenate(labels), len(labels[0])
 
 
+SUBSET_SEED = 0
+
+
+def nested_subset(x: np.ndarray, rows: int, key: str) -> np.ndarray:
+    """The first ``rows`` rows of one fixed random order of ``x`` (``SUBSET_SEED``, whatever the
+    run's seed): every seed sees the same rows, and a smaller subset lies inside a larger one,
+    so results at two sizes differ by the rows added, not by a redraw."""
+    if rows > len(x):
+        raise ConfigError(f"{key}={rows} exceeds the {len(x)} rows of the data; lower it or set {key}=null (all)")
+    order = np.random.default_rng(SUBSET_SEED).permutation(len(x))
+    return x[np.sort(order[:rows])]
+
+
 def load_unsupervised_data(cfg) -> UnsupervisedData:
     """Dispatch on ``cfg.name`` (a ``conf/vae/data/`` option); ``cfg.seed`` draws the 7:2:1 split."""
     name = cfg.name
@@ -119,7 +132,11 @@ def load_unsupervised_data(cfg) -> UnsupervisedData:
             "year_prediction_msd", read_year_prediction_msd(cfg.path, cfg.expected_rows)[:, 1:], cfg.seed
         )
     if name == "fashion_mnist":
-        return split_and_standardize("fashion_mnist", fashion_mnist_pixels(cfg.root), cfg.seed)
+        pixels = fashion_mnist_pixels(cfg.root)
+        rows = cfg.get("rows")
+        if rows is not None:
+            pixels = nested_subset(pixels, int(rows), "data.rows")
+        return split_and_standardize("fashion_mnist", pixels, cfg.seed)
     raise ConfigError(
         f"data.name={name!r} is not one of digits, synthetic, year_prediction_msd, fashion_mnist (for the VAE)"
     )

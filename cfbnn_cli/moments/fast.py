@@ -4,7 +4,7 @@
 fused kernel per call (one pass over the data, a few passes over cache-sized
 blocks for the piecewise-polynomial engine) instead of the ~60 small torch ops of
 the reference path, and its backward pass is a second fused kernel. The numerics
-are those of the reference path (see :mod:`cfbnn_cli.moments._kernel_source`);
+are those of the reference path (see ``moments/csrc/cfbnn_moments.cpp``);
 the tests hold the two paths to each other and both to quadrature.
 
 What the backward needs. ReLU, leaky ReLU, ReLU^2 and (float32) the hard sigmoid
@@ -25,19 +25,11 @@ layer integrated exactly and their gradients in one pass over the block each way
 layer's bias); and the KL of a mean-field matrix and its gradients in one pass each
 (:func:`diagonal_kl_sums`, :func:`diagonal_kl_gradients`).
 
-Build. The kernels are plain C++ (no torch headers) compiled once per machine with
-the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) and loaded
-with :mod:`ctypes`; a build takes a few seconds and is cached under
-``$CFBNN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/cfbnn`` or ``~/.cache/cfbnn``),
-keyed by the source, the compiler, its flags and the CPU. The cache directory must be
-the user's own (mode 0700; :func:`~cfbnn_cli.runtime.safefs.private_directory`), and each
-library's SHA-256, recorded beside it at build time, is checked before the library is
-loaded: a file planted by someone else, truncated or altered is rebuilt (one warning),
-never handed to the dynamic loader. ``-march=native``,
-OpenMP and glibc's vector math library (libmvec) are used when they work and
-dropped one by one when they do not. Every build is checked against a few
-known values before use. If no compiler is found or every build fails, a
-warning is issued once and the reference torch path is used.
+Build. The kernels (``moments/csrc/cfbnn_moments.cpp``) are plain C++ built once per
+machine and cached per user: :mod:`cfbnn_cli.moments.kernel_build` says how (the cache
+key, the ownership and hash checks, one builder at a time). If no compiler is found or
+every build fails, a warning carrying the compiler's message is issued once and the
+reference torch path is used.
 
 Which path runs. The fast path is the default for CPU tensors of dtype float32 or
 float64. It is skipped (the reference path runs) when
@@ -62,23 +54,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import math
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-import time
 import warnings
 from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..runtime.safefs import UnsafePathError, cache_root, owned_regular_file, private_directory, sha256_of_file
-from ._kernel_source import SOURCE
+from . import kernel_build
 from .gaussian import (
     align_batched,
     is_transformed,
@@ -161,44 +146,6 @@ def fast_path_info() -> Dict[str, object]:
 
 
 # --------------------------------------------------------------------------- building
-
-
-def _compiler() -> Optional[str]:
-    explicit = os.environ.get("CXX")
-    if explicit:
-        return shutil.which(explicit) or (explicit if os.path.isfile(explicit) else None)
-    for name in ("g++", "c++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on (so that a shared cache never serves a foreign CPU)."""
-    parts = [platform.machine(), platform.processor()]
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith(("flags", "model name", "Features", "CPU part")):
-                    parts.append(line.strip())
-                if len(parts) > 6:
-                    break
-    except OSError:
-        pass
-    return "|".join(parts)
-
-
-def _flag_sets():
-    base = ["-O3", "-std=c++14", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    native = ["-march=native", "-mprefer-vector-width=512"] if x86 else ["-mcpu=native"]
-    mvec = ["-DCFBNN_MVEC", "-lmvec"] if (x86 and platform.system() == "Linux") else None
-    sets = []
-    if mvec:
-        sets.append(base + native + ["-fopenmp"] + mvec)
-    sets += [base + native + ["-fopenmp"], base + ["-fopenmp"], base + native, base]
-    return sets
 
 
 def _reference_values():
@@ -292,73 +239,6 @@ def _bind(library) -> None:
     library.cfbnn_openmp.restype = ctypes.c_int
 
 
-def _build(compiler: str, flags, target: str) -> Optional[str]:
-    """Compile SOURCE into ``target`` and record its content hash beside it (``<target>.sha256``).
-
-    Both files are written atomically (a temporary file, then a rename) inside a
-    private directory (:func:`~cfbnn_cli.runtime.safefs.private_directory`); the hash
-    is what :func:`_verified` checks before the library is ever loaded.
-    """
-    directory = str(private_directory(os.path.dirname(target)))
-    with tempfile.TemporaryDirectory(dir=directory) as work:
-        source = os.path.join(work, "cfbnn_moments.cpp")
-        with open(source, "w") as handle:
-            handle.write(SOURCE)
-        output = os.path.join(work, "cfbnn_moments.so")
-        command = (
-            [compiler, source, "-o", output]
-            + [f for f in flags if not f.startswith("-l")]
-            + [f for f in flags if f.startswith("-l")]
-        )
-        try:
-            result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=300)
-        except (OSError, subprocess.SubprocessError) as error:
-            return f"{type(error).__name__}: {error}"
-        if result.returncode != 0:
-            return result.stderr.decode(errors="replace")[-2000:]
-        os.chmod(output, 0o700)
-        record = os.path.join(work, "cfbnn_moments.so.sha256")
-        with open(record, "w") as handle:
-            handle.write(sha256_of_file(output) + "\n")
-        # the library first: a reader that finds the new hash finds the new library too
-        os.replace(output, target)
-        os.replace(record, target + _HASH_SUFFIX)
-    return None
-
-
-_HASH_SUFFIX = ".sha256"
-
-
-def _verified(target: str) -> Optional[str]:
-    """Why the cached library ``target`` must not be loaded, or ``None`` if it may.
-
-    It must be a regular file of this user that nobody else can write, with a hash
-    record of the same kind, and its bytes must hash to the recorded value: a file
-    planted by someone else, or truncated (which would crash the process with SIGBUS
-    when loaded), or altered, is never handed to the dynamic loader.
-    """
-    record = target + _HASH_SUFFIX
-    try:
-        owned_regular_file(target)
-        owned_regular_file(record)
-        with open(record) as handle:
-            expected = handle.read(200).strip()
-        actual = sha256_of_file(target)
-    except OSError as error:
-        return str(error) if isinstance(error, UnsafePathError) else f"{type(error).__name__}: {error}"
-    if actual != expected:
-        return f"{target} does not match the content hash recorded when it was built (truncated or altered)"
-    return None
-
-
-def _compiler_version(compiler: str) -> str:
-    try:
-        result = subprocess.run([compiler, "--version"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
-        return result.stdout.decode(errors="replace").splitlines()[0] if result.stdout else ""
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return ""
-
-
 def load_kernels(rebuild: bool = False):
     """The kernel library (``ctypes.CDLL``), built and loaded on first use; ``None`` if unavailable.
 
@@ -372,9 +252,10 @@ def load_kernels(rebuild: bool = False):
         _State.library, _State.info = _load(rebuild)
         _State.tried = True
         if _State.library is None:
+            reason = str(_State.info.get("error") or "unknown reason").splitlines()
             warnings.warn(
-                "cfbnn: the fast CPU moment kernels are unavailable "
-                f"({_State.info.get('error', 'unknown reason')!s:.300}); using the reference torch path",
+                "cfbnn: the fast CPU moment kernels are unavailable; using the reference torch path. "
+                + "\n".join(reason[-14:]),  # the plainest flag set's compiler message, last
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -382,85 +263,7 @@ def load_kernels(rebuild: bool = False):
 
 
 def _load(rebuild: bool):
-    compiler = _compiler()
-    if compiler is None:
-        return None, {"error": "no C++ compiler found (set $CXX)"}
-    try:
-        root = private_directory(cache_root())
-    except OSError as error:  # someone else's directory, a link, or unwritable: never load from it
-        return None, {"error": f"kernel cache refused: {error}"}
-    version = _compiler_version(compiler)
-    errors = []
-    for flags in _flag_sets():
-        key = hashlib.sha256(
-            "\n".join([SOURCE, compiler, version, " ".join(flags), _cpu_signature(), str(_ABI)]).encode()
-        ).hexdigest()[:20]
-        target = os.path.join(root, f"moments-{key}", "cfbnn_moments.so")
-        cached = os.path.lexists(target) and not rebuild
-        if cached:
-            try:
-                private_directory(os.path.dirname(target))
-                problem = _verified(target)
-            except OSError as error:
-                problem = str(error)
-            if problem is not None:
-                warnings.warn(
-                    f"cfbnn: not loading the cached kernel library: {problem}; rebuilding it",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                cached = False
-        build_seconds = 0.0
-        if not cached:
-            start = time.perf_counter()
-            try:
-                private_directory(os.path.dirname(target))
-                _discard(target)
-                error = _build(compiler, flags, target)
-            except OSError as failure:  # e.g. an unwritable or foreign cache directory
-                error = (
-                    f"{type(failure).__name__}: {failure}" if not isinstance(failure, UnsafePathError) else str(failure)
-                )
-            build_seconds = time.perf_counter() - start
-            if error is not None:
-                errors.append(f"{' '.join(flags)}: {error.strip().splitlines()[-1] if error.strip() else error}")
-                continue
-            problem = _verified(target)  # what was just built, as any later process will check it
-            if problem is not None:
-                errors.append(f"{' '.join(flags)}: {problem}")
-                continue
-        start = time.perf_counter()
-        try:
-            library = ctypes.CDLL(target)
-            _bind(library)
-            if library.cfbnn_abi() != _ABI:
-                raise OSError("ABI mismatch")
-            problem = _self_test(library)
-        except (OSError, AttributeError) as failure:
-            problem = f"{type(failure).__name__}: {failure}"
-        if problem is not None:
-            errors.append(f"{' '.join(flags)}: {problem}")
-            continue
-        info = {
-            "library": target,
-            "cached": cached,
-            "build_seconds": build_seconds,
-            "load_seconds": time.perf_counter() - start,
-            "flags": " ".join(flags),
-            "compiler": f"{compiler} ({version})",
-            "openmp": bool(library.cfbnn_openmp()),
-            "error": None,
-        }
-        return library, info
-    return None, {"error": "; ".join(errors) or "no build succeeded"}
-
-
-def _discard(target: str) -> None:
-    """Remove a cached library and its hash record that failed verification (only those two
-    names, only if they are not directories; a link is removed, never followed)."""
-    for path in (target, target + _HASH_SUFFIX):
-        if os.path.islink(path) or os.path.isfile(path):
-            os.unlink(path)
+    return kernel_build.load_library(_ABI, _bind, _self_test, rebuild)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -639,7 +442,7 @@ class ReLUOp(_Op):
             return self.differentiable_backward(mean, std, phi, grads)
 
     def differentiable_backward(self, mean, std, phi, grads):
-        # as activations._ReLUMoments: the Gaussian factors recomputed differentiably, the saved
+        # as relu_reference.ReLUMomentsReference: the Gaussian factors recomputed differentiably, the saved
         # Phi (an output of this Function, so itself differentiable) reused
         t, _, _ = standardize(mean, std)
         cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)

@@ -67,6 +67,10 @@ def validate(cfg: DictConfig) -> List[str]:
     require_int(cfg, "evaluation.inner_samples", minimum=1)
     require_int(cfg, "evaluation.trials", minimum=1)
     require_int(cfg, "evaluation.batch_size", minimum=1)
+    if not isinstance(OmegaConf.select(cfg, "evaluation.posterior_mean_reading", default=False), bool):
+        raise ConfigError(
+            f"evaluation.posterior_mean_reading={cfg.evaluation.posterior_mean_reading!r} must be true or false"
+        )
     if OmegaConf.select(cfg, "trainer.patience") is not None:
         require_int(cfg, "trainer.patience", minimum=1)
     if not isinstance(cfg.trainer.compile, bool):
@@ -115,16 +119,25 @@ def elbo_terms(model, x, num_train: int, seed: int, batch_size: int) -> Dict[str
 
 @torch.no_grad()
 def importance_weighted_test_ll(
-    model, x, inner_samples: int, trials: int, batch_size: int, seed: int, progress=None, cuda_graphs: bool = True
+    model,
+    x,
+    inner_samples: int,
+    trials: int,
+    batch_size: int,
+    seed: int,
+    progress=None,
+    cuda_graphs: bool = True,
+    decoder_weights: str = "sampled",
 ):
-    """Per-trial mean over ``x`` of the K-sample importance-weighted log-likelihood: ``(T,)``.
+    """Per-trial mean over ``x`` of the K-sample importance-weighted log-likelihood: ``(T,)``;
+    ``decoder_weights`` as in :meth:`~cfbnn_cli.bnn.vae.BayesianDecoderVAE.importance_weighted_log_likelihood`.
 
     On CUDA each chunk's estimate is one CUDA graph (its draws from ``seed``'s generator,
     registered with the graph) and the sums stay on the device: one synchronization per trial."""
     generator = torch.Generator(device=x.device).manual_seed(seed)
     chunk = max(1, batch_size // max(1, inner_samples // 10))  # keep K x chunk x hidden bounded
     chunk_sum = GraphedCall(
-        lambda rows: model.importance_weighted_log_likelihood(rows, inner_samples, generator).sum(),
+        lambda rows: model.importance_weighted_log_likelihood(rows, inner_samples, generator, decoder_weights).sum(),
         x.device,
         generators=(generator,),
         label="importance-weighted evaluation",
@@ -230,6 +243,15 @@ def results_table(rows: List[dict], trials: int) -> pd.DataFrame:
                 "Bayesian decoder": "yes" if VARIANTS[row["variant"]]["bayesian"] else "no",
                 "Sampled": VARIANTS[row["variant"]]["sampled"],
                 f"{TEST_LL_COLUMN} (± s.e., {trials} trials)": format_mean_se(row["test_ll"], row["test_ll_se"], sig=5),
+                **(
+                    {
+                        "Test LL, weights at posterior mean": format_mean_se(
+                            row["test_ll_posterior_mean"], row["test_ll_posterior_mean_se"], sig=5
+                        )
+                    }
+                    if row.get("test_ll_posterior_mean") is not None
+                    else {}
+                ),
                 "Test ELBO": format_value(row["test_elbo"], sig=5),
                 "E[log p(x|z,W)]": format_value(row["test_ell"], sig=5),
                 "KL(z)": format_value(row["test_kl_z"], sig=3),
@@ -350,6 +372,24 @@ def run(cfg: DictConfig, run_dir) -> dict:
                     cuda_graphs=cfg.trainer.cuda_graphs,
                 )
             trials = trials - data.log_scale  # original units
+            plug_in = None
+            if OmegaConf.select(cfg, "evaluation.posterior_mean_reading", default=False):
+                if trained["model"].bayesian:
+                    with tqdm(total=T, desc=f"{variant} test LL, weights at posterior mean", leave=False) as bar:
+                        plug_in = importance_weighted_test_ll(
+                            trained["model"],
+                            data.x_test,
+                            K,
+                            T,
+                            cfg.evaluation.batch_size,
+                            cfg.seed + 3,
+                            bar,
+                            cuda_graphs=cfg.trainer.cuda_graphs,
+                            decoder_weights="posterior_mean",
+                        )
+                    plug_in = plug_in - data.log_scale
+                else:  # a point-estimate decoder: the two readings are one
+                    plug_in = trials
             seconds = [h["epoch_seconds"] for h in trained["history"]]
             terms = elbo_terms(trained["model"], data.x_test, num_train, cfg.seed + 4, cfg.evaluation.batch_size)
             rows.append(
@@ -357,6 +397,10 @@ def run(cfg: DictConfig, run_dir) -> dict:
                     "variant": variant,
                     "test_ll": float(trials.mean()),
                     "test_ll_se": float(trials.std() / math.sqrt(T)) if T > 1 else None,
+                    "test_ll_posterior_mean": float(plug_in.mean()) if plug_in is not None else None,
+                    "test_ll_posterior_mean_se": float(plug_in.std() / math.sqrt(T))
+                    if plug_in is not None and T > 1
+                    else None,
                     "test_elbo": terms["elbo"] - data.log_scale,
                     "test_ell": terms["ell"] - data.log_scale,
                     "test_kl_z": terms["kl_z"],
@@ -404,6 +448,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
         for key in (
             "test_ll",
             "test_ll_se",
+            "test_ll_posterior_mean",
+            "test_ll_posterior_mean_se",
             "test_elbo",
             "test_ell",
             "test_kl_z",
@@ -412,5 +458,6 @@ def run(cfg: DictConfig, run_dir) -> dict:
             "epochs",
             "seconds_per_epoch",
         ):
-            metrics[f"vae/{row['variant']}/{key}"] = row[key]
+            if row[key] is not None or not key.startswith("test_ll_posterior_mean"):
+                metrics[f"vae/{row['variant']}/{key}"] = row[key]
     return {"metrics": metrics, "tables": tables, "figures": figures, "device": device, "main_table": "vae_results.md"}

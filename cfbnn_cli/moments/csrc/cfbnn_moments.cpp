@@ -1,41 +1,43 @@
-"""C++ source of the CPU moment kernels (built at run time by :mod:`cfbnn_cli.moments.fast`).
-
-Kept as a Python string so that it ships with the package like any module. It needs
-no torch headers: the kernels take raw pointers (contiguous float32/float64 arrays)
-and are called through ``ctypes``; a build takes 10-15 s once per machine.
-
-Numerics are those of :mod:`cfbnn_cli.moments.gaussian` and
-:mod:`cfbnn_cli.moments.activations` (the reference path):
-
-* the Normal mass on the far side of a kink from the mean is the *small tail*
-  ``S_k = E[w^k 1{w>0}]``, ``w ~ N(-|d|, std^2)``, with ``S_k = std^k u_k(x)``,
-  ``x = |d|/std``, ``u_k = phi(x) J_k(x)`` and ``J_k(x) = int_0^inf v^k e^{-xv - v^2/2} dv``;
-* float32 results (ReLU, leaky ReLU, ReLU^2, hard sigmoid): ``J_0..J_4`` from fitted
-  polynomials in ``t = (x-4)/(x+4)`` (relative error <= 8e-7 in float32 arithmetic, no
-  cancellation) and ``phi(x)`` from ``expf`` of a two-float ``x^2/2``; all float32
-  arithmetic (16 lanes). Beyond x = 13.14 the float32 tail is 0 unless std > 1 can make
-  it a normal float32 -- those elements are redone in float64;
-* float64 results (and the general engine in either precision, whose sums of pieces
-  can subtract nearly equal tails): ``u_0 = erfc(x/sqrt2)/2``, ``u_1 = phi(x) - x u_0``,
-  ``u_k = (k-1) u_{k-2} - x u_{k-1}`` (errata "All orders") up to the distance where this
-  recursion still holds its digits (measured against 50-digit values), beyond it the ratios
-  ``r_j = u_j/u_{j-1}`` from the continued fraction ``r_j = j/(x + r_{j+1})`` (Miller's
-  backward evaluation; depths as ``gaussian._CF_BANDS_F64``), vectorized over the elements
-  of a block that need it;
-* the backward pass uses the heat equation ``dE[f]/dstd = std d^2E[f]/dmean^2``:
-  every partial derivative is an expectation of a lower-degree piecewise polynomial plus
-  density terms at the kinks, i.e. the same small tails.
-
-The main loops are branch free (the std == 0 limit and the sides of the mean are
-arithmetic selects) so that gcc vectorizes them, calling glibc's libmvec
-``erfc``/``exp``/``expf`` when ``CFBNN_MVEC`` is defined; the rare elements that need
-the continued fraction, float64 far tails or Gauss-Legendre quadrature are patched by
-a pass over just those elements. Blocks of ``NB`` elements are spread over OpenMP
-threads; the last, partial block is padded so that every element takes the same
-instructions wherever it sits (results do not depend on the thread count).
-"""
-
-SOURCE = r"""
+/* cfbnn's CPU kernels: activation moments and the closed-form ELBO's passes.
+ *
+ * Built at first use by cfbnn_cli/moments/kernel_build.py (the system C++ compiler, cached per user),
+ * loaded with ctypes by cfbnn_cli/moments/fast.py, and exposed as torch operators (cfbnn::*) by
+ * cfbnn_cli/moments/ops.py.
+ *
+ * It needs no torch headers: the kernels take raw pointers (contiguous float32/float64
+ * arrays), so a build takes 10-20 s once per machine instead of the minutes that torch's
+ * headers add to every translation unit.
+ *
+ * Numerics are those of `cfbnn_cli.moments.gaussian` and
+ * `cfbnn_cli.moments.activations` (the reference path):
+ *
+ * * the Normal mass on the far side of a kink from the mean is the *small tail*
+ *   `S_k = E[w^k 1{w>0}]`, `w ~ N(-|d|, std^2)`, with `S_k = std^k u_k(x)`,
+ *   `x = |d|/std`, `u_k = phi(x) J_k(x)` and `J_k(x) = int_0^inf v^k e^{-xv - v^2/2} dv`;
+ * * float32 results (ReLU, leaky ReLU, ReLU^2, hard sigmoid): `J_0..J_4` from fitted
+ *   polynomials in `t = (x-4)/(x+4)` (relative error <= 8e-7 in float32 arithmetic, no
+ *   cancellation) and `phi(x)` from `expf` of a two-float `x^2/2`; all float32
+ *   arithmetic (16 lanes). Beyond x = 13.14 the float32 tail is 0 unless std > 1 can make
+ *   it a normal float32 -- those elements are redone in float64;
+ * * float64 results (and the general engine in either precision, whose sums of pieces
+ *   can subtract nearly equal tails): `u_0 = erfc(x/sqrt2)/2`, `u_1 = phi(x) - x u_0`,
+ *   `u_k = (k-1) u_{k-2} - x u_{k-1}` (errata "All orders") up to the distance where this
+ *   recursion still holds its digits (measured against 50-digit values), beyond it the ratios
+ *   `r_j = u_j/u_{j-1}` from the continued fraction `r_j = j/(x + r_{j+1})` (Miller's
+ *   backward evaluation; depths as `gaussian._CF_BANDS_F64`), vectorized over the elements
+ *   of a block that need it;
+ * * the backward pass uses the heat equation `dE[f]/dstd = std d^2E[f]/dmean^2`:
+ *   every partial derivative is an expectation of a lower-degree piecewise polynomial plus
+ *   density terms at the kinks, i.e. the same small tails.
+ *
+ * The main loops are branch free (the std == 0 limit and the sides of the mean are
+ * arithmetic selects) so that gcc vectorizes them, calling glibc's libmvec
+ * `erfc`/`exp`/`expf` when `CFBNN_MVEC` is defined; the rare elements that need
+ * the continued fraction, float64 far tails or Gauss-Legendre quadrature are patched by
+ * a pass over just those elements. Blocks of `NB` elements are spread over OpenMP
+ * threads; the last, partial block is padded so that every element takes the same
+ * instructions wherever it sits (results do not depend on the thread count).
+ */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1941,4 +1943,3 @@ extern "C" void hs_backward_f32(int64_t n, const float* m, const float* s, int B
 
 extern "C" int pw_max_breakpoints(void) { return MAX_B; }
 extern "C" int pw_max_degree(void) { return MAX_K / 2; }
-"""

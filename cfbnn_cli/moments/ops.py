@@ -1,0 +1,267 @@
+"""The activation moments as torch operators: ``torch.ops.cfbnn.*``.
+
+Registered through :mod:`torch.library`, so the dispatcher (not hand-written checks)
+picks the kernel by device, and ``torch.compile``, CUDA graphs, ``torch.func`` and
+``opcheck`` see one operator:
+
+``cfbnn::relu_moments(Tensor mean, Tensor std) -> (Tensor phi, Tensor upsilon, Tensor variance)``
+    ``(E[relu(z)], E[relu(z)^2], Var[relu(z)])`` for ``z ~ N(mean, std^2)`` elementwise
+    (paper eq. (20)); ``mean`` and ``std`` of one shape, dtype float32 or float64.
+``cfbnn::relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_std)``
+    its vector-Jacobian product (the heat-equation identities), the Gaussian factors recomputed.
+
+Kernels:
+
+* CPU: the C++ kernels of ``csrc/cfbnn_moments.cpp`` (:mod:`cfbnn_cli.moments.kernel_build`),
+  or the reference torch ops where they did not build;
+* CUDA (and any device Triton targets): the Triton kernels of
+  :mod:`cfbnn_cli.moments.triton_kernels` (one launch each way); without Triton, the
+  reference torch ops.
+
+Autograd: the backward op, or -- where a graph of the backward is wanted
+(``create_graph=True``, ``torch.func`` higher orders) -- the same formula in differentiable
+torch ops. ``vmap``: the ops are elementwise, so a batched call is one call on the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from . import fast
+from .gaussian import align_batched, is_transformed, standard_normal_cdf, standard_normal_pdf, standardize
+from .relu_reference import relu_forward
+
+try:  # Triton comes with torch's CUDA wheels; CPU-only installs may lack it
+    import triton  # noqa: F401
+
+    from . import triton_kernels
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    triton_kernels = None
+    HAVE_TRITON = False
+
+__all__ = [
+    "relu_moments",
+    "relu_moments_backward",
+    "relu_moments_function",
+    "ReLUMoments",
+    "HAVE_TRITON",
+    "triton_relu_moments",
+    "triton_relu_moments_backward",
+]
+
+_FLOATS = (torch.float32, torch.float64)
+
+
+def _check(name: str, *tensors: Tensor) -> None:
+    first = tensors[0]
+    for tensor in tensors:
+        if tensor.shape != first.shape:
+            raise ValueError(f"cfbnn::{name}: every tensor must have the shape of `mean` {tuple(first.shape)}")
+        if tensor.dtype != first.dtype or tensor.dtype not in _FLOATS:
+            raise ValueError(f"cfbnn::{name}: tensors must share one dtype, float32 or float64; got {tensor.dtype}")
+
+
+# ----------------------------------------------------------------------------- Triton launches
+
+
+def triton_relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
+    mean, std = mean.contiguous(), std.contiguous()
+    phi, ups, var = (torch.empty_like(mean) for _ in range(3))
+    n = mean.numel()
+    triton_kernels.relu_moments_kernel[triton_kernels.grid(n)](
+        mean, std, phi, ups, var, n, BLOCK=triton_kernels.BLOCK, CF_DEPTH=triton_kernels.CF_DEPTH
+    )
+    return phi, ups, var
+
+
+def triton_relu_moments_backward(
+    mean: Tensor, std: Tensor, phi: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
+) -> Tuple[Tensor, Tensor]:
+    """The Triton vector-Jacobian product (see :func:`triton_relu_moments`)."""
+    mean, std, phi = mean.contiguous(), std.contiguous(), phi.contiguous()
+    grad_phi, grad_ups, grad_var = grad_phi.contiguous(), grad_ups.contiguous(), grad_var.contiguous()
+    grad_mean, grad_std = torch.empty_like(mean), torch.empty_like(mean)
+    n = mean.numel()
+    triton_kernels.relu_moments_backward_kernel[triton_kernels.grid(n)](
+        mean,
+        std,
+        phi,
+        grad_phi,
+        grad_ups,
+        grad_var,
+        grad_mean,
+        grad_std,
+        n,
+        BLOCK=triton_kernels.BLOCK,
+        CF_DEPTH=triton_kernels.CF_DEPTH,
+    )
+    return grad_mean, grad_std
+
+
+# ----------------------------------------------------------------------------- reference (torch ops)
+
+
+def _reference_forward(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    phi, ups, var, *_ = relu_forward(mean, std)
+    return phi, ups, var
+
+
+def _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
+    """The vector-Jacobian product in differentiable torch ops (double backward, the oracle)."""
+    t, _, _ = standardize(mean, std)
+    cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)
+    twice_phi = 2.0 * phi
+    grad_mean = grad_phi * cdf + twice_phi * (grad_ups + grad_var * cdf_neg)
+    grad_std = grad_phi * pdf + 2.0 * std * cdf * (grad_ups + grad_var) - twice_phi * pdf * grad_var
+    return grad_mean, grad_std
+
+
+# ----------------------------------------------------------------------------- the operators
+
+
+def _forward_on_device(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    # the default kernel (every device but the CPU, which has its own below): Triton
+    _check("relu_moments", mean, std)
+    return triton_relu_moments(mean, std)
+
+
+def _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> Tuple[Tensor, Tensor]:
+    _check("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+    return triton_relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+
+
+if not HAVE_TRITON:  # pragma: no cover - without Triton the device kernels are the reference ops
+
+    def _forward_on_device(mean, std):  # noqa: F811
+        return tuple(value.clone() for value in _reference_forward(mean, std))
+
+    def _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance):  # noqa: F811
+        return _differentiable_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+
+
+# One operator with a kernel per device (torch.library.custom_op), not torch.library.triton_op:
+# a triton_op has one implementation for every device and is decomposed into its Triton launch
+# under torch.compile whatever the tensors' device, so it cannot hold the C++ CPU kernel beside it.
+_define = torch.library.custom_op
+
+
+@_define("cfbnn::relu_moments", mutates_args=())
+def relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    return _forward_on_device(mean, std)
+
+
+@_define("cfbnn::relu_moments_backward", mutates_args=())
+def relu_moments_backward(
+    mean: Tensor, std: Tensor, phi: Tensor, grad_phi: Tensor, grad_upsilon: Tensor, grad_variance: Tensor
+) -> Tuple[Tensor, Tensor]:
+    return _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+
+
+@relu_moments.register_kernel("cpu")
+def _relu_moments_cpu(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    _check("relu_moments", mean, std)
+    mean, std = mean.contiguous(), std.contiguous()
+    if fast.load_kernels() is None:  # no compiler: the reference ops (fresh tensors, as an op must return)
+        return tuple(value.clone() for value in _reference_forward(mean, std))
+    phi, ups, var = fast.ReLUOp(None).forward(mean, std, True, False)
+    return phi, ups, var
+
+
+@relu_moments_backward.register_kernel("cpu")
+def _relu_moments_backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> Tuple[Tensor, Tensor]:
+    _check("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+    if fast.load_kernels() is None:
+        return _differentiable_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+    contiguous = [t.contiguous() for t in (mean, std, phi)]
+    return fast.ReLUOp(None).backward(*contiguous, (), (grad_phi, grad_upsilon, grad_variance), plain=True)
+
+
+@relu_moments.register_fake
+def _(mean, std):
+    return torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)
+
+
+@relu_moments_backward.register_fake
+def _(mean, std, phi, grad_phi, grad_upsilon, grad_variance):
+    return torch.empty_like(mean), torch.empty_like(mean)
+
+
+def _setup_context(ctx, inputs, output):
+    mean, std = inputs
+    phi, _, _ = output
+    ctx.save_for_backward(mean, std, phi)
+
+
+def _backward(ctx, grad_phi, grad_upsilon, grad_variance):
+    mean, std, phi = ctx.saved_tensors
+    grads = [g if g is not None else torch.zeros_like(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
+    if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
+        return _differentiable_backward(mean, std, phi, *grads)
+    return relu_moments_backward(mean, std, phi, *grads)
+
+
+relu_moments.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _elementwise_vmap(op, count: int):
+    def rule(info, in_dims, *tensors):
+        size = info.batch_size
+        moved = []
+        for tensor, dim in zip(tensors, in_dims):
+            if dim is None:
+                tensor = tensor.unsqueeze(0).expand(size, *tensor.shape)
+            else:
+                tensor = tensor.movedim(dim, 0)
+            moved.append(tensor.contiguous())
+        return op(*moved), (0,) * count
+
+    return rule
+
+
+relu_moments.register_vmap(_elementwise_vmap(relu_moments, 3))
+relu_moments_backward.register_vmap(_elementwise_vmap(relu_moments_backward, 2))
+
+
+class ReLUMoments(torch.autograd.Function):
+    """``(Phi, Upsilon, Var)`` through the two operators, as an autograd.Function so that
+    ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``) work as well as autograd: the
+    operators' own autograd registration serves autograd alone."""
+
+    @staticmethod
+    def forward(mean, std):
+        return tuple(torch.ops.cfbnn.relu_moments(mean, std))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        mean, std = inputs
+        ctx.save_for_backward(mean, std, output[0])
+
+    @staticmethod
+    def backward(ctx, grad_phi, grad_upsilon, grad_variance):
+        mean, std, phi = ctx.saved_tensors
+        grads = [g if g is not None else torch.zeros_like(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
+        if torch.is_grad_enabled() or any(is_transformed(t) for t in (mean, std, phi, *grads)):
+            return _differentiable_backward(mean, std, phi, *grads)
+        return tuple(torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *grads))
+
+    @staticmethod
+    def vmap(info, in_dims, mean, std):
+        mean, std = align_batched(mean, std, in_dims)
+        return ReLUMoments.apply(*torch.broadcast_tensors(mean, std)), (0, 0, 0)
+
+
+def device_kernels_apply(mean: Tensor) -> bool:
+    """Whether ``cfbnn::relu_moments`` has a compiled kernel for ``mean`` off the CPU (Triton on CUDA)."""
+    return HAVE_TRITON and mean.is_cuda and mean.dtype in _FLOATS
+
+
+def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through the operators (autograd
+    and ``torch.func`` included)."""
+    return ReLUMoments.apply(*torch.broadcast_tensors(mean, std))

@@ -1,0 +1,124 @@
+"""Triton kernels of the activation moments: the CUDA side of the ``cfbnn::`` operators.
+
+Numerics are those of the reference path (:func:`cfbnn_cli.moments.relu_reference.relu_forward_block`),
+computed in float64 whatever the input dtype (as the reference does for float32):
+
+* with ``x = |mean|/std`` the Normal mass on the far side of 0 is the *small tail*
+  ``s_0 = Phi_N(-x)``, ``s_1 = phi(x) - x s_0``, ``s_2 = s_0 - x s_1`` (``std`` units);
+* for ``x < 2`` from ``erf`` (``1 - erf`` keeps >= 14 digits there) and that recursion;
+* for ``x >= 2`` from the Mills-ratio continued fraction (``paper/ERRATA.md``, "Numerics";
+  :func:`cfbnn_cli.moments.gaussian._continued_fraction`): ``r_j = j/(x + r_{j+1})``
+  evaluated backwards from depth ``CF_DEPTH`` (Miller's algorithm), then
+  ``s_0 = phi(x)/(x + r_1)``, ``s_1 = s_0 r_1``, ``s_2 = s_1 r_2`` -- only positive terms,
+  no cancellation, and only ``exp`` (which the Triton interpreter has on the CPU, so CI tests
+  these very kernels with ``TRITON_INTERPRET=1``).
+
+Every element takes both branches and selects (no divergence; a depth of 80 divisions
+costs less than the memory traffic of one more pass).
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+T_MAX = 1e4  # gaussian.T_MAX: beyond, every Gaussian factor is 0 in float64
+TINY = 2.2250738585072014e-308
+INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+CF_SWITCH = 2.0  # gaussian._RECURSION_LIMIT_F64
+CF_DEPTH = 80  # gaussian._CF_BANDS_F64's depth from x = 2 on: ~1e-15 relative (50-digit check)
+BLOCK = 1024
+
+
+@triton.jit
+def small_tail(mean, std, CF_DEPTH: tl.constexpr):
+    """``(x, pdf, s0, s1, s2)`` in float64 for float64 ``mean``, ``std`` (``std >= 0``)."""
+    x = tl.minimum(tl.abs(mean) / tl.maximum(std, 2.2250738585072014e-308), 1e4)
+    pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
+    # near 0: erf and the recursion
+    near_s0 = 0.5 * (1.0 - tl.math.erf(x * 0.7071067811865476))
+    near_s1 = pdf - x * near_s0
+    near_s2 = near_s0 - x * near_s1
+    # far: the continued fraction, x kept >= 2 so that the unselected lanes stay finite
+    xf = tl.maximum(x, 2.0)
+    r = 0.5 * (tl.sqrt(xf * xf + 4.0 * (CF_DEPTH + 1)) - xf)
+    r2 = r
+    for j in tl.static_range(CF_DEPTH, 0, -1):
+        r = j / (xf + r)
+        if j == 2:
+            r2 = r
+    far_s0 = tl.exp(-0.5 * xf * xf) * 0.3989422804014327 / (xf + r)
+    far_s1 = far_s0 * r
+    far_s2 = far_s1 * r2
+    far = x >= 2.0
+    s0 = tl.where(far, far_s0, near_s0)
+    s1 = tl.where(far, far_s1, near_s1)
+    s2 = tl.where(far, far_s2, near_s2)
+    return x, pdf, s0, s1, s2
+
+
+@triton.jit
+def relu_moments_kernel(mean_ptr, std_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr):
+    """``(Phi, Upsilon, Var)`` of ``relu(z)``, ``z ~ N(mean, std^2)`` (paper eq. (20), the
+    cancellation-free small-tail form of ``relu_reference.relu_forward_block``)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    s_in = tl.load(std_ptr + offsets, mask=inside, other=1.0)
+    mean = m_in.to(tl.float64)
+    std = s_in.to(tl.float64)
+    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
+    upper = mean >= 0.0
+    phi = tl.maximum(mean, 0.0) + std * s1
+    # the bracket of Var / std^2: above 0, 1 - s2 - 2 x s1 - s1^2 (>= 0.34); below, s2 - s1^2
+    bracket = tl.where(upper, 1.0 - s2 - 2.0 * x * s1 - s1 * s1, s2 - s1 * s1)
+    var = tl.maximum(std * std * bracket, 0.0)
+    ups = var + phi * phi
+    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
+    tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
+    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
+
+
+@triton.jit
+def relu_moments_backward_kernel(
+    mean_ptr,
+    std_ptr,
+    phi_ptr,
+    g_phi_ptr,
+    g_ups_ptr,
+    g_var_ptr,
+    g_mean_ptr,
+    g_std_ptr,
+    n,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """Vector-Jacobian product of :func:`relu_moments_kernel` (heat-equation identities):
+    ``dPhi/dmean = Phi_N(t)``, ``dPhi/dstd = phi(t)``, ``dUps/dmean = 2 Phi``,
+    ``dUps/dstd = 2 std Phi_N(t)``, ``dVar = dUps - 2 Phi dPhi`` (as ``relu_reference.ReLUMomentsReference``).
+    The Gaussian factors are recomputed, not saved."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    mean = m_in.to(tl.float64)
+    std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
+    upper = mean >= 0.0
+    cdf = tl.where(upper, 1.0 - s0, s0)  # Phi_N(t)
+    cdf_neg = tl.where(upper, s0, 1.0 - s0)  # Phi_N(-t), without 1 - cdf's cancellation
+    twice_phi = 2.0 * phi
+    g_mean = g_phi * cdf + twice_phi * (g_ups + g_var * cdf_neg)
+    g_std = g_phi * pdf + 2.0 * std * cdf * (g_ups + g_var) - twice_phi * pdf * g_var
+    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
+    tl.store(g_std_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
+
+
+def grid(n: int):
+    return (triton.cdiv(max(n, 1), BLOCK),)

@@ -1,0 +1,159 @@
+"""The CPU kernels' build: real source file, cache key, one builder at a time, recorded failures,
+the compiler's message, and a CLI that runs where no compiler exists."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import TRUST_REGRESSION
+
+from cfbnn_cli.moments import kernel_build
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code, env_update, timeout=300):
+    env = dict(os.environ)
+    env.update(env_update)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _fake_compiler(tmp_path: Path, body: str) -> Path:
+    """A shell script standing in for the compiler: it logs each call, then runs ``body``."""
+    script = tmp_path / "fake-c++"
+    script.write_text(
+        f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi\necho call >> "{tmp_path}/calls"\n{body}\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_the_source_is_a_real_file_shipped_with_the_package():
+    assert kernel_build.SOURCE_PATH.suffix == ".cpp" and kernel_build.SOURCE_PATH.is_file()
+    source = kernel_build.read_source()
+    assert 'extern "C" int cfbnn_abi(void)' in source
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"cfbnn_cli.moments" = ["csrc/*.cpp"]' in pyproject
+
+
+def test_the_cache_key_follows_source_compiler_flags_and_torch(monkeypatch):
+    flags = kernel_build.flag_sets()[0]
+    key = kernel_build.cache_key("src", "/usr/bin/g++", "g++ 12", flags, 15)
+    assert key == kernel_build.cache_key("src", "/usr/bin/g++", "g++ 12", flags, 15)
+    others = {
+        kernel_build.cache_key("src2", "/usr/bin/g++", "g++ 12", flags, 15),
+        kernel_build.cache_key("src", "/usr/bin/clang++", "g++ 12", flags, 15),
+        kernel_build.cache_key("src", "/usr/bin/g++", "g++ 13", flags, 15),
+        kernel_build.cache_key("src", "/usr/bin/g++", "g++ 12", kernel_build.flag_sets()[-1], 15),
+        kernel_build.cache_key("src", "/usr/bin/g++", "g++ 12", flags, 16),
+    }
+    monkeypatch.setattr(kernel_build.torch, "__version__", "0.0.0-other")
+    others.add(kernel_build.cache_key("src", "/usr/bin/g++", "g++ 12", flags, 15))
+    assert key not in others and len(others) == 6
+
+
+def test_a_failing_flag_set_is_recorded_with_the_compilers_message_and_not_retried(tmp_path):
+    compiler = _fake_compiler(tmp_path, 'echo "cfbnn_moments.cpp:1:1: error: no such intrinsic" >&2\nexit 1')
+    env = {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(tmp_path / "cache")}
+    code = """
+        from cfbnn_cli.moments import kernel_build
+        library, info = kernel_build.load_library(15, lambda lib: None, lambda lib: None)
+        print("LIBRARY", library)
+        print(info["error"])
+    """
+    first = _python(code, env)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    calls = len((tmp_path / "calls").read_text().splitlines())
+    assert calls == len(kernel_build.flag_sets())  # each flag set compiled once
+    assert "LIBRARY None" in out and "error: no such intrinsic" in out  # the compiler's own words
+    second = _python(code, env)
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err
+    assert len((tmp_path / "calls").read_text().splitlines()) == calls  # not retried at the next start
+    assert "recorded at an earlier start" in out and "error: no such intrinsic" in out
+
+
+def test_the_warning_names_the_compilers_message(tmp_path):
+    compiler = _fake_compiler(tmp_path, 'echo "kernels.cpp:7:3: error: unknown type name float16x" >&2\nexit 1')
+    code = """
+        import warnings, torch
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:
+            from cfbnn_cli.moments import get_activation
+            phi, _ = get_activation("relu").moments(torch.zeros(3), torch.ones(3))
+        print("WARNING", [str(w.message) for w in caught if "unavailable" in str(w.message)])
+        print("PHI", float(phi[0]))
+    """
+    process = _python(code, {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(tmp_path / "cache")})
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    assert "error: unknown type name float16x" in out
+    assert "PHI 0.398942" in out  # the reference path served
+
+
+def test_one_builder_at_a_time_the_second_process_loads_what_the_first_built(tmp_path):
+    """Two processes with a cold cache: the compiler runs once (the other waits on the lock and
+    then finds the library). The fake compiler copies a real build, slowly, so that both
+    processes are inside the load at once."""
+    real = kernel_build.find_compiler()
+    if real is None:
+        pytest.skip("no C++ compiler")
+    from cfbnn_cli.moments import fast
+
+    built = fast.fast_path_info().get("library")
+    if not built:
+        pytest.skip("the kernels did not build here")
+    compiler = _fake_compiler(
+        tmp_path,
+        'out=""; prev=""; for a in "$@"; do if [ "$prev" = "-o" ]; then out="$a"; fi; prev="$a"; done\n'
+        f'sleep 2; cp "{built}" "$out"',
+    )
+    env = {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(tmp_path / "cache")}
+    code = """
+        from cfbnn_cli.moments import fast
+        info = fast.fast_path_info()
+        print("AVAILABLE", info["available"], "CACHED", info.get("cached"))
+    """
+    processes = [_python(code, env) for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in processes]
+    for process, (out, err) in zip(processes, outputs):
+        assert process.returncode == 0, err
+        assert "AVAILABLE True" in out
+    assert len((tmp_path / "calls").read_text().splitlines()) == 1
+    assert sorted("CACHED True" in out for out, _ in outputs) == [False, True]
+
+
+def test_the_cli_runs_on_the_reference_path_without_a_compiler(tmp_path):
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), CFBNN_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cfbnn_cli.cli",
+            "train",
+            "regression",
+            *TRUST_REGRESSION,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "run" / "done").exists()
+    assert "no C++ compiler found" in result.stderr
