@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA tests and every GPU benchmark in one go (about 6 minutes on an H100 or H200); its last
+# The CUDA tests and every GPU benchmark in one go (about 7 minutes on an H100 or H200); its last
 # lines say which GPU targets are met.
 #   OUT=/tmp/gpu bash benchmarks/gpu_suite.sh
 # Logs go to $OUT; CI never runs this (it has no GPU; tests/test_cuda.py skips there).
@@ -11,9 +11,11 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
-timeout 300 $PY -m pytest tests/test_cuda.py tests/moments/test_moments_properties.py -k "cuda or test_cuda" -q \
+timeout 300 $PY -m pytest tests/test_cuda.py tests/moments/test_moments_properties.py tests/moments/test_ops.py \
+  -k "cuda or test_cuda" -q \
   -p no:cacheprovider -rs 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 240 $PY benchmarks/bench_cuda_graphs.py 2>&1 | tee "$OUT/bench_cuda_graphs.log"
+timeout 180 $PY benchmarks/bench_operators.py --device cuda 2>&1 | tee "$OUT/bench_operators.log"
 timeout 120 $PY benchmarks/bench_moments.py --devices cuda 2>&1 | tee "$OUT/bench_moments.log"
 timeout 300 $PY benchmarks/bench_elbo.py --device cuda 2>&1 | grep -Ev "^W1|^ *$" | tee "$OUT/bench_elbo.log"
 timeout 300 $PY benchmarks/bench_gradvar.py --device cuda --loop-samples 300 2>&1 | tee "$OUT/bench_gradvar.log"
@@ -23,3 +25,4 @@ echo
 echo "== summary ($(head -1 "$OUT/gpu.txt" | cut -c1-60))"
 grep -E "passed|failed|error" "$OUT/cuda_tests.log" | tail -1
 sed -n '/^CUDA graph targets:/,$p' "$OUT/bench_cuda_graphs.log"
+sed -n '/^Operator targets:/,$p' "$OUT/bench_operators.log"

@@ -36,7 +36,7 @@ float64. It is skipped (the reference path runs) when
 
 * it is turned off: environment variable ``CFBNN_FAST_MOMENTS=0`` (read at import),
   :func:`set_fast_path(False) <set_fast_path>`, or ``with fast_path(False): ...``;
-* the tensors are on another device (CUDA keeps the reference path) or of
+* the tensors are on another device (CUDA: the operators of :mod:`cfbnn_cli.moments.ops`) or of
   another dtype;
 * the code is being traced by ``torch.compile`` (the reference ops are what
   inductor can fuse);

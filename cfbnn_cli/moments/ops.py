@@ -25,6 +25,7 @@ torch ops. ``vmap``: the ops are elementwise, so a batched call is one call on t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Tuple
 
 import torch
@@ -50,6 +51,8 @@ __all__ = [
     "relu_moments_function",
     "ReLUMoments",
     "HAVE_TRITON",
+    "device_kernels",
+    "set_device_kernels",
     "triton_relu_moments",
     "triton_relu_moments_backward",
 ]
@@ -256,9 +259,30 @@ class ReLUMoments(torch.autograd.Function):
         return ReLUMoments.apply(*torch.broadcast_tensors(mean, std)), (0, 0, 0)
 
 
+_DEVICE_KERNELS = {"enabled": True}
+
+
+def set_device_kernels(enabled: bool) -> None:
+    """Route the activation moments off the CPU through the operators (the default) or through
+    the reference torch ops (``False``: for comparisons, or to rule the kernels out)."""
+    _DEVICE_KERNELS["enabled"] = bool(enabled)
+
+
+@contextlib.contextmanager
+def device_kernels(enabled: bool = True):
+    """``with device_kernels(False): ...``: :func:`set_device_kernels` for a block, restored after."""
+    previous = _DEVICE_KERNELS["enabled"]
+    set_device_kernels(enabled)
+    try:
+        yield
+    finally:
+        set_device_kernels(previous)
+
+
 def device_kernels_apply(mean: Tensor) -> bool:
-    """Whether ``cfbnn::relu_moments`` has a compiled kernel for ``mean`` off the CPU (Triton on CUDA)."""
-    return HAVE_TRITON and mean.is_cuda and mean.dtype in _FLOATS
+    """Whether ``cfbnn::relu_moments`` has a compiled kernel for ``mean`` off the CPU (Triton on
+    CUDA) and the route is on."""
+    return _DEVICE_KERNELS["enabled"] and HAVE_TRITON and mean.is_cuda and mean.dtype in _FLOATS
 
 
 def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

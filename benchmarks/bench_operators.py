@@ -1,0 +1,188 @@
+"""The ``cfbnn::`` operators: kernels per closed-form step, the step against the plain MLP and
+against local reparameterization, and the ReLU moments against erfc + exp -- side by side in
+one process; the last lines say which targets are met.
+
+    python benchmarks/bench_operators.py                 # CPU part only where there is no GPU
+    python benchmarks/bench_operators.py --device cuda   # both (about 1 minute on an H100)
+
+Measured (medians of ``--repeats`` timings of ``--steps`` calls each):
+
+1. CPU: ``relu.moments`` forward + backward on a 500 x 200 float32 block (the CLI's CPU path and
+   the operator ``cfbnn::relu_moments`` called directly) against ``erfc`` + ``exp`` on the
+   same block (target <= 5x);
+2. CUDA: the kernels one eager closed-form training step launches (forward, backward, Adam;
+   batch 500, torch profiler), with the operators and with the reference torch ops
+   (``ops.device_kernels(False)``) (target <= 30);
+3. CUDA: the graphed closed-form step (the CLI's CUDA path) against the graphed plain MLP
+   (target <= 1.5x) and the graphed local-reparameterization step (``sampling``; target: the
+   closed form faster), at D=90/H=200 and D=2048/H=1000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cfbnn_cli.bnn import BayesianNetwork
+from cfbnn_cli.moments import get_activation, ops, validate_args
+from cfbnn_cli.train.graphs import GraphedTrainingStep
+
+TARGETS = []  # (name, value, target text, met)
+
+
+def _median_us(call, steps, repeats, sync=lambda: None):
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            call()
+        sync()
+        times.append((time.perf_counter() - start) / steps * 1e6)
+    return statistics.median(times)
+
+
+def cpu_moments(args):
+    relu = get_activation("relu")
+    g = torch.Generator().manual_seed(0)
+    mean = (torch.randn(500, 200, generator=g) * 2).requires_grad_()
+    std = (torch.rand(500, 200, generator=g) + 0.1).requires_grad_()
+    x = mean.detach()
+
+    def cli_path():
+        phi, ups = relu.moments(mean, std)
+        (phi.sum() + ups.sum()).backward()
+
+    def operator():
+        phi, ups, _ = ops.relu_moments_function(mean, std)
+        (phi.sum() + ups.sum()).backward()
+
+    def erfc_exp():
+        torch.special.erfc(x)
+        torch.exp(x)
+
+    for call in (cli_path, operator, erfc_exp):
+        call()
+    times = {
+        name: _median_us(call, args.steps, args.repeats)
+        for name, call in (("cli", cli_path), ("operator", operator), ("erfc_exp", erfc_exp))
+    }
+    print(f"1. CPU ({torch.get_num_threads()} threads), relu moments fwd+bwd on 500x200 float32 (us)")
+    print(f"   CLI path {times['cli']:8.1f}   operator {times['operator']:8.1f}   erfc+exp {times['erfc_exp']:8.1f}")
+    ratio = times["cli"] / times["erfc_exp"]
+    print(f"   CLI path / erfc+exp {ratio:.1f}x; operator / erfc+exp {times['operator'] / times['erfc_exp']:.1f}x")
+    TARGETS.append(("CPU relu moments fwd+bwd / erfc+exp, 500x200", f"{ratio:.1f}x", "<= 5x", ratio <= 5.0))
+
+
+def _kernels_per_step(step) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _eager_step(model, optimizer, loss):
+    def step(rows):
+        optimizer.zero_grad(set_to_none=True)
+        value = loss(rows)
+        value.backward()
+        optimizer.step()
+        return value.detach()
+
+    return step
+
+
+def cuda_steps(args):
+    device = torch.device("cuda")
+    sync = torch.cuda.synchronize
+    print("2./3. CUDA training step, batch 500")
+    for dim, hidden in ((90, 200), (2048, 1000)):
+        x = torch.randn(10_000, dim, device=device)
+        y = torch.randn(10_000, device=device)
+        rows = torch.randint(0, 10_000, (500,), device=device)
+
+        def network(estimator):
+            torch.manual_seed(0)
+            model = BayesianNetwork(dim, [hidden]).to(device)
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+            return model, optimizer, lambda r: -model.elbo(x[r], y[r], 10_000, estimator)
+
+        kernels = {}
+        with validate_args(False):
+            for enabled in (True, False):
+                with ops.device_kernels(enabled):
+                    step = _eager_step(*network("analytic"))
+                    kernels[enabled] = _kernels_per_step(lambda step=step: step(rows))
+            timings = {}
+            for name, estimator in (("closed form", "analytic"), ("local reparameterization", "sampling")):
+                model, optimizer, loss = network(estimator)
+                step = GraphedTrainingStep(model, optimizer, loss, device, label=name)
+                for _ in range(3):
+                    step(rows)
+                if not step.enabled:
+                    raise SystemExit(f"capture of the {name} step failed: {step.failure}")
+                timings[name] = _median_us(lambda step=step: step(rows), args.steps, args.repeats, sync) / 1e3
+        mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)).to(device)
+        mlp_optimizer = torch.optim.Adam(mlp.parameters(), lr=1e-3)
+        mlp_step = GraphedTrainingStep(
+            mlp, mlp_optimizer, lambda r: (mlp(x[r]).squeeze(-1) - y[r]).square().mean(), device, label="MLP"
+        )
+        for _ in range(3):
+            mlp_step(rows)
+        mlp_ms = _median_us(lambda: mlp_step(rows), args.steps, args.repeats, sync) / 1e3
+        closed, sampled = timings["closed form"], timings["local reparameterization"]
+        print(
+            f"   D={dim:<5} H={hidden:<5} kernels per eager step: {kernels[True]} with the operators, "
+            f"{kernels[False]} with the reference ops"
+        )
+        print(
+            f"   graphed (ms): closed form {closed:7.3f}   local reparameterization {sampled:7.3f}   "
+            f"plain MLP {mlp_ms:7.3f}   closed form / MLP {closed / mlp_ms:4.2f}x"
+        )
+        TARGETS.append(
+            (f"kernels per closed-form step, D={dim}/H={hidden}", str(kernels[True]), "<= 30", kernels[True] <= 30)
+        )
+        TARGETS.append(
+            (
+                f"graphed closed-form step / graphed MLP, D={dim}/H={hidden}",
+                f"{closed / mlp_ms:.2f}x",
+                "<= 1.5x",
+                closed / mlp_ms <= 1.5,
+            )
+        )
+        TARGETS.append(
+            (
+                f"graphed closed-form step vs local reparameterization, D={dim}/H={hidden}",
+                f"{closed:.3f} vs {sampled:.3f} ms",
+                "faster",
+                closed < sampled,
+            )
+        )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    print(f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
+    cpu_moments(args)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs CUDA")
+        cuda_steps(args)
+    print("\nOperator targets:")
+    for name, value, target, met in TARGETS:
+        print(f"  {'met   ' if met else 'MISSED'}  {name}: {value} (target {target})")
+
+
+if __name__ == "__main__":
+    main()
