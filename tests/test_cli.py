@@ -58,7 +58,11 @@ def test_config_groups_and_keys_switch():
     [
         (
             "vae",
-            ["variant", "data: digits, fashion_mnist, synthetic, year_prediction_msd", "experiment: paper_table2"],
+            [
+                "variant",
+                "data: digits, fashion_mnist, synthetic, year_prediction_msd",
+                "experiment: paper_table2, table2_fashion_mnist",
+            ],
             ["paper_table1", "head_small", "protocol", "csv"],
         ),
         (

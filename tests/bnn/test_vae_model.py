@@ -91,3 +91,33 @@ def test_importance_weighted_bound_exceeds_elbo_and_increases_with_k(variant):
     assert by_k[1][0] >= elbo.mean() - 4 * by_k[1][1]
     assert by_k[10][0] > elbo.mean() + 4 * by_k[10][1]
     assert by_k[10][0] > by_k[1][0] and by_k[100][0] > by_k[10][0]
+
+
+def test_posterior_mean_reading_is_the_point_decoder_at_the_posterior_means():
+    """``decoder_weights="posterior_mean"`` of a Bayesian decoder equals the IWAE estimate of a
+    point-estimate (V1) decoder whose weights are set to the posterior means: the same z draws
+    (one generator seed), the same numbers. For V1 the reading is the default one."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 12, dtype=torch.float64)
+    bayesian = BayesianDecoderVAE(12, 3, [10], 8, "v3", init_scale=0.3).double()
+    point = BayesianDecoderVAE(12, 3, [10], 8, "v1").double()
+    point.encoder.load_state_dict(bayesian.encoder.state_dict())
+    with torch.no_grad():
+        for gaussian, linear in zip(bayesian.decoder.layers, point.decoder.layers):
+            linear.weight.copy_(gaussian.loc[:, :-1])
+            linear.bias.copy_(gaussian.loc[:, -1])
+        point.decoder.likelihood.log_precision.copy_(bayesian.decoder.likelihood.log_precision)
+    plug_in = bayesian.importance_weighted_log_likelihood(
+        x, 50, torch.Generator().manual_seed(5), decoder_weights="posterior_mean"
+    )
+    reference = point.importance_weighted_log_likelihood(x, 50, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(plug_in, reference)
+    # with weight uncertainty the default reading differs (it integrates the weights out)
+    sampled = bayesian.importance_weighted_log_likelihood(x, 50, torch.Generator().manual_seed(5))
+    assert not torch.allclose(sampled, plug_in)
+    same = point.importance_weighted_log_likelihood(
+        x, 50, torch.Generator().manual_seed(5), decoder_weights="posterior_mean"
+    )
+    torch.testing.assert_close(same, reference)
+    with pytest.raises(ValueError, match="decoder_weights"):
+        bayesian.importance_weighted_log_likelihood(x, 5, decoder_weights="mean")

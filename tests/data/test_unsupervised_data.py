@@ -57,6 +57,12 @@ def test_fashion_mnist_prepare_script_and_loader_on_small_local_files(tmp_path):
     assert pixels.shape == (40, 784) and 0 <= pixels.min() and pixels.max() <= 1
     data = load_unsupervised_data(OmegaConf.create({"name": "fashion_mnist", "root": str(root), "seed": 0}))
     assert data.dim == 784 and len(data.x_train) == 28
+    # data.rows: a nested subset, the same rows for every seed
+    cfg = lambda rows, seed: OmegaConf.create({"name": "fashion_mnist", "root": str(root), "seed": seed, "rows": rows})
+    small = load_unsupervised_data(cfg(20, 0))
+    assert len(small.x_train) + len(small.x_val) + len(small.x_test) == 20
+    with pytest.raises(ConfigError, match="data.rows=41 exceeds the 40 rows"):
+        load_unsupervised_data(cfg(41, 0))
     from cfbnn_cli.data.images import load_image_datasets
 
     train, held_out, classes = load_image_datasets(
@@ -72,3 +78,14 @@ def test_missing_fashion_mnist_names_the_install_step(tmp_path):
         load_unsupervised_data(
             OmegaConf.create({"name": "fashion_mnist", "root": str(tmp_path / "nothing"), "seed": 0})
         )
+
+
+def test_nested_subset_is_the_same_for_every_seed_and_nested_across_sizes():
+    from cfbnn_cli.data.unsupervised import nested_subset
+
+    x = np.arange(1000.0)[:, None]
+    ten, twenty = nested_subset(x, 10, "data.rows"), nested_subset(x, 20, "data.rows")
+    assert set(ten[:, 0]) < set(twenty[:, 0])  # a smaller subset inside a larger one
+    assert len(np.unique(twenty)) == 20 and np.all(np.diff(twenty[:, 0]) > 0)  # distinct rows, in file order
+    assert not np.array_equal(ten[:, 0], np.arange(10.0))  # drawn at random, not the first rows
+    assert np.array_equal(nested_subset(x, 1000, "data.rows"), x)

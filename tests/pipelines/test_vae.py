@@ -45,6 +45,19 @@ def test_all_variants_write_the_table(tmp_path, vae_cfg):
     assert m["vae/v2/test_kl_w"] > 0 and m["vae/v3/test_kl_w"] > 0
 
 
+def test_posterior_mean_reading_adds_a_column_and_metrics(tmp_path, vae_cfg):
+    result = pipeline.run(vae_cfg("trainer.epochs=1", "evaluation.posterior_mean_reading=true"), tmp_path)
+    m = result["metrics"]
+    table = pd.read_csv(tmp_path / "vae_results.csv", index_col=0)
+    assert "Test LL, weights at posterior mean" in table.columns
+    assert m["vae/v1/test_ll_posterior_mean"] == m["vae/v1/test_ll"]  # a point decoder: one reading
+    for variant in ("v2", "v3"):
+        assert math.isfinite(m[f"vae/{variant}/test_ll_posterior_mean"])
+        assert m[f"vae/{variant}/test_ll_posterior_mean"] != m[f"vae/{variant}/test_ll"]
+    without = pipeline.run(vae_cfg("trainer.epochs=1"), tmp_path / "plain")
+    assert not any("posterior_mean" in key for key in without["metrics"])
+
+
 def test_training_stops_when_the_validation_elbo_stops_improving(tmp_path, monkeypatch, vae_cfg):
     """Validation ELBO 1, 2, 3 (best), then lower for `patience` = 3 epochs: training stops
     after epoch 6 of a cap of 20, keeps epoch 3, and a resumed finished run trains no more."""
