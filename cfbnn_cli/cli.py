@@ -79,6 +79,7 @@ Everything after the command goes to Hydra, e.g.
 Outputs go to outputs/<command>/<date>/<time>/ (set hydra.run.dir=... to change); each command
 ends by printing that directory and its main table.
 
+  cfbnn predict RUN_DIR NEW.csv             # a finished train-regression run's predictive on new rows
   cfbnn report PATH                         # aggregate every results.json under PATH
   cfbnn report PATH --paper                 # ... and paper_reproduction.md (the paper's numbers beside)
   cfbnn train regression -m seed=0,1 hydra/launcher=joblib   # parallel jobs (docs/cli.md: Sweeps)
@@ -90,6 +91,10 @@ LAUNCHER_HINT = (
 
 
 # not a Hydra application: `cfbnn report` reads finished runs (cfbnn_cli.report.aggregate)
+PREDICT_SUMMARY = (
+    "predict RUN NEW.csv",
+    "a finished train-regression run's predictive on new rows: predictions.csv (mean, sd, variance parts, 90 % interval)",
+)
 REPORT_SUMMARY = (
     "report PATH",
     "tables and figures over every results.json under PATH, mean ± s.e. over seeds "
@@ -98,7 +103,7 @@ REPORT_SUMMARY = (
 
 
 def usage() -> str:
-    entries = [(s.name, s.summary) for s in SUBCOMMANDS] + [REPORT_SUMMARY]
+    entries = [(s.name, s.summary) for s in SUBCOMMANDS] + [PREDICT_SUMMARY, REPORT_SUMMARY]
     width = max(len(name) for name, _ in entries)
     commands = "\n".join(f"  {name.ljust(width)}  {summary}" for name, summary in entries)
     return USAGE.format(commands=commands)
@@ -338,6 +343,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from .report.aggregate import main as report_main
 
         sys.exit(report_main(argv[1:]))
+    if argv[0] == "predict":
+        from .pipelines.regression.predict import main as predict_main
+
+        sys.exit(predict_main(argv[1:]))
     if argv[0] == WORKER_FLAG:
         sys.exit(_run_worker(argv[1:]))
     if argv[0] == "--version":

@@ -5,6 +5,7 @@
   ``integrate_output_layer``, ``sampling``, ``deterministic`` and ``deterministic_full``),
   :class:`ClosedFormBNN` (the paper's one-hidden-layer network) and :func:`bayesian_head`
   (Figure 1's head).
+* :mod:`.predictive` -- ``model(x)`` / ``model.predict(x)``: the predictive distribution as an object.
 * :mod:`.likelihoods` -- Normal and categorical (softmax/logistic) likelihoods, passed in.
 * :mod:`.functional` -- pure functions: exact ELL, predictive moments, KL.
 * :mod:`.monte_carlo` -- sampling baselines (local reparameterization, weight space).
@@ -25,6 +26,7 @@ from .functional import (
 )
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, NormalLikelihood
 from .network import ESTIMATORS, BayesianNetwork, ClosedFormBNN, GaussianMatrix, PointLinear, bayesian_head
+from .predictive import Predictive, predictive
 
 __all__ = [
     "CLASSIFICATION_OBJECTIVES",
@@ -36,9 +38,11 @@ __all__ = [
     "LowRankScale",
     "NormalLikelihood",
     "PointLinear",
+    "Predictive",
     "augment",
     "bayesian_head",
     "kl_normal_rows",
+    "predictive",
     "predictive_moments",
     "preactivation_moments",
     "regression_ell_given_hidden",

@@ -69,6 +69,7 @@ from . import functional as F
 from . import fused
 from .functional import augment
 from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
+from .predictive import Predictive, predictive
 
 COVARIANCES = ("diagonal", "full", "lowrank")
 ESTIMATORS = ("analytic", "integrate_output_layer", "sampling", "deterministic", "deterministic_full")
@@ -869,18 +870,26 @@ class BayesianNetwork(nn.Module):
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
         return scale * ell - self.kl(folded)
 
+    def predict(self, x, estimator: str = "analytic", num_samples: int = 64, generator=None) -> Predictive:
+        """``p(y | x)`` as a :class:`~cfbnn_cli.bnn.predictive.Predictive` (mean, variance and its
+        parts, a Normal, intervals); one-output Normal likelihoods."""
+        return predictive(self, x, estimator, num_samples, generator)
+
     def forward(
         self,
         x,
-        y,
+        y=None,
         estimator: str = "analytic",
         noise=None,
         generator=None,
         num_samples: int = 1,
         objective: Optional[str] = None,
     ):
-        """The summed expected log-likelihood (so that ``torch.func.functional_call`` and
-        ``DistributedDataParallel`` can evaluate it)."""
+        """``model(x)``: the predictive distribution (:meth:`predict`). ``model(x, y, ...)``: the
+        summed expected log-likelihood (what ``torch.func.functional_call`` and
+        ``DistributedDataParallel`` evaluate in training)."""
+        if y is None:
+            return self.predict(x, estimator, generator=generator)
         return self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective)
 
 
@@ -980,13 +989,17 @@ class ClosedFormBNN(BayesianNetwork):
     def forward(
         self,
         x,
-        y,
+        y=None,
         estimator: str = "analytic",
         noise=None,
         generator=None,
         num_samples: int = 1,
         objective: Optional[str] = None,
     ):
+        """``model(x)``: the predictive distribution; ``model(x, y, ...)``: the summed expected
+        log-likelihood (see :meth:`BayesianNetwork.forward`)."""
+        if y is None:
+            return self.predict(x, estimator, generator=generator)
         return self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise)
 
 

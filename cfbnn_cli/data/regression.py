@@ -37,6 +37,11 @@ class RegressionData:
     y_test: torch.Tensor
     target_mean: float
     target_std: float
+    # what `cfbnn predict` needs to put new rows on the training scale (original units in, out)
+    feature_mean: Optional[np.ndarray] = None  # (D,) float64
+    feature_std: Optional[np.ndarray] = None  # (D,) float64
+    columns: Optional[List[str]] = None  # the feature names, where the source has them
+    target: str = "target"
 
     @property
     def input_dim(self) -> int:
@@ -77,6 +82,10 @@ def _standardize(
         y_test=target_tensor(y_test),
         target_mean=y_mean,
         target_std=y_std,
+        feature_mean=np.asarray(x_mean, dtype=np.float64).reshape(-1),
+        feature_std=np.asarray(x_std, dtype=np.float64).reshape(-1),
+        columns=list(columns) if columns is not None else None,
+        target=target,
     )
 
 
@@ -120,7 +129,7 @@ def diabetes(test_fraction=0.1, seed=0) -> RegressionData:
     return _standardize("diabetes", x[train], y[train], x[test], y[test])
 
 
-def _parse_numeric_rows(lines, source: str, expected_columns: Optional[int] = None, first_line: int = 1):
+def parse_numeric_rows(lines, source: str, expected_columns: Optional[int] = None, first_line: int = 1):
     rows: List[List[float]] = []
     try:
         _parse_into(rows, lines, source, expected_columns, first_line)
@@ -180,10 +189,10 @@ def read_year_prediction_msd(path, expected_rows: Optional[int]) -> np.ndarray:
             if member is None:
                 raise DataError(f"{found}: the zip holds no .txt file")
             text = io.TextIOWrapper(archive.open(member), encoding="utf-8")
-            table = _parse_numeric_rows(text, f"{found}:{member}", expected_columns=91)
+            table = parse_numeric_rows(text, f"{found}:{member}", expected_columns=91)
     else:
         with open(found, newline="") as handle:
-            table = _parse_numeric_rows(handle, str(found), expected_columns=91)
+            table = parse_numeric_rows(handle, str(found), expected_columns=91)
     if expected_rows is not None and len(table) != expected_rows:
         raise DataError(
             f"{found} has {len(table)} rows, expected {expected_rows}; the file is incomplete -- re-run `{MSD_SCRIPT}`"
@@ -309,7 +318,7 @@ def _read_npz(path: Path, target: str):
     return x, y, columns
 
 
-def _decoded_lines(path: Path) -> List[str]:
+def decoded_lines(path: Path) -> List[str]:
     """The lines of a UTF-8 text file (a byte-order mark dropped); a byte that is not
     UTF-8 is an error naming its line, not a traceback."""
     data = _read_bytes(path)
@@ -359,12 +368,12 @@ def _read_tabular(path, target):
     if path.suffix == ".npz":
         x, y, columns = _read_npz(path, target)
     else:
-        lines = _decoded_lines(path)
+        lines = decoded_lines(path)
         if not lines or not lines[0].strip():
             raise DataError(f"{path} is empty (or its first line, the header, is blank)")
         header = [h.strip() for h in next(csv.reader(lines[:1]))]
         _check_header(path, header, target)
-        table = _parse_numeric_rows(lines[1:], str(path), expected_columns=len(header), first_line=2)
+        table = parse_numeric_rows(lines[1:], str(path), expected_columns=len(header), first_line=2)
         if table.size == 0:
             raise DataError(f"{path} has a header but no data rows")
         column = header.index(target)

@@ -38,6 +38,7 @@ from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.rundir import config_fingerprint
 from ...runtime.seed import seed_everything
 from ...train import TrainingLoop
+from .model_file import save_regression_model
 
 log = logging.getLogger(__name__)
 ESTIMATOR_LABELS = {"analytic": "Analytic", "sampling": "Sampling", "deterministic": "Deterministic (nothing sampled)"}
@@ -539,4 +540,6 @@ def run(cfg: DictConfig, run_dir) -> dict:
                     metrics_out[f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}"] = (
                         sampling / analytic if analytic > 0 else None
                     )
+    # the trained network and its scaling, for `cfbnn predict RUN_DIR NEW.csv`
+    save_regression_model(run_dir, model, cfg, data)
     return {"metrics": metrics_out, "tables": tables, "figures": figures, "device": device, **result_extra}

@@ -1,0 +1,105 @@
+"""The predictive distribution of a regression network, as an object.
+
+:func:`predictive` gives ``p(y | x)`` of a :class:`~cfbnn_cli.bnn.network.BayesianNetwork`
+with a one-output Normal likelihood as a :class:`Predictive`: its mean, its variance and the
+parts of the variance (paper remark 2, eq. (44)):
+
+* a network whose Gaussian layers are all integrated in closed form under the estimator
+  (the paper's one hidden layer under ``analytic``; any depth under ``deterministic``):
+  exact moments, no sampling; ``var_a`` is the variance from the last hidden layer's weights
+  (and, propagated, from the layers before), ``var_b`` the output layer's;
+* otherwise the earlier layers are sampled (``num_samples`` draws, batched) and the moments
+  are those of the mixture over the draws (the law of total variance: the spread of the
+  draws' means is counted in ``var_a``).
+
+``noise`` is the likelihood's ``1/beta``. ``Predictive.distribution()`` is the moment-matched
+``torch.distributions.Normal``; :meth:`Predictive.interval` a central interval of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .likelihoods import NormalLikelihood
+
+
+@dataclass
+class Predictive:
+    """``y | x`` with ``mean``, ``variance = var_a + var_b + noise`` (each ``(N,)``)."""
+
+    mean: torch.Tensor
+    var_a: torch.Tensor
+    var_b: torch.Tensor
+    noise: torch.Tensor
+    exact: bool  # True: closed-form moments; False: moments of the mixture over sampled layers
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self.var_a + self.var_b + self.noise
+
+    @property
+    def stddev(self) -> torch.Tensor:
+        return self.variance.sqrt()
+
+    def distribution(self) -> torch.distributions.Normal:
+        """The moment-matched Normal (exactly the predictive where every layer is integrated
+        and the likelihood is Normal given the output's moments)."""
+        return torch.distributions.Normal(self.mean, self.stddev)
+
+    def interval(self, coverage: float = 0.9) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The central ``coverage`` interval of :meth:`distribution`."""
+        if not 0.0 < coverage < 1.0:
+            raise ValueError(f"`coverage` must be in (0, 1); got {coverage!r}")
+        normal = self.distribution()
+        tail = torch.tensor((1.0 - coverage) / 2.0, dtype=self.mean.dtype, device=self.mean.device)
+        return normal.icdf(tail), normal.icdf(1.0 - tail)
+
+    def unscaled(self, mean: float, std: float) -> "Predictive":
+        """The same predictive for ``y_original = mean + std * y`` (a standardized target)."""
+        scale = std * std
+        return Predictive(
+            self.mean * std + mean, self.var_a * scale, self.var_b * scale, self.noise * scale, self.exact
+        )
+
+
+@torch.no_grad()
+def predictive(
+    model, x: torch.Tensor, estimator: str = "analytic", num_samples: int = 64, generator=None
+) -> Predictive:
+    """``p(y | x)`` of ``model`` (see the module docstring); ``x`` is ``(N, D)``."""
+    if not isinstance(model.likelihood, NormalLikelihood) or model.output_dim != 1:
+        raise ValueError(
+            "predictive() is for one-output Normal likelihoods; a heteroscedastic or categorical model "
+            "predicts through predictive_components() or output_mean()"
+        )
+    h = model.point_features(x)
+    sampled = bool(model.noise_shapes(h.shape[-2], estimator))
+    noise = 1.0 / model.precision
+    if not sampled:
+        mean, var_a, var_b = model.output_moments(h, estimator, (), after_point_layers=True, split_variance=True)
+        return Predictive(mean, var_a, var_b, torch.full_like(mean, float(noise)), exact=True)
+    draws = model.sample_noise(h.shape[-2], estimator, generator, num_samples=num_samples)
+    means, var_a, var_b = model.output_moments(h, estimator, draws, after_point_layers=True, split_variance=True)
+    mean = means.mean(0)
+    spread = means.var(0, unbiased=False)  # between the draws: from the sampled layers
+    return Predictive(mean, var_a.mean(0) + spread, var_b.mean(0), torch.full_like(mean, float(noise)), exact=False)
+
+
+def describe(prediction: Predictive, coverage: Optional[float] = 0.9) -> dict:
+    """The columns of a predictions file: mean, sd, the parts of the variance, the interval."""
+    columns = {
+        "mean": prediction.mean,
+        "sd": prediction.stddev,
+        "var_a": prediction.var_a,
+        "var_b": prediction.var_b,
+        "noise": prediction.noise,
+    }
+    if coverage is not None:
+        lower, upper = prediction.interval(coverage)
+        percent = f"{100 * coverage:g}"
+        columns[f"lower_{percent}"] = lower
+        columns[f"upper_{percent}"] = upper
+    return columns

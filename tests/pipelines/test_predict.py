@@ -1,0 +1,176 @@
+"""The predictive as an object (``model(x)``, ``model.predict``) and ``cfbnn predict RUN NEW.csv``."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import one_line_error
+
+from cfbnn_cli.bnn import BayesianNetwork, ClosedFormBNN, Predictive
+from cfbnn_cli.pipelines.regression import predict as predict_pipeline
+from cfbnn_cli.pipelines.regression import gradient_variance_study as pipeline
+
+
+def _monte_carlo_moments(model, x, draws=40_000, seed=0):
+    """Mean and variance of y by sampling every weight layer (local reparameterization, which is
+    exact in distribution for one data point at a time) plus the likelihood's noise."""
+    outputs = model.sample_outputs(x, draws, torch.Generator().manual_seed(seed))  # (S, N)
+    noise = 1.0 / float(model.precision.detach())
+    return outputs.mean(0), outputs.var(0) + noise, outputs
+
+
+@pytest.mark.parametrize("hidden", [[30], [30, 20]])
+def test_model_of_x_is_the_predictive_and_matches_monte_carlo(hidden):
+    torch.manual_seed(0)
+    model = BayesianNetwork(4, hidden, init_scale=0.3).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    prediction = model(x)
+    assert isinstance(prediction, Predictive) and prediction.exact == (len(hidden) == 1)
+    mc_mean, mc_var, outputs = _monte_carlo_moments(model, x)
+    draws = outputs.shape[0]
+    mean_se = (mc_var / draws).sqrt()
+    var_se = mc_var * math.sqrt(2.0 / draws) * 2  # a generous s.e. of a variance (tails of y are not Normal)
+    predicted = model.predict(x, num_samples=4000, generator=torch.Generator().manual_seed(1))
+    assert torch.all((predicted.mean - mc_mean).abs() < 5 * mean_se + 1e-3 * (len(hidden) - 1))
+    assert torch.all((predicted.variance - mc_var).abs() < 5 * var_se)
+    assert torch.all(predicted.var_a >= 0) and torch.all(predicted.var_b >= 0)
+
+
+def test_closed_form_parts_are_the_paper_split_and_the_interval_is_normal():
+    torch.manual_seed(1)
+    model = ClosedFormBNN(3, 15, init_scale=0.2)
+    x = torch.randn(5, 3)
+    prediction = model(x)
+    mean, var_a, var_b, noise = model.predictive(x)
+    torch.testing.assert_close(prediction.mean, mean)
+    torch.testing.assert_close(prediction.var_a, var_a)
+    torch.testing.assert_close(prediction.var_b, var_b)
+    torch.testing.assert_close(prediction.variance, var_a + var_b + noise)
+    lower, upper = prediction.interval(0.9)
+    torch.testing.assert_close(upper - prediction.mean, 1.6448536 * prediction.stddev, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(prediction.mean - lower, upper - prediction.mean)
+    original = prediction.unscaled(10.0, 2.0)
+    torch.testing.assert_close(original.mean, 10.0 + 2.0 * prediction.mean)
+    torch.testing.assert_close(original.variance, 4.0 * prediction.variance)
+    with pytest.raises(ValueError, match="coverage"):
+        prediction.interval(1.0)
+    # training calls are unchanged: model(x, y) is the summed expected log-likelihood
+    y = torch.randn(5)
+    torch.testing.assert_close(model(x, y), model.expected_log_likelihood(x, y))
+
+
+def _write_csv(path, header, rows):
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+@pytest.fixture(scope="module")
+def trained_csv_run(tmp_path_factory):
+    """A finished ``train regression`` run on a CSV with named columns, target ``price``."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from cfbnn_cli.cli import compose_config
+
+    GlobalHydra.instance().clear()
+
+    folder = tmp_path_factory.mktemp("predict")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 3))
+    y = 3.0 * x[:, 0] - x[:, 1] + 0.1 * rng.normal(size=400) + 100.0
+    _write_csv(folder / "train.csv", ["a", "b", "c", "price"], np.column_stack([x, y]))
+    cfg = compose_config(
+        "train_regression",
+        [
+            "data=csv",
+            f"data.path={folder / 'train.csv'}",
+            "data.target=price",
+            "model.hidden_sizes=[32]",
+            "trainer.epochs=60",
+            "trainer.batch_size=50",
+            "trainer.lr=0.01",
+            "gradient_variance.num_samples=0",
+            "evaluation.num_samples=4",
+            "device=cpu",
+        ],
+    )
+    run_dir = folder / "run"
+    run_dir.mkdir()
+    pipeline.run(cfg, run_dir)
+    (run_dir / "results.json").write_text("{}")  # what the CLI writes once a run finishes
+    (run_dir / "done").write_text("")
+    return folder, run_dir, x, y
+
+
+def _read_predictions(path):
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    return {key: np.array([float(r[key]) for r in rows]) for key in rows[0]}
+
+
+def test_predict_writes_original_units_for_columns_in_any_order(trained_csv_run, tmp_path):
+    folder, run_dir, x, y = trained_csv_run
+    new = x[:20]
+    _write_csv(
+        tmp_path / "new.csv", ["c", "price", "a", "b"], np.column_stack([new[:, 2], y[:20], new[:, 0], new[:, 1]])
+    )
+    out = predict_pipeline.predict_run(run_dir, tmp_path / "new.csv", out=tmp_path / "p.csv")
+    table = _read_predictions(out)
+    assert list(table) == ["row", "mean", "sd", "var_a", "var_b", "noise", "lower_90", "upper_90"]
+    assert list(table["row"]) == list(range(1, 21))
+    # original units: the target is ~100 + 3a - b; a fitted model is within a few noise s.d.
+    assert np.abs(table["mean"] - y[:20]).mean() < 0.5
+    np.testing.assert_allclose(table["sd"] ** 2, table["var_a"] + table["var_b"] + table["noise"], rtol=1e-5)
+    np.testing.assert_allclose(table["upper_90"] - table["mean"], 1.6448536 * table["sd"], rtol=1e-4)
+    inside = (y[:20] >= table["lower_90"]) & (y[:20] <= table["upper_90"])
+    assert inside.mean() >= 0.7  # a 90 % interval covers most training-like rows
+
+
+def _main_error(capsys, *args):
+    """``cfbnn predict ARGS`` in this process: its exit code must be 2, its stderr one line."""
+    assert predict_pipeline.main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("cfbnn: error: "), err
+    assert sum(line.startswith("cfbnn: error") for line in err) == 1 and "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+def test_predict_errors_are_one_line(trained_csv_run, tmp_path, cfbnn, capsys):
+    folder, run_dir, x, _ = trained_csv_run
+    _write_csv(tmp_path / "other.csv", ["a", "b", "d"], x[:3])
+    # once through the command itself: exit 2, one line, no traceback
+    text = one_line_error(cfbnn("predict", str(run_dir), str(tmp_path / "other.csv")))
+    assert "missing c" in text and "not in the training file: d" in text
+    _write_csv(tmp_path / "text.csv", ["a", "b", "c"], [["1", "2", "x"]])
+    assert "line 2" in _main_error(capsys, run_dir, tmp_path / "text.csv")
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "results.json").write_text("{}")
+    assert "not finished" in _main_error(capsys, unfinished, folder / "train.csv")
+    assert "not a cfbnn run dir" in _main_error(capsys, tmp_path, folder / "train.csv")
+    assert "no such file" in _main_error(capsys, run_dir, tmp_path / "nope.csv")
+    assert "--estimator" in _main_error(capsys, run_dir, folder / "train.csv", "--estimator", "magic")
+    assert not (tmp_path / "p.csv").exists() and not (run_dir / "predictions.csv").exists()
+
+
+def test_predict_on_a_generated_data_run_reads_features_by_position(tmp_path, regression_cfg, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    pipeline.run(regression_cfg("gradient_variance.num_samples=0"), run_dir)
+    (run_dir / "results.json").write_text("{}")
+    (run_dir / "done").write_text("")
+    from cfbnn_cli.pipelines.regression.model_file import load_regression_model
+
+    _, info = load_regression_model(run_dir / "model.pt")
+    dim = info["architecture"]["input_dim"]
+    assert info["columns"] is None
+    _write_csv(tmp_path / "new.csv", [f"x{i}" for i in range(dim)], np.zeros((4, dim)))
+    out = predict_pipeline.predict_run(run_dir, tmp_path / "new.csv")
+    assert out == run_dir / "predictions.csv" and len(_read_predictions(out)["mean"]) == 4
+    _write_csv(tmp_path / "short.csv", ["x0"], np.zeros((2, 1)))
+    assert f"trained on {dim}" in _main_error(capsys, run_dir, tmp_path / "short.csv")
