@@ -11,8 +11,8 @@ import torch
 from conftest import one_line_error
 
 from cfbnn_cli.bnn import BayesianNetwork, ClosedFormBNN, Predictive
-from cfbnn_cli.pipelines.regression import predict as predict_pipeline
 from cfbnn_cli.pipelines.regression import gradient_variance_study as pipeline
+from cfbnn_cli.pipelines.regression import predict as predict_pipeline
 
 
 def _monte_carlo_moments(model, x, draws=40_000, seed=0):
