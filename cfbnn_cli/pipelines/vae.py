@@ -268,6 +268,38 @@ def results_table(rows: List[dict], trials: int) -> pd.DataFrame:
     return frame.set_index("Variant")
 
 
+def results_data(rows: List[dict], trials: int) -> pd.DataFrame:
+    """The numbers of :func:`results_table`, one per column (``vae_results.csv``): the test LL
+    and its s.e. over the ``trials`` evaluation trials, the ELBO's terms, the best epoch, the
+    epochs run and why training stopped (``patience`` or ``cap``)."""
+    columns = [
+        "test_ll",
+        "test_ll_se",
+        "test_ll_posterior_mean",
+        "test_ll_posterior_mean_se",
+        "test_elbo",
+        "test_ell",
+        "test_kl_z",
+        "test_kl_w",
+        "best_epoch",
+        "epochs",
+        "stopped",
+        "patience",
+        "seconds_per_epoch",
+    ]
+    return pd.DataFrame(
+        [
+            {
+                "variant": row["variant"],
+                "bayesian_decoder": VARIANTS[row["variant"]]["bayesian"],
+                "trials": trials,
+                **{column: row.get(column) for column in columns},
+            }
+            for row in rows
+        ]
+    )
+
+
 VARIANT_STYLE = {
     "v1": dict(ls="-", marker=None, color="C0"),
     "v2": dict(ls="--", marker="o", color="C1"),
@@ -436,7 +468,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         f"gap between Test ELBO and Test LL is mostly KL(W)/N, the decoder-weight KL shared by the training "
         f"rows (0 for V1)"
     )
-    tables = write_table(table, run_dir, "vae_results", caption=caption)
+    tables = write_table(table, run_dir, "vae_results", caption=caption, data=results_data(rows, T))
     log.debug("VAE results on %s:\n%s", data.name, table.to_markdown())
     title = (
         f"VAE on {data.name} ({num_train} training rows), batch {cfg.trainer.batch_size}, lr {cfg.trainer.lr}, "

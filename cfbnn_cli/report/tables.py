@@ -2,7 +2,8 @@
 
 Row labels are plain text in every form (a MultiIndex becomes ordinary columns), and
 numbers should arrive already formatted by :mod:`cfbnn_cli.report.numbers`
-(``mean ± s.e.`` rounded to the s.e.), which the LaTeX form sets in math mode.
+(``mean ± s.e.`` rounded to the s.e.), which the LaTeX form sets in math mode. Where the
+pipeline passes the raw numbers (``data``), the CSV holds those, one per column.
 """
 
 from __future__ import annotations
@@ -72,17 +73,28 @@ def plain_labels(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_table(
-    frame: pd.DataFrame, run_dir, name: str, caption: Optional[str] = None, index: bool = True
+    frame: pd.DataFrame,
+    run_dir,
+    name: str,
+    caption: Optional[str] = None,
+    index: bool = True,
+    data: Optional[pd.DataFrame] = None,
 ) -> Dict[str, str]:
     """Write ``<name>.csv``, ``<name>.md`` and ``<name>.tex``; return their file names.
 
     The Markdown form carries ``caption`` under the table (``Table: ...``, as pandoc
     reads it); the LaTeX form has it as ``\\caption`` and a ``tab:<name>`` label.
+    ``data``: the table's numbers, each in a column of its own (a value and its s.e. side by
+    side, an epoch count apart from its stop reason), which the CSV then holds instead of the
+    formatted cells -- the form to compute with; the Markdown and LaTeX forms are to read.
     """
     run_dir = Path(run_dir)
     if isinstance(frame.index, pd.MultiIndex):
         frame, index = plain_labels(frame), False
-    atomic_write_text(run_dir / f"{name}.csv", frame.to_csv(index=index))
+    if data is not None:
+        atomic_write_text(run_dir / f"{name}.csv", data.to_csv(index=False, float_format="%.17g"))
+    else:
+        atomic_write_text(run_dir / f"{name}.csv", frame.to_csv(index=index))
     markdown = frame.to_markdown(index=index)
     if caption:
         markdown += f"\n\nTable: {caption}"

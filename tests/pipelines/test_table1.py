@@ -13,6 +13,14 @@ from cfbnn_cli.runtime.errors import ConfigError
 from cfbnn_cli.runtime.numerics import NonFiniteLossError
 
 
+def _formatted_table(path) -> pd.DataFrame:
+    """A Markdown table as written by report.tables (first column the index)."""
+    lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    header, body = cells[0], cells[2:]
+    return pd.DataFrame([row[1:] for row in body], index=[row[0] for row in body], columns=header[1:])
+
+
 @pytest.mark.parametrize("estimator", ["analytic", "sampling", "deterministic", "deterministic_full"])
 def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_cfg):
     result = regression.run(regression_cfg(f"estimator={estimator}"), tmp_path)
@@ -20,7 +28,7 @@ def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_c
     assert list(history["epoch"]) == [1, 2, 3]
     assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
     assert np.isfinite(history[["test_rmse", "test_ll_closed_form", "test_ll_monte_carlo"]].values).all()
-    table = pd.read_csv(tmp_path / "gradient_variance.csv", index_col=0)
+    table = _formatted_table(tmp_path / "gradient_variance.md")
     assert (
         list(table.index) == ["Analytic", "Sampling", "Deterministic (nothing sampled)", "Ratio sampling / analytic"]
         and table.shape[1] == 6
@@ -28,6 +36,22 @@ def test_trains_lowers_loss_and_writes_outputs(tmp_path, estimator, regression_c
     assert "/" in table.iloc[0, 0]
     # the third row: nothing is sampled at any depth, so no layer's gradient varies
     assert set(table.loc["Deterministic (nothing sampled)"]) == {"0 / 0"}
+    # the CSV holds the numbers themselves, one per column, as results.json has them
+    data = pd.read_csv(tmp_path / "gradient_variance.csv")
+    assert list(data.columns) == [
+        "epoch",
+        "layer",
+        "parameter",
+        "analytic",
+        "sampling",
+        "deterministic",
+        "ratio_sampling_over_analytic",
+        "converged",
+    ]
+    assert len(data) == 2 * 3 * 2  # epochs 0 and 3, three layers, two parameters
+    final = data[(data.epoch == 3) & (data.layer == "final") & (data.parameter == "weight_means")].iloc[0]
+    assert final["sampling"] == result["metrics"]["gradvar/sampling/epoch3/final/mean"]
+    assert (data.deterministic == 0).all()
     assert all(v == 0.0 for k, v in result["metrics"].items() if k.startswith("gradvar/deterministic/"))
     # calibration of the final predictive: coverage of central intervals, nested and in [0, 1], and its figure
     coverage = [result["metrics"][f"calibration/coverage_{level}"] for level in (50, 80, 90, 95)]

@@ -206,9 +206,9 @@ def convergence_note(history: List[dict], key: str = "train_elbo_per_point") -> 
     recent rate of improvement is below a tenth of its average rate since epoch 1
     (a linearly falling −ELBO is not converged, however slowly it falls)."""
     values = [h[key] for h in history if h.get(key) is not None]
-    if len(values) < 3:
+    if len(values) < 3:  # unknown, not "not converged": the table's heading then says nothing either way
         return {
-            "converged": False,
+            "converged": None,
             "rate": None,
             "average": None,
             "text": f"{len(values)} epoch(s): too few to judge convergence",
@@ -227,6 +227,29 @@ def convergence_note(history: List[dict], key: str = "train_elbo_per_point") -> 
         else "converged: the ELBO per point stopped rising"
     )
     return {"converged": converged, "rate": rate, "average": average, "text": text}
+
+
+def gradient_variance_data(results: Dict[int, dict], last_epoch: int, converged: Optional[bool] = None) -> pd.DataFrame:
+    """The numbers of Table 1 (``gradient_variance.csv``), one row per (epoch, layer,
+    parameter): each estimator's mean gradient variance, the ratio sampling / analytic (empty
+    where the analytic variance is 0) and, at the last epoch, whether training had converged."""
+    rows = []
+    for epoch in sorted(results):
+        for layer in next(iter(results[epoch].values())):
+            for kind, parameter in (("mean", "weight_means"), ("scale", "log_scale")):
+                values = {e: results[epoch][e][layer][kind] for e in TABLE1_ESTIMATORS if e in results[epoch]}
+                analytic, sampling = values.get("analytic"), values.get("sampling")
+                rows.append(
+                    {
+                        "epoch": epoch,
+                        "layer": layer,
+                        "parameter": parameter,
+                        **values,
+                        "ratio_sampling_over_analytic": sampling / analytic if analytic else None,
+                        "converged": converged if epoch == last_epoch else None,
+                    }
+                )
+    return pd.DataFrame(rows)
 
 
 def epoch_heading(epoch: int, last_epoch: int, converged: Optional[bool]) -> str:
@@ -516,7 +539,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
             f"{100 * math.sqrt(2 / max(cfg.gradient_variance.num_samples - 1, 1)):.0f} %). "
             f"{describe_run(cfg, data)}. End of training: {convergence['text']}."
         )
-        tables.update(write_table(frame, run_dir, "gradient_variance", caption=table_caption))
+        numbers = gradient_variance_data(gv_results, cfg.trainer.epochs, convergence["converged"])
+        tables.update(write_table(frame, run_dir, "gradient_variance", caption=table_caption, data=numbers))
         log.debug("gradient variance (weight means / log σ):\n%s", frame.to_markdown())
         figures["gradient_variance"] = _plot_gradient_variance(
             gv_results,

@@ -83,7 +83,7 @@ from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
 from ...runtime.rundir import config_fingerprint, refuse_other_config
 from .uci_methods import DETERMINISTIC_METHODS, METHODS, Fitted, Split, fit_method, quiet, test_metrics
-from .uci_report import mean_and_standard_error, plot_coverage, plot_paired_differences, summary_table
+from .uci_report import mean_and_standard_error, plot_coverage, plot_paired_differences, summary_data, summary_table
 
 log = logging.getLogger(__name__)
 MIN_ROWS = 10  # a 90/10 split needs at least one test point and a handful of training rows
@@ -384,7 +384,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         f"splits, mean ± s.e. over splits; test LL per point and RMSE in the target's units; times are medians "
         f"over splits; the equal-time column is each method at the training time of {METHODS[reference] if reference else '—'}"
     )
-    tables.update(write_table(summary, run_dir, "uci", caption=caption))
+    tables.update(write_table(summary, run_dir, "uci", caption=caption, data=summary_data(frame, methods, reference)))
     log.debug("UCI protocol, %s:\n%s", table.name, summary.to_markdown())
     figures = {
         "uci": plot_paired_differences(

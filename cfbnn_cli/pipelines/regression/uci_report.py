@@ -67,6 +67,45 @@ def summary_table(records: pd.DataFrame, methods: List[str], cfg, reference: Opt
     return pd.DataFrame(rows).set_index("Method")
 
 
+def summary_data(records: pd.DataFrame, methods: List[str], reference: Optional[str] = None) -> pd.DataFrame:
+    """The numbers of :func:`summary_table` (``uci.csv``), one per column: per method the mean
+    and s.e. over splits of the test LL, the paired difference to ``reference``, the RMSE and
+    the test LL at the reference's time; the medians of training seconds, iterations and
+    prediction milliseconds per 1000 points; how many splits converged (L-BFGS) or stopped by
+    validation (Adam)."""
+    base = records[records["method"] == reference].set_index("split")["test_ll"] if reference is not None else None
+    rows = []
+    for method in methods:
+        part = records[records["method"] == method]
+        equal = part["equal_time_test_ll"].astype(float)
+        paired = (None, None)
+        if base is not None and method != reference:
+            paired = mean_and_standard_error((part.set_index("split")["test_ll"] - base).dropna())
+        lbfgs = part["optimizer"].iloc[0] == "lbfgs"
+        rows.append(
+            {
+                "method": method,
+                "splits": len(part),
+                "test_ll": mean_and_standard_error(part["test_ll"])[0],
+                "test_ll_se": mean_and_standard_error(part["test_ll"])[1],
+                "test_ll_minus_reference": paired[0],
+                "test_ll_minus_reference_se": paired[1],
+                "reference": reference,
+                "rmse": mean_and_standard_error(part["rmse"])[0],
+                "rmse_se": mean_and_standard_error(part["rmse"])[1],
+                "test_ll_at_reference_time": mean_and_standard_error(equal)[0] if equal.notna().all() else None,
+                "test_ll_at_reference_time_se": mean_and_standard_error(equal)[1] if equal.notna().all() else None,
+                "train_seconds_median": float(part["train_seconds"].median()),
+                "optimizer": part["optimizer"].iloc[0],
+                "iterations_median": float(part["iterations"].median()),
+                "converged_splits": int(part["converged"].sum()) if lbfgs else None,
+                "stopped_by_validation_splits": None if lbfgs else int(part["stopped_early"].sum()),
+                "predict_ms_per_1000_median": float(1e3 * part["predict_seconds_per_1000"].median()),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
 SHORT_NAMES = {
     "closed_form_diagonal": "closed form (diag.)",
     "closed_form_full": "closed form (full)",
