@@ -1,6 +1,7 @@
 """cli.py: dispatch, config composition and each command's help, run directories, errors."""
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -167,3 +168,34 @@ def test_multirun_makes_one_dir_per_job(tmp_path, cfbnn):
 def test_console_script_installed():
     out = subprocess.run(["cfbnn", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "train regression" in out.stdout
+
+
+def _leaves(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@pytest.mark.parametrize(
+    "command, experiment",
+    [
+        (command, path.stem)
+        for command in ("train_regression", "vae", "imagenet_predict")
+        for path in sorted((Path(__file__).resolve().parents[1] / "conf" / command / "experiment").glob("*.yaml"))
+    ],
+)
+def test_every_key_an_experiment_sets_reaches_the_composed_config(command, experiment):
+    """An experiment file is applied last: each value it sets wins over the command's own keys
+    (``evaluation.trials`` of the VAE, ``gradient_variance`` of Table 1) and its groups'."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from cfbnn_cli.cli import compose_config
+
+    path = Path(__file__).resolve().parents[1] / "conf" / command / "experiment" / f"{experiment}.yaml"
+    values = {k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "defaults"}
+    cfg = compose_config(command, [f"experiment={experiment}"])
+    for key, value in _leaves(values):
+        assert OmegaConf.select(cfg, key) == value, (experiment, key)
