@@ -162,9 +162,15 @@ def vae_table(runs, keys) -> pd.DataFrame:
             for metric, label in VAE_COLUMNS:
                 s = metric_stat(trained, f"vae/{variant}/{metric}")
                 row[f"{label} (mean ± s.e. over runs)" if metric == "test_ll" else label] = s.text(sig=5)
+                if metric == "test_ll" and any(f"vae/{variant}/test_ll_posterior_mean" in r["metrics"] for r in trained):
+                    plug_in = metric_stat(trained, f"vae/{variant}/test_ll_posterior_mean")
+                    row["Test LL, weights at posterior mean"] = plug_in.text(sig=5)
             row.update({"runs": len(trained), "seeds": seeds_text(trained)})
             rows.append(row)
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    if "Test LL, weights at posterior mean" in frame.columns:  # runs without that reading
+        frame["Test LL, weights at posterior mean"] = frame["Test LL, weights at posterior mean"].fillna("—")
+    return frame
 
 
 def top_k_of(runs) -> int:
