@@ -80,6 +80,7 @@ Outputs go to outputs/<command>/<date>/<time>/ (set hydra.run.dir=... to change)
 ends by printing that directory and its main table.
 
   cfbnn predict RUN_DIR NEW.csv             # a finished train-regression run's predictive on new rows
+  eval "$(cfbnn completion bash)"           # tab completion of commands, config groups and keys
   cfbnn report PATH                         # aggregate every results.json under PATH
   cfbnn report PATH --paper                 # ... and paper_reproduction.md (the paper's numbers beside)
   cfbnn train regression -m seed=0,1 hydra/launcher=joblib   # parallel jobs (docs/cli.md: Sweeps)
@@ -343,6 +344,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from .report.aggregate import main as report_main
 
         sys.exit(report_main(argv[1:]))
+    if argv[0] == "completion":
+        from .completion import script
+
+        try:
+            print(script(argv[1] if len(argv) > 1 else "bash"), end="")
+        except ValueError as error:
+            print(f"cfbnn: error: {error}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
     if argv[0] == "predict":
         from .pipelines.regression.predict import main as predict_main
 
@@ -366,6 +376,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"cfbnn: error: unknown command {' '.join(argv[:2])!r}\n", file=sys.stderr)
         print(usage(), end="", file=sys.stderr)
         sys.exit(2)
+    if any(a in ("-sc", "--shell-completion") for a in rest) and any(a.startswith("install=") for a in rest):
+        # Hydra's installer registers one program name: two-word commands need cfbnn's own script
+        from .completion import script
+
+        print(script("bash"), end="")
+        sys.exit(0)
     try:
         conf = config_dir()
     except CfbnnError as error:

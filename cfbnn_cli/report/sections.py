@@ -162,7 +162,9 @@ def vae_table(runs, keys) -> pd.DataFrame:
             for metric, label in VAE_COLUMNS:
                 s = metric_stat(trained, f"vae/{variant}/{metric}")
                 row[f"{label} (mean ± s.e. over runs)" if metric == "test_ll" else label] = s.text(sig=5)
-                if metric == "test_ll" and any(f"vae/{variant}/test_ll_posterior_mean" in r["metrics"] for r in trained):
+                if metric == "test_ll" and any(
+                    f"vae/{variant}/test_ll_posterior_mean" in r["metrics"] for r in trained
+                ):
                     plug_in = metric_stat(trained, f"vae/{variant}/test_ll_posterior_mean")
                     row["Test LL, weights at posterior mean"] = plug_in.text(sig=5)
             row.update({"runs": len(trained), "seeds": seeds_text(trained)})
