@@ -334,6 +334,20 @@ def _before_torch_loads() -> None:
         os.environ["GOMP_SPINCOUNT"] = "10000"
 
 
+def _predict(argv: List[str]) -> int:
+    """``cfbnn predict RUN_DIR FILE``: the run's own kind of prediction -- an ``imagenet-predict``
+    run (its ``head.pt``) classifies new features, any other run is read as a ``train
+    regression`` run (its ``model.pt``; the error says so where it is not one)."""
+    run_dir = next((a for a in argv if not a.startswith("-")), None)
+    if run_dir is not None and (Path(run_dir) / "head.pt").is_file():
+        from .pipelines.imagenet.predict_new import main as classify
+
+        return classify(argv)
+    from .pipelines.regression.predict import main as regress
+
+    return regress(argv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     _before_torch_loads()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -354,9 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             sys.exit(2)
         sys.exit(0)
     if argv[0] == "predict":
-        from .pipelines.regression.predict import main as predict_main
-
-        sys.exit(predict_main(argv[1:]))
+        sys.exit(_predict(argv[1:]))
     if argv[0] == WORKER_FLAG:
         sys.exit(_run_worker(argv[1:]))
     if argv[0] == "--version":

@@ -7,7 +7,17 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cfbnn_cli"
-FLOORS = {"moments": 0, "runtime": 0, "bnn": 1, "data": 1, "report": 1, "train": 2, "pipelines": 3, "cli": 4}
+FLOORS = {
+    "moments": 0,
+    "runtime": 0,
+    "bnn": 1,
+    "data": 1,
+    "report": 1,
+    "train": 2,
+    "pipelines": 3,
+    "cli": 4,
+    "completion": 4,  # the CLI's shell-completion script
+}
 
 
 def _modules():

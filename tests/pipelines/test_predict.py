@@ -174,3 +174,48 @@ def test_predict_on_a_generated_data_run_reads_features_by_position(tmp_path, re
     assert out == run_dir / "predictions.csv" and len(_read_predictions(out)["mean"]) == 4
     _write_csv(tmp_path / "short.csv", ["x0"], np.zeros((2, 1)))
     assert f"trained on {dim}" in _main_error(capsys, run_dir, tmp_path / "short.csv")
+
+
+def test_predict_classifies_new_features_with_an_imagenet_predict_head(tmp_path, imagenet_cfg, cfbnn, capsys):
+    """A finished imagenet-predict run (digits, identity backbone) writes head.pt; `cfbnn predict`
+    on feature vectors gives the deterministic class and the top-k variance-corrected
+    probabilities. On the run's own training features the deterministic class is mostly right,
+    which it is only when the features are put on the training scale."""
+    from cfbnn_cli.pipelines.imagenet import pipeline as imagenet
+    from cfbnn_cli.pipelines.imagenet import predict_new
+
+    cfg = imagenet_cfg()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    result = imagenet.run(cfg, run_dir)
+    (run_dir / "done").write_text("")
+    computed = imagenet.compute_features(cfg, torch.device("cpu"))
+    held, held_labels, _ = computed["held_out"]
+    test_index, _ = imagenet.split_held_out(held, held_labels, cfg.split.validation_fraction, cfg.split.seed)
+    # the run's own test images, as raw features: predict must reproduce the run's deterministic top-1
+    np.save(tmp_path / "new.npy", held[test_index].numpy())
+    out = predict_new.predict_run(run_dir, tmp_path / "new.npy", top_k=3)
+    table = _read_predictions(out)
+    assert list(table) == [
+        "row",
+        "argmax_mean",
+        "class_1",
+        "probability_1",
+        "class_2",
+        "probability_2",
+        "class_3",
+        "probability_3",
+    ]
+    accuracy = (table["argmax_mean"] == held_labels[test_index].numpy()).mean()
+    assert accuracy == pytest.approx(result["metrics"]["deterministic/top1"], abs=1e-9)
+    assert accuracy > 0.5  # digits, 10 classes: far above chance
+    assert np.all(table["probability_1"] >= table["probability_2"]) and np.all(
+        table["probability_2"] >= table["probability_3"]
+    )
+    assert np.all(table["probability_1"] + table["probability_2"] + table["probability_3"] <= 1 + 1e-6)
+    # through the command: the run's kind picks the prediction; errors are one line
+    done = cfbnn("predict", str(run_dir), str(tmp_path / "new.npy"), "--out", str(tmp_path / "p.csv"))
+    assert done.returncode == 0, done.stderr
+    np.save(tmp_path / "narrow.npy", held[:5, :3].numpy())
+    assert predict_new.main([str(run_dir), str(tmp_path / "narrow.npy")]) == 2
+    assert "the head takes (N, " in capsys.readouterr().err

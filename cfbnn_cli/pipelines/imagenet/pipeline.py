@@ -35,7 +35,7 @@ from ...bnn.network import BayesianNetwork, bayesian_head
 from ...data.images import load_image_datasets
 from ...moments import ACTIVATIONS, validate_args
 from ...runtime import distributed
-from ...runtime.checkpoints import load_model_weights
+from ...runtime.checkpoints import load_checkpoint, load_model_weights
 from ...runtime.checks import (
     require_bool,
     require_choice,
@@ -45,7 +45,8 @@ from ...runtime.checks import (
     require_widths,
 )
 from ...runtime.device import resolve_device
-from ...runtime.errors import CheckpointError, ConfigError
+from ...runtime.errors import CheckpointError, ConfigError, DataError
+from ...runtime.io import atomic_torch_save
 from ...runtime.rundir import config_fingerprint
 from ...runtime.seed import seed_everything
 from ...train import TrainingLoop
@@ -222,6 +223,56 @@ def load_head(cfg, data, run_dir: Path, device) -> BayesianNetwork:
     return model.eval()
 
 
+HEAD_FORMAT = "cfbnn.classifier_head"
+HEAD_FILE = "head.pt"
+
+
+def save_head(run_dir: Path, model, cfg, feature_dim: int, num_classes: int, mean, std) -> Path:
+    """``head.pt``: the evaluated head's weights, the sizes and settings that rebuild it, and the
+    training features' mean and s.d. (the head sees standardized features); plain tensors and
+    numbers (``torch.load(weights_only=True)``)."""
+    record = {
+        "format": HEAD_FORMAT,
+        "version": 1,
+        "architecture": {
+            "feature_dim": int(feature_dim),
+            "hidden_sizes": [int(h) for h in cfg.model.hidden_sizes],
+            "num_classes": int(num_classes),
+            "activation": str(cfg.model.activation),
+            "prior_scale": float(cfg.model.prior_scale),
+            "init_scale": float(cfg.model.init_scale),
+            "objective": str(cfg.objective),
+        },
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "scaling": {"feature_mean": mean.detach().cpu().double(), "feature_std": std.detach().cpu().double()},
+        "data": str(cfg.data.name),
+        "backbone": str(cfg.backbone.name),
+    }
+    return atomic_torch_save(record, run_dir / HEAD_FILE)
+
+
+def load_saved_head(path) -> tuple:
+    """``(head in eval mode, the record without its weights)`` from :func:`save_head`'s file."""
+    record = load_checkpoint(path, what="head file")
+    if record.get("format") != HEAD_FORMAT or record.get("version") != 1:
+        raise DataError(f"{path} is not a cfbnn classifier head file (written by `cfbnn imagenet-predict`)")
+    a = record["architecture"]
+    model = bayesian_head(
+        a["feature_dim"],
+        a["hidden_sizes"],
+        a["num_classes"],
+        a["activation"],
+        a["prior_scale"],
+        a["init_scale"],
+        objective=a["objective"],
+    )
+    try:
+        model.load_state_dict(record["state_dict"])
+    except (RuntimeError, KeyError) as error:
+        raise DataError(f"{path}: the weights do not fit the recorded architecture ({error})") from None
+    return model.eval(), {k: v for k, v in record.items() if k != "state_dict"}
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -295,6 +346,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
             metrics["train/best_val_top1"] = trained["best"]["value"]
         if cfg.stage in ("evaluate", "all") and distributed.is_main():  # evaluation is cheap: rank 0 alone
             model = load_head(cfg, data, run_dir, device)
+            # the head and its feature scaling, for `cfbnn predict RUN_DIR NEW_FEATURES.npy`
+            save_head(run_dir, model, cfg, data["x_train"].shape[1], data["num_classes"], mean, std)
             evaluated = evaluate(cfg, model, data, run_dir, device)
             metrics.update(evaluated["metrics"])
             result["tables"], result["figures"] = evaluated["tables"], evaluated["figures"]

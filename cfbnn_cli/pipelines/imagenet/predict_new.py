@@ -1,0 +1,114 @@
+"""``cfbnn predict RUN_DIR NEW_FEATURES``: a finished ``imagenet-predict`` run's head on new features.
+
+Reads the run's ``head.pt`` (:func:`cfbnn_cli.pipelines.imagenet.pipeline.save_head`) and
+feature vectors of the run's backbone (``.npy``: an ``(N, D)`` array; ``.npz``: an array
+``features``, or its only array; ``.csv``: a header row and ``D`` numeric columns), puts them
+on the training scale, and writes ``predictions.csv`` (atomically): ``row`` (from 1),
+``argmax_mean`` (the deterministic prediction ``argmax ŷ``, paper eq. (42)), then for the ``k``
+most probable classes (``--top-k``, default 5) ``class_i`` and ``probability_i`` under the
+variance-corrected softmax of the logits' exact moments (eq. (38); nothing is sampled).
+Every problem is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...bnn.classification import approximate_class_probabilities
+from ...data.regression import decoded_lines, parse_numeric_rows
+from ...runtime.errors import ConfigError, DataError
+from ...runtime.io import atomic_write_text
+from .pipeline import HEAD_FILE, load_saved_head
+
+
+def read_features(path: Path, feature_dim: int) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"{path}: no such file (the features to predict: .npy, .npz or .csv)")
+    if path.suffix == ".npy":
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise DataError(f"{path} is not a readable .npy array ({error})") from None
+    elif path.suffix == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                names = list(archive.files)
+                if "features" not in names and len(names) != 1:
+                    raise DataError(f"{path} holds {', '.join(names)}: name the feature array `features`")
+                array = archive["features" if "features" in names else names[0]]
+        except (OSError, ValueError) as error:
+            raise DataError(f"{path} is not a readable .npz archive ({error})") from None
+    else:
+        lines = decoded_lines(path)
+        if len(lines) < 2:
+            raise DataError(f"{path} needs a header row and at least one row of features")
+        header_width = len(next(csv.reader(lines[:1])))
+        array = parse_numeric_rows(lines[1:], str(path), expected_columns=header_width, first_line=2)
+    if array.ndim != 2 or array.shape[1] != feature_dim or not np.issubdtype(array.dtype, np.number):
+        raise DataError(
+            f"{path}: features of shape {tuple(array.shape)}; the head takes (N, {feature_dim}) numbers "
+            "(the run's backbone's features)"
+        )
+    if not np.isfinite(array).all():
+        row = int(np.argwhere(~np.isfinite(array))[0][0]) + 1
+        raise DataError(f"{path}: row {row} holds a non-finite feature")
+    return array.astype(np.float64)
+
+
+def predict_run(run_dir, data_path, out=None, top_k: int = 5) -> Path:
+    run_dir, data_path = Path(run_dir), Path(data_path)
+    if not (run_dir / "done").is_file():
+        raise DataError(f"{run_dir} is not finished (no `done` file); resume it with resume=true, then predict")
+    model, info = load_saved_head(run_dir / HEAD_FILE)
+    a = info["architecture"]
+    if top_k < 1:
+        raise ConfigError(f"--top-k {top_k} must be >= 1")
+    k = min(top_k, a["num_classes"])
+    features = torch.as_tensor(read_features(data_path, a["feature_dim"]))
+    scaling = info["scaling"]
+    x = ((features - scaling["feature_mean"]) / scaling["feature_std"]).float()
+    with torch.no_grad():
+        mean, variance = model.output_moments(x, "analytic", ())
+        probabilities = approximate_class_probabilities(mean, variance)
+    top = probabilities.topk(k, dim=-1)
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(
+        ["row", "argmax_mean"] + [f"{name}_{i}" for i in range(1, k + 1) for name in ("class", "probability")]
+    )
+    rows = zip(mean.argmax(-1).tolist(), top.indices.tolist(), top.values.double().tolist())
+    for index, (deterministic, classes, values) in enumerate(rows, start=1):
+        pairs = [item for pair in zip(classes, (repr(v) for v in values)) for item in pair]
+        writer.writerow([index, deterministic] + pairs)
+    out = Path(out) if out is not None else run_dir / "predictions.csv"
+    return atomic_write_text(out, text.getvalue())
+
+
+def main(argv) -> int:
+    import argparse
+    import sys
+
+    from ...runtime.errors import CfbnnError
+
+    parser = argparse.ArgumentParser(
+        prog="cfbnn predict",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run_dir", help="a finished `cfbnn imagenet-predict` run dir (it holds head.pt)")
+    parser.add_argument("data", help="features of new images: .npy, .npz or .csv, (N, feature dim)")
+    parser.add_argument("--out", default=None, help="where to write the predictions (default: RUN_DIR/predictions.csv)")
+    parser.add_argument("--top-k", type=int, default=5, help="how many classes per row, most probable first")
+    args = parser.parse_args(list(argv))
+    try:
+        path = predict_run(args.run_dir, args.data, args.out, args.top_k)
+    except CfbnnError as error:
+        print(f"cfbnn: error: {error}", file=sys.stderr)
+        return error.exit_code
+    print(f"cfbnn: predictions in {path}")
+    return 0
