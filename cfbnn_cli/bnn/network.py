@@ -68,7 +68,7 @@ from ..moments.gaussian import check_mean_std, is_transformed
 from . import functional as F
 from . import fused
 from .functional import augment
-from .likelihoods import LIKELIHOODS, NormalLikelihood, make_likelihood
+from .likelihoods import LIKELIHOODS, CategoricalLikelihood, NormalLikelihood, make_likelihood
 from .predictive import Predictive, predictive
 
 COVARIANCES = ("diagonal", "full", "lowrank")
@@ -896,9 +896,13 @@ class BayesianNetwork(nn.Module):
 class ClosedFormBNN(BayesianNetwork):
     """The paper's network ``x -> A x -> g(A x) -> B g(A x)``, both matrices integrated out.
 
-    ``input_dim`` excludes the bias column (added here). ``likelihood="normal"`` gives
-    the exact ELBO; ``"softmax"``/``"logistic"`` use ``objective`` (see
-    :data:`~cfbnn_cli.bnn.likelihoods.CLASSIFICATION_OBJECTIVES`), also selectable per call.
+    ``input_dim`` excludes the bias column (added here). ``likelihood``: a likelihood object
+    (:class:`~cfbnn_cli.bnn.likelihoods.NormalLikelihood`, the exact ELBO, or
+    :class:`~cfbnn_cli.bnn.likelihoods.CategoricalLikelihood`, whose objective -- see
+    :data:`~cfbnn_cli.bnn.likelihoods.CLASSIFICATION_OBJECTIVES` -- is also selectable per
+    call), as everywhere in the library; its name (``"normal"``, ``"softmax"``,
+    ``"logistic"``, with ``precision``, ``learn_precision`` and ``objective``) is the
+    shorthand a config passes.
     """
 
     def __init__(
@@ -911,7 +915,7 @@ class ClosedFormBNN(BayesianNetwork):
         b_covariance: str = "diagonal",
         rank: int = 10,
         prior_scale: float = 1.0,
-        likelihood: str = "normal",
+        likelihood="normal",
         precision: float = 1.0,
         learn_precision: bool = True,
         init_scale: float = 1e-2,
@@ -919,11 +923,17 @@ class ClosedFormBNN(BayesianNetwork):
         output_bias: bool = True,
         objective: str = "approximation",
     ):
-        if likelihood not in LIKELIHOODS:
-            raise ValueError(f"`likelihood` must be one of {LIKELIHOODS}; got {likelihood!r}")
+        if isinstance(likelihood, str):
+            if likelihood not in LIKELIHOODS:
+                raise ValueError(f"`likelihood` must be one of {LIKELIHOODS} or a likelihood object; got {likelihood!r}")
+            likelihood = make_likelihood(likelihood, precision, learn_precision, objective)
+        elif not isinstance(likelihood, (NormalLikelihood, CategoricalLikelihood)):
+            raise ValueError(
+                f"`likelihood` must be a NormalLikelihood or CategoricalLikelihood (or its name); got {likelihood!r}"
+            )
         if b_covariance not in ("diagonal", "full"):
             raise ValueError(f"`b_covariance` must be 'diagonal' or 'full'; got {b_covariance!r}")
-        if likelihood == "logistic" and output_dim != 1:
+        if getattr(likelihood, "logistic", False) and output_dim != 1:
             raise ValueError(f"`output_dim` must be 1 for the logistic likelihood; got {output_dim}")
         super().__init__(
             input_dim,
@@ -934,7 +944,7 @@ class ClosedFormBNN(BayesianNetwork):
             rank,
             prior_scale,
             init_scale,
-            make_likelihood(likelihood, precision, learn_precision, objective),
+            likelihood,
             output_bias=output_bias,
             generator=generator,
         )

@@ -282,3 +282,25 @@ def test_diagonal_preactivation_moments_names_a_bad_shape():
         diagonal_preactivation_moments(x, torch.ones(4, 3))
     with pytest.raises(ValueError, match="`x` must be"):
         diagonal_preactivation_moments(torch.randn(5, 2), torch.ones(2, 4, 3))
+
+
+def test_closed_form_bnn_takes_likelihood_objects_like_every_network():
+    """An object and its name build the same model (the name is the config's shorthand)."""
+    from cfbnn_cli.bnn import CategoricalLikelihood, NormalLikelihood
+
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 3), torch.randn(7)
+    by_object = ClosedFormBNN(
+        3, 8, likelihood=NormalLikelihood(precision=4.0, learn=False), generator=torch.Generator().manual_seed(1)
+    )
+    by_name = ClosedFormBNN(
+        3, 8, likelihood="normal", precision=4.0, learn_precision=False, generator=torch.Generator().manual_seed(1)
+    )
+    torch.testing.assert_close(by_object.elbo(x, y, 7), by_name.elbo(x, y, 7))
+    labels = torch.randint(0, 4, (7,))
+    softmax = ClosedFormBNN(3, 8, 4, likelihood=CategoricalLikelihood("control_variate"))
+    assert torch.isfinite(softmax.elbo(x, labels, 7, generator=torch.Generator().manual_seed(2)))
+    with pytest.raises(ValueError, match="logistic"):
+        ClosedFormBNN(3, 8, 2, likelihood=CategoricalLikelihood(logistic=True))
+    with pytest.raises(ValueError, match="NormalLikelihood or CategoricalLikelihood"):
+        ClosedFormBNN(3, 8, likelihood=torch.nn.Identity())
