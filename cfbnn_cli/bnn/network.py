@@ -925,7 +925,9 @@ class ClosedFormBNN(BayesianNetwork):
     ):
         if isinstance(likelihood, str):
             if likelihood not in LIKELIHOODS:
-                raise ValueError(f"`likelihood` must be one of {LIKELIHOODS} or a likelihood object; got {likelihood!r}")
+                raise ValueError(
+                    f"`likelihood` must be one of {LIKELIHOODS} or a likelihood object; got {likelihood!r}"
+                )
             likelihood = make_likelihood(likelihood, precision, learn_precision, objective)
         elif not isinstance(likelihood, (NormalLikelihood, CategoricalLikelihood)):
             raise ValueError(
