@@ -212,13 +212,14 @@ WORKER_FLAG = "--distributed-worker"
 def run_pipeline(sub: Subcommand, cfg, run_dir) -> dict:
     """``pipeline.run(cfg, run_dir)``, or under ``distributed.nproc=N`` that many torchrun
     workers running it (the launcher is given the worker command; it imports no pipeline)."""
-    from .runtime import distributed
+    from .runtime import distributed, metrics_sink
     from .runtime.errors import ConfigError
 
     pipeline = importlib.import_module(sub.pipeline)
     nproc = distributed.requested_processes(cfg)
     if nproc == 1:
-        return pipeline.run(cfg, Path(run_dir))
+        with metrics_sink.logging_to(cfg, run_dir):
+            return pipeline.run(cfg, Path(run_dir))
     if not pipeline.supports_distributed(cfg):
         raise ConfigError(
             f"distributed.nproc={nproc}: `cfbnn {sub.name}` with this configuration runs in one process; "
@@ -236,7 +237,15 @@ def _run_worker(argv: Sequence[str]) -> int:
     if sub is None:
         print(f"cfbnn: error: {WORKER_FLAG} needs one of {[s.config_name for s in SUBCOMMANDS]}", file=sys.stderr)
         return 2
-    return distributed.run_worker(importlib.import_module(sub.pipeline).run, list(argv[1:]))
+    from .runtime import metrics_sink
+
+    run = importlib.import_module(sub.pipeline).run
+
+    def run_with_logger(cfg, run_dir):  # rank 0 writes the metrics, and their TensorBoard scalars
+        with metrics_sink.logging_to(cfg, run_dir, enabled=distributed.is_main()):
+            return run(cfg, run_dir)
+
+    return distributed.run_worker(run_with_logger, list(argv[1:]))
 
 
 def make_task(sub: Subcommand):

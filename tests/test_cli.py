@@ -199,3 +199,37 @@ def test_every_key_an_experiment_sets_reaches_the_composed_config(command, exper
     cfg = compose_config(command, [f"experiment={experiment}"])
     for key, value in _leaves(values):
         assert OmegaConf.select(cfg, key) == value, (experiment, key)
+
+
+def test_logger_tensorboard_writes_each_epochs_metrics_as_scalars(tmp_path, cfbnn, tiny_overrides):
+    """logger=tensorboard (lightning-hydra-template's logger group): the rows of metrics.csv
+    also as TensorBoard scalars, one per column and epoch, under <run dir>/tensorboard."""
+    pytest.importorskip("tensorboard")
+    import pandas as pd
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    done = cfbnn(
+        "train",
+        "regression",
+        *tiny_overrides["train_regression"],
+        "logger=tensorboard",
+        "gradient_variance.num_samples=0",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    rows = pd.read_csv(run_dir / "metrics.csv")
+    series = events.Scalars("train/train_elbo_per_point")
+    assert [s.step for s in series] == list(rows["epoch"])
+    assert [s.value for s in series] == pytest.approx(list(rows["train_elbo_per_point"]), rel=1e-6)
+    assert not (tmp_path / "plain").exists()
+    plain = cfbnn(
+        "train",
+        "regression",
+        *tiny_overrides["train_regression"],
+        "gradient_variance.num_samples=0",
+        f"hydra.run.dir={tmp_path / 'plain'}",
+    )
+    assert plain.returncode == 0 and not (tmp_path / "plain" / "tensorboard").exists()  # csv: the default

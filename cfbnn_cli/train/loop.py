@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import distributed, threads
+from ..runtime import distributed, metrics_sink, threads
 from ..runtime.checkpoints import load_model_weights, restore_training_state, save_training_state
 from ..runtime.errors import CheckpointError
 from ..runtime.io import atomic_torch_save, atomic_write_text
@@ -330,6 +330,7 @@ class TrainingLoop:
                     atomic_torch_save({"model": self.model.state_dict(), "epoch": epoch, **payload}, self.best_path)
                 self._save(epoch)
                 self._write_metrics()
+                metrics_sink.emit(self.label, self.history[-1])
             distributed.barrier()
             if self.patience is not None and self.best["epoch"] > 0 and epoch - self.best["epoch"] >= self.patience:
                 self.stopped_early = True
