@@ -73,22 +73,29 @@ def test_each_objective_trains_and_writes_the_figure_and_tables(tmp_path, object
     run = tmp_path / "run"
     history = pd.read_csv(run / "metrics.csv")
     assert history["train_elbo_per_point"].iloc[-1] > history["train_elbo_per_point"].iloc[0]
-    table = pd.read_csv(run / "prediction.csv")
-    assert list(table["Method"]) == ["Monte Carlo"] * 4 + ["Deterministic argmax ŷ (eq. 42)"]
+    table = pd.read_csv(run / "prediction.csv")  # the numbers, one per column
+    assert list(table["method"]) == ["monte_carlo"] * 4 + ["deterministic"]
     assert list(table["N_inner"].iloc[:4]) == [1, 4, 16, 64] and pd.isna(table["N_inner"].iloc[4])  # nothing sampled
     assert list(table["N_outer"].iloc[:4]) == [64, 16, 4, 1]
     m = result["metrics"]
-    for cell, n in zip(table["Top-1"], [1, 4, 16, 64]):  # mean ± s.e. over the outer trials, rounded
+    assert table["top1_mean"].iloc[4] == m["deterministic/top1"]
+    for n, mean, sd in zip([1, 4, 16, 64], table["top1_mean"], table["top1_sd"]):
+        assert mean == pytest.approx(m[f"monte_carlo/N{n}/top1_mean"])
+        assert m[f"monte_carlo/N{n}/top3_mean"] >= m[f"monte_carlo/N{n}/top1_mean"]
+        assert (sd == 0.0) == (n == 64)  # one outer trial: no spread
+    formatted = [line for line in (run / "prediction.md").read_text().splitlines() if line.startswith("| Monte Carlo")]
+    for line, n in zip(formatted, [1, 4, 16, 64]):  # the readable cells: mean ± s.e. over the outer trials, rounded
+        cell = [c.strip() for c in line.strip("|").split("|")][3]
         top1, se = split_mean_se(cell)
         decimals = len(cell.split(" ")[0].split(".")[1])
         assert top1 == pytest.approx(m[f"monte_carlo/N{n}/top1_mean"], abs=0.51 * 10**-decimals)
-        assert (se is None) == (n == 64)  # one outer trial: no s.e.
-        assert m[f"monte_carlo/N{n}/top3_mean"] >= m[f"monte_carlo/N{n}/top1_mean"]
+        assert (se is None) == (n == 64)
     timing = pd.read_csv(run / "timing.csv")
     # this run's head, then (objective=sampling) a head of the paper's sizes: the paper's claim at its size
     paper = objective == "sampling"
-    assert timing["× deterministic"].iloc[0] == 1 and len(timing) == (10 if paper else 5)
-    assert list(timing["Head"]) == ["64-32-32-10 (this run's)"] * 5 + ["2048-1000-1000-1000 (paper size)"] * 5 * paper
+    assert timing["ratio_to_deterministic"].iloc[0] == 1 and len(timing) == (10 if paper else 5)
+    assert list(timing["head"]) == ["64-32-32-10 (this run's)"] * 5 + ["2048-1000-1000-1000 (paper size)"] * 5 * paper
+    assert (timing["seconds_per_image"] > 0).all()
     if paper:
         assert m["paper_head/monte_carlo/N64/speed_ratio_mc_over_deterministic"] > 1  # 64 samples of 256 x 1000 logits
     markdown = (run / "prediction.md").read_text()

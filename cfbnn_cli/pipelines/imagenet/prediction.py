@@ -357,10 +357,19 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
     raw = pd.DataFrame(raw_rows)
     description = describe_run(cfg, data)
     table = prediction_table(raw, deterministic, top_k)
+    # the numbers, one per column: a row per Monte Carlo N_inner, then the deterministic prediction
+    numbers = pd.concat(
+        [
+            raw.assign(method="monte_carlo"),
+            pd.DataFrame([{"method": "deterministic", **{f"{k}_mean": v for k, v in deterministic.items()}}]),
+        ],
+        ignore_index=True,
+    )[["method", *raw.columns]]
     tables = write_table(
         table,
         run_dir,
         "prediction",
+        data=numbers,
         index=False,
         caption=f"Test accuracy of Monte Carlo (N_inner samples averaged per prediction; {total} "
         f"per image as N_inner × N_outer outer trials; mean ± s.e. over the trials) and of the "
@@ -397,11 +406,19 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
         ]
     )
     graphs = "as CUDA graphs" if device.type == "cuda" and cfg.trainer.cuda_graphs else "eagerly"
+    timing_numbers = pd.DataFrame(
+        [
+            {"head": head, "method": method, "n_inner": n, "seconds_per_image": t, "ratio_to_deterministic": t / det}
+            for head, det, mc in heads
+            for method, n, t in [("deterministic", None, det)] + [("monte_carlo", n, t) for n, t in mc.items()]
+        ]
+    )
     tables.update(
         write_table(
             timing,
             run_dir,
             "timing",
+            data=timing_numbers,
             index=False,
             caption=f"Prediction time per image on {device.type}, run {graphs} (one outer trial "
             f"for Monte Carlo): this run's head on {len(timing_rows)} test images in "
