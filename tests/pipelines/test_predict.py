@@ -6,6 +6,7 @@ import csv
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import one_line_error
@@ -219,3 +220,45 @@ def test_predict_classifies_new_features_with_an_imagenet_predict_head(tmp_path,
     np.save(tmp_path / "narrow.npy", held[:5, :3].numpy())
     assert predict_new.main([str(run_dir), str(tmp_path / "narrow.npy")]) == 2
     assert "the head takes (N, " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["closed_form_diagonal", "deterministic_2_hidden"])
+def test_a_uci_run_saves_its_chosen_method_refit_on_every_row(tmp_path, uci_cfg, method):
+    """uci.save_model=<method>: after the splits that method is refit on all rows and saved;
+    `cfbnn predict` then gives calibrated predictions in the target's units (the synthetic data's
+    noise is N(0, 0.3²): most rows inside the 90 % interval, and the interval near ±1.645·0.3 wide)."""
+    from cfbnn_cli.data.regression import load_regression_table
+    from cfbnn_cli.pipelines.regression import uci_protocol
+    from cfbnn_cli.pipelines.regression.model_file import load_regression_model
+
+    cfg = uci_cfg(f"uci.methods=[{method}]", "uci.n_splits=1", f"uci.save_model={method}")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    uci_protocol.run(cfg, run_dir)
+    (run_dir / "results.json").write_text("{}")
+    (run_dir / "done").write_text("")
+    _, info = load_regression_model(run_dir / "model.pt")
+    assert info["method"] == method and info["estimator"] == (
+        "deterministic" if "deterministic" in method else "analytic"
+    )
+    table = load_regression_table(cfg.data)
+    _write_csv(tmp_path / "rows.csv", [f"x{i}" for i in range(table.x.shape[1])], table.x)
+    out = predict_pipeline.predict_run(run_dir, tmp_path / "rows.csv")
+    p = _read_predictions(out)
+    inside = (table.y >= p["lower_90"]) & (table.y <= p["upper_90"])
+    assert 0.8 <= inside.mean() <= 1.0
+    # the saved model's noise is, in the target's units, the one the protocol's split fit learned
+    # (standardized units there), up to the refit on more rows
+    split_noise = pd.read_csv(run_dir / "uci_splits.csv")["noise_std"].iloc[0] * table.y.std()
+    assert 0.5 < np.sqrt(np.median(p["noise"])) / split_noise < 2.0
+    assert np.all(p["sd"] ** 2 >= p["noise"] * (1 - 1e-6))
+    if method == "closed_form_diagonal":  # it fits this data: its s.d. is near the noise's 0.3
+        assert 0.15 < np.median(p["sd"]) < 0.6
+
+
+def test_uci_save_model_names_the_methods_it_can_save(uci_cfg):
+    from cfbnn_cli.pipelines.regression import uci_protocol
+    from cfbnn_cli.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="uci.save_model='pyro' must be null or one of closed_form_diagonal"):
+        uci_protocol.validate(uci_cfg("uci.save_model=pyro"))

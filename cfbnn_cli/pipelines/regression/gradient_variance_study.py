@@ -565,5 +565,5 @@ def run(cfg: DictConfig, run_dir) -> dict:
                         sampling / analytic if analytic > 0 else None
                     )
     # the trained network and its scaling, for `cfbnn predict RUN_DIR NEW.csv`
-    save_regression_model(run_dir, model, cfg, data)
+    save_regression_model(run_dir, model, data, cfg.estimator)
     return {"metrics": metrics_out, "tables": tables, "figures": figures, "device": device, **result_extra}

@@ -76,6 +76,8 @@ class Fitted:
     converged: bool = False  # L-BFGS met its convergence test
     stopped_early: bool = False  # Adam stopped by the validation rule before trainer.epochs
     equal_time: Optional[Dict[str, float]] = None
+    model: Optional[BayesianNetwork] = None  # the trained cfbnn network (the closed forms), to save
+    estimator: str = "analytic"  # how `model` predicts
 
 
 @dataclass
@@ -248,7 +250,7 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
         return float(mean[..., 1].exp().mean().sqrt())
 
     if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
-        return _fit_by_validation(
+        fitted = _fit_by_validation(
             name,
             model,
             model.parameters(),
@@ -260,6 +262,8 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
             device,
             noise_std,
         )
+        fitted.model, fitted.estimator = model, estimator
+        return fitted
     num_data = data.num_train
 
     def negative_elbo_per_point():
@@ -277,7 +281,7 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
         model.prior = "empirical_bayes"
         result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
         iterations, converged = iterations + result.iterations, converged and result.converged
-    return Fitted(predict, noise_std(), "lbfgs", iterations, converged)
+    return Fitted(predict, noise_std(), "lbfgs", iterations, converged, model=model, estimator=estimator)
 
 
 def _fit_local_reparameterization(split: Split, cfg, device, generator):

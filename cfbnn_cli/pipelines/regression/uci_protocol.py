@@ -82,6 +82,7 @@ from ...runtime.device import resolve_device, synchronize
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
 from ...runtime.rundir import config_fingerprint, refuse_other_config
+from .model_file import save_regression_model
 from .uci_methods import DETERMINISTIC_METHODS, METHODS, Fitted, Split, fit_method, quiet, test_metrics
 from .uci_report import mean_and_standard_error, plot_coverage, plot_paired_differences, summary_data, summary_table
 
@@ -134,6 +135,12 @@ def validate(cfg: DictConfig) -> List[str]:
         )
     if len(set(methods)) != len(methods):
         raise ConfigError(f"uci.methods={methods} lists a method twice")
+    saved = OmegaConf.select(cfg, "uci.save_model", default=None)
+    if saved is not None and saved not in SAVABLE_METHODS:
+        raise ConfigError(
+            f"uci.save_model={saved!r} must be null or one of {', '.join(SAVABLE_METHODS)} (the cfbnn networks with a "
+            "Normal likelihood: the methods `cfbnn predict` can use)"
+        )
     pyro_peers = [m for m in methods if m.startswith("pyro")]
     if len(sizes) > 1 and pyro_peers:
         raise ConfigError(
@@ -400,12 +407,30 @@ def run(cfg: DictConfig, run_dir) -> dict:
     )
     if coverage is not None:
         figures["calibration"] = coverage
+    saved = OmegaConf.select(cfg, "uci.save_model", default=None)
+    if saved is not None:
+        save_refit_model(saved, table, cfg, device, run_dir)
     return {
         "metrics": _metrics(frame, methods, reference, len(splits)),
         "tables": tables,
         "figures": figures,
         "device": device,
     }
+
+
+# the closed forms and the deterministic network: cfbnn networks with a Normal likelihood
+SAVABLE_METHODS = ("closed_form_diagonal", "closed_form_full", "closed_form_lowrank", "deterministic_2_hidden")
+
+
+def save_refit_model(method: str, table: RegressionTable, cfg, device, run_dir: Path) -> Path:
+    """``uci.save_model=<method>``: that method refit on every row of the data (the splits were
+    for measuring it; a model to use is best trained on all of them), saved as ``model.pt`` for
+    ``cfbnn predict``."""
+    every_row = np.arange(len(table.y))
+    full = _to_device(table.split(every_row, every_row[:0]), device)
+    log.info("uci.save_model=%s: refitting on all %d rows for model.pt", method, len(every_row))
+    fitted = fit_method(method, Split(full, len(every_row)), cfg, device, seed=cfg.seed + 10_000)
+    return save_regression_model(run_dir, fitted.model, full, fitted.estimator, method)
 
 
 COVERAGE_COLUMNS = tuple(f"coverage_{round(100 * level)}" for level in NOMINAL_LEVELS)
