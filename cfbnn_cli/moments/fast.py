@@ -15,15 +15,8 @@ CPU, where fresh pages from the allocator (glibc returns freed blocks of this si
 to the system) cost ~1 us per 4 kB. The general engine, whose forward pass is
 expensive, saves the four partial derivatives instead.
 
-Beyond the moments the library holds kernels of the closed-form ELBO itself (used by
-:mod:`cfbnn_cli.bnn.fused`): ``tail_pass``, the last hidden layer's moments, a one-output
-layer integrated exactly and their gradients in one pass over the block each way
-(:func:`normal_tail`), with the Normal likelihood's rows around it in one loop each
-(:func:`normal_rows`, :func:`normal_row_gradients`, :func:`normal_output_gradients`);
-``hidden_pass``, a hidden layer's moments from its pre-activations' variances
-(:func:`moments_from_variance`; it can write ``[Phi, 1]`` and ``[Ups, 1]`` for the next
-layer's bias); and the KL of a mean-field matrix and its gradients in one pass each
-(:func:`diagonal_kl_sums`, :func:`diagonal_kl_gradients`).
+The closed-form ELBO's own kernels are in :mod:`cfbnn_cli.moments.elbo_kernels`; the library's
+loading and bindings in :mod:`cfbnn_cli.moments.kernel_library`.
 
 Build. The kernels (``moments/csrc/cfbnn_moments.cpp``) are plain C++ built once per
 machine and cached per user: :mod:`cfbnn_cli.moments.kernel_build` says how (the cache
@@ -52,22 +45,14 @@ derivative differentiates the reference path.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import math
-import os
-import threading
-import warnings
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
-from . import kernel_build
 from .gaussian import (
     align_batched,
     is_transformed,
-    register_negative_counter,
     standard_normal_cdf,
     standard_normal_pdf,
     standardize,
@@ -92,230 +77,41 @@ __all__ = [
     "HardSigmoidOp",
 ]
 
-_ENV_SWITCH = "CFBNN_FAST_MOMENTS"
-_ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 15  # must match CFBNN_ABI in the source
-
-
-def _switch_from_environment() -> bool:
-    return os.environ.get(_ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-class _State:
-    enabled = _switch_from_environment()
-    library = None  # the loaded ctypes library
-    tried = False  # a load/build was attempted (successful or not)
-    info: Dict[str, object] = {}
-    lock = threading.Lock()
-
-
-def set_fast_path(enabled: bool) -> None:
-    """Turn the fast CPU kernels on (the default) or off (the reference torch path) globally."""
-    _State.enabled = bool(enabled)
-
-
-def fast_path_enabled() -> bool:
-    """Whether the fast path is switched on (it may still be unavailable: see :func:`fast_path_info`)."""
-    return _State.enabled
-
-
-@contextlib.contextmanager
-def fast_path(enabled: bool = True):
-    """``with fast_path(False): ...`` runs the reference path in a block (restored after)."""
-    previous = _State.enabled
-    set_fast_path(enabled)
-    try:
-        yield
-    finally:
-        set_fast_path(previous)
-
-
-def fast_path_info() -> Dict[str, object]:
-    """Whether the kernels are available and how they were built (building them if needed).
-
-    Keys: ``enabled``, ``available``, ``library`` (path), ``cached`` (found on disk),
-    ``build_seconds`` (compile time of this process's build, 0 if cached),
-    ``load_seconds``, ``flags``, ``openmp``, ``error`` (why not available).
-    """
-    if _State.enabled or _State.tried:
-        load_kernels()
-    info = dict(_State.info) if _State.tried else {"error": "not built: the fast path is switched off"}
-    info["enabled"] = _State.enabled
-    info["available"] = _State.library is not None
-    return info
-
-
-# --------------------------------------------------------------------------- building
-
-
-def _reference_values():
-    """ReLU (Phi, Upsilon) at mean in {-3, 0, 1.5}, std in {1, 0.5, 2}, float64 (math.erfc)."""
-    out = []
-    for m, s in ((-3.0, 1.0), (0.0, 0.5), (1.5, 2.0)):
-        t = m / s
-        cdf = 0.5 * math.erfc(-t / math.sqrt(2.0))
-        pdf = math.exp(-0.5 * t * t) / math.sqrt(2.0 * math.pi)
-        phi = m * cdf + s * pdf
-        ups = (m * m + s * s) * cdf + m * s * pdf
-        out.append((m, s, phi, ups))
-    return out
-
-
-def _self_test(library) -> Optional[str]:
-    """A wrong build (a broken vector math library, say) must not be used: check known values."""
-    cases = _reference_values()
-    mean = np.array([c[0] for c in cases] * 40, dtype=np.float64)  # > one block: the padded path too
-    std = np.array([c[1] for c in cases] * 40, dtype=np.float64)
-    phi = np.empty_like(mean)
-    ups = np.empty_like(mean)
-    _bind(library)
-    library.relu_forward_f64(
-        mean.size, mean.ctypes.data, std.ctypes.data, phi.ctypes.data, ups.ctypes.data, None, None, None, 1
-    )
-    expected_phi = np.array([c[2] for c in cases] * 40)
-    expected_ups = np.array([c[3] for c in cases] * 40)
-    error = max(
-        np.max(np.abs(phi - expected_phi) / np.abs(expected_phi)),
-        np.max(np.abs(ups - expected_ups) / np.abs(expected_ups)),
-    )
-    if not error <= 1e-12:
-        return f"self-test failed (relative error {error:.2e})"
-    return None
-
-
-_POINTER = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-_DOUBLE = ctypes.c_double
-
-_SIGNATURES = {
-    "relu_forward": [_I64] + [_POINTER] * 7 + [_INT],
-    "relu_mean": [_I64] + [_POINTER] * 3 + [_INT],
-    "relu_backward": [_I64] + [_POINTER] * 3 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
-    "leaky_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _POINTER] + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
-    "relusq_backward": [_I64] + [_POINTER] * 3 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
-    "leaky_forward": [_I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 7 + [_INT],
-    "relusq_forward": [_I64] + [_POINTER] * 9 + [_INT],
-    "identity_forward": [_I64] + [_POINTER] * 5 + [_INT],
-    "partials_backward": [_I64] + [_POINTER] * 5 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
-    "pw_forward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 16 + [_INT],
-    "count_negative": [_I64, _POINTER, _INT],
-    "diag_kl_sums": [_I64] + [_POINTER] * 4 + [_INT],
-    "diag_gradient_finish": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
-    "hidden_pass": [_INT, _INT, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 8 + [_I64, _INT],
-    "tail_pass": [_INT, _INT, _I64, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 10 + [_INT],
-    "diag_kl_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
-    "augment_pair": [_I64, _I64, _POINTER, _POINTER, _POINTER, _INT],
-    "normal_rows": [_I64] + [_POINTER] * 3 + [_DOUBLE] * 4 + [_POINTER] * 3,
-    "normal_row_gradients": [_I64] + [_POINTER] * 3 + [_DOUBLE] + [_POINTER] * 3,
-    "normal_output_gradients": [_I64, _POINTER, _POINTER, _INT, _DOUBLE, _DOUBLE, _POINTER, _POINTER],
-}
-_RESULT_TYPES = {"count_negative": ctypes.c_int64, "normal_rows": ctypes.c_double}
-_SIGNATURES_F32_ONLY = {
-    "hs_forward": [_I64, _POINTER, _POINTER, _INT, _INT]
-    + [_POINTER] * 9
-    + [_DOUBLE, _DOUBLE]
-    + [_POINTER] * 7
-    + [_INT],
-    "hs_backward": [_I64, _POINTER, _POINTER, _INT, _INT]
-    + [_POINTER] * 9
-    + [_DOUBLE, _DOUBLE, _POINTER]
-    + [_POINTER, _INT] * 3
-    + [_POINTER, _POINTER, _INT],
-}
-
-
-def _bind(library) -> None:
-    for name, argtypes in _SIGNATURES.items():
-        for suffix in ("_f32", "_f64"):
-            function = getattr(library, name + suffix)
-            function.argtypes = argtypes
-            function.restype = _RESULT_TYPES.get(name)
-    for name, argtypes in _SIGNATURES_F32_ONLY.items():
-        function = getattr(library, name + "_f32")
-        function.argtypes = argtypes
-        function.restype = None
-    library.cfbnn_abi.restype = ctypes.c_int
-    library.cfbnn_openmp.restype = ctypes.c_int
-
-
-def load_kernels(rebuild: bool = False):
-    """The kernel library (``ctypes.CDLL``), built and loaded on first use; ``None`` if unavailable.
-
-    ``rebuild=True`` ignores the on-disk cache (and the result of an earlier attempt).
-    """
-    if _State.tried and not rebuild:
-        return _State.library
-    with _State.lock:
-        if _State.tried and not rebuild:
-            return _State.library
-        _State.library, _State.info = _load(rebuild)
-        _State.tried = True
-        if _State.library is None:
-            reason = str(_State.info.get("error") or "unknown reason").splitlines()
-            warnings.warn(
-                "cfbnn: the fast CPU moment kernels are unavailable; using the reference torch path. "
-                + "\n".join(reason[-14:]),  # the plainest flag set's compiler message, last
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    return _State.library
-
-
-def _load(rebuild: bool):
-    return kernel_build.load_library(_ABI, _bind, _self_test, rebuild)
-
-
-# --------------------------------------------------------------------------- dispatch
-
-
-def usable(mean: torch.Tensor) -> bool:
-    """Whether ``mean`` (already checked and of one dtype/device with std) takes the fast path."""
-    if not _State.enabled or mean.device.type != "cpu" or mean.dtype not in _SUFFIX:
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    return (_State.library if _State.tried else load_kernels()) is not None
-
-
-_SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
-
-
-def count_negative(x: torch.Tensor) -> Optional[int]:
-    """Number of entries < 0 of a CPU float tensor, or None where the kernels do not apply."""
-    if not _State.enabled or x.dtype not in _SUFFIX or not x.is_contiguous() or is_transformed(x):
-        return None
-    if (_State.library if _State.tried else load_kernels()) is None:
-        return None
-    return _kernel("count_negative", x.dtype)(x.numel(), x.data_ptr(), torch.get_num_threads())
-
-
-register_negative_counter(count_negative)  # argument checks count on the CPU in one kernel pass
-
-
-def _kernel(name: str, dtype: torch.dtype):
-    return getattr(_State.library, name + _SUFFIX[dtype])
-
-
-def _ptr(tensor: Optional[torch.Tensor]):
-    return None if tensor is None else tensor.data_ptr()
-
-
-def _grad_arg(grad: Optional[torch.Tensor]):
-    """(pointer, is_scalar) for a gradient: absent, a broadcast scalar (all strides 0) or dense."""
-    if grad is None:
-        return None, 0, None
-    if grad.is_contiguous():
-        return grad.data_ptr(), 0, grad
-    if grad.dim() > 0 and all(stride == 0 for stride in grad.stride()):
-        return grad.data_ptr(), 1, grad
-    grad = grad.contiguous()
-    return grad.data_ptr(), 0, grad
-
-
-def _plain(*tensors) -> bool:
-    """All present tensors are ordinary CPU tensors the kernels can read (no functorch wrappers)."""
-    return all(t is None or (t.device.type == "cpu" and not is_transformed(t)) for t in tensors)
+from .elbo_kernels import (  # noqa: F401 - the ELBO kernels, re-exported for bnn.fused and bnn.network
+    _MomentsFromVariance,
+    augment_pair,
+    diagonal_kl_gradients,
+    diagonal_kl_sums,
+    finish_diagonal_gradients,
+    layer_kernels_apply,
+    moments_from_variance,
+    normal_output_gradients,
+    normal_row_gradients,
+    normal_rows,
+    normal_tail,
+)
+from .kernel_library import (  # noqa: F401 - the fast path's switches and library, re-exported
+    _ABI,
+    _ENV_CACHE,
+    _ENV_SWITCH,
+    _SUFFIX,
+    _bind,
+    _grad_arg,
+    _kernel,
+    _load,
+    _plain,
+    _ptr,
+    _self_test,
+    _State,
+    count_negative,
+    fast_path,
+    fast_path_enabled,
+    fast_path_info,
+    load_kernels,
+    set_fast_path,
+    usable,
+)
+from .piecewise_tables import MAX_BREAKPOINTS, MAX_DEGREE, _piecewise_tables, piecewise_supported  # noqa: F401
 
 
 class _Op:
@@ -660,102 +456,6 @@ class HardSigmoidOp(PiecewiseOp):
         return gm, gs
 
 
-MAX_BREAKPOINTS = 64
-MAX_DEGREE = 16
-
-
-def piecewise_supported(breakpoints, polynomials) -> bool:
-    """Whether the engine kernel takes this piecewise polynomial (else the reference path runs)."""
-    return len(breakpoints) <= MAX_BREAKPOINTS and max(len(p) - 1 for p in polynomials) <= MAX_DEGREE
-
-
-def _taylor(coefficients: np.ndarray, point: float) -> np.ndarray:
-    """Coefficients of p(point + u) in powers of u."""
-    degree = len(coefficients) - 1
-    return np.array(
-        [
-            sum(math.comb(k, j) * coefficients[k] * point ** (k - j) for k in range(j, degree + 1))
-            for j in range(degree + 1)
-        ]
-    )
-
-
-def _derivative(coefficients: np.ndarray) -> np.ndarray:
-    return (
-        np.array([k * coefficients[k] for k in range(1, len(coefficients))]) if len(coefficients) > 1 else np.zeros(1)
-    )
-
-
-def _pad(vector, length):
-    out = np.zeros(length)
-    vector = np.asarray(vector, dtype=np.float64)[:length]
-    out[: len(vector)] = vector
-    return out
-
-
-def _piecewise_tables(breakpoints, polynomials, dtype) -> Dict[str, object]:
-    """Host-side constants of the engine kernel (layout: see ``Spec`` in the kernel source)."""
-    if dtype == torch.float32:  # what float32 torch arithmetic uses
-        breakpoints = [float(np.float32(b)) for b in breakpoints]
-        polynomials = [np.asarray(p, dtype=np.float32).astype(np.float64) for p in polynomials]
-    B = len(breakpoints)
-    D = max(len(p) - 1 for p in polynomials)
-    K = 2 * D
-    P = B + 1
-    coef = np.zeros((P, D + 1))
-    deriv = np.zeros((P, D + 1, D + 1))
-    for i, p in enumerate(polynomials):
-        coef[i, : len(p)] = p
-        for k in range(D + 1):
-            for j in range(D + 1 - k):
-                deriv[i, k, j] = math.comb(j + k, k) * coef[i, j + k]
-    side = np.zeros((P, 2))
-    tails = np.zeros((P, 2, 6, K + 1))
-    for i, p in enumerate(polynomials):
-        for s, j in ((0, i - 1), (1, i)):
-            if not 0 <= j < B:
-                continue
-            alpha = _pad(_taylor(np.asarray(p, dtype=np.float64), breakpoints[j]), D + 1)
-            side[i, s] = alpha[0]
-            a1 = alpha.copy()
-            a1[0] = 0.0
-            beta = _pad(_derivative(alpha), D + 1)
-            gamma = _pad(_derivative(beta[:D] if D else beta), D + 1)
-            vectors = (
-                a1,
-                np.convolve(a1, a1),
-                beta,
-                np.convolve(a1, beta),
-                gamma,
-                np.convolve(beta, beta) + np.convolve(a1, gamma),
-            )
-            for v, vector in enumerate(vectors):
-                tails[i, s, v] = _pad(vector, K + 1)
-    jumps = np.zeros((max(B, 1), 4))
-    for j, b in enumerate(breakpoints):
-        left, right = polynomials[j], polynomials[j + 1]
-        jumps[j] = (
-            np.polynomial.polynomial.polyval(b, left),
-            np.polynomial.polynomial.polyval(b, right),
-            np.polynomial.polynomial.polyval(b, _derivative(np.asarray(left, dtype=np.float64))),
-            np.polynomial.polynomial.polyval(b, _derivative(np.asarray(right, dtype=np.float64))),
-        )
-    nodes, weights = np.polynomial.legendre.leggauss(16)
-    return {
-        "B": B,
-        "D": D,
-        "bp": np.ascontiguousarray(np.array(breakpoints if B else [0.0], dtype=np.float64)),
-        "coef": np.ascontiguousarray(coef),
-        "deriv": np.ascontiguousarray(deriv),
-        "side": np.ascontiguousarray(side),
-        "tails": np.ascontiguousarray(tails),
-        "jumps": np.ascontiguousarray(jumps),
-        "gl": np.ascontiguousarray(np.concatenate([nodes, weights])),
-        "coef32": np.ascontiguousarray(coef.astype(np.float32)),
-        "bp32": np.ascontiguousarray(np.array(breakpoints if B else [0.0], dtype=np.float32)),
-    }
-
-
 def _placeholder(mean):
     """Stands in for an output that was not asked for (the variance)."""
     return mean.new_empty((0,))
@@ -943,322 +643,3 @@ def relu_mean(mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     if is_transformed(mean) or is_transformed(std):
         return _ReLUMean.apply(mean, std)
     return _ReLUMean.forward(mean, std)
-
-
-def _kl_kernels_apply(*tensors) -> bool:
-    """Whether the KL and tail kernels take these tensors (plain contiguous CPU float32/float64
-    of one dtype). Called on the hot path: the cheap global tests first."""
-    if not _State.enabled or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-        return False
-    dtype = tensors[0].dtype
-    if dtype not in _SUFFIX:
-        return False
-    for tensor in tensors:
-        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            return False
-    return (_State.library if _State.tried else load_kernels()) is not None
-
-
-def diagonal_kl_sums(
-    loc: torch.Tensor, log_scale: torch.Tensor, variance_out: Optional[torch.Tensor] = None
-) -> Optional[Tuple[float, float, float]]:
-    """``(sum exp(2 log_scale), sum loc^2, sum log_scale)`` in one pass (float64 sums), or None
-    where the kernels do not apply: what KL(q || N(0, s^2 I)) of a mean-field matrix needs.
-    ``variance_out`` (contiguous, like ``log_scale``) receives ``exp(2 log_scale)`` in the same pass."""
-    if not _kl_kernels_apply(loc, log_scale):
-        return None
-    out = np.empty(3, dtype=np.float64)
-    _kernel("diag_kl_sums", loc.dtype)(
-        loc.numel(), loc.data_ptr(), log_scale.data_ptr(), out.ctypes.data, _ptr(variance_out), torch.get_num_threads()
-    )
-    return float(out[0]), float(out[1]), float(out[2])
-
-
-def finish_diagonal_gradients(
-    loc: torch.Tensor,
-    variance: torch.Tensor,
-    grad_loc: torch.Tensor,
-    grad_variance: torch.Tensor,
-    scale: float,
-    kl_scaled: float,
-    kl_grad: float,
-) -> None:
-    """In place, one pass: ``grad_loc += kl_scaled loc`` and ``grad_variance <- variance (scale
-    grad_variance + kl_scaled) - kl_grad``, which turns a layer's ``dL/d Var`` (over ``scale``)
-    into ``dL/d log_scale`` with its KL's gradient folded in (``kl_grad`` = dL/dKL,
-    ``kl_scaled`` = dL/dKL / s^2). All four tensors contiguous, of one dtype, on the CPU."""
-    _kernel("diag_gradient_finish", loc.dtype)(
-        loc.numel(),
-        loc.data_ptr(),
-        variance.data_ptr(),
-        float(scale),
-        float(kl_scaled),
-        float(kl_grad),
-        grad_loc.data_ptr(),
-        grad_variance.data_ptr(),
-        torch.get_num_threads(),
-    )
-
-
-def diagonal_kl_gradients(loc: torch.Tensor, log_scale: torch.Tensor, scaled: float, grad: float):
-    """``(scaled * loc, scaled * exp(2 log_scale) - grad)`` in one pass, or None where the kernels
-    do not apply: the KL's gradients for ``grad`` = dL/dKL and ``scaled`` = grad / s^2."""
-    if not _kl_kernels_apply(loc, log_scale):
-        return None
-    grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(log_scale)
-    _kernel("diag_kl_backward", loc.dtype)(
-        loc.numel(),
-        loc.data_ptr(),
-        log_scale.data_ptr(),
-        float(scaled),
-        float(grad),
-        grad_loc.data_ptr(),
-        grad_log_scale.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return grad_loc, grad_log_scale
-
-
-def layer_kernels_apply(op: Optional[_Op], *tensors) -> bool:
-    """Whether the layer kernels (:func:`normal_tail`, :func:`moments_from_variance`) run for
-    ``op`` on these tensors: plain contiguous CPU float32/float64 tensors of one dtype, an
-    activation with those kernels (ReLU, leaky ReLU, ReLU^2), the fast path on."""
-    return op is not None and op.tail_kind is not None and _kl_kernels_apply(*tensors)
-
-
-def normal_tail(
-    op: _Op,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    weight_phi: torch.Tensor,
-    weight_variance: torch.Tensor,
-    weight_second: torch.Tensor,
-    row_mean_grad: Optional[torch.Tensor] = None,
-    row_spread_grad: Optional[torch.Tensor] = None,
-):
-    """The activation's moments and one output's integrated Normal terms in one pass over
-    ``(rows, H)`` pre-activation moments ``mean``, ``std`` (the kernel ``tail_pass``).
-
-    Forward (no row gradients): ``(sum_c Phi w_phi, sum_c Var w_var + Ups w_second)``, two
-    ``(rows,)`` tensors. Backward (``row_mean_grad``, ``row_spread_grad`` given, the loss's
-    gradients with respect to those two sums): ``(d mean, d std, column_sums)``, the last
-    ``(3, H)`` float64 ``[sum_r u_r Phi_rc, sum_r k_r Var_rc, sum_r k_r Ups_rc]``."""
-    rows, width = mean.shape
-    threads = torch.get_num_threads()
-    eps = op._eps(mean.dtype)
-    eps = eps[0] if eps else 0.0
-    function = _kernel("tail_pass", mean.dtype)
-    if row_mean_grad is None:
-        mean_sum, spread_sum = mean.new_empty(rows), mean.new_empty(rows)
-        function(
-            op.tail_kind,
-            0,
-            rows,
-            width,
-            mean.data_ptr(),
-            std.data_ptr(),
-            eps,
-            weight_phi.data_ptr(),
-            weight_variance.data_ptr(),
-            weight_second.data_ptr(),
-            None,
-            None,
-            mean_sum.data_ptr(),
-            spread_sum.data_ptr(),
-            None,
-            None,
-            None,
-            threads,
-        )
-        return mean_sum, spread_sum
-    grad_mean, grad_std = torch.empty_like(mean), torch.empty_like(std)
-    columns = torch.empty(3, width, dtype=torch.float64)
-    function(
-        op.tail_kind,
-        1,
-        rows,
-        width,
-        mean.data_ptr(),
-        std.data_ptr(),
-        eps,
-        weight_phi.data_ptr(),
-        weight_variance.data_ptr(),
-        weight_second.data_ptr(),
-        row_mean_grad.data_ptr(),
-        row_spread_grad.data_ptr(),
-        None,
-        None,
-        grad_mean.data_ptr(),
-        grad_std.data_ptr(),
-        columns.data_ptr(),
-        threads,
-    )
-    return grad_mean, grad_std, columns
-
-
-def augment_pair(x: torch.Tensor):
-    """``([x, 1], [x^2, 1])`` in one pass (kernel ``augment_pair``), or ``None`` where the kernels
-    do not take ``x`` (not a plain contiguous CPU float32/float64 tensor, torch.func transforms)."""
-    if not _kl_kernels_apply(x):
-        return None
-    augmented = x.new_empty(*x.shape[:-1], x.shape[-1] + 1)
-    squared = torch.empty_like(augmented)
-    _kernel("augment_pair", x.dtype)(
-        x.numel() // max(x.shape[-1], 1),
-        x.shape[-1],
-        x.data_ptr(),
-        augmented.data_ptr(),
-        squared.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return augmented, squared
-
-
-def normal_rows(
-    mean_sum: torch.Tensor,
-    spread_sum: torch.Tensor,
-    y: torch.Tensor,
-    mean_bias: float,
-    spread_bias: float,
-    precision: float,
-    log_term: float,
-):
-    """The Normal likelihood's rows after :func:`normal_tail`'s forward pass, one loop (kernel
-    ``normal_rows``): ``(residual, squares, ELL, sum ELL)`` with ``residual = y - mean_sum - mean_bias``,
-    ``squares = spread_sum + spread_bias + residual^2`` and ``ELL = -precision/2 squares + log_term``
-    (eq. (7), one output). ``residual`` and ``squares`` are written over ``mean_sum`` and ``spread_sum``."""
-    ell = torch.empty_like(mean_sum)
-    total = _kernel("normal_rows", mean_sum.dtype)(
-        mean_sum.shape[0],
-        mean_sum.data_ptr(),
-        spread_sum.data_ptr(),
-        y.data_ptr(),
-        mean_bias,
-        spread_bias,
-        precision,
-        log_term,
-        mean_sum.data_ptr(),
-        spread_sum.data_ptr(),
-        ell.data_ptr(),
-    )
-    return mean_sum, spread_sum, ell, total
-
-
-def normal_row_gradients(grad_ell: torch.Tensor, residual: torch.Tensor, squares: torch.Tensor, precision: float):
-    """Before :func:`normal_tail`'s backward pass (kernel ``normal_row_gradients``): from ``g =
-    dL/d ELL`` the rows' ``u = dL/d mean_sum = precision g residual`` and ``k = dL/d squares =
-    -precision/2 g``, and ``(sum u, sum k, sum g (1/2 - precision/2 squares))``: the output bias's
-    gradients and ``dL/d log precision``."""
-    row_u, row_k = torch.empty_like(grad_ell), torch.empty_like(grad_ell)
-    sums = np.empty(3, dtype=np.float64)
-    _kernel("normal_row_gradients", grad_ell.dtype)(
-        grad_ell.shape[0],
-        grad_ell.data_ptr(),
-        residual.data_ptr(),
-        squares.data_ptr(),
-        precision,
-        row_u.data_ptr(),
-        row_k.data_ptr(),
-        sums.ctypes.data,
-    )
-    return row_u, row_k, float(sums[0]), float(sums[1]), float(sums[2])
-
-
-def normal_output_gradients(
-    columns: torch.Tensor,
-    weight_phi: torch.Tensor,
-    bias: bool,
-    sum_u: float,
-    sum_k: float,
-    grad_loc: torch.Tensor,
-    grad_variance: torch.Tensor,
-) -> None:
-    """After :func:`normal_tail`'s backward pass (kernel ``normal_output_gradients``), into the
-    one-output layer's ``(1, H [+ 1])`` gradient buffers: ``d/d loc_c = columns_0c + 2 w_c
-    columns_1c``, ``d/d Var W_c = columns_2c`` and the bias column's ``(sum_u, sum_k)``."""
-    _kernel("normal_output_gradients", grad_loc.dtype)(
-        columns.shape[1],
-        columns.data_ptr(),
-        weight_phi.data_ptr(),
-        int(bias),
-        sum_u,
-        sum_k,
-        grad_loc.data_ptr(),
-        grad_variance.data_ptr(),
-    )
-
-
-class _MomentsFromVariance(torch.autograd.Function):
-    """``(Phi, Upsilon, Var)`` of pre-activations given their means and variances (kernel
-    ``hidden_pass``): the square root inside the kernel, and the backward pass returns the
-    gradient with respect to the variance. Plain CPU tensors only (see :func:`moments_from_variance`)."""
-
-    @staticmethod
-    def forward(ctx, mean, variance, op, augmented: bool = False):
-        # augmented (2-D inputs, called directly by fused's single-node ELBO, never through apply):
-        # Phi and Upsilon as [Phi, 1] and [Ups, 1], the next layer's inputs with its bias column
-        if augmented:
-            rows, width = mean.shape
-            phi, ups = mean.new_empty(rows, width + 1), mean.new_empty(rows, width + 1)
-        else:
-            width, phi, ups = 0, torch.empty_like(mean), torch.empty_like(mean)
-        var = torch.empty_like(mean)
-        eps = op._eps(mean.dtype)
-        _kernel("hidden_pass", mean.dtype)(
-            op.tail_kind,
-            0,
-            mean.numel(),
-            mean.data_ptr(),
-            variance.data_ptr(),
-            eps[0] if eps else 0.0,
-            phi.data_ptr(),
-            ups.data_ptr(),
-            var.data_ptr(),
-            None,
-            None,
-            None,
-            None,
-            None,
-            width,
-            torch.get_num_threads(),
-        )
-        ctx.op = op
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(mean, variance)
-        return phi, ups, var
-
-    @staticmethod
-    def backward(ctx, grad_phi, grad_ups, grad_var):
-        """The gradients of (Phi, Ups, Var) are ``(..., H)`` (without the bias column, augmented or not)."""
-        mean, variance = ctx.saved_tensors
-        grads = [None if g is None else g.contiguous() for g in (grad_phi, grad_ups, grad_var)]
-        grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
-        eps = ctx.op._eps(mean.dtype)
-        _kernel("hidden_pass", mean.dtype)(
-            ctx.op.tail_kind,
-            1,
-            mean.numel(),
-            mean.data_ptr(),
-            variance.data_ptr(),
-            eps[0] if eps else 0.0,
-            None,
-            None,
-            None,
-            *(_ptr(g) for g in grads),
-            grad_mean.data_ptr(),
-            grad_variance.data_ptr(),
-            0,
-            torch.get_num_threads(),
-        )
-        return grad_mean, grad_variance, None
-
-
-def moments_from_variance(op: Optional[_Op], mean: torch.Tensor, variance: torch.Tensor):
-    """``(Phi, Upsilon, Var)`` for ``z ~ N(mean, variance)`` through one kernel pass each way, or
-    ``None`` where the kernel does not apply (then take ``sqrt`` and ``Activation.moments``):
-    an activation without it (only ReLU, leaky ReLU and ReLU^2 have it), tensors that are not
-    plain contiguous CPU float32/float64 of one shape and dtype, torch.func transforms, the fast
-    path off. The argument checks are the caller's."""
-    if mean.shape != variance.shape or not layer_kernels_apply(op, mean, variance):
-        return None
-    return _MomentsFromVariance.apply(mean, variance, op)

@@ -371,11 +371,11 @@ def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     variance kernel, the last through the fused tail, folds every layer's KL, and is one
     autograd node (else the speed-up is silently lost)."""
     from cfbnn_cli.bnn.network import BayesianNetwork
-    from cfbnn_cli.moments import fast
+    from cfbnn_cli.moments import elbo_kernels
 
     calls = []
-    original = fast._kernel
-    monkeypatch.setattr(fast, "_kernel", lambda name, dtype: calls.append(name) or original(name, dtype))
+    original = elbo_kernels._kernel
+    monkeypatch.setattr(elbo_kernels, "_kernel", lambda name, dtype: calls.append(name) or original(name, dtype))
     network = BayesianNetwork(5, [12, 9], 1)
     x, y = torch.randn(40, 5), torch.randn(40)
     elbo = network.elbo(x, y, 400, "deterministic")

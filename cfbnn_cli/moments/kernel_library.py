@@ -1,0 +1,245 @@
+"""The CPU kernel library as Python sees it: whether the fast path is on, the library loaded
+once per process (built by :mod:`cfbnn_cli.moments.kernel_build`), each C function's argument
+types declared once (``_SIGNATURES``), a self-test against known values, and the small helpers
+every caller of a kernel uses (pointers, dtype suffixes, which tensors a kernel can read)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import threading
+import warnings
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from . import kernel_build
+from .gaussian import is_transformed, register_negative_counter
+
+_ENV_SWITCH = "CFBNN_FAST_MOMENTS"
+_ENV_CACHE = "CFBNN_CACHE_DIR"
+_ABI = 15  # must match CFBNN_ABI in the source
+
+
+def _switch_from_environment() -> bool:
+    return os.environ.get(_ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class _State:
+    enabled = _switch_from_environment()
+    library = None  # the loaded ctypes library
+    tried = False  # a load/build was attempted (successful or not)
+    info: Dict[str, object] = {}
+    lock = threading.Lock()
+
+
+def set_fast_path(enabled: bool) -> None:
+    """Turn the fast CPU kernels on (the default) or off (the reference torch path) globally."""
+    _State.enabled = bool(enabled)
+
+
+def fast_path_enabled() -> bool:
+    """Whether the fast path is switched on (it may still be unavailable: see :func:`fast_path_info`)."""
+    return _State.enabled
+
+
+@contextlib.contextmanager
+def fast_path(enabled: bool = True):
+    """``with fast_path(False): ...`` runs the reference path in a block (restored after)."""
+    previous = _State.enabled
+    set_fast_path(enabled)
+    try:
+        yield
+    finally:
+        set_fast_path(previous)
+
+
+def fast_path_info() -> Dict[str, object]:
+    """Whether the kernels are available and how they were built (building them if needed).
+
+    Keys: ``enabled``, ``available``, ``library`` (path), ``cached`` (found on disk),
+    ``build_seconds`` (compile time of this process's build, 0 if cached),
+    ``load_seconds``, ``flags``, ``openmp``, ``error`` (why not available).
+    """
+    if _State.enabled or _State.tried:
+        load_kernels()
+    info = dict(_State.info) if _State.tried else {"error": "not built: the fast path is switched off"}
+    info["enabled"] = _State.enabled
+    info["available"] = _State.library is not None
+    return info
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _reference_values():
+    """ReLU (Phi, Upsilon) at mean in {-3, 0, 1.5}, std in {1, 0.5, 2}, float64 (math.erfc)."""
+    out = []
+    for m, s in ((-3.0, 1.0), (0.0, 0.5), (1.5, 2.0)):
+        t = m / s
+        cdf = 0.5 * math.erfc(-t / math.sqrt(2.0))
+        pdf = math.exp(-0.5 * t * t) / math.sqrt(2.0 * math.pi)
+        phi = m * cdf + s * pdf
+        ups = (m * m + s * s) * cdf + m * s * pdf
+        out.append((m, s, phi, ups))
+    return out
+
+
+def _self_test(library) -> Optional[str]:
+    """A wrong build (a broken vector math library, say) must not be used: check known values."""
+    cases = _reference_values()
+    mean = np.array([c[0] for c in cases] * 40, dtype=np.float64)  # > one block: the padded path too
+    std = np.array([c[1] for c in cases] * 40, dtype=np.float64)
+    phi = np.empty_like(mean)
+    ups = np.empty_like(mean)
+    _bind(library)
+    library.relu_forward_f64(
+        mean.size, mean.ctypes.data, std.ctypes.data, phi.ctypes.data, ups.ctypes.data, None, None, None, 1
+    )
+    expected_phi = np.array([c[2] for c in cases] * 40)
+    expected_ups = np.array([c[3] for c in cases] * 40)
+    error = max(
+        np.max(np.abs(phi - expected_phi) / np.abs(expected_phi)),
+        np.max(np.abs(ups - expected_ups) / np.abs(expected_ups)),
+    )
+    if not error <= 1e-12:
+        return f"self-test failed (relative error {error:.2e})"
+    return None
+
+
+_POINTER = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_DOUBLE = ctypes.c_double
+
+_SIGNATURES = {
+    "relu_forward": [_I64] + [_POINTER] * 7 + [_INT],
+    "relu_mean": [_I64] + [_POINTER] * 3 + [_INT],
+    "relu_backward": [_I64] + [_POINTER] * 3 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
+    "leaky_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _POINTER] + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
+    "relusq_backward": [_I64] + [_POINTER] * 3 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
+    "leaky_forward": [_I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 7 + [_INT],
+    "relusq_forward": [_I64] + [_POINTER] * 9 + [_INT],
+    "identity_forward": [_I64] + [_POINTER] * 5 + [_INT],
+    "partials_backward": [_I64] + [_POINTER] * 5 + [_POINTER, _INT] * 3 + [_POINTER, _POINTER, _INT],
+    "pw_forward": [_I64, _POINTER, _POINTER, _INT, _INT] + [_POINTER] * 16 + [_INT],
+    "count_negative": [_I64, _POINTER, _INT],
+    "diag_kl_sums": [_I64] + [_POINTER] * 4 + [_INT],
+    "diag_gradient_finish": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
+    "hidden_pass": [_INT, _INT, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 8 + [_I64, _INT],
+    "tail_pass": [_INT, _INT, _I64, _I64, _POINTER, _POINTER, _DOUBLE] + [_POINTER] * 10 + [_INT],
+    "diag_kl_backward": [_I64, _POINTER, _POINTER, _DOUBLE, _DOUBLE, _POINTER, _POINTER, _INT],
+    "augment_pair": [_I64, _I64, _POINTER, _POINTER, _POINTER, _INT],
+    "normal_rows": [_I64] + [_POINTER] * 3 + [_DOUBLE] * 4 + [_POINTER] * 3,
+    "normal_row_gradients": [_I64] + [_POINTER] * 3 + [_DOUBLE] + [_POINTER] * 3,
+    "normal_output_gradients": [_I64, _POINTER, _POINTER, _INT, _DOUBLE, _DOUBLE, _POINTER, _POINTER],
+}
+_RESULT_TYPES = {"count_negative": ctypes.c_int64, "normal_rows": ctypes.c_double}
+_SIGNATURES_F32_ONLY = {
+    "hs_forward": [_I64, _POINTER, _POINTER, _INT, _INT]
+    + [_POINTER] * 9
+    + [_DOUBLE, _DOUBLE]
+    + [_POINTER] * 7
+    + [_INT],
+    "hs_backward": [_I64, _POINTER, _POINTER, _INT, _INT]
+    + [_POINTER] * 9
+    + [_DOUBLE, _DOUBLE, _POINTER]
+    + [_POINTER, _INT] * 3
+    + [_POINTER, _POINTER, _INT],
+}
+
+
+def _bind(library) -> None:
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in ("_f32", "_f64"):
+            function = getattr(library, name + suffix)
+            function.argtypes = argtypes
+            function.restype = _RESULT_TYPES.get(name)
+    for name, argtypes in _SIGNATURES_F32_ONLY.items():
+        function = getattr(library, name + "_f32")
+        function.argtypes = argtypes
+        function.restype = None
+    library.cfbnn_abi.restype = ctypes.c_int
+    library.cfbnn_openmp.restype = ctypes.c_int
+
+
+def load_kernels(rebuild: bool = False):
+    """The kernel library (``ctypes.CDLL``), built and loaded on first use; ``None`` if unavailable.
+
+    ``rebuild=True`` ignores the on-disk cache (and the result of an earlier attempt).
+    """
+    if _State.tried and not rebuild:
+        return _State.library
+    with _State.lock:
+        if _State.tried and not rebuild:
+            return _State.library
+        _State.library, _State.info = _load(rebuild)
+        _State.tried = True
+        if _State.library is None:
+            reason = str(_State.info.get("error") or "unknown reason").splitlines()
+            warnings.warn(
+                "cfbnn: the fast CPU moment kernels are unavailable; using the reference torch path. "
+                + "\n".join(reason[-14:]),  # the plainest flag set's compiler message, last
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _State.library
+
+
+def _load(rebuild: bool):
+    return kernel_build.load_library(_ABI, _bind, _self_test, rebuild)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def usable(mean: torch.Tensor) -> bool:
+    """Whether ``mean`` (already checked and of one dtype/device with std) takes the fast path."""
+    if not _State.enabled or mean.device.type != "cpu" or mean.dtype not in _SUFFIX:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return (_State.library if _State.tried else load_kernels()) is not None
+
+
+_SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
+
+
+def count_negative(x: torch.Tensor) -> Optional[int]:
+    """Number of entries < 0 of a CPU float tensor, or None where the kernels do not apply."""
+    if not _State.enabled or x.dtype not in _SUFFIX or not x.is_contiguous() or is_transformed(x):
+        return None
+    if (_State.library if _State.tried else load_kernels()) is None:
+        return None
+    return _kernel("count_negative", x.dtype)(x.numel(), x.data_ptr(), torch.get_num_threads())
+
+
+register_negative_counter(count_negative)  # argument checks count on the CPU in one kernel pass
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    return getattr(_State.library, name + _SUFFIX[dtype])
+
+
+def _ptr(tensor: Optional[torch.Tensor]):
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _grad_arg(grad: Optional[torch.Tensor]):
+    """(pointer, is_scalar) for a gradient: absent, a broadcast scalar (all strides 0) or dense."""
+    if grad is None:
+        return None, 0, None
+    if grad.is_contiguous():
+        return grad.data_ptr(), 0, grad
+    if grad.dim() > 0 and all(stride == 0 for stride in grad.stride()):
+        return grad.data_ptr(), 1, grad
+    grad = grad.contiguous()
+    return grad.data_ptr(), 0, grad
+
+
+def _plain(*tensors) -> bool:
+    """All present tensors are ordinary CPU tensors the kernels can read (no functorch wrappers)."""
+    return all(t is None or (t.device.type == "cpu" and not is_transformed(t)) for t in tensors)
