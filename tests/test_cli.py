@@ -201,35 +201,33 @@ def test_every_key_an_experiment_sets_reaches_the_composed_config(command, exper
         assert OmegaConf.select(cfg, key) == value, (experiment, key)
 
 
-def test_logger_tensorboard_writes_each_epochs_metrics_as_scalars(tmp_path, cfbnn, tiny_overrides):
+def test_logger_tensorboard_writes_each_epochs_metrics_as_scalars(tmp_path, regression_cfg):
     """logger=tensorboard (lightning-hydra-template's logger group): the rows of metrics.csv
-    also as TensorBoard scalars, one per column and epoch, under <run dir>/tensorboard."""
+    also as TensorBoard scalars, one per column and epoch, under <run dir>/tensorboard (the CLI
+    opens the sink around the pipeline exactly like this, see cli.run_pipeline)."""
     pytest.importorskip("tensorboard")
     import pandas as pd
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from cfbnn_cli.pipelines.regression import gradient_variance_study as pipeline
+    from cfbnn_cli.runtime import metrics_sink
+
+    cfg = regression_cfg("logger=tensorboard", "gradient_variance.num_samples=0")
     run_dir = tmp_path / "run"
-    done = cfbnn(
-        "train",
-        "regression",
-        *tiny_overrides["train_regression"],
-        "logger=tensorboard",
-        "gradient_variance.num_samples=0",
-        f"hydra.run.dir={run_dir}",
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_dir.mkdir()
+    with metrics_sink.logging_to(cfg, run_dir):
+        pipeline.run(cfg, run_dir)
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     rows = pd.read_csv(run_dir / "metrics.csv")
     series = events.Scalars("train/train_elbo_per_point")
     assert [s.step for s in series] == list(rows["epoch"])
     assert [s.value for s in series] == pytest.approx(list(rows["train_elbo_per_point"]), rel=1e-6)
-    assert not (tmp_path / "plain").exists()
-    plain = cfbnn(
-        "train",
-        "regression",
-        *tiny_overrides["train_regression"],
-        "gradient_variance.num_samples=0",
-        f"hydra.run.dir={tmp_path / 'plain'}",
-    )
-    assert plain.returncode == 0 and not (tmp_path / "plain" / "tensorboard").exists()  # csv: the default
+    metrics_sink.emit("train", {"epoch": 9, "x": 1.0})  # closed after the run: nothing more is written
+    plain = regression_cfg("gradient_variance.num_samples=0")
+    (tmp_path / "plain").mkdir()
+    with metrics_sink.logging_to(plain, tmp_path / "plain"):
+        pipeline.run(plain, tmp_path / "plain")
+    assert not (tmp_path / "plain" / "tensorboard").exists()  # csv: the default
+    with pytest.raises(Exception, match="logger='wandb' is not one of csv, tensorboard"):
+        metrics_sink.logging_to(OmegaConf.create({"logger": {"name": "wandb"}}), tmp_path)

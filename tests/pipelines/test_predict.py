@@ -222,7 +222,9 @@ def test_predict_classifies_new_features_with_an_imagenet_predict_head(tmp_path,
     assert "the head takes (N, " in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["closed_form_diagonal", "deterministic_2_hidden"])
+@pytest.mark.parametrize(
+    "method", ["closed_form_diagonal", pytest.param("deterministic_2_hidden", marks=pytest.mark.slow)]
+)
 def test_a_uci_run_saves_its_chosen_method_refit_on_every_row(tmp_path, uci_cfg, method):
     """uci.save_model=<method>: after the splits that method is refit on all rows and saved;
     `cfbnn predict` then gives calibrated predictions in the target's units (the synthetic data's
