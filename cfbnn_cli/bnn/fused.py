@@ -799,7 +799,7 @@ class _NormalELLGivenPreactivation(torch.autograd.Function):
 def activation_kernels(activation):
     """The activation's kernel object (``None`` for one without kernels); whether they take
     given tensors is :func:`~cfbnn_cli.moments.fast.layer_kernels_apply`'s question."""
-    return activation._fast_op() if hasattr(activation, "_fast_op") else None
+    return activation.cpu_kernels if hasattr(activation, "cpu_kernels") else None
 
 
 def layer_kernel_op(activation, *tensors):
@@ -920,7 +920,7 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
                 check_mean_std(gamma, xi2, names=("gamma", "xi2"))
             moments_tape = _Tape((True, True, False))
             # with a bias, the kernel writes [Phi, 1] and [Ups, 1]: the layer's products carry its bias
-            phi, second_moment, variance = fast_moments._MomentsFromVariance.forward(moments_tape, gamma, xi2, op, bias)
+            phi, second_moment, variance = fast_moments.MomentsFromVariance.forward(moments_tape, gamma, xi2, op, bias)
             layer_tape = _Tape((True, True, True, True, True))
             gamma, xi2, _, _, kl, _ = _record(
                 _PropagatedPreactivation,
@@ -971,7 +971,7 @@ class _ClosedFormNormalELBO(torch.autograd.Function):
             layer = _PropagatedPreactivation.backward(tapes[index], grad_gamma, grad_xi, None, None, grad_kl, None)
             grad_phi, grad_variance, grad_second, grad_loc, grad_log_scale = layer[:5]
             layer_grads.append((grad_loc, grad_log_scale))
-            grad_gamma, grad_xi, _ = fast_moments._MomentsFromVariance.backward(
+            grad_gamma, grad_xi, _ = fast_moments.MomentsFromVariance.backward(
                 tapes[index - 1], grad_phi, grad_second, grad_variance
             )
         first = _DiagonalPreactivation.backward(tapes[0], grad_gamma, grad_xi, None, None, grad_kl, None)

@@ -47,6 +47,7 @@ path, also the CUDA path) and the fused CPU kernels of :mod:`cfbnn_cli.moments.f
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, Sequence, Tuple
 
@@ -101,12 +102,11 @@ class Activation:
         """This activation's fused CPU kernels (:mod:`cfbnn_cli.moments.fast`), or None."""
         return None
 
-    def _fast_op(self):
-        op = self.__dict__.get("_fast_op_cache")
-        if op is None:
-            op = self._kernels()
-            self.__dict__["_fast_op_cache"] = op if op is not None else False
-        return op or None
+    @functools.cached_property
+    def cpu_kernels(self):
+        """This activation's CPU kernel object (:mod:`cfbnn_cli.moments.fast`: forward and
+        backward kernels, the ELBO kernels' ``tail_kind``), or ``None``; made once per activation."""
+        return self._kernels()
 
     def _reference_moments(self, mean: torch.Tensor, std: torch.Tensor):
         """``(Phi, Upsilon, Var)`` of broadcast tensors through the reference torch ops."""
@@ -124,7 +124,7 @@ class Activation:
         """
         mean, std = check_mean_std(mean, std)
         mean, std = torch.broadcast_tensors(mean, std)
-        op = self._fast_op() if fast.usable(mean) else None
+        op = self.cpu_kernels if fast.usable(mean) else None
         if op is not None:
             phi, upsilon, variance = fast.moments(op, mean, std, return_variance)
         elif self.operator is not None and ops.device_kernels_apply(mean):

@@ -256,7 +256,7 @@ def normal_output_gradients(
     )
 
 
-class _MomentsFromVariance(torch.autograd.Function):
+class MomentsFromVariance(torch.autograd.Function):
     """``(Phi, Upsilon, Var)`` of pre-activations given their means and variances (kernel
     ``hidden_pass``): the square root inside the kernel, and the backward pass returns the
     gradient with respect to the variance. Plain CPU tensors only (see :func:`moments_from_variance`)."""
@@ -329,4 +329,4 @@ def moments_from_variance(op, mean: torch.Tensor, variance: torch.Tensor):
     path off. The argument checks are the caller's."""
     if mean.shape != variance.shape or not layer_kernels_apply(op, mean, variance):
         return None
-    return _MomentsFromVariance.apply(mean, variance, op)
+    return MomentsFromVariance.apply(mean, variance, op)

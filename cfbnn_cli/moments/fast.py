@@ -78,7 +78,7 @@ __all__ = [
 ]
 
 from .elbo_kernels import (  # noqa: F401 - the ELBO kernels, re-exported for bnn.fused and bnn.network
-    _MomentsFromVariance,
+    MomentsFromVariance,
     augment_pair,
     diagonal_kl_gradients,
     diagonal_kl_sums,

@@ -331,7 +331,7 @@ def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolera
     g_act = get_activation(activation)
     gamma, xi2, *_ = _tail_case(dtype, True, lead=(2,), rows=9, width=41)
     weights = [torch.randn(gamma.shape, generator=_generator(9), dtype=dtype) for _ in range(3)]
-    found = fast.moments_from_variance(g_act._fast_op(), gamma, xi2)
+    found = fast.moments_from_variance(g_act.cpu_kernels, gamma, xi2)
     assert found is not None
     with fast_path(False):
         reference = g_act.moments(gamma, xi2.sqrt(), return_variance=True)
@@ -343,7 +343,7 @@ def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolera
         torch.testing.assert_close(found_grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
     # a gradient for one output only (the others None) is the same as zeros for them
     only_phi = torch.autograd.grad(
-        (weights[0] * fast.moments_from_variance(g_act._fast_op(), gamma, xi2)[0]).sum(), [gamma, xi2]
+        (weights[0] * fast.moments_from_variance(g_act.cpu_kernels, gamma, xi2)[0]).sum(), [gamma, xi2]
     )
     with fast_path(False):
         expected_phi = torch.autograd.grad((weights[0] * g_act.moments(gamma, xi2.sqrt())[0]).sum(), [gamma, xi2])
@@ -354,7 +354,7 @@ def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolera
 def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradcheck():
     from cfbnn_cli.moments import fast, get_activation
 
-    op = get_activation("relu")._fast_op()
+    op = get_activation("relu").cpu_kernels
     mean = torch.tensor([-1e3, -30.0, 0.0, 1e-3, 30.0, 1e3]).repeat(4).requires_grad_()
     variance = torch.tensor([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e-38]).repeat_interleave(4).requires_grad_()
     outputs = fast.moments_from_variance(op, mean, variance)
@@ -517,12 +517,12 @@ def test_the_hidden_kernel_writes_the_next_layers_bias_column(dtype, rows, width
     """hidden_pass's augmented form (the single-node ELBO's [Phi, 1], [Ups, 1]) against its plain form."""
     from cfbnn_cli.moments import fast, get_activation
 
-    op = get_activation("relu")._fast_op()
+    op = get_activation("relu").cpu_kernels
     g = _generator(13)
     mean = torch.randn(rows, width, generator=g, dtype=dtype)
     variance = torch.rand(rows, width, generator=g, dtype=dtype)
     plain = fast.moments_from_variance(op, mean, variance)
-    augmented = fast._MomentsFromVariance.forward(fused._Tape(()), mean, variance, op, True)
+    augmented = fast.MomentsFromVariance.forward(fused._Tape(()), mean, variance, op, True)
     for found, expected in zip(augmented[:2], plain[:2]):
         assert found.shape == (rows, width + 1)
         torch.testing.assert_close(found[:, :width], expected, rtol=0.0, atol=0.0)
