@@ -577,8 +577,9 @@ def _same_uci_outputs(run, reference):
     )
 
 
-# The default suite kills the regression run once, right after its first saved progress (a kill that
-# surely lands mid-way); the UCI protocol's kill and the kills at random moments are slow tests.
+# Kill -9 and resume (slow tests): each protocol once, right after its first saved progress (a kill that
+# surely lands mid-way), and at random moments. The default suite's resume tests interrupt in process.
+@pytest.mark.slow
 def test_kill_9_then_resume_equals_an_uninterrupted_regression_run(tmp_path):
     overrides = [*REGRESSION, "trainer.epochs=4", "data.n_train=2000"]
     _kill_and_resume_matches(tmp_path, ["train", "regression"], overrides, [0], _same_regression_outputs)

@@ -177,6 +177,7 @@ def test_predict_on_a_generated_data_run_reads_features_by_position(tmp_path, re
     assert f"trained on {dim}" in _main_error(capsys, run_dir, tmp_path / "short.csv")
 
 
+@pytest.mark.slow
 def test_predict_classifies_new_features_with_an_imagenet_predict_head(tmp_path, imagenet_cfg, cfbnn, capsys):
     """A finished imagenet-predict run (digits, identity backbone) writes head.pt; `cfbnn predict`
     on feature vectors gives the deterministic class and the top-k variance-corrected
