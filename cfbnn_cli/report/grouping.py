@@ -16,12 +16,12 @@ from .records import MISSING, flatten
 
 # keys that differ between runs without being an experimental factor (seeds are the replicates)
 IGNORED_KEYS = re.compile(
-    r"^(seed|resume|device|runtime\..*|distributed\.nproc|features\.(cache_dir|num_workers|batch_size|shard_size)"
+    r"^(seed|resume|device|runtime\..*|logger\..*|distributed\.nproc|features\.(cache_dir|num_workers|batch_size|shard_size)"
     r"|data\.path|data\.root|evaluation\.(checkpoint|batch_size|timing_images))$"
 )
 # keys that do not change a run's results: two runs equal in everything else (seed included) are duplicates
 NOT_SETTINGS = re.compile(
-    r"^(resume|device|runtime\..*|distributed\.nproc|features\.(cache_dir|num_workers)"
+    r"^(resume|device|runtime\..*|logger\..*|distributed\.nproc|features\.(cache_dir|num_workers)"
     r"|evaluation\.checkpoint)$"
 )
 
