@@ -21,28 +21,18 @@ Measured (medians of ``--repeats`` timings of ``--steps`` calls each):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_cuda_graphs import (  # the timing and kernel-count helpers of the graph benchmark
+    _kernels_per_step,
+    _median_ms,
+)
 
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.moments import get_activation, ops, validate_args
 from cfbnn_cli.train.graphs import GraphedTrainingStep
 
 TARGETS = []  # (name, value, target text, met)
-
-
-def _median_us(call, steps, repeats, sync=lambda: None):
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(steps):
-            call()
-        sync()
-        times.append((time.perf_counter() - start) / steps * 1e6)
-    return statistics.median(times)
 
 
 def cpu_moments(args):
@@ -67,7 +57,7 @@ def cpu_moments(args):
     for call in (cli_path, operator, erfc_exp):
         call()
     times = {
-        name: _median_us(call, args.steps, args.repeats)
+        name: 1e3 * _median_ms(call, args.steps, args.repeats, sync=lambda: None)
         for name, call in (("cli", cli_path), ("operator", operator), ("erfc_exp", erfc_exp))
     }
     print(f"1. CPU ({torch.get_num_threads()} threads), relu moments fwd+bwd on 500x200 float32 (us)")
@@ -75,17 +65,6 @@ def cpu_moments(args):
     ratio = times["cli"] / times["erfc_exp"]
     print(f"   CLI path / erfc+exp {ratio:.1f}x; operator / erfc+exp {times['operator'] / times['erfc_exp']:.1f}x")
     TARGETS.append(("CPU relu moments fwd+bwd / erfc+exp, 500x200", f"{ratio:.1f}x", "<= 5x", ratio <= 5.0))
-
-
-def _kernels_per_step(step) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def _eager_step(model, optimizer, loss):
@@ -128,7 +107,7 @@ def cuda_steps(args):
                     step(rows)
                 if not step.enabled:
                     raise SystemExit(f"capture of the {name} step failed: {step.failure}")
-                timings[name] = _median_us(lambda step=step: step(rows), args.steps, args.repeats, sync) / 1e3
+                timings[name] = _median_ms(lambda step=step: step(rows), args.steps, args.repeats, sync)
         mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)).to(device)
         mlp_optimizer = torch.optim.Adam(mlp.parameters(), lr=1e-3)
         mlp_step = GraphedTrainingStep(
@@ -136,7 +115,7 @@ def cuda_steps(args):
         )
         for _ in range(3):
             mlp_step(rows)
-        mlp_ms = _median_us(lambda: mlp_step(rows), args.steps, args.repeats, sync) / 1e3
+        mlp_ms = _median_ms(lambda: mlp_step(rows), args.steps, args.repeats, sync)
         closed, sampled = timings["closed form"], timings["local reparameterization"]
         print(
             f"   D={dim:<5} H={hidden:<5} kernels per eager step: {kernels[True]} with the operators, "

@@ -890,7 +890,10 @@ class BayesianNetwork(nn.Module):
         ``DistributedDataParallel`` evaluate in training)."""
         if y is None:
             return self.predict(x, estimator, generator=generator)
-        return self.expected_log_likelihood(x, y, estimator, noise, generator, num_samples, objective)
+        # by keyword: ClosedFormBNN orders its expected_log_likelihood's arguments differently
+        return self.expected_log_likelihood(
+            x, y, estimator=estimator, noise=noise, generator=generator, num_samples=num_samples, objective=objective
+        )
 
 
 class ClosedFormBNN(BayesianNetwork):
@@ -997,22 +1000,6 @@ class ClosedFormBNN(BayesianNetwork):
         return self._elbo(
             lambda: self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise), x, num_data
         )
-
-    def forward(
-        self,
-        x,
-        y=None,
-        estimator: str = "analytic",
-        noise=None,
-        generator=None,
-        num_samples: int = 1,
-        objective: Optional[str] = None,
-    ):
-        """``model(x)``: the predictive distribution; ``model(x, y, ...)``: the summed expected
-        log-likelihood (see :meth:`BayesianNetwork.forward`)."""
-        if y is None:
-            return self.predict(x, estimator, generator=generator)
-        return self.expected_log_likelihood(x, y, objective, num_samples, generator, estimator, noise)
 
 
 def mixture_log_likelihood(y, means, variances, log_weights=None):

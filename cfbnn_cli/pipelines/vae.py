@@ -155,6 +155,23 @@ def importance_weighted_test_ll(
     return torch.tensor(values, dtype=torch.float64)
 
 
+def _test_ll_trials(cfg, model, data: UnsupervisedData, label: str, decoder_weights: str) -> torch.Tensor:
+    """The ``evaluation.trials`` trials of the test LL (one reading), in original units."""
+    with tqdm(total=cfg.evaluation.trials, desc=label, leave=False) as bar:
+        trials = importance_weighted_test_ll(
+            model,
+            data.x_test,
+            cfg.evaluation.inner_samples,
+            cfg.evaluation.trials,
+            cfg.evaluation.batch_size,
+            cfg.seed + 3,
+            bar,
+            cuda_graphs=cfg.trainer.cuda_graphs,
+            decoder_weights=decoder_weights,
+        )
+    return trials - data.log_scale
+
+
 def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: Path, earlier_rows: List[dict]) -> Dict:
     generator = seed_everything(cfg.seed)
     model = _build(cfg, data.dim, variant, generator).to(device)
@@ -268,25 +285,27 @@ def results_table(rows: List[dict], trials: int) -> pd.DataFrame:
     return frame.set_index("Variant")
 
 
+# each variant's numbers: results.json's vae/<variant>/<key> metrics and vae_results.csv's columns
+RESULT_METRICS = (
+    "test_ll",
+    "test_ll_se",
+    "test_ll_posterior_mean",
+    "test_ll_posterior_mean_se",
+    "test_elbo",
+    "test_ell",
+    "test_kl_z",
+    "test_kl_w",
+    "best_epoch",
+    "epochs",
+    "seconds_per_epoch",
+)
+
+
 def results_data(rows: List[dict], trials: int) -> pd.DataFrame:
     """The numbers of :func:`results_table`, one per column (``vae_results.csv``): the test LL
     and its s.e. over the ``trials`` evaluation trials, the ELBO's terms, the best epoch, the
     epochs run and why training stopped (``patience`` or ``cap``)."""
-    columns = [
-        "test_ll",
-        "test_ll_se",
-        "test_ll_posterior_mean",
-        "test_ll_posterior_mean_se",
-        "test_elbo",
-        "test_ell",
-        "test_kl_z",
-        "test_kl_w",
-        "best_epoch",
-        "epochs",
-        "stopped",
-        "patience",
-        "seconds_per_epoch",
-    ]
+    columns = [*RESULT_METRICS, "stopped", "patience"]
     return pd.DataFrame(
         [
             {
@@ -392,36 +411,16 @@ def run(cfg: DictConfig, run_dir) -> dict:
         for variant in variants:
             trained = _train_variant(cfg, variant, data, device, run_dir, list(history))
             history.extend(trained["history"])
-            with tqdm(total=T, desc=f"{variant} test LL (K={K})", leave=False) as bar:
-                trials = importance_weighted_test_ll(
-                    trained["model"],
-                    data.x_test,
-                    K,
-                    T,
-                    cfg.evaluation.batch_size,
-                    cfg.seed + 3,
-                    bar,
-                    cuda_graphs=cfg.trainer.cuda_graphs,
-                )
-            trials = trials - data.log_scale  # original units
+            trials = _test_ll_trials(cfg, trained["model"], data, f"{variant} test LL (K={K})", "sampled")
             plug_in = None
             if OmegaConf.select(cfg, "evaluation.posterior_mean_reading", default=False):
-                if trained["model"].bayesian:
-                    with tqdm(total=T, desc=f"{variant} test LL, weights at posterior mean", leave=False) as bar:
-                        plug_in = importance_weighted_test_ll(
-                            trained["model"],
-                            data.x_test,
-                            K,
-                            T,
-                            cfg.evaluation.batch_size,
-                            cfg.seed + 3,
-                            bar,
-                            cuda_graphs=cfg.trainer.cuda_graphs,
-                            decoder_weights="posterior_mean",
-                        )
-                    plug_in = plug_in - data.log_scale
-                else:  # a point-estimate decoder: the two readings are one
-                    plug_in = trials
+                plug_in = (
+                    _test_ll_trials(
+                        cfg, trained["model"], data, f"{variant} test LL, weights at posterior mean", "posterior_mean"
+                    )
+                    if trained["model"].bayesian
+                    else trials  # a point-estimate decoder: the two readings are one
+                )
             seconds = [h["epoch_seconds"] for h in trained["history"]]
             terms = elbo_terms(trained["model"], data.x_test, num_train, cfg.seed + 4, cfg.evaluation.batch_size)
             rows.append(
@@ -477,19 +476,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
     figures = {"training": _plot_training(history, run_dir / "training.png", data.log_scale, title)} if history else {}
     metrics = {}
     for row in rows:
-        for key in (
-            "test_ll",
-            "test_ll_se",
-            "test_ll_posterior_mean",
-            "test_ll_posterior_mean_se",
-            "test_elbo",
-            "test_ell",
-            "test_kl_z",
-            "test_kl_w",
-            "best_epoch",
-            "epochs",
-            "seconds_per_epoch",
-        ):
+        for key in RESULT_METRICS:
             if row[key] is not None or not key.startswith("test_ll_posterior_mean"):
                 metrics[f"vae/{row['variant']}/{key}"] = row[key]
     return {"metrics": metrics, "tables": tables, "figures": figures, "device": device, "main_table": "vae_results.md"}
