@@ -74,7 +74,7 @@ def training_steps(args, device):
             torch.manual_seed(0)
             model = BayesianNetwork(dim, [hidden]).to(device)
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-            loss = lambda r, model=model: -model.elbo(x[r], y[r], 10_000, "analytic")  # noqa: E731
+            loss = lambda r, model=model: -model.elbo(x[r], y[r], num_data=10_000, estimator="analytic")  # noqa: E731
             if graphs:
                 step = GraphedTrainingStep(model, optimizer, loss, device, label=f"D={dim}")
             else:  # the eager step as the loop ran it before graphs (plain Adam)

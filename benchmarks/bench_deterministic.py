@@ -34,7 +34,7 @@ from cfbnn_cli.moments import set_validate_args
 def elbo_step(model, x, y, estimator):
     def step():
         model.zero_grad(set_to_none=True)
-        (-model.elbo(x, y, 10_000, estimator)).backward()
+        (-model.elbo(x, y, num_data=10_000, estimator=estimator)).backward()
 
     return step
 

@@ -64,7 +64,7 @@ def median_times(steps, repeats, device):
 
 
 def local_reparam_elbo(model, x, y, num_data, generator):
-    return model.elbo(x, y, num_data, estimator="sampling", generator=generator)
+    return model.elbo(x, y, num_data=num_data, estimator="sampling", generator=generator)
 
 
 def configure_like_cli(keep_denormals: bool = False) -> str:
@@ -122,7 +122,7 @@ def main(argv=None):
         }
 
         def closed_step(model):
-            return lambda: (-model.elbo(x, y, num_data)).backward()
+            return lambda: (-model.elbo(x, y, num_data=num_data)).backward()
 
         model = ClosedFormBNN(D, H).to(device)
         sampler = torch.Generator(device=device).manual_seed(1)
@@ -176,7 +176,7 @@ def main(argv=None):
                 lambda: compiled_mlp_loss().backward(), args.repeats, device
             )
             compiled_model = ClosedFormBNN(D, H).to(device)
-            compiled_elbo = torch.compile(lambda: -compiled_model.elbo(x, y, num_data))
+            compiled_elbo = torch.compile(lambda: -compiled_model.elbo(x, y, num_data=num_data))
             rows["(i) closed form, diagonal, torch.compile"] = median_time(
                 lambda: compiled_elbo().backward(), args.repeats, device
             )
@@ -210,10 +210,10 @@ def main(argv=None):
         variance_local = gradient_variance(lambda: -local_reparam_elbo(model, x, y, num_data, sampler), params, draws)
 
         def sample_a_elbo():
-            return -model.elbo(x, y, num_data, estimator="integrate_output_layer", generator=sampler)
+            return -model.elbo(x, y, num_data=num_data, estimator="integrate_output_layer", generator=sampler)
 
         variance_sample_a = gradient_variance(sample_a_elbo, params, draws)
-        variance_closed = gradient_variance(lambda: -model.elbo(x, y, num_data), params, 5)
+        variance_closed = gradient_variance(lambda: -model.elbo(x, y, num_data=num_data), params, 5)
         print(f"  gradient variance (mean over all parameters, {draws} draws):")
         print(f"    (ii) local reparameterization     {variance_local:.3e}")
         print(

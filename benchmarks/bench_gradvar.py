@@ -59,7 +59,9 @@ def main(argv=None):
         for _ in range(args.loop_samples):
             model.zero_grad(set_to_none=True)
             # the same objective as the vectorized draws: the scaled ELL (the KL's gradient is constant)
-            (-MSD_TRAIN / 500 * model.expected_log_likelihood(x, y, estimator, generator=generator)).backward()
+            (
+                -MSD_TRAIN / 500 * model.expected_log_likelihood(x, y, estimator=estimator, generator=generator)
+            ).backward()
         sync()
         loop = (time.perf_counter() - start) / args.loop_samples * args.samples
         print(
@@ -71,13 +73,13 @@ def main(argv=None):
     ys = torch.randn(args.train_steps, 500, device=device)
     for step in range(3):
         optimizer.zero_grad()
-        (-model.elbo(xs[step], ys[step], MSD_TRAIN, "analytic", generator=generator)).backward()
+        (-model.elbo(xs[step], ys[step], num_data=MSD_TRAIN, estimator="analytic", generator=generator)).backward()
         optimizer.step()
     sync()
     start = time.perf_counter()
     for step in range(args.train_steps):
         optimizer.zero_grad()
-        (-model.elbo(xs[step], ys[step], MSD_TRAIN, "analytic", generator=generator)).backward()
+        (-model.elbo(xs[step], ys[step], num_data=MSD_TRAIN, estimator="analytic", generator=generator)).backward()
         optimizer.step()
     sync()
     per_step = (time.perf_counter() - start) / args.train_steps

@@ -91,7 +91,7 @@ def cuda_steps(args):
             torch.manual_seed(0)
             model = BayesianNetwork(dim, [hidden]).to(device)
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-            return model, optimizer, lambda r: -model.elbo(x[r], y[r], 10_000, estimator)
+            return model, optimizer, lambda r: -model.elbo(x[r], y[r], num_data=10_000, estimator=estimator)
 
         kernels = {}
         with validate_args(False):

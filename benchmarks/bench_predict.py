@@ -67,7 +67,7 @@ def main(argv=None):
         return head.output_mean(x).argmax(-1)
 
     def monte_carlo(n):
-        return lambda x: torch.softmax(head.sample_outputs(x, n, generator), -1).mean(0).argmax(-1)
+        return lambda x: torch.softmax(head.sample_outputs(x, n, generator=generator), -1).mean(0).argmax(-1)
 
     def timed(function):
         """(seconds for one synchronized batch, seconds per batch in a stream): best of repeats."""

@@ -29,7 +29,8 @@ import math
 import torch
 
 from cfbnn_cli.bnn.likelihoods import HeteroscedasticNormalLikelihood
-from cfbnn_cli.bnn.network import BayesianNetwork, mixture_log_likelihood
+from cfbnn_cli.bnn.network import BayesianNetwork
+from cfbnn_cli.bnn.predictive import mixture_log_likelihood
 
 
 def random_networks(depth: int, init_scale: float, seed: int = 0, points: int = 64, width: int = 50):
@@ -63,7 +64,7 @@ def trained_networks(depth: int, iterations: int = 300, width: int = 50, points:
         ).double()
         num_data = len(y[train])
         minimize_full_batch(
-            lambda: -net.elbo(x[train], y[train], num_data, "deterministic") / num_data,
+            lambda: -net.elbo(x[train], y[train], num_data=num_data, estimator="deterministic") / num_data,
             net.parameters(),
             max_iterations=iterations,
         )
@@ -75,22 +76,26 @@ def measure(homoscedastic, heteroscedastic, x, y, samples: int, seed: int = 0):
     generator = torch.Generator().manual_seed(seed + 1)
     points = len(y)
     with torch.no_grad():
-        mean, variance = homoscedastic.output_moments(x, "deterministic", ())
-        draws = torch.cat([homoscedastic.sample_outputs(x, 10_000, generator) for _ in range(samples // 10_000)])
+        mean, variance = homoscedastic.output_moments(x, estimator="deterministic", noise=())
+        draws = torch.cat(
+            [homoscedastic.sample_outputs(x, 10_000, generator=generator) for _ in range(samples // 10_000)]
+        )
         sd = draws.std(0)
         mean_bias = ((mean - draws.mean(0)).abs() / sd).mean().item()
         mean_se = 1 / math.sqrt(len(draws))  # in units of sd
         variance_bias = (variance / draws.var(0) - 1).mean().item()
-        _, full_variance = homoscedastic.output_moments(x, "deterministic_full", ())
+        _, full_variance = homoscedastic.output_moments(x, estimator="deterministic_full", noise=())
         full_variance_bias = (full_variance / draws.var(0) - 1).mean().item()
-        ell = heteroscedastic.expected_log_likelihood_per_point(x, y, "deterministic")
-        pairs = torch.cat([heteroscedastic.sample_outputs(x, 10_000, generator) for _ in range(samples // 10_000)])
+        ell = heteroscedastic.expected_log_likelihood_per_point(x, y, estimator="deterministic")
+        pairs = torch.cat(
+            [heteroscedastic.sample_outputs(x, 10_000, generator=generator) for _ in range(samples // 10_000)]
+        )
         log_density = -0.5 * (
             math.log(2 * math.pi) + pairs[..., 1] + (y - pairs[..., 0]).square() * torch.exp(-pairs[..., 1])
         )
         ell_bias = (ell - log_density.mean(0)).mean().item()
         ell_se = (log_density.std(0) / math.sqrt(len(pairs))).square().mean().sqrt().item() / math.sqrt(points)
-        predictive = mixture_log_likelihood(y, *heteroscedastic.predictive_components(x, "deterministic"))
+        predictive = mixture_log_likelihood(y, *heteroscedastic.predictive_components(x, estimator="deterministic"))
         monte_carlo = torch.logsumexp(log_density, 0) - math.log(len(pairs))
         predictive_bias = (predictive - monte_carlo).mean().item()
     return mean_bias, mean_se, variance_bias, full_variance_bias, ell_bias, ell_se, predictive_bias

@@ -34,8 +34,8 @@ def test_closed_form_elbo_predictive_and_gradients_match_cpu(covariance):
     gpu = _copy_to(cpu, "cuda")
     x = torch.randn(40, 6, generator=g, dtype=torch.float64)
     y = torch.randn(40, generator=g, dtype=torch.float64)
-    elbo_cpu = cpu.elbo(x, y, 400)
-    elbo_gpu = gpu.elbo(x.cuda(), y.cuda(), 400)
+    elbo_cpu = cpu.elbo(x, y, num_data=400)
+    elbo_gpu = gpu.elbo(x.cuda(), y.cuda(), num_data=400)
     torch.testing.assert_close(elbo_gpu.cpu(), elbo_cpu, rtol=1e-10, atol=1e-8)
     elbo_cpu.backward()
     elbo_gpu.backward()
@@ -50,8 +50,8 @@ def test_float32_closed_form_on_cuda_is_close_to_float64():
     model = ClosedFormBNN(20, 50, generator=g).double()
     x = torch.randn(500, 20, generator=g, dtype=torch.float64)
     y = torch.randn(500, generator=g, dtype=torch.float64)
-    reference = model.elbo(x, y, 5000)
-    single = _copy_to(model, "cuda").float().elbo(x.float().cuda(), y.float().cuda(), 5000)
+    reference = model.elbo(x, y, num_data=5000)
+    single = _copy_to(model, "cuda").float().elbo(x.float().cuda(), y.float().cuda(), num_data=5000)
     assert abs(single.item() - reference.item()) < 1e-4 * abs(reference.item())
 
 
@@ -84,7 +84,9 @@ def test_classification_objectives_on_cuda_match_cpu():
     )
     cuda_generator = torch.Generator(device="cuda").manual_seed(0)
     for objective in ("control_variate", "analytic_numerator", "sampling"):
-        estimate = gpu.expected_log_likelihood(x.cuda(), labels.cuda(), objective, 64, cuda_generator)
+        estimate = gpu.expected_log_likelihood(
+            x.cuda(), labels.cuda(), objective=objective, num_samples=64, generator=cuda_generator
+        )
         assert estimate.device.type == "cuda" and bool(torch.isfinite(estimate))
 
 
@@ -179,8 +181,8 @@ def _train_on_cuda(cuda_graphs, loss_hook=None, estimator="sampling", epochs=3):
     sampler = torch.Generator(device="cuda").manual_seed(3)
 
     def loss(rows):
-        noise = model.sample_noise(rows.numel(), estimator, sampler)
-        value = -model.elbo(x[rows], y[rows], len(y), estimator, noise)
+        noise = model.sample_noise(rows.numel(), estimator=estimator, generator=sampler)
+        value = -model.elbo(x[rows], y[rows], num_data=len(y), estimator=estimator, noise=noise)
         return loss_hook(value) if loss_hook is not None else value
 
     loop = TrainingLoop(

@@ -1,13 +1,18 @@
 """Models and objectives: the paper's main text on top of :mod:`cfbnn_cli.moments`.
 
-* :mod:`.network` -- the one network: :class:`BayesianNetwork` (a stack of Gaussian or
-  point weight layers; the estimators of :data:`ESTIMATORS`: ``analytic``,
-  ``integrate_output_layer``, ``sampling``, ``deterministic`` and ``deterministic_full``),
-  :class:`ClosedFormBNN` (the paper's one-hidden-layer network) and :func:`bayesian_head`
-  (Figure 1's head).
-* :mod:`.predictive` -- ``model(x)`` / ``model.predict(x)``: the predictive distribution as an object.
+* :mod:`.layers` -- the weight layers: :class:`GaussianMatrix` (Bayesian) and :class:`PointLinear`.
+* :mod:`.network` -- the one network: :class:`BayesianNetwork` (a stack of Gaussian or point
+  weight layers), :class:`ClosedFormBNN` (the paper's one-hidden-layer network) and
+  :func:`bayesian_head` (Figure 1's head).
+* :mod:`.estimators` -- which layers are integrated and which sampled, as objects, and where
+  each one's ELBO is computed: :class:`ClosedForm` (``analytic``), :class:`IntegrateOutputLayer`,
+  :class:`LocalReparameterization` (``sampling``), :class:`DeterministicPropagation`
+  (``deterministic``; ``full_covariance=True``: ``deterministic_full``); :func:`make_estimator`.
+* :mod:`.predictive` -- ``model(x)`` / ``model.predict(x)``: the predictive distribution as an
+  object; the predictive as a mixture of Normals and its log-likelihood.
 * :mod:`.likelihoods` -- Normal and categorical (softmax/logistic) likelihoods, passed in.
 * :mod:`.functional` -- pure functions: exact ELL, predictive moments, KL.
+* :mod:`.fused` -- the closed form's hot path as autograd functions with analytic backward passes.
 * :mod:`.monte_carlo` -- sampling baselines (local reparameterization, weight space).
 * :mod:`.classification` -- softmax/logistic approximation and unbiased estimators.
 * :mod:`.gradient_variance` -- per-element gradient variances by ``vmap(grad)`` (Table 1).
@@ -15,6 +20,15 @@
 * :mod:`.pyro_glue` -- a Pyro model/guide, the ``ClosedFormELBO`` loss and Pyro's peer BNN.
 """
 
+from .estimators import (
+    ESTIMATORS,
+    ClosedForm,
+    DeterministicPropagation,
+    Estimator,
+    IntegrateOutputLayer,
+    LocalReparameterization,
+    make_estimator,
+)
 from .functional import (
     LowRankScale,
     augment,
@@ -24,8 +38,9 @@ from .functional import (
     regression_ell_given_hidden,
     regression_expected_log_likelihood,
 )
+from .layers import GaussianMatrix, PointLinear
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, NormalLikelihood
-from .network import ESTIMATORS, BayesianNetwork, ClosedFormBNN, GaussianMatrix, PointLinear, bayesian_head
+from .network import BayesianNetwork, ClosedFormBNN, bayesian_head
 from .predictive import Predictive, predictive
 
 __all__ = [
@@ -33,8 +48,13 @@ __all__ = [
     "ESTIMATORS",
     "BayesianNetwork",
     "CategoricalLikelihood",
+    "ClosedForm",
     "ClosedFormBNN",
+    "DeterministicPropagation",
+    "Estimator",
     "GaussianMatrix",
+    "IntegrateOutputLayer",
+    "LocalReparameterization",
     "LowRankScale",
     "NormalLikelihood",
     "PointLinear",
@@ -42,6 +62,7 @@ __all__ = [
     "augment",
     "bayesian_head",
     "kl_normal_rows",
+    "make_estimator",
     "predictive",
     "predictive_moments",
     "preactivation_moments",

@@ -42,7 +42,7 @@ def gradient_variance(
     if num_samples < 2:
         raise ValueError(f"`num_samples` must be >= 2 to estimate a variance; got {num_samples}")
     params = {name: p.detach() for name, p in model.named_parameters()}
-    if not model.noise_shapes(x.shape[0], estimator):
+    if not model.noise_shapes(x.shape[0], estimator=estimator):
         # nothing is sampled (the deterministic estimator, or one hidden layer under "analytic"):
         # every draw is the same gradient, so its variance is exactly zero, not estimated
         if progress is not None:
@@ -52,7 +52,7 @@ def gradient_variance(
     scale = num_data / x.shape[0]
 
     def negative_elbo(p, noise):  # without the KL: its gradient does not vary
-        return -scale * functional_call(model, p, (x, y, estimator, noise))
+        return -scale * functional_call(model, p, (x, y), {"estimator": estimator, "noise": noise})
 
     per_sample = vmap(grad(negative_elbo), in_dims=(None, 0))
     # the noise is drawn outside the graph (eagerly, one call); the draws' gradients inside it
@@ -62,7 +62,7 @@ def gradient_variance(
     while drawn < num_samples:
         threads.rebalance()  # share the cores with other cfbnn jobs (once a second at most)
         count = min(chunk_size, num_samples - drawn)
-        noise = model.sample_noise(x.shape[0], estimator, generator, num_samples=count)
+        noise = model.sample_noise(x.shape[0], estimator=estimator, generator=generator, num_samples=count)
         with validate_args(False):  # the argument checks would wait for the GPU inside the graph
             grads = {k: v.double() for k, v in draws(*noise).items()}
         if shift is None:

@@ -14,15 +14,20 @@ parts of the variance (paper remark 2, eq. (44)):
 
 ``noise`` is the likelihood's ``1/beta``. ``Predictive.distribution()`` is the moment-matched
 ``torch.distributions.Normal``; :meth:`Predictive.interval` a central interval of it.
+
+:func:`predictive_components` gives the predictive density as a mixture of Normals (one-output
+Normal or heteroscedastic likelihoods), which :func:`mixture_log_likelihood` scores.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
+from .estimators import make_estimator
 from .likelihoods import NormalLikelihood
 
 
@@ -66,26 +71,86 @@ class Predictive:
 
 
 @torch.no_grad()
-def predictive(
-    model, x: torch.Tensor, estimator: str = "analytic", num_samples: int = 64, generator=None
-) -> Predictive:
+def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int = 64, generator=None) -> Predictive:
     """``p(y | x)`` of ``model`` (see the module docstring); ``x`` is ``(N, D)``."""
     if not isinstance(model.likelihood, NormalLikelihood) or model.output_dim != 1:
         raise ValueError(
             "predictive() is for one-output Normal likelihoods; a heteroscedastic or categorical model "
             "predicts through predictive_components() or output_mean()"
         )
+    estimator = make_estimator(estimator)
     h = model.point_features(x)
-    sampled = bool(model.noise_shapes(h.shape[-2], estimator))
+    sampled = bool(estimator.noise_shapes(model, h.shape[-2]))
     noise = 1.0 / model.precision
+    moments = dict(estimator=estimator, after_point_layers=True, split_variance=True)
     if not sampled:
-        mean, var_a, var_b = model.output_moments(h, estimator, (), after_point_layers=True, split_variance=True)
+        mean, var_a, var_b = model.output_moments(h, noise=(), **moments)
         return Predictive(mean, var_a, var_b, torch.full_like(mean, float(noise)), exact=True)
-    draws = model.sample_noise(h.shape[-2], estimator, generator, num_samples=num_samples)
-    means, var_a, var_b = model.output_moments(h, estimator, draws, after_point_layers=True, split_variance=True)
+    draws = estimator.sample_noise(model, h.shape[-2], generator=generator, num_samples=num_samples)
+    means, var_a, var_b = model.output_moments(h, noise=draws, **moments)
     mean = means.mean(0)
     spread = means.var(0, unbiased=False)  # between the draws: from the sampled layers
     return Predictive(mean, var_a.mean(0) + spread, var_b.mean(0), torch.full_like(mean, float(noise)), exact=False)
+
+
+@torch.no_grad()
+def predictive_components(
+    model, x, *, estimator="analytic", num_samples: int = 32, generator=None, chunk: int = 8, num_nodes: int = 64
+):
+    """The predictive density of ``y`` as a mixture of Normals, ``(means, variances,
+    log_weights)`` each ``(K, N)``, for a one-output Normal or a heteroscedastic likelihood
+    (:func:`mixture_log_likelihood` scores it).
+
+    Normal: ``N(mean_s, var_s + 1/beta)``, equal weights over the draws of the sampled
+    layers (one exact component when ``estimator`` samples nothing). Heteroscedastic:
+    the likelihood's Gauss-Hermite mixture
+    (:meth:`~.likelihoods.HeteroscedasticNormalLikelihood.predictive_mixture`) given the
+    propagated (mean, log-variance) moments, for each draw of the sampled layers.
+    """
+    estimator = make_estimator(estimator)
+    h = model.point_features(x)
+    heteroscedastic = getattr(model.likelihood, "needs_covariance", False)
+    sampled = bool(estimator.noise_shapes(model, h.shape[-2]))
+    num_draws = num_samples if sampled else 1  # each draw's components share 1 / num_draws
+    draws = (
+        [()]
+        if not sampled
+        else [
+            estimator.sample_noise(model, h.shape[-2], generator=generator, num_samples=min(chunk, num_samples - start))
+            for start in range(0, num_samples, chunk)
+        ]
+    )  # chunks bound memory; draws within one are batched
+    means, variances, log_weights = [], [], []
+    for noise in draws:
+        if heteroscedastic:
+            mean, covariance = estimator.mean_and_covariance(model, h, noise)
+            mean, variance, log_weight = (
+                v.flatten(0, -2) for v in model.likelihood.predictive_mixture(mean, covariance, num_nodes)
+            )
+        else:
+            mean, variance = model.output_moments(h, estimator=estimator, noise=noise, after_point_layers=True)
+            variance = variance + 1.0 / model.precision
+            if not noise:
+                mean, variance = mean.unsqueeze(0), variance.unsqueeze(0)
+            log_weight = torch.zeros_like(mean)
+        means.append(mean)
+        variances.append(variance)
+        log_weights.append(log_weight - math.log(num_draws))
+    return torch.cat(means), torch.cat(variances), torch.cat(log_weights)
+
+
+def mixture_log_likelihood(y, means, variances, log_weights=None):
+    """``log sum_s w_s N(y | mean_s, var_s)`` per data point ``(N,)``; equal weights ``1/S``
+    unless ``log_weights`` (``(S, N)``, summing to one over ``S``) are given."""
+    log_probs = -0.5 * ((y - means).square() / variances + torch.log(2 * math.pi * variances))
+    if log_weights is None:
+        return torch.logsumexp(log_probs, 0) - math.log(means.shape[0])
+    return torch.logsumexp(log_probs + log_weights, 0)
+
+
+def mixture_mean(means, log_weights=None):
+    """The mean of the mixture: the (weighted) average of its components' means."""
+    return means.mean(0) if log_weights is None else (means * log_weights.exp()).sum(0)
 
 
 def describe(prediction: Predictive, coverage: Optional[float] = 0.9) -> dict:

@@ -106,7 +106,7 @@ class BayesianDecoderVAE(nn.Module):
         return self.decoder.kl()
 
     def _decoder_noise(self, z, estimator, generator):
-        return self.decoder.sample_noise(z.shape[-2], estimator, generator, lead=z.shape[:-2])
+        return self.decoder.sample_noise(z.shape[-2], estimator=estimator, generator=generator, lead=z.shape[:-2])
 
     def decoder_expected_log_likelihood(self, z, x, generator=None):
         """``E_q(W)[log p(x_n | z_n, W)]`` per data point ``(..., N)`` for given ``z`` ``(..., N, latent)``.
@@ -116,7 +116,7 @@ class BayesianDecoderVAE(nn.Module):
         """
         estimator = VARIANTS[self.variant]["estimator"]
         noise = self._decoder_noise(z, estimator, generator)
-        return self.decoder.expected_log_likelihood_per_point(z, x, estimator, noise)
+        return self.decoder.expected_log_likelihood_per_point(z, x, estimator=estimator, noise=noise)
 
     def elbo_terms_per_point(self, x, generator=None):
         """The two per-point terms of the ELBO, ``(ell, kl_z)``, each ``(N,)``: a one-sample
@@ -179,7 +179,9 @@ class BayesianDecoderVAE(nn.Module):
             mean, variance = self._posterior_mean_decoder(z), torch.zeros((), dtype=z.dtype, device=z.device)
         else:
             estimator = "integrate_output_layer"
-            mean, variance = self.decoder.output_moments(z, estimator, self._decoder_noise(z, estimator, generator))
+            mean, variance = self.decoder.output_moments(
+                z, estimator=estimator, noise=self._decoder_noise(z, estimator, generator)
+            )
         log_px = self.decoder.likelihood.log_predictive_density(x, mean, variance).sum(-1)
         log_weights = log_px + _standard_normal_log_density(z) - log_q
         return torch.logsumexp(log_weights, 0) - math.log(inner_samples)

@@ -11,9 +11,11 @@ import pytest
 import torch
 from scipy import integrate, stats
 
+from cfbnn_cli.bnn.estimators import DeterministicPropagation
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
 from cfbnn_cli.bnn.likelihoods import HeteroscedasticNormalLikelihood
-from cfbnn_cli.bnn.network import BayesianNetwork, mixture_log_likelihood
+from cfbnn_cli.bnn.network import BayesianNetwork
+from cfbnn_cli.bnn.predictive import mixture_log_likelihood
 
 # bias bounds of the diagonal propagation, stated in the README's table (benchmarks/deterministic_bias.py):
 # on random ReLU networks with posterior s.d. <= 0.1 the propagated output variance is within 5 % of the
@@ -35,17 +37,17 @@ def _network(hidden, outputs=1, init_scale=0.1, seed=0, dtype=torch.float64, het
 def _monte_carlo(net, x, samples=100_000, seed=1):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        return torch.cat([net.sample_outputs(x, 20_000, generator) for _ in range(samples // 20_000)])
+        return torch.cat([net.sample_outputs(x, 20_000, generator=generator) for _ in range(samples // 20_000)])
 
 
 def test_one_hidden_layer_is_the_exact_closed_form():
     net = _network([20])
     x = torch.randn(9, 6, dtype=torch.float64)
-    deterministic = net.output_moments(x, "deterministic", ())
-    analytic = net.output_moments(x, "analytic", ())
+    deterministic = net.output_moments(x, estimator="deterministic", noise=())
+    analytic = net.output_moments(x, estimator="analytic", noise=())
     for a, b in zip(deterministic, analytic):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert net.noise_shapes(9, "deterministic") == ()
+    assert net.noise_shapes(9, estimator="deterministic") == ()
 
 
 @pytest.mark.parametrize("hidden", [[30, 30], pytest.param([30, 30, 30], marks=pytest.mark.slow)])
@@ -53,7 +55,7 @@ def test_propagated_moments_agree_with_monte_carlo(hidden):
     net = _network(hidden, init_scale=0.1)
     x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        mean, variance = net.output_moments(x, "deterministic", ())
+        mean, variance = net.output_moments(x, estimator="deterministic", noise=())
     draws = _monte_carlo(net, x)
     mc_mean, mc_variance = draws.mean(0), draws.var(0)
     n = draws.shape[0]
@@ -80,8 +82,8 @@ def test_full_covariance_propagation_is_exact_for_a_linear_network_where_the_dia
     net = BayesianNetwork(6, [12, 12, 12], 1, activation="identity", init_scale=0.3, generator=generator).double()
     x = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        full_mean, full_variance = net.output_moments(x, "deterministic_full", ())
-        _, diagonal_variance = net.output_moments(x, "deterministic", ())
+        full_mean, full_variance = net.output_moments(x, estimator="deterministic_full", noise=())
+        _, diagonal_variance = net.output_moments(x, estimator="deterministic", noise=())
     mc_mean, mc_variance, n = _mc_moments(net, x)
     variance_se = mc_variance * math.sqrt(2.0 / n) * 2  # kurtosis margin 2x
     assert ((full_mean - mc_mean).abs() <= 5 * (mc_variance / n).sqrt()).all()
@@ -98,8 +100,8 @@ def test_full_covariance_propagation_agrees_with_monte_carlo_within_the_bias_bou
     net = BayesianNetwork(6, [30, 30], 1, activation=activation, init_scale=0.1, generator=generator).double()
     x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        mean, variance = net.output_moments(x, "deterministic_full", ())
-        diagonal_mean, diagonal_variance = net.output_moments(x, "deterministic", ())
+        mean, variance = net.output_moments(x, estimator="deterministic_full", noise=())
+        diagonal_mean, diagonal_variance = net.output_moments(x, estimator="deterministic", noise=())
     torch.testing.assert_close(mean, diagonal_mean)  # the means never depend on the covariances
     mc_mean, mc_variance, n = _mc_moments(net, x)
     variance_se = mc_variance * math.sqrt(2.0 / n) * 2
@@ -134,7 +136,7 @@ def test_full_covariance_elbo_is_finite_with_finite_gradients_at_the_extremes(dt
                 likelihood=likelihood,
                 generator=torch.Generator().manual_seed(2),
             ).to(dtype)
-            loss = -net.elbo(x / (10 if outputs == 2 else 1), y, 80, "deterministic_full")
+            loss = -net.elbo(x / (10 if outputs == 2 else 1), y, num_data=80, estimator="deterministic_full")
             loss.backward()
             assert torch.isfinite(loss), (init_scale, outputs)
             assert all(torch.isfinite(p.grad).all() for p in net.parameters()), (init_scale, outputs)
@@ -143,9 +145,13 @@ def test_full_covariance_elbo_is_finite_with_finite_gradients_at_the_extremes(dt
 def test_full_covariance_needs_mean_field_layers_and_a_supported_activation():
     x = torch.randn(4, 6, dtype=torch.float64)
     with pytest.raises(ValueError, match="mean-field"):
-        BayesianNetwork(6, [5, 5], 1, covariance="full").double().output_moments(x, "deterministic_full", ())
+        BayesianNetwork(6, [5, 5], 1, covariance="full").double().output_moments(
+            x, estimator="deterministic_full", noise=()
+        )
     with pytest.raises(ValueError, match="relu_squared"):
-        BayesianNetwork(6, [5, 5], 1, activation="relu_squared").double().output_moments(x, "deterministic_full", ())
+        BayesianNetwork(6, [5, 5], 1, activation="relu_squared").double().output_moments(
+            x, estimator="deterministic_full", noise=()
+        )
 
 
 def test_every_covariance_propagates_and_full_equals_diagonal_when_off_diagonal_is_zero():
@@ -157,10 +163,13 @@ def test_every_covariance_propagates_and_full_equals_diagonal_when_off_diagonal_
             f.loc.copy_(d.loc)
             f.log_scale.copy_(d.log_scale)
             f.off_diagonal.zero_()
-    for a, b in zip(diagonal.output_moments(x, "deterministic", ()), full.output_moments(x, "deterministic", ())):
+    for a, b in zip(
+        diagonal.output_moments(x, estimator="deterministic", noise=()),
+        full.output_moments(x, estimator="deterministic", noise=()),
+    ):
         torch.testing.assert_close(a, b)
     lowrank = BayesianNetwork(6, [8, 8], 1, covariance=["lowrank", "lowrank", "diagonal"], init_scale=0.1).double()
-    mean, variance = lowrank.output_moments(x, "deterministic", ())
+    mean, variance = lowrank.output_moments(x, estimator="deterministic", noise=())
     assert torch.isfinite(mean).all() and (variance > 0).all()
 
 
@@ -170,12 +179,12 @@ def test_deterministic_gradient_variance_is_zero_for_every_layer():
     y = torch.randn(32, dtype=torch.float64)
     # why zero is exact and not an estimate: the objective consumes no noise, and two gradients
     # taken under different random states are identical to the bit
-    assert net.noise_shapes(32, "deterministic") == ()
+    assert net.noise_shapes(32, estimator="deterministic") == ()
     gradients = []
     for seed in (0, 1):
         torch.manual_seed(seed)
         net.zero_grad()
-        (-net.elbo(x, y, 320, "deterministic")).backward()
+        (-net.elbo(x, y, num_data=320, estimator="deterministic")).backward()
         gradients.append([p.grad.clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*gradients))
     variances = gradient_variance(net, x, y, 320, "deterministic", num_samples=20, chunk_size=10)
@@ -191,14 +200,14 @@ def test_float32_and_extremes_stay_finite_with_finite_gradients(dtype):
     y = torch.randn(8, dtype=dtype)
     for init_scale in (1e-12, 1e-3, 3.0):  # variances down to ~0 and very wide posteriors
         net = _network([10, 10, 10], init_scale=init_scale, dtype=dtype)
-        loss = -net.elbo(x, y, 80, "deterministic")
+        loss = -net.elbo(x, y, num_data=80, estimator="deterministic")
         loss.backward()
         assert torch.isfinite(loss)
         assert all(torch.isfinite(p.grad).all() for p in net.parameters())
         # the log-variance output's spread enters as exp(Var[l] / 2): beyond ~700 nats of variance
         # (float64's exp range) no finite value exists, so the heteroscedastic net is checked up to 0.3
         het = _network([10, 10], outputs=2, init_scale=min(init_scale, 0.3), dtype=dtype, heteroscedastic=True)
-        loss = -het.elbo(x / 10, y, 80, "deterministic")
+        loss = -het.elbo(x / 10, y, num_data=80, estimator="deterministic")
         loss.backward()
         assert torch.isfinite(loss), init_scale
         assert all(torch.isfinite(p.grad).all() for p in het.parameters())
@@ -268,8 +277,8 @@ def test_heteroscedastic_network_ell_and_predictive_agree_with_monte_carlo(hidde
     x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     y = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        ell = net.expected_log_likelihood_per_point(x, y, "deterministic")
-        predictive = mixture_log_likelihood(y, *net.predictive_components(x, "deterministic"))
+        ell = net.expected_log_likelihood_per_point(x, y, estimator="deterministic")
+        predictive = mixture_log_likelihood(y, *net.predictive_components(x, estimator="deterministic"))
     draws = _monte_carlo(net, x)
     log_density = -0.5 * (
         math.log(2 * math.pi) + draws[..., 1] + (y - draws[..., 0]).square() * torch.exp(-draws[..., 1])
@@ -285,7 +294,7 @@ def test_heteroscedastic_covariance_of_the_outputs_matches_monte_carlo():
     net = _network([30], outputs=2, init_scale=0.2, heteroscedastic=True, seed=7)
     x = torch.randn(4, 6, dtype=torch.float64)
     with torch.no_grad():
-        mean, covariance = net._mean_and_covariance(net.point_features(x), "deterministic", ())
+        mean, covariance = DeterministicPropagation().mean_and_covariance(net, net.point_features(x), ())
     draws = _monte_carlo(net, x)
     centred = draws - draws.mean(0)
     mc_covariance = torch.einsum("sni,snj->nij", centred, centred) / (draws.shape[0] - 1)
@@ -302,7 +311,7 @@ def test_predictive_components_weights_sum_to_one_with_sampled_layers(heterosced
     net = _network([8, 8], outputs=2 if heteroscedastic else 1, heteroscedastic=heteroscedastic)
     x = torch.randn(5, 6, dtype=torch.float64)
     means, variances, log_weights = net.predictive_components(
-        x, "analytic", num_samples=12, chunk=5, generator=torch.Generator().manual_seed(0)
+        x, estimator="analytic", num_samples=12, chunk=5, generator=torch.Generator().manual_seed(0)
     )
     assert means.shape[0] == 12 * (64 if heteroscedastic else 1) and means.shape == variances.shape == log_weights.shape
     torch.testing.assert_close(log_weights.exp().sum(0), torch.ones(5, dtype=torch.float64))

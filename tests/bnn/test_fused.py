@@ -308,13 +308,13 @@ def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator, 
     network = BayesianNetwork(5, [12, 9], 1, prior_scale=prior_scale).double()
     g = _generator(8)
     x, y = torch.randn(40, 5, generator=g, dtype=DT), torch.randn(40, generator=g, dtype=DT)
-    noise = network.sample_noise(40, estimator, g)
+    noise = network.sample_noise(40, estimator=estimator, generator=g)
     output = network.layers[-1]
     assert fused.normal_tail_op(network.activation, output.loc, output.log_scale, y.unsqueeze(-1)) is not None
     values = []
     for enabled in (True, False):
         with fast_path(enabled):
-            elbo = network.elbo(x, y, 400, estimator, noise=noise)
+            elbo = network.elbo(x, y, num_data=400, estimator=estimator, noise=noise)
             values.append((elbo, torch.autograd.grad(elbo, list(network.parameters()))))
     torch.testing.assert_close(values[0][0], values[1][0], rtol=1e-11, atol=0.0)
     for found, expected in zip(values[0][1], values[1][1]):
@@ -378,7 +378,7 @@ def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     monkeypatch.setattr(elbo_kernels, "_kernel", lambda name, dtype: calls.append(name) or original(name, dtype))
     network = BayesianNetwork(5, [12, 9], 1)
     x, y = torch.randn(40, 5), torch.randn(40)
-    elbo = network.elbo(x, y, 400, "deterministic")
+    elbo = network.elbo(x, y, num_data=400, estimator="deterministic")
     assert type(elbo.grad_fn).__name__ == "_ClosedFormNormalELBOBackward"
     elbo.backward()
     assert calls.count("hidden_pass") == 2 and calls.count("tail_pass") == 2  # forward + backward
@@ -386,9 +386,13 @@ def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     assert calls.count("diag_gradient_finish") == 3 and calls.count("diag_kl_sums") == 3
 
 
-def _node_by_node_elbo(network, x, y, num_data, estimator):
+def _node_by_node_elbo(network, x, y, num_data, estimator, noise=None):
     """The ELBO through the layers' functions one by one (what the single node replaces)."""
-    return network._elbo(lambda: network.expected_log_likelihood(x, y, estimator), x, num_data)
+    from cfbnn_cli.bnn.estimators import make_estimator
+
+    sink = {} if network.prior != "empirical_bayes" else None  # the KL terms handed over on the way
+    ell = make_estimator(estimator).expected_log_likelihood_per_point(network, x, y, noise=noise, kl_sink=sink).sum(-1)
+    return num_data / x.shape[-2] * ell - network.kl(folded=sink)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
@@ -416,7 +420,7 @@ def test_the_single_node_elbo_matches_the_node_by_node_route(dtype, tolerance, h
     g = _generator(11)
     x, y = torch.randn(30, 5, generator=g, dtype=dtype), torch.randn(30, generator=g, dtype=dtype)
     parameters = list(network.parameters())
-    single = network.elbo(x, y, 300, estimator)
+    single = network.elbo(x, y, num_data=300, estimator=estimator)
     assert type(single.grad_fn).__name__ == "_ClosedFormNormalELBOBackward"
     reference = _node_by_node_elbo(network, x, y, 300, estimator)
     assert type(reference.grad_fn).__name__ != "_ClosedFormNormalELBOBackward"
@@ -455,14 +459,14 @@ def test_the_single_node_elbo_keeps_autograd_semantics():
 
     network = BayesianNetwork(4, [6, 5], 1)
     x, y = torch.randn(10, 4), torch.randn(10)
-    elbo = network.elbo(x, y, None, "deterministic")
+    elbo = network.elbo(x, y, num_data=None, estimator="deterministic")
     first = torch.autograd.grad(elbo, list(network.parameters()), retain_graph=True)
     second = torch.autograd.grad(elbo, list(network.parameters()))
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
     with pytest.raises(RuntimeError, match="second time|freed"):
         torch.autograd.grad(elbo, list(network.parameters()))
-    elbo = network.elbo(x, y, None, "deterministic")
+    elbo = network.elbo(x, y, num_data=None, estimator="deterministic")
     with torch.no_grad():
         network.layers[1].loc.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -498,12 +502,12 @@ def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
     x = torch.randn(3, 10, 4) if case == "batched" else torch.randn(10, 4, requires_grad=case == "x_requires_grad")
     y = torch.randn(*x.shape[:-1], 2) if case == "two_outputs" else torch.randn(x.shape[:-1])
     estimator = case if case in ("sampling", "deterministic_full") else "deterministic"
-    noise = network.sample_noise(10, estimator, _generator(1))
+    noise = network.sample_noise(10, estimator=estimator, generator=_generator(1))
     with fast_path(case != "fast_path_off"):
-        elbo = network.elbo(x, y, 100, estimator, noise=noise)
+        elbo = network.elbo(x, y, num_data=100, estimator=estimator, noise=noise)
         assert type(elbo.grad_fn).__name__ != "_ClosedFormNormalELBOBackward"
         # the estimator's own route (deterministic_full: the covariance across units, not the diagonal)
-        reference = network._elbo(lambda: network.expected_log_likelihood(x, y, estimator, noise), x, 100)
+        reference = _node_by_node_elbo(network, x, y, 100, estimator, noise)
         torch.testing.assert_close(elbo, reference, rtol=1e-6, atol=0.0)
         elbo.sum().backward()  # (one ELBO per leading index when batched)
     assert all(torch.isfinite(p.grad).all() for p in network.parameters())

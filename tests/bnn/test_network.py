@@ -110,8 +110,10 @@ def test_every_estimator_of_a_deeper_network_is_unbiased_for_the_weight_space_el
     y = torch.randn(5, 2, generator=g, dtype=DT)
     with torch.no_grad():
         truth = _normal_ell(y, weight_space_outputs(model, x, 200_000, torch.Generator().manual_seed(6)), 0.9)
-        noise = model.sample_noise(5, estimator, torch.Generator().manual_seed(7), num_samples=20_000)
-        estimates = model.expected_log_likelihood(x.expand(20_000, 5, 3), y, estimator, noise)
+        noise = model.sample_noise(
+            5, estimator=estimator, generator=torch.Generator().manual_seed(7), num_samples=20_000
+        )
+        estimates = model.expected_log_likelihood(x.expand(20_000, 5, 3), y, estimator=estimator, noise=noise)
     assert estimates.shape == (20_000,)
     se = math.sqrt(estimates.var().item() / estimates.numel() + truth.var().item() / truth.numel())
     assert abs(estimates.mean().item() - truth.mean().item()) < 4 * se
@@ -122,21 +124,24 @@ def test_every_estimator_of_a_deeper_network_is_unbiased_for_the_weight_space_el
 def test_one_hidden_layer_analytic_path_samples_nothing_and_its_gradient_is_the_mean_monte_carlo_gradient():
     torch.manual_seed(0)
     model = BayesianNetwork(3, [6], init_scale=0.3, generator=torch.Generator().manual_seed(0)).double()
-    assert model.noise_shapes(10, "analytic") == ()
+    assert model.noise_shapes(10, estimator="analytic") == ()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(10, 3, generator=g, dtype=DT)
     y = torch.randn(10, generator=g, dtype=DT)
     params = {name: p.detach() for name, p in model.named_parameters()}
 
     def ell(p, estimator, noise):
-        return functional_call(model, p, (x, y, estimator, noise))
+        return functional_call(model, p, (x, y), {"estimator": estimator, "noise": noise})
 
     exact = grad(ell)(params, "analytic", ())
     again = grad(ell)(params, "analytic", ())
     for name in exact:  # deterministic: nothing is sampled
         torch.testing.assert_close(exact[name], again[name], rtol=0, atol=0)
     per_sample = vmap(grad(lambda p, noise: ell(p, "sampling", noise)), in_dims=(None, 0))
-    draws = [per_sample(params, model.sample_noise(10, "sampling", g, num_samples=20_000)) for _ in range(10)]
+    draws = [
+        per_sample(params, model.sample_noise(10, estimator="sampling", generator=g, num_samples=20_000))
+        for _ in range(10)
+    ]
     for name in exact:
         samples = torch.cat([d[name] for d in draws])
         standard_error = samples.std(0) / math.sqrt(samples.shape[0])
@@ -154,7 +159,7 @@ def test_head_output_mean_is_the_mean_of_sampled_logits(dtype):
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         mean = head.output_mean(x)
-        draws = torch.cat([head.sample_outputs(x, 8192, generator).double() for _ in range(16)])
+        draws = torch.cat([head.sample_outputs(x, 8192, generator=generator).double() for _ in range(16)])
     sample_mean, standard_error = draws.mean(0), draws.std(0) / math.sqrt(len(draws))
     assert mean.dtype == dtype and mean.shape == (8, 5)
     assert float(standard_error.min()) > 0  # the posterior is wide: the check has teeth
@@ -170,9 +175,9 @@ def test_a_network_of_point_layers_is_a_plain_mlp():
     x = torch.randn(3, 4)
     first, second = network.layers
     torch.testing.assert_close(network.output_mean(x), second(torch.relu(first(x))))
-    mean, variance = network.output_moments(x, "sampling")
+    mean, variance = network.output_moments(x, estimator="sampling")
     assert (variance == 0).all() and float(network.kl()) == 0.0
-    assert network.noise_shapes(3, "sampling") == ()
+    assert network.noise_shapes(3, estimator="sampling") == ()
 
 
 @pytest.mark.parametrize("a_cov", ["diagonal", "full", "lowrank"])
@@ -296,10 +301,10 @@ def test_closed_form_bnn_takes_likelihood_objects_like_every_network():
     by_name = ClosedFormBNN(
         3, 8, likelihood="normal", precision=4.0, learn_precision=False, generator=torch.Generator().manual_seed(1)
     )
-    torch.testing.assert_close(by_object.elbo(x, y, 7), by_name.elbo(x, y, 7))
+    torch.testing.assert_close(by_object.elbo(x, y, num_data=7), by_name.elbo(x, y, num_data=7))
     labels = torch.randint(0, 4, (7,))
     softmax = ClosedFormBNN(3, 8, 4, likelihood=CategoricalLikelihood("control_variate"))
-    assert torch.isfinite(softmax.elbo(x, labels, 7, generator=torch.Generator().manual_seed(2)))
+    assert torch.isfinite(softmax.elbo(x, labels, num_data=7, generator=torch.Generator().manual_seed(2)))
     with pytest.raises(ValueError, match="logistic"):
         ClosedFormBNN(3, 8, 2, likelihood=CategoricalLikelihood(logistic=True))
     with pytest.raises(ValueError, match="NormalLikelihood or CategoricalLikelihood"):

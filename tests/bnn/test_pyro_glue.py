@@ -87,7 +87,7 @@ def test_pyro_local_reparameterization_loss_averages_to_the_exact_elbo():
             peer.__setattr__(f"{name}_weight_scale", layer.log_scale[:, :-1].exp().clone())
             peer.__setattr__(f"{name}_bias_scale", layer.log_scale[:, -1].exp().clone())
         peer.noise_scale = torch.tensor(2.0**-0.5)
-        exact = -float(network.elbo(x, y, N))
+        exact = -float(network.elbo(x, y, num_data=N))
     losses = torch.tensor(
         [
             TraceMeanField_ELBO(num_particles=200, vectorize_particles=False).loss(peer.model, peer.guide, x, y, N)

@@ -35,7 +35,9 @@ def test_expected_calibration_error_hand_built():
 def _predictive_argmax(head, x, samples=16384, seed=9):
     """argmax of E_q[softmax(logits)], brute force with many samples (the limit MC converges to)."""
     generator = torch.Generator().manual_seed(seed)
-    total = sum(torch.softmax(head.sample_outputs(x, 1024, generator), -1).sum(0) for _ in range(samples // 1024))
+    total = sum(
+        torch.softmax(head.sample_outputs(x, 1024, generator=generator), -1).sum(0) for _ in range(samples // 1024)
+    )
     return total.argmax(-1)
 
 

@@ -19,7 +19,7 @@ from cfbnn_cli.pipelines.regression import predict as predict_pipeline
 def _monte_carlo_moments(model, x, draws=40_000, seed=0):
     """Mean and variance of y by sampling every weight layer (local reparameterization, which is
     exact in distribution for one data point at a time) plus the likelihood's noise."""
-    outputs = model.sample_outputs(x, draws, torch.Generator().manual_seed(seed))  # (S, N)
+    outputs = model.sample_outputs(x, draws, generator=torch.Generator().manual_seed(seed))  # (S, N)
     noise = 1.0 / float(model.precision.detach())
     return outputs.mean(0), outputs.var(0) + noise, outputs
 

@@ -60,8 +60,8 @@ def _train(graphed: bool, epochs=3, fail=None, nan_at=None, label="toy"):
 
     def loss(rows):
         calls["n"] += 1
-        noise = model.sample_noise(rows.numel(), "sampling", sampler)
-        value = -model.elbo(x[rows], y[rows], len(y), "sampling", noise)
+        noise = model.sample_noise(rows.numel(), estimator="sampling", generator=sampler)
+        value = -model.elbo(x[rows], y[rows], num_data=len(y), estimator="sampling", noise=noise)
         return value * float("nan") if nan_at is not None and calls["n"] == nan_at else value
 
     loop = TrainingLoop(

@@ -166,7 +166,9 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
     num_data = len(y)
 
     def loss(rows):  # the negative ELBO per training image; DDP averages the gradients over ranks
-        ell = loop.trained(x[rows], y[rows], "analytic", None, sampler, cfg.trainer.num_samples)
+        ell = loop.trained(
+            x[rows], y[rows], estimator="analytic", generator=sampler, num_samples=cfg.trainer.num_samples
+        )
         return -(num_data / rows.numel() * ell - model.kl()) / num_data
 
     @torch.no_grad()

@@ -73,7 +73,7 @@ def predict_run(run_dir, data_path, out=None, top_k: int = 5) -> Path:
     scaling = info["scaling"]
     x = ((features - scaling["feature_mean"]) / scaling["feature_std"]).float()
     with torch.no_grad():
-        mean, variance = model.output_moments(x, "analytic", ())
+        mean, variance = model.output_moments(x, estimator="analytic", noise=())
         probabilities = approximate_class_probabilities(mean, variance)
     top = probabilities.topk(k, dim=-1)
     text = io.StringIO()

@@ -87,7 +87,9 @@ def monte_carlo_accuracy(
 
     def chunk_counts(size):
         def correct(hidden, y):
-            probabilities = torch.softmax(model.sample_outputs(hidden, size, generator, after_point_layers=True), -1)
+            probabilities = torch.softmax(
+                model.sample_outputs(hidden, size, generator=generator, after_point_layers=True), -1
+            )
             out = []
             for n in inner_list:  # (size, B, O) -> groups of n samples averaged: one outer trial each
                 if size % n == 0:
@@ -130,7 +132,7 @@ def time_per_image(model, features, inner_list, batch_size, generator, device, c
         return model.output_mean(x).argmax(-1)
 
     def monte_carlo(n):
-        return lambda x: torch.softmax(model.sample_outputs(x, n, generator), -1).mean(0).argmax(-1)
+        return lambda x: torch.softmax(model.sample_outputs(x, n, generator=generator), -1).mean(0).argmax(-1)
 
     sizes = sorted({len(features[i : i + batch_size]) for i in range(0, len(features), batch_size)})
 

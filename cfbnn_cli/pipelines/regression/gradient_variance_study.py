@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
 from ...bnn.gradient_variance import gradient_variance
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
-from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork, mixture_log_likelihood, mixture_mean
+from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork
+from ...bnn.predictive import mixture_log_likelihood, mixture_mean
 from ...data.regression import RegressionData, load_regression_data, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import caption, legend_below, new_figure, plot_calibration, save_figure
@@ -106,7 +107,9 @@ def test_pit(model: BayesianNetwork, data: RegressionData, num_samples: int, gen
     chunk = rows_per_chunk(num_samples * max(layer.out_features for layer in model.gaussian_layers))
 
     def pit(rows: torch.Tensor):
-        means, variances, log_weights = model.predictive_components(x[rows], "analytic", num_samples, generator)
+        means, variances, log_weights = model.predictive_components(
+            x[rows], estimator="analytic", num_samples=num_samples, generator=generator
+        )
         return mixture_cdf(y[rows], means, variances, log_weights)
 
     return map_row_chunks(pit, torch.arange(len(y), device=x.device), chunk)
@@ -130,12 +133,14 @@ def evaluate(model: BayesianNetwork, data: RegressionData, num_samples: int, gen
 
     def per_point(rows: torch.Tensor):
         xb, yb = x[rows], y[rows]
-        means, variances, log_weights = model.predictive_components(xb, "analytic", num_samples, generator)
+        means, variances, log_weights = model.predictive_components(
+            xb, estimator="analytic", num_samples=num_samples, generator=generator
+        )
         closed = mixture_log_likelihood(yb, means, variances, log_weights)
-        outputs = model.sample_outputs(xb, num_samples, generator)
+        outputs = model.sample_outputs(xb, num_samples, generator=generator)
         if heteroscedastic:  # each draw's own (mean, log-variance)
             sampled_means, sampled_variances = outputs[..., 0], outputs[..., 1].exp()
-            noise_variance = model.output_moments(xb, "deterministic", ())[0][..., 1].exp()
+            noise_variance = model.output_moments(xb, estimator="deterministic", noise=())[0][..., 1].exp()
         else:
             noise_variance = (1.0 / model.precision).expand_as(yb)
             sampled_means, sampled_variances = outputs, noise_variance.expand_as(outputs)
@@ -159,7 +164,7 @@ def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dic
     out = {}
     for estimator in TABLE1_ESTIMATORS:
         started = time.perf_counter()
-        sampled = bool(model.noise_shapes(x.shape[0], estimator))  # nothing drawn: no bar to show
+        sampled = bool(model.noise_shapes(x.shape[0], estimator=estimator))  # nothing drawn: no bar to show
         with tqdm(
             total=cfg.gradient_variance.num_samples,
             desc=f"gradient draws, {estimator}, epoch {epoch}",
@@ -458,10 +463,12 @@ def run(cfg: DictConfig, run_dir) -> dict:
 
     def loss(rows):
         # under torchrun: this rank's rows of the global batch (DDP averages the gradients)
-        noise = model.sample_noise(rows.numel(), estimator, sample_generator)
+        noise = model.sample_noise(rows.numel(), estimator=estimator, generator=sample_generator)
         if loop.trained is model:  # one process: the ELBO in one call (one autograd node where every layer is
-            return -model.elbo(x_train[rows], y_train[rows], num_data, estimator, noise)  # closed form)
-        ell = loop.trained(x_train[rows], y_train[rows], estimator, noise)
+            return -model.elbo(
+                x_train[rows], y_train[rows], num_data=num_data, estimator=estimator, noise=noise
+            )  # closed form)
+        ell = loop.trained(x_train[rows], y_train[rows], estimator=estimator, noise=noise)
         return -(num_data / rows.numel() * ell - model.kl())
 
     def evaluate_epoch(epoch):

@@ -96,7 +96,7 @@ def predict_run(run_dir, data_path, out=None, estimator=None, num_samples: int =
     check_finite_columns(standardized.astype(np.float32), str(data_path), info["columns"], "feature column")
     x = torch.as_tensor(standardized, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
-    prediction = model.predict(x, estimator, num_samples=num_samples, generator=generator)
+    prediction = model.predict(x, estimator=estimator, num_samples=num_samples, generator=generator)
     prediction = prediction.unscaled(scaling["target_mean"], scaling["target_std"])
     columns = describe(prediction, coverage=0.9)
     text = io.StringIO()

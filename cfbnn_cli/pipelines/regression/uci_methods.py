@@ -16,7 +16,8 @@ import torch
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
-from ...bnn.network import BayesianNetwork, mixture_log_likelihood, mixture_mean
+from ...bnn.network import BayesianNetwork
+from ...bnn.predictive import mixture_log_likelihood, mixture_mean
 from ...data.regression import RegressionData
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...train import TrainingLoop
@@ -240,13 +241,15 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
 
     @torch.no_grad()
     def predict(x):  # exact when nothing is sampled (one hidden layer, or the deterministic methods)
-        return model.predictive_components(x, estimator, cfg.uci.predictive_samples, sampler)
+        return model.predictive_components(
+            x, estimator=estimator, num_samples=cfg.uci.predictive_samples, generator=sampler
+        )
 
     def noise_std():  # the learned noise, or for a heteroscedastic net root mean exp(l) over the training inputs
         if likelihood == "normal":
             return float(model.precision.detach()) ** -0.5
         with torch.no_grad():
-            mean, _ = model.output_moments(data.x_train, estimator, ())
+            mean, _ = model.output_moments(data.x_train, estimator=estimator, noise=())
         return float(mean[..., 1].exp().mean().sqrt())
 
     if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
@@ -254,7 +257,9 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
             name,
             model,
             model.parameters(),
-            lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, estimator),
+            lambda rows, count: (
+                -model.elbo(data.x_train[rows], data.y_train[rows], num_data=count, estimator=estimator)
+            ),
             predict,
             predict,
             Split(data, split.index),
@@ -267,7 +272,7 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
     num_data = data.num_train
 
     def negative_elbo_per_point():
-        return -model.elbo(data.x_train, data.y_train, num_data, estimator) / num_data
+        return -model.elbo(data.x_train, data.y_train, num_data=num_data, estimator=estimator) / num_data
 
     options = dict(
         max_iterations=cfg.uci.max_iterations,
@@ -292,7 +297,7 @@ def _fit_local_reparameterization(split: Split, cfg, device, generator):
     def predictor(samples):
         @torch.no_grad()
         def predict(x):
-            outputs = model.sample_outputs(x, samples, sampler)
+            outputs = model.sample_outputs(x, samples, generator=sampler)
             return outputs, torch.full_like(outputs, 1.0 / float(model.precision))
 
         return predict
@@ -301,7 +306,9 @@ def _fit_local_reparameterization(split: Split, cfg, device, generator):
         "local_reparameterization",
         model,
         model.parameters(),
-        lambda rows, count: -model.elbo(data.x_train[rows], data.y_train[rows], count, "sampling", generator=sampler),
+        lambda rows, count: (
+            -model.elbo(data.x_train[rows], data.y_train[rows], num_data=count, estimator="sampling", generator=sampler)
+        ),
         predictor(cfg.uci.predictive_samples),
         predictor(cfg.uci.validation_samples),
         split,
