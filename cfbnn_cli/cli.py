@@ -209,24 +209,29 @@ def _non_finite(metrics) -> List[str]:
 WORKER_FLAG = "--distributed-worker"
 
 
-def run_pipeline(sub: Subcommand, cfg, run_dir) -> dict:
-    """``pipeline.run(cfg, run_dir)``, or under ``distributed.nproc=N`` that many torchrun
-    workers running it (the launcher is given the worker command; it imports no pipeline)."""
+def run_pipeline(sub: Subcommand, cfg, run_dir, values=None) -> dict:
+    """``pipeline.run(cfg, run_dir, values)``, or under ``distributed.nproc=N`` that many torchrun
+    workers running it (the launcher is given the worker command; it imports no pipeline).
+    ``values``: the config's typed values (:func:`~.run_values.parse_run_values`; parsed
+    here when not given)."""
+    from .run_values import parse_run_values
     from .runtime import distributed, metrics_sink
     from .runtime.errors import ConfigError
 
+    values = values or parse_run_values(cfg)
     pipeline = importlib.import_module(sub.pipeline)
     nproc = distributed.requested_processes(cfg)
     if nproc == 1:
         with metrics_sink.logging_to(cfg, run_dir):
-            return pipeline.run(cfg, Path(run_dir))
+            return pipeline.run(cfg, Path(run_dir), values)
     if not pipeline.supports_distributed(cfg):
         raise ConfigError(
             f"distributed.nproc={nproc}: `cfbnn {sub.name}` with this configuration runs in one process; "
             "set distributed.nproc=1"
         )
     pipeline.validate(cfg)  # before starting N processes that would each fail alike
-    return distributed.launch(cfg, run_dir, nproc, ["-m", "cfbnn_cli.cli", WORKER_FLAG, sub.config_name])
+    worker = ["-m", "cfbnn_cli.cli", WORKER_FLAG, sub.config_name]
+    return distributed.launch(cfg, run_dir, nproc, worker, device=values.device)
 
 
 def _run_worker(argv: Sequence[str]) -> int:
@@ -255,8 +260,8 @@ def make_task(sub: Subcommand):
         from hydra.core.hydra_config import HydraConfig
 
         from .report.results import write_results
+        from .run_values import parse_run_values
         from .runtime.checks import validate_common
-        from .runtime.device import resolve_device
         from .runtime.errors import ConfigError
         from .runtime.rundir import RunDirLock, claim_run_dir
         from .runtime.safefs import UnsafePathError
@@ -267,6 +272,7 @@ def make_task(sub: Subcommand):
         try:
             with RunDirLock(run_dir):
                 validate_common(cfg)
+                values = parse_run_values(cfg)  # device, estimator, likelihood: objects from here on
                 # before any work: denormals flushed (inherited by the OpenMP threads created
                 # next), threads shared with the other cfbnn jobs, memory kept for reuse
                 flushed_before = flush_denormals(cfg.runtime.flush_denormals)
@@ -282,7 +288,7 @@ def make_task(sub: Subcommand):
                 _save_hydra_record(run_dir, cfg)
                 started = time.perf_counter()
                 try:
-                    result = run_pipeline(sub, cfg, run_dir)
+                    result = run_pipeline(sub, cfg, run_dir, values)
                 except CfbnnError as error:  # the dir is this run's: say in it why the run failed
                     write_results(
                         run_dir,
@@ -304,7 +310,7 @@ def make_task(sub: Subcommand):
                     metrics=metrics,
                     tables=result.get("tables", {}),
                     figures=result.get("figures", {}),
-                    device=result.get("device", resolve_device(cfg.device)),
+                    device=values.device,
                     wall_s=time.perf_counter() - started,
                     fingerprint=fingerprint,
                     status="failed" if bad else "complete",

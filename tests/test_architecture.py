@@ -1,6 +1,6 @@
 """The house's rules that code can check (CONTRIBUTING.md, Layout): the package's import graph, imports
 inside functions included, has no cycle, and its arrows point down the floors -- ``cli`` above
-``pipelines`` above ``train`` above ``bnn``, ``data`` and ``report``, above ``moments`` and ``runtime``;
+``pipelines`` above ``train`` (and ``run_values``) above ``bnn``, ``data`` and ``report``, above ``moments`` and ``runtime``;
 ``runtime`` imports only itself and ``moments`` only itself and ``runtime``; no pipeline imports another."""
 
 import ast
@@ -14,6 +14,7 @@ FLOORS = {
     "data": 1,
     "report": 1,
     "train": 2,
+    "run_values": 2,  # the config's values as objects (device, estimator, likelihood), for the pipelines
     "pipelines": 3,
     "cli": 4,
     "completion": 4,  # the CLI's shell-completion script

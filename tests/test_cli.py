@@ -91,7 +91,6 @@ def test_each_command_help_lists_only_its_own_groups_and_keys(cfbnn, sub, own, f
 @pytest.mark.parametrize(
     "override,key",
     [
-        ("device=gpu", "device"),
         ("seed=-1", "seed"),
         ("trainer.epochs=-3", "trainer.epochs"),
         ("trainer.batch_size=0", "trainer.batch_size"),
@@ -103,6 +102,19 @@ def test_invalid_common_values_are_named(override, key):
     cfg = compose_config("train_regression", [override])
     with pytest.raises(ConfigError, match=key.split(".")[-1]):
         validate_common(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("device=gpu", "device"), ("estimator=gibbs", "estimator"), ("likelihood=laplace", "likelihood")],
+)
+def test_invalid_typed_values_are_named(override, key):
+    """device, estimator and likelihood become objects once, at the command's boundary."""
+    from cfbnn_cli.run_values import parse_run_values
+
+    cfg = compose_config("train_regression", [override])
+    with pytest.raises(ConfigError, match=key):
+        parse_run_values(cfg)
 
 
 def test_cfg_job_prints_composed_config(cfbnn):

@@ -429,7 +429,9 @@ def test_non_finite_final_metrics_end_as_failed_with_a_non_zero_exit(tmp_path, m
     from cfbnn_cli.runtime.errors import NonFiniteResultError
 
     monkeypatch.setattr(
-        regression, "run", lambda cfg, run_dir: {"metrics": {"final_test_rmse": float("inf"), "test_ll_se": None}}
+        regression,
+        "run",
+        lambda cfg, run_dir, values=None: {"metrics": {"final_test_rmse": float("inf"), "test_ll_se": None}},
     )
     hydra_cfg = OmegaConf.create({"runtime": {"output_dir": str(tmp_path)}, "overrides": {"task": []}})
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra_cfg))

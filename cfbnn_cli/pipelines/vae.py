@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pandas as pd
 import torch
@@ -31,9 +31,9 @@ from ..moments import ACTIVATIONS, validate_args
 from ..report.figures import caption, legend_below, new_figure, save_figure
 from ..report.numbers import format_mean_se, format_value
 from ..report.tables import write_table
+from ..run_values import RunValues, parse_run_values
 from ..runtime.checks import require_choice, require_int, require_positive_float, require_present_bounds, require_widths
 from ..runtime.cuda_graphs import GraphedCall
-from ..runtime.device import resolve_device
 from ..runtime.errors import ConfigError
 from ..runtime.rundir import config_fingerprint
 from ..runtime.seed import seed_everything
@@ -383,10 +383,11 @@ def supports_distributed(cfg: DictConfig) -> bool:
     return False
 
 
-def run(cfg: DictConfig, run_dir) -> dict:
+def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     run_dir = Path(run_dir)
     variants = validate(cfg)
-    device = resolve_device(cfg.device)
+    values = values or parse_run_values(cfg)  # the typed values (the CLI passes them)
+    device = values.device
     data = load_unsupervised_data(cfg.data)
     if cfg.trainer.batch_size > len(data.x_train):
         raise ConfigError(

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pandas as pd
 
 from . import paper as paper_values
+from . import table1_schema
 from .grouping import Stat, group_runs, metric_stat, run_seed, seeds_text, stat, swept_keys
 from .numbers import format_value
 from .sections import (
@@ -105,7 +106,7 @@ def table1_rows(section: Section) -> List[dict]:
     command, data = command_for(runs), runs_text(runs)
     for layer in ("first", "second", "final"):
         for kind in ("mean", "scale"):
-            s = metric_stat(runs, f"gradvar_ratio_sampling_over_analytic/epoch0/{layer}/{kind}")
+            s = metric_stat(runs, table1_schema.ratio_key(0, layer, kind))
             if not s.n:
                 continue
             ratio = paper_values.table1_ratio("init", layer, kind)

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pandas as pd
 
 from . import paper as paper_values
+from . import table1_schema
 from .figures import caption, legend_below, new_figure, save_figure
 from .grouping import Stat, group_runs, metric_stat, seeds_text, stat, swept_keys
 from .numbers import format_mean_se, format_value
@@ -47,64 +48,36 @@ def generic_table(runs, keys) -> pd.DataFrame:
 
 
 def gradvar_layout(runs) -> Tuple[List[int], List[str]]:
-    epochs, layers = set(), []
-    for run in runs:
-        for metric in run["metrics"]:
-            match = re.fullmatch(r"gradvar/analytic/epoch(\d+)/([^/]+)/mean", metric)
-            if match:
-                epochs.add(int(match.group(1)))
-                if match.group(2) not in layers:
-                    layers.append(match.group(2))
-    return sorted(epochs), layers
+    """The epochs and layers Table 1's metric keys cover, over runs."""
+    return table1_schema.layout(m for run in runs for m in run["metrics"])
 
 
 def epoch_heading(epoch: int, runs) -> str:
-    if epoch == 0:
-        return "Upon initialization (epoch 0)"
+    """Table 1's column group over runs: their last epoch where they agree on it, and the share
+    of them whose training had converged."""
     last = {run.get("config", {}).get("trainer", {}).get("epochs") for run in runs}
     converged = metric_stat(runs, "train/converged")
-    if last == {epoch}:
-        state = (
-            ""
-            if not converged.n
-            else (
-                ", converged"
-                if converged.mean == 1
-                else ", not converged"
-                if converged.mean == 0
-                else ", converged in some runs"
-            )
-        )
-        return f"End of training (epoch {epoch}{state})"
-    return f"Epoch {epoch}"
+    return table1_schema.epoch_heading(
+        epoch, next(iter(last)) if len(last) == 1 else None, converged.mean if converged.n else None
+    )
 
 
 def table1_table(runs, keys) -> pd.DataFrame:
-    """Table 1 over runs: rows (group, estimator and their ratio), columns epoch x layer, cells
-    "weight means / log σ" as mean ± s.e. over seeds (the ratio: of the per-run ratios)."""
+    """Table 1 over runs (:mod:`.table1_schema`): rows (group, the paper's two estimators and their
+    ratio), columns epoch x layer, cells "weight means / log σ" as mean ± s.e. over seeds (the
+    ratio: of the per-run ratios)."""
     epochs, layers = gradvar_layout(runs)
     rows = []
     for group, members in group_runs(runs, keys):
-        for estimator, label in (
-            ("analytic", "Analytic"),
-            ("sampling", "Sampling"),
-            ("ratio", "Ratio sampling / analytic"),
-        ):
-            row = {**group, "Estimator": label}
-            for epoch in epochs:
-                heading = epoch_heading(epoch, members)
-                for layer in layers:
-                    cells = []
-                    for kind in ("mean", "scale"):
-                        name = (
-                            f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}"
-                            if estimator == "ratio"
-                            else f"gradvar/{estimator}/epoch{epoch}/{layer}/{kind}"
-                        )
-                        cells.append(metric_stat(members, name).text(sig=2) or MISSING)
-                    row[f"{heading}: {layer.capitalize()} Layer"] = " / ".join(cells)
-            row.update({"runs": len(members), "seeds": seeds_text(members)})
-            rows.append(row)
+        body = table1_schema.table_rows(
+            [*table1_schema.PAPER_ESTIMATORS, table1_schema.RATIO],
+            epochs,
+            layers,
+            lambda epoch: epoch_heading(epoch, members),
+            lambda key: metric_stat(members, key).text(sig=table1_schema.DIGITS) or MISSING,
+        )
+        for label, columns in body:
+            rows.append({**group, "Estimator": label, **columns, "runs": len(members), "seeds": seeds_text(members)})
     return pd.DataFrame(rows)
 
 
@@ -256,10 +229,7 @@ def figure_table1(runs, path) -> Optional[str]:
     fig, axes = new_figure(len(epochs), width=max(3.6 * len(epochs), 4.5), height=3.4, sharey=True)
     pairs = [(layer, kind) for layer in layers for kind in ("mean", "scale")]
     for ax, epoch in zip(axes, epochs):
-        stats = [
-            metric_stat(runs, f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}")
-            for layer, kind in pairs
-        ]
+        stats = [metric_stat(runs, table1_schema.ratio_key(epoch, layer, kind)) for layer, kind in pairs]
         ax.bar(
             range(len(pairs)),
             [s.mean for s in stats],

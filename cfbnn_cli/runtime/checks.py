@@ -11,7 +11,6 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .device import resolve_device
 from .errors import ConfigError
 
 
@@ -119,10 +118,9 @@ def require_choice(cfg: DictConfig, key: str, choices: Iterable[Any]):
 
 
 def validate_common(cfg: DictConfig) -> None:
-    """Check ``seed``, ``device``, ``resume``, ``runtime.threads``, ``runtime.flush_denormals``, ``trainer.epochs``, ``trainer.batch_size``,
+    """Check ``seed``, ``resume``, ``runtime.threads``, ``runtime.flush_denormals``, ``trainer.epochs``, ``trainer.batch_size``,
     ``trainer.lr``, ``trainer.cuda_graphs``."""
     require_int(cfg, "seed", minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")
-    resolve_device(_get(cfg, "device"))
     require_bool(cfg, "resume")
     threads = _get(cfg, "runtime.threads")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):

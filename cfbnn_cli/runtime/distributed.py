@@ -65,16 +65,13 @@ def requested_processes(cfg) -> int:
     return nproc
 
 
-def first_gpu(cfg):
-    """The GPU of rank 0 under ``device`` (``auto`` or ``cuda``: 0; ``cuda:N``: N; each later rank the
-    next one), or ``None`` where the processes run on the CPU (gloo)."""
-    from .device import resolve_device
-
-    device = resolve_device(cfg.get("device", "auto"))
+def first_gpu(device: torch.device):
+    """The GPU of rank 0 on ``device`` (``cuda``: 0; ``cuda:N``: N; each later rank the next one),
+    or ``None`` where the processes run on the CPU (gloo)."""
     return (device.index or 0) if device.type == "cuda" else None
 
 
-def launch(cfg, run_dir, nproc: int, worker: Sequence[str]) -> dict:
+def launch(cfg, run_dir, nproc: int, worker: Sequence[str], device: torch.device) -> dict:
     """Start ``nproc`` torchrun workers and return rank 0's result.
 
     ``worker`` is the command that runs one worker (after ``python``), given by the caller
@@ -82,7 +79,7 @@ def launch(cfg, run_dir, nproc: int, worker: Sequence[str]) -> dict:
     ``--run-dir``; runtime never imports a pipeline. The config, resolved once here, is
     written to ``<run dir>/distributed/config.yaml`` for every worker to read.
     """
-    first = first_gpu(cfg)
+    first = first_gpu(device)
     if first is not None and first + nproc > torch.cuda.device_count():
         raise ConfigError(
             f"distributed.nproc={nproc} from device={cfg.get('device', 'auto')} needs GPUs {first}..{first + nproc - 1} "
@@ -134,7 +131,9 @@ def run_worker(run: Callable, argv=None) -> int:
     from .threads import flush_denormals
 
     flush_denormals(OmegaConf.select(cfg, "runtime.flush_denormals", default=True))  # before any work, as the CLI
-    first = first_gpu(cfg)
+    from .device import resolve_device
+
+    first = first_gpu(resolve_device(OmegaConf.select(cfg, "device", default="auto")))  # this process's boundary
     use_cuda = first is not None
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:

@@ -4,8 +4,13 @@ runtime/device.py, as everywhere): ``cuda:N`` was treated as the CPU before (glo
 import pytest
 import torch
 
+from cfbnn_cli.run_values import parse_run_values
 from cfbnn_cli.runtime import distributed
 from cfbnn_cli.runtime.errors import ConfigError
+
+
+def _device(spec):  # the run's device, parsed once at the command's boundary
+    return parse_run_values({"device": spec}).device
 
 
 @pytest.fixture
@@ -16,19 +21,20 @@ def four_gpus(monkeypatch):
 
 @pytest.mark.parametrize("device, first", [("auto", 0), ("cuda", 0), ("cuda:1", 1), ("cuda:3", 3), ("cpu", None)])
 def test_the_first_gpu_follows_the_device_key(four_gpus, device, first):
-    assert distributed.first_gpu({"device": device}) == first
+    assert distributed.first_gpu(_device(device)) == first
 
 
 def test_without_cuda_every_process_is_on_the_cpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert distributed.first_gpu({"device": "auto"}) is None
+    assert distributed.first_gpu(_device("auto")) is None
     with pytest.raises(ConfigError, match="CUDA is not available"):
-        distributed.first_gpu({"device": "cuda:1"})
+        distributed.first_gpu(_device("cuda:1"))
 
 
 def test_more_processes_than_gpus_from_the_first_one_is_refused(four_gpus, tmp_path):
     from omegaconf import OmegaConf
 
     with pytest.raises(ConfigError, match=r"needs GPUs 3\.\.4 .* 4 are visible"):
-        distributed.launch(OmegaConf.create({"device": "cuda:3"}), tmp_path, 2, ["-c", "pass"])
+        cfg = OmegaConf.create({"device": "cuda:3"})
+        distributed.launch(cfg, tmp_path, 2, ["-c", "pass"], device=_device("cuda:3"))

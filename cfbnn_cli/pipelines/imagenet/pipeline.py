@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from ...bnn.network import BayesianNetwork, bayesian_head
 from ...data.images import load_image_datasets
 from ...moments import ACTIVATIONS, validate_args
+from ...run_values import RunValues, parse_run_values
 from ...runtime import distributed
 from ...runtime.checkpoints import load_checkpoint, load_model_weights
 from ...runtime.checks import (
@@ -44,7 +45,6 @@ from ...runtime.checks import (
     require_present_bounds,
     require_widths,
 )
-from ...runtime.device import resolve_device
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_torch_save
 from ...runtime.rundir import config_fingerprint
@@ -283,10 +283,11 @@ def supports_distributed(cfg: DictConfig) -> bool:
     return True
 
 
-def run(cfg: DictConfig, run_dir) -> dict:
+def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     run_dir = Path(run_dir)
     validate(cfg)
-    device = resolve_device(cfg.device)
+    values = values or parse_run_values(cfg)  # the typed values (the CLI passes them)
+    device = values.device
     computed = compute_features(cfg, device)
     (x_train, y_train, skipped_train), (x_held, y_held, skipped_held) = computed["train"], computed["held_out"]
     metrics = {

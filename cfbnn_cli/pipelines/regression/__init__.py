@@ -38,8 +38,9 @@ def supports_distributed(cfg: DictConfig) -> bool:
     return cfg.protocol == "gradient_variance"
 
 
-def run(cfg: DictConfig, run_dir) -> dict:
-    return _protocol(cfg).run(cfg, run_dir)
+def run(cfg: DictConfig, run_dir, values=None) -> dict:
+    """The protocol's run; ``values``: the config's typed values (:mod:`cfbnn_cli.run_values`)."""
+    return _protocol(cfg).run(cfg, run_dir, values)
 
 
 __all__ = ["PROTOCOLS", "run", "supports_distributed", "validate"]

@@ -23,17 +23,27 @@ from tqdm.auto import tqdm
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
 from ...bnn.gradient_variance import gradient_variance
-from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
-from ...bnn.network import ESTIMATORS, PRIORS, BayesianNetwork
+from ...bnn.likelihoods import HeteroscedasticNormalLikelihood
+from ...bnn.network import PRIORS, BayesianNetwork
 from ...bnn.predictive import mixture_log_likelihood, mixture_mean
 from ...data.regression import RegressionData, load_regression_data, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import caption, legend_below, new_figure, plot_calibration, save_figure
 from ...report.numbers import format_value
+from ...report.table1_schema import (
+    DIGITS,
+    ESTIMATOR_LABELS,
+    RATIO,
+    STUDY_ESTIMATORS,
+    epoch_heading,
+    layout,
+    metrics_from_results,
+    table_rows,
+)
 from ...report.tables import write_table
+from ...run_values import REGRESSION_LIKELIHOODS, RunValues, parse_run_values
 from ...runtime import distributed
 from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
-from ...runtime.device import resolve_device
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.rundir import config_fingerprint
@@ -42,27 +52,17 @@ from ...train import TrainingLoop
 from .model_file import save_regression_model
 
 log = logging.getLogger(__name__)
-ESTIMATOR_LABELS = {"analytic": "Analytic", "sampling": "Sampling", "deterministic": "Deterministic (nothing sampled)"}
-# paper Table 1 compares the first two; the third row is beyond the paper: every hidden layer's
-# moments propagated (the ``deterministic`` estimator), whose gradient does not vary at all
-TABLE1_ESTIMATORS = tuple(ESTIMATOR_LABELS)
-# normal: one output and a learned noise precision (the paper); heteroscedastic: a second output,
-# the log noise variance, whose expected log-likelihood is closed form under the propagated
-# Gaussian moments of (mean, log-variance) (bnn/likelihoods.HeteroscedasticNormalLikelihood)
-LIKELIHOODS = ("normal", "heteroscedastic")
+LIKELIHOODS = REGRESSION_LIKELIHOODS  # parsed into objects in ..run_values
 
 
 def validate(cfg: DictConfig) -> None:
     """Every check that needs no data, before any work starts."""
-    require_choice(cfg, "estimator", ESTIMATORS)
-    require_choice(cfg, "likelihood", LIKELIHOODS)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_choice(cfg, "model.prior", list(PRIORS))
     validate_data_config(cfg)
     require_widths(cfg, "model.hidden_sizes", example="[200,200]")
     require_positive_float(cfg, "model.prior_scale")
     require_positive_float(cfg, "model.init_scale")
-    require_positive_float(cfg, "model.precision")
     require_int(cfg, "evaluation.num_samples", minimum=1)
     require_int(cfg, "gradient_variance.num_samples", minimum=0)
     require_int(cfg, "gradient_variance.batch_size", minimum=1)
@@ -162,7 +162,7 @@ def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dic
     """{estimator: {layer: {"mean": v, "scale": v}}} at the current parameters."""
     names = model.layer_names()
     out = {}
-    for estimator in TABLE1_ESTIMATORS:
+    for estimator in STUDY_ESTIMATORS:
         started = time.perf_counter()
         sampled = bool(model.noise_shapes(x.shape[0], estimator=estimator))  # nothing drawn: no bar to show
         with tqdm(
@@ -200,7 +200,6 @@ def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dic
 
 # gradient variances from S draws carry a relative s.e. of about sqrt(2 / S) (4.5 % at S = 1000):
 # two significant digits are what one run's numbers support
-GRADVAR_DIGITS = 2
 KIND_LABELS = {"mean": "means", "scale": "log σ"}
 
 
@@ -242,7 +241,7 @@ def gradient_variance_data(results: Dict[int, dict], last_epoch: int, converged:
     for epoch in sorted(results):
         for layer in next(iter(results[epoch].values())):
             for kind, parameter in (("mean", "weight_means"), ("scale", "log_scale")):
-                values = {e: results[epoch][e][layer][kind] for e in TABLE1_ESTIMATORS if e in results[epoch]}
+                values = {e: results[epoch][e][layer][kind] for e in STUDY_ESTIMATORS if e in results[epoch]}
                 analytic, sampling = values.get("analytic"), values.get("sampling")
                 rows.append(
                     {
@@ -257,41 +256,22 @@ def gradient_variance_data(results: Dict[int, dict], last_epoch: int, converged:
     return pd.DataFrame(rows)
 
 
-def epoch_heading(epoch: int, last_epoch: int, converged: Optional[bool]) -> str:
-    """Table 1's column group: at initialization, or the epoch with what it is (the end of
-    training, and whether training had converged there)."""
-    if epoch == 0:
-        return "Upon initialization (epoch 0)"
-    if epoch == last_epoch:
-        state = "" if converged is None else (", converged" if converged else ", not converged")
-        return f"End of training (epoch {epoch}{state})"
-    return f"Epoch {epoch} of {last_epoch}"
-
-
 def gradient_variance_table(
     results: Dict[int, dict], last_epoch: int, converged: Optional[bool] = None
 ) -> pd.DataFrame:
-    """Paper Table 1 layout: rows Analytic / Sampling / Deterministic / the ratio sampling /
-    analytic; columns epoch x layer;
-    cells "weight means / log σ" (two significant digits; the ratio row sampling / analytic)."""
-    columns = {}
-    for epoch in sorted(results):
-        when = epoch_heading(epoch, last_epoch, converged)
-        for layer in next(iter(results[epoch].values())):
-            cells = [
-                " / ".join(
-                    format_value(results[epoch][e][layer][kind], sig=GRADVAR_DIGITS) for kind in ("mean", "scale")
-                )
-                for e in TABLE1_ESTIMATORS
-            ]
-            ratios = []
-            for kind in ("mean", "scale"):
-                analytic, sampling = results[epoch]["analytic"][layer][kind], results[epoch]["sampling"][layer][kind]
-                ratios.append(format_value(sampling / analytic, sig=GRADVAR_DIGITS) if analytic > 0 else "—")
-            columns[f"{when}: {layer.capitalize()} Layer"] = cells + [" / ".join(ratios)]
-    frame = pd.DataFrame(
-        columns, index=[ESTIMATOR_LABELS[e] for e in TABLE1_ESTIMATORS] + ["Ratio sampling / analytic"]
+    """Paper Table 1 layout (:mod:`~cfbnn_cli.report.table1_schema`): rows Analytic / Sampling /
+    Deterministic / the ratio sampling / analytic; columns epoch x layer; cells "weight means /
+    log σ" (two significant digits)."""
+    metrics = metrics_from_results(results)
+    epochs, layers = layout(metrics)
+    body = table_rows(
+        [*STUDY_ESTIMATORS, RATIO],
+        epochs,
+        layers,
+        lambda epoch: epoch_heading(epoch, last_epoch, converged),
+        lambda key: "—" if metrics[key] is None else format_value(metrics[key], sig=DIGITS),
     )
+    frame = pd.DataFrame([columns for _, columns in body], index=[label for label, _ in body])
     frame.index.name = "Estimator"
     return frame
 
@@ -423,21 +403,17 @@ def describe_run(cfg, data: RegressionData, num_draws: bool = True) -> str:
     return text
 
 
-def run(cfg: DictConfig, run_dir) -> dict:
+def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     run_dir = Path(run_dir)
+    values = values or parse_run_values(cfg)  # the typed values (the CLI passes them)
     validate(cfg)
-    device = resolve_device(cfg.device)
+    device = values.device
     generator = seed_everything(cfg.seed)
     data = load_regression_data(cfg.data)
     _check_against_data(cfg, data)
     gv_epochs = gradient_variance_epochs(cfg) if cfg.gradient_variance.num_samples else []
-    estimator = cfg.estimator
-    heteroscedastic = cfg.likelihood == "heteroscedastic"
-    likelihood = (
-        HeteroscedasticNormalLikelihood()
-        if heteroscedastic
-        else NormalLikelihood(cfg.model.precision, cfg.model.learn_precision)
-    )
+    estimator, likelihood = values.estimator, values.new_likelihood()
+    heteroscedastic = isinstance(likelihood, HeteroscedasticNormalLikelihood)
     model = BayesianNetwork(
         data.input_dim,
         list(cfg.model.hidden_sizes),
@@ -512,7 +488,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
         "-".join(str(h) for h in cfg.model.hidden_sizes),
         model.output_dim,
         estimator,
-        cfg.likelihood,
+        values.likelihood_name,
         device,
     )
     if 0 in gv_epochs and 0 not in gv_results and distributed.is_main():
@@ -558,19 +534,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
             cfg.gradient_variance.num_samples,
         )
         result_extra["main_table"] = "gradient_variance.md"
-        for epoch, by_estimator in gv_results.items():
-            for est, layers in by_estimator.items():
-                for layer, kinds in layers.items():
-                    for kind, value in kinds.items():
-                        metrics_out[f"gradvar/{est}/epoch{epoch}/{layer}/{kind}"] = value
-            for layer in by_estimator["analytic"]:
-                for kind in ("mean", "scale"):
-                    analytic = by_estimator["analytic"][layer][kind]
-                    sampling = by_estimator["sampling"][layer][kind]
-                    # nothing sampled (one hidden layer): no finite ratio to report
-                    metrics_out[f"gradvar_ratio_sampling_over_analytic/epoch{epoch}/{layer}/{kind}"] = (
-                        sampling / analytic if analytic > 0 else None
-                    )
+        metrics_out.update(metrics_from_results(gv_results))
     # the trained network and its scaling, for `cfbnn predict RUN_DIR NEW.csv`
-    save_regression_model(run_dir, model, data, cfg.estimator)
+    save_regression_model(run_dir, model, data, estimator.name)
     return {"metrics": metrics_out, "tables": tables, "figures": figures, "device": device, **result_extra}

@@ -77,8 +77,9 @@ from ...bnn.network import PRIORS
 from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
 from ...report.tables import write_table
+from ...run_values import RunValues, parse_run_values
 from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
-from ...runtime.device import resolve_device, synchronize
+from ...runtime.device import synchronize
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
 from ...runtime.rundir import config_fingerprint, refuse_other_config
@@ -281,10 +282,10 @@ def _to_device(data: RegressionData, device) -> RegressionData:
     return data
 
 
-def run(cfg: DictConfig, run_dir) -> dict:
+def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     run_dir = Path(run_dir)
     methods = validate(cfg)
-    device = resolve_device(cfg.device)
+    device = (values or parse_run_values(cfg)).device  # the typed values (the CLI passes them)
     table: RegressionTable = load_regression_table(cfg.data)
     splits = make_splits(len(table.y), cfg.uci.n_splits, cfg.data.test_fraction)
     n_train = len(splits[0][0])

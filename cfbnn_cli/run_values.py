@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from ..bnn.estimators import ESTIMATORS, Estimator, make_estimator
-from ..bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
-from ..runtime.device import resolve_device
-from ..runtime.errors import ConfigError
+from .bnn.estimators import ESTIMATORS, Estimator, make_estimator
+from .bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
+from .runtime.device import resolve_device
+from .runtime.errors import ConfigError
 
 # the regression likelihoods: one Normal noise precision, or a per-point noise variance from a
 # second output (its expected log-likelihood closed form under the propagated moments)
@@ -44,6 +44,8 @@ class RunValues:
 def parse_run_values(cfg) -> RunValues:
     """:class:`RunValues` from ``device`` and, where the config has them, ``estimator`` and
     ``likelihood`` (with ``model.precision`` and ``model.learn_precision``)."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
     device = resolve_device(OmegaConf.select(cfg, "device", default="auto"))
     estimator = None
     name = OmegaConf.select(cfg, "estimator", default=None)
