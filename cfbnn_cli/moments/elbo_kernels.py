@@ -10,21 +10,21 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from .kernel_library import _SUFFIX, _kernel, _ptr, _State, load_kernels
+from .kernel_library import DTYPE_SUFFIX, KernelState, data_pointer, kernel_function, load_kernels
 
 
 def _kl_kernels_apply(*tensors) -> bool:
     """Whether the KL and tail kernels take these tensors (plain contiguous CPU float32/float64
     of one dtype). Called on the hot path: the cheap global tests first."""
-    if not _State.enabled or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+    if not KernelState.enabled or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
         return False
     dtype = tensors[0].dtype
-    if dtype not in _SUFFIX:
+    if dtype not in DTYPE_SUFFIX:
         return False
     for tensor in tensors:
         if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return False
-    return (_State.library if _State.tried else load_kernels()) is not None
+    return (KernelState.library if KernelState.tried else load_kernels()) is not None
 
 
 def diagonal_kl_sums(
@@ -36,8 +36,13 @@ def diagonal_kl_sums(
     if not _kl_kernels_apply(loc, log_scale):
         return None
     out = np.empty(3, dtype=np.float64)
-    _kernel("diag_kl_sums", loc.dtype)(
-        loc.numel(), loc.data_ptr(), log_scale.data_ptr(), out.ctypes.data, _ptr(variance_out), torch.get_num_threads()
+    kernel_function("diag_kl_sums", loc.dtype)(
+        loc.numel(),
+        loc.data_ptr(),
+        log_scale.data_ptr(),
+        out.ctypes.data,
+        data_pointer(variance_out),
+        torch.get_num_threads(),
     )
     return float(out[0]), float(out[1]), float(out[2])
 
@@ -55,7 +60,7 @@ def finish_diagonal_gradients(
     grad_variance + kl_scaled) - kl_grad``, which turns a layer's ``dL/d Var`` (over ``scale``)
     into ``dL/d log_scale`` with its KL's gradient folded in (``kl_grad`` = dL/dKL,
     ``kl_scaled`` = dL/dKL / s^2). All four tensors contiguous, of one dtype, on the CPU."""
-    _kernel("diag_gradient_finish", loc.dtype)(
+    kernel_function("diag_gradient_finish", loc.dtype)(
         loc.numel(),
         loc.data_ptr(),
         variance.data_ptr(),
@@ -74,7 +79,7 @@ def diagonal_kl_gradients(loc: torch.Tensor, log_scale: torch.Tensor, scaled: fl
     if not _kl_kernels_apply(loc, log_scale):
         return None
     grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(log_scale)
-    _kernel("diag_kl_backward", loc.dtype)(
+    kernel_function("diag_kl_backward", loc.dtype)(
         loc.numel(),
         loc.data_ptr(),
         log_scale.data_ptr(),
@@ -95,7 +100,7 @@ def layer_kernels_apply(op, *tensors) -> bool:
 
 
 def normal_tail(
-    op,  # a fast._Op: its kernels (tail_kind, _eps)
+    op,  # a kernel_handles.KernelHandle: its kernels (tail_kind, _eps)
     mean: torch.Tensor,
     std: torch.Tensor,
     weight_phi: torch.Tensor,
@@ -115,7 +120,7 @@ def normal_tail(
     threads = torch.get_num_threads()
     eps = op._eps(mean.dtype)
     eps = eps[0] if eps else 0.0
-    function = _kernel("tail_pass", mean.dtype)
+    function = kernel_function("tail_pass", mean.dtype)
     if row_mean_grad is None:
         mean_sum, spread_sum = mean.new_empty(rows), mean.new_empty(rows)
         function(
@@ -171,7 +176,7 @@ def augment_pair(x: torch.Tensor):
         return None
     augmented = x.new_empty(*x.shape[:-1], x.shape[-1] + 1)
     squared = torch.empty_like(augmented)
-    _kernel("augment_pair", x.dtype)(
+    kernel_function("augment_pair", x.dtype)(
         x.numel() // max(x.shape[-1], 1),
         x.shape[-1],
         x.data_ptr(),
@@ -196,7 +201,7 @@ def normal_rows(
     ``squares = spread_sum + spread_bias + residual^2`` and ``ELL = -precision/2 squares + log_term``
     (eq. (7), one output). ``residual`` and ``squares`` are written over ``mean_sum`` and ``spread_sum``."""
     ell = torch.empty_like(mean_sum)
-    total = _kernel("normal_rows", mean_sum.dtype)(
+    total = kernel_function("normal_rows", mean_sum.dtype)(
         mean_sum.shape[0],
         mean_sum.data_ptr(),
         spread_sum.data_ptr(),
@@ -219,7 +224,7 @@ def normal_row_gradients(grad_ell: torch.Tensor, residual: torch.Tensor, squares
     gradients and ``dL/d log precision``."""
     row_u, row_k = torch.empty_like(grad_ell), torch.empty_like(grad_ell)
     sums = np.empty(3, dtype=np.float64)
-    _kernel("normal_row_gradients", grad_ell.dtype)(
+    kernel_function("normal_row_gradients", grad_ell.dtype)(
         grad_ell.shape[0],
         grad_ell.data_ptr(),
         residual.data_ptr(),
@@ -244,7 +249,7 @@ def normal_output_gradients(
     """After :func:`normal_tail`'s backward pass (kernel ``normal_output_gradients``), into the
     one-output layer's ``(1, H [+ 1])`` gradient buffers: ``d/d loc_c = columns_0c + 2 w_c
     columns_1c``, ``d/d Var W_c = columns_2c`` and the bias column's ``(sum_u, sum_k)``."""
-    _kernel("normal_output_gradients", grad_loc.dtype)(
+    kernel_function("normal_output_gradients", grad_loc.dtype)(
         columns.shape[1],
         columns.data_ptr(),
         weight_phi.data_ptr(),
@@ -272,7 +277,7 @@ class MomentsFromVariance(torch.autograd.Function):
             width, phi, ups = 0, torch.empty_like(mean), torch.empty_like(mean)
         var = torch.empty_like(mean)
         eps = op._eps(mean.dtype)
-        _kernel("hidden_pass", mean.dtype)(
+        kernel_function("hidden_pass", mean.dtype)(
             op.tail_kind,
             0,
             mean.numel(),
@@ -302,7 +307,7 @@ class MomentsFromVariance(torch.autograd.Function):
         grads = [None if g is None else g.contiguous() for g in (grad_phi, grad_ups, grad_var)]
         grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
         eps = ctx.op._eps(mean.dtype)
-        _kernel("hidden_pass", mean.dtype)(
+        kernel_function("hidden_pass", mean.dtype)(
             ctx.op.tail_kind,
             1,
             mean.numel(),
@@ -312,7 +317,7 @@ class MomentsFromVariance(torch.autograd.Function):
             None,
             None,
             None,
-            *(_ptr(g) for g in grads),
+            *(data_pointer(g) for g in grads),
             grad_mean.data_ptr(),
             grad_variance.data_ptr(),
             0,

@@ -45,17 +45,13 @@ derivative differentiates the reference path.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
-import numpy as np
 import torch
 
 from .gaussian import (
     align_batched,
     is_transformed,
-    standard_normal_cdf,
-    standard_normal_pdf,
-    standardize,
 )
 
 __all__ = [
@@ -90,375 +86,39 @@ from .elbo_kernels import (  # noqa: F401 - the ELBO kernels, re-exported for bn
     normal_rows,
     normal_tail,
 )
+from .kernel_handles import (  # noqa: F401 - the activations' kernel handles, re-exported
+    HardSigmoidOp,
+    IdentityOp,
+    KernelHandle,
+    LeakyReLUOp,
+    PiecewiseOp,
+    ReLUOp,
+    ReLUSquaredOp,
+    placeholder,
+    reference_vjp,
+)
 from .kernel_library import (  # noqa: F401 - the fast path's switches and library, re-exported
     _ABI,
     _ENV_CACHE,
     _ENV_SWITCH,
-    _SUFFIX,
+    DTYPE_SUFFIX,
+    KernelState,
     _bind,
-    _grad_arg,
-    _kernel,
     _load,
-    _plain,
-    _ptr,
     _self_test,
-    _State,
     count_negative,
+    data_pointer,
     fast_path,
     fast_path_enabled,
     fast_path_info,
+    gradient_pointer,
+    kernel_function,
     load_kernels,
+    plain_tensors,
     set_fast_path,
     usable,
 )
-from .piecewise_tables import MAX_BREAKPOINTS, MAX_DEGREE, _piecewise_tables, piecewise_supported  # noqa: F401
-
-
-class _Op:
-    """One activation's kernels: forward -> (phi, ups, var, *saved); backward -> (d mean, d std)."""
-
-    tail_kind: Optional[int] = None  # the kernel of :func:`normal_tail` for this activation (None: none)
-    # the backward kernel needs only (mean, std, Phi, grads): it can be a function of its own
-    # (:class:`_KernelBackward`), which a backward pass that builds a graph still runs
-    backward_from_inputs = False
-
-    def _eps(self, dtype):
-        return ()
-
-    def __init__(self, reference):
-        # reference(mean, std) -> (phi, ups, var) through the eager torch path (differentiable)
-        self.reference = reference
-
-    def forward(self, mean, std, want_var, need_grad):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def backward(self, mean, std, phi, saved, grads):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def differentiable_backward(self, mean, std, phi, grads):
-        """(d mean, d std) built from differentiable ops (double backward, torch.func): by default
-        the vector-Jacobian product of the reference path."""
-        return _reference_vjp(self, mean, std, grads)
-
-
-def _outputs(mean, count):
-    return [torch.empty(mean.shape, dtype=mean.dtype) for _ in range(count)]
-
-
-def _partials_backward(phi, saved, grads, torch_ops=False, plain=False):
-    """(d mean, d std) from the partials (dPhi/dm, dPhi/ds, dVar/dm, dVar/ds); Ups = Var + Phi^2."""
-    pm, ps, vm, vs = saved
-    gp, gu, gv = grads
-    if not torch_ops and (plain or (_plain(phi, pm, gp, gu, gv) and _State.library is not None)):
-        gm, gs = _outputs(phi, 2)
-        (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
-        _kernel("partials_backward", phi.dtype)(
-            phi.numel(),
-            phi.data_ptr(),
-            pm.data_ptr(),
-            ps.data_ptr(),
-            vm.data_ptr(),
-            vs.data_ptr(),
-            p_ptr,
-            p_scalar,
-            u_ptr,
-            u_scalar,
-            v_ptr,
-            v_scalar,
-            gm.data_ptr(),
-            gs.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return gm, gs
-    first = _combine(gp, None if gu is None else 2.0 * phi * gu)
-    second = _combine(gu, gv)
-    return _combine(_mul(pm, first), _mul(vm, second)), _combine(_mul(ps, first), _mul(vs, second))
-
-
-def _mul(a, b):
-    return None if b is None else a * b
-
-
-def _combine(a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a + b
-
-
-class ReLUOp(_Op):
-    """ReLU: the forward saves nothing beyond its inputs and Phi; the backward kernel recomputes
-    the two Gaussian factors block by block (cheaper than allocating, writing and re-reading
-    them: on this path memory traffic and fresh pages cost more than an exp)."""
-
-    saved_count = 0
-    tail_kind = 0
-    backward_from_inputs = True
-
-    def forward(self, mean, std, want_var, need_grad):
-        phi = torch.empty(mean.shape, dtype=mean.dtype)
-        ups = torch.empty(mean.shape, dtype=mean.dtype)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        _kernel("relu_forward", mean.dtype)(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            phi.data_ptr(),
-            ups.data_ptr(),
-            _ptr(var),
-            None,
-            None,
-            torch.get_num_threads(),
-        )
-        return phi, ups, var if var is not None else _placeholder(mean)
-
-    def backward(self, mean, std, phi, saved, grads, plain=False):
-        if plain or (_plain(mean, *grads) and _State.library is not None):
-            gm = torch.empty(mean.shape, dtype=mean.dtype)
-            gs = torch.empty(mean.shape, dtype=mean.dtype)
-            (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
-            _kernel("relu_backward", mean.dtype)(
-                mean.numel(),
-                mean.data_ptr(),
-                std.data_ptr(),
-                phi.data_ptr(),
-                p_ptr,
-                p_scalar,
-                u_ptr,
-                u_scalar,
-                v_ptr,
-                v_scalar,
-                gm.data_ptr(),
-                gs.data_ptr(),
-                torch.get_num_threads(),
-            )
-            return gm, gs
-        with torch.no_grad():
-            return self.differentiable_backward(mean, std, phi, grads)
-
-    def differentiable_backward(self, mean, std, phi, grads):
-        # as relu_reference.ReLUMomentsReference: the Gaussian factors recomputed differentiably, the saved
-        # Phi (an output of this Function, so itself differentiable) reused
-        t, _, _ = standardize(mean, std)
-        cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)
-        partials = (cdf, pdf, 2.0 * phi * cdf_neg, 2.0 * (std * cdf - phi * pdf))
-        return _partials_backward(phi, partials, grads, torch_ops=True)
-
-
-class _PartialsOp(_Op):
-    """Kernels that save the four partial derivatives (leaky relu, relu squared, piecewise)."""
-
-    saved_count = 4
-
-    def backward(self, mean, std, phi, saved, grads, plain=False):
-        return _partials_backward(phi, saved, grads, plain=plain)
-
-
-class _RecomputingOp(_Op):
-    """Leaky ReLU and ReLU^2: like ReLU, nothing saved; the backward kernel recomputes the four
-    partial derivatives per block (one cheap forward pass) instead of allocating four buffers."""
-
-    saved_count = 0
-    kernel = ""
-    backward_from_inputs = True
-
-    def forward(self, mean, std, want_var, need_grad):
-        phi = torch.empty(mean.shape, dtype=mean.dtype)
-        ups = torch.empty(mean.shape, dtype=mean.dtype)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        _kernel(self.kernel + "_forward", mean.dtype)(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            *self._eps(mean.dtype),
-            phi.data_ptr(),
-            ups.data_ptr(),
-            _ptr(var),
-            None,
-            None,
-            None,
-            None,
-            torch.get_num_threads(),
-        )
-        return phi, ups, var if var is not None else _placeholder(mean)
-
-    def backward(self, mean, std, phi, saved, grads, plain=False):
-        if plain or (_plain(mean, *grads) and _State.library is not None):
-            gm = torch.empty(mean.shape, dtype=mean.dtype)
-            gs = torch.empty(mean.shape, dtype=mean.dtype)
-            (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
-            _kernel(self.kernel + "_backward", mean.dtype)(
-                mean.numel(),
-                mean.data_ptr(),
-                std.data_ptr(),
-                *self._eps(mean.dtype),
-                phi.data_ptr(),
-                p_ptr,
-                p_scalar,
-                u_ptr,
-                u_scalar,
-                v_ptr,
-                v_scalar,
-                gm.data_ptr(),
-                gs.data_ptr(),
-                torch.get_num_threads(),
-            )
-            return gm, gs
-        # wrapped tensors without create_graph: the reference's vector-Jacobian product
-        return _reference_vjp(self, mean, std, grads, create_graph=False)
-
-
-class LeakyReLUOp(_RecomputingOp):
-    kernel = "leaky"
-    tail_kind = 1
-
-    def __init__(self, reference, negative_slope):
-        super().__init__(reference)
-        self.negative_slope = negative_slope
-
-    def _eps(self, dtype):
-        eps = self.negative_slope
-        if dtype == torch.float32:  # what float32 torch arithmetic multiplies by
-            eps = float(np.float32(eps))
-        return (eps,)
-
-
-class ReLUSquaredOp(_RecomputingOp):
-    kernel = "relusq"
-    tail_kind = 2
-
-
-class IdentityOp(_Op):
-    saved_count = 0
-
-    def forward(self, mean, std, want_var, need_grad):
-        phi, ups = _outputs(mean, 2)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        _kernel("identity_forward", mean.dtype)(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            phi.data_ptr(),
-            ups.data_ptr(),
-            _ptr(var),
-            torch.get_num_threads(),
-        )
-        return (phi, ups, var if var is not None else _placeholder(mean))
-
-    def differentiable_backward(self, mean, std, phi, grads):
-        return self.backward(mean, std, phi, (), grads)
-
-    def backward(self, mean, std, phi, saved, grads, plain=False):
-        gp, gu, gv = grads
-        # Phi = mean, Var = std^2, Ups = Var + Phi^2
-        grad_mean = _combine(gp, None if gu is None else 2.0 * phi * gu)
-        second = _combine(gu, gv)
-        grad_std = None if second is None else 2.0 * std * second
-        return grad_mean, grad_std
-
-
-class PiecewiseOp(_PartialsOp):
-    def __init__(self, reference, breakpoints, polynomials):
-        super().__init__(reference)
-        self.tables = {dtype: _piecewise_tables(breakpoints, polynomials, dtype) for dtype in _SUFFIX}
-
-    def forward(self, mean, std, want_var, need_grad):
-        phi, ups = _outputs(mean, 2)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        saved = _outputs(mean, 4) if need_grad else [None] * 4
-        tables = self.tables[mean.dtype]
-        _kernel("pw_forward", mean.dtype)(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            tables["B"],
-            tables["D"],
-            *(
-                tables[key].ctypes.data
-                for key in ("bp", "coef", "deriv", "side", "tails", "jumps", "gl", "coef32", "bp32")
-            ),
-            phi.data_ptr(),
-            ups.data_ptr(),
-            _ptr(var),
-            *(_ptr(t) for t in saved),
-            torch.get_num_threads(),
-        )
-        return (phi, ups, var if var is not None else _placeholder(mean), *(t for t in saved if t is not None))
-
-
-class HardSigmoidOp(PiecewiseOp):
-    """The hard sigmoid: the engine's sums unrolled in one float32 kernel (the engine itself for
-    float64 and, inside the kernel, for the rare elements it hands over). In float32 nothing is
-    saved: the backward kernel recomputes the partials per block."""
-
-    def __init__(self, reference, alpha, breakpoints, polynomials):
-        super().__init__(reference, breakpoints, polynomials)
-        self.a = float(np.float32(abs(alpha)))
-        self.sign = 1.0 if alpha >= 0 else -1.0
-
-    def _tables(self, dtype):
-        tables = self.tables[dtype]
-        return (tables["B"], tables["D"]) + tuple(
-            tables[key].ctypes.data for key in ("bp", "coef", "deriv", "side", "tails", "jumps", "gl", "coef32", "bp32")
-        )
-
-    def forward(self, mean, std, want_var, need_grad):
-        if mean.dtype != torch.float32:
-            return super().forward(mean, std, want_var, need_grad)
-        phi = torch.empty(mean.shape, dtype=mean.dtype)
-        ups = torch.empty(mean.shape, dtype=mean.dtype)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        _State.library.hs_forward_f32(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            *self._tables(mean.dtype),
-            self.a,
-            self.sign,
-            phi.data_ptr(),
-            ups.data_ptr(),
-            _ptr(var),
-            None,
-            None,
-            None,
-            None,
-            torch.get_num_threads(),
-        )
-        return phi, ups, var if var is not None else _placeholder(mean)
-
-    def backward(self, mean, std, phi, saved, grads, plain=False):
-        if mean.dtype != torch.float32:
-            return super().backward(mean, std, phi, saved, grads, plain=plain)
-        if not (plain or (_plain(mean, *grads) and _State.library is not None)):
-            return _reference_vjp(self, mean, std, grads, create_graph=False)
-        gm = torch.empty(mean.shape, dtype=mean.dtype)
-        gs = torch.empty(mean.shape, dtype=mean.dtype)
-        (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (_grad_arg(g) for g in grads)
-        _State.library.hs_backward_f32(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            *self._tables(mean.dtype),
-            self.a,
-            self.sign,
-            phi.data_ptr(),
-            p_ptr,
-            p_scalar,
-            u_ptr,
-            u_scalar,
-            v_ptr,
-            v_scalar,
-            gm.data_ptr(),
-            gs.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return gm, gs
-
-
-def _placeholder(mean):
-    """Stands in for an output that was not asked for (the variance)."""
-    return mean.new_empty((0,))
+from .piecewise_tables import MAX_BREAKPOINTS, MAX_DEGREE, coefficient_tables, piecewise_supported  # noqa: F401
 
 
 class _FastMoments(torch.autograd.Function):
@@ -561,25 +221,6 @@ class _KernelBackward(torch.autograd.Function):
         return _KernelBackward.apply(mean, std, phi, op, *grads), (0, 0)
 
 
-def _reference_vjp(op, mean, std, grads, create_graph=True):
-    """The vector-Jacobian product of the reference path (differentiable with create_graph)."""
-    inputs = [t for t in (mean, std) if t.requires_grad]
-    if not inputs:
-        return None, None
-    with torch.enable_grad():
-        outputs = op.reference(mean, std)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        if not pairs:
-            return None, None
-        found = torch.autograd.grad(
-            [o for o, _ in pairs], inputs, [g for _, g in pairs], create_graph=create_graph, allow_unused=True
-        )
-    found = iter(found)
-    grad_mean = next(found) if mean.requires_grad else None
-    grad_std = next(found) if std.requires_grad else None
-    return grad_mean, grad_std
-
-
 class _FastMomentsPlain(torch.autograd.Function):
     """:class:`_FastMoments` for ordinary tensors: the same forward and backward in the classic
     ``forward(ctx, ...)`` form, which autograd applies ~15 us faster per call (no signature
@@ -597,7 +238,7 @@ class _FastMomentsPlain(torch.autograd.Function):
         return _FastMoments.backward(ctx, grad_phi, grad_ups, grad_var, *rest)[:4]
 
 
-def moments(op: _Op, mean: torch.Tensor, std: torch.Tensor, want_var: bool) -> Tuple[torch.Tensor, ...]:
+def moments(op: KernelHandle, mean: torch.Tensor, std: torch.Tensor, want_var: bool) -> Tuple[torch.Tensor, ...]:
     """``(Phi, Upsilon, Var)`` of broadcast CPU float tensors through ``op``'s kernels.
 
     The variance is an empty placeholder when ``want_var`` is false.
@@ -619,7 +260,7 @@ class _ReLUMean(torch.autograd.Function):
         mean = mean.contiguous()
         std = std.contiguous()
         phi = torch.empty(mean.shape, dtype=mean.dtype)
-        _kernel("relu_mean", mean.dtype)(
+        kernel_function("relu_mean", mean.dtype)(
             mean.numel(), mean.data_ptr(), std.data_ptr(), phi.data_ptr(), torch.get_num_threads()
         )
         return phi

@@ -28,7 +28,7 @@ def _switch_from_environment() -> bool:
     return os.environ.get(_ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-class _State:
+class KernelState:
     enabled = _switch_from_environment()
     library = None  # the loaded ctypes library
     tried = False  # a load/build was attempted (successful or not)
@@ -38,18 +38,18 @@ class _State:
 
 def set_fast_path(enabled: bool) -> None:
     """Turn the fast CPU kernels on (the default) or off (the reference torch path) globally."""
-    _State.enabled = bool(enabled)
+    KernelState.enabled = bool(enabled)
 
 
 def fast_path_enabled() -> bool:
     """Whether the fast path is switched on (it may still be unavailable: see :func:`fast_path_info`)."""
-    return _State.enabled
+    return KernelState.enabled
 
 
 @contextlib.contextmanager
 def fast_path(enabled: bool = True):
     """``with fast_path(False): ...`` runs the reference path in a block (restored after)."""
-    previous = _State.enabled
+    previous = KernelState.enabled
     set_fast_path(enabled)
     try:
         yield
@@ -64,11 +64,11 @@ def fast_path_info() -> Dict[str, object]:
     ``build_seconds`` (compile time of this process's build, 0 if cached),
     ``load_seconds``, ``flags``, ``openmp``, ``error`` (why not available).
     """
-    if _State.enabled or _State.tried:
+    if KernelState.enabled or KernelState.tried:
         load_kernels()
-    info = dict(_State.info) if _State.tried else {"error": "not built: the fast path is switched off"}
-    info["enabled"] = _State.enabled
-    info["available"] = _State.library is not None
+    info = dict(KernelState.info) if KernelState.tried else {"error": "not built: the fast path is switched off"}
+    info["enabled"] = KernelState.enabled
+    info["available"] = KernelState.library is not None
     return info
 
 
@@ -171,22 +171,22 @@ def load_kernels(rebuild: bool = False):
 
     ``rebuild=True`` ignores the on-disk cache (and the result of an earlier attempt).
     """
-    if _State.tried and not rebuild:
-        return _State.library
-    with _State.lock:
-        if _State.tried and not rebuild:
-            return _State.library
-        _State.library, _State.info = _load(rebuild)
-        _State.tried = True
-        if _State.library is None:
-            reason = str(_State.info.get("error") or "unknown reason").splitlines()
+    if KernelState.tried and not rebuild:
+        return KernelState.library
+    with KernelState.lock:
+        if KernelState.tried and not rebuild:
+            return KernelState.library
+        KernelState.library, KernelState.info = _load(rebuild)
+        KernelState.tried = True
+        if KernelState.library is None:
+            reason = str(KernelState.info.get("error") or "unknown reason").splitlines()
             warnings.warn(
                 "cfbnn: the fast CPU moment kernels are unavailable; using the reference torch path. "
                 + "\n".join(reason[-14:]),  # the plainest flag set's compiler message, last
                 RuntimeWarning,
                 stacklevel=3,
             )
-    return _State.library
+    return KernelState.library
 
 
 def _load(rebuild: bool):
@@ -198,37 +198,37 @@ def _load(rebuild: bool):
 
 def usable(mean: torch.Tensor) -> bool:
     """Whether ``mean`` (already checked and of one dtype/device with std) takes the fast path."""
-    if not _State.enabled or mean.device.type != "cpu" or mean.dtype not in _SUFFIX:
+    if not KernelState.enabled or mean.device.type != "cpu" or mean.dtype not in DTYPE_SUFFIX:
         return False
     if torch.compiler.is_compiling():
         return False
-    return (_State.library if _State.tried else load_kernels()) is not None
+    return (KernelState.library if KernelState.tried else load_kernels()) is not None
 
 
-_SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
+DTYPE_SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
 
 
 def count_negative(x: torch.Tensor) -> Optional[int]:
     """Number of entries < 0 of a CPU float tensor, or None where the kernels do not apply."""
-    if not _State.enabled or x.dtype not in _SUFFIX or not x.is_contiguous() or is_transformed(x):
+    if not KernelState.enabled or x.dtype not in DTYPE_SUFFIX or not x.is_contiguous() or is_transformed(x):
         return None
-    if (_State.library if _State.tried else load_kernels()) is None:
+    if (KernelState.library if KernelState.tried else load_kernels()) is None:
         return None
-    return _kernel("count_negative", x.dtype)(x.numel(), x.data_ptr(), torch.get_num_threads())
+    return kernel_function("count_negative", x.dtype)(x.numel(), x.data_ptr(), torch.get_num_threads())
 
 
 register_negative_counter(count_negative)  # argument checks count on the CPU in one kernel pass
 
 
-def _kernel(name: str, dtype: torch.dtype):
-    return getattr(_State.library, name + _SUFFIX[dtype])
+def kernel_function(name: str, dtype: torch.dtype):
+    return getattr(KernelState.library, name + DTYPE_SUFFIX[dtype])
 
 
-def _ptr(tensor: Optional[torch.Tensor]):
+def data_pointer(tensor: Optional[torch.Tensor]):
     return None if tensor is None else tensor.data_ptr()
 
 
-def _grad_arg(grad: Optional[torch.Tensor]):
+def gradient_pointer(grad: Optional[torch.Tensor]):
     """(pointer, is_scalar) for a gradient: absent, a broadcast scalar (all strides 0) or dense."""
     if grad is None:
         return None, 0, None
@@ -240,6 +240,6 @@ def _grad_arg(grad: Optional[torch.Tensor]):
     return grad.data_ptr(), 0, grad
 
 
-def _plain(*tensors) -> bool:
+def plain_tensors(*tensors) -> bool:
     """All present tensors are ordinary CPU tensors the kernels can read (no functorch wrappers)."""
     return all(t is None or (t.device.type == "cpu" and not is_transformed(t)) for t in tensors)

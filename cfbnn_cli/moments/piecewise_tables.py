@@ -42,7 +42,7 @@ def _pad(vector, length):
     return out
 
 
-def _piecewise_tables(breakpoints, polynomials, dtype) -> Dict[str, object]:
+def coefficient_tables(breakpoints, polynomials, dtype) -> Dict[str, object]:
     """Host-side constants of the engine kernel (layout: see ``Spec`` in the kernel source)."""
     if dtype == torch.float32:  # what float32 torch arithmetic uses
         breakpoints = [float(np.float32(b)) for b in breakpoints]

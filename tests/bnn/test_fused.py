@@ -374,8 +374,10 @@ def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     from cfbnn_cli.moments import elbo_kernels
 
     calls = []
-    original = elbo_kernels._kernel
-    monkeypatch.setattr(elbo_kernels, "_kernel", lambda name, dtype: calls.append(name) or original(name, dtype))
+    original = elbo_kernels.kernel_function
+    monkeypatch.setattr(
+        elbo_kernels, "kernel_function", lambda name, dtype: calls.append(name) or original(name, dtype)
+    )
     network = BayesianNetwork(5, [12, 9], 1)
     x, y = torch.randn(40, 5), torch.randn(40)
     elbo = network.elbo(x, y, num_data=400, estimator="deterministic")
@@ -526,7 +528,7 @@ def test_the_hidden_kernel_writes_the_next_layers_bias_column(dtype, rows, width
     mean = torch.randn(rows, width, generator=g, dtype=dtype)
     variance = torch.rand(rows, width, generator=g, dtype=dtype)
     plain = fast.moments_from_variance(op, mean, variance)
-    augmented = fast.MomentsFromVariance.forward(fused._Tape(()), mean, variance, op, True)
+    augmented = fast.MomentsFromVariance.forward(fused.Tape(()), mean, variance, op, True)
     for found, expected in zip(augmented[:2], plain[:2]):
         assert found.shape == (rows, width + 1)
         torch.testing.assert_close(found[:, :width], expected, rtol=0.0, atol=0.0)

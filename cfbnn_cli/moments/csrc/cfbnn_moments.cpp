@@ -1081,7 +1081,7 @@ static void identity_forward(int64_t n, const T* m, const T* s, T* o_phi, T* o_u
 /* ------------------------------------------------- the piecewise-polynomial engine */
 
 /* A piecewise polynomial with B breakpoints, P = B + 1 pieces of degree <= D; K = 2 D.
-   Host-side tables (see fast.py, _piecewise_tables), all float64:
+   Host-side tables (see piecewise_tables.py, coefficient_tables), all float64:
      bp[B]                      breakpoints
      coef[P][D+1]               p_i, ascending powers (zero padded)
      deriv[P][D+1][D+1]         p_i^(k) / k!, ascending powers
@@ -1109,7 +1109,7 @@ struct Spec {
 enum { V_A1 = 0, V_AA, V_B, V_AB, V_G, V_BBAG, NV };
 enum { Q_H = 0, Q_H2, Q_P1, Q_HP1, Q_P2, Q_Q, NQ };  // h, h^2, p', h p', p'', p'^2 + h p''
 
-static const double GL_LIMIT = 4.0;  // activations._GL_LIMIT
+static const double GL_LIMIT = 4.0;  // piecewise_polynomial._GL_LIMIT
 static const double ZEROS[NV * (MAX_K + 1)] = {0};
 
 INLINE double horner1(const double* c, int deg, double x) {
@@ -1681,7 +1681,7 @@ static int hs_f32_range(int64_t lo, int64_t hi, const float* RS m, const float* 
     }
     const float width = 2.0f * a / (si > FTINY ? si : FTINY);
     const float reach = x0r > x1r ? x0r : x1r;
-    const bool narrow = width * (reach + width) <= 4.0f;  // activations._GL_LIMIT
+    const bool narrow = width * (reach + width) <= 4.0f;  // piecewise_polynomial._GL_LIMIT
     const bool far = (si > 1.0f) & ((B & (x1r >= xf_clamp)) | (C & (x0r >= xf_clamp)));
     // a variance within ~1e10 of FLT_MIN is a difference of tails some of which fell below the
     // normal range (flushed): float64 tails there

@@ -1,0 +1,97 @@
+"""The activation interface: ``g(x)``, and ``g.moments(mean, std)`` -> ``(Phi, Upsilon[, Var])``
+through the fused CPU kernels (:mod:`.fast`), the device operator (:mod:`.ops`) or the reference
+torch ops, picked per call. The activations themselves are in :mod:`.activations` (ReLU family,
+identity) and :mod:`.piecewise_polynomial` (the general engine, the hard sigmoid)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Tuple
+
+import numpy as np
+import torch
+
+from . import fast, ops
+from .gaussian import (
+    check_mean_std,
+)
+
+
+class Activation:
+    """A pointwise non-linearity with exact Gaussian moments."""
+
+    name: str = "activation"
+    # (mean, std) -> (Phi, Upsilon, Var) through this activation's torch operator
+    # (:mod:`cfbnn_cli.moments.ops`), used off the CPU; None: the reference ops there
+    operator = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _moments(self, mean: torch.Tensor, std: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Return (Phi, Var) for broadcast tensors; subclasses implement."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _kernels(self):
+        """This activation's fused CPU kernels (:mod:`cfbnn_cli.moments.fast`), or None."""
+        return None
+
+    @functools.cached_property
+    def cpu_kernels(self):
+        """This activation's CPU kernel object (:mod:`cfbnn_cli.moments.fast`: forward and
+        backward kernels, the ELBO kernels' ``tail_kind``), or ``None``; made once per activation."""
+        return self._kernels()
+
+    def _reference_moments(self, mean: torch.Tensor, std: torch.Tensor):
+        """``(Phi, Upsilon, Var)`` of broadcast tensors through the reference torch ops."""
+        phi, variance = self._moments(mean, std)
+        # Rounding can leave -1 ulp; a variance is never negative.
+        variance = variance.clamp_min(0.0)
+        return phi, variance + phi * phi, variance
+
+    def moments(self, mean, std, return_variance: bool = False):
+        """``(E[g(z)], E[g(z)^2])`` (and ``Var[g(z)]`` if asked) for ``z ~ N(mean, std^2)``.
+
+        Paper eq. (9) (``Phi``, ``Upsilon``). On CPU float32/float64 tensors this runs the
+        fused kernels of :mod:`cfbnn_cli.moments.fast` (unless switched off), elsewhere
+        the reference torch ops; both compute the same cancellation-free forms.
+        """
+        mean, std = check_mean_std(mean, std)
+        mean, std = torch.broadcast_tensors(mean, std)
+        op = self.cpu_kernels if fast.usable(mean) else None
+        if op is not None:
+            phi, upsilon, variance = fast.moments(op, mean, std, return_variance)
+        elif self.operator is not None and ops.device_kernels_apply(mean):
+            # off the CPU: one operator (cfbnn::<name>_moments, a Triton kernel each way) in place
+            # of the reference path's ~40 small kernels
+            phi, upsilon, variance = self.operator(mean, std)
+        else:
+            phi, upsilon, variance = self._reference_moments(mean, std)
+        if return_variance:
+            return phi, upsilon, variance
+        return phi, upsilon
+
+    def variance(self, mean, std) -> torch.Tensor:
+        """``Var[g(z)]`` computed directly (no ``Upsilon - Phi^2`` cancellation)."""
+        return self.moments(mean, std, return_variance=True)[2]
+
+    def mean(self, mean, std) -> torch.Tensor:
+        """``E[g(z)]`` only."""
+        return self.moments(mean, std)[0]
+
+    def as_piecewise_polynomial(self):
+        """The same function as a :class:`~.piecewise_polynomial.PiecewisePolynomial` (for cross-checks)."""
+        raise NotImplementedError(f"{self.name} has no piecewise-polynomial form")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def check_real(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"`{name}` must be a real number; got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be finite; got {value!r}")
+    return value
