@@ -307,21 +307,10 @@ class BayesianNetwork(nn.Module):
             self, x, y, noise=noise, generator=generator, num_samples=num_samples, objective=objective
         )
 
-    def expected_log_likelihood(
-        self,
-        x,
-        y,
-        *,
-        estimator: EstimatorLike = "analytic",
-        noise=None,
-        generator=None,
-        num_samples: int = 1,
-        objective: Optional[str] = None,
-    ):
-        """The summed ``E_q[sum_n log p(y_n | x_n, W)]`` (eq. (7) for the Normal likelihood)."""
-        return self.expected_log_likelihood_per_point(
-            x, y, estimator=estimator, noise=noise, generator=generator, num_samples=num_samples, objective=objective
-        ).sum(-1)
+    def expected_log_likelihood(self, x, y, **options):
+        """The summed ``E_q[sum_n log p(y_n | x_n, W)]`` (eq. (7) for the Normal likelihood); the
+        options (by keyword) of :meth:`expected_log_likelihood_per_point`."""
+        return self.expected_log_likelihood_per_point(x, y, **options).sum(-1)
 
     def elbo(
         self,

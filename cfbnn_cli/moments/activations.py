@@ -50,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import fast, ops
+from . import fast, kernel_handles, ops
 from .activation_base import Activation, check_real
 from .gaussian import (
     check_mean_std,
@@ -92,7 +92,7 @@ class ReLU(Activation):
         return torch.relu(x)
 
     def _kernels(self):
-        return fast.ReLUOp(self._reference_moments)
+        return kernel_handles.ReLUOp(self._reference_moments)
 
     def _moments(self, mean, std):
         # float64 results are wanted to 1e-10 out to |t| = 40, beyond the reach of the
@@ -148,7 +148,7 @@ class LeakyReLU(Activation):
         return torch.where(x >= 0, x, self.negative_slope * x)
 
     def _kernels(self):
-        return fast.LeakyReLUOp(self._reference_moments, self.negative_slope)
+        return kernel_handles.LeakyReLUOp(self._reference_moments, self.negative_slope)
 
     def _moments(self, mean, std):
         eps = self.negative_slope
@@ -183,7 +183,7 @@ class ReLUSquared(Activation):
         return torch.relu(x) ** 2
 
     def _kernels(self):
-        return fast.ReLUSquaredOp(self._reference_moments)
+        return kernel_handles.ReLUSquaredOp(self._reference_moments)
 
     def _moments(self, mean, std):
         tail = small_tail(mean, std, 4)
@@ -211,7 +211,7 @@ class Identity(Activation):
         return x
 
     def _kernels(self):
-        return fast.IdentityOp(self._reference_moments)
+        return kernel_handles.IdentityOp(self._reference_moments)
 
     def _moments(self, mean, std):
         return mean, std * std

@@ -65,12 +65,6 @@ __all__ = [
     "count_negative",
     "relu_mean",
     "piecewise_supported",
-    "ReLUOp",
-    "LeakyReLUOp",
-    "ReLUSquaredOp",
-    "IdentityOp",
-    "PiecewiseOp",
-    "HardSigmoidOp",
 ]
 
 from .elbo_kernels import (  # noqa: F401 - the ELBO kernels, re-exported for bnn.fused and bnn.network
@@ -86,17 +80,7 @@ from .elbo_kernels import (  # noqa: F401 - the ELBO kernels, re-exported for bn
     normal_rows,
     normal_tail,
 )
-from .kernel_handles import (  # noqa: F401 - the activations' kernel handles, re-exported
-    HardSigmoidOp,
-    IdentityOp,
-    KernelHandle,
-    LeakyReLUOp,
-    PiecewiseOp,
-    ReLUOp,
-    ReLUSquaredOp,
-    placeholder,
-    reference_vjp,
-)
+from .kernel_handles import KernelHandle
 from .kernel_library import (  # noqa: F401 - the fast path's switches and library, re-exported
     _ABI,
     _ENV_CACHE,

@@ -105,53 +105,91 @@ def _combine(a, b):
     return a + b
 
 
-class ReLUOp(KernelHandle):
+def recomputing_forward(function, mean, std, parameters, want_var: bool, empty_slots: int):
+    """``(Phi, Upsilon, Var or a placeholder)`` from a forward kernel that saves nothing:
+    ``function(n, mean, std, *parameters, phi, ups, var, <empty_slots NULLs>, threads)``."""
+    phi = torch.empty(mean.shape, dtype=mean.dtype)
+    ups = torch.empty(mean.shape, dtype=mean.dtype)
+    var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
+    function(
+        mean.numel(),
+        mean.data_ptr(),
+        std.data_ptr(),
+        *parameters,
+        phi.data_ptr(),
+        ups.data_ptr(),
+        data_pointer(var),
+        *(None,) * empty_slots,
+        torch.get_num_threads(),
+    )
+    return phi, ups, var if var is not None else placeholder(mean)
+
+
+def recomputing_backward(function, mean, std, phi, parameters, grads):
+    """``(d mean, d std)`` from a backward kernel that recomputes the partial derivatives from the
+    inputs and Phi: ``function(n, mean, std, *parameters, phi, <three gradients>, gm, gs, threads)``."""
+    gm = torch.empty(mean.shape, dtype=mean.dtype)
+    gs = torch.empty(mean.shape, dtype=mean.dtype)
+    # (the third of each: the tensor behind the pointer, kept alive until the kernel returns)
+    (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (gradient_pointer(g) for g in grads)
+    function(
+        mean.numel(),
+        mean.data_ptr(),
+        std.data_ptr(),
+        *parameters,
+        phi.data_ptr(),
+        p_ptr,
+        p_scalar,
+        u_ptr,
+        u_scalar,
+        v_ptr,
+        v_scalar,
+        gm.data_ptr(),
+        gs.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return gm, gs
+
+
+class _RecomputingOp(KernelHandle):
+    """ReLU, leaky ReLU and ReLU^2: nothing saved but the inputs and Phi; the backward kernel
+    recomputes the partial derivatives per block (one cheap forward pass) instead of allocating,
+    writing and re-reading four buffers."""
+
+    saved_count = 0
+    kernel = ""
+    backward_from_inputs = True
+    forward_slots = 4  # the forward kernel's trailing outputs left empty (partials it need not save)
+
+    def _eps(self, dtype):
+        """The activation's parameters, as the kernels take them (none by default)."""
+        return ()
+
+    def forward(self, mean, std, want_var, need_grad):
+        function = kernel_function(self.kernel + "_forward", mean.dtype)
+        return recomputing_forward(function, mean, std, self._eps(mean.dtype), want_var, self.forward_slots)
+
+    def backward(self, mean, std, phi, saved, grads, plain=False):
+        if plain or (plain_tensors(mean, *grads) and KernelState.library is not None):
+            function = kernel_function(self.kernel + "_backward", mean.dtype)
+            return recomputing_backward(function, mean, std, phi, self._eps(mean.dtype), grads)
+        return self.fallback_backward(mean, std, phi, grads)
+
+    def fallback_backward(self, mean, std, phi, grads):
+        # wrapped tensors without create_graph: the reference's vector-Jacobian product
+        return reference_vjp(self, mean, std, grads, create_graph=False)
+
+
+class ReLUOp(_RecomputingOp):
     """ReLU: the forward saves nothing beyond its inputs and Phi; the backward kernel recomputes
     the two Gaussian factors block by block (cheaper than allocating, writing and re-reading
     them: on this path memory traffic and fresh pages cost more than an exp)."""
 
-    saved_count = 0
+    kernel = "relu"
     tail_kind = 0
-    backward_from_inputs = True
+    forward_slots = 2
 
-    def forward(self, mean, std, want_var, need_grad):
-        phi = torch.empty(mean.shape, dtype=mean.dtype)
-        ups = torch.empty(mean.shape, dtype=mean.dtype)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        kernel_function("relu_forward", mean.dtype)(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            phi.data_ptr(),
-            ups.data_ptr(),
-            data_pointer(var),
-            None,
-            None,
-            torch.get_num_threads(),
-        )
-        return phi, ups, var if var is not None else placeholder(mean)
-
-    def backward(self, mean, std, phi, saved, grads, plain=False):
-        if plain or (plain_tensors(mean, *grads) and KernelState.library is not None):
-            gm = torch.empty(mean.shape, dtype=mean.dtype)
-            gs = torch.empty(mean.shape, dtype=mean.dtype)
-            (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (gradient_pointer(g) for g in grads)
-            kernel_function("relu_backward", mean.dtype)(
-                mean.numel(),
-                mean.data_ptr(),
-                std.data_ptr(),
-                phi.data_ptr(),
-                p_ptr,
-                p_scalar,
-                u_ptr,
-                u_scalar,
-                v_ptr,
-                v_scalar,
-                gm.data_ptr(),
-                gs.data_ptr(),
-                torch.get_num_threads(),
-            )
-            return gm, gs
+    def fallback_backward(self, mean, std, phi, grads):
         with torch.no_grad():
             return self.differentiable_backward(mean, std, phi, grads)
 
@@ -171,60 +209,6 @@ class _PartialsOp(KernelHandle):
 
     def backward(self, mean, std, phi, saved, grads, plain=False):
         return _partials_backward(phi, saved, grads, plain=plain)
-
-
-class _RecomputingOp(KernelHandle):
-    """Leaky ReLU and ReLU^2: like ReLU, nothing saved; the backward kernel recomputes the four
-    partial derivatives per block (one cheap forward pass) instead of allocating four buffers."""
-
-    saved_count = 0
-    kernel = ""
-    backward_from_inputs = True
-
-    def forward(self, mean, std, want_var, need_grad):
-        phi = torch.empty(mean.shape, dtype=mean.dtype)
-        ups = torch.empty(mean.shape, dtype=mean.dtype)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        kernel_function(self.kernel + "_forward", mean.dtype)(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            *self._eps(mean.dtype),
-            phi.data_ptr(),
-            ups.data_ptr(),
-            data_pointer(var),
-            None,
-            None,
-            None,
-            None,
-            torch.get_num_threads(),
-        )
-        return phi, ups, var if var is not None else placeholder(mean)
-
-    def backward(self, mean, std, phi, saved, grads, plain=False):
-        if plain or (plain_tensors(mean, *grads) and KernelState.library is not None):
-            gm = torch.empty(mean.shape, dtype=mean.dtype)
-            gs = torch.empty(mean.shape, dtype=mean.dtype)
-            (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (gradient_pointer(g) for g in grads)
-            kernel_function(self.kernel + "_backward", mean.dtype)(
-                mean.numel(),
-                mean.data_ptr(),
-                std.data_ptr(),
-                *self._eps(mean.dtype),
-                phi.data_ptr(),
-                p_ptr,
-                p_scalar,
-                u_ptr,
-                u_scalar,
-                v_ptr,
-                v_scalar,
-                gm.data_ptr(),
-                gs.data_ptr(),
-                torch.get_num_threads(),
-            )
-            return gm, gs
-        # wrapped tensors without create_graph: the reference's vector-Jacobian product
-        return reference_vjp(self, mean, std, grads, create_graph=False)
 
 
 class LeakyReLUOp(_RecomputingOp):
@@ -324,54 +308,16 @@ class HardSigmoidOp(PiecewiseOp):
     def forward(self, mean, std, want_var, need_grad):
         if mean.dtype != torch.float32:
             return super().forward(mean, std, want_var, need_grad)
-        phi = torch.empty(mean.shape, dtype=mean.dtype)
-        ups = torch.empty(mean.shape, dtype=mean.dtype)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        KernelState.library.hs_forward_f32(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            *self._tables(mean.dtype),
-            self.a,
-            self.sign,
-            phi.data_ptr(),
-            ups.data_ptr(),
-            data_pointer(var),
-            None,
-            None,
-            None,
-            None,
-            torch.get_num_threads(),
-        )
-        return phi, ups, var if var is not None else placeholder(mean)
+        parameters = (*self._tables(mean.dtype), self.a, self.sign)
+        return recomputing_forward(KernelState.library.hs_forward_f32, mean, std, parameters, want_var, 4)
 
     def backward(self, mean, std, phi, saved, grads, plain=False):
         if mean.dtype != torch.float32:
             return super().backward(mean, std, phi, saved, grads, plain=plain)
         if not (plain or (plain_tensors(mean, *grads) and KernelState.library is not None)):
             return reference_vjp(self, mean, std, grads, create_graph=False)
-        gm = torch.empty(mean.shape, dtype=mean.dtype)
-        gs = torch.empty(mean.shape, dtype=mean.dtype)
-        (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (gradient_pointer(g) for g in grads)
-        KernelState.library.hs_backward_f32(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            *self._tables(mean.dtype),
-            self.a,
-            self.sign,
-            phi.data_ptr(),
-            p_ptr,
-            p_scalar,
-            u_ptr,
-            u_scalar,
-            v_ptr,
-            v_scalar,
-            gm.data_ptr(),
-            gs.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return gm, gs
+        parameters = (*self._tables(mean.dtype), self.a, self.sign)
+        return recomputing_backward(KernelState.library.hs_backward_f32, mean, std, phi, parameters, grads)
 
 
 def placeholder(mean):

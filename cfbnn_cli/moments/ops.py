@@ -31,7 +31,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import fast
+from . import fast, kernel_handles
 from .gaussian import align_batched, is_transformed, standard_normal_cdf, standard_normal_pdf, standardize
 from .relu_reference import relu_forward
 
@@ -172,7 +172,7 @@ def _relu_moments_cpu(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor
     mean, std = mean.contiguous(), std.contiguous()
     if fast.load_kernels() is None:  # no compiler: the reference ops (fresh tensors, as an op must return)
         return tuple(value.clone() for value in _reference_forward(mean, std))
-    phi, ups, var = fast.ReLUOp(None).forward(mean, std, True, False)
+    phi, ups, var = kernel_handles.ReLUOp(None).forward(mean, std, True, False)
     return phi, ups, var
 
 
@@ -182,7 +182,7 @@ def _relu_moments_backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_vari
     if fast.load_kernels() is None:
         return _differentiable_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
     contiguous = [t.contiguous() for t in (mean, std, phi)]
-    return fast.ReLUOp(None).backward(*contiguous, (), (grad_phi, grad_upsilon, grad_variance), plain=True)
+    return kernel_handles.ReLUOp(None).backward(*contiguous, (), (grad_phi, grad_upsilon, grad_variance), plain=True)
 
 
 @relu_moments.register_fake

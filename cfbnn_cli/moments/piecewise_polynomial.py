@@ -9,7 +9,7 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import fast
+from . import fast, kernel_handles
 from .activation_base import Activation, check_real
 from .gaussian import (
     positive_part_moments,
@@ -144,7 +144,7 @@ class PiecewisePolynomial(Activation):
     def _kernels(self):
         if not fast.piecewise_supported(self.breakpoints, self.polynomials):
             return None
-        return fast.PiecewiseOp(self._reference_moments, self.breakpoints, self.polynomials)
+        return kernel_handles.PiecewiseOp(self._reference_moments, self.breakpoints, self.polynomials)
 
     def _moments(self, mean, std):
         positive = std > 0
@@ -284,7 +284,7 @@ class HardSigmoid(PiecewisePolynomial):
     def _kernels(self):
         if self.alpha == 0.0:
             return super()._kernels()
-        return fast.HardSigmoidOp(self._reference_moments, self.alpha, self.breakpoints, self.polynomials)
+        return kernel_handles.HardSigmoidOp(self._reference_moments, self.alpha, self.breakpoints, self.polynomials)
 
     def __call__(self, x):
         # (|x + alpha| - |x - alpha|) / 2 rounds; the clamp it equals is exact.

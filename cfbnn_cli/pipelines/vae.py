@@ -35,9 +35,8 @@ from ..run_values import RunValues, parse_run_values
 from ..runtime.checks import require_choice, require_int, require_positive_float, require_present_bounds, require_widths
 from ..runtime.cuda_graphs import GraphedCall
 from ..runtime.errors import ConfigError
-from ..runtime.rundir import config_fingerprint
 from ..runtime.seed import seed_everything
-from ..train import TrainingLoop
+from ..train import TrainingLoop, loop_from_config
 
 log = logging.getLogger(__name__)
 VARIANT_CHOICES = ["all", *VARIANTS]
@@ -195,29 +194,26 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
             )
         }
 
-    loop = TrainingLoop(
+    # epoch_cap: the bar shows the cap, not the epoch run one at a time; log_summary: said once below,
+    # not after every epoch
+    loop = loop_from_config(
+        cfg,
+        run_dir,
         model,
         optimizer,
         lambda rows: negative_elbo_per_point(x_train[rows]),
         num_data,
-        cfg.trainer.batch_size,
         device,
-        epochs=cfg.trainer.epochs,
         data_generator=generator,
-        generators={"sampler": sampler},
+        sampler=sampler,
         checkpoint_dir=run_dir / "checkpoints" / variant,
-        fingerprint=config_fingerprint(cfg, run_dir),
-        resume=cfg.resume,
         evaluate=validation_elbo,
         select=("val_elbo_per_point", "max"),
-        metrics_path=run_dir / "metrics.csv",
         metrics_prefix=earlier_rows,
         row_fields={"variant": variant},
         label=variant,
-        config=OmegaConf.to_container(cfg, resolve=True),
-        cuda_graphs=cfg.trainer.cuda_graphs,
-        epoch_cap=cfg.trainer.epochs,  # the bar shows the cap, not the epoch run one at a time
-        log_summary=False,  # said once below, not after every epoch
+        epoch_cap=cfg.trainer.epochs,
+        log_summary=False,
     )
     loop.restore()
     stopped = train_with_patience(loop, cfg.trainer.epochs, OmegaConf.select(cfg, "trainer.patience"))

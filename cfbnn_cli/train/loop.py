@@ -363,3 +363,47 @@ class TrainingLoop:
                 ", stopped early" if self.stopped_early else ""
             )
         return text
+
+
+def loop_from_config(
+    cfg,
+    run_dir,
+    model,
+    optimizer,
+    loss,
+    num_data: int,
+    device,
+    *,
+    data_generator,
+    sampler,
+    checkpoint_dir=None,
+    **options,
+) -> TrainingLoop:
+    """A :class:`TrainingLoop` set up from a command's config as every pipeline sets it:
+    ``trainer.batch_size``, ``trainer.epochs``, ``trainer.cuda_graphs`` and ``resume``; checkpoints
+    in ``<run dir>/checkpoints`` (or ``checkpoint_dir``), the metrics in ``<run dir>/metrics.csv``,
+    the config's fingerprint and the resolved config in them; ``sampler`` checkpointed with the
+    model. ``options``: the pipeline's own fields (evaluation, selection, labels)."""
+    from omegaconf import OmegaConf
+
+    from ..runtime.rundir import config_fingerprint
+
+    run_dir = Path(run_dir)
+    return TrainingLoop(
+        model,
+        optimizer,
+        loss,
+        num_data,
+        cfg.trainer.batch_size,
+        device,
+        epochs=cfg.trainer.epochs,
+        data_generator=data_generator,
+        generators={"sampler": sampler},
+        checkpoint_dir=checkpoint_dir or run_dir / "checkpoints",
+        fingerprint=config_fingerprint(cfg, run_dir),
+        resume=cfg.resume,
+        metrics_path=run_dir / "metrics.csv",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        cuda_graphs=cfg.trainer.cuda_graphs,
+        **options,
+    )

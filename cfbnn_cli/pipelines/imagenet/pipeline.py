@@ -47,9 +47,8 @@ from ...runtime.checks import (
 )
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_torch_save
-from ...runtime.rundir import config_fingerprint
 from ...runtime.seed import seed_everything
-from ...train import TrainingLoop
+from ...train import loop_from_config
 from . import features as feature_cache
 from .prediction import batched, evaluate, top_k_correct
 
@@ -176,26 +175,20 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         means = torch.cat([m for m, _ in batched(model.output_moments, data["x_val"], cfg.evaluation.batch_size)])
         return {"val_top1": float(top_k_correct(means, data["y_val"], 1).double().mean())}
 
-    loop = TrainingLoop(
+    loop = loop_from_config(
+        cfg,
+        run_dir,
         model,
         optimizer,
         loss,
         num_data,
-        cfg.trainer.batch_size,
         device,
-        epochs=cfg.trainer.epochs,
         data_generator=generator,
-        generators={"sampler": sampler},
-        checkpoint_dir=run_dir / "checkpoints",
-        fingerprint=config_fingerprint(cfg, run_dir),
-        resume=cfg.resume,
+        sampler=sampler,
         evaluate=validation_accuracy,
         select=("val_top1", "max"),
         best_payload=lambda: {"sizes": _sizes(data)},
-        metrics_path=run_dir / "metrics.csv",
         label=f"head ({cfg.objective})",
-        config=OmegaConf.to_container(cfg, resolve=True),
-        cuda_graphs=cfg.trainer.cuda_graphs,
     )
     loop.restore()
     result = loop.run()

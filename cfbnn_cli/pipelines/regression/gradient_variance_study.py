@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import pandas as pd
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
@@ -46,9 +46,8 @@ from ...runtime import distributed
 from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
-from ...runtime.rundir import config_fingerprint
 from ...runtime.seed import seed_everything
-from ...train import TrainingLoop
+from ...train import loop_from_config
 from .model_file import save_regression_model
 
 log = logging.getLogger(__name__)
@@ -454,27 +453,21 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         if epoch in gv_epochs and distributed.is_main():  # only rank 0 measures
             gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
 
-    loop = TrainingLoop(
+    loop = loop_from_config(
+        cfg,
+        run_dir,
         model,
         optimizer,
         loss,
         num_data,
-        cfg.trainer.batch_size,
         device,
-        epochs=cfg.trainer.epochs,
         data_generator=generator,
-        generators={"sampler": sample_generator},
-        checkpoint_dir=run_dir / "checkpoints",
-        fingerprint=config_fingerprint(cfg, run_dir),
-        resume=cfg.resume,
+        sampler=sample_generator,
         evaluate=evaluate_epoch,
         after_epoch=measure,
-        metrics_path=run_dir / "metrics.csv",
         objective_scale=1.0 / num_data,
         label="train",
         extra={"gradient_variance": {}},
-        config=OmegaConf.to_container(cfg, resolve=True),
-        cuda_graphs=cfg.trainer.cuda_graphs,
     )
     loop.restore()
     gv_results: Dict[int, dict] = loop.extra["gradient_variance"]
