@@ -8,7 +8,7 @@ For each size (D inputs, H hidden units, one output, batch 500) it times one for
 backward pass of
 
   (i)   the closed-form ELBO (the default path: fused C++ moments and the fused hot path of
-        bnn/fused.py) with diagonal, full and low-rank (r=10) q(a_h); the diagonal one also
+        bnn/fused/) with diagonal, full and low-rank (r=10) q(a_h); the diagonal one also
         with the reference torch moments (``set_fast_path(False)``) and, with --compile,
         under torch.compile;
   (ii)  the 1-sample local-reparameterization ELBO (diagonal q);

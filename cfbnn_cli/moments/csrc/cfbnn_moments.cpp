@@ -737,7 +737,7 @@ static int64_t count_negative(int64_t n, const T* s, int nthreads) {
 
 /* The activation's moments and the output layer integrated exactly, for a (rows, H) block of
    pre-activation means m and variances s (the standard deviation is taken here) and one output with column weights w_phi = loc_c, w_var =
-   loc_c^2, w_ups = Var W_c (bnn/fused.py, eqs. (7)-(9)):
+   loc_c^2, w_ups = Var W_c (bnn/fused/normal_ell.py, eqs. (7)-(9)):
 
    forward:   mean_r = sum_c Phi_rc w_phi_c,  spread_r = sum_c (Var_rc w_var_c + Ups_rc w_ups_c);
    backward:  for dL/d mean_r = u_r and dL/d spread_r = k_r, the gradients of (m, s) (mean, variance)
@@ -794,7 +794,7 @@ static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const 
       const int k = (int)(lo + NB < end ? NB : end - lo);
       alignas(64) T f[NB], u[NB], v[NB], a[NB], b[NB], c[NB], d[NB], sd[NB];
       T* outs[7] = {f, u, v, a, b, c, d};
-      {  // the standard deviation from the variance, kept off exact zero (fused.py: _sqrt_floored)
+      {  // the standard deviation from the variance, kept off exact zero (bnn/fused/support.py: sqrt_floored)
         const T* RS vin = s + lo;
         const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
 #pragma omp simd
@@ -849,12 +849,12 @@ static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const 
 }
 
 /* A hidden layer's moments from pre-activation means m and *variances* v (the standard deviation
-   taken here, kept off exact zero as fused.py's _sqrt_floored): forward (Phi, Ups, Var) into
+   taken here, kept off exact zero as bnn/fused/support.py's sqrt_floored): forward (Phi, Ups, Var) into
    o_phi, o_ups, o_var; backward, from dense gradients gp, gu, gv (any may be null: zero), the
    gradients of m and of v. What the moments kernels do after a square root, without the square
    root's two passes forward and its derivative's pass backward. With width > 0 (the n values
    being rows of that width) the forward pass writes Phi and Ups as rows of width + 1 ending in 1:
-   [Phi, 1] and [Ups, 1], the next layer's inputs with its bias column (fused.py). */
+   [Phi, 1] and [Ups, 1], the next layer's inputs with its bias column (bnn/fused/). */
 template <typename T, int KIND>
 static void hidden_pass(bool backward, int64_t n, const T* m, const T* v, double eps, T* o_phi, T* o_ups, T* o_var,
                         const T* gp, const T* gu, const T* gv, T* o_gm, T* o_gv, int64_t width, int nthreads) {
@@ -986,7 +986,7 @@ static void diag_kl_backward(int64_t n, const T* loc, const T* ls, double scaled
 }
 
 /* [x, 1] and [x^2, 1] of a (rows, D) input in one pass: a first layer's inputs with its bias
-   column, for its mean and its variance (fused.py's _DiagonalPreactivation). */
+   column, for its mean and its variance (bnn/fused/preactivation.py: DiagonalPreactivation). */
 template <typename T>
 static void augment_pair(int64_t rows, int64_t D, const T* x, T* aug, T* aug_sq, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && rows * D >= PAR_MIN)
