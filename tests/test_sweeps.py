@@ -37,6 +37,7 @@ def test_two_by_two_sweep_on_a_launcher_gives_four_results_and_one_table(tmp_pat
         assert "torch threads (" in logs and "cfbnn job(s) on this machine" in logs
 
 
+@pytest.mark.slow  # (slow: a whole sweep killed and resumed; resume of one job is in the default suite)
 def test_a_killed_sweep_resumes_with_only_the_missing_jobs(tmp_path, cfbnn):
     sweep = tmp_path / "sweep"
     common = [f"hydra.sweep.dir={sweep}", f"features.cache_dir={tmp_path / 'cache'}", *FAST]

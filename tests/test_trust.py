@@ -171,6 +171,7 @@ def _record(pipeline, metrics, config=None, status="complete"):
     return {"pipeline": pipeline, "schema": 1, "status": status, "config": config or {"seed": 0}, "metrics": metrics}
 
 
+@pytest.mark.slow  # (slow: the truncated-checkpoint test covers the CLI's one-line refusal by default)
 def test_a_checkpoint_of_the_wrong_structure_via_the_cli_is_one_line(finished_run, tmp_path):
     """It loads safely (tensors and plain containers only) but is no training state."""
     run = _copy_run(finished_run, tmp_path / "run")

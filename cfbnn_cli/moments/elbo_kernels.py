@@ -100,7 +100,7 @@ def layer_kernels_apply(op, *tensors) -> bool:
 
 
 def normal_tail(
-    op,  # a kernel_handles.KernelHandle: its kernels (tail_kind, _eps)
+    op,  # a kernel_handles.KernelHandle: its kernels (tail_kind, kernel_parameters)
     mean: torch.Tensor,
     std: torch.Tensor,
     weight_phi: torch.Tensor,
@@ -118,7 +118,7 @@ def normal_tail(
     ``(3, H)`` float64 ``[sum_r u_r Phi_rc, sum_r k_r Var_rc, sum_r k_r Ups_rc]``."""
     rows, width = mean.shape
     threads = torch.get_num_threads()
-    eps = op._eps(mean.dtype)
+    eps = op.kernel_parameters(mean.dtype)
     eps = eps[0] if eps else 0.0
     function = kernel_function("tail_pass", mean.dtype)
     if row_mean_grad is None:
@@ -276,7 +276,7 @@ class MomentsFromVariance(torch.autograd.Function):
         else:
             width, phi, ups = 0, torch.empty_like(mean), torch.empty_like(mean)
         var = torch.empty_like(mean)
-        eps = op._eps(mean.dtype)
+        eps = op.kernel_parameters(mean.dtype)
         kernel_function("hidden_pass", mean.dtype)(
             op.tail_kind,
             0,
@@ -306,7 +306,7 @@ class MomentsFromVariance(torch.autograd.Function):
         mean, variance = ctx.saved_tensors
         grads = [None if g is None else g.contiguous() for g in (grad_phi, grad_ups, grad_var)]
         grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
-        eps = ctx.op._eps(mean.dtype)
+        eps = ctx.op.kernel_parameters(mean.dtype)
         kernel_function("hidden_pass", mean.dtype)(
             ctx.op.tail_kind,
             1,

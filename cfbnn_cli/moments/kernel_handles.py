@@ -40,7 +40,8 @@ class KernelHandle:
     # (:class:`~.fast._KernelBackward`), which a backward pass that builds a graph still runs
     backward_from_inputs = False
 
-    def _eps(self, dtype):
+    def kernel_parameters(self, dtype):
+        """The activation's parameters, as its kernels take them (none by default)."""
         return ()
 
     def __init__(self, reference):
@@ -161,18 +162,16 @@ class _RecomputingOp(KernelHandle):
     backward_from_inputs = True
     forward_slots = 4  # the forward kernel's trailing outputs left empty (partials it need not save)
 
-    def _eps(self, dtype):
-        """The activation's parameters, as the kernels take them (none by default)."""
-        return ()
-
     def forward(self, mean, std, want_var, need_grad):
         function = kernel_function(self.kernel + "_forward", mean.dtype)
-        return recomputing_forward(function, mean, std, self._eps(mean.dtype), want_var, self.forward_slots)
+        return recomputing_forward(
+            function, mean, std, self.kernel_parameters(mean.dtype), want_var, self.forward_slots
+        )
 
     def backward(self, mean, std, phi, saved, grads, plain=False):
         if plain or (plain_tensors(mean, *grads) and KernelState.library is not None):
             function = kernel_function(self.kernel + "_backward", mean.dtype)
-            return recomputing_backward(function, mean, std, phi, self._eps(mean.dtype), grads)
+            return recomputing_backward(function, mean, std, phi, self.kernel_parameters(mean.dtype), grads)
         return self.fallback_backward(mean, std, phi, grads)
 
     def fallback_backward(self, mean, std, phi, grads):
@@ -219,7 +218,7 @@ class LeakyReLUOp(_RecomputingOp):
         super().__init__(reference)
         self.negative_slope = negative_slope
 
-    def _eps(self, dtype):
+    def kernel_parameters(self, dtype):
         eps = self.negative_slope
         if dtype == torch.float32:  # what float32 torch arithmetic multiplies by
             eps = float(np.float32(eps))

@@ -334,7 +334,7 @@ def _starting_means(data, cfg, generator) -> Dict[str, torch.Tensor]:
 
 def _fit_pyro(split: Split, cfg, device, generator):
     import pyro
-    from pyro.infer import Predictive, Trace_ELBO
+    from pyro.infer import Trace_ELBO
     from pyro.infer.autoguide import AutoNormal
     from pyro.infer.autoguide.initialization import init_to_value
 
@@ -355,32 +355,12 @@ def _fit_pyro(split: Split, cfg, device, generator):
     elbo = Trace_ELBO()
     elbo.differentiable_loss(model, guide, data.x_train[:2], data.y_train[:2], data.num_train)  # creates the parameters
     both = torch.nn.ModuleDict({"guide": guide, "model": model})
-
-    def predictor(samples):
-        @torch.no_grad()
-        def predict(x):
-            outputs = Predictive(model, guide=guide, num_samples=samples, return_sites=("_RETURN",))(x)["_RETURN"]
-            return outputs, torch.full_like(outputs, float(model.noise_scale.detach()) ** 2)
-
-        return predict
-
-    return _fit_by_validation(
-        "pyro",
-        both,
-        list(both.parameters()),
-        lambda rows, count: elbo.differentiable_loss(model, guide, data.x_train[rows], data.y_train[rows], count),
-        predictor(cfg.uci.predictive_samples),
-        predictor(cfg.uci.validation_samples),
-        split,
-        cfg,
-        device,
-        lambda: float(model.noise_scale.detach()),
-    )
+    return _fit_svi("pyro", both, model, guide, elbo, lambda: model.noise_scale, split, cfg, device)
 
 
 def _fit_pyro_local_reparameterization(split: Split, cfg, device, generator):
     import pyro
-    from pyro.infer import Predictive, TraceMeanField_ELBO
+    from pyro.infer import TraceMeanField_ELBO
 
     from ...bnn.pyro_glue import PyroLocalReparameterizationRegression
 
@@ -397,29 +377,45 @@ def _fit_pyro_local_reparameterization(split: Split, cfg, device, generator):
         device=device,
     )
     elbo = TraceMeanField_ELBO()  # the weights' KL analytically; the likelihood by local reparameterization
+    return _fit_svi(
+        "pyro_local_reparameterization",
+        model,
+        model.model,
+        model.guide,
+        elbo,
+        lambda: model.noise_scale,
+        split,
+        cfg,
+        device,
+    )
+
+
+def _fit_svi(name, module, model, guide, elbo, noise_scale, split: Split, cfg, device):
+    """A Pyro model/guide trained on ``elbo`` by :func:`_fit_by_validation` (``module`` holds every
+    parameter), predicting through Pyro's ``Predictive`` with the learned noise ``noise_scale()``."""
+    from pyro.infer import Predictive
+
+    data = split.data
 
     def predictor(samples):
         @torch.no_grad()
         def predict(x):
-            outputs = Predictive(model.model, guide=model.guide, num_samples=samples, return_sites=("_RETURN",))(x)
-            outputs = outputs["_RETURN"]
-            return outputs, torch.full_like(outputs, float(model.noise_scale.detach()) ** 2)
+            outputs = Predictive(model, guide=guide, num_samples=samples, return_sites=("_RETURN",))(x)["_RETURN"]
+            return outputs, torch.full_like(outputs, float(noise_scale().detach()) ** 2)
 
         return predict
 
     return _fit_by_validation(
-        "pyro_local_reparameterization",
-        model,
-        list(model.parameters()),
-        lambda rows, count: elbo.differentiable_loss(
-            model.model, model.guide, data.x_train[rows], data.y_train[rows], count
-        ),
+        name,
+        module,
+        list(module.parameters()),
+        lambda rows, count: elbo.differentiable_loss(model, guide, data.x_train[rows], data.y_train[rows], count),
         predictor(cfg.uci.predictive_samples),
         predictor(cfg.uci.validation_samples),
         split,
         cfg,
         device,
-        lambda: float(model.noise_scale.detach()),
+        lambda: float(noise_scale().detach()),
     )
 
 
