@@ -121,19 +121,22 @@ def normal_tail(
     eps = op.kernel_parameters(mean.dtype)
     eps = eps[0] if eps else 0.0
     function = kernel_function("tail_pass", mean.dtype)
-    if row_mean_grad is None:
+    inputs = (
+        mean.data_ptr(),
+        std.data_ptr(),
+        eps,
+        weight_phi.data_ptr(),
+        weight_variance.data_ptr(),
+        weight_second.data_ptr(),
+    )
+    if row_mean_grad is None:  # forward: the two row sums
         mean_sum, spread_sum = mean.new_empty(rows), mean.new_empty(rows)
         function(
             op.tail_kind,
             0,
             rows,
             width,
-            mean.data_ptr(),
-            std.data_ptr(),
-            eps,
-            weight_phi.data_ptr(),
-            weight_variance.data_ptr(),
-            weight_second.data_ptr(),
+            *inputs,
             None,
             None,
             mean_sum.data_ptr(),
@@ -146,26 +149,9 @@ def normal_tail(
         return mean_sum, spread_sum
     grad_mean, grad_std = torch.empty_like(mean), torch.empty_like(std)
     columns = torch.empty(3, width, dtype=torch.float64)
-    function(
-        op.tail_kind,
-        1,
-        rows,
-        width,
-        mean.data_ptr(),
-        std.data_ptr(),
-        eps,
-        weight_phi.data_ptr(),
-        weight_variance.data_ptr(),
-        weight_second.data_ptr(),
-        row_mean_grad.data_ptr(),
-        row_spread_grad.data_ptr(),
-        None,
-        None,
-        grad_mean.data_ptr(),
-        grad_std.data_ptr(),
-        columns.data_ptr(),
-        threads,
-    )
+    gradients = (row_mean_grad.data_ptr(), row_spread_grad.data_ptr())
+    outputs = (grad_mean.data_ptr(), grad_std.data_ptr(), columns.data_ptr())
+    function(op.tail_kind, 1, rows, width, *inputs, *gradients, None, None, *outputs, threads)
     return grad_mean, grad_std, columns
 
 

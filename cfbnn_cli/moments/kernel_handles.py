@@ -60,6 +60,13 @@ class KernelHandle:
         return reference_vjp(self, mean, std, grads)
 
 
+def gradient_arguments(grads):
+    """The kernels' six gradient arguments ``(pointer, is_scalar)`` for the gradients of Phi,
+    Upsilon and Var, and the tensors behind the pointers (to keep alive while the kernel runs)."""
+    pointers = [gradient_pointer(g) for g in grads]
+    return tuple(value for pointer, scalar, _ in pointers for value in (pointer, scalar)), [t for *_, t in pointers]
+
+
 def _outputs(mean, count):
     return [torch.empty(mean.shape, dtype=mean.dtype) for _ in range(count)]
 
@@ -70,7 +77,7 @@ def _partials_backward(phi, saved, grads, torch_ops=False, plain=False):
     gp, gu, gv = grads
     if not torch_ops and (plain or (plain_tensors(phi, pm, gp, gu, gv) and KernelState.library is not None)):
         gm, gs = _outputs(phi, 2)
-        (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (gradient_pointer(g) for g in grads)
+        arguments, alive = gradient_arguments(grads)
         kernel_function("partials_backward", phi.dtype)(
             phi.numel(),
             phi.data_ptr(),
@@ -78,16 +85,12 @@ def _partials_backward(phi, saved, grads, torch_ops=False, plain=False):
             ps.data_ptr(),
             vm.data_ptr(),
             vs.data_ptr(),
-            p_ptr,
-            p_scalar,
-            u_ptr,
-            u_scalar,
-            v_ptr,
-            v_scalar,
+            *arguments,
             gm.data_ptr(),
             gs.data_ptr(),
             torch.get_num_threads(),
         )
+        del alive  # (held until the kernel has returned)
         return gm, gs
     first = _combine(gp, None if gu is None else 2.0 * phi * gu)
     second = _combine(gu, gv)
@@ -131,24 +134,19 @@ def recomputing_backward(function, mean, std, phi, parameters, grads):
     inputs and Phi: ``function(n, mean, std, *parameters, phi, <three gradients>, gm, gs, threads)``."""
     gm = torch.empty(mean.shape, dtype=mean.dtype)
     gs = torch.empty(mean.shape, dtype=mean.dtype)
-    # (the third of each: the tensor behind the pointer, kept alive until the kernel returns)
-    (p_ptr, p_scalar, gp), (u_ptr, u_scalar, gu), (v_ptr, v_scalar, gv) = (gradient_pointer(g) for g in grads)
+    arguments, alive = gradient_arguments(grads)
     function(
         mean.numel(),
         mean.data_ptr(),
         std.data_ptr(),
         *parameters,
         phi.data_ptr(),
-        p_ptr,
-        p_scalar,
-        u_ptr,
-        u_scalar,
-        v_ptr,
-        v_scalar,
+        *arguments,
         gm.data_ptr(),
         gs.data_ptr(),
         torch.get_num_threads(),
     )
+    del alive  # (held until the kernel has returned)
     return gm, gs
 
 
@@ -234,18 +232,7 @@ class IdentityOp(KernelHandle):
     saved_count = 0
 
     def forward(self, mean, std, want_var, need_grad):
-        phi, ups = _outputs(mean, 2)
-        var = torch.empty(mean.shape, dtype=mean.dtype) if want_var else None
-        kernel_function("identity_forward", mean.dtype)(
-            mean.numel(),
-            mean.data_ptr(),
-            std.data_ptr(),
-            phi.data_ptr(),
-            ups.data_ptr(),
-            data_pointer(var),
-            torch.get_num_threads(),
-        )
-        return (phi, ups, var if var is not None else placeholder(mean))
+        return recomputing_forward(kernel_function("identity_forward", mean.dtype), mean, std, (), want_var, 0)
 
     def differentiable_backward(self, mean, std, phi, grads):
         return self.backward(mean, std, phi, (), grads)

@@ -196,16 +196,7 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
 
     # epoch_cap: the bar shows the cap, not the epoch run one at a time; log_summary: said once below,
     # not after every epoch
-    loop = loop_from_config(
-        cfg,
-        run_dir,
-        model,
-        optimizer,
-        lambda rows: negative_elbo_per_point(x_train[rows]),
-        num_data,
-        device,
-        data_generator=generator,
-        sampler=sampler,
+    options = dict(
         checkpoint_dir=run_dir / "checkpoints" / variant,
         evaluate=validation_elbo,
         select=("val_elbo_per_point", "max"),
@@ -214,6 +205,18 @@ def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: P
         label=variant,
         epoch_cap=cfg.trainer.epochs,
         log_summary=False,
+    )
+    loop = loop_from_config(
+        cfg,
+        run_dir,
+        model,
+        optimizer,
+        lambda rows: negative_elbo_per_point(x_train[rows]),
+        num_data,
+        device,
+        generator,
+        sampler,
+        **options,
     )
     loop.restore()
     stopped = train_with_patience(loop, cfg.trainer.epochs, OmegaConf.select(cfg, "trainer.patience"))

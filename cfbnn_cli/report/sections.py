@@ -286,6 +286,11 @@ def figure_table1(runs, path) -> Optional[str]:
     return save_figure(fig, path)
 
 
+def _errorbar(ax, x, stats: Sequence[Stat], **style):
+    """The means of ``stats`` at ``x``, ± one standard error (none where a single run gives no s.e.)."""
+    return ax.errorbar(x, [s.mean for s in stats], yerr=[s.se or 0.0 for s in stats], **style)
+
+
 def figure_vae(runs, path) -> Optional[str]:
     variants = sorted({v for run in runs for v in vae_variants_of(run)})
     if not variants:
@@ -293,10 +298,10 @@ def figure_vae(runs, path) -> Optional[str]:
     fig, axes = new_figure(1, width=4.2, height=3.2)
     ax = axes[0]
     stats = [metric_stat([r for r in runs if v in vae_variants_of(r)], f"vae/{v}/test_ll") for v in variants]
-    ax.errorbar(
+    _errorbar(
+        ax,
         range(len(variants)),
-        [s.mean for s in stats],
-        yerr=[s.se or 0.0 for s in stats],
+        stats,
         fmt="s",
         ms=6,
         capsize=4,
@@ -334,10 +339,10 @@ def figure_figure1(runs, path) -> Optional[str]:
             values = [run["metrics"].get(f"monte_carlo/N{n}/top{kk}_mean") for n in inner]
             ax.plot(inner, values, "-", lw=0.8, color="C0", alpha=0.35, label="Monte Carlo: one run (seed)")
         stats = [metric_stat(runs, f"monte_carlo/N{n}/top{kk}_mean") for n in inner]
-        ax.errorbar(
+        _errorbar(
+            ax,
             inner,
-            [s.mean for s in stats],
-            yerr=[s.se or 0.0 for s in stats],
+            stats,
             fmt="o-",
             ms=4,
             capsize=2,

@@ -366,18 +366,7 @@ class TrainingLoop:
 
 
 def loop_from_config(
-    cfg,
-    run_dir,
-    model,
-    optimizer,
-    loss,
-    num_data: int,
-    device,
-    *,
-    data_generator,
-    sampler,
-    checkpoint_dir=None,
-    **options,
+    cfg, run_dir, model, optimizer, loss, num_data: int, device, data_generator, sampler, checkpoint_dir=None, **options
 ) -> TrainingLoop:
     """A :class:`TrainingLoop` set up from a command's config as every pipeline sets it:
     ``trainer.batch_size``, ``trainer.epochs``, ``trainer.cuda_graphs`` and ``resume``; checkpoints

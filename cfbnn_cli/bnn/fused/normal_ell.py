@@ -223,16 +223,7 @@ def normal_tail_op(activation, loc: torch.Tensor, *tensors):
     return layer_kernel_op(activation, loc, *tensors) if loc.shape[0] == 1 else None
 
 
-def normal_ell_given_preactivation(
-    gamma: torch.Tensor,
-    xi2: torch.Tensor,
-    op,
-    loc: torch.Tensor,
-    log_scale: torch.Tensor,
-    y: torch.Tensor,
-    log_precision: torch.Tensor,
-    bias: bool = True,
-) -> torch.Tensor:
+def normal_ell_given_preactivation(gamma, xi2, op, loc, log_scale, y, log_precision, bias: bool = True) -> torch.Tensor:
     """``E_q[log N(y_n | W [g(a), 1], 1/beta)]`` per data point for last-hidden-layer
     pre-activations ``a ~ N(gamma, xi2)`` (independent units; ``xi2`` the variance) and a
     diagonal q over a one-output layer ``W`` (``loc``/``log_scale`` ``(1, H[+1])``):

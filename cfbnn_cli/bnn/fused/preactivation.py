@@ -264,6 +264,11 @@ class PropagatedPreactivation(torch.autograd.Function):
 _PropagatedPreactivationClassic = support.classic_twin(PropagatedPreactivation)
 
 
+def _propagated(*arguments):
+    """:class:`PropagatedPreactivation` (its classic twin outside torch.func transforms)."""
+    return support.apply(PropagatedPreactivation, _PropagatedPreactivationClassic, *arguments)
+
+
 def propagated_preactivation(
     phi: torch.Tensor,
     variance: torch.Tensor,
@@ -278,17 +283,7 @@ def propagated_preactivation(
 
     ``second_moment`` is ``E[h^2]`` when the caller has it (the activation kernels return it as
     Upsilon, eq. (9)): it then carries its own gradient, and ``phi^2 + variance`` is not formed."""
-    return support.apply(
-        PropagatedPreactivation,
-        _PropagatedPreactivationClassic,
-        phi,
-        variance,
-        second_moment,
-        loc,
-        log_scale,
-        bias,
-        False,
-    )[:2]
+    return _propagated(phi, variance, second_moment, loc, log_scale, bias, False)[:2]
 
 
 def propagated_preactivation_and_kl(
@@ -304,38 +299,10 @@ def propagated_preactivation_and_kl(
     """``(gamma, xi or xi^2, KL)``: :func:`propagated_preactivation` with the layer's KL folded
     in, as :func:`diagonal_preactivation_and_kl` (``KL`` ``None`` where that does not apply)."""
     return support.with_folded_kl(
-        support.apply(
-            PropagatedPreactivation,
-            _PropagatedPreactivationClassic,
-            phi,
-            variance,
-            second_moment,
-            loc,
-            log_scale,
-            bias,
-            variance_output,
-            float(prior_variance),
-        )
+        _propagated(phi, variance, second_moment, loc, log_scale, bias, variance_output, float(prior_variance))
     )
 
 
-def propagated_preactivation_variance(
-    phi: torch.Tensor,
-    variance: torch.Tensor,
-    loc: torch.Tensor,
-    log_scale: torch.Tensor,
-    bias: bool = True,
-    second_moment: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def propagated_preactivation_variance(phi, variance, loc, log_scale, bias: bool = True, second_moment=None):
     """:func:`propagated_preactivation` with the variance ``xi^2`` in place of ``xi``."""
-    return support.apply(
-        PropagatedPreactivation,
-        _PropagatedPreactivationClassic,
-        phi,
-        variance,
-        second_moment,
-        loc,
-        log_scale,
-        bias,
-        True,
-    )[:2]
+    return _propagated(phi, variance, second_moment, loc, log_scale, bias, True)[:2]

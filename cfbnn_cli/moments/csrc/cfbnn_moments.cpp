@@ -324,6 +324,41 @@ INLINE void load_grad(const T* src, int scalar, int64_t off, int n, T* RS dst) {
   }
 }
 
+/* f(lo, k) for each block [lo, lo + k) of NB elements of [0, n), the blocks shared statically among
+   nthreads (one thread below PAR_MIN elements), float denormals flushed in each thread. */
+template <typename T, typename F>
+INLINE void for_each_block(int64_t n, int nthreads, F f) {
+  const int64_t nblocks = (n + NB - 1) / NB;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
+  {
+    FlushDenormals ftz(sizeof(T) == sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+      const int64_t lo = blk * NB;
+      f(lo, (int)(lo + NB < n ? NB : n - lo));
+    }
+  }
+}
+
+/* One block of a backward pass from the partials (pm, ps, vm, vs) = d(Phi, Var)/d(mean, std) and
+   the gradients gp, gu, gv of the outputs (Phi, Ups, Var) at offset off: with Ups = Var + Phi^2,
+   d/dmean = pm (gp + 2 Phi gu) + vm (gu + gv), and d/dstd the same with ps, vs. */
+template <typename T>
+INLINE void partials_block(int64_t off, int k, const T* RS ff, const T* RS pm, const T* RS ps, const T* RS vm,
+                           const T* RS vs, const T* gp, int gp_scalar, const T* gu, int gu_scalar, const T* gv,
+                           int gv_scalar, T* RS om, T* RS os) {
+  alignas(64) T bp[NB], bu[NB], bv[NB];
+  load_grad(gp, gp_scalar, off, k, bp);
+  load_grad(gu, gu_scalar, off, k, bu);
+  load_grad(gv, gv_scalar, off, k, bv);
+#pragma omp simd
+  for (int i = 0; i < k; i++) {
+    T A = bp[i] + (T)2 * ff[i] * bu[i], B = bu[i] + bv[i];
+    om[i] = pm[i] * A + vm[i] * B;
+    os[i] = ps[i] * A + vs[i] * B;
+  }
+}
+
 /* ------------------------------------------------------------ combine formulas (any float type) */
 
 /* (Phi, Var) and the partial derivatives of leaky relu (relu: eps = 0) from the small tail
@@ -584,22 +619,16 @@ INLINE void act_block(int64_t lo, int64_t hi, const T* m, const T* s, double eps
 template <typename T, int KIND>
 static void act_forward(int64_t n, const T* m, const T* s, double eps, T* phi, T* ups, T* var,
                         T* a, T* b, T* c, T* d, int nthreads, bool mean_only) {
-  int64_t nblocks = (n + NB - 1) / NB;
   bool save = a != nullptr, vo = var != nullptr;
   T* outs[7] = {phi, ups, var, a, b, c, d};
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
-  {
-    FlushDenormals ftz(sizeof(T) == sizeof(float));
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-      int64_t lo = blk * NB, hi = lo + NB < n ? lo + NB : n;
-      if (mean_only) act_block<T, KIND, false, false, MODE_MEAN>(lo, hi, m, s, eps, outs);
-      else if (save && vo) act_block<T, KIND, true, true, MODE_FULL>(lo, hi, m, s, eps, outs);
-      else if (save) act_block<T, KIND, false, true, MODE_FULL>(lo, hi, m, s, eps, outs);
-      else if (vo) act_block<T, KIND, true, false, MODE_FULL>(lo, hi, m, s, eps, outs);
-      else act_block<T, KIND, false, false, MODE_FULL>(lo, hi, m, s, eps, outs);
-    }
-  }
+  for_each_block<T>(n, nthreads, [&](int64_t lo, int k) {
+    const int64_t hi = lo + k;
+    if (mean_only) act_block<T, KIND, false, false, MODE_MEAN>(lo, hi, m, s, eps, outs);
+    else if (save && vo) act_block<T, KIND, true, true, MODE_FULL>(lo, hi, m, s, eps, outs);
+    else if (save) act_block<T, KIND, false, true, MODE_FULL>(lo, hi, m, s, eps, outs);
+    else if (vo) act_block<T, KIND, true, false, MODE_FULL>(lo, hi, m, s, eps, outs);
+    else act_block<T, KIND, false, false, MODE_FULL>(lo, hi, m, s, eps, outs);
+  });
 }
 
 /* Backward of relu. The Gaussian factors u0 = Phi_N(-|t|) and pdf = phi(t) are recomputed per
@@ -610,46 +639,38 @@ template <typename T>
 static void relu_backward(int64_t n, const T* m, const T* s, const T* phi,
                           const T* gp, int gp_scalar, const T* gu, int gu_scalar, const T* gv, int gv_scalar,
                           T* o_gm, T* o_gs, int nthreads) {
-  int64_t nblocks = (n + NB - 1) / NB;
   const bool dense = gp && gu && !gp_scalar && !gu_scalar && !gv;  // the common case: a loss of Phi and Upsilon
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
-  {
-    FlushDenormals ftz(sizeof(T) == sizeof(float));
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-      int64_t lo = blk * NB;
-      int k = (int)(lo + NB < n ? NB : n - lo);
-      alignas(64) T fu0[NB], fpdf[NB];
-      T* outs[7] = {nullptr, nullptr, nullptr, fu0, fpdf, nullptr, nullptr};
-      act_block<T, 0, false, true, MODE_FACTORS>(0, k, m + lo, s + lo, 0.0, outs);
-      alignas(64) T bp[NB], bu[NB], bv[NB];
-      const T* RS gpp;
-      const T* RS gup;
-      const T* RS gvp;
-      if (dense) {
-        gpp = gp + lo;
-        gup = gu + lo;
-        gvp = bv;
-        for (int i = 0; i < k; i++) bv[i] = (T)0;
-      } else {
-        load_grad(gp, gp_scalar, lo, k, bp);
-        load_grad(gu, gu_scalar, lo, k, bu);
-        load_grad(gv, gv_scalar, lo, k, bv);
-        gpp = bp; gup = bu; gvp = bv;
-      }
-      const T* RS mm = m + lo; const T* RS ss = s + lo; const T* RS ff = phi + lo;
-      T* RS om = o_gm + lo; T* RS os = o_gs + lo;
-#pragma omp simd
-      for (int i = 0; i < k; i++) {
-        T f = ff[i], q = fu0[i], p = fpdf[i], si = ss[i];
-        bool up = mm[i] >= (T)0;
-        T cdf = up ? (T)1 - q : q, cdfn = up ? q : (T)1 - q;
-        T A = gpp[i] + (T)2 * f * gup[i], B = gup[i] + gvp[i];
-        om[i] = cdf * A + (T)2 * f * cdfn * B;
-        os[i] = p * A + (T)2 * (si * cdf - f * p) * B;
-      }
+  for_each_block<T>(n, nthreads, [&](int64_t lo, int k) {
+    alignas(64) T fu0[NB], fpdf[NB];
+    T* outs[7] = {nullptr, nullptr, nullptr, fu0, fpdf, nullptr, nullptr};
+    act_block<T, 0, false, true, MODE_FACTORS>(0, k, m + lo, s + lo, 0.0, outs);
+    alignas(64) T bp[NB], bu[NB], bv[NB];
+    const T* RS gpp;
+    const T* RS gup;
+    const T* RS gvp;
+    if (dense) {
+      gpp = gp + lo;
+      gup = gu + lo;
+      gvp = bv;
+      for (int i = 0; i < k; i++) bv[i] = (T)0;
+    } else {
+      load_grad(gp, gp_scalar, lo, k, bp);
+      load_grad(gu, gu_scalar, lo, k, bu);
+      load_grad(gv, gv_scalar, lo, k, bv);
+      gpp = bp; gup = bu; gvp = bv;
     }
-  }
+    const T* RS mm = m + lo; const T* RS ss = s + lo; const T* RS ff = phi + lo;
+    T* RS om = o_gm + lo; T* RS os = o_gs + lo;
+#pragma omp simd
+    for (int i = 0; i < k; i++) {
+      T f = ff[i], q = fu0[i], p = fpdf[i], si = ss[i];
+      bool up = mm[i] >= (T)0;
+      T cdf = up ? (T)1 - q : q, cdfn = up ? q : (T)1 - q;
+      T A = gpp[i] + (T)2 * f * gup[i], B = gup[i] + gvp[i];
+      om[i] = cdf * A + (T)2 * f * cdfn * B;
+      os[i] = p * A + (T)2 * (si * cdf - f * p) * B;
+    }
+  });
 }
 
 /* Backward of leaky relu and relu^2 (kind 1, 2): the four partials recomputed per block by the
@@ -658,31 +679,13 @@ template <typename T, int KIND>
 static void act_backward(int64_t n, const T* m, const T* s, double eps, const T* phi,
                          const T* gp, int gp_scalar, const T* gu, int gu_scalar, const T* gv, int gv_scalar,
                          T* o_gm, T* o_gs, int nthreads) {
-  int64_t nblocks = (n + NB - 1) / NB;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
-  {
-    FlushDenormals ftz(sizeof(T) == sizeof(float));
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-      int64_t lo = blk * NB;
-      int k = (int)(lo + NB < n ? NB : n - lo);
-      alignas(64) T f0[NB], f1[NB], pm[NB], ps[NB], vm[NB], vs[NB];
-      T* outs[7] = {f0, f1, nullptr, pm, ps, vm, vs};
-      act_block<T, KIND, false, true, MODE_FULL>(0, k, m + lo, s + lo, eps, outs);
-      alignas(64) T bp[NB], bu[NB], bv[NB];
-      load_grad(gp, gp_scalar, lo, k, bp);
-      load_grad(gu, gu_scalar, lo, k, bu);
-      load_grad(gv, gv_scalar, lo, k, bv);
-      const T* RS ff = phi + lo;
-      T* RS om = o_gm + lo; T* RS os = o_gs + lo;
-#pragma omp simd
-      for (int i = 0; i < k; i++) {
-        T A = bp[i] + (T)2 * ff[i] * bu[i], B = bu[i] + bv[i];
-        om[i] = pm[i] * A + vm[i] * B;
-        os[i] = ps[i] * A + vs[i] * B;
-      }
-    }
-  }
+  for_each_block<T>(n, nthreads, [&](int64_t lo, int k) {
+    alignas(64) T f0[NB], f1[NB], pm[NB], ps[NB], vm[NB], vs[NB];
+    T* outs[7] = {f0, f1, nullptr, pm, ps, vm, vs};
+    act_block<T, KIND, false, true, MODE_FULL>(0, k, m + lo, s + lo, eps, outs);
+    partials_block<T>(lo, k, phi + lo, pm, ps, vm, vs, gp, gp_scalar, gu, gu_scalar, gv, gv_scalar, o_gm + lo,
+                      o_gs + lo);
+  });
 }
 
 /* Backward from saved partials (pm, ps, vm, vs) = d(Phi, Var)/d(mean, std); Ups = Var + Phi^2. */
@@ -690,29 +693,10 @@ template <typename T>
 static void partials_backward(int64_t n, const T* phi, const T* pm, const T* ps, const T* vm, const T* vs,
                               const T* gp, int gp_scalar, const T* gu, int gu_scalar, const T* gv, int gv_scalar,
                               T* o_gm, T* o_gs, int nthreads) {
-  int64_t nblocks = (n + NB - 1) / NB;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
-  {
-    FlushDenormals ftz(sizeof(T) == sizeof(float));
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-      int64_t lo = blk * NB;
-      int k = (int)(lo + NB < n ? NB : n - lo);
-      alignas(64) T bp[NB], bu[NB], bv[NB];
-      load_grad(gp, gp_scalar, lo, k, bp);
-      load_grad(gu, gu_scalar, lo, k, bu);
-      load_grad(gv, gv_scalar, lo, k, bv);
-      const T* RS ff = phi + lo; const T* RS a = pm + lo; const T* RS b = ps + lo;
-      const T* RS c = vm + lo; const T* RS d = vs + lo;
-      T* RS om = o_gm + lo; T* RS os = o_gs + lo;
-#pragma omp simd
-      for (int i = 0; i < k; i++) {
-        T A = bp[i] + (T)2 * ff[i] * bu[i], B = bu[i] + bv[i];
-        om[i] = a[i] * A + c[i] * B;
-        os[i] = b[i] * A + d[i] * B;
-      }
-    }
-  }
+  for_each_block<T>(n, nthreads, [&](int64_t lo, int k) {
+    partials_block<T>(lo, k, phi + lo, pm + lo, ps + lo, vm + lo, vs + lo, gp, gp_scalar, gu, gu_scalar, gv,
+                      gv_scalar, o_gm + lo, o_gs + lo);
+  });
 }
 
 /* Number of negative entries (input validation, without a temporary). */
@@ -858,67 +842,59 @@ static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const 
 template <typename T, int KIND>
 static void hidden_pass(bool backward, int64_t n, const T* m, const T* v, double eps, T* o_phi, T* o_ups, T* o_var,
                         const T* gp, const T* gu, const T* gv, T* o_gm, T* o_gv, int64_t width, int nthreads) {
-  const int64_t nblocks = (n + NB - 1) / NB;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
-  {
-    FlushDenormals ftz(sizeof(T) == sizeof(float));
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-      const int64_t lo = blk * NB;
-      const int k = (int)(lo + NB < n ? NB : n - lo);
-      alignas(64) T sd[NB];
-      {
-        const T* RS vin = v + lo;
-        const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
+  for_each_block<T>(n, nthreads, [&](int64_t lo, int k) {
+    alignas(64) T sd[NB];
+    {
+      const T* RS vin = v + lo;
+      const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
 #pragma omp simd
-        for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] > floor ? vin[j] : floor);
-      }
-      if (!backward && width == 0) {
-        T* outs[7] = {o_phi + lo, o_ups + lo, o_var + lo, nullptr, nullptr, nullptr, nullptr};
-        act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
-        continue;
-      }
-      if (!backward) {  // Phi and Ups as [Phi, 1], [Ups, 1]: rows of width + 1, the next layer's bias input
-        alignas(64) T f[NB], u[NB];
-        T* outs[7] = {f, u, o_var + lo, nullptr, nullptr, nullptr, nullptr};
-        act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
-        int i = 0;
-        while (i < k) {  // one row's segment of the block at a time
-          const int64_t g = lo + i, row = g / width, col0 = g - row * width;
-          const int len = (int)(k - i < width - col0 ? k - i : width - col0);
-          T* RS pf = o_phi + row * (width + 1) + col0;
-          T* RS pu = o_ups + row * (width + 1) + col0;
-          const T* RS ff = f + i; const T* RS uu = u + i;
-#pragma omp simd
-          for (int j = 0; j < len; j++) {
-            pf[j] = ff[j];
-            pu[j] = uu[j];
-          }
-          if (col0 + len == width) {
-            pf[len] = (T)1;
-            pu[len] = (T)1;
-          }
-          i += len;
-        }
-        continue;
-      }
-      alignas(64) T f[NB], u[NB], w[NB], a[NB], b[NB], c[NB], d[NB];
-      T* outs[7] = {f, u, w, a, b, c, d};
-      act_block<T, KIND, false, true, MODE_FULL>(0, k, m + lo, sd, eps, outs);
-      alignas(64) T bp[NB], bu[NB], bv[NB];
-      load_grad(gp, 0, lo, k, bp);
-      load_grad(gu, 0, lo, k, bu);
-      load_grad(gv, 0, lo, k, bv);
-      const T* RS mm = m + lo;
-      T* RS om = o_gm + lo; T* RS ov = o_gv + lo;
-#pragma omp simd
-      for (int j = 0; j < k; j++) {
-        const T fj = f[j];
-        variance_gradients<T, KIND>(bp[j] + (T)2 * fj * bu[j], bu[j] + bv[j], fj, mm[j], sd[j], a[j], b[j], c[j], d[j],
-                                    om[j], ov[j]);
-      }
+      for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] > floor ? vin[j] : floor);
     }
-  }
+    if (!backward && width == 0) {
+      T* outs[7] = {o_phi + lo, o_ups + lo, o_var + lo, nullptr, nullptr, nullptr, nullptr};
+      act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+      return;
+    }
+    if (!backward) {  // Phi and Ups as [Phi, 1], [Ups, 1]: rows of width + 1, the next layer's bias input
+      alignas(64) T f[NB], u[NB];
+      T* outs[7] = {f, u, o_var + lo, nullptr, nullptr, nullptr, nullptr};
+      act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+      int i = 0;
+      while (i < k) {  // one row's segment of the block at a time
+        const int64_t g = lo + i, row = g / width, col0 = g - row * width;
+        const int len = (int)(k - i < width - col0 ? k - i : width - col0);
+        T* RS pf = o_phi + row * (width + 1) + col0;
+        T* RS pu = o_ups + row * (width + 1) + col0;
+        const T* RS ff = f + i; const T* RS uu = u + i;
+#pragma omp simd
+        for (int j = 0; j < len; j++) {
+          pf[j] = ff[j];
+          pu[j] = uu[j];
+        }
+        if (col0 + len == width) {
+          pf[len] = (T)1;
+          pu[len] = (T)1;
+        }
+        i += len;
+      }
+      return;
+    }
+    alignas(64) T f[NB], u[NB], w[NB], a[NB], b[NB], c[NB], d[NB];
+    T* outs[7] = {f, u, w, a, b, c, d};
+    act_block<T, KIND, false, true, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+    alignas(64) T bp[NB], bu[NB], bv[NB];
+    load_grad(gp, 0, lo, k, bp);
+    load_grad(gu, 0, lo, k, bu);
+    load_grad(gv, 0, lo, k, bv);
+    const T* RS mm = m + lo;
+    T* RS om = o_gm + lo; T* RS ov = o_gv + lo;
+#pragma omp simd
+    for (int j = 0; j < k; j++) {
+      const T fj = f[j];
+      variance_gradients<T, KIND>(bp[j] + (T)2 * fj * bu[j], bu[j] + bv[j], fj, mm[j], sd[j], a[j], b[j], c[j], d[j],
+                                  om[j], ov[j]);
+    }
+  });
 }
 
 /* ------------------------------------------------ KL of a mean-field Gaussian matrix */
@@ -1751,6 +1727,19 @@ static void hs_range(int64_t lo, int64_t hi, const float* m, const float* s, con
   free(pending);
 }
 
+/* This thread's contiguous share [lo, hi) of n elements in whole blocks of NB (as schedule(static)),
+   inside a parallel region. */
+INLINE void thread_share(int64_t n, int64_t nblocks, int64_t* lo, int64_t* hi) {
+#ifdef _OPENMP
+  const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+  const int tid = 0, team = 1;
+#endif
+  const int64_t first = nblocks * tid / team, last = nblocks * (tid + 1) / team;
+  *lo = first * NB;
+  *hi = last * NB < n ? last * NB : n;
+}
+
 static void hs_forward_f32(int64_t n, const float* m, const float* s, const Spec& sp, float a, float sg, float* phi,
                            float* ups, float* var, float* pm, float* ps, float* vm, float* vs, int nthreads) {
   float* outs[7] = {phi, ups, var, pm, ps, vm, vs};
@@ -1759,14 +1748,8 @@ static void hs_forward_f32(int64_t n, const float* m, const float* s, const Spec
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     FlushDenormals ftz(true);
-#ifdef _OPENMP
-    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-#else
-    const int tid = 0, team = 1;
-#endif
-    // a contiguous share of whole blocks per thread (as schedule(static))
-    const int64_t first = nblocks * tid / team, last = nblocks * (tid + 1) / team;
-    const int64_t lo = first * NB, hi = last * NB < n ? last * NB : n;
+    int64_t lo, hi;
+    thread_share(n, nblocks, &lo, &hi);
     if (lo < hi) hs_range(lo, hi, m, s, sp, a, sg, outs, lo);
   }
 }
@@ -1782,13 +1765,8 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     FlushDenormals ftz(true);
-#ifdef _OPENMP
-    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-#else
-    const int tid = 0, team = 1;
-#endif
-    const int64_t first = nblocks * tid / team, last = nblocks * (tid + 1) / team;
-    const int64_t lo = first * NB, hi = last * NB < n ? last * NB : n;
+    int64_t lo, hi;
+    thread_share(n, nblocks, &lo, &hi);
     float* buf = (float*)aligned_alloc(64, sizeof(float) * (size_t)CHUNK * 8);
     float* f0 = buf; float* f1 = buf + CHUNK; float* pm = buf + 2 * CHUNK; float* ps = buf + 3 * CHUNK;
     float* vm = buf + 4 * CHUNK; float* vs = buf + 5 * CHUNK;
@@ -1798,20 +1776,9 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
       hs_range(c0, c1, m, s, sp, a, sg, outs, 0);
       for (int64_t b0 = c0; b0 < c1; b0 += NB) {
         const int k = (int)(b0 + NB < c1 ? NB : c1 - b0);
-        alignas(64) float bp[NB], bu[NB], bv[NB];
-        load_grad(gp, gp_scalar, b0, k, bp);
-        load_grad(gu, gu_scalar, b0, k, bu);
-        load_grad(gv, gv_scalar, b0, k, bv);
-        const float* RS ff = phi + b0;
-        const float* RS a_ = pm + (b0 - c0); const float* RS b_ = ps + (b0 - c0);
-        const float* RS c_ = vm + (b0 - c0); const float* RS d_ = vs + (b0 - c0);
-        float* RS om = o_gm + b0; float* RS os = o_gs + b0;
-#pragma omp simd
-        for (int i = 0; i < k; i++) {
-          float A = bp[i] + 2.0f * ff[i] * bu[i], B = bu[i] + bv[i];
-          om[i] = a_[i] * A + c_[i] * B;
-          os[i] = b_[i] * A + d_[i] * B;
-        }
+        const int64_t at = b0 - c0;  // the block's place in the chunk's partials
+        partials_block<float>(b0, k, phi + b0, pm + at, ps + at, vm + at, vs + at, gp, gp_scalar, gu, gu_scalar, gv,
+                              gv_scalar, o_gm + b0, o_gs + b0);
       }
     }
     free(buf);

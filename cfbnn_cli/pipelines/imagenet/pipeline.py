@@ -175,21 +175,13 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
         means = torch.cat([m for m, _ in batched(model.output_moments, data["x_val"], cfg.evaluation.batch_size)])
         return {"val_top1": float(top_k_correct(means, data["y_val"], 1).double().mean())}
 
-    loop = loop_from_config(
-        cfg,
-        run_dir,
-        model,
-        optimizer,
-        loss,
-        num_data,
-        device,
-        data_generator=generator,
-        sampler=sampler,
+    options = dict(
         evaluate=validation_accuracy,
         select=("val_top1", "max"),
         best_payload=lambda: {"sizes": _sizes(data)},
         label=f"head ({cfg.objective})",
     )
+    loop = loop_from_config(cfg, run_dir, model, optimizer, loss, num_data, device, generator, sampler, **options)
     loop.restore()
     result = loop.run()
     return {"history": result.history, "best": result.best}

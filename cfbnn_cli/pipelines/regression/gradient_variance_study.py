@@ -453,21 +453,15 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         if epoch in gv_epochs and distributed.is_main():  # only rank 0 measures
             gv_results[epoch] = _gradient_variance_both(model, gv_x, gv_y, num_data, cfg, sample_generator, epoch)
 
-    loop = loop_from_config(
-        cfg,
-        run_dir,
-        model,
-        optimizer,
-        loss,
-        num_data,
-        device,
-        data_generator=generator,
-        sampler=sample_generator,
+    options = dict(
         evaluate=evaluate_epoch,
         after_epoch=measure,
         objective_scale=1.0 / num_data,
         label="train",
         extra={"gradient_variance": {}},
+    )
+    loop = loop_from_config(
+        cfg, run_dir, model, optimizer, loss, num_data, device, generator, sample_generator, **options
     )
     loop.restore()
     gv_results: Dict[int, dict] = loop.extra["gradient_variance"]
