@@ -313,8 +313,7 @@ class IntegrateOutputLayer(Estimator):
 class LocalReparameterization(Estimator):
     """Every Gaussian layer sampled through its pre-activations (the Monte Carlo baseline)."""
 
-    name = "sampling"
-    closed_form_layers = 0
+    name = "sampling"  # (closed_form_layers: 0, the base's)
     integrates = "nothing"
     samples = "every Gaussian layer's pre-activations"
 

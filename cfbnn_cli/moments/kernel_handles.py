@@ -60,11 +60,16 @@ class KernelHandle:
         return reference_vjp(self, mean, std, grads)
 
 
-def gradient_arguments(grads):
-    """The kernels' six gradient arguments ``(pointer, is_scalar)`` for the gradients of Phi,
-    Upsilon and Var, and the tensors behind the pointers (to keep alive while the kernel runs)."""
+def backward_call(function, like: torch.Tensor, leading, grads):
+    """``(d mean, d std)`` shaped as ``like`` from a backward kernel ``function(*leading, <the
+    gradients of Phi, Upsilon and Var as (pointer, is_scalar) pairs>, gm, gs, threads)``."""
+    gm = torch.empty(like.shape, dtype=like.dtype)
+    gs = torch.empty(like.shape, dtype=like.dtype)
+    # (pointer, is_scalar, the tensor behind the pointer: held in `pointers` until the call ends)
     pointers = [gradient_pointer(g) for g in grads]
-    return tuple(value for pointer, scalar, _ in pointers for value in (pointer, scalar)), [t for *_, t in pointers]
+    arguments = [value for pointer, scalar, _ in pointers for value in (pointer, scalar)]
+    function(*leading, *arguments, gm.data_ptr(), gs.data_ptr(), torch.get_num_threads())
+    return gm, gs
 
 
 def _outputs(mean, count):
@@ -76,22 +81,8 @@ def _partials_backward(phi, saved, grads, torch_ops=False, plain=False):
     pm, ps, vm, vs = saved
     gp, gu, gv = grads
     if not torch_ops and (plain or (plain_tensors(phi, pm, gp, gu, gv) and KernelState.library is not None)):
-        gm, gs = _outputs(phi, 2)
-        arguments, alive = gradient_arguments(grads)
-        kernel_function("partials_backward", phi.dtype)(
-            phi.numel(),
-            phi.data_ptr(),
-            pm.data_ptr(),
-            ps.data_ptr(),
-            vm.data_ptr(),
-            vs.data_ptr(),
-            *arguments,
-            gm.data_ptr(),
-            gs.data_ptr(),
-            torch.get_num_threads(),
-        )
-        del alive  # (held until the kernel has returned)
-        return gm, gs
+        leading = (phi.numel(), phi.data_ptr(), pm.data_ptr(), ps.data_ptr(), vm.data_ptr(), vs.data_ptr())
+        return backward_call(kernel_function("partials_backward", phi.dtype), phi, leading, grads)
     first = _combine(gp, None if gu is None else 2.0 * phi * gu)
     second = _combine(gu, gv)
     return _combine(_mul(pm, first), _mul(vm, second)), _combine(_mul(ps, first), _mul(vs, second))
@@ -132,22 +123,8 @@ def recomputing_forward(function, mean, std, parameters, want_var: bool, empty_s
 def recomputing_backward(function, mean, std, phi, parameters, grads):
     """``(d mean, d std)`` from a backward kernel that recomputes the partial derivatives from the
     inputs and Phi: ``function(n, mean, std, *parameters, phi, <three gradients>, gm, gs, threads)``."""
-    gm = torch.empty(mean.shape, dtype=mean.dtype)
-    gs = torch.empty(mean.shape, dtype=mean.dtype)
-    arguments, alive = gradient_arguments(grads)
-    function(
-        mean.numel(),
-        mean.data_ptr(),
-        std.data_ptr(),
-        *parameters,
-        phi.data_ptr(),
-        *arguments,
-        gm.data_ptr(),
-        gs.data_ptr(),
-        torch.get_num_threads(),
-    )
-    del alive  # (held until the kernel has returned)
-    return gm, gs
+    leading = (mean.numel(), mean.data_ptr(), std.data_ptr(), *parameters, phi.data_ptr())
+    return backward_call(function, mean, leading, grads)
 
 
 class _RecomputingOp(KernelHandle):

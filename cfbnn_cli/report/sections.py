@@ -239,16 +239,7 @@ def figure_table1(runs, path) -> Optional[str]:
             color="C1",
             label="cfbnn: mean ± s.e. over runs",
         )
-        for i, s in enumerate(stats):
-            ax.plot(
-                [i] * len(s.values),
-                s.values,
-                "o",
-                ms=3,
-                mfc="none",
-                color="0.25",
-                label="cfbnn: one run" if i == 0 else None,
-            )
+        _run_markers(ax, stats, 0.0, "0.25", "cfbnn: one run")
         # the paper's markers only where they compare: at initialization, and after its 50 epochs only on
         # a panel at epoch 50 (a ratio after 1 epoch of synthetic data is no match for 50 epochs of MSD)
         comparable = epoch in (0, PAPER_LATE_EPOCH)
@@ -286,6 +277,14 @@ def figure_table1(runs, path) -> Optional[str]:
     return save_figure(fig, path)
 
 
+def _run_markers(ax, stats: Sequence[Stat], offset: float, color: str, label: str) -> None:
+    """One open marker per run for each of ``stats``, at x = its index + ``offset``."""
+    for i, s in enumerate(stats):
+        ax.plot(
+            [i + offset] * len(s.values), s.values, "o", ms=3, mfc="none", color=color, label=label if i == 0 else None
+        )
+
+
 def _errorbar(ax, x, stats: Sequence[Stat], **style):
     """The means of ``stats`` at ``x``, ± one standard error (none where a single run gives no s.e.)."""
     return ax.errorbar(x, [s.mean for s in stats], yerr=[s.se or 0.0 for s in stats], **style)
@@ -308,16 +307,7 @@ def figure_vae(runs, path) -> Optional[str]:
         color="C0",
         label="mean ± s.e. over runs",
     )
-    for i, s in enumerate(stats):
-        ax.plot(
-            [i + 0.12] * len(s.values),
-            s.values,
-            "o",
-            ms=3,
-            mfc="none",
-            color="0.3",
-            label="one run (seed)" if i == 0 else None,
-        )
+    _run_markers(ax, stats, 0.12, "0.3", "one run (seed)")
     ax.set_xticks(range(len(variants)))
     ax.set_xticklabels([v.upper() for v in variants])
     ax.set_xlim(-0.5, len(variants) - 0.5)

@@ -269,14 +269,7 @@ def _propagated(*arguments):
     return support.apply(PropagatedPreactivation, _PropagatedPreactivationClassic, *arguments)
 
 
-def propagated_preactivation(
-    phi: torch.Tensor,
-    variance: torch.Tensor,
-    loc: torch.Tensor,
-    log_scale: torch.Tensor,
-    bias: bool = True,
-    second_moment: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def propagated_preactivation(phi, variance, loc, log_scale, bias: bool = True, second_moment=None):
     """``(gamma, xi)`` of ``W [h, 1]`` under a mean-field q when the inputs ``h`` are uncertain
     too: independent, of means ``phi`` and variances ``variance`` (the deterministic estimator's
     diagonal propagation), ``xi^2 = E[h^2]^T Var W + Var[h]^T loc^2`` per row.

@@ -1727,31 +1727,31 @@ static void hs_range(int64_t lo, int64_t hi, const float* m, const float* s, con
   free(pending);
 }
 
-/* This thread's contiguous share [lo, hi) of n elements in whole blocks of NB (as schedule(static)),
-   inside a parallel region. */
-INLINE void thread_share(int64_t n, int64_t nblocks, int64_t* lo, int64_t* hi) {
+/* f(lo, hi) in each thread of a team, [lo, hi) the thread's contiguous share of whole blocks of NB
+   of [0, n) (as schedule(static); one thread below PAR_MIN elements), float denormals flushed. */
+template <typename F>
+INLINE void for_each_share(int64_t n, int nthreads, F f) {
+  const int nt = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
+  const int64_t nblocks = (n + NB - 1) / NB;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    FlushDenormals ftz(true);
 #ifdef _OPENMP
-  const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
 #else
-  const int tid = 0, team = 1;
+    const int tid = 0, team = 1;
 #endif
-  const int64_t first = nblocks * tid / team, last = nblocks * (tid + 1) / team;
-  *lo = first * NB;
-  *hi = last * NB < n ? last * NB : n;
+    const int64_t first = nblocks * tid / team, last = nblocks * (tid + 1) / team;
+    f(first * NB, last * NB < n ? last * NB : n);
+  }
 }
 
 static void hs_forward_f32(int64_t n, const float* m, const float* s, const Spec& sp, float a, float sg, float* phi,
                            float* ups, float* var, float* pm, float* ps, float* vm, float* vs, int nthreads) {
   float* outs[7] = {phi, ups, var, pm, ps, vm, vs};
-  int nt = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
-  int64_t nblocks = (n + NB - 1) / NB;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    FlushDenormals ftz(true);
-    int64_t lo, hi;
-    thread_share(n, nblocks, &lo, &hi);
+  for_each_share(n, nthreads, [&](int64_t lo, int64_t hi) {
     if (lo < hi) hs_range(lo, hi, m, s, sp, a, sg, outs, lo);
-  }
+  });
 }
 
 /* Backward: the partials recomputed chunk by chunk (no saved buffers), then combined with the
@@ -1760,13 +1760,7 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
                             const float* phi, const float* gp, int gp_scalar, const float* gu, int gu_scalar,
                             const float* gv, int gv_scalar, float* o_gm, float* o_gs, int nthreads) {
   const int64_t CHUNK = 64 * NB;
-  int nt = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
-  int64_t nblocks = (n + NB - 1) / NB;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    FlushDenormals ftz(true);
-    int64_t lo, hi;
-    thread_share(n, nblocks, &lo, &hi);
+  for_each_share(n, nthreads, [&](int64_t lo, int64_t hi) {
     float* buf = (float*)aligned_alloc(64, sizeof(float) * (size_t)CHUNK * 8);
     float* f0 = buf; float* f1 = buf + CHUNK; float* pm = buf + 2 * CHUNK; float* ps = buf + 3 * CHUNK;
     float* vm = buf + 4 * CHUNK; float* vs = buf + 5 * CHUNK;
@@ -1782,7 +1776,7 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
       }
     }
     free(buf);
-  }
+  });
 }
 
 /* ---------------------------------------------------------------- C entry points */
