@@ -19,7 +19,7 @@ from conftest import finish_all, one_line_error
 from omegaconf import open_dict
 
 from cfbnn_cli.cli import compose_config
-from cfbnn_cli.moments import fast
+from cfbnn_cli.moments import fast, kernel_library
 from cfbnn_cli.runtime import safefs
 from cfbnn_cli.runtime.errors import ConfigError
 from cfbnn_cli.runtime.io import atomic_write_text, remove_stale_temporary_files
@@ -194,7 +194,7 @@ def test_a_cache_directory_owned_by_someone_else_is_refused_and_the_torch_path_s
     cache.mkdir(mode=0o777)
     monkeypatch.setenv("CFBNN_CACHE_DIR", str(cache))
     monkeypatch.setattr(safefs, "_this_user", lambda: os.geteuid() + 1)  # the directory is now "someone else's"
-    library, info = fast._load(rebuild=False)
+    library, info = kernel_library.load_library(rebuild=False)
     assert library is None and "kernel cache refused" in info["error"] and "not by you" in info["error"]
     assert not any(cache.iterdir())  # nothing built, nothing loaded from there
 

@@ -25,18 +25,19 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .estimators import ClosedForm, IntegrateOutputLayer
 from .functional import augment
 from .likelihoods import NormalLikelihood
 from .network import BayesianNetwork
 
 VARIANTS = {
-    "v1": {"bayesian": False, "estimator": "analytic", "sampled": "z"},
+    "v1": {"bayesian": False, "estimator": ClosedForm(), "sampled": "z"},
     "v2": {
         "bayesian": True,
-        "estimator": "integrate_output_layer",
+        "estimator": IntegrateOutputLayer(),
         "sampled": "z, first decoder layer (local reparam.)",
     },
-    "v3": {"bayesian": True, "estimator": "analytic", "sampled": "z only"},
+    "v3": {"bayesian": True, "estimator": ClosedForm(), "sampled": "z only"},
 }
 # how a test likelihood treats V2's and V3's decoder weights: drawn from q(W) jointly with each z
 # inside the importance weights, or fixed at their posterior means (see importance_weighted_log_likelihood)
@@ -178,7 +179,7 @@ class BayesianDecoderVAE(nn.Module):
         if decoder_weights == "posterior_mean" and self.bayesian:
             mean, variance = self._posterior_mean_decoder(z), torch.zeros((), dtype=z.dtype, device=z.device)
         else:
-            estimator = "integrate_output_layer"
+            estimator = IntegrateOutputLayer()
             mean, variance = self.decoder.output_moments(
                 z, estimator=estimator, noise=self._decoder_noise(z, estimator, generator)
             )

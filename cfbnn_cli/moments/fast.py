@@ -82,14 +82,8 @@ from .elbo_kernels import (  # noqa: F401 - the ELBO kernels, re-exported for bn
 )
 from .kernel_handles import KernelHandle
 from .kernel_library import (  # noqa: F401 - the fast path's switches and library, re-exported
-    _ABI,
-    _ENV_CACHE,
-    _ENV_SWITCH,
     DTYPE_SUFFIX,
     KernelState,
-    _bind,
-    _load,
-    _self_test,
     count_negative,
     data_pointer,
     fast_path,

@@ -176,7 +176,7 @@ def load_kernels(rebuild: bool = False):
     with KernelState.lock:
         if KernelState.tried and not rebuild:
             return KernelState.library
-        KernelState.library, KernelState.info = _load(rebuild)
+        KernelState.library, KernelState.info = load_library(rebuild)
         KernelState.tried = True
         if KernelState.library is None:
             reason = str(KernelState.info.get("error") or "unknown reason").splitlines()
@@ -189,7 +189,8 @@ def load_kernels(rebuild: bool = False):
     return KernelState.library
 
 
-def _load(rebuild: bool):
+def load_library(rebuild: bool):
+    """``(library or None, info)``: the kernels built or taken from the cache, bound and self-tested."""
     return kernel_build.load_library(_ABI, _bind, _self_test, rebuild)
 
 

@@ -7,40 +7,9 @@
   form side by side with local reparameterization, Pyro and a plain MLP --
   :mod:`.uci_protocol`.
 
-``run(cfg, run_dir) -> dict``; no Hydra here.
+``run(cfg, run_dir, values) -> dict`` (:mod:`.protocols`); no Hydra here.
 """
 
-from __future__ import annotations
-
-from omegaconf import DictConfig
-
-from ...runtime.checks import require_choice
-
-PROTOCOLS = ("gradient_variance", "uci")
-
-
-def _protocol(cfg: DictConfig):
-    protocol = require_choice(cfg, "protocol", PROTOCOLS)
-    if protocol == "uci":
-        from . import uci_protocol as module
-    else:
-        from . import gradient_variance_study as module
-    return module
-
-
-def validate(cfg: DictConfig) -> None:
-    """Every check of the chosen protocol that needs no data."""
-    _protocol(cfg).validate(cfg)
-
-
-def supports_distributed(cfg: DictConfig) -> bool:
-    """Table 1's training runs under torchrun (``distributed.nproc``); the UCI protocol's small splits do not."""
-    return cfg.protocol == "gradient_variance"
-
-
-def run(cfg: DictConfig, run_dir, values=None) -> dict:
-    """The protocol's run; ``values``: the config's typed values (:mod:`cfbnn_cli.run_values`)."""
-    return _protocol(cfg).run(cfg, run_dir, values)
-
+from .protocols import PROTOCOLS, run, supports_distributed, validate
 
 __all__ = ["PROTOCOLS", "run", "supports_distributed", "validate"]

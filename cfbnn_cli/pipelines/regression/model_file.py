@@ -59,7 +59,7 @@ def architecture_of(model: BayesianNetwork) -> dict:
     }
 
 
-def save_regression_model(run_dir, model: BayesianNetwork, data, estimator: str, method: str = "") -> Path:
+def save_regression_model(run_dir, model: BayesianNetwork, data, estimator, method: str = "") -> Path:
     record = {
         "format": FORMAT,
         "version": VERSION,

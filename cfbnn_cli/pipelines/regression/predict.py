@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from ...bnn.network import ESTIMATORS
+from ...bnn.estimators import ESTIMATORS, make_estimator
 from ...bnn.predictive import describe
 from ...data.regression import decoded_lines, parse_numeric_rows
 from ...data.standardize import check_finite_columns, standardize_columns
@@ -88,6 +88,7 @@ def predict_run(run_dir, data_path, out=None, estimator=None, num_samples: int =
     estimator = estimator or info["estimator"]
     if estimator not in ESTIMATORS:
         raise ConfigError(f"--estimator {estimator!r} is not one of {', '.join(ESTIMATORS)}")
+    estimator = make_estimator(estimator)  # an object from here on
     if num_samples < 1:
         raise ConfigError(f"--num-samples {num_samples} must be >= 1")
     scaling = info["scaling"]

@@ -9,12 +9,13 @@ import contextlib
 import copy
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
+from ...bnn.estimators import ClosedForm, DeterministicPropagation, Estimator
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
 from ...bnn.network import BayesianNetwork
 from ...bnn.predictive import mixture_log_likelihood, mixture_mean
@@ -78,7 +79,7 @@ class Fitted:
     stopped_early: bool = False  # Adam stopped by the validation rule before trainer.epochs
     equal_time: Optional[Dict[str, float]] = None
     model: Optional[BayesianNetwork] = None  # the trained cfbnn network (the closed forms), to save
-    estimator: str = "analytic"  # how `model` predicts
+    estimator: Estimator = field(default_factory=ClosedForm)  # how `model` predicts
 
 
 @dataclass
@@ -228,7 +229,7 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
     data = split.data
     name = method or f"closed_form_{covariance}"
     likelihood, deep = DETERMINISTIC_METHODS.get(method, ("normal", False))
-    estimator = "deterministic" if deep else "analytic"
+    estimator = DeterministicPropagation() if deep else ClosedForm()
     model = _network(
         data,
         cfg,
