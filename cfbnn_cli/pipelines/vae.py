@@ -29,6 +29,7 @@ from ..bnn.vae import VARIANTS, BayesianDecoderVAE
 from ..data.unsupervised import UnsupervisedData, load_unsupervised_data
 from ..moments import ACTIVATIONS, validate_args
 from ..report.figures import caption, legend_below, new_figure, save_figure
+from ..report.metric_keys import vae_key
 from ..report.numbers import format_mean_se, format_value
 from ..report.tables import write_table
 from ..run_values import RunValues, parse_run_values
@@ -478,5 +479,5 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     for row in rows:
         for key in RESULT_METRICS:
             if row[key] is not None or not key.startswith("test_ll_posterior_mean"):
-                metrics[f"vae/{row['variant']}/{key}"] = row[key]
+                metrics[vae_key(row["variant"], f"{key}")] = row[key]
     return {"metrics": metrics, "tables": tables, "figures": figures, "device": device, "main_table": "vae_results.md"}

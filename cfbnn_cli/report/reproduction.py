@@ -11,6 +11,7 @@ import pandas as pd
 from . import paper as paper_values
 from . import table1_schema
 from .grouping import Stat, group_runs, metric_stat, run_seed, seeds_text, stat, swept_keys
+from .metric_keys import deterministic_key, monte_carlo_key, vae_key
 from .numbers import format_value
 from .sections import (
     COMMAND_WORDS,
@@ -149,7 +150,7 @@ def _table2_group_rows(runs: List[dict], label: str) -> List[dict]:
         ("v2", "Bayesian decoder, weights sampled"),
         ("v3", "Bayesian decoder in closed form"),
     ):
-        s = metric_stat(by_variant[variant], f"vae/{variant}/test_ll")
+        s = metric_stat(by_variant[variant], vae_key(variant, "test_ll"))
         if s.n:
             rows.append(
                 {
@@ -172,9 +173,9 @@ def _table2_group_rows(runs: List[dict], label: str) -> List[dict]:
         ):
             both = [r for r in runs if a in vae_variants_of(r) and b in vae_variants_of(r)]
             if both:  # paired by run (same seed, same split)
-                s = paired_stat(both, f"vae/{a}/{metric}", f"vae/{b}/{metric}")
+                s = paired_stat(both, vae_key(a, f"{metric}"), vae_key(b, f"{metric}"))
             else:  # single-variant runs: the difference of the means, paired by seed where possible
-                s = seed_paired(by_variant[a], by_variant[b], f"vae/{a}/{metric}", f"vae/{b}/{metric}")
+                s = seed_paired(by_variant[a], by_variant[b], vae_key(a, f"{metric}"), vae_key(b, f"{metric}"))
             if not s.n:
                 continue
             difference = paper_values.TABLE2[a] - paper_values.TABLE2[b]
@@ -211,8 +212,11 @@ def figure1_rows(section: Section) -> List[dict]:
     command, data = command_for(runs), runs_text(runs)
     rows = []
     for kk in (1, k):
-        s = paired_stat(runs, f"deterministic/top{kk}", f"monte_carlo/N{top}/top{kk}_mean")
-        det, mc = metric_stat(runs, f"deterministic/top{kk}"), metric_stat(runs, f"monte_carlo/N{top}/top{kk}_mean")
+        s = paired_stat(runs, deterministic_key(f"top{kk}"), monte_carlo_key(top, f"top{kk}_mean"))
+        det, mc = (
+            metric_stat(runs, deterministic_key(f"top{kk}")),
+            metric_stat(runs, monte_carlo_key(top, f"top{kk}_mean")),
+        )
         paper = (
             "deterministic ≥ MC-512 (qualitative)"
             if kk == 1
@@ -232,9 +236,11 @@ def figure1_rows(section: Section) -> List[dict]:
             }
         )
     for kk in (1, k):
-        det = metric_stat(runs, f"deterministic/top{kk}")
-        reach = next((n for n in inner if metric_stat(runs, f"monte_carlo/N{n}/top{kk}_mean").mean >= det.mean), None)
-        small = paired_stat(runs, f"deterministic/top{kk}", f"monte_carlo/N{inner[0]}/top{kk}_mean")
+        det = metric_stat(runs, deterministic_key(f"top{kk}"))
+        reach = next(
+            (n for n in inner if metric_stat(runs, monte_carlo_key(n, f"top{kk}_mean")).mean >= det.mean), None
+        )
+        small = paired_stat(runs, deterministic_key(f"top{kk}"), monte_carlo_key(inner[0], f"top{kk}_mean"))
         found = (
             f"MC (mean over runs) reaches the deterministic accuracy at N_inner = {reach}"
             if reach is not None

@@ -14,6 +14,15 @@ from . import paper as paper_values
 from . import table1_schema
 from .figures import caption, legend_below, new_figure, save_figure
 from .grouping import Stat, group_runs, metric_stat, seeds_text, stat, swept_keys
+from .metric_keys import (
+    deterministic_key,
+    monte_carlo_key,
+    monte_carlo_sizes,
+    uci_key,
+    uci_methods,
+    vae_key,
+    vae_variants,
+)
 from .numbers import format_mean_se, format_value
 from .records import MISSING
 
@@ -86,18 +95,12 @@ def uci_table(runs, keys) -> pd.DataFrame:
     own mean ± s.e. over splits; several runs give mean ± s.e. over the runs."""
     rows = []
     for group, members in group_runs(runs, keys):
-        methods = []
-        for run in members:
-            for metric in run["metrics"]:
-                match = re.fullmatch(r"uci/([^/]+)/test_ll_mean", metric)
-                if match and match.group(1) not in methods:
-                    methods.append(match.group(1))
-        for method in methods:
+        for method in uci_methods(m for run in members for m in run["metrics"]):
             row = {**group, "Method": method}
             for column, label in (("test_ll", "Test LL"), ("rmse", "RMSE")):
-                s = metric_stat(members, f"uci/{method}/{column}_mean")
+                s = metric_stat(members, uci_key(method, f"{column}_mean"))
                 if s.n == 1:
-                    se = metric_stat(members, f"uci/{method}/{column}_se").mean
+                    se = metric_stat(members, uci_key(method, f"{column}_se")).mean
                     row[f"{label} (± s.e. over splits)" if len(members) == 1 else label] = format_mean_se(
                         s.mean, se if math.isfinite(se) else None
                     )
@@ -120,7 +123,7 @@ VAE_COLUMNS = (
 
 
 def vae_variants_of(run) -> List[str]:
-    return sorted({m.split("/")[1] for m in run["metrics"] if re.fullmatch(r"vae/v\d/test_ll", m)})
+    return vae_variants(run["metrics"])
 
 
 def vae_table(runs, keys) -> pd.DataFrame:
@@ -133,12 +136,12 @@ def vae_table(runs, keys) -> pd.DataFrame:
             trained = [run for run in members if variant in vae_variants_of(run)]
             row = {**group, "Variant": variant.upper()}
             for metric, label in VAE_COLUMNS:
-                s = metric_stat(trained, f"vae/{variant}/{metric}")
+                s = metric_stat(trained, vae_key(variant, f"{metric}"))
                 row[f"{label} (mean ± s.e. over runs)" if metric == "test_ll" else label] = s.text(sig=5)
                 if metric == "test_ll" and any(
-                    f"vae/{variant}/test_ll_posterior_mean" in r["metrics"] for r in trained
+                    vae_key(variant, "test_ll_posterior_mean") in r["metrics"] for r in trained
                 ):
-                    plug_in = metric_stat(trained, f"vae/{variant}/test_ll_posterior_mean")
+                    plug_in = metric_stat(trained, vae_key(variant, "test_ll_posterior_mean"))
                     row["Test LL, weights at posterior mean"] = plug_in.text(sig=5)
             row.update({"runs": len(trained), "seeds": seeds_text(trained)})
             rows.append(row)
@@ -156,14 +159,7 @@ def top_k_of(runs) -> int:
 
 
 def inner_samples_of(runs) -> List[int]:
-    return sorted(
-        {
-            int(m.group(1))
-            for run in runs
-            for name in run["metrics"]
-            if (m := re.fullmatch(r"monte_carlo/N(\d+)/top1_mean", name))
-        }
-    )
+    return monte_carlo_sizes(name for run in runs for name in run["metrics"])
 
 
 def paired_stat(runs, a: str, b: str) -> Stat:
@@ -185,11 +181,11 @@ def figure1_table(runs, keys) -> pd.DataFrame:
         for n in inner_samples_of(members):
             row = {**group, "Method": "Monte Carlo", "N_inner": str(n)}
             for kk in (1, k):
-                row[f"Top-{kk}"] = metric_stat(members, f"monte_carlo/N{n}/top{kk}_mean").text(sig=3)
+                row[f"Top-{kk}"] = metric_stat(members, monte_carlo_key(n, f"top{kk}_mean")).text(sig=3)
                 row[f"Top-{kk} − deterministic"] = paired_stat(
-                    members, f"monte_carlo/N{n}/top{kk}_mean", f"deterministic/top{kk}"
+                    members, monte_carlo_key(n, f"top{kk}_mean"), deterministic_key(f"top{kk}")
                 ).text(sig=3, signed=True, scientific=False)
-                sd = metric_stat(members, f"monte_carlo/N{n}/top{kk}_sd")
+                sd = metric_stat(members, monte_carlo_key(n, f"top{kk}_sd"))
                 row[f"Top-{kk} s.d. over trials"] = format_value(sd.mean, sig=2) if sd.n else ""
             row.update({"runs": len(members), "seeds": seeds_text(members)})
             rows.append(row)
@@ -197,7 +193,7 @@ def figure1_table(runs, keys) -> pd.DataFrame:
         for kk in (1, k):
             row.update(
                 {
-                    f"Top-{kk}": metric_stat(members, f"deterministic/top{kk}").text(sig=3),
+                    f"Top-{kk}": metric_stat(members, deterministic_key(f"top{kk}")).text(sig=3),
                     f"Top-{kk} − deterministic": "",
                     f"Top-{kk} s.d. over trials": "",
                 }
@@ -296,7 +292,7 @@ def figure_vae(runs, path) -> Optional[str]:
         return None
     fig, axes = new_figure(1, width=4.2, height=3.2)
     ax = axes[0]
-    stats = [metric_stat([r for r in runs if v in vae_variants_of(r)], f"vae/{v}/test_ll") for v in variants]
+    stats = [metric_stat([r for r in runs if v in vae_variants_of(r)], vae_key(v, "test_ll")) for v in variants]
     _errorbar(
         ax,
         range(len(variants)),
@@ -326,9 +322,9 @@ def figure_figure1(runs, path) -> Optional[str]:
     fig, axes = new_figure(2, width=7.0, height=3.3)
     for ax, kk in zip(axes, (1, k)):
         for run in runs:
-            values = [run["metrics"].get(f"monte_carlo/N{n}/top{kk}_mean") for n in inner]
+            values = [run["metrics"].get(monte_carlo_key(n, f"top{kk}_mean")) for n in inner]
             ax.plot(inner, values, "-", lw=0.8, color="C0", alpha=0.35, label="Monte Carlo: one run (seed)")
-        stats = [metric_stat(runs, f"monte_carlo/N{n}/top{kk}_mean") for n in inner]
+        stats = [metric_stat(runs, monte_carlo_key(n, f"top{kk}_mean")) for n in inner]
         _errorbar(
             ax,
             inner,
@@ -339,7 +335,7 @@ def figure_figure1(runs, path) -> Optional[str]:
             color="C0",
             label="Monte Carlo: mean ± s.e. over runs",
         )
-        det = metric_stat(runs, f"deterministic/top{kk}")
+        det = metric_stat(runs, deterministic_key(f"top{kk}"))
         if det.n:
             ax.axhline(det.mean, color="k", ls="--", lw=1.2, label="deterministic argmax ŷ: mean (band ± s.e.)")
             if det.se:
@@ -377,13 +373,13 @@ class Section:
     @property
     def kind(self) -> str:
         metrics = {m for run in self.runs for m in run["metrics"]}
-        if self.pipeline == "vae" and any(re.fullmatch(r"vae/v\d/test_ll", m) for m in metrics):
+        if self.pipeline == "vae" and vae_variants(metrics):
             return "table2"
-        if self.pipeline == "imagenet_predict" and "deterministic/top1" in metrics:
+        if self.pipeline == "imagenet_predict" and deterministic_key("top1") in metrics:
             return "figure1"
-        if self.pipeline == "train_regression" and any(m.startswith("gradvar/") for m in metrics):
+        if self.pipeline == "train_regression" and table1_schema.layout(metrics)[0]:
             return "table1"
-        if self.pipeline == "train_regression" and any(re.fullmatch(r"uci/[^/]+/test_ll_mean", m) for m in metrics):
+        if self.pipeline == "train_regression" and uci_methods(metrics):
             return "uci"
         return "generic"
 

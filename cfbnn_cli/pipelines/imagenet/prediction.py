@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ...bnn.classification import approximate_class_probabilities
 from ...bnn.network import bayesian_head
 from ...report.figures import caption, legend_below, new_figure, save_figure
+from ...report.metric_keys import deterministic_key, monte_carlo_key
 from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
 from ...runtime.cuda_graphs import GraphedCall
@@ -450,9 +451,9 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
     }
     metrics = {
         "evaluation/top_k": top_k,
-        "deterministic/top1": deterministic["top1"],
-        f"deterministic/top{top_k}": deterministic[f"top{top_k}"],
-        "deterministic/ms_per_image": 1e3 * deterministic_seconds,
+        deterministic_key("top1"): deterministic["top1"],
+        deterministic_key(f"top{top_k}"): deterministic[f"top{top_k}"],
+        deterministic_key("ms_per_image"): 1e3 * deterministic_seconds,
         "test_images": len(y),
         "train_images": len(data["y_train"]),
     }
@@ -461,9 +462,9 @@ def evaluate(cfg, model, data, run_dir: Path, device) -> dict:
         n = row["N_inner"]
         for k in (1, top_k):
             for stat in ("mean", "sd", "min", "max"):
-                metrics[f"monte_carlo/N{n}/top{k}_{stat}"] = row[f"top{k}_{stat}"]
-        metrics[f"monte_carlo/N{n}/ms_per_image"] = 1e3 * mc_seconds[n]
-        metrics[f"monte_carlo/N{n}/speed_ratio_mc_over_deterministic"] = mc_seconds[n] / deterministic_seconds
+                metrics[monte_carlo_key(n, f"top{k}_{stat}")] = row[f"top{k}_{stat}"]
+        metrics[monte_carlo_key(n, "ms_per_image")] = 1e3 * mc_seconds[n]
+        metrics[monte_carlo_key(n, "speed_ratio_mc_over_deterministic")] = mc_seconds[n] / deterministic_seconds
     if paper is not None:
         metrics["paper_head/deterministic/ms_per_image"] = 1e3 * paper[0]
         for n, seconds in paper[1].items():

@@ -76,6 +76,7 @@ from ...bnn.calibration import NOMINAL_LEVELS
 from ...bnn.network import PRIORS
 from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
+from ...report.metric_keys import uci_key
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
 from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
@@ -443,17 +444,19 @@ def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], 
         part = frame[frame["method"] == method]
         for column in ("test_ll", "rmse"):
             mean, se = mean_and_standard_error(part[column])
-            metrics[f"uci/{method}/{column}_mean"] = mean
-            metrics[f"uci/{method}/{column}_se"] = se
+            metrics[uci_key(method, f"{column}_mean")] = mean
+            metrics[uci_key(method, f"{column}_se")] = se
         equal = part["equal_time_test_ll"].astype(float)
-        metrics[f"uci/{method}/equal_time_test_ll_mean"] = float(equal.mean()) if equal.notna().all() else None
-        metrics[f"uci/{method}/test_ll_sd_over_splits"] = float(part["test_ll"].std(ddof=1)) if len(part) > 1 else None
-        metrics[f"uci/{method}/train_seconds_median"] = float(part["train_seconds"].median())
-        metrics[f"uci/{method}/iterations_median"] = float(part["iterations"].median())
-        metrics[f"uci/{method}/predict_seconds_per_1000_median"] = float(part["predict_seconds_per_1000"].median())
+        metrics[uci_key(method, "equal_time_test_ll_mean")] = float(equal.mean()) if equal.notna().all() else None
+        metrics[uci_key(method, "test_ll_sd_over_splits")] = (
+            float(part["test_ll"].std(ddof=1)) if len(part) > 1 else None
+        )
+        metrics[uci_key(method, "train_seconds_median")] = float(part["train_seconds"].median())
+        metrics[uci_key(method, "iterations_median")] = float(part["iterations"].median())
+        metrics[uci_key(method, "predict_seconds_per_1000_median")] = float(part["predict_seconds_per_1000"].median())
         for column in COVERAGE_COLUMNS:  # calibration: mean over splits (absent in records of older runs)
             values = part[column].astype(float) if column in part else None
-            metrics[f"uci/{method}/{column}_mean"] = (
+            metrics[uci_key(method, f"{column}_mean")] = (
                 float(values.mean()) if values is not None and values.notna().all() else None
             )
     for closed in [m for m in methods if m.startswith("closed_form_")]:
@@ -468,10 +471,10 @@ def _metrics(frame: pd.DataFrame, methods: List[str], reference: Optional[str], 
             metrics[f"{key}/test_ll_difference"] = mean
             metrics[f"{key}/test_ll_difference_se"] = se
             metrics[f"{key}/train_time_ratio"] = (
-                metrics[f"uci/{closed}/train_seconds_median"] / metrics[f"uci/{peer}/train_seconds_median"]
+                metrics[uci_key(closed, "train_seconds_median")] / metrics[uci_key(peer, "train_seconds_median")]
             )
             metrics[f"{key}/predict_speedup"] = (
-                metrics[f"uci/{peer}/predict_seconds_per_1000_median"]
-                / metrics[f"uci/{closed}/predict_seconds_per_1000_median"]
+                metrics[uci_key(peer, "predict_seconds_per_1000_median")]
+                / metrics[uci_key(closed, "predict_seconds_per_1000_median")]
             )
     return metrics
