@@ -247,6 +247,64 @@ def normal_output_gradients(
     )
 
 
+def hidden_pass_forward(op, mean: torch.Tensor, variance: torch.Tensor, augmented: bool = False):
+    """``(Phi, Upsilon, Var)`` of contiguous CPU pre-activations of means ``mean`` and variances
+    ``variance`` through the kernel ``hidden_pass`` (the square root taken inside). ``augmented``
+    (2-D inputs): Phi and Upsilon as ``[Phi, 1]`` and ``[Ups, 1]``, the next layer's inputs with
+    its bias column."""
+    if augmented:
+        rows, width = mean.shape
+        phi, ups = mean.new_empty(rows, width + 1), mean.new_empty(rows, width + 1)
+    else:
+        width, phi, ups = 0, torch.empty_like(mean), torch.empty_like(mean)
+    var = torch.empty_like(mean)
+    eps = op.kernel_parameters(mean.dtype)
+    kernel_function("hidden_pass", mean.dtype)(
+        op.tail_kind,
+        0,
+        mean.numel(),
+        mean.data_ptr(),
+        variance.data_ptr(),
+        eps[0] if eps else 0.0,
+        phi.data_ptr(),
+        ups.data_ptr(),
+        var.data_ptr(),
+        None,
+        None,
+        None,
+        None,
+        None,
+        width,
+        torch.get_num_threads(),
+    )
+    return phi, ups, var
+
+
+def hidden_pass_backward(op, mean: torch.Tensor, variance: torch.Tensor, grads):
+    """``(d mean, d variance)`` of :func:`hidden_pass_forward` for the gradients ``grads`` of
+    ``(Phi, Upsilon, Var)`` (each ``(..., H)`` or ``None``; the Gaussian factors recomputed)."""
+    grads = [None if g is None else g.contiguous() for g in grads]
+    grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
+    eps = op.kernel_parameters(mean.dtype)
+    kernel_function("hidden_pass", mean.dtype)(
+        op.tail_kind,
+        1,
+        mean.numel(),
+        mean.data_ptr(),
+        variance.data_ptr(),
+        eps[0] if eps else 0.0,
+        None,
+        None,
+        None,
+        *(data_pointer(g) for g in grads),
+        grad_mean.data_ptr(),
+        grad_variance.data_ptr(),
+        0,
+        torch.get_num_threads(),
+    )
+    return grad_mean, grad_variance
+
+
 class MomentsFromVariance(torch.autograd.Function):
     """``(Phi, Upsilon, Var)`` of pre-activations given their means and variances (kernel
     ``hidden_pass``): the square root inside the kernel, and the backward pass returns the
@@ -254,62 +312,17 @@ class MomentsFromVariance(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mean, variance, op, augmented: bool = False):
-        # augmented (2-D inputs, called directly by fused's single-node ELBO, never through apply):
-        # Phi and Upsilon as [Phi, 1] and [Ups, 1], the next layer's inputs with its bias column
-        if augmented:
-            rows, width = mean.shape
-            phi, ups = mean.new_empty(rows, width + 1), mean.new_empty(rows, width + 1)
-        else:
-            width, phi, ups = 0, torch.empty_like(mean), torch.empty_like(mean)
-        var = torch.empty_like(mean)
-        eps = op.kernel_parameters(mean.dtype)
-        kernel_function("hidden_pass", mean.dtype)(
-            op.tail_kind,
-            0,
-            mean.numel(),
-            mean.data_ptr(),
-            variance.data_ptr(),
-            eps[0] if eps else 0.0,
-            phi.data_ptr(),
-            ups.data_ptr(),
-            var.data_ptr(),
-            None,
-            None,
-            None,
-            None,
-            None,
-            width,
-            torch.get_num_threads(),
-        )
+        # augmented: called directly by fused's single-node ELBO, never through apply
         ctx.op = op
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(mean, variance)
-        return phi, ups, var
+        return hidden_pass_forward(op, mean, variance, augmented)
 
     @staticmethod
     def backward(ctx, grad_phi, grad_ups, grad_var):
         """The gradients of (Phi, Ups, Var) are ``(..., H)`` (without the bias column, augmented or not)."""
         mean, variance = ctx.saved_tensors
-        grads = [None if g is None else g.contiguous() for g in (grad_phi, grad_ups, grad_var)]
-        grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
-        eps = ctx.op.kernel_parameters(mean.dtype)
-        kernel_function("hidden_pass", mean.dtype)(
-            ctx.op.tail_kind,
-            1,
-            mean.numel(),
-            mean.data_ptr(),
-            variance.data_ptr(),
-            eps[0] if eps else 0.0,
-            None,
-            None,
-            None,
-            *(data_pointer(g) for g in grads),
-            grad_mean.data_ptr(),
-            grad_variance.data_ptr(),
-            0,
-            torch.get_num_threads(),
-        )
-        return grad_mean, grad_variance, None
+        return (*hidden_pass_backward(ctx.op, mean, variance, (grad_phi, grad_ups, grad_var)), None)
 
 
 def moments_from_variance(op, mean: torch.Tensor, variance: torch.Tensor):

@@ -9,6 +9,12 @@ picks the kernel by device, and ``torch.compile``, CUDA graphs, ``torch.func`` a
     (paper eq. (20)); ``mean`` and ``std`` of one shape, dtype float32 or float64.
 ``cfbnn::relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_std)``
     its vector-Jacobian product (the heat-equation identities), the Gaussian factors recomputed.
+``cfbnn::relu_moments_from_variance(Tensor mean, Tensor variance) -> (Tensor phi, Tensor upsilon, Tensor variance)``
+    the same moments from the pre-activations' *variances* (the propagated hidden pass of the
+    deterministic estimator: the square root inside the kernel, the variance floored at the
+    dtype's smallest normal number), and
+``cfbnn::relu_moments_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_variance)``
+    its vector-Jacobian product.
 
 Kernels:
 
@@ -31,7 +37,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import fast, kernel_handles
+from . import elbo_kernels, fast, kernel_handles
 from .gaussian import align_batched, is_transformed, standard_normal_cdf, standard_normal_pdf, standardize
 from .relu_reference import relu_forward
 
@@ -55,6 +61,10 @@ __all__ = [
     "set_device_kernels",
     "triton_relu_moments",
     "triton_relu_moments_backward",
+    "relu_moments_from_variance",
+    "relu_moments_from_variance_backward",
+    "triton_relu_moments_from_variance",
+    "triton_relu_moments_from_variance_backward",
 ]
 
 _FLOATS = (torch.float32, torch.float64)
@@ -105,6 +115,49 @@ def triton_relu_moments_backward(
         CF_DEPTH=triton_kernels.CF_DEPTH,
     )
     return grad_mean, grad_std
+
+
+def _floor(dtype: torch.dtype) -> float:
+    """The variance floor of the from-variance kernels: the dtype's smallest normal number."""
+    return float(torch.finfo(dtype).tiny)
+
+
+def triton_relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The Triton forward of ``cfbnn::relu_moments_from_variance`` (see :func:`triton_relu_moments`)."""
+    mean, variance = mean.contiguous(), variance.contiguous()
+    phi, ups, var = (torch.empty_like(mean) for _ in range(3))
+    n = mean.numel()
+    triton_kernels.relu_from_variance_kernel[triton_kernels.grid(n)](
+        mean,
+        variance,
+        phi,
+        ups,
+        var,
+        n,
+        FLOOR=_floor(mean.dtype),
+        BLOCK=triton_kernels.BLOCK,
+        CF_DEPTH=triton_kernels.CF_DEPTH,
+    )
+    return phi, ups, var
+
+
+def triton_relu_moments_from_variance_backward(
+    mean: Tensor, variance: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
+) -> Tuple[Tensor, Tensor]:
+    """The Triton vector-Jacobian product of :func:`triton_relu_moments_from_variance`."""
+    tensors = [t.contiguous() for t in (mean, variance, grad_phi, grad_ups, grad_var)]
+    grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(mean)
+    n = mean.numel()
+    triton_kernels.relu_from_variance_backward_kernel[triton_kernels.grid(n)](
+        *tensors,
+        grad_mean,
+        grad_variance,
+        n,
+        FLOOR=_floor(mean.dtype),
+        BLOCK=triton_kernels.BLOCK,
+        CF_DEPTH=triton_kernels.CF_DEPTH,
+    )
+    return grad_mean, grad_variance
 
 
 # ----------------------------------------------------------------------------- reference (torch ops)
@@ -229,6 +282,88 @@ def _elementwise_vmap(op, count: int):
 
 relu_moments.register_vmap(_elementwise_vmap(relu_moments, 3))
 relu_moments_backward.register_vmap(_elementwise_vmap(relu_moments_backward, 2))
+
+
+# ----------------------------------------------------------------------------- from the variances
+
+
+def _std_from_variance(variance: Tensor) -> Tensor:
+    return variance.clamp(min=_floor(variance.dtype)).sqrt()
+
+
+def _reference_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    return _reference_forward(mean, _std_from_variance(variance))
+
+
+def _differentiable_from_variance_backward(mean, variance, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
+    std = _std_from_variance(variance)
+    phi = _reference_forward(mean, std)[0]
+    grad_mean, grad_std = _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var)
+    return grad_mean, 0.5 * grad_std / std
+
+
+@_define("cfbnn::relu_moments_from_variance", mutates_args=())
+def relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    _check("relu_moments_from_variance", mean, variance)
+    if not HAVE_TRITON:  # pragma: no cover - without Triton the device kernels are the reference ops
+        return tuple(value.clone() for value in _reference_from_variance(mean, variance))
+    return triton_relu_moments_from_variance(mean, variance)
+
+
+@_define("cfbnn::relu_moments_from_variance_backward", mutates_args=())
+def relu_moments_from_variance_backward(
+    mean: Tensor, variance: Tensor, grad_phi: Tensor, grad_upsilon: Tensor, grad_variance: Tensor
+) -> Tuple[Tensor, Tensor]:
+    _check("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
+    if not HAVE_TRITON:  # pragma: no cover
+        return _differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
+    return triton_relu_moments_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
+
+
+@relu_moments_from_variance.register_kernel("cpu")
+def _relu_moments_from_variance_cpu(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    _check("relu_moments_from_variance", mean, variance)
+    if fast.load_kernels() is None:  # no compiler: the reference ops
+        return tuple(value.clone() for value in _reference_from_variance(mean, variance))
+    return elbo_kernels.hidden_pass_forward(kernel_handles.ReLUOp(None), mean.contiguous(), variance.contiguous())
+
+
+@relu_moments_from_variance_backward.register_kernel("cpu")
+def _relu_moments_from_variance_backward_cpu(mean, variance, grad_phi, grad_upsilon, grad_variance):
+    _check("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
+    if fast.load_kernels() is None:
+        return _differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
+    grads = (grad_phi, grad_upsilon, grad_variance)
+    return elbo_kernels.hidden_pass_backward(
+        kernel_handles.ReLUOp(None), mean.contiguous(), variance.contiguous(), grads
+    )
+
+
+@relu_moments_from_variance.register_fake
+def _(mean, variance):
+    return torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)
+
+
+@relu_moments_from_variance_backward.register_fake
+def _(mean, variance, grad_phi, grad_upsilon, grad_variance):
+    return torch.empty_like(mean), torch.empty_like(mean)
+
+
+def _from_variance_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _from_variance_backward(ctx, grad_phi, grad_upsilon, grad_variance):
+    mean, variance = ctx.saved_tensors
+    grads = [g if g is not None else torch.zeros_like(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
+    if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
+        return _differentiable_from_variance_backward(mean, variance, *grads)
+    return relu_moments_from_variance_backward(mean, variance, *grads)
+
+
+relu_moments_from_variance.register_autograd(_from_variance_backward, setup_context=_from_variance_setup_context)
+relu_moments_from_variance.register_vmap(_elementwise_vmap(relu_moments_from_variance, 3))
+relu_moments_from_variance_backward.register_vmap(_elementwise_vmap(relu_moments_from_variance_backward, 2))
 
 
 class ReLUMoments(torch.autograd.Function):

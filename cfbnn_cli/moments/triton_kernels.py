@@ -61,22 +61,42 @@ def small_tail(mean, std, CF_DEPTH: tl.constexpr):
 
 
 @triton.jit
-def relu_moments_kernel(mean_ptr, std_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr):
-    """``(Phi, Upsilon, Var)`` of ``relu(z)``, ``z ~ N(mean, std^2)`` (paper eq. (20), the
+def relu_core(mean, std, CF_DEPTH: tl.constexpr):
+    """``(Phi, Upsilon, Var)`` of ``relu(z)``, ``z ~ N(mean, std^2)``, float64 (paper eq. (20), the
     cancellation-free small-tail form of ``relu_reference.relu_forward_block``)."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    s_in = tl.load(std_ptr + offsets, mask=inside, other=1.0)
-    mean = m_in.to(tl.float64)
-    std = s_in.to(tl.float64)
     x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
     upper = mean >= 0.0
     phi = tl.maximum(mean, 0.0) + std * s1
     # the bracket of Var / std^2: above 0, 1 - s2 - 2 x s1 - s1^2 (>= 0.34); below, s2 - s1^2
     bracket = tl.where(upper, 1.0 - s2 - 2.0 * x * s1 - s1 * s1, s2 - s1 * s1)
     var = tl.maximum(std * std * bracket, 0.0)
-    ups = var + phi * phi
+    return phi, var + phi * phi, var
+
+
+@triton.jit
+def relu_vjp(mean, std, phi, g_phi, g_ups, g_var, CF_DEPTH: tl.constexpr):
+    """``(d mean, d std)``: the vector-Jacobian product of :func:`relu_core` (heat-equation
+    identities): ``dPhi/dmean = Phi_N(t)``, ``dPhi/dstd = phi(t)``, ``dUps/dmean = 2 Phi``,
+    ``dUps/dstd = 2 std Phi_N(t)``, ``dVar = dUps - 2 Phi dPhi`` (as
+    ``relu_reference.ReLUMomentsReference``); the Gaussian factors recomputed."""
+    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
+    upper = mean >= 0.0
+    cdf = tl.where(upper, 1.0 - s0, s0)  # Phi_N(t)
+    cdf_neg = tl.where(upper, s0, 1.0 - s0)  # Phi_N(-t), without 1 - cdf's cancellation
+    twice_phi = 2.0 * phi
+    g_mean = g_phi * cdf + twice_phi * (g_ups + g_var * cdf_neg)
+    g_std = g_phi * pdf + 2.0 * std * cdf * (g_ups + g_var) - twice_phi * pdf * g_var
+    return g_mean, g_std
+
+
+@triton.jit
+def relu_moments_kernel(mean_ptr, std_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr):
+    """``(Phi, Upsilon, Var)`` of ``relu(z)`` elementwise (:func:`relu_core`)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    phi, ups, var = relu_core(m_in.to(tl.float64), std, CF_DEPTH)
     tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
     tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
     tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
@@ -96,28 +116,75 @@ def relu_moments_backward_kernel(
     BLOCK: tl.constexpr,
     CF_DEPTH: tl.constexpr,
 ):
-    """Vector-Jacobian product of :func:`relu_moments_kernel` (heat-equation identities):
-    ``dPhi/dmean = Phi_N(t)``, ``dPhi/dstd = phi(t)``, ``dUps/dmean = 2 Phi``,
-    ``dUps/dstd = 2 std Phi_N(t)``, ``dVar = dUps - 2 Phi dPhi`` (as ``relu_reference.ReLUMomentsReference``).
-    The Gaussian factors are recomputed, not saved."""
+    """Vector-Jacobian product of :func:`relu_moments_kernel` (:func:`relu_vjp`)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    mean = m_in.to(tl.float64)
     std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
     phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
-    upper = mean >= 0.0
-    cdf = tl.where(upper, 1.0 - s0, s0)  # Phi_N(t)
-    cdf_neg = tl.where(upper, s0, 1.0 - s0)  # Phi_N(-t), without 1 - cdf's cancellation
-    twice_phi = 2.0 * phi
-    g_mean = g_phi * cdf + twice_phi * (g_ups + g_var * cdf_neg)
-    g_std = g_phi * pdf + 2.0 * std * cdf * (g_ups + g_var) - twice_phi * pdf * g_var
+    g_mean, g_std = relu_vjp(m_in.to(tl.float64), std, phi, g_phi, g_ups, g_var, CF_DEPTH)
     tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
     tl.store(g_std_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
+
+
+@triton.jit
+def relu_from_variance_kernel(
+    mean_ptr,
+    variance_ptr,
+    phi_ptr,
+    ups_ptr,
+    var_ptr,
+    n,
+    FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """``(Phi, Upsilon, Var)`` of ``relu(z)``, ``z ~ N(mean, variance)``: the standard deviation
+    taken here, the variance kept at or above ``FLOOR`` (the dtype's smallest normal number), as
+    the CPU kernel ``hidden_pass`` does."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    std = tl.sqrt(tl.maximum(variance, FLOOR))
+    phi, ups, var = relu_core(m_in.to(tl.float64), std, CF_DEPTH)
+    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
+    tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
+    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
+
+
+@triton.jit
+def relu_from_variance_backward_kernel(
+    mean_ptr,
+    variance_ptr,
+    g_phi_ptr,
+    g_ups_ptr,
+    g_var_ptr,
+    g_mean_ptr,
+    g_variance_ptr,
+    n,
+    FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """Vector-Jacobian product of :func:`relu_from_variance_kernel`: Phi recomputed, then
+    :func:`relu_vjp`, and ``d variance = d std / (2 std)``."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    mean = m_in.to(tl.float64)
+    variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    std = tl.sqrt(tl.maximum(variance, FLOOR))
+    g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    phi, _, _ = relu_core(mean, std, CF_DEPTH)
+    g_mean, g_std = relu_vjp(mean, std, phi, g_phi, g_ups, g_var, CF_DEPTH)
+    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
+    tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(m_in.dtype), mask=inside)
 
 
 def grid(n: int):

@@ -87,6 +87,53 @@ def test_opcheck_cpu(dtype):
     torch.library.opcheck(torch.ops.cfbnn.relu_moments_backward.default, (mean.detach(), std.detach(), phi, *grads))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cpu_from_variance_operator_matches_quadrature(quadrature, dtype):
+    """cfbnn::relu_moments_from_variance on the variances std^2 of the same grid, against the same
+    quadrature and tolerances; a variance of 0 is floored at the dtype's smallest normal number,
+    so there the moments are those at std = sqrt(floor) (what keeps the gradient finite)."""
+    mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
+    variance = torch.tensor([p[1] for p in POINTS], dtype=torch.float64).square().to(dtype)
+    values = torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
+    assert all(v.dtype == dtype for v in values)
+    positive = [i for i, p in enumerate(POINTS) if p[1] > 0]
+    assert (
+        worst_error(
+            [v[positive] for v in values], [quadrature[i] for i in positive], [POINTS[i] for i in positive], dtype
+        )
+        <= 1.0
+    )
+    zero = [i for i, p in enumerate(POINTS) if p[1] == 0]
+    floored = torch.full((len(zero),), torch.finfo(dtype).tiny, dtype=dtype).sqrt()
+    for got, want in zip(values, torch.ops.cfbnn.relu_moments(mean[zero], floored)):
+        torch.testing.assert_close(got[zero], want, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_cpu_from_variance(dtype):
+    g = torch.Generator().manual_seed(4)
+    mean = (torch.randn(40, 7, generator=g, dtype=dtype) * 4).requires_grad_()
+    variance = (torch.rand(40, 7, generator=g, dtype=dtype) * 3 + 0.01).requires_grad_()
+    torch.library.opcheck(torch.ops.cfbnn.relu_moments_from_variance.default, (mean, variance))
+    grads = [torch.randn(40, 7, generator=g, dtype=dtype) for _ in range(3)]
+    torch.library.opcheck(
+        torch.ops.cfbnn.relu_moments_from_variance_backward.default, (mean.detach(), variance.detach(), *grads)
+    )
+
+
+def test_from_variance_gradients_match_finite_differences_and_the_std_operator():
+    g = torch.Generator().manual_seed(5)
+    mean = (torch.randn(6, 5, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    variance = (torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05).requires_grad_()
+    assert torch.autograd.gradcheck(torch.ops.cfbnn.relu_moments_from_variance, (mean, variance))
+    assert torch.autograd.gradgradcheck(torch.ops.cfbnn.relu_moments_from_variance, (mean, variance))
+    # the same values as relu_moments at std = sqrt(variance)
+    for got, want in zip(
+        torch.ops.cfbnn.relu_moments_from_variance(mean, variance), torch.ops.cfbnn.relu_moments(mean, variance.sqrt())
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)  # (sqrt taken in or out of the kernel)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_opcheck_cuda(dtype):
@@ -177,6 +224,27 @@ TRITON_CHECK = """
             float(((gs.double() - s64.grad).abs() / scale(s64.grad)).max()),
         )
         out[name] = {{"values": worst_error((phi, ups, var), references, POINTS, dtype), "grads": grad_error}}
+        # from the variances: the same references; the gradients where std > 0 (at 0 sqrt has none)
+        mean, std = mean.detach(), std.detach()
+        variance = std.double().square().to(dtype)
+        values = ops.triton_relu_moments_from_variance(mean, variance)
+        positive = std > 0
+        v64 = variance.double().clone().requires_grad_()  # fresh leaves (not the tensors above)
+        m64 = mean.double().clone().requires_grad_()
+        rphi, rups, rvar, *_ = ReLUMomentsReference.apply(m64, v64.sqrt())
+        torch.autograd.backward([rphi, rups, rvar], [t.double() for t in grads])
+        gm, gv = ops.triton_relu_moments_from_variance_backward(mean, variance, *grads)
+        grad_error = max(
+            float(((gm.double() - m64.grad).abs() / scale(m64.grad))[positive].max()),
+            float(((gv.double() - v64.grad).abs() / scale(v64.grad))[positive].max()),
+        )
+        keep = [i for i, p in enumerate(POINTS) if p[1] > 0]  # (a variance of 0 is floored)
+        out[name + "_from_variance"] = {{
+            "values": worst_error(
+                [v[keep] for v in values], [references[i] for i in keep], [POINTS[i] for i in keep], dtype
+            ),
+            "grads": grad_error,
+        }}
     print("RESULT", json.dumps(out))
 """
 
@@ -196,6 +264,10 @@ def test_triton_kernels_match_quadrature_under_the_interpreter():
     assert errors["float32"]["values"] <= 1.0, errors
     assert errors["float64"]["grads"] < 1e-10, errors
     assert errors["float32"]["grads"] < 1e-5, errors
+    assert errors["float64_from_variance"]["values"] <= 1.0, errors
+    assert errors["float32_from_variance"]["values"] <= 1.0, errors
+    assert errors["float64_from_variance"]["grads"] < 1e-10, errors
+    assert errors["float32_from_variance"]["grads"] < 1e-5, errors
     assert all(math.isfinite(v) for d in errors.values() for v in d.values())
 
 
@@ -206,3 +278,26 @@ def test_cuda_operator_matches_quadrature(quadrature, dtype):
     std = torch.tensor([p[1] for p in POINTS], dtype=dtype, device="cuda")
     values = [v.cpu() for v in torch.ops.cfbnn.relu_moments(mean, std)]
     assert worst_error(values, quadrature, POINTS, dtype) <= 1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cuda_from_variance_operator_matches_the_cpu_kernels(dtype):
+    g = torch.Generator().manual_seed(6)
+    mean = torch.randn(500, 200, generator=g, dtype=dtype) * 4
+    variance = torch.rand(500, 200, generator=g, dtype=dtype) * 3
+    grads = [torch.randn(500, 200, generator=g, dtype=dtype) for _ in range(3)]
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    for got, want in zip(
+        torch.ops.cfbnn.relu_moments_from_variance(mean.cuda(), variance.cuda()),
+        torch.ops.cfbnn.relu_moments_from_variance(mean, variance),
+    ):
+        torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=1e-30)
+    for got, want in zip(
+        torch.ops.cfbnn.relu_moments_from_variance_backward(mean.cuda(), variance.cuda(), *[t.cuda() for t in grads]),
+        torch.ops.cfbnn.relu_moments_from_variance_backward(mean, variance, *grads),
+    ):
+        torch.testing.assert_close(got.cpu(), want, rtol=100 * rtol, atol=1e-30)
+    m = mean[:50].cuda().requires_grad_()
+    v = (variance[:50] + 0.01).cuda().requires_grad_()
+    torch.library.opcheck(torch.ops.cfbnn.relu_moments_from_variance.default, (m, v))
