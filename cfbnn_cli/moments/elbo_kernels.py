@@ -247,6 +247,23 @@ def normal_output_gradients(
     )
 
 
+def _hidden_pass(op, backward: int, mean: torch.Tensor, variance: torch.Tensor, pointers, width: int) -> None:
+    """The kernel ``hidden_pass``: ``(kind, backward, n, mean, variance, eps, phi, ups, var, d phi, d ups,
+    d var, d mean, d variance, width, threads)``, the eight output and gradient ``pointers`` in that order."""
+    eps = op.kernel_parameters(mean.dtype)
+    kernel_function("hidden_pass", mean.dtype)(
+        op.tail_kind,
+        backward,
+        mean.numel(),
+        mean.data_ptr(),
+        variance.data_ptr(),
+        eps[0] if eps else 0.0,
+        *pointers,
+        width,
+        torch.get_num_threads(),
+    )
+
+
 def hidden_pass_forward(op, mean: torch.Tensor, variance: torch.Tensor, augmented: bool = False):
     """``(Phi, Upsilon, Var)`` of contiguous CPU pre-activations of means ``mean`` and variances
     ``variance`` through the kernel ``hidden_pass`` (the square root taken inside). ``augmented``
@@ -258,25 +275,8 @@ def hidden_pass_forward(op, mean: torch.Tensor, variance: torch.Tensor, augmente
     else:
         width, phi, ups = 0, torch.empty_like(mean), torch.empty_like(mean)
     var = torch.empty_like(mean)
-    eps = op.kernel_parameters(mean.dtype)
-    kernel_function("hidden_pass", mean.dtype)(
-        op.tail_kind,
-        0,
-        mean.numel(),
-        mean.data_ptr(),
-        variance.data_ptr(),
-        eps[0] if eps else 0.0,
-        phi.data_ptr(),
-        ups.data_ptr(),
-        var.data_ptr(),
-        None,
-        None,
-        None,
-        None,
-        None,
-        width,
-        torch.get_num_threads(),
-    )
+    pointers = (phi.data_ptr(), ups.data_ptr(), var.data_ptr(), None, None, None, None, None)
+    _hidden_pass(op, 0, mean, variance, pointers, width)
     return phi, ups, var
 
 
@@ -285,23 +285,8 @@ def hidden_pass_backward(op, mean: torch.Tensor, variance: torch.Tensor, grads):
     ``(Phi, Upsilon, Var)`` (each ``(..., H)`` or ``None``; the Gaussian factors recomputed)."""
     grads = [None if g is None else g.contiguous() for g in grads]
     grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(variance)
-    eps = op.kernel_parameters(mean.dtype)
-    kernel_function("hidden_pass", mean.dtype)(
-        op.tail_kind,
-        1,
-        mean.numel(),
-        mean.data_ptr(),
-        variance.data_ptr(),
-        eps[0] if eps else 0.0,
-        None,
-        None,
-        None,
-        *(data_pointer(g) for g in grads),
-        grad_mean.data_ptr(),
-        grad_variance.data_ptr(),
-        0,
-        torch.get_num_threads(),
-    )
+    pointers = (None, None, None, *(data_pointer(g) for g in grads), grad_mean.data_ptr(), grad_variance.data_ptr())
+    _hidden_pass(op, 1, mean, variance, pointers, 0)
     return grad_mean, grad_variance
 
 

@@ -82,82 +82,60 @@ def _check(name: str, *tensors: Tensor) -> None:
 # ----------------------------------------------------------------------------- Triton launches
 
 
-def triton_relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """The Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
-    mean, std = mean.contiguous(), std.contiguous()
+def _floor(dtype: torch.dtype) -> float:
+    """The variance floor of the from-variance kernels: the dtype's smallest normal number."""
+    return float(torch.finfo(dtype).tiny)
+
+
+def _launch_forward(mean: Tensor, spread: Tensor, from_variance: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    mean, spread = mean.contiguous(), spread.contiguous()
     phi, ups, var = (torch.empty_like(mean) for _ in range(3))
     n = mean.numel()
     triton_kernels.relu_moments_kernel[triton_kernels.grid(n)](
-        mean, std, phi, ups, var, n, BLOCK=triton_kernels.BLOCK, CF_DEPTH=triton_kernels.CF_DEPTH
+        mean, spread, phi, ups, var, n, from_variance, _floor(mean.dtype), triton_kernels.BLOCK, triton_kernels.CF_DEPTH
     )
     return phi, ups, var
+
+
+def _launch_backward(mean: Tensor, spread: Tensor, phi: Tensor, grads, from_variance: bool) -> Tuple[Tensor, Tensor]:
+    tensors = [t.contiguous() for t in (mean, spread, phi, *grads)]
+    grad_mean, grad_spread = torch.empty_like(mean), torch.empty_like(mean)
+    n = mean.numel()
+    triton_kernels.relu_moments_backward_kernel[triton_kernels.grid(n)](
+        *tensors,
+        grad_mean,
+        grad_spread,
+        n,
+        from_variance,
+        _floor(mean.dtype),
+        triton_kernels.BLOCK,
+        triton_kernels.CF_DEPTH,
+    )
+    return grad_mean, grad_spread
+
+
+def triton_relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
+    return _launch_forward(mean, std, False)
 
 
 def triton_relu_moments_backward(
     mean: Tensor, std: Tensor, phi: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
 ) -> Tuple[Tensor, Tensor]:
     """The Triton vector-Jacobian product (see :func:`triton_relu_moments`)."""
-    mean, std, phi = mean.contiguous(), std.contiguous(), phi.contiguous()
-    grad_phi, grad_ups, grad_var = grad_phi.contiguous(), grad_ups.contiguous(), grad_var.contiguous()
-    grad_mean, grad_std = torch.empty_like(mean), torch.empty_like(mean)
-    n = mean.numel()
-    triton_kernels.relu_moments_backward_kernel[triton_kernels.grid(n)](
-        mean,
-        std,
-        phi,
-        grad_phi,
-        grad_ups,
-        grad_var,
-        grad_mean,
-        grad_std,
-        n,
-        BLOCK=triton_kernels.BLOCK,
-        CF_DEPTH=triton_kernels.CF_DEPTH,
-    )
-    return grad_mean, grad_std
-
-
-def _floor(dtype: torch.dtype) -> float:
-    """The variance floor of the from-variance kernels: the dtype's smallest normal number."""
-    return float(torch.finfo(dtype).tiny)
+    return _launch_backward(mean, std, phi, (grad_phi, grad_ups, grad_var), False)
 
 
 def triton_relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The Triton forward of ``cfbnn::relu_moments_from_variance`` (see :func:`triton_relu_moments`)."""
-    mean, variance = mean.contiguous(), variance.contiguous()
-    phi, ups, var = (torch.empty_like(mean) for _ in range(3))
-    n = mean.numel()
-    triton_kernels.relu_from_variance_kernel[triton_kernels.grid(n)](
-        mean,
-        variance,
-        phi,
-        ups,
-        var,
-        n,
-        FLOOR=_floor(mean.dtype),
-        BLOCK=triton_kernels.BLOCK,
-        CF_DEPTH=triton_kernels.CF_DEPTH,
-    )
-    return phi, ups, var
+    return _launch_forward(mean, variance, True)
 
 
 def triton_relu_moments_from_variance_backward(
     mean: Tensor, variance: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
 ) -> Tuple[Tensor, Tensor]:
     """The Triton vector-Jacobian product of :func:`triton_relu_moments_from_variance`."""
-    tensors = [t.contiguous() for t in (mean, variance, grad_phi, grad_ups, grad_var)]
-    grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(mean)
-    n = mean.numel()
-    triton_kernels.relu_from_variance_backward_kernel[triton_kernels.grid(n)](
-        *tensors,
-        grad_mean,
-        grad_variance,
-        n,
-        FLOOR=_floor(mean.dtype),
-        BLOCK=triton_kernels.BLOCK,
-        CF_DEPTH=triton_kernels.CF_DEPTH,
-    )
-    return grad_mean, grad_variance
+    return _launch_backward(mean, variance, mean, (grad_phi, grad_ups, grad_var), True)  # (Phi recomputed)
 
 
 # ----------------------------------------------------------------------------- reference (torch ops)

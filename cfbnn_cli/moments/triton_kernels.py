@@ -90,12 +90,28 @@ def relu_vjp(mean, std, phi, g_phi, g_ups, g_var, CF_DEPTH: tl.constexpr):
 
 
 @triton.jit
-def relu_moments_kernel(mean_ptr, std_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr):
-    """``(Phi, Upsilon, Var)`` of ``relu(z)`` elementwise (:func:`relu_core`)."""
+def relu_moments_kernel(
+    mean_ptr,
+    spread_ptr,
+    phi_ptr,
+    ups_ptr,
+    var_ptr,
+    n,
+    FROM_VARIANCE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """``(Phi, Upsilon, Var)`` of ``relu(z)`` elementwise (:func:`relu_core`); ``spread`` is the
+    standard deviation, or with ``FROM_VARIANCE`` the variance (the square root taken here, the
+    variance kept at or above ``FLOOR``, the dtype's smallest normal number, as the CPU kernel
+    ``hidden_pass`` does)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    std = tl.load(spread_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    if FROM_VARIANCE:
+        std = tl.sqrt(tl.maximum(std, FLOOR))
     phi, ups, var = relu_core(m_in.to(tl.float64), std, CF_DEPTH)
     tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
     tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
@@ -105,86 +121,39 @@ def relu_moments_kernel(mean_ptr, std_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: 
 @triton.jit
 def relu_moments_backward_kernel(
     mean_ptr,
-    std_ptr,
+    spread_ptr,
     phi_ptr,
     g_phi_ptr,
     g_ups_ptr,
     g_var_ptr,
     g_mean_ptr,
-    g_std_ptr,
+    g_spread_ptr,
     n,
-    BLOCK: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-):
-    """Vector-Jacobian product of :func:`relu_moments_kernel` (:func:`relu_vjp`)."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
-    phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_mean, g_std = relu_vjp(m_in.to(tl.float64), std, phi, g_phi, g_ups, g_var, CF_DEPTH)
-    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
-    tl.store(g_std_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
-
-
-@triton.jit
-def relu_from_variance_kernel(
-    mean_ptr,
-    variance_ptr,
-    phi_ptr,
-    ups_ptr,
-    var_ptr,
-    n,
+    FROM_VARIANCE: tl.constexpr,
     FLOOR: tl.constexpr,
     BLOCK: tl.constexpr,
     CF_DEPTH: tl.constexpr,
 ):
-    """``(Phi, Upsilon, Var)`` of ``relu(z)``, ``z ~ N(mean, variance)``: the standard deviation
-    taken here, the variance kept at or above ``FLOOR`` (the dtype's smallest normal number), as
-    the CPU kernel ``hidden_pass`` does."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
-    std = tl.sqrt(tl.maximum(variance, FLOOR))
-    phi, ups, var = relu_core(m_in.to(tl.float64), std, CF_DEPTH)
-    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
-    tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
-    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
-
-
-@triton.jit
-def relu_from_variance_backward_kernel(
-    mean_ptr,
-    variance_ptr,
-    g_phi_ptr,
-    g_ups_ptr,
-    g_var_ptr,
-    g_mean_ptr,
-    g_variance_ptr,
-    n,
-    FLOOR: tl.constexpr,
-    BLOCK: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-):
-    """Vector-Jacobian product of :func:`relu_from_variance_kernel`: Phi recomputed, then
-    :func:`relu_vjp`, and ``d variance = d std / (2 std)``."""
+    """Vector-Jacobian product of :func:`relu_moments_kernel` (:func:`relu_vjp`); with
+    ``FROM_VARIANCE`` Phi is recomputed (``phi_ptr`` unused) and ``d variance = d std / (2 std)``."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
     mean = m_in.to(tl.float64)
-    variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
-    std = tl.sqrt(tl.maximum(variance, FLOOR))
+    std = tl.load(spread_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    if FROM_VARIANCE:
+        std = tl.sqrt(tl.maximum(std, FLOOR))
+        phi, _, _ = relu_core(mean, std, CF_DEPTH)
+    else:
+        phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    phi, _, _ = relu_core(mean, std, CF_DEPTH)
     g_mean, g_std = relu_vjp(mean, std, phi, g_phi, g_ups, g_var, CF_DEPTH)
+    if FROM_VARIANCE:
+        g_std = 0.5 * g_std / std
     tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
-    tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(m_in.dtype), mask=inside)
+    tl.store(g_spread_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
 
 
 def grid(n: int):
