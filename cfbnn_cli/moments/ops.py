@@ -15,6 +15,11 @@ picks the kernel by device, and ``torch.compile``, CUDA graphs, ``torch.func`` a
     dtype's smallest normal number), and
 ``cfbnn::relu_moments_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_variance)``
     its vector-Jacobian product.
+``cfbnn::diagonal_kl(Tensor loc, Tensor log_scale, float prior_variance) -> Tensor``
+    ``KL(N(loc, diag exp(2 log_scale)) || N(0, prior_variance I))`` of a mean-field weight matrix
+    (the KL terms of paper eq. (4)), one pass over the matrix with float64 sums, and
+``cfbnn::diagonal_kl_backward(loc, log_scale, grad, prior_variance) -> (grad_loc, grad_log_scale)``
+    its gradients, one pass.
 
 Kernels:
 
@@ -32,6 +37,7 @@ torch ops. ``vmap``: the ops are elementwise, so a batched call is one call on t
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Tuple
 
 import torch
@@ -65,6 +71,10 @@ __all__ = [
     "relu_moments_from_variance_backward",
     "triton_relu_moments_from_variance",
     "triton_relu_moments_from_variance_backward",
+    "diagonal_kl",
+    "diagonal_kl_backward",
+    "triton_diagonal_kl",
+    "triton_diagonal_kl_backward",
 ]
 
 _FLOATS = (torch.float32, torch.float64)
@@ -402,3 +412,139 @@ def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Te
     """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through the operators (autograd
     and ``torch.func`` included)."""
     return ReLUMoments.apply(*torch.broadcast_tensors(mean, std))
+
+
+# ----------------------------------------------------------------------------- the KL of a mean-field matrix
+
+
+def _kl_from_sums(variance_sum, loc_square_sum, log_scale_sum, count: int, prior_variance: float):
+    """``KL(N(loc, diag Var) || N(0, s^2 I))`` from its three sums (numbers or 0-d tensors)."""
+    return (
+        0.5 * ((variance_sum + loc_square_sum) / prior_variance - count + count * math.log(prior_variance))
+        - log_scale_sum
+    )
+
+
+def _check_kl(name: str, loc: Tensor, log_scale: Tensor, prior_variance: float) -> None:
+    _check(name, loc, log_scale)
+    if not prior_variance > 0:
+        raise ValueError(f"cfbnn::{name}: `prior_variance` must be > 0; got {prior_variance!r}")
+
+
+def _reference_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
+    sums = (torch.exp(2.0 * log_scale.double()).sum(), loc.double().square().sum(), log_scale.double().sum())
+    return _kl_from_sums(*sums, loc.numel(), prior_variance).to(loc.dtype)
+
+
+def _reference_kl_backward(loc, log_scale, grad, prior_variance) -> Tuple[Tensor, Tensor]:
+    scaled = grad / prior_variance
+    return scaled * loc, scaled * torch.exp(2.0 * log_scale) - grad
+
+
+def triton_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
+    """The Triton forward: one launch for the blocks' float64 sums, then their sum in block order."""
+    loc, log_scale = loc.contiguous(), log_scale.contiguous()
+    n = loc.numel()
+    blocks = triton_kernels.grid(n)[0]
+    partial = torch.zeros(blocks * 3, dtype=torch.float64, device=loc.device)
+    triton_kernels.diagonal_kl_sums_kernel[(blocks,)](loc, log_scale, partial, n, BLOCK=triton_kernels.BLOCK)
+    return _kl_from_sums(*partial.view(blocks, 3).sum(0), n, prior_variance).to(loc.dtype)
+
+
+def triton_diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float):
+    """The Triton gradients of :func:`triton_diagonal_kl` for ``grad = dL/dKL`` (a 0-d tensor)."""
+    loc, log_scale, grad = loc.contiguous(), log_scale.contiguous(), grad.reshape(1).contiguous()
+    grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(loc)
+    n = loc.numel()
+    triton_kernels.diagonal_kl_backward_kernel[triton_kernels.grid(n)](
+        loc, log_scale, grad, grad_loc, grad_log_scale, n, float(prior_variance), BLOCK=triton_kernels.BLOCK
+    )
+    return grad_loc, grad_log_scale
+
+
+@_define("cfbnn::diagonal_kl", mutates_args=())
+def diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
+    _check_kl("diagonal_kl", loc, log_scale, prior_variance)
+    if not HAVE_TRITON:  # pragma: no cover
+        return _reference_kl(loc, log_scale, prior_variance)
+    return triton_diagonal_kl(loc, log_scale, prior_variance)
+
+
+@_define("cfbnn::diagonal_kl_backward", mutates_args=())
+def diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float) -> Tuple[Tensor, Tensor]:
+    _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
+    if not HAVE_TRITON:  # pragma: no cover
+        return _reference_kl_backward(loc, log_scale, grad, prior_variance)
+    return triton_diagonal_kl_backward(loc, log_scale, grad, prior_variance)
+
+
+@diagonal_kl.register_kernel("cpu")
+def _diagonal_kl_cpu(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
+    _check_kl("diagonal_kl", loc, log_scale, prior_variance)
+    loc, log_scale = loc.contiguous(), log_scale.contiguous()
+    sums = elbo_kernels.diagonal_kl_sums(loc, log_scale) if fast.load_kernels() is not None else None
+    if sums is None:  # no kernels here: the same sums in torch ops
+        return _reference_kl(loc, log_scale, prior_variance)
+    return loc.new_tensor(_kl_from_sums(*sums, loc.numel(), prior_variance))
+
+
+@diagonal_kl_backward.register_kernel("cpu")
+def _diagonal_kl_backward_cpu(loc, log_scale, grad, prior_variance) -> Tuple[Tensor, Tensor]:
+    _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
+    loc, log_scale = loc.contiguous(), log_scale.contiguous()
+    value = float(grad)
+    gradients = None
+    if fast.load_kernels() is not None:
+        gradients = elbo_kernels.diagonal_kl_gradients(loc, log_scale, value / prior_variance, value)
+    return gradients if gradients is not None else _reference_kl_backward(loc, log_scale, grad, prior_variance)
+
+
+@diagonal_kl.register_fake
+def _(loc, log_scale, prior_variance):
+    return loc.new_empty(())
+
+
+@diagonal_kl_backward.register_fake
+def _(loc, log_scale, grad, prior_variance):
+    return torch.empty_like(loc), torch.empty_like(loc)
+
+
+def _kl_setup_context(ctx, inputs, output):
+    loc, log_scale, prior_variance = inputs
+    ctx.prior_variance = prior_variance
+    ctx.save_for_backward(loc, log_scale)
+
+
+def _kl_backward(ctx, grad):
+    loc, log_scale = ctx.saved_tensors
+    if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
+        return (*_reference_kl_backward(loc, log_scale, grad, ctx.prior_variance), None)
+    return (*diagonal_kl_backward(loc, log_scale, grad, ctx.prior_variance), None)
+
+
+diagonal_kl.register_autograd(_kl_backward, setup_context=_kl_setup_context)
+
+
+def _batch_first(info, in_dims, *tensors):
+    return [
+        t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(info.batch_size, *t.shape)
+        for t, d in zip(tensors, in_dims)
+    ]
+
+
+def _kl_vmap(info, in_dims, loc, log_scale, prior_variance):
+    # one KL per batch entry, in batched torch ops (the same float64 sums)
+    loc, log_scale = _batch_first(info, in_dims[:2], loc, log_scale)
+    rows = [t.reshape(t.shape[0], -1).double() for t in (loc, log_scale)]
+    sums = (torch.exp(2.0 * rows[1]).sum(1), rows[0].square().sum(1), rows[1].sum(1))
+    return _kl_from_sums(*sums, rows[0].shape[1], prior_variance).to(loc.dtype), 0
+
+
+def _kl_backward_vmap(info, in_dims, loc, log_scale, grad, prior_variance):
+    loc, log_scale, grad = _batch_first(info, in_dims[:3], loc, log_scale, grad)
+    grad = grad.reshape(grad.shape[0], *([1] * (loc.dim() - 1)))
+    return _reference_kl_backward(loc, log_scale, grad, prior_variance), (0, 0)
+
+
+diagonal_kl.register_vmap(_kl_vmap)
+diagonal_kl_backward.register_vmap(_kl_backward_vmap)

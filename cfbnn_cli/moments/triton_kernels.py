@@ -158,3 +158,37 @@ def relu_moments_backward_kernel(
 
 def grid(n: int):
     return (triton.cdiv(max(n, 1), BLOCK),)
+
+
+@triton.jit
+def diagonal_kl_sums_kernel(loc_ptr, log_scale_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    """Per block of ``BLOCK`` elements, the float64 sums ``(sum exp(2 log_scale), sum loc^2, sum
+    log_scale)`` that ``KL(N(loc, diag exp(2 log_scale)) || N(0, s^2 I))`` needs, into
+    ``partial[3 * block + k]`` (summed in block order afterwards: the result does not depend on
+    the launch's scheduling)."""
+    block = tl.program_id(0)
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    loc = tl.load(loc_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    log_scale = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    variance = tl.where(inside, tl.exp(2.0 * log_scale), 0.0)
+    tl.store(partial_ptr + 3 * block, tl.sum(variance, axis=0))
+    tl.store(partial_ptr + 3 * block + 1, tl.sum(loc * loc, axis=0))
+    tl.store(partial_ptr + 3 * block + 2, tl.sum(log_scale, axis=0))
+
+
+@triton.jit
+def diagonal_kl_backward_kernel(
+    loc_ptr, log_scale_ptr, grad_ptr, g_loc_ptr, g_log_scale_ptr, n, prior_variance, BLOCK: tl.constexpr
+):
+    """The KL's gradients for ``grad = dL/dKL`` (a one-element tensor): ``grad / s^2 * loc`` and
+    ``grad / s^2 * exp(2 log_scale) - grad``."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
+    loc = l_in.to(tl.float64)
+    log_scale = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    grad = tl.load(grad_ptr).to(tl.float64)
+    scaled = grad / prior_variance
+    tl.store(g_loc_ptr + offsets, (scaled * loc).to(l_in.dtype), mask=inside)
+    tl.store(g_log_scale_ptr + offsets, (scaled * tl.exp(2.0 * log_scale) - grad).to(l_in.dtype), mask=inside)

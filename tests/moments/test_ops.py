@@ -134,6 +134,54 @@ def test_from_variance_gradients_match_finite_differences_and_the_std_operator()
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)  # (sqrt taken in or out of the kernel)
 
 
+def _kl_reference(loc, log_scale, prior_variance):
+    """The independent reference: torch.distributions' Normal KL, summed over the matrix (float64)."""
+    q = torch.distributions.Normal(loc.double(), log_scale.double().exp())
+    p = torch.distributions.Normal(torch.zeros((), dtype=torch.float64), math.sqrt(prior_variance))
+    return torch.distributions.kl_divergence(q, p).sum()
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("shape", [(3, 5), (200, 301)])  # shorter and longer than a kernel block
+def test_cpu_diagonal_kl_matches_torch_distributions(dtype, rtol, shape):
+    g = torch.Generator().manual_seed(7)
+    loc = (torch.randn(*shape, generator=g, dtype=dtype) * 2).requires_grad_()
+    log_scale = (torch.randn(*shape, generator=g, dtype=dtype) - 2).requires_grad_()
+    kl = torch.ops.cfbnn.diagonal_kl(loc, log_scale, 0.7)
+    assert kl.dtype == dtype and kl.shape == ()
+    reference = _kl_reference(loc, log_scale, 0.7)
+    torch.testing.assert_close(kl.double(), reference, rtol=rtol, atol=0.0)
+    got = torch.autograd.grad(kl, (loc, log_scale))
+    want = torch.autograd.grad(reference, (loc, log_scale))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b.to(dtype), rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_cpu_diagonal_kl(dtype):
+    g = torch.Generator().manual_seed(8)
+    loc = torch.randn(40, 7, generator=g, dtype=dtype).requires_grad_()
+    log_scale = (torch.randn(40, 7, generator=g, dtype=dtype) - 1).requires_grad_()
+    torch.library.opcheck(torch.ops.cfbnn.diagonal_kl.default, (loc, log_scale, 0.5))
+    grad = torch.tensor(1.3, dtype=dtype)
+    torch.library.opcheck(torch.ops.cfbnn.diagonal_kl_backward.default, (loc.detach(), log_scale.detach(), grad, 0.5))
+    assert torch.autograd.gradcheck(
+        lambda a, b: torch.ops.cfbnn.diagonal_kl(a, b, 0.5),
+        (loc.double().detach().requires_grad_(), log_scale.double().detach().requires_grad_()),
+    )
+    # vmap: one KL per batch entry
+    batched = torch.func.vmap(lambda a, b: torch.ops.cfbnn.diagonal_kl(a, b, 0.5))(loc.detach(), log_scale.detach())
+    looped = torch.stack([_kl_reference(loc[i], log_scale[i], 0.5) for i in range(40)])
+    torch.testing.assert_close(batched.double(), looped, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0.0)
+
+
+def test_bad_kl_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="prior_variance"):
+        torch.ops.cfbnn.diagonal_kl(torch.zeros(3), torch.zeros(3), 0.0)
+    with pytest.raises(ValueError, match="shape"):
+        torch.ops.cfbnn.diagonal_kl(torch.zeros(3), torch.zeros(4), 1.0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_opcheck_cuda(dtype):
@@ -245,6 +293,24 @@ TRITON_CHECK = """
             ),
             "grads": grad_error,
         }}
+        # the KL of a mean-field matrix (3 x 1500: two blocks, the last one partial)
+        loc = torch.randn(3, 1500, generator=g, dtype=torch.float64).to(dtype)
+        log_scale = (torch.randn(3, 1500, generator=g, dtype=torch.float64) - 2).to(dtype)
+        l64, s64 = loc.double().clone().requires_grad_(), log_scale.double().clone().requires_grad_()
+        q = torch.distributions.Normal(l64, s64.exp())
+        p = torch.distributions.Normal(torch.zeros((), dtype=torch.float64), 0.8 ** 0.5)
+        reference = torch.distributions.kl_divergence(q, p).sum()
+        reference.backward()
+        kl = ops.triton_diagonal_kl(loc, log_scale, 0.8)
+        grad = torch.tensor(1.0, dtype=dtype)
+        gl, gs = ops.triton_diagonal_kl_backward(loc, log_scale, grad, 0.8)
+        out[name + "_kl"] = {{
+            "value": abs(float(kl) - float(reference)) / abs(float(reference)),
+            "grads": max(
+                float(((gl.double() - l64.grad).abs() / l64.grad.abs().clamp_min(1.0)).max()),
+                float(((gs.double() - s64.grad).abs() / s64.grad.abs().clamp_min(1.0)).max()),
+            ),
+        }}
     print("RESULT", json.dumps(out))
 """
 
@@ -268,6 +334,8 @@ def test_triton_kernels_match_quadrature_under_the_interpreter():
     assert errors["float32_from_variance"]["values"] <= 1.0, errors
     assert errors["float64_from_variance"]["grads"] < 1e-10, errors
     assert errors["float32_from_variance"]["grads"] < 1e-5, errors
+    assert errors["float64_kl"]["value"] < 1e-12 and errors["float64_kl"]["grads"] < 1e-12, errors
+    assert errors["float32_kl"]["value"] < 1e-5 and errors["float32_kl"]["grads"] < 1e-5, errors
     assert all(math.isfinite(v) for d in errors.values() for v in d.values())
 
 
@@ -301,3 +369,25 @@ def test_cuda_from_variance_operator_matches_the_cpu_kernels(dtype):
     m = mean[:50].cuda().requires_grad_()
     v = (variance[:50] + 0.01).cuda().requires_grad_()
     torch.library.opcheck(torch.ops.cfbnn.relu_moments_from_variance.default, (m, v))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_cuda_diagonal_kl_matches_the_cpu_kernels(dtype, rtol):
+    g = torch.Generator().manual_seed(9)
+    loc = torch.randn(1000, 2049, generator=g, dtype=dtype)
+    log_scale = torch.randn(1000, 2049, generator=g, dtype=dtype) - 2
+    torch.testing.assert_close(
+        torch.ops.cfbnn.diagonal_kl(loc.cuda(), log_scale.cuda(), 0.5).cpu(),
+        torch.ops.cfbnn.diagonal_kl(loc, log_scale, 0.5),
+        rtol=rtol,
+        atol=0.0,
+    )
+    grad = torch.tensor(0.7, dtype=dtype)
+    for got, want in zip(
+        torch.ops.cfbnn.diagonal_kl_backward(loc.cuda(), log_scale.cuda(), grad.cuda(), 0.5),
+        torch.ops.cfbnn.diagonal_kl_backward(loc, log_scale, grad, 0.5),
+    ):
+        torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=rtol)
+    small = [t[:40, :7].cuda().requires_grad_() for t in (loc, log_scale)]
+    torch.library.opcheck(torch.ops.cfbnn.diagonal_kl.default, (*small, 0.5))
