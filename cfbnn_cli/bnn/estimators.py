@@ -352,7 +352,6 @@ class DeterministicPropagation(Estimator):
         return None if self.full_covariance else super()._single_node_elbo(network, x, y, num_data, noise)
 
 
-ESTIMATORS = ("analytic", "integrate_output_layer", "sampling", "deterministic", "deterministic_full")
 _BY_NAME = {
     "analytic": ClosedForm,
     "integrate_output_layer": IntegrateOutputLayer,
@@ -360,6 +359,7 @@ _BY_NAME = {
     "deterministic": DeterministicPropagation,
     "deterministic_full": lambda: DeterministicPropagation(full_covariance=True),
 }
+ESTIMATORS = tuple(_BY_NAME)  # the config names, in this order
 
 
 def make_estimator(estimator) -> Estimator:

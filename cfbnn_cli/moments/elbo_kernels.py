@@ -5,6 +5,7 @@ from its pre-activations' variances (:func:`moments_from_variance`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import numpy as np
@@ -45,6 +46,22 @@ def diagonal_kl_sums(
         torch.get_num_threads(),
     )
     return float(out[0]), float(out[1]), float(out[2])
+
+
+def kl_from_sums(variance_sum, loc_square_sum, log_scale_sum, count: int, prior_variance: float):
+    """``KL(N(loc, diag Var) || N(0, s^2 I))`` of ``count`` weights from its three sums ``(sum Var,
+    sum loc^2, sum log_scale)`` (numbers or tensors)."""
+    return (
+        0.5 * ((variance_sum + loc_square_sum) / prior_variance - count + count * math.log(prior_variance))
+        - log_scale_sum
+    )
+
+
+def kl_gradients(loc: torch.Tensor, log_scale: torch.Tensor, grad, prior_variance):
+    """The KL's gradients in torch ops for ``grad = dL/dKL``: ``(grad / s^2 loc, grad / s^2
+    exp(2 log_scale) - grad)`` (what :func:`diagonal_kl_gradients` computes in one kernel pass)."""
+    scaled = grad / prior_variance
+    return scaled * loc, scaled * torch.exp(2.0 * log_scale) - grad
 
 
 def finish_diagonal_gradients(

@@ -73,6 +73,8 @@ from .elbo_kernels import (  # noqa: F401 - the ELBO kernels, re-exported for bn
     diagonal_kl_gradients,
     diagonal_kl_sums,
     finish_diagonal_gradients,
+    kl_from_sums,
+    kl_gradients,
     layer_kernels_apply,
     moments_from_variance,
     normal_output_gradients,

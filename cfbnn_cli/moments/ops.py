@@ -37,7 +37,6 @@ torch ops. ``vmap``: the ops are elementwise, so a batched call is one call on t
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Tuple
 
 import torch
@@ -417,14 +416,6 @@ def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Te
 # ----------------------------------------------------------------------------- the KL of a mean-field matrix
 
 
-def _kl_from_sums(variance_sum, loc_square_sum, log_scale_sum, count: int, prior_variance: float):
-    """``KL(N(loc, diag Var) || N(0, s^2 I))`` from its three sums (numbers or 0-d tensors)."""
-    return (
-        0.5 * ((variance_sum + loc_square_sum) / prior_variance - count + count * math.log(prior_variance))
-        - log_scale_sum
-    )
-
-
 def _check_kl(name: str, loc: Tensor, log_scale: Tensor, prior_variance: float) -> None:
     _check(name, loc, log_scale)
     if not prior_variance > 0:
@@ -433,12 +424,7 @@ def _check_kl(name: str, loc: Tensor, log_scale: Tensor, prior_variance: float) 
 
 def _reference_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
     sums = (torch.exp(2.0 * log_scale.double()).sum(), loc.double().square().sum(), log_scale.double().sum())
-    return _kl_from_sums(*sums, loc.numel(), prior_variance).to(loc.dtype)
-
-
-def _reference_kl_backward(loc, log_scale, grad, prior_variance) -> Tuple[Tensor, Tensor]:
-    scaled = grad / prior_variance
-    return scaled * loc, scaled * torch.exp(2.0 * log_scale) - grad
+    return elbo_kernels.kl_from_sums(*sums, loc.numel(), prior_variance).to(loc.dtype)
 
 
 def triton_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
@@ -448,7 +434,7 @@ def triton_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) ->
     blocks = triton_kernels.grid(n)[0]
     partial = torch.zeros(blocks * 3, dtype=torch.float64, device=loc.device)
     triton_kernels.diagonal_kl_sums_kernel[(blocks,)](loc, log_scale, partial, n, BLOCK=triton_kernels.BLOCK)
-    return _kl_from_sums(*partial.view(blocks, 3).sum(0), n, prior_variance).to(loc.dtype)
+    return elbo_kernels.kl_from_sums(*partial.view(blocks, 3).sum(0), n, prior_variance).to(loc.dtype)
 
 
 def triton_diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float):
@@ -474,7 +460,7 @@ def diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor
 def diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float) -> Tuple[Tensor, Tensor]:
     _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
     if not HAVE_TRITON:  # pragma: no cover
-        return _reference_kl_backward(loc, log_scale, grad, prior_variance)
+        return elbo_kernels.kl_gradients(loc, log_scale, grad, prior_variance)
     return triton_diagonal_kl_backward(loc, log_scale, grad, prior_variance)
 
 
@@ -485,7 +471,7 @@ def _diagonal_kl_cpu(loc: Tensor, log_scale: Tensor, prior_variance: float) -> T
     sums = elbo_kernels.diagonal_kl_sums(loc, log_scale) if fast.load_kernels() is not None else None
     if sums is None:  # no kernels here: the same sums in torch ops
         return _reference_kl(loc, log_scale, prior_variance)
-    return loc.new_tensor(_kl_from_sums(*sums, loc.numel(), prior_variance))
+    return loc.new_tensor(elbo_kernels.kl_from_sums(*sums, loc.numel(), prior_variance))
 
 
 @diagonal_kl_backward.register_kernel("cpu")
@@ -496,7 +482,7 @@ def _diagonal_kl_backward_cpu(loc, log_scale, grad, prior_variance) -> Tuple[Ten
     gradients = None
     if fast.load_kernels() is not None:
         gradients = elbo_kernels.diagonal_kl_gradients(loc, log_scale, value / prior_variance, value)
-    return gradients if gradients is not None else _reference_kl_backward(loc, log_scale, grad, prior_variance)
+    return gradients if gradients is not None else elbo_kernels.kl_gradients(loc, log_scale, grad, prior_variance)
 
 
 @diagonal_kl.register_fake
@@ -518,7 +504,7 @@ def _kl_setup_context(ctx, inputs, output):
 def _kl_backward(ctx, grad):
     loc, log_scale = ctx.saved_tensors
     if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
-        return (*_reference_kl_backward(loc, log_scale, grad, ctx.prior_variance), None)
+        return (*elbo_kernels.kl_gradients(loc, log_scale, grad, ctx.prior_variance), None)
     return (*diagonal_kl_backward(loc, log_scale, grad, ctx.prior_variance), None)
 
 
@@ -537,13 +523,13 @@ def _kl_vmap(info, in_dims, loc, log_scale, prior_variance):
     loc, log_scale = _batch_first(info, in_dims[:2], loc, log_scale)
     rows = [t.reshape(t.shape[0], -1).double() for t in (loc, log_scale)]
     sums = (torch.exp(2.0 * rows[1]).sum(1), rows[0].square().sum(1), rows[1].sum(1))
-    return _kl_from_sums(*sums, rows[0].shape[1], prior_variance).to(loc.dtype), 0
+    return elbo_kernels.kl_from_sums(*sums, rows[0].shape[1], prior_variance).to(loc.dtype), 0
 
 
 def _kl_backward_vmap(info, in_dims, loc, log_scale, grad, prior_variance):
     loc, log_scale, grad = _batch_first(info, in_dims[:3], loc, log_scale, grad)
     grad = grad.reshape(grad.shape[0], *([1] * (loc.dim() - 1)))
-    return _reference_kl_backward(loc, log_scale, grad, prior_variance), (0, 0)
+    return elbo_kernels.kl_gradients(loc, log_scale, grad, prior_variance), (0, 0)
 
 
 diagonal_kl.register_vmap(_kl_vmap)

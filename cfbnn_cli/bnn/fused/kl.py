@@ -21,7 +21,7 @@ class _DiagonalKL(torch.autograd.Function):
             second_moment = prior_variance.new_tensor(variance_sum + loc_square_sum)
             if not prior_variance.requires_grad:  # a fixed prior: the rest is arithmetic on numbers
                 return prior_variance.new_tensor(
-                    support.kl_from_sums(sums, count, float(prior_variance))
+                    fast_moments.kl_from_sums(*sums, count, float(prior_variance))
                 ), second_moment
             log_scale_sum = prior_variance.new_tensor(log_scale_sum)
         else:
@@ -50,9 +50,7 @@ class _DiagonalKL(torch.autograd.Function):
         if gradients is not None:
             grad_loc, grad_log_scale = gradients
         else:
-            scaled = grad / prior_variance
-            grad_loc = scaled * loc
-            grad_log_scale = scaled * torch.exp(2.0 * log_scale) - grad
+            grad_loc, grad_log_scale = fast_moments.kl_gradients(loc, log_scale, grad, prior_variance)
         grad_prior = None
         if ctx.needs_input_grad[2]:
             grad_prior = grad * 0.5 * (loc.numel() / prior_variance - second_moment / prior_variance**2)

@@ -88,15 +88,6 @@ def weight_gradient(left: torch.Tensor, right: torch.Tensor, bias: bool, scale: 
     return out
 
 
-def kl_from_sums(sums, count: int, prior_variance: float) -> float:
-    """``KL(N(loc, diag Var) || N(0, s^2 I))`` from ``(sum Var, sum loc^2, sum log_scale)``."""
-    variance_sum, loc_square_sum, log_scale_sum = sums
-    return (
-        0.5 * ((variance_sum + loc_square_sum) / prior_variance - count + count * math.log(prior_variance))
-        - log_scale_sum
-    )
-
-
 def folded_kl_forward(loc: torch.Tensor, log_scale: torch.Tensor, prior_variance: Optional[float]):
     """``(exp(2 log_scale), KL)`` from one kernel pass (the KL of the layer folded into its
     pre-activation function), or ``None`` where that does not apply (no prior given, torch.func
@@ -107,7 +98,7 @@ def folded_kl_forward(loc: torch.Tensor, log_scale: torch.Tensor, prior_variance
     sums = fast_moments.diagonal_kl_sums(loc, log_scale, variance)
     if sums is None:
         return None
-    return variance, loc.new_tensor(kl_from_sums(sums, loc.numel(), prior_variance))
+    return variance, loc.new_tensor(fast_moments.kl_from_sums(*sums, loc.numel(), prior_variance))
 
 
 def folded_kl_backward(loc, variance, grad_loc, grad_variance, scale: float, prior_variance: float, grad_kl):
