@@ -51,7 +51,10 @@ def _median_ms(step, steps, repeats, sync):
     return statistics.median(times)
 
 
-def _kernels_per_step(step) -> int:
+def _kernel_names(step):
+    """The CUDA kernels one call of ``step`` launches (torch profiler), by name: a ``Counter``."""
+    from collections import Counter
+
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -59,7 +62,11 @@ def _kernels_per_step(step) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    return Counter(event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _kernels_per_step(step) -> int:
+    return sum(_kernel_names(step).values())
 
 
 def training_steps(args, device):

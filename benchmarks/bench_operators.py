@@ -24,7 +24,7 @@ import argparse
 
 import torch
 from bench_cuda_graphs import (  # the timing and kernel-count helpers of the graph benchmark
-    _kernels_per_step,
+    _kernel_names,
     _median_ms,
 )
 
@@ -98,7 +98,12 @@ def cuda_steps(args):
             for enabled in (True, False):
                 with ops.device_kernels(enabled):
                     step = _eager_step(*network("analytic"))
-                    kernels[enabled] = _kernels_per_step(lambda step=step: step(rows))
+                    names = _kernel_names(lambda step=step: step(rows))
+                    kernels[enabled] = sum(names.values())
+                    if enabled and args.list_kernels:
+                        print(f"   D={dim} H={hidden}: the eager closed-form step's kernels, by name")
+                        for name, count in names.most_common():
+                            print(f"     {count:3d}  {name[:110]}")
             timings = {}
             for name, estimator in (("closed form", "analytic"), ("local reparameterization", "sampling")):
                 model, optimizer, loss = network(estimator)
@@ -151,6 +156,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--list-kernels", action="store_true", help="print the eager step's kernels by name")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
     cpu_moments(args)

@@ -8,6 +8,7 @@ kernels that are the default on CPU (``CFBNN_FAST_MOMENTS=0``,
 :func:`set_fast_path` or ``with fast_path(False)`` select the reference path).
 """
 
+from . import tail_ops  # noqa: F401 - registers cfbnn::relu_tail (cfbnn::relu_moments: via .activations)
 from .activations import (
     ACTIVATIONS,
     Activation,

@@ -37,6 +37,7 @@ torch ops. ``vmap``: the ops are elementwise, so a batched call is one call on t
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Tuple
 
 import torch
@@ -79,7 +80,7 @@ __all__ = [
 _FLOATS = (torch.float32, torch.float64)
 
 
-def _check(name: str, *tensors: Tensor) -> None:
+def check_operands(name: str, *tensors: Tensor) -> None:
     first = tensors[0]
     for tensor in tensors:
         if tensor.shape != first.shape:
@@ -91,7 +92,7 @@ def _check(name: str, *tensors: Tensor) -> None:
 # ----------------------------------------------------------------------------- Triton launches
 
 
-def _floor(dtype: torch.dtype) -> float:
+def variance_floor(dtype: torch.dtype) -> float:
     """The variance floor of the from-variance kernels: the dtype's smallest normal number."""
     return float(torch.finfo(dtype).tiny)
 
@@ -101,7 +102,16 @@ def _launch_forward(mean: Tensor, spread: Tensor, from_variance: bool) -> Tuple[
     phi, ups, var = (torch.empty_like(mean) for _ in range(3))
     n = mean.numel()
     triton_kernels.relu_moments_kernel[triton_kernels.grid(n)](
-        mean, spread, phi, ups, var, n, from_variance, _floor(mean.dtype), triton_kernels.BLOCK, triton_kernels.CF_DEPTH
+        mean,
+        spread,
+        phi,
+        ups,
+        var,
+        n,
+        from_variance,
+        variance_floor(mean.dtype),
+        triton_kernels.BLOCK,
+        triton_kernels.CF_DEPTH,
     )
     return phi, ups, var
 
@@ -116,7 +126,7 @@ def _launch_backward(mean: Tensor, spread: Tensor, phi: Tensor, grads, from_vari
         grad_spread,
         n,
         from_variance,
-        _floor(mean.dtype),
+        variance_floor(mean.dtype),
         triton_kernels.BLOCK,
         triton_kernels.CF_DEPTH,
     )
@@ -170,12 +180,12 @@ def _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var) -> Tu
 
 def _forward_on_device(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     # the default kernel (every device but the CPU, which has its own below): Triton
-    _check("relu_moments", mean, std)
+    check_operands("relu_moments", mean, std)
     return triton_relu_moments(mean, std)
 
 
 def _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> Tuple[Tensor, Tensor]:
-    _check("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+    check_operands("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
     return triton_relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
 
 
@@ -208,7 +218,7 @@ def relu_moments_backward(
 
 @relu_moments.register_kernel("cpu")
 def _relu_moments_cpu(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    _check("relu_moments", mean, std)
+    check_operands("relu_moments", mean, std)
     mean, std = mean.contiguous(), std.contiguous()
     if fast.load_kernels() is None:  # no compiler: the reference ops (fresh tensors, as an op must return)
         return tuple(value.clone() for value in _reference_forward(mean, std))
@@ -218,7 +228,7 @@ def _relu_moments_cpu(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor
 
 @relu_moments_backward.register_kernel("cpu")
 def _relu_moments_backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> Tuple[Tensor, Tensor]:
-    _check("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+    check_operands("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
     if fast.load_kernels() is None:
         return _differentiable_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
     contiguous = [t.contiguous() for t in (mean, std, phi)]
@@ -275,14 +285,14 @@ relu_moments_backward.register_vmap(_elementwise_vmap(relu_moments_backward, 2))
 
 
 def _std_from_variance(variance: Tensor) -> Tensor:
-    return variance.clamp(min=_floor(variance.dtype)).sqrt()
+    return variance.clamp(min=variance_floor(variance.dtype)).sqrt()
 
 
-def _reference_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def reference_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return _reference_forward(mean, _std_from_variance(variance))
 
 
-def _differentiable_from_variance_backward(mean, variance, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
+def differentiable_from_variance_backward(mean, variance, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
     std = _std_from_variance(variance)
     phi = _reference_forward(mean, std)[0]
     grad_mean, grad_std = _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var)
@@ -291,9 +301,9 @@ def _differentiable_from_variance_backward(mean, variance, grad_phi, grad_ups, g
 
 @_define("cfbnn::relu_moments_from_variance", mutates_args=())
 def relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    _check("relu_moments_from_variance", mean, variance)
+    check_operands("relu_moments_from_variance", mean, variance)
     if not HAVE_TRITON:  # pragma: no cover - without Triton the device kernels are the reference ops
-        return tuple(value.clone() for value in _reference_from_variance(mean, variance))
+        return tuple(value.clone() for value in reference_from_variance(mean, variance))
     return triton_relu_moments_from_variance(mean, variance)
 
 
@@ -301,25 +311,25 @@ def relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, 
 def relu_moments_from_variance_backward(
     mean: Tensor, variance: Tensor, grad_phi: Tensor, grad_upsilon: Tensor, grad_variance: Tensor
 ) -> Tuple[Tensor, Tensor]:
-    _check("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
+    check_operands("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
     if not HAVE_TRITON:  # pragma: no cover
-        return _differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
+        return differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
     return triton_relu_moments_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
 
 
 @relu_moments_from_variance.register_kernel("cpu")
 def _relu_moments_from_variance_cpu(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    _check("relu_moments_from_variance", mean, variance)
+    check_operands("relu_moments_from_variance", mean, variance)
     if fast.load_kernels() is None:  # no compiler: the reference ops
-        return tuple(value.clone() for value in _reference_from_variance(mean, variance))
+        return tuple(value.clone() for value in reference_from_variance(mean, variance))
     return elbo_kernels.hidden_pass_forward(kernel_handles.ReLUOp(None), mean.contiguous(), variance.contiguous())
 
 
 @relu_moments_from_variance_backward.register_kernel("cpu")
 def _relu_moments_from_variance_backward_cpu(mean, variance, grad_phi, grad_upsilon, grad_variance):
-    _check("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
+    check_operands("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
     if fast.load_kernels() is None:
-        return _differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
+        return differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
     grads = (grad_phi, grad_upsilon, grad_variance)
     return elbo_kernels.hidden_pass_backward(
         kernel_handles.ReLUOp(None), mean.contiguous(), variance.contiguous(), grads
@@ -344,7 +354,7 @@ def _from_variance_backward(ctx, grad_phi, grad_upsilon, grad_variance):
     mean, variance = ctx.saved_tensors
     grads = [g if g is not None else torch.zeros_like(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
     if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
-        return _differentiable_from_variance_backward(mean, variance, *grads)
+        return differentiable_from_variance_backward(mean, variance, *grads)
     return relu_moments_from_variance_backward(mean, variance, *grads)
 
 
@@ -417,7 +427,7 @@ def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Te
 
 
 def _check_kl(name: str, loc: Tensor, log_scale: Tensor, prior_variance: float) -> None:
-    _check(name, loc, log_scale)
+    check_operands(name, loc, log_scale)
     if not prior_variance > 0:
         raise ValueError(f"cfbnn::{name}: `prior_variance` must be > 0; got {prior_variance!r}")
 
@@ -430,11 +440,30 @@ def _reference_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tens
 def triton_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
     """The Triton forward: one launch for the blocks' float64 sums, then their sum in block order."""
     loc, log_scale = loc.contiguous(), log_scale.contiguous()
+    kl = loc.new_empty(())
+    launch_diagonal_kl(loc, log_scale, prior_variance, kl)
+    return kl
+
+
+def launch_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float, out: Tensor, variance=None) -> None:
+    """The KL of contiguous ``loc``, ``log_scale`` into the one-element ``out`` (two launches: the
+    blocks' float64 sums, then their sum and the formula); ``variance`` (like ``log_scale``), if
+    given, receives ``exp(2 log_scale)`` in the first pass."""
     n = loc.numel()
     blocks = triton_kernels.grid(n)[0]
-    partial = torch.zeros(blocks * 3, dtype=torch.float64, device=loc.device)
-    triton_kernels.diagonal_kl_sums_kernel[(blocks,)](loc, log_scale, partial, n, BLOCK=triton_kernels.BLOCK)
-    return elbo_kernels.kl_from_sums(*partial.view(blocks, 3).sum(0), n, prior_variance).to(loc.dtype)
+    partial = torch.empty(blocks * 3, dtype=torch.float64, device=loc.device)
+    triton_kernels.diagonal_kl_sums_kernel[(blocks,)](
+        loc,
+        log_scale,
+        partial,
+        log_scale if variance is None else variance,
+        n,
+        variance is not None,
+        BLOCK=triton_kernels.BLOCK,
+    )
+    triton_kernels.diagonal_kl_finish_kernel[(1,)](
+        partial, out, blocks, n, float(prior_variance), math.log(prior_variance), BLOCK=256
+    )
 
 
 def triton_diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float):

@@ -55,15 +55,20 @@ def capture(function: Callable[[], object], generators: Sequence[torch.Generator
     returns the tensors ``function()`` returned at capture. Each CUDA generator in
     ``generators`` is registered, so every replay draws fresh numbers from it (the
     default CUDA generator is registered by torch itself). Raises whatever the capture
-    raises (the caller falls back to eager).
+    raises (the caller falls back to eager), the generators released first
+    (:func:`release_generators`).
     """
     graph = torch.cuda.CUDAGraph()
-    for generator in generators:
-        if generator.device.type == "cuda":
-            graph.register_generator_state(generator)
-    # capture on a side stream, as torch.cuda.graph does; the caller's warm-up ran already
-    with torch.cuda.graph(graph):
-        outputs = function()
+    registered = [generator for generator in generators if generator.device.type == "cuda"]
+    for generator in registered:
+        graph.register_generator_state(generator)
+    try:
+        # capture on a side stream, as torch.cuda.graph does; the caller's warm-up ran already
+        with torch.cuda.graph(graph):
+            outputs = function()
+    except BaseException:
+        release_generators([torch.cuda.default_generators[torch.cuda.current_device()], *registered])
+        raise
 
     def replay():
         graph.replay()
@@ -71,6 +76,18 @@ def capture(function: Callable[[], object], generators: Sequence[torch.Generator
 
     replay.graph = graph  # kept alive with the replay function (its memory pool holds the outputs)
     return replay
+
+
+def release_generators(generators: Sequence[torch.Generator]) -> None:
+    """Give each CUDA generator a fresh copy of its state (same seed and offset) after a failed capture.
+
+    A capture that fails ends before torch's capture epilogue runs, and the generators'
+    states stay marked as capturing: every later draw in the process then fails ("Offset
+    increment outside graph capture encountered unexpectedly"), eager or not. The copy is
+    not marked, so the eager fallback draws on where the generator stood.
+    """
+    for generator in generators:
+        generator.graphsafe_set_state(generator.clone_state())
 
 
 _SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}

@@ -1,0 +1,211 @@
+"""Triton kernels of the last hidden layer's tail pass and of the one-output Normal ELBO's rows:
+the CUDA side of ``cfbnn::relu_tail`` (:mod:`cfbnn_cli.moments.tail_ops`) and of the device
+ELBO (:mod:`cfbnn_cli.bnn.fused.device_elbo`).
+
+The tail pass (paper eqs. (7)-(9) for one output) reduces the ReLU moments of an ``(rows, H)``
+block of pre-activation means and *variances* against three weight vectors without writing
+``Phi``, ``Upsilon`` or ``Var`` to memory:
+
+    mean_sum_r   = sum_c Phi_rc w_phi_c
+    spread_sum_r = sum_c Var_rc w_var_c + Upsilon_rc w_second_c
+
+Forward: one program per block of rows, looping over the columns (a row's sum never leaves
+the program: no atomics, the same result at every launch). Backward: one program per
+``(row block, column block)`` tile; the tile's column sums go to a float64 buffer of one row
+per row block, summed afterwards (again no atomics). The moments' numerics are those of
+:mod:`.triton_kernels` (:func:`~.triton_kernels.relu_core`, float64 whatever the input dtype).
+"""
+
+import math
+
+import triton
+import triton.language as tl
+
+from .triton_kernels import relu_core, relu_vjp
+
+FORWARD_ROWS, FORWARD_COLUMNS = 8, 128
+BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
+ROW_BLOCK = 1024
+HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@triton.jit
+def relu_tail_kernel(
+    mean_ptr,
+    variance_ptr,
+    w_phi_ptr,
+    w_var_ptr,
+    w_second_ptr,
+    mean_sum_ptr,
+    spread_sum_ptr,
+    rows,
+    width,
+    FLOOR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """The two row sums of a block of ``BLOCK_R`` rows (the variance floored at ``FLOOR``, the
+    dtype's smallest normal number, before its square root: as the CPU kernel ``tail_pass``)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_in = r < rows
+    acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
+    acc_spread = tl.zeros([BLOCK_R], dtype=tl.float64)
+    for c0 in range(0, width, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_in = c < width
+        inside = r_in[:, None] & c_in[None, :]
+        offsets = r[:, None] * width + c[None, :]
+        mean = tl.load(mean_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+        variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+        phi, ups, var = relu_core(mean, tl.sqrt(tl.maximum(variance, FLOOR)), CF_DEPTH)
+        w_phi = tl.load(w_phi_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+        w_var = tl.load(w_var_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+        w_second = tl.load(w_second_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+        acc_mean += tl.sum(phi * w_phi[None, :], axis=1)
+        acc_spread += tl.sum(var * w_var[None, :] + ups * w_second[None, :], axis=1)
+    tl.store(mean_sum_ptr + r, acc_mean.to(mean_sum_ptr.dtype.element_ty), mask=r_in)
+    tl.store(spread_sum_ptr + r, acc_spread.to(spread_sum_ptr.dtype.element_ty), mask=r_in)
+
+
+@triton.jit
+def relu_tail_backward_kernel(
+    mean_ptr,
+    variance_ptr,
+    w_phi_ptr,
+    w_var_ptr,
+    w_second_ptr,
+    row_u_ptr,
+    row_k_ptr,
+    g_mean_ptr,
+    g_variance_ptr,
+    partial_ptr,
+    rows,
+    width,
+    FLOOR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """For row gradients ``u = dL/d mean_sum``, ``k = dL/d spread_sum``: ``dL/d mean`` and
+    ``dL/d variance`` of the tile (:func:`~.triton_kernels.relu_vjp` with ``dL/dPhi = u w_phi``,
+    ``dL/dVar = k w_var``, ``dL/dUps = k w_second``), and the tile's column sums ``(sum_r u Phi,
+    sum_r k Var, sum_r k Ups)`` into ``partial[row_block, 0:3, columns]`` (float64)."""
+    row_block = tl.program_id(0)
+    r = row_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_in = r < rows
+    c_in = c < width
+    inside = r_in[:, None] & c_in[None, :]
+    offsets = r[:, None] * width + c[None, :]
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    mean = m_in.to(tl.float64)
+    variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    std = tl.sqrt(tl.maximum(variance, FLOOR))
+    phi, ups, var = relu_core(mean, std, CF_DEPTH)
+    u = tl.load(row_u_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+    k = tl.load(row_k_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+    w_phi = tl.load(w_phi_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+    w_var = tl.load(w_var_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+    w_second = tl.load(w_second_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+    g_mean, g_std = relu_vjp(
+        mean,
+        std,
+        phi,
+        u[:, None] * w_phi[None, :],
+        k[:, None] * w_second[None, :],
+        k[:, None] * w_var[None, :],
+        CF_DEPTH,
+    )
+    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
+    tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(m_in.dtype), mask=inside)
+    # rows outside have u = k = 0: they add nothing to the column sums
+    base = partial_ptr + row_block.to(tl.int64) * 3 * width
+    tl.store(base + c, tl.sum(u[:, None] * phi, axis=0), mask=c_in)
+    tl.store(base + width + c, tl.sum(k[:, None] * var, axis=0), mask=c_in)
+    tl.store(base + 2 * width + c, tl.sum(k[:, None] * ups, axis=0), mask=c_in)
+
+
+@triton.jit
+def normal_elbo_rows_kernel(
+    mean_sum_ptr,
+    spread_sum_ptr,
+    y_ptr,
+    output_loc_ptr,
+    output_log_scale_ptr,
+    log_precision_ptr,
+    kl_ptr,
+    residual_ptr,
+    squares_ptr,
+    elbo_ptr,
+    rows,
+    width,
+    scale: tl.float64,
+    BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: the Normal likelihood's rows and the ELBO (paper eqs. (4), (7), one output).
+
+    ``residual = y - mean_sum - b``, ``squares = spread_sum + Var b + residual^2`` (``b`` the output
+    layer's bias weight, at column ``width`` of its ``loc`` / ``log_scale``, when ``BIAS``), and
+    ``elbo = scale sum_r (log(tau)/2 - log(2 pi)/2 - tau/2 squares_r) - kl[0] - kl[1]``, the rows
+    summed in float64 in a fixed order."""
+    log_precision = tl.load(log_precision_ptr).to(tl.float64)
+    precision = tl.exp(log_precision)
+    mean_bias = 0.0
+    spread_bias = 0.0
+    if BIAS:
+        mean_bias = tl.load(output_loc_ptr + width).to(tl.float64)
+        spread_bias = tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
+    total = tl.zeros([BLOCK], dtype=tl.float64)
+    for r0 in range(0, rows, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        r_in = r < rows
+        mean_sum = tl.load(mean_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        spread_sum = tl.load(spread_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        y = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        residual = y - mean_sum - mean_bias
+        squares = spread_sum + spread_bias + residual * residual
+        tl.store(residual_ptr + r, residual.to(residual_ptr.dtype.element_ty), mask=r_in)
+        tl.store(squares_ptr + r, squares.to(squares_ptr.dtype.element_ty), mask=r_in)
+        total += tl.where(r_in, squares, 0.0)
+    kl = tl.load(kl_ptr).to(tl.float64) + tl.load(kl_ptr + 1).to(tl.float64)
+    ell = rows * (0.5 * log_precision - 0.9189385332046727) - 0.5 * precision * tl.sum(total, axis=0)
+    tl.store(elbo_ptr, (scale * ell - kl).to(elbo_ptr.dtype.element_ty))
+
+
+@triton.jit
+def normal_elbo_rows_backward_kernel(
+    grad_ptr,
+    residual_ptr,
+    squares_ptr,
+    log_precision_ptr,
+    row_u_ptr,
+    row_k_ptr,
+    sums_ptr,
+    rows,
+    scale: tl.float64,
+    BLOCK: tl.constexpr,
+):
+    """One program: from ``g = dL/d elbo``, each row's ``u = dL/d mean_sum = g scale tau
+    residual`` and ``k = dL/d spread_sum = -g scale tau / 2``, and into ``sums`` (float64) ``(sum
+    u, sum k, dL/d log tau)``: the output bias's two gradients (through ``d b = u``, ``d Var b =
+    k``) and the log precision's."""
+    g = tl.load(grad_ptr).to(tl.float64) * scale
+    precision = tl.exp(tl.load(log_precision_ptr).to(tl.float64))
+    k = -0.5 * g * precision
+    sum_u = tl.zeros([BLOCK], dtype=tl.float64)
+    sum_squares = tl.zeros([BLOCK], dtype=tl.float64)
+    for r0 in range(0, rows, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        r_in = r < rows
+        residual = tl.load(residual_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        squares = tl.load(squares_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        u = g * precision * residual
+        tl.store(row_u_ptr + r, u.to(row_u_ptr.dtype.element_ty), mask=r_in)
+        tl.store(row_k_ptr + r, (k + 0.0 * residual).to(row_k_ptr.dtype.element_ty), mask=r_in)
+        sum_u += u
+        sum_squares += squares
+    tl.store(sums_ptr, tl.sum(sum_u, axis=0))
+    tl.store(sums_ptr + 1, k * rows)
+    tl.store(sums_ptr + 2, g * (0.5 * rows) - 0.5 * g * precision * tl.sum(sum_squares, axis=0))

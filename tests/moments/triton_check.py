@@ -1,0 +1,133 @@
+"""The Triton kernels against the independent references, on one device: compiled on CUDA, or on
+the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported, so
+test_ops.py runs :func:`triton_errors` in a subprocess for that).
+
+References: scipy quadrature for the ReLU moments (the grid and tolerances of
+test_moments_quadrature.py, through test_ops.worst_error), the reference path's analytic
+backward in float64 for their gradients, and ``torch.distributions.kl_divergence`` in float64 for
+the mean-field KL. :func:`assert_within_tolerances` holds the tolerances both callers assert."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from relu_grid import POINTS, _quadrature, worst_error
+
+from cfbnn_cli.moments import ops, tail_ops
+from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
+
+
+def _relative(got, want):
+    """Largest ``|got - want| / max(|want|, 1)`` (want in float64 on the CPU)."""
+    return float(((got.cpu().double() - want).abs() / want.abs().clamp_min(1.0)).max())
+
+
+def _scaled(got, want):
+    """Largest ``|got - want|`` over ``max(max |want|, 1)`` (sums that may cancel)."""
+    return float((got.cpu().double() - want).abs().max() / want.abs().max().clamp_min(1.0))
+
+
+def _tail_inputs(dtype, generator):
+    """A (37, 150) tail pass: five row blocks of the forward, two column blocks of the backward
+    (the last ones partial), means out to |t| = 40 and a zero variance (floored)."""
+    mean = torch.randn(37, 150, generator=generator, dtype=torch.float64) * 3
+    mean[0, :3] = torch.tensor([40.0, -40.0, 0.0], dtype=torch.float64)
+    variance = torch.rand(37, 150, generator=generator, dtype=torch.float64) * 2
+    variance[1, 0] = 0.0
+    w_phi = torch.randn(150, generator=generator, dtype=torch.float64)
+    w_second = torch.rand(150, generator=generator, dtype=torch.float64)
+    return [t.to(dtype) for t in (mean, variance, w_phi, w_phi.square(), w_second)]
+
+
+def tail_errors(device: str, dtype, generator) -> dict:
+    """The tail pass's Triton kernels against the float64 reference ops and their autograd."""
+    tensors = _tail_inputs(dtype, generator)
+    on = [t.to(device) for t in tensors]
+    reference = [t.double().clone().requires_grad_() for t in tensors]
+    want = tail_ops.reference_relu_tail(*reference)
+    got = tail_ops.triton_relu_tail(*on)
+    rows = [torch.randn(37, generator=generator, dtype=torch.float64) for _ in range(2)]
+    torch.autograd.backward(want, rows)
+    grads = tail_ops.triton_relu_tail_backward(*on, *[r.to(dtype).to(device) for r in rows])
+    columns = grads[2].cpu()
+    return {
+        "values": max(_scaled(g, w.detach()) for g, w in zip(got, want)),
+        "grads": max(
+            _scaled(grads[0], reference[0].grad),
+            _scaled(grads[1], reference[1].grad),
+            *(_scaled(columns[i], reference[2 + i].grad) for i in range(3)),
+        ),
+    }
+
+
+def triton_errors(device: str) -> dict:
+    """Errors of every Triton kernel launched on ``device``, in the units the tolerances use."""
+    references = _quadrature(POINTS)
+    out = {}
+    for name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
+        mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
+        std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
+        on = lambda t: t.to(device)  # noqa: E731
+        phi, ups, var = ops.triton_relu_moments(on(mean), on(std))
+        assert phi.dtype == dtype and phi.device.type == torch.device(device).type
+        values = [t.cpu() for t in (phi, ups, var)]
+        # the backward against the reference path's analytic backward (float64 oracle)
+        g = torch.Generator().manual_seed(3)
+        grads = [torch.randn(len(POINTS), generator=g, dtype=torch.float64).to(dtype) for _ in range(3)]
+        m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))  # fresh leaves
+        rphi, rups, rvar, *_ = ReLUMomentsReference.apply(m64, s64)
+        torch.autograd.backward([rphi, rups, rvar], [t.double() for t in grads])
+        gm, gs = ops.triton_relu_moments_backward(on(mean), on(std), phi, *map(on, grads))
+        out[name] = {
+            "values": worst_error(values, references, POINTS, dtype),
+            "grads": max(_relative(gm, m64.grad), _relative(gs, s64.grad)),
+        }
+        # from the variances: the same references; the gradients where std > 0 (at 0 sqrt has none)
+        variance = std.double().square().to(dtype)
+        values = [t.cpu() for t in ops.triton_relu_moments_from_variance(on(mean), on(variance))]
+        positive = std > 0
+        v64, m64 = (t.double().clone().requires_grad_() for t in (variance, mean))
+        rphi, rups, rvar, *_ = ReLUMomentsReference.apply(m64, v64.sqrt())
+        torch.autograd.backward([rphi, rups, rvar], [t.double() for t in grads])
+        gm, gv = ops.triton_relu_moments_from_variance_backward(on(mean), on(variance), *map(on, grads))
+        keep = [i for i, p in enumerate(POINTS) if p[1] > 0]  # (a variance of 0 is floored)
+        out[name + "_from_variance"] = {
+            "values": worst_error(
+                [v[keep] for v in values], [references[i] for i in keep], [POINTS[i] for i in keep], dtype
+            ),
+            "grads": max(
+                _relative(gm.cpu()[positive], m64.grad[positive]), _relative(gv.cpu()[positive], v64.grad[positive])
+            ),
+        }
+        # the KL of a mean-field matrix (3 x 1500: two blocks, the last one partial)
+        loc = torch.randn(3, 1500, generator=g, dtype=torch.float64).to(dtype)
+        log_scale = (torch.randn(3, 1500, generator=g, dtype=torch.float64) - 2).to(dtype)
+        l64, s64 = loc.double().clone().requires_grad_(), log_scale.double().clone().requires_grad_()
+        q = torch.distributions.Normal(l64, s64.exp())
+        p = torch.distributions.Normal(torch.zeros((), dtype=torch.float64), 0.8**0.5)
+        reference = torch.distributions.kl_divergence(q, p).sum()
+        reference.backward()
+        kl = ops.triton_diagonal_kl(on(loc), on(log_scale), 0.8)
+        gl, gs = ops.triton_diagonal_kl_backward(on(loc), on(log_scale), on(torch.tensor(1.0, dtype=dtype)), 0.8)
+        out[name + "_kl"] = {
+            "value": abs(float(kl) - float(reference.detach())) / abs(float(reference.detach())),
+            "grads": max(_relative(gl, l64.grad), _relative(gs, s64.grad)),
+        }
+        out[name + "_tail"] = tail_errors(device, dtype, g)
+    return out
+
+
+def assert_within_tolerances(errors: dict) -> None:
+    """The tolerances of the CPU kernels (test_ops.test_cpu_operator_matches_quadrature and
+    test_cpu_diagonal_kl_matches_torch_distributions)."""
+    for name in ("float64", "float32", "float64_from_variance", "float32_from_variance"):
+        assert errors[name]["values"] <= 1.0, (name, errors)
+    for name, tolerance in (("float64", 1e-10), ("float32", 1e-5)):
+        assert errors[name]["grads"] < tolerance, (name, errors)
+        assert errors[name + "_from_variance"]["grads"] < tolerance, (name, errors)
+    assert errors["float64_kl"]["value"] < 1e-12 and errors["float64_kl"]["grads"] < 1e-12, errors
+    assert errors["float32_kl"]["value"] < 1e-5 and errors["float32_kl"]["grads"] < 1e-5, errors
+    for name, tolerance in (("float64_tail", 1e-10), ("float32_tail", 1e-5)):
+        assert errors[name]["values"] < tolerance and errors[name]["grads"] < tolerance, (name, errors)
+    assert all(math.isfinite(v) for d in errors.values() for v in d.values()), errors
