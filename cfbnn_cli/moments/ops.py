@@ -462,7 +462,7 @@ def launch_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float, ou
         BLOCK=triton_kernels.BLOCK,
     )
     triton_kernels.diagonal_kl_finish_kernel[(1,)](
-        partial, out, blocks, n, float(prior_variance), math.log(prior_variance), BLOCK=256
+        partial, out, blocks, float(n), float(prior_variance), math.log(prior_variance), BLOCK=256
     )
 
 

@@ -182,7 +182,13 @@ def diagonal_kl_sums_kernel(
 
 @triton.jit
 def diagonal_kl_finish_kernel(
-    partial_ptr, out_ptr, blocks, n, prior_variance: tl.float64, log_prior_variance: tl.float64, BLOCK: tl.constexpr
+    partial_ptr,
+    out_ptr,
+    blocks,
+    count: tl.float64,
+    prior_variance: tl.float64,
+    log_prior_variance: tl.float64,
+    BLOCK: tl.constexpr,
 ):
     """One program: the blocks' sums added in a fixed order, then the KL from its three sums
     (:func:`cfbnn_cli.moments.elbo_kernels.kl_from_sums`) into ``out[0]``."""
@@ -195,7 +201,6 @@ def diagonal_kl_finish_kernel(
         variance_sum += tl.load(partial_ptr + 3 * b, mask=inside, other=0.0)
         loc_sum += tl.load(partial_ptr + 3 * b + 1, mask=inside, other=0.0)
         log_scale_sum += tl.load(partial_ptr + 3 * b + 2, mask=inside, other=0.0)
-    count = n.to(tl.float64)
     sums = tl.sum(variance_sum, axis=0) + tl.sum(loc_sum, axis=0)
     kl = 0.5 * (sums / prior_variance - count + count * log_prior_variance)
     tl.store(out_ptr, (kl - tl.sum(log_scale_sum, axis=0)).to(out_ptr.dtype.element_ty))

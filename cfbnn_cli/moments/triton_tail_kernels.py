@@ -209,3 +209,41 @@ def normal_elbo_rows_backward_kernel(
     tl.store(sums_ptr, tl.sum(sum_u, axis=0))
     tl.store(sums_ptr + 1, k * rows)
     tl.store(sums_ptr + 2, g * (0.5 * rows) - 0.5 * g * precision * tl.sum(sum_squares, axis=0))
+
+
+@triton.jit
+def output_gradients_kernel(
+    columns_ptr,
+    sums_ptr,
+    loc_ptr,
+    log_scale_ptr,
+    grad_ptr,
+    g_loc_ptr,
+    g_log_scale_ptr,
+    width,
+    prior_variance: tl.float64,
+    BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The one-output layer's gradients, its KL folded in: for ``c < width`` ``dL/d loc_c =
+    columns_0c + 2 loc_c columns_1c`` and ``dL/d Var_c = columns_2c`` (the tail pass's weights
+    ``loc``, ``loc^2``, ``Var``); at the bias column ``(sums_0, sums_1)``; then with ``dL/dKL =
+    -grad[0]`` (the ELBO subtracts the KL) ``g_loc = dL/d loc + dL/dKL loc / s^2`` and
+    ``g_log_scale = 2 Var dL/dVar + dL/dKL (Var / s^2 - 1)``."""
+    c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < width + BIAS
+    column = c < width
+    l_in = tl.load(loc_ptr + c, mask=inside, other=0.0)
+    loc = l_in.to(tl.float64)
+    variance = tl.exp(2.0 * tl.load(log_scale_ptr + c, mask=inside, other=0.0).to(tl.float64))
+    on_column = inside & column
+    col_phi = tl.load(columns_ptr + c, mask=on_column, other=0.0)
+    col_var = tl.load(columns_ptr + width + c, mask=on_column, other=0.0)
+    col_second = tl.load(columns_ptr + 2 * width + c, mask=on_column, other=0.0)
+    d_loc = tl.where(column, col_phi + 2.0 * loc * col_var, tl.load(sums_ptr))
+    d_variance = tl.where(column, col_second, tl.load(sums_ptr + 1))
+    kl_grad = -tl.load(grad_ptr).to(tl.float64)
+    scaled = kl_grad / prior_variance
+    tl.store(g_loc_ptr + c, (d_loc + scaled * loc).to(l_in.dtype), mask=inside)
+    g_log_scale = 2.0 * variance * d_variance + scaled * variance - kl_grad
+    tl.store(g_log_scale_ptr + c, g_log_scale.to(l_in.dtype), mask=inside)

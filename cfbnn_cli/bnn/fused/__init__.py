@@ -46,9 +46,11 @@ and ``torch.autograd.gradcheck``), and all but the kernel tail support ``torch.f
 / ``grad`` (``generate_vmap_rule``), which the gradient-variance measurement uses.
 
 One module per job: :mod:`.preactivation`, :mod:`.kl`, :mod:`.normal_ell`, :mod:`.single_node`,
+:mod:`.device_elbo` (the one-hidden-layer ELBO off the CPU, on the ``cfbnn::`` operators' kernels),
 and :mod:`.support` (what they share).
 """
 
+from .device_elbo import device_elbo_applies, device_normal_elbo
 from .kl import diagonal_kl
 from .normal_ell import (
     activation_kernels,
@@ -73,6 +75,8 @@ __all__ = [
     "Tape",
     "activation_kernels",
     "closed_form_normal_elbo",
+    "device_elbo_applies",
+    "device_normal_elbo",
     "diagonal_kl",
     "diagonal_preactivation",
     "diagonal_preactivation_and_kl",

@@ -1,0 +1,187 @@
+"""The closed-form ELBO of a one-hidden-layer ReLU network off the CPU, as one autograd node of
+about twenty kernels (paper eqs. (4), (7)-(9), (12), (20); one Normal output).
+
+Written as ordinary torch code the step launches some 130 CUDA kernels, and on a GPU launching
+them, not the arithmetic, is the cost. Here the forward pass is: the input with its bias column
+and its square (2 kernels), each layer's KL with ``exp(2 log_scale)`` in the same pass
+(:func:`cfbnn_cli.moments.ops.launch_diagonal_kl`, 2 each), the pre-activations' means and
+variances (2 matrix products), the tail pass ``cfbnn::relu_tail`` (1) and the likelihood's rows
+with the ELBO's sum (1); the backward pass: the rows (1), the tail pass (2), two matrix
+products and one kernel per layer that finishes its gradients with its KL's folded in. What
+the CPU route does with its C++ kernels (:mod:`.single_node`), on any device with Triton.
+
+Used by :meth:`cfbnn_cli.bnn.estimators.Estimator.elbo` where :func:`device_elbo_applies`; its
+values and gradients are tested against the reference torch path (tests/bnn/test_device_elbo.py,
+the Triton kernels under ``TRITON_INTERPRET=1``; tests/test_cuda.py on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...moments import ops
+from ...moments.activations import ReLU
+from .support import transforms_active
+
+if ops.HAVE_TRITON:
+    import triton
+
+    from ...moments import tail_ops, triton_kernels, triton_tail_kernels
+
+_ROWS_BLOCK = 1024
+
+
+def device_elbo_applies(activation, *tensors: torch.Tensor) -> bool:
+    """Whether :func:`device_normal_elbo` runs here: a ReLU network, tensors of one float dtype on
+    one device that Triton compiles for (not the CPU, whose C++ route is faster), the operators
+    switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`), outside torch.func transforms
+    and torch.compile."""
+    first = tensors[0]
+    return (
+        isinstance(activation, ReLU)
+        and ops.device_kernels_apply(first)
+        and not transforms_active()
+        and all(t.device == first.device and t.dtype == first.dtype for t in tensors)
+    )
+
+
+class DeviceNormalELBO(torch.autograd.Function):
+    """``scale * sum_n ELL_n - KL(hidden) - KL(output)`` (see the module doc) as one node."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x,
+        y,
+        log_precision,
+        hidden_loc,
+        hidden_log_scale,
+        output_loc,
+        output_log_scale,
+        biases,
+        prior_variance,
+        scale,
+    ):
+        hidden_bias, output_bias = biases
+        hidden_loc, hidden_log_scale = hidden_loc.contiguous(), hidden_log_scale.contiguous()
+        output_loc, output_log_scale = output_loc.contiguous(), output_log_scale.contiguous()
+        inputs = F.pad(x, (0, 1), value=1.0) if hidden_bias else x.contiguous()
+        squares_in = inputs * inputs  # the bias column's 1 stays 1
+        hidden_variance, output_variance = torch.empty_like(hidden_log_scale), torch.empty_like(output_log_scale)
+        kl = hidden_loc.new_empty(2)
+        ops.launch_diagonal_kl(hidden_loc, hidden_log_scale, prior_variance, kl[:1], hidden_variance)
+        ops.launch_diagonal_kl(output_loc, output_log_scale, prior_variance, kl[1:], output_variance)
+        gamma = torch.mm(inputs, hidden_loc.t())
+        xi2 = torch.mm(squares_in, hidden_variance.t())
+        rows, width = gamma.shape
+        w_phi = output_loc.reshape(-1)[:width]
+        w_second = output_variance.reshape(-1)[:width]
+        w_var = w_phi * w_phi
+        mean_sum, spread_sum = tail_ops.triton_relu_tail(gamma, xi2, w_phi, w_var, w_second)
+        residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
+        elbo = mean_sum.new_empty(())
+        triton_tail_kernels.normal_elbo_rows_kernel[(1,)](
+            mean_sum,
+            spread_sum,
+            y.contiguous(),
+            output_loc,
+            output_log_scale,
+            log_precision,
+            kl,
+            residual,
+            squares,
+            elbo,
+            rows,
+            width,
+            float(scale),
+            output_bias,
+            _ROWS_BLOCK,
+        )
+        ctx.save_for_backward(
+            inputs, squares_in, log_precision, hidden_loc, hidden_variance, output_loc, output_log_scale,
+            gamma, xi2, w_var, w_second, residual, squares,
+        )  # fmt: skip
+        ctx.output_bias, ctx.prior_variance, ctx.scale = output_bias, float(prior_variance), float(scale)
+        return elbo
+
+    @staticmethod
+    def backward(ctx, grad):
+        (
+            inputs, squares_in, log_precision, hidden_loc, hidden_variance, output_loc, output_log_scale,
+            gamma, xi2, w_var, w_second, residual, squares,
+        ) = ctx.saved_tensors  # fmt: skip
+        grad = grad.contiguous()
+        rows, width = gamma.shape
+        row_u, row_k = torch.empty_like(residual), torch.empty_like(residual)
+        sums = torch.empty(3, dtype=torch.float64, device=grad.device)
+        triton_tail_kernels.normal_elbo_rows_backward_kernel[(1,)](
+            grad, residual, squares, log_precision, row_u, row_k, sums, rows, ctx.scale, _ROWS_BLOCK
+        )
+        w_phi = output_loc.reshape(-1)[:width]
+        grad_gamma, grad_xi2, columns = tail_ops.triton_relu_tail_backward(
+            gamma, xi2, w_phi, w_var, w_second, row_u, row_k
+        )
+        grad_hidden_loc = torch.mm(grad_gamma.t(), inputs)
+        grad_hidden_variance = torch.mm(grad_xi2.t(), squares_in)
+        grad_hidden_log_scale = torch.empty_like(grad_hidden_variance)
+        count = hidden_loc.numel()
+        triton_kernels.diagonal_gradients_kernel[triton_kernels.grid(count)](
+            hidden_loc,
+            hidden_variance,
+            grad_hidden_loc,
+            grad_hidden_variance,
+            grad_hidden_log_scale,
+            grad,
+            -1.0,
+            count,
+            ctx.prior_variance,
+            BLOCK=triton_kernels.BLOCK,
+        )
+        grad_output_loc, grad_output_log_scale = torch.empty_like(output_loc), torch.empty_like(output_loc)
+        triton_tail_kernels.output_gradients_kernel[(triton.cdiv(width + 1, triton_kernels.BLOCK),)](
+            columns,
+            sums,
+            output_loc,
+            output_log_scale,
+            grad,
+            grad_output_loc,
+            grad_output_log_scale,
+            width,
+            ctx.prior_variance,
+            ctx.output_bias,
+            triton_kernels.BLOCK,
+        )
+        grad_log_precision = None
+        if ctx.needs_input_grad[2]:
+            grad_log_precision = sums[2].to(log_precision.dtype).reshape(log_precision.shape)
+        return (
+            None,
+            None,
+            grad_log_precision,
+            grad_hidden_loc,
+            grad_hidden_log_scale,
+            grad_output_loc,
+            grad_output_log_scale,
+            None,
+            None,
+            None,
+        )
+
+
+def device_normal_elbo(x, y, log_precision, hidden, output, prior_variance: float, scale: float) -> torch.Tensor:
+    """The ELBO of :class:`DeviceNormalELBO`: ``x`` ``(N, D)``, ``y`` ``(N,)``, ``hidden`` and
+    ``output`` the two :class:`~cfbnn_cli.bnn.layers.GaussianMatrix` layers (diagonal q; the
+    output layer of one row)."""
+    return DeviceNormalELBO.apply(
+        x,
+        y,
+        log_precision,
+        hidden.loc,
+        hidden.log_scale,
+        output.loc,
+        output.log_scale,
+        (bool(hidden.bias), bool(output.bias)),
+        float(prior_variance),
+        float(scale),
+    )

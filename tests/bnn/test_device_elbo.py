@@ -1,0 +1,93 @@
+"""The one-hidden-layer ELBO off the CPU (:mod:`cfbnn_cli.bnn.fused.device_elbo`): its value and
+every gradient against the network's reference torch path in float64, run on the CPU through
+Triton's interpreter (``TRITON_INTERPRET=1``, set in a subprocess before Triton is imported);
+tests/test_cuda.py runs it compiled on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cfbnn_cli.bnn import BayesianNetwork
+from cfbnn_cli.bnn.fused import device_elbo_applies
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHECK = """
+import copy, json, torch
+from cfbnn_cli.bnn import BayesianNetwork
+from cfbnn_cli.bnn.fused import device_normal_elbo
+from cfbnn_cli.bnn.likelihoods import NormalLikelihood
+from cfbnn_cli.moments import fast_path
+
+def scaled(got, want):
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+out = {}
+for dtype in (torch.float64, torch.float32):
+    for output_bias in (True, False):
+        torch.manual_seed(0)
+        net = BayesianNetwork(4, [150], output_bias=output_bias, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9)
+        with torch.no_grad():  # means and spreads that reach the moments' tails
+            for layer in net.layers:
+                layer.loc.normal_(0.0, 1.0)
+                layer.log_scale.uniform_(-4.0, 0.5)
+        net = net.to(dtype)
+        x, y = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype)
+        parameters = list(net.parameters())
+        value = device_normal_elbo(x, y, net.likelihood.log_precision, *net.layers, 0.81, 100 / 21)
+        grads = torch.autograd.grad(value, parameters)
+        reference_net = copy.deepcopy(net).double()
+        with fast_path(False):
+            reference = reference_net.elbo(x.double(), y.double(), num_data=100, estimator="analytic")
+        reference_grads = torch.autograd.grad(reference, list(reference_net.parameters()))
+        out[f"{dtype}_{output_bias}"] = {
+            "value": scaled(value.detach(), reference.detach()),
+            "grads": max(scaled(g, r) for g, r in zip(grads, reference_grads)),
+            "dtype": str(value.dtype),
+        }
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_device_elbo_matches_the_reference_path_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    errors = json.loads(line[len("RESULT ") :])
+    assert len(errors) == 4
+    for case, error in errors.items():
+        tolerance = 1e-10 if case.startswith("torch.float64") else 2e-5
+        assert error["dtype"] == case.split("_")[0], errors
+        assert error["value"] < tolerance and error["grads"] < tolerance, (case, errors)
+
+
+def test_the_route_is_taken_off_the_cpu_only():
+    """On the CPU the C++ single node is the route (faster there); the device route needs Triton's
+    device and the operators switched on."""
+    net = BayesianNetwork(3, [5])
+    x = torch.randn(4, 3)
+    assert not device_elbo_applies(net.activation, x, *net.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_cuda_elbo_takes_the_device_route_and_matches_the_cpu(dtype, tolerance):
+    torch.manual_seed(1)
+    net = BayesianNetwork(20, [300], prior_scale=0.7).to(dtype)
+    x, y = torch.randn(500, 20, dtype=dtype), torch.randn(500, dtype=dtype)
+    reference = net.elbo(x, y, num_data=5000, estimator="analytic")
+    reference_grads = torch.autograd.grad(reference, list(net.parameters()))
+    gpu = net.cuda()
+    value = gpu.elbo(x.cuda(), y.cuda(), num_data=5000, estimator="analytic")
+    assert type(value.grad_fn).__name__.startswith("DeviceNormalELBO")
+    grads = torch.autograd.grad(value, list(gpu.parameters()))
+    assert abs(float(value) - float(reference)) <= tolerance * abs(float(reference))
+    for got, want in zip(grads, reference_grads):
+        assert float((got.cpu() - want).abs().max()) <= tolerance * float(want.abs().max())
