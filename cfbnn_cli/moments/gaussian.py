@@ -169,7 +169,9 @@ def check_mean_std(mean, std, *, names: Tuple[str, str] = ("mean", "std")) -> Tu
             f"`{mean_name}` has shape {tuple(mean.shape)} and `{std_name}` has shape {tuple(std.shape)}, "
             "which cannot be broadcast together"
         ) from None
-    if _VALIDATE_ARGS and not is_transformed(std) and std.numel() > 0:
+    # (not while a CUDA graph records: reading a value waits for the GPU, which a capture forbids;
+    # the eager warm-up before every capture checked the same shapes)
+    if _VALIDATE_ARGS and not is_transformed(std) and std.numel() > 0 and not _capturing(std):
         if _any_negative(std):
             bad = float(std.detach().min())
             raise ValueError(f"`{std_name}` must be >= 0 (a standard deviation); got a value {bad!r}")

@@ -111,7 +111,7 @@ def _launch_forward(mean: Tensor, spread: Tensor, from_variance: bool) -> Tuple[
         from_variance,
         variance_floor(mean.dtype),
         triton_kernels.BLOCK,
-        triton_kernels.CF_DEPTH,
+        triton_kernels.cf_depth(mean.dtype),
     )
     return phi, ups, var
 
@@ -128,7 +128,7 @@ def _launch_backward(mean: Tensor, spread: Tensor, phi: Tensor, grads, from_vari
         from_variance,
         variance_floor(mean.dtype),
         triton_kernels.BLOCK,
-        triton_kernels.CF_DEPTH,
+        triton_kernels.cf_depth(mean.dtype),
     )
     return grad_mean, grad_spread
 

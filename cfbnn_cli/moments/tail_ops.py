@@ -96,7 +96,7 @@ def triton_relu_tail(mean, variance, weight_phi, weight_variance, weight_second)
         variance_floor(mean.dtype),
         block,
         triton_tail_kernels.FORWARD_COLUMNS,
-        triton_kernels.CF_DEPTH,
+        triton_kernels.cf_depth(mean.dtype),
     )
     return mean_sum, spread_sum
 
@@ -125,7 +125,7 @@ def triton_relu_tail_backward(mean, variance, weight_phi, weight_variance, weigh
         variance_floor(mean.dtype),
         block_r,
         block_c,
-        triton_kernels.CF_DEPTH,
+        triton_kernels.cf_depth(mean.dtype),
     )
     return grad_mean, grad_variance, partial.sum(0)
 

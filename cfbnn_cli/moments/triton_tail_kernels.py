@@ -21,9 +21,9 @@ import math
 import triton
 import triton.language as tl
 
-from .triton_kernels import relu_core, relu_vjp
+from .triton_kernels import relu_core, relu_from_tail, relu_vjp_from_tail, small_tail
 
-FORWARD_ROWS, FORWARD_COLUMNS = 8, 128
+FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
 ROW_BLOCK = 1024
 HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -102,21 +102,15 @@ def relu_tail_backward_kernel(
     mean = m_in.to(tl.float64)
     variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
     std = tl.sqrt(tl.maximum(variance, FLOOR))
-    phi, ups, var = relu_core(mean, std, CF_DEPTH)
+    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)  # once, for the moments and the derivatives
+    phi, ups, var = relu_from_tail(mean, std, x, s1, s2)
     u = tl.load(row_u_ptr + r, mask=r_in, other=0.0).to(tl.float64)
     k = tl.load(row_k_ptr + r, mask=r_in, other=0.0).to(tl.float64)
     w_phi = tl.load(w_phi_ptr + c, mask=c_in, other=0.0).to(tl.float64)
     w_var = tl.load(w_var_ptr + c, mask=c_in, other=0.0).to(tl.float64)
     w_second = tl.load(w_second_ptr + c, mask=c_in, other=0.0).to(tl.float64)
-    g_mean, g_std = relu_vjp(
-        mean,
-        std,
-        phi,
-        u[:, None] * w_phi[None, :],
-        k[:, None] * w_second[None, :],
-        k[:, None] * w_var[None, :],
-        CF_DEPTH,
-    )
+    g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
+    g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
     tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
     tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(m_in.dtype), mask=inside)
     # rows outside have u = k = 0: they add nothing to the column sums
