@@ -445,10 +445,12 @@ def triton_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) ->
     return kl
 
 
-def launch_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float, out: Tensor, variance=None) -> None:
+def launch_diagonal_kl(
+    loc: Tensor, log_scale: Tensor, prior_variance: float, out: Tensor, variance=None, loc_square=None
+) -> None:
     """The KL of contiguous ``loc``, ``log_scale`` into the one-element ``out`` (two launches: the
-    blocks' float64 sums, then their sum and the formula); ``variance`` (like ``log_scale``), if
-    given, receives ``exp(2 log_scale)`` in the first pass."""
+    blocks' float64 sums, then their sum and the formula); ``variance`` and ``loc_square`` (like
+    ``loc``), if given, receive ``exp(2 log_scale)`` and ``loc^2`` in the first pass."""
     n = loc.numel()
     blocks = triton_kernels.grid(n)[0]
     partial = torch.empty(blocks * 3, dtype=torch.float64, device=loc.device)
@@ -457,8 +459,10 @@ def launch_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float, ou
         log_scale,
         partial,
         log_scale if variance is None else variance,
+        loc if loc_square is None else loc_square,
         n,
         variance is not None,
+        loc_square is not None,
         BLOCK=triton_kernels.BLOCK,
     )
     triton_kernels.diagonal_kl_finish_kernel[(1,)](

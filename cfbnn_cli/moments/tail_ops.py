@@ -110,7 +110,8 @@ def triton_relu_tail_backward(mean, variance, weight_phi, weight_variance, weigh
     block_r, block_c = triton_tail_kernels.BACKWARD_ROWS, triton_tail_kernels.BACKWARD_COLUMNS
     row_blocks = triton.cdiv(max(rows, 1), block_r)
     grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(mean)
-    partial = torch.zeros(row_blocks, 3, width, dtype=torch.float64, device=mean.device)
+    # every entry is written: each tile stores its columns' three sums for its row block
+    partial = torch.empty(row_blocks, 3, width, dtype=torch.float64, device=mean.device)
     triton_tail_kernels.relu_tail_backward_kernel[(row_blocks, triton.cdiv(max(width, 1), block_c))](
         mean,
         variance,

@@ -182,16 +182,28 @@ def grid(n: int):
 
 @triton.jit
 def diagonal_kl_sums_kernel(
-    loc_ptr, log_scale_ptr, partial_ptr, variance_ptr, n, WRITE_VARIANCE: tl.constexpr, BLOCK: tl.constexpr
+    loc_ptr,
+    log_scale_ptr,
+    partial_ptr,
+    variance_ptr,
+    loc_square_ptr,
+    n,
+    WRITE_VARIANCE: tl.constexpr,
+    WRITE_LOC_SQUARE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Per block of ``BLOCK`` elements, the float64 sums ``(sum exp(2 log_scale), sum loc^2, sum
     log_scale)`` that ``KL(N(loc, diag exp(2 log_scale)) || N(0, s^2 I))`` needs, into
     ``partial[3 * block + k]`` (summed in block order afterwards: the result does not depend on
-    the launch's scheduling); with ``WRITE_VARIANCE``, ``exp(2 log_scale)`` into ``variance`` too."""
+    the launch's scheduling); with ``WRITE_VARIANCE``, ``exp(2 log_scale)`` into ``variance`` too,
+    and with ``WRITE_LOC_SQUARE`` ``loc^2`` into ``loc_square`` (an output layer's tail-pass weight)."""
     block = tl.program_id(0)
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
-    loc = tl.load(loc_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
+    loc = l_in.to(tl.float64)
+    if WRITE_LOC_SQUARE:
+        tl.store(loc_square_ptr + offsets, l_in * l_in, mask=inside)
     s_in = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0)
     log_scale = s_in.to(tl.float64)
     variance = tl.where(inside, tl.exp(2.0 * log_scale), 0.0)

@@ -121,6 +121,21 @@ def relu_tail_backward_kernel(
 
 
 @triton.jit
+def augment_pair_kernel(x_ptr, augmented_ptr, squared_ptr, rows, columns, BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``([x, 1], [x^2, 1])`` (with ``BIAS``; else ``(x, x^2)``) of an ``(rows, columns)`` input in
+    one pass: a layer's input with its bias column and its square (the bias's 1 stays 1)."""
+    width = columns + BIAS
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < rows * width
+    row = offsets // width
+    column = offsets - row * width
+    data = inside & (column < columns)
+    x = tl.load(x_ptr + row * columns + column, mask=data, other=1.0)
+    tl.store(augmented_ptr + offsets, x, mask=inside)
+    tl.store(squared_ptr + offsets, x * x, mask=inside)
+
+
+@triton.jit
 def normal_elbo_rows_kernel(
     mean_sum_ptr,
     spread_sum_ptr,
@@ -177,6 +192,7 @@ def normal_elbo_rows_backward_kernel(
     row_u_ptr,
     row_k_ptr,
     sums_ptr,
+    grad_log_precision_ptr,
     rows,
     scale: tl.float64,
     BLOCK: tl.constexpr,
@@ -184,7 +200,7 @@ def normal_elbo_rows_backward_kernel(
     """One program: from ``g = dL/d elbo``, each row's ``u = dL/d mean_sum = g scale tau
     residual`` and ``k = dL/d spread_sum = -g scale tau / 2``, and into ``sums`` (float64) ``(sum
     u, sum k, dL/d log tau)``: the output bias's two gradients (through ``d b = u``, ``d Var b =
-    k``) and the log precision's."""
+    k``) and the log precision's, the last also into ``grad_log_precision`` (its dtype)."""
     g = tl.load(grad_ptr).to(tl.float64) * scale
     precision = tl.exp(tl.load(log_precision_ptr).to(tl.float64))
     k = -0.5 * g * precision
@@ -202,7 +218,9 @@ def normal_elbo_rows_backward_kernel(
         sum_squares += squares
     tl.store(sums_ptr, tl.sum(sum_u, axis=0))
     tl.store(sums_ptr + 1, k * rows)
-    tl.store(sums_ptr + 2, g * (0.5 * rows) - 0.5 * g * precision * tl.sum(sum_squares, axis=0))
+    grad_log_precision = g * (0.5 * rows) - 0.5 * g * precision * tl.sum(sum_squares, axis=0)
+    tl.store(sums_ptr + 2, grad_log_precision)
+    tl.store(grad_log_precision_ptr, grad_log_precision.to(grad_log_precision_ptr.dtype.element_ty))
 
 
 @triton.jit

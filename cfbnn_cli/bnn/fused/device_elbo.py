@@ -3,7 +3,7 @@ about twenty kernels (paper eqs. (4), (7)-(9), (12), (20); one Normal output).
 
 Written as ordinary torch code the step launches some 130 CUDA kernels, and on a GPU launching
 them, not the arithmetic, is the cost. Here the forward pass is: the input with its bias column
-and its square (2 kernels), each layer's KL with ``exp(2 log_scale)`` in the same pass
+and its square (1 kernel), each layer's KL with ``exp(2 log_scale)`` in the same pass
 (:func:`cfbnn_cli.moments.ops.launch_diagonal_kl`, 2 each), the pre-activations' means and
 variances (2 matrix products), the tail pass ``cfbnn::relu_tail`` (1) and the likelihood's rows
 with the ELBO's sum (1); the backward pass: the rows (1), the tail pass (2), two matrix
@@ -18,7 +18,6 @@ the Triton kernels under ``TRITON_INTERPRET=1``; tests/test_cuda.py on a GPU).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...moments import ops
 from ...moments.activations import ReLU
@@ -66,18 +65,24 @@ class DeviceNormalELBO(torch.autograd.Function):
         hidden_bias, output_bias = biases
         hidden_loc, hidden_log_scale = hidden_loc.contiguous(), hidden_log_scale.contiguous()
         output_loc, output_log_scale = output_loc.contiguous(), output_log_scale.contiguous()
-        inputs = F.pad(x, (0, 1), value=1.0) if hidden_bias else x.contiguous()
-        squares_in = inputs * inputs  # the bias column's 1 stays 1
+        x = x.contiguous()
+        rows, columns = x.shape
+        inputs = x.new_empty(rows, columns + int(hidden_bias))
+        squares_in = torch.empty_like(inputs)  # [x, 1] and [x^2, 1]: the bias column's 1 stays 1
+        triton_tail_kernels.augment_pair_kernel[(triton.cdiv(max(inputs.numel(), 1), triton_kernels.BLOCK),)](
+            x, inputs, squares_in, rows, columns, int(hidden_bias), triton_kernels.BLOCK
+        )
         hidden_variance, output_variance = torch.empty_like(hidden_log_scale), torch.empty_like(output_log_scale)
+        output_loc_square = torch.empty_like(output_loc)
         kl = hidden_loc.new_empty(2)
         ops.launch_diagonal_kl(hidden_loc, hidden_log_scale, prior_variance, kl[:1], hidden_variance)
-        ops.launch_diagonal_kl(output_loc, output_log_scale, prior_variance, kl[1:], output_variance)
+        ops.launch_diagonal_kl(output_loc, output_log_scale, prior_variance, kl[1:], output_variance, output_loc_square)
         gamma = torch.mm(inputs, hidden_loc.t())
         xi2 = torch.mm(squares_in, hidden_variance.t())
-        rows, width = gamma.shape
+        width = gamma.shape[1]
         w_phi = output_loc.reshape(-1)[:width]
         w_second = output_variance.reshape(-1)[:width]
-        w_var = w_phi * w_phi
+        w_var = output_loc_square.reshape(-1)[:width]
         mean_sum, spread_sum = tail_ops.triton_relu_tail(gamma, xi2, w_phi, w_var, w_second)
         residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
         elbo = mean_sum.new_empty(())
@@ -115,8 +120,9 @@ class DeviceNormalELBO(torch.autograd.Function):
         rows, width = gamma.shape
         row_u, row_k = torch.empty_like(residual), torch.empty_like(residual)
         sums = torch.empty(3, dtype=torch.float64, device=grad.device)
+        grad_log_precision = torch.empty_like(log_precision)
         triton_tail_kernels.normal_elbo_rows_backward_kernel[(1,)](
-            grad, residual, squares, log_precision, row_u, row_k, sums, rows, ctx.scale, _ROWS_BLOCK
+            grad, residual, squares, log_precision, row_u, row_k, sums, grad_log_precision, rows, ctx.scale, _ROWS_BLOCK
         )
         w_phi = output_loc.reshape(-1)[:width]
         grad_gamma, grad_xi2, columns = tail_ops.triton_relu_tail_backward(
@@ -152,13 +158,10 @@ class DeviceNormalELBO(torch.autograd.Function):
             ctx.output_bias,
             triton_kernels.BLOCK,
         )
-        grad_log_precision = None
-        if ctx.needs_input_grad[2]:
-            grad_log_precision = sums[2].to(log_precision.dtype).reshape(log_precision.shape)
         return (
             None,
             None,
-            grad_log_precision,
+            grad_log_precision if ctx.needs_input_grad[2] else None,
             grad_hidden_loc,
             grad_hidden_log_scale,
             grad_output_loc,
