@@ -91,7 +91,8 @@ def test_full_covariance_propagation_is_exact_for_a_linear_network_where_the_dia
     assert ((diagonal_variance - mc_variance).abs() > 5 * variance_se).any()
 
 
-@pytest.mark.parametrize("activation", ["relu", "leaky_relu"])
+# leaky_relu runs with the slow tests (the default suite keeps relu: the same code path)
+@pytest.mark.parametrize("activation", ["relu", pytest.param("leaky_relu", marks=pytest.mark.slow)])
 def test_full_covariance_propagation_agrees_with_monte_carlo_within_the_bias_bound(activation):
     """ReLU-type networks, 2 hidden layers: the only approximation left is that the second
     layer's pre-activations are taken as jointly Normal (their covariance is exact); the
