@@ -50,6 +50,14 @@ for dtype in (torch.float64, torch.float32):
             "grads": max(scaled(g, r) for g, r in zip(grads, reference_grads)),
             "dtype": str(value.dtype),
         }
+# the backward builds no graph: asking for a second order is an error, never a silent zero
+value = device_normal_elbo(x, y, net.likelihood.log_precision, *net.layers, 0.81, 1.0)
+first = torch.autograd.grad(value, parameters, create_graph=True)
+try:
+    torch.autograd.grad(sum(g.sum() for g in first), parameters)
+    out["second_order"] = "allowed"
+except RuntimeError:  # (once_differentiable: the first-order gradients carry no graph)
+    out["second_order"] = "refused"
 print("RESULT", json.dumps(out))
 """
 
@@ -61,6 +69,7 @@ def test_device_elbo_matches_the_reference_path_under_the_interpreter():
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     errors = json.loads(line[len("RESULT ") :])
+    assert errors.pop("second_order") == "refused"
     assert len(errors) == 4
     for case, error in errors.items():
         tolerance = 1e-10 if case.startswith("torch.float64") else 2e-5

@@ -111,6 +111,7 @@ class DeviceNormalELBO(torch.autograd.Function):
         return elbo
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels build no graph: a second order raises
     def backward(ctx, grad):
         (
             inputs, squares_in, log_precision, hidden_loc, hidden_variance, output_loc, output_log_scale,
