@@ -30,6 +30,27 @@ HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
 @triton.jit
+def load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR: tl.constexpr):
+    """An ``(rows, columns)`` tile's means (float64), standard deviations (the variance floored at
+    ``FLOOR``, the dtype's smallest normal number, before its square root: as the CPU kernel
+    ``tail_pass``), offsets and mask; masked lanes read mean 0, variance 1 (finite moments)."""
+    inside = r_in[:, None] & c_in[None, :]
+    offsets = r[:, None] * width + c[None, :]
+    mean = tl.load(mean_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    return mean, tl.sqrt(tl.maximum(variance, FLOOR)), offsets, inside
+
+
+@triton.jit
+def load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in):
+    """The three weight vectors at columns ``c`` (float64; 0 outside: they add nothing)."""
+    w_phi = tl.load(w_phi_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+    w_var = tl.load(w_var_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+    w_second = tl.load(w_second_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+    return w_phi, w_var, w_second
+
+
+@triton.jit
 def relu_tail_kernel(
     mean_ptr,
     variance_ptr,
@@ -45,8 +66,7 @@ def relu_tail_kernel(
     BLOCK_C: tl.constexpr,
     CF_DEPTH: tl.constexpr,
 ):
-    """The two row sums of a block of ``BLOCK_R`` rows (the variance floored at ``FLOOR``, the
-    dtype's smallest normal number, before its square root: as the CPU kernel ``tail_pass``)."""
+    """The two row sums of a block of ``BLOCK_R`` rows (the variance floored: :func:`load_tile`)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = r < rows
     acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
@@ -54,14 +74,9 @@ def relu_tail_kernel(
     for c0 in range(0, width, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         c_in = c < width
-        inside = r_in[:, None] & c_in[None, :]
-        offsets = r[:, None] * width + c[None, :]
-        mean = tl.load(mean_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-        variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
-        phi, ups, var = relu_core(mean, tl.sqrt(tl.maximum(variance, FLOOR)), CF_DEPTH)
-        w_phi = tl.load(w_phi_ptr + c, mask=c_in, other=0.0).to(tl.float64)
-        w_var = tl.load(w_var_ptr + c, mask=c_in, other=0.0).to(tl.float64)
-        w_second = tl.load(w_second_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+        mean, std, _, _ = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR)
+        phi, ups, var = relu_core(mean, std, CF_DEPTH)
+        w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in)
         acc_mean += tl.sum(phi * w_phi[None, :], axis=1)
         acc_spread += tl.sum(var * w_var[None, :] + ups * w_second[None, :], axis=1)
     tl.store(mean_sum_ptr + r, acc_mean.to(mean_sum_ptr.dtype.element_ty), mask=r_in)
@@ -96,23 +111,17 @@ def relu_tail_backward_kernel(
     c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     r_in = r < rows
     c_in = c < width
-    inside = r_in[:, None] & c_in[None, :]
-    offsets = r[:, None] * width + c[None, :]
-    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    mean = m_in.to(tl.float64)
-    variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
-    std = tl.sqrt(tl.maximum(variance, FLOOR))
+    mean, std, offsets, inside = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR)
     x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)  # once, for the moments and the derivatives
     phi, ups, var = relu_from_tail(mean, std, x, s1, s2)
     u = tl.load(row_u_ptr + r, mask=r_in, other=0.0).to(tl.float64)
     k = tl.load(row_k_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-    w_phi = tl.load(w_phi_ptr + c, mask=c_in, other=0.0).to(tl.float64)
-    w_var = tl.load(w_var_ptr + c, mask=c_in, other=0.0).to(tl.float64)
-    w_second = tl.load(w_second_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+    w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in)
     g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
     g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
-    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
-    tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(m_in.dtype), mask=inside)
+    dtype = g_mean_ptr.dtype.element_ty
+    tl.store(g_mean_ptr + offsets, g_mean.to(dtype), mask=inside)
+    tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(dtype), mask=inside)
     # rows outside have u = k = 0: they add nothing to the column sums
     base = partial_ptr + row_block.to(tl.int64) * 3 * width
     tl.store(base + c, tl.sum(u[:, None] * phi, axis=0), mask=c_in)
