@@ -51,8 +51,9 @@ def _median_ms(step, steps, repeats, sync):
     return statistics.median(times)
 
 
-def _kernel_names(step):
-    """The CUDA kernels one call of ``step`` launches (torch profiler), by name: a ``Counter``."""
+def _kernel_names(step, times=None):
+    """The CUDA kernels one call of ``step`` launches (torch profiler), by name: a ``Counter``;
+    ``times`` (a dict), if given, receives each name's total GPU time in microseconds."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
@@ -62,7 +63,13 @@ def _kernel_names(step):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return Counter(event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    names = Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            names[event.name] += 1
+            if times is not None:
+                times[event.name] = times.get(event.name, 0.0) + event.time_range.elapsed_us()
+    return names
 
 
 def _kernels_per_step(step) -> int:

@@ -98,12 +98,13 @@ def cuda_steps(args):
             for enabled in (True, False):
                 with ops.device_kernels(enabled):
                     step = _eager_step(*network("analytic"))
-                    names = _kernel_names(lambda step=step: step(rows))
+                    times = {}
+                    names = _kernel_names(lambda step=step: step(rows), times)
                     kernels[enabled] = sum(names.values())
                     if enabled and args.list_kernels:
-                        print(f"   D={dim} H={hidden}: the eager closed-form step's kernels, by name")
-                        for name, count in names.most_common():
-                            print(f"     {count:3d}  {name[:110]}")
+                        print(f"   D={dim} H={hidden}: the eager closed-form step's kernels (count, GPU us), by time")
+                        for name in sorted(names, key=lambda n: -times[n]):
+                            print(f"     {names[name]:3d} {times[name]:8.1f}  {name[:100]}")
             timings = {}
             for name, estimator in (("closed form", "analytic"), ("local reparameterization", "sampling")):
                 model, optimizer, loss = network(estimator)
