@@ -29,7 +29,7 @@ INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 CF_SWITCH = 2.0  # gaussian._RECURSION_LIMIT_F64
 CF_DEPTH = 80  # gaussian._CF_BANDS_F64's depth from x = 2 on: ~1e-15 relative (50-digit check)
 # for float32 results: from x = 2 on, depth 24 is within 4e-10 of the Mills ratio (against
-# scipy's erfc), far inside float32's rounding; a third of the divisions
+# scipy's erfc), far inside float32's rounding; a third of the divisions, done in float32
 CF_DEPTH_F32 = 24
 BLOCK = 1024
 
@@ -45,12 +45,20 @@ def small_tail(mean, std, CF_DEPTH: tl.constexpr):
     near_s2 = near_s0 - x * near_s1
     # far: the continued fraction, x kept >= 2 so that the unselected lanes stay finite
     xf = tl.maximum(x, 2.0)
-    r = 0.5 * (tl.sqrt(xf * xf + 4.0 * (CF_DEPTH + 1)) - xf)
+    # for float32 results (a depth of at most 32: CF_DEPTH_F32) the divisions run in float32: the
+    # fraction has only positive terms, so its rounding stays a few float32 ulps
+    if CF_DEPTH <= 32:
+        xc = xf.to(tl.float32)
+    else:
+        xc = xf
+    r = 0.5 * (tl.sqrt(xc * xc + 4.0 * (CF_DEPTH + 1)) - xc)
     r2 = r
     for j in tl.static_range(CF_DEPTH, 0, -1):
-        r = j / (xf + r)
+        r = j / (xc + r)
         if j == 2:
             r2 = r
+    r = r.to(tl.float64)
+    r2 = r2.to(tl.float64)
     far_s0 = tl.exp(-0.5 * xf * xf) * 0.3989422804014327 / (xf + r)
     far_s1 = far_s0 * r
     far_s2 = far_s1 * r2
