@@ -239,12 +239,33 @@ class Estimator:
         # one output and a kernel for the activation: the last hidden layer and the output layer
         # in one pass each way, from the pre-activations' variances
         tail = fused.normal_tail_op(network.activation, output.loc, output.log_scale, target)
-        kind, value = self.forward_to_tail(network, h, noise, variance_form=tail is not None, kl_sink=kl_sink)
+        log_precision = network.likelihood.log_precision
+        # off the CPU, the same pass on the operators' Triton kernels (fused.device_normal_ell)
+        on_device = (
+            tail is None
+            and output.loc.shape[0] == 1
+            and fused.device_elbo_applies(network.activation, output.loc, output.log_scale, target, log_precision)
+        )
+        kind, value = self.forward_to_tail(
+            network, h, noise, variance_form=tail is not None or on_device, kl_sink=kl_sink
+        )
         if kind in ("outputs", "full_moments"):
             return None
-        log_precision = network.likelihood.log_precision
         if kind == "output_layer":
             phi, second_moment, variance = value, None, torch.zeros_like(value)
+        elif on_device:
+            ell, kl = fused.device_normal_ell(
+                *value,
+                output.loc,
+                output.log_scale,
+                target,
+                log_precision,
+                output.bias,
+                None if kl_sink is None else network.prior_scale**2,
+            )
+            if kl is not None:
+                kl_sink[len(network.layers) - 1] = kl
+            return ell
         elif tail is not None:
             ell, kl = fused.normal_ell_given_preactivation_and_kl(
                 *value,

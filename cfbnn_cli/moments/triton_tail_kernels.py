@@ -145,6 +145,60 @@ def augment_pair_kernel(x_ptr, augmented_ptr, squared_ptr, rows, columns, BIAS: 
 
 
 @triton.jit
+def output_bias_terms(output_loc_ptr, output_log_scale_ptr, width, BIAS: tl.constexpr):
+    """``(b, Var b)`` of the one-output layer's bias weight (column ``width``), or zeros."""
+    mean_bias = 0.0
+    spread_bias = 0.0
+    if BIAS:
+        mean_bias = tl.load(output_loc_ptr + width).to(tl.float64)
+        spread_bias = tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
+    return mean_bias, spread_bias
+
+
+@triton.jit
+def normal_row_terms(mean_sum_ptr, spread_sum_ptr, y_ptr, residual_ptr, squares_ptr, r, r_in, mean_bias, spread_bias):
+    """Rows ``r``: ``residual = y - mean_sum - b`` and ``squares = spread_sum + Var b + residual^2``
+    (float64; stored too, for the backward pass)."""
+    mean_sum = tl.load(mean_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+    spread_sum = tl.load(spread_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+    y = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+    residual = y - mean_sum - mean_bias
+    squares = spread_sum + spread_bias + residual * residual
+    tl.store(residual_ptr + r, residual.to(residual_ptr.dtype.element_ty), mask=r_in)
+    tl.store(squares_ptr + r, squares.to(squares_ptr.dtype.element_ty), mask=r_in)
+    return residual, squares
+
+
+@triton.jit
+def normal_ell_rows_kernel(
+    mean_sum_ptr,
+    spread_sum_ptr,
+    y_ptr,
+    output_loc_ptr,
+    output_log_scale_ptr,
+    log_precision_ptr,
+    residual_ptr,
+    squares_ptr,
+    ell_ptr,
+    rows,
+    width,
+    BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The Normal likelihood per row (paper eq. (7), one output): ``ELL_r = log(tau)/2 -
+    log(2 pi)/2 - tau/2 squares_r`` (:func:`normal_row_terms`), one program per block of rows."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    r_in = r < rows
+    log_precision = tl.load(log_precision_ptr).to(tl.float64)
+    mean_bias, spread_bias = output_bias_terms(output_loc_ptr, output_log_scale_ptr, width, BIAS)
+    _, squares = normal_row_terms(
+        mean_sum_ptr, spread_sum_ptr, y_ptr, residual_ptr, squares_ptr, r, r_in, mean_bias, spread_bias
+    )
+    ell = 0.5 * log_precision - 0.9189385332046727 - 0.5 * tl.exp(log_precision) * squares
+    tl.store(ell_ptr + r, ell.to(ell_ptr.dtype.element_ty), mask=r_in)
+
+
+@triton.jit
 def normal_elbo_rows_kernel(
     mean_sum_ptr,
     spread_sum_ptr,
@@ -162,38 +216,26 @@ def normal_elbo_rows_kernel(
     BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program: the Normal likelihood's rows and the ELBO (paper eqs. (4), (7), one output).
-
-    ``residual = y - mean_sum - b``, ``squares = spread_sum + Var b + residual^2`` (``b`` the output
-    layer's bias weight, at column ``width`` of its ``loc`` / ``log_scale``, when ``BIAS``), and
-    ``elbo = scale sum_r (log(tau)/2 - log(2 pi)/2 - tau/2 squares_r) - kl[0] - kl[1]``, the rows
-    summed in float64 in a fixed order."""
+    """One program: the Normal likelihood's rows (:func:`normal_row_terms`) and the ELBO (paper
+    eqs. (4), (7), one output): ``elbo = scale sum_r (log(tau)/2 - log(2 pi)/2 - tau/2 squares_r)
+    - kl[0] - kl[1]``, the rows summed in float64 in a fixed order."""
     log_precision = tl.load(log_precision_ptr).to(tl.float64)
-    precision = tl.exp(log_precision)
-    mean_bias = 0.0
-    spread_bias = 0.0
-    if BIAS:
-        mean_bias = tl.load(output_loc_ptr + width).to(tl.float64)
-        spread_bias = tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
+    mean_bias, spread_bias = output_bias_terms(output_loc_ptr, output_log_scale_ptr, width, BIAS)
     total = tl.zeros([BLOCK], dtype=tl.float64)
     for r0 in range(0, rows, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         r_in = r < rows
-        mean_sum = tl.load(mean_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-        spread_sum = tl.load(spread_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-        y = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-        residual = y - mean_sum - mean_bias
-        squares = spread_sum + spread_bias + residual * residual
-        tl.store(residual_ptr + r, residual.to(residual_ptr.dtype.element_ty), mask=r_in)
-        tl.store(squares_ptr + r, squares.to(squares_ptr.dtype.element_ty), mask=r_in)
+        _, squares = normal_row_terms(
+            mean_sum_ptr, spread_sum_ptr, y_ptr, residual_ptr, squares_ptr, r, r_in, mean_bias, spread_bias
+        )
         total += tl.where(r_in, squares, 0.0)
     kl = tl.load(kl_ptr).to(tl.float64) + tl.load(kl_ptr + 1).to(tl.float64)
-    ell = rows * (0.5 * log_precision - 0.9189385332046727) - 0.5 * precision * tl.sum(total, axis=0)
+    ell = rows * (0.5 * log_precision - 0.9189385332046727) - 0.5 * tl.exp(log_precision) * tl.sum(total, axis=0)
     tl.store(elbo_ptr, (scale * ell - kl).to(elbo_ptr.dtype.element_ty))
 
 
 @triton.jit
-def normal_elbo_rows_backward_kernel(
+def normal_rows_backward_kernel(
     grad_ptr,
     residual_ptr,
     squares_ptr,
@@ -204,30 +246,37 @@ def normal_elbo_rows_backward_kernel(
     grad_log_precision_ptr,
     rows,
     scale: tl.float64,
+    ROW_GRADS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program: from ``g = dL/d elbo``, each row's ``u = dL/d mean_sum = g scale tau
-    residual`` and ``k = dL/d spread_sum = -g scale tau / 2``, and into ``sums`` (float64) ``(sum
-    u, sum k, dL/d log tau)``: the output bias's two gradients (through ``d b = u``, ``d Var b =
-    k``) and the log precision's, the last also into ``grad_log_precision`` (its dtype)."""
-    g = tl.load(grad_ptr).to(tl.float64) * scale
+    """One program: from ``g_r = scale dL/d ELL_r`` (``grad`` per row with ``ROW_GRADS``, else one
+    ``dL/d elbo`` for every row), each row's ``u = dL/d mean_sum = g tau residual`` and ``k = dL/d
+    spread_sum = -g tau / 2``, and into ``sums`` (float64) ``(sum u, sum k, dL/d log tau)``: the
+    output bias's two gradients (through ``d b = u``, ``d Var b = k``) and the log precision's,
+    the last also into ``grad_log_precision`` (its dtype). Rows added in a fixed order."""
     precision = tl.exp(tl.load(log_precision_ptr).to(tl.float64))
-    k = -0.5 * g * precision
     sum_u = tl.zeros([BLOCK], dtype=tl.float64)
-    sum_squares = tl.zeros([BLOCK], dtype=tl.float64)
+    sum_k = tl.zeros([BLOCK], dtype=tl.float64)
+    sum_log_precision = tl.zeros([BLOCK], dtype=tl.float64)
     for r0 in range(0, rows, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         r_in = r < rows
+        if ROW_GRADS:
+            g = tl.load(grad_ptr + r, mask=r_in, other=0.0).to(tl.float64) * scale
+        else:
+            g = tl.where(r_in, tl.load(grad_ptr).to(tl.float64) * scale, 0.0)
         residual = tl.load(residual_ptr + r, mask=r_in, other=0.0).to(tl.float64)
         squares = tl.load(squares_ptr + r, mask=r_in, other=0.0).to(tl.float64)
         u = g * precision * residual
+        k = -0.5 * g * precision
         tl.store(row_u_ptr + r, u.to(row_u_ptr.dtype.element_ty), mask=r_in)
-        tl.store(row_k_ptr + r, (k + 0.0 * residual).to(row_k_ptr.dtype.element_ty), mask=r_in)
+        tl.store(row_k_ptr + r, k.to(row_k_ptr.dtype.element_ty), mask=r_in)
         sum_u += u
-        sum_squares += squares
+        sum_k += k
+        sum_log_precision += g * (0.5 - 0.5 * precision * squares)
     tl.store(sums_ptr, tl.sum(sum_u, axis=0))
-    tl.store(sums_ptr + 1, k * rows)
-    grad_log_precision = g * (0.5 * rows) - 0.5 * g * precision * tl.sum(sum_squares, axis=0)
+    tl.store(sums_ptr + 1, tl.sum(sum_k, axis=0))
+    grad_log_precision = tl.sum(sum_log_precision, axis=0)
     tl.store(sums_ptr + 2, grad_log_precision)
     tl.store(grad_log_precision_ptr, grad_log_precision.to(grad_log_precision_ptr.dtype.element_ty))
 
@@ -238,7 +287,8 @@ def output_gradients_kernel(
     sums_ptr,
     loc_ptr,
     log_scale_ptr,
-    grad_ptr,
+    kl_grad_ptr,
+    kl_sign: tl.float64,
     g_loc_ptr,
     g_log_scale_ptr,
     width,
@@ -249,7 +299,8 @@ def output_gradients_kernel(
     """The one-output layer's gradients, its KL folded in: for ``c < width`` ``dL/d loc_c =
     columns_0c + 2 loc_c columns_1c`` and ``dL/d Var_c = columns_2c`` (the tail pass's weights
     ``loc``, ``loc^2``, ``Var``); at the bias column ``(sums_0, sums_1)``; then with ``dL/dKL =
-    -grad[0]`` (the ELBO subtracts the KL) ``g_loc = dL/d loc + dL/dKL loc / s^2`` and
+    kl_sign kl_grad[0]`` (``-dL/d elbo`` for an ELBO, which subtracts the KL; 0 where no KL is
+    folded in) ``g_loc = dL/d loc + dL/dKL loc / s^2`` and
     ``g_log_scale = 2 Var dL/dVar + dL/dKL (Var / s^2 - 1)``."""
     c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = c < width + BIAS
@@ -263,7 +314,7 @@ def output_gradients_kernel(
     col_second = tl.load(columns_ptr + 2 * width + c, mask=on_column, other=0.0)
     d_loc = tl.where(column, col_phi + 2.0 * loc * col_var, tl.load(sums_ptr))
     d_variance = tl.where(column, col_second, tl.load(sums_ptr + 1))
-    kl_grad = -tl.load(grad_ptr).to(tl.float64)
+    kl_grad = kl_sign * tl.load(kl_grad_ptr).to(tl.float64)
     scaled = kl_grad / prior_variance
     tl.store(g_loc_ptr + c, (d_loc + scaled * loc).to(l_in.dtype), mask=inside)
     g_log_scale = 2.0 * variance * d_variance + scaled * variance - kl_grad

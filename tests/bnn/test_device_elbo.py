@@ -100,3 +100,95 @@ def test_cuda_elbo_takes_the_device_route_and_matches_the_cpu(dtype, tolerance):
     assert abs(float(value) - float(reference)) <= tolerance * abs(float(reference))
     for got, want in zip(grads, reference_grads):
         assert float((got.cpu() - want).abs().max()) <= tolerance * float(want.abs().max())
+
+
+DEEP_CHECK = """
+import copy, json, torch
+import cfbnn_cli.bnn.fused as fused
+from cfbnn_cli.bnn import BayesianNetwork
+from cfbnn_cli.bnn.likelihoods import NormalLikelihood
+from cfbnn_cli.moments import fast_path
+
+def scaled(got, want):
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+def _nodes(node, seen=None):
+    seen = set() if seen is None else seen
+    if node is not None and node not in seen:
+        seen.add(node)
+        for child, _ in node.next_functions:
+            _nodes(child, seen)
+    return [type(n).__name__ for n in seen]
+
+out = {}
+for estimator in ("analytic", "deterministic"):
+    for dtype in (torch.float64, torch.float32):
+        for output_bias in (True, False):
+            torch.manual_seed(0)
+            net = BayesianNetwork(4, [6, 150], output_bias=output_bias, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9)
+            with torch.no_grad():  # means and spreads that reach the moments' tails
+                for layer in net.layers:
+                    layer.loc.normal_(0.0, 1.0)
+                    layer.log_scale.uniform_(-4.0, 0.5)
+            net = net.to(dtype)
+            x, y = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype)
+            noise = tuple(n.to(dtype) for n in net.sample_noise(21, estimator=estimator, generator=torch.Generator().manual_seed(1)))
+            reference_net = copy.deepcopy(net).double()
+            with fast_path(False):  # the reference torch path (CPU kernels off)
+                reference = reference_net.elbo(x.double(), y.double(), num_data=100, noise=tuple(n.double() for n in noise), estimator=estimator)
+                reference_grads = torch.autograd.grad(reference, list(reference_net.parameters()))
+                applies = fused.device_elbo_applies
+                fused.device_elbo_applies = lambda *tensors: True  # the device route on these CPU tensors
+                try:
+                    value = net.elbo(x, y, num_data=100, noise=noise, estimator=estimator)
+                finally:
+                    fused.device_elbo_applies = applies
+            grads = torch.autograd.grad(value, list(net.parameters()))
+            out[f"{estimator}_{dtype}_{output_bias}"] = {
+                "value": scaled(value.detach(), reference.detach()),
+                "grads": max(scaled(g, r) for g, r in zip(grads, reference_grads)),
+                "route": "DeviceNormalELL" in repr(_nodes(value.grad_fn)),
+            }
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_deeper_networks_take_the_device_tail_and_match_the_reference_under_the_interpreter():
+    """Two hidden layers: ``analytic`` samples the first and integrates the last two layers,
+    ``deterministic`` propagates the first's moments; either way the last hidden layer and the
+    output go through :class:`DeviceNormalELL` (forced here on CPU tensors, Triton interpreted)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", DEEP_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    errors = json.loads(line[len("RESULT ") :])
+    assert len(errors) == 8
+    for case, error in errors.items():
+        tolerance = 1e-10 if "float64" in case else 2e-5
+        assert error["route"], (case, "the device tail was not taken")
+        assert error["value"] < tolerance and error["grads"] < tolerance, (case, errors)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("estimator", ["analytic", "deterministic"])
+def test_cuda_deeper_network_takes_the_device_tail_and_matches_the_cpu(estimator):
+    torch.manual_seed(2)
+    net = BayesianNetwork(20, [50, 300], prior_scale=0.7).double()
+    x, y = torch.randn(500, 20, dtype=torch.float64), torch.randn(500, dtype=torch.float64)
+    noise = net.sample_noise(500, estimator=estimator, generator=torch.Generator().manual_seed(3))
+    reference = net.elbo(x, y, num_data=5000, noise=noise, estimator=estimator)
+    reference_grads = torch.autograd.grad(reference, list(net.parameters()))
+    gpu = net.cuda()
+    value = gpu.elbo(x.cuda(), y.cuda(), num_data=5000, noise=tuple(n.cuda() for n in noise), estimator=estimator)
+    nodes, stack = set(), [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack.extend(child for child, _ in node.next_functions)
+    assert any(type(node).__name__.startswith("DeviceNormalELL") for node in nodes)
+    grads = torch.autograd.grad(value, list(gpu.parameters()))
+    assert abs(float(value) - float(reference)) <= 1e-10 * abs(float(reference))
+    for got, want in zip(grads, reference_grads):
+        assert float((got.cpu() - want).abs().max()) <= 1e-10 * float(want.abs().max())

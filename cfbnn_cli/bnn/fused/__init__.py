@@ -50,7 +50,7 @@ One module per job: :mod:`.preactivation`, :mod:`.kl`, :mod:`.normal_ell`, :mod:
 and :mod:`.support` (what they share).
 """
 
-from .device_elbo import device_elbo_applies, device_normal_elbo
+from .device_elbo import device_elbo_applies, device_normal_elbo, device_normal_ell
 from .kl import diagonal_kl
 from .normal_ell import (
     activation_kernels,
@@ -77,6 +77,7 @@ __all__ = [
     "closed_form_normal_elbo",
     "device_elbo_applies",
     "device_normal_elbo",
+    "device_normal_ell",
     "diagonal_kl",
     "diagonal_preactivation",
     "diagonal_preactivation_and_kl",

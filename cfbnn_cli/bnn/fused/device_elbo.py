@@ -1,5 +1,8 @@
-"""The closed-form ELBO of a one-hidden-layer ReLU network off the CPU, as one autograd node of
-about twenty kernels (paper eqs. (4), (7)-(9), (12), (20); one Normal output).
+"""The closed-form Normal likelihood terms off the CPU on the ``cfbnn::`` operators' Triton kernels
+(paper eqs. (4), (7)-(9), (12), (20); one Normal output): :class:`DeviceNormalELBO`, the whole
+ELBO of a one-hidden-layer ReLU network as one autograd node of about twenty kernels, and
+:class:`DeviceNormalELL`, the last hidden layer and the output layer of any deeper one (the
+earlier layers sampled or propagated by the estimator).
 
 Written as ordinary torch code the step launches some 130 CUDA kernels, and on a GPU launching
 them, not the arithmetic, is the cost. Here the forward pass is: the input with its bias column
@@ -21,6 +24,7 @@ import torch
 
 from ...moments import ops
 from ...moments.activations import ReLU
+from ...moments.gaussian import check_mean_std
 from .support import transforms_active
 
 if ops.HAVE_TRITON:
@@ -122,8 +126,19 @@ class DeviceNormalELBO(torch.autograd.Function):
         row_u, row_k = torch.empty_like(residual), torch.empty_like(residual)
         sums = torch.empty(3, dtype=torch.float64, device=grad.device)
         grad_log_precision = torch.empty_like(log_precision)
-        triton_tail_kernels.normal_elbo_rows_backward_kernel[(1,)](
-            grad, residual, squares, log_precision, row_u, row_k, sums, grad_log_precision, rows, ctx.scale, _ROWS_BLOCK
+        triton_tail_kernels.normal_rows_backward_kernel[(1,)](
+            grad,
+            residual,
+            squares,
+            log_precision,
+            row_u,
+            row_k,
+            sums,
+            grad_log_precision,
+            rows,
+            ctx.scale,
+            False,
+            _ROWS_BLOCK,
         )
         w_phi = output_loc.reshape(-1)[:width]
         grad_gamma, grad_xi2, columns = tail_ops.triton_relu_tail_backward(
@@ -152,6 +167,7 @@ class DeviceNormalELBO(torch.autograd.Function):
             output_loc,
             output_log_scale,
             grad,
+            -1.0,
             grad_output_loc,
             grad_output_log_scale,
             width,
@@ -189,3 +205,121 @@ def device_normal_elbo(x, y, log_precision, hidden, output, prior_variance: floa
         float(prior_variance),
         float(scale),
     )
+
+
+class DeviceNormalELL(torch.autograd.Function):
+    """``(ELL per row, KL)``: the last hidden layer's ReLU moments from its pre-activation means
+    and variances ``(rows, H)``, a one-output layer integrated exactly and the Normal likelihood
+    (eqs. (7)-(9)), the layer's KL folded in where a prior variance is given -- the device twin of
+    :class:`.normal_ell.NormalELLGivenPreactivation`: forward, the KL pass (writing ``Var W`` and
+    ``loc^2``), ``cfbnn::relu_tail`` and the rows; backward, the rows, the tail pass and one kernel
+    for the layer's gradients."""
+
+    @staticmethod
+    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance):
+        loc, log_scale = loc.contiguous(), log_scale.contiguous()
+        variance, loc_square = torch.empty_like(log_scale), torch.empty_like(loc)
+        kl = loc.new_empty(())
+        folded = prior_variance is not None
+        ops.launch_diagonal_kl(loc, log_scale, prior_variance if folded else 1.0, kl, variance, loc_square)
+        rows, width = gamma.shape
+        w_phi = loc.reshape(-1)[:width]
+        w_var = loc_square.reshape(-1)[:width]
+        w_second = variance.reshape(-1)[:width]
+        mean_sum, spread_sum = tail_ops.triton_relu_tail(gamma, xi2, w_phi, w_var, w_second)
+        residual, squares, ell = (torch.empty_like(mean_sum) for _ in range(3))
+        triton_tail_kernels.normal_ell_rows_kernel[(triton.cdiv(max(rows, 1), _ROWS_BLOCK),)](
+            mean_sum,
+            spread_sum,
+            y,
+            loc,
+            log_scale,
+            log_precision,
+            residual,
+            squares,
+            ell,
+            rows,
+            width,
+            bias,
+            _ROWS_BLOCK,
+        )
+        ctx.save_for_backward(gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)
+        ctx.bias, ctx.prior_variance = bias, prior_variance
+        if not folded:
+            ctx.mark_non_differentiable(kl)
+        return ell, kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels build no graph: a second order raises
+    def backward(ctx, grad_ell, grad_kl):
+        gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares = ctx.saved_tensors
+        rows, width = gamma.shape
+        grad_ell = torch.zeros_like(residual) if grad_ell is None else grad_ell.contiguous()
+        row_u, row_k = torch.empty_like(residual), torch.empty_like(residual)
+        sums = torch.empty(3, dtype=torch.float64, device=residual.device)
+        grad_log_precision = torch.empty_like(log_precision)
+        triton_tail_kernels.normal_rows_backward_kernel[(1,)](
+            grad_ell,
+            residual,
+            squares,
+            log_precision,
+            row_u,
+            row_k,
+            sums,
+            grad_log_precision,
+            rows,
+            1.0,
+            True,
+            _ROWS_BLOCK,
+        )
+        w_phi = loc.reshape(-1)[:width]
+        grad_gamma, grad_xi2, columns = tail_ops.triton_relu_tail_backward(
+            gamma, xi2, w_phi, w_var, w_second, row_u, row_k
+        )
+        kl_on = ctx.prior_variance is not None and grad_kl is not None
+        grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(loc)
+        triton_tail_kernels.output_gradients_kernel[(triton.cdiv(width + 1, triton_kernels.BLOCK),)](
+            columns,
+            sums,
+            loc,
+            log_scale,
+            grad_kl.contiguous() if kl_on else sums,
+            1.0 if kl_on else 0.0,
+            grad_loc,
+            grad_log_scale,
+            width,
+            ctx.prior_variance if kl_on else 1.0,
+            ctx.bias,
+            triton_kernels.BLOCK,
+        )
+        return (
+            grad_gamma,
+            grad_xi2,
+            grad_loc,
+            grad_log_scale,
+            None,
+            grad_log_precision if ctx.needs_input_grad[5] else None,
+            None,
+            None,
+        )
+
+
+def device_normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, prior_variance=None):
+    """``(ELL per point, KL or None)`` of :class:`DeviceNormalELL` for pre-activation means and
+    variances ``(..., N, H)`` and targets ``(..., N, 1)``: what
+    :func:`.normal_ell.normal_ell_given_preactivation_and_kl` computes on the CPU."""
+    check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the argument checks activation.moments makes (if on)
+    gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
+    lead, width = gamma.shape[:-1], gamma.shape[-1]
+    targets = torch.broadcast_to(y, lead + (1,)).reshape(-1).contiguous()
+    ell, kl = DeviceNormalELL.apply(
+        gamma.reshape(-1, width).contiguous(),
+        xi2.reshape(-1, width).contiguous(),
+        loc,
+        log_scale,
+        targets,
+        log_precision,
+        bool(bias),
+        None if prior_variance is None else float(prior_variance),
+    )
+    return ell.reshape(lead), (kl if prior_variance is not None else None)
