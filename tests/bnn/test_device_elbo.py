@@ -58,6 +58,10 @@ try:
     out["second_order"] = "allowed"
 except RuntimeError:  # (once_differentiable: the first-order gradients carry no graph)
     out["second_order"] = "refused"
+from cfbnn_cli.bnn.fused import device_elbo
+for dtype in (torch.float32, torch.float64):  # the first-use check that guards the route
+    device_elbo._self_check(torch.device("cpu"), dtype)
+out["self_check"] = "ran"
 print("RESULT", json.dumps(out))
 """
 
@@ -70,6 +74,7 @@ def test_device_elbo_matches_the_reference_path_under_the_interpreter():
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     errors = json.loads(line[len("RESULT ") :])
     assert errors.pop("second_order") == "refused"
+    assert errors.pop("self_check") == "ran"
     assert len(errors) == 4
     for case, error in errors.items():
         tolerance = 1e-10 if case.startswith("torch.float64") else 2e-5
@@ -83,6 +88,25 @@ def test_the_route_is_taken_off_the_cpu_only():
     net = BayesianNetwork(3, [5])
     x = torch.randn(4, 3)
     assert not device_elbo_applies(net.activation, x, *net.parameters())
+
+
+def test_kernels_that_fail_on_first_use_leave_one_warning_and_the_other_route(monkeypatch, caplog):
+    from cfbnn_cli.bnn.fused import device_elbo
+
+    def broken(device, dtype):
+        raise RuntimeError("PassManager::run failed\nmore compiler text")
+
+    monkeypatch.setattr(device_elbo, "_self_check", broken)
+    monkeypatch.setattr(device_elbo, "KERNELS_WORK", {})
+    key = (torch.device("cpu"), torch.float32)
+    with caplog.at_level("WARNING"):
+        assert device_elbo._kernels_work(*key) is False
+        assert device_elbo._kernels_work(*key) is False  # decided once
+    warnings = [r.getMessage() for r in caplog.records if "Triton kernels failed" in r.getMessage()]
+    assert warnings == [
+        "the closed-form ELBO's Triton kernels failed on cpu (RuntimeError: PassManager::run failed); "
+        "the node-by-node route is used there"
+    ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

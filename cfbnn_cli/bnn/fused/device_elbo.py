@@ -20,6 +20,9 @@ the Triton kernels under ``TRITON_INTERPRET=1``; tests/test_cuda.py on a GPU).
 
 from __future__ import annotations
 
+import logging
+from typing import Dict, Tuple
+
 import torch
 
 from ...moments import ops
@@ -33,20 +36,66 @@ if ops.HAVE_TRITON:
     from ...moments import tail_ops, triton_kernels, triton_tail_kernels
 
 _ROWS_BLOCK = 1024
+log = logging.getLogger(__name__)
+
+# (device, dtype) -> whether the kernels compiled and ran there (see _kernels_work): a visible
+# cache, filled once per device and dtype before anything is captured
+KERNELS_WORK: Dict[Tuple[torch.device, torch.dtype], bool] = {}
 
 
 def device_elbo_applies(activation, *tensors: torch.Tensor) -> bool:
-    """Whether :func:`device_normal_elbo` runs here: a ReLU network, tensors of one float dtype on
-    one device that Triton compiles for (not the CPU, whose C++ route is faster), the operators
-    switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`), outside torch.func transforms
-    and torch.compile."""
+    """Whether :func:`device_normal_elbo` / :func:`device_normal_ell` run here: a ReLU network,
+    tensors of one float dtype on one device that Triton compiles for (not the CPU, whose C++
+    route is faster), the operators switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`),
+    outside torch.func transforms and torch.compile, and the kernels' first run on that device
+    and dtype succeeded."""
     first = tensors[0]
     return (
         type(activation) is ReLU  # (a subclass may change the function)
         and ops.device_kernels_apply(first)
         and not transforms_active()
         and all(t.device == first.device and t.dtype == first.dtype for t in tensors)
+        and _kernels_work(first.device, first.dtype)
     )
+
+
+def _kernels_work(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run both nodes forward and backward once on a tiny problem (compiling their kernels).
+    Where that raises (a Triton or driver version that does not compile them, say), one warning
+    says why and the node-by-node route serves this device and dtype: never a failed run."""
+    key = (device, dtype)
+    if key not in KERNELS_WORK:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # nothing is tried inside a capture (the eager warm-up before it decides)
+        try:
+            _self_check(device, dtype)
+            KERNELS_WORK[key] = True
+        except Exception as error:  # noqa: BLE001 - any failure means: take the other route
+            KERNELS_WORK[key] = False
+            log.warning(
+                "the closed-form ELBO's Triton kernels failed on %s (%s); the node-by-node route is used there",
+                device,
+                f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300],
+            )
+    return KERNELS_WORK[key]
+
+
+def _self_check(device: torch.device, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+
+    def tensor(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype=dtype, device=device)
+
+    hidden = [tensor(5, 3).requires_grad_(), tensor(5, 3, shift=-2.0).requires_grad_()]
+    output = [tensor(1, 6).requires_grad_(), tensor(1, 6, shift=-2.0).requires_grad_()]
+    log_precision = tensor(1, shift=0.5).reshape(()).requires_grad_()
+    x, y = tensor(4, 2), tensor(4)
+    elbo = DeviceNormalELBO.apply(x, y, log_precision, *hidden, *output, (True, True), 1.0, 2.0)
+    gamma, xi2 = tensor(4, 5).requires_grad_(), tensor(4, 5, scale=0.1, shift=1.0).requires_grad_()
+    ell, kl = DeviceNormalELL.apply(gamma, xi2, *output, y, log_precision, True, 1.0)
+    values = torch.autograd.grad(elbo + ell.sum() - kl, [*hidden, *output, log_precision, gamma, xi2])
+    if not all(bool(torch.isfinite(v).all()) for v in (elbo, ell, kl, *values)):
+        raise FloatingPointError("non-finite values on a well-conditioned problem")
 
 
 class DeviceNormalELBO(torch.autograd.Function):
