@@ -43,6 +43,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..moments import fast as fast_moments
+from ..moments import ops as moment_ops
+from ..moments.activations import ReLU
 from ..moments.bivariate import activation_covariance
 from ..moments.gaussian import check_mean_std
 from . import functional as F
@@ -448,6 +450,11 @@ def _propagated_moments(network, index: int, h, moments, kl_sink: Optional[dict]
         gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
         check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
         phi, second_moment, variance = fast_moments.moments_from_variance(op, gamma, xi2)
+    elif type(network.activation) is ReLU and moment_ops.device_kernels_apply(inputs):
+        # off the CPU the same from the variances through cfbnn::relu_moments_from_variance (Triton)
+        gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
+        check_mean_std(gamma, xi2, names=("gamma", "xi2"))
+        phi, second_moment, variance = torch.ops.cfbnn.relu_moments_from_variance(gamma, xi2)
     else:
         pre = _preactivation(network, index, h, moments, False, kl_sink)
         phi, second_moment, variance = network.activation.moments(*pre, return_variance=True)

@@ -131,7 +131,7 @@ import copy, json, torch
 import cfbnn_cli.bnn.fused as fused
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.bnn.likelihoods import NormalLikelihood
-from cfbnn_cli.moments import fast_path
+from cfbnn_cli.moments import fast_path, ops
 
 def scaled(got, want):
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
@@ -161,17 +161,21 @@ for estimator in ("analytic", "deterministic"):
             with fast_path(False):  # the reference torch path (CPU kernels off)
                 reference = reference_net.elbo(x.double(), y.double(), num_data=100, noise=tuple(n.double() for n in noise), estimator=estimator)
                 reference_grads = torch.autograd.grad(reference, list(reference_net.parameters()))
-                applies = fused.device_elbo_applies
-                fused.device_elbo_applies = lambda *tensors: True  # the device route on these CPU tensors
+                # the device routes on these CPU tensors: the tail, and the propagated hidden layer
+                # through cfbnn::relu_moments_from_variance's Triton kernels
+                applies, kernels = fused.device_elbo_applies, ops.device_kernels_apply
+                fused.device_elbo_applies = lambda *tensors: True
+                ops.device_kernels_apply = lambda tensor: True
                 try:
                     value = net.elbo(x, y, num_data=100, noise=noise, estimator=estimator)
                 finally:
-                    fused.device_elbo_applies = applies
+                    fused.device_elbo_applies, ops.device_kernels_apply = applies, kernels
             grads = torch.autograd.grad(value, list(net.parameters()))
             out[f"{estimator}_{dtype}_{output_bias}"] = {
                 "value": scaled(value.detach(), reference.detach()),
                 "grads": max(scaled(g, r) for g, r in zip(grads, reference_grads)),
-                "route": "DeviceNormalELL" in repr(_nodes(value.grad_fn)),
+                "route": "DeviceNormalELL" in repr(_nodes(value.grad_fn))
+                and (estimator == "analytic" or "relu_moments_from_variance" in repr(_nodes(value.grad_fn))),
             }
 print("RESULT", json.dumps(out))
 """
