@@ -37,8 +37,9 @@ torch ops. ``vmap``: the ops are elementwise, so a batched call is one call on t
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from typing import Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 from torch import Tensor
@@ -78,6 +79,7 @@ __all__ = [
 ]
 
 _FLOATS = (torch.float32, torch.float64)
+log = logging.getLogger(__name__)
 
 
 def check_operands(name: str, *tensors: Tensor) -> None:
@@ -413,8 +415,58 @@ def device_kernels(enabled: bool = True):
 
 def device_kernels_apply(mean: Tensor) -> bool:
     """Whether ``cfbnn::relu_moments`` has a compiled kernel for ``mean`` off the CPU (Triton on
-    CUDA) and the route is on."""
-    return _DEVICE_KERNELS["enabled"] and HAVE_TRITON and mean.is_cuda and mean.dtype in _FLOATS
+    CUDA), the route is on, and the kernels' first run on that device and dtype succeeded."""
+    return (
+        _DEVICE_KERNELS["enabled"]
+        and HAVE_TRITON
+        and mean.is_cuda
+        and mean.dtype in _FLOATS
+        and first_use_check("the Triton kernels of the cfbnn:: operators", mean.device, mean.dtype, _self_check)
+    )
+
+
+# (what, device, dtype) -> whether a first-use check passed there: a visible cache, filled once per
+# device and dtype in an eager call (nothing is tried inside a CUDA graph capture)
+FIRST_USE: Dict[Tuple[str, torch.device, torch.dtype], bool] = {}
+
+
+def first_use_check(what: str, device: torch.device, dtype: torch.dtype, check: Callable) -> bool:
+    """``check(device, dtype)`` once per ``(what, device, dtype)``: ``True`` where it returned,
+    ``False`` where it raised (a Triton or driver that does not compile the kernels, say), with one
+    warning naming the error; the callers then take their reference route -- never a failed run."""
+    key = (what, device, dtype)
+    if key not in FIRST_USE:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # nothing is tried inside a capture (the eager warm-up before it decides)
+        try:
+            check(device, dtype)
+            FIRST_USE[key] = True
+        except Exception as error:  # noqa: BLE001 - any failure means: take the other route
+            FIRST_USE[key] = False
+            text = str(error).strip()
+            log.warning(
+                "%s failed on %s (%s); the reference route is used there",
+                what,
+                device,
+                f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300],
+            )
+    return FIRST_USE[key]
+
+
+def _self_check(device: torch.device, dtype: torch.dtype) -> None:
+    """Every operator's device kernels forward and backward on a few elements (compiling them)."""
+    values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
+    spread = torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device)
+    outputs = [
+        *triton_relu_moments(values, spread),
+        *triton_relu_moments_backward(values, spread, values, spread, spread, spread),
+        *triton_relu_moments_from_variance(values, spread),
+        *triton_relu_moments_from_variance_backward(values, spread, spread, spread, spread),
+        triton_diagonal_kl(values, -spread, 1.5),
+        *triton_diagonal_kl_backward(values, -spread, spread[0], 1.5),
+    ]
+    if not all(bool(torch.isfinite(t).all()) for t in outputs):
+        raise FloatingPointError("non-finite values on a well-conditioned problem")
 
 
 def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

@@ -59,8 +59,10 @@ try:
 except RuntimeError:  # (once_differentiable: the first-order gradients carry no graph)
     out["second_order"] = "refused"
 from cfbnn_cli.bnn.fused import device_elbo
-for dtype in (torch.float32, torch.float64):  # the first-use check that guards the route
+from cfbnn_cli.moments import ops
+for dtype in (torch.float32, torch.float64):  # the first-use checks that guard the routes
     device_elbo._self_check(torch.device("cpu"), dtype)
+    ops._self_check(torch.device("cpu"), dtype)
 out["self_check"] = "ran"
 print("RESULT", json.dumps(out))
 """
@@ -91,21 +93,20 @@ def test_the_route_is_taken_off_the_cpu_only():
 
 
 def test_kernels_that_fail_on_first_use_leave_one_warning_and_the_other_route(monkeypatch, caplog):
-    from cfbnn_cli.bnn.fused import device_elbo
+    from cfbnn_cli.moments import ops
 
     def broken(device, dtype):
         raise RuntimeError("PassManager::run failed\nmore compiler text")
 
-    monkeypatch.setattr(device_elbo, "_self_check", broken)
-    monkeypatch.setattr(device_elbo, "KERNELS_WORK", {})
+    monkeypatch.setattr(ops, "FIRST_USE", {})
     key = (torch.device("cpu"), torch.float32)
     with caplog.at_level("WARNING"):
-        assert device_elbo._kernels_work(*key) is False
-        assert device_elbo._kernels_work(*key) is False  # decided once
-    warnings = [r.getMessage() for r in caplog.records if "Triton kernels failed" in r.getMessage()]
+        assert ops.first_use_check("the test kernels", *key, broken) is False
+        assert ops.first_use_check("the test kernels", *key, broken) is False  # decided once
+        assert ops.first_use_check("other kernels", *key, lambda device, dtype: None) is True
+    warnings = [r.getMessage() for r in caplog.records if "failed on" in r.getMessage()]
     assert warnings == [
-        "the closed-form ELBO's Triton kernels failed on cpu (RuntimeError: PassManager::run failed); "
-        "the node-by-node route is used there"
+        "the test kernels failed on cpu (RuntimeError: PassManager::run failed); the reference route is used there"
     ]
 
 

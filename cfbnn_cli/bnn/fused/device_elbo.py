@@ -20,9 +20,6 @@ the Triton kernels under ``TRITON_INTERPRET=1``; tests/test_cuda.py on a GPU).
 
 from __future__ import annotations
 
-import logging
-from typing import Dict, Tuple
-
 import torch
 
 from ...moments import ops
@@ -36,11 +33,6 @@ if ops.HAVE_TRITON:
     from ...moments import tail_ops, triton_kernels, triton_tail_kernels
 
 _ROWS_BLOCK = 1024
-log = logging.getLogger(__name__)
-
-# (device, dtype) -> whether the kernels compiled and ran there (see _kernels_work): a visible
-# cache, filled once per device and dtype before anything is captured
-KERNELS_WORK: Dict[Tuple[torch.device, torch.dtype], bool] = {}
 
 
 def device_elbo_applies(activation, *tensors: torch.Tensor) -> bool:
@@ -55,32 +47,12 @@ def device_elbo_applies(activation, *tensors: torch.Tensor) -> bool:
         and ops.device_kernels_apply(first)
         and not transforms_active()
         and all(t.device == first.device and t.dtype == first.dtype for t in tensors)
-        and _kernels_work(first.device, first.dtype)
+        and ops.first_use_check("the closed-form ELBO's Triton kernels", first.device, first.dtype, _self_check)
     )
 
 
-def _kernels_work(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run both nodes forward and backward once on a tiny problem (compiling their kernels).
-    Where that raises (a Triton or driver version that does not compile them, say), one warning
-    says why and the node-by-node route serves this device and dtype: never a failed run."""
-    key = (device, dtype)
-    if key not in KERNELS_WORK:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # nothing is tried inside a capture (the eager warm-up before it decides)
-        try:
-            _self_check(device, dtype)
-            KERNELS_WORK[key] = True
-        except Exception as error:  # noqa: BLE001 - any failure means: take the other route
-            KERNELS_WORK[key] = False
-            log.warning(
-                "the closed-form ELBO's Triton kernels failed on %s (%s); the node-by-node route is used there",
-                device,
-                f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300],
-            )
-    return KERNELS_WORK[key]
-
-
 def _self_check(device: torch.device, dtype: torch.dtype) -> None:
+    """Both nodes forward and backward on a tiny problem (compiling their kernels)."""
     g = torch.Generator().manual_seed(0)
 
     def tensor(*shape, scale=1.0, shift=0.0):
