@@ -436,8 +436,8 @@ def first_use_check(what: str, device: torch.device, dtype: torch.dtype, check: 
     warning naming the error; the callers then take their reference route -- never a failed run."""
     key = (what, device, dtype)
     if key not in FIRST_USE:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # nothing is tried inside a capture (the eager warm-up before it decides)
+        if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return False  # nothing is tried inside a capture or a trace (the eager call before decides)
         try:
             check(device, dtype)
             FIRST_USE[key] = True
