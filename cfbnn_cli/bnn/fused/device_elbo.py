@@ -70,6 +70,59 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
         raise FloatingPointError("non-finite values on a well-conditioned problem")
 
 
+def _output_layer_pass(loc, log_scale, width: int, prior_variance: float, kl_out):
+    """The one-output layer's KL pass (its KL into ``kl_out``) writing the tail pass's weights:
+    ``(w_phi, w_var, w_second) = (loc, loc^2, Var W)`` of the first ``width`` columns."""
+    variance, loc_square = torch.empty_like(log_scale), torch.empty_like(loc)
+    ops.launch_diagonal_kl(loc, log_scale, prior_variance, kl_out, variance, loc_square)
+    return loc.reshape(-1)[:width], loc_square.reshape(-1)[:width], variance.reshape(-1)[:width]
+
+
+def _tail_backward(grad, row_grads: bool, scale: float, saved, kl_grad, kl_sign: float, prior_variance: float, bias):
+    """The backward pass both nodes share, from ``grad`` (``dL/d ELL`` per row with
+    ``row_grads``, else one ``dL/d elbo`` for every row, times ``scale``): the rows, the tail pass
+    and the one-output layer's gradients with ``dL/dKL = kl_sign kl_grad`` folded in. ``saved``:
+    ``(gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)``.
+    Returns ``(d gamma, d xi2, d loc, d log_scale, d log_precision)``."""
+    gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares = saved
+    rows, width = gamma.shape
+    row_u, row_k = torch.empty_like(residual), torch.empty_like(residual)
+    sums = torch.empty(3, dtype=torch.float64, device=residual.device)
+    grad_log_precision = torch.empty_like(log_precision)
+    triton_tail_kernels.normal_rows_backward_kernel[(1,)](
+        grad,
+        residual,
+        squares,
+        log_precision,
+        row_u,
+        row_k,
+        sums,
+        grad_log_precision,
+        rows,
+        scale,
+        row_grads,
+        _ROWS_BLOCK,
+    )
+    w_phi = loc.reshape(-1)[:width]
+    grad_gamma, grad_xi2, columns = tail_ops.triton_relu_tail_backward(gamma, xi2, w_phi, w_var, w_second, row_u, row_k)
+    grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(loc)
+    triton_tail_kernels.output_gradients_kernel[(triton.cdiv(width + 1, triton_kernels.BLOCK),)](
+        columns,
+        sums,
+        loc,
+        log_scale,
+        sums if kl_grad is None else kl_grad,  # (a pointer never read where kl_sign is 0)
+        kl_sign,
+        grad_loc,
+        grad_log_scale,
+        width,
+        prior_variance,
+        bias,
+        triton_kernels.BLOCK,
+    )
+    return grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision
+
+
 class DeviceNormalELBO(torch.autograd.Function):
     """``scale * sum_n ELL_n - KL(hidden) - KL(output)`` (see the module doc) as one node."""
 
@@ -97,17 +150,13 @@ class DeviceNormalELBO(torch.autograd.Function):
         triton_tail_kernels.augment_pair_kernel[(triton.cdiv(max(inputs.numel(), 1), triton_kernels.BLOCK),)](
             x, inputs, squares_in, rows, columns, int(hidden_bias), triton_kernels.BLOCK
         )
-        hidden_variance, output_variance = torch.empty_like(hidden_log_scale), torch.empty_like(output_log_scale)
-        output_loc_square = torch.empty_like(output_loc)
+        hidden_variance = torch.empty_like(hidden_log_scale)
         kl = hidden_loc.new_empty(2)
         ops.launch_diagonal_kl(hidden_loc, hidden_log_scale, prior_variance, kl[:1], hidden_variance)
-        ops.launch_diagonal_kl(output_loc, output_log_scale, prior_variance, kl[1:], output_variance, output_loc_square)
+        width = hidden_loc.shape[0]
+        w_phi, w_var, w_second = _output_layer_pass(output_loc, output_log_scale, width, prior_variance, kl[1:])
         gamma = torch.mm(inputs, hidden_loc.t())
         xi2 = torch.mm(squares_in, hidden_variance.t())
-        width = gamma.shape[1]
-        w_phi = output_loc.reshape(-1)[:width]
-        w_second = output_variance.reshape(-1)[:width]
-        w_var = output_loc_square.reshape(-1)[:width]
         mean_sum, spread_sum = tail_ops.triton_relu_tail(gamma, xi2, w_phi, w_var, w_second)
         residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
         elbo = mean_sum.new_empty(())
@@ -143,27 +192,9 @@ class DeviceNormalELBO(torch.autograd.Function):
             gamma, xi2, w_var, w_second, residual, squares,
         ) = ctx.saved_tensors  # fmt: skip
         grad = grad.contiguous()
-        rows, width = gamma.shape
-        row_u, row_k = torch.empty_like(residual), torch.empty_like(residual)
-        sums = torch.empty(3, dtype=torch.float64, device=grad.device)
-        grad_log_precision = torch.empty_like(log_precision)
-        triton_tail_kernels.normal_rows_backward_kernel[(1,)](
-            grad,
-            residual,
-            squares,
-            log_precision,
-            row_u,
-            row_k,
-            sums,
-            grad_log_precision,
-            rows,
-            ctx.scale,
-            False,
-            _ROWS_BLOCK,
-        )
-        w_phi = output_loc.reshape(-1)[:width]
-        grad_gamma, grad_xi2, columns = tail_ops.triton_relu_tail_backward(
-            gamma, xi2, w_phi, w_var, w_second, row_u, row_k
+        tail = (gamma, xi2, output_loc, output_log_scale, log_precision, w_var, w_second, residual, squares)
+        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
+            grad, False, ctx.scale, tail, grad, -1.0, ctx.prior_variance, ctx.output_bias
         )
         grad_hidden_loc = torch.mm(grad_gamma.t(), inputs)
         grad_hidden_variance = torch.mm(grad_xi2.t(), squares_in)
@@ -180,21 +211,6 @@ class DeviceNormalELBO(torch.autograd.Function):
             count,
             ctx.prior_variance,
             BLOCK=triton_kernels.BLOCK,
-        )
-        grad_output_loc, grad_output_log_scale = torch.empty_like(output_loc), torch.empty_like(output_loc)
-        triton_tail_kernels.output_gradients_kernel[(triton.cdiv(width + 1, triton_kernels.BLOCK),)](
-            columns,
-            sums,
-            output_loc,
-            output_log_scale,
-            grad,
-            -1.0,
-            grad_output_loc,
-            grad_output_log_scale,
-            width,
-            ctx.prior_variance,
-            ctx.output_bias,
-            triton_kernels.BLOCK,
         )
         return (
             None,
@@ -239,14 +255,10 @@ class DeviceNormalELL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance):
         loc, log_scale = loc.contiguous(), log_scale.contiguous()
-        variance, loc_square = torch.empty_like(log_scale), torch.empty_like(loc)
         kl = loc.new_empty(())
         folded = prior_variance is not None
-        ops.launch_diagonal_kl(loc, log_scale, prior_variance if folded else 1.0, kl, variance, loc_square)
         rows, width = gamma.shape
-        w_phi = loc.reshape(-1)[:width]
-        w_var = loc_square.reshape(-1)[:width]
-        w_second = variance.reshape(-1)[:width]
+        w_phi, w_var, w_second = _output_layer_pass(loc, log_scale, width, prior_variance if folded else 1.0, kl)
         mean_sum, spread_sum = tail_ops.triton_relu_tail(gamma, xi2, w_phi, w_var, w_second)
         residual, squares, ell = (torch.empty_like(mean_sum) for _ in range(3))
         triton_tail_kernels.normal_ell_rows_kernel[(triton.cdiv(max(rows, 1), _ROWS_BLOCK),)](
@@ -273,45 +285,18 @@ class DeviceNormalELL(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # its kernels build no graph: a second order raises
     def backward(ctx, grad_ell, grad_kl):
-        gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares = ctx.saved_tensors
-        rows, width = gamma.shape
-        grad_ell = torch.zeros_like(residual) if grad_ell is None else grad_ell.contiguous()
-        row_u, row_k = torch.empty_like(residual), torch.empty_like(residual)
-        sums = torch.empty(3, dtype=torch.float64, device=residual.device)
-        grad_log_precision = torch.empty_like(log_precision)
-        triton_tail_kernels.normal_rows_backward_kernel[(1,)](
-            grad_ell,
-            residual,
-            squares,
-            log_precision,
-            row_u,
-            row_k,
-            sums,
-            grad_log_precision,
-            rows,
-            1.0,
-            True,
-            _ROWS_BLOCK,
-        )
-        w_phi = loc.reshape(-1)[:width]
-        grad_gamma, grad_xi2, columns = tail_ops.triton_relu_tail_backward(
-            gamma, xi2, w_phi, w_var, w_second, row_u, row_k
-        )
+        saved = ctx.saved_tensors
+        grad_ell = torch.zeros_like(saved[-1]) if grad_ell is None else grad_ell.contiguous()
         kl_on = ctx.prior_variance is not None and grad_kl is not None
-        grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(loc)
-        triton_tail_kernels.output_gradients_kernel[(triton.cdiv(width + 1, triton_kernels.BLOCK),)](
-            columns,
-            sums,
-            loc,
-            log_scale,
-            grad_kl.contiguous() if kl_on else sums,
+        grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision = _tail_backward(
+            grad_ell,
+            True,
+            1.0,
+            saved,
+            grad_kl.contiguous() if kl_on else None,
             1.0 if kl_on else 0.0,
-            grad_loc,
-            grad_log_scale,
-            width,
             ctx.prior_variance if kl_on else 1.0,
             ctx.bias,
-            triton_kernels.BLOCK,
         )
         return (
             grad_gamma,
