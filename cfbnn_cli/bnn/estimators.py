@@ -255,30 +255,16 @@ class Estimator:
             return None
         if kind == "output_layer":
             phi, second_moment, variance = value, None, torch.zeros_like(value)
-        elif on_device:
-            ell, kl = fused.device_normal_ell(
-                *value,
-                output.loc,
-                output.log_scale,
-                target,
-                log_precision,
-                output.bias,
-                None if kl_sink is None else network.prior_scale**2,
-            )
-            if kl is not None:
-                kl_sink[len(network.layers) - 1] = kl
-            return ell
-        elif tail is not None:
-            ell, kl = fused.normal_ell_given_preactivation_and_kl(
-                *value,
-                tail,
-                output.loc,
-                output.log_scale,
-                target,
-                log_precision,
-                output.bias,
-                None if kl_sink is None else network.prior_scale**2,
-            )
+        elif on_device or tail is not None:
+            # the last hidden layer and the output layer in one pass each way: the operators'
+            # kernels off the CPU, the C++ kernels on it
+            gamma, xi2 = value
+            prior_variance = None if kl_sink is None else network.prior_scale**2
+            rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
+            if on_device:
+                ell, kl = fused.device_normal_ell(gamma, xi2, *rest)
+            else:
+                ell, kl = fused.normal_ell_given_preactivation_and_kl(gamma, xi2, tail, *rest)
             if kl is not None:
                 kl_sink[len(network.layers) - 1] = kl
             return ell
