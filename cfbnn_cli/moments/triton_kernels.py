@@ -249,6 +249,16 @@ def diagonal_kl_finish_kernel(
 
 
 @triton.jit
+def fold_kl(loc, variance, d_loc, d_variance, kl_grad, prior_variance):
+    """A mean-field layer's ``(dL/d loc, dL/d log_scale)`` (float64) from the data term's ``dL/d
+    loc`` and ``dL/d Var`` and ``dL/dKL = kl_grad``: ``d_loc + kl_grad loc / s^2`` and ``2 Var
+    d_variance + kl_grad (Var / s^2 - 1)`` (``Var = exp(2 log_scale)``)."""
+    kl_grad = kl_grad.to(tl.float64)
+    scaled = kl_grad / prior_variance
+    return d_loc + scaled * loc, 2.0 * variance * d_variance + scaled * variance - kl_grad
+
+
+@triton.jit
 def diagonal_gradients_kernel(
     loc_ptr,
     variance_ptr,
@@ -272,10 +282,8 @@ def diagonal_gradients_kernel(
     variance = tl.load(variance_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_loc = tl.load(g_loc_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_variance = tl.load(g_variance_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    kl_grad = kl_sign * tl.load(kl_grad_ptr).to(tl.float64)
-    scaled = kl_grad / prior_variance
-    tl.store(g_loc_ptr + offsets, (g_loc + scaled * loc).to(l_in.dtype), mask=inside)
-    g_log_scale = 2.0 * variance * g_variance + scaled * variance - kl_grad
+    g_loc, g_log_scale = fold_kl(loc, variance, g_loc, g_variance, kl_sign * tl.load(kl_grad_ptr), prior_variance)
+    tl.store(g_loc_ptr + offsets, g_loc.to(l_in.dtype), mask=inside)
     tl.store(g_log_scale_ptr + offsets, g_log_scale.to(l_in.dtype), mask=inside)
 
 

@@ -21,7 +21,7 @@ import math
 import triton
 import triton.language as tl
 
-from .triton_kernels import relu_core, relu_from_tail, relu_vjp_from_tail, small_tail
+from .triton_kernels import fold_kl, relu_core, relu_from_tail, relu_vjp_from_tail, small_tail
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
@@ -145,14 +145,31 @@ def augment_pair_kernel(x_ptr, augmented_ptr, squared_ptr, rows, columns, BIAS: 
 
 
 @triton.jit
-def normal_row_terms(mean_sum_ptr, spread_sum_ptr, y_ptr, residual_ptr, squares_ptr, r, r_in, mean_bias, spread_bias):
+def normal_row_terms(
+    mean_sum_ptr,
+    spread_sum_ptr,
+    y_ptr,
+    output_loc_ptr,
+    output_log_scale_ptr,
+    residual_ptr,
+    squares_ptr,
+    r,
+    r_in,
+    width,
+    BIAS: tl.constexpr,
+):
     """Rows ``r``: ``residual = y - mean_sum - b`` and ``squares = spread_sum + Var b + residual^2``
-    (float64; stored too, for the backward pass)."""
+    (``b`` the one-output layer's bias weight, column ``width`` of its ``loc`` / ``log_scale``, when
+    ``BIAS``), float64, stored too for the backward pass."""
     mean_sum = tl.load(mean_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
     spread_sum = tl.load(spread_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
     y = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-    residual = y - mean_sum - mean_bias
-    squares = spread_sum + spread_bias + residual * residual
+    residual = y - mean_sum
+    squares = spread_sum
+    if BIAS:
+        residual -= tl.load(output_loc_ptr + width).to(tl.float64)
+        squares += tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
+    squares += residual * residual
     tl.store(residual_ptr + r, residual.to(residual_ptr.dtype.element_ty), mask=r_in)
     tl.store(squares_ptr + r, squares.to(squares_ptr.dtype.element_ty), mask=r_in)
     return residual, squares
@@ -179,14 +196,18 @@ def normal_ell_rows_kernel(
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     r_in = r < rows
     log_precision = tl.load(log_precision_ptr).to(tl.float64)
-    # the bias weight's (b, Var b), inline: a helper would return plain constants where BIAS is false
-    mean_bias = 0.0
-    spread_bias = 0.0
-    if BIAS:
-        mean_bias = tl.load(output_loc_ptr + width).to(tl.float64)
-        spread_bias = tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
     _, squares = normal_row_terms(
-        mean_sum_ptr, spread_sum_ptr, y_ptr, residual_ptr, squares_ptr, r, r_in, mean_bias, spread_bias
+        mean_sum_ptr,
+        spread_sum_ptr,
+        y_ptr,
+        output_loc_ptr,
+        output_log_scale_ptr,
+        residual_ptr,
+        squares_ptr,
+        r,
+        r_in,
+        width,
+        BIAS,
     )
     ell = 0.5 * log_precision - 0.9189385332046727 - 0.5 * tl.exp(log_precision) * squares
     tl.store(ell_ptr + r, ell.to(ell_ptr.dtype.element_ty), mask=r_in)
@@ -214,18 +235,22 @@ def normal_elbo_rows_kernel(
     eqs. (4), (7), one output): ``elbo = scale sum_r (log(tau)/2 - log(2 pi)/2 - tau/2 squares_r)
     - kl[0] - kl[1]``, the rows summed in float64 in a fixed order."""
     log_precision = tl.load(log_precision_ptr).to(tl.float64)
-    # the bias weight's (b, Var b), inline: a helper would return plain constants where BIAS is false
-    mean_bias = 0.0
-    spread_bias = 0.0
-    if BIAS:
-        mean_bias = tl.load(output_loc_ptr + width).to(tl.float64)
-        spread_bias = tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
     total = tl.zeros([BLOCK], dtype=tl.float64)
     for r0 in range(0, rows, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         r_in = r < rows
         _, squares = normal_row_terms(
-            mean_sum_ptr, spread_sum_ptr, y_ptr, residual_ptr, squares_ptr, r, r_in, mean_bias, spread_bias
+            mean_sum_ptr,
+            spread_sum_ptr,
+            y_ptr,
+            output_loc_ptr,
+            output_log_scale_ptr,
+            residual_ptr,
+            squares_ptr,
+            r,
+            r_in,
+            width,
+            BIAS,
         )
         total += tl.where(r_in, squares, 0.0)
     kl = tl.load(kl_ptr).to(tl.float64) + tl.load(kl_ptr + 1).to(tl.float64)
@@ -313,8 +338,6 @@ def output_gradients_kernel(
     col_second = tl.load(columns_ptr + 2 * width + c, mask=on_column, other=0.0)
     d_loc = tl.where(column, col_phi + 2.0 * loc * col_var, tl.load(sums_ptr))
     d_variance = tl.where(column, col_second, tl.load(sums_ptr + 1))
-    kl_grad = kl_sign * tl.load(kl_grad_ptr).to(tl.float64)
-    scaled = kl_grad / prior_variance
-    tl.store(g_loc_ptr + c, (d_loc + scaled * loc).to(l_in.dtype), mask=inside)
-    g_log_scale = 2.0 * variance * d_variance + scaled * variance - kl_grad
+    g_loc, g_log_scale = fold_kl(loc, variance, d_loc, d_variance, kl_sign * tl.load(kl_grad_ptr), prior_variance)
+    tl.store(g_loc_ptr + c, g_loc.to(l_in.dtype), mask=inside)
     tl.store(g_log_scale_ptr + c, g_log_scale.to(l_in.dtype), mask=inside)
