@@ -17,26 +17,47 @@ from cfbnn_cli.bnn.fused import device_elbo_applies
 
 REPO = Path(__file__).resolve().parents[2]
 
-CHECK = """
+# shared by the interpreted checks: imports, the error measure and a network whose means and
+# spreads reach the moments' tails
+PRELUDE = """
 import copy, json, torch
+import cfbnn_cli.bnn.fused as fused
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.bnn.fused import device_normal_elbo
 from cfbnn_cli.bnn.likelihoods import NormalLikelihood
-from cfbnn_cli.moments import fast_path
+from cfbnn_cli.moments import fast_path, ops
 
 def scaled(got, want):
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
+def network(hidden, output_bias, dtype):
+    torch.manual_seed(0)
+    net = BayesianNetwork(4, hidden, output_bias=output_bias, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9)
+    with torch.no_grad():
+        for layer in net.layers:
+            layer.loc.normal_(0.0, 1.0)
+            layer.log_scale.uniform_(-4.0, 0.5)
+    return net.to(dtype)
+"""
+
+
+def _run_interpreted(check: str) -> dict:
+    """``PRELUDE + check`` in a subprocess under ``TRITON_INTERPRET=1``; its ``RESULT`` line."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", PRELUDE + check], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+CHECK = """
 out = {}
 for dtype in (torch.float64, torch.float32):
     for output_bias in (True, False):
-        torch.manual_seed(0)
-        net = BayesianNetwork(4, [150], output_bias=output_bias, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9)
-        with torch.no_grad():  # means and spreads that reach the moments' tails
-            for layer in net.layers:
-                layer.loc.normal_(0.0, 1.0)
-                layer.log_scale.uniform_(-4.0, 0.5)
-        net = net.to(dtype)
+        net = network([150], output_bias, dtype)
         x, y = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype)
         parameters = list(net.parameters())
         value = device_normal_elbo(x, y, net.likelihood.log_precision, *net.layers, 0.81, 100 / 21)
@@ -69,12 +90,7 @@ print("RESULT", json.dumps(out))
 
 
 def test_device_elbo_matches_the_reference_path_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    errors = json.loads(line[len("RESULT ") :])
+    errors = _run_interpreted(CHECK)
     assert errors.pop("second_order") == "refused"
     assert errors.pop("self_check") == "ran"
     assert len(errors) == 4
@@ -128,15 +144,6 @@ def test_cuda_elbo_takes_the_device_route_and_matches_the_cpu(dtype, tolerance):
 
 
 DEEP_CHECK = """
-import copy, json, torch
-import cfbnn_cli.bnn.fused as fused
-from cfbnn_cli.bnn import BayesianNetwork
-from cfbnn_cli.bnn.likelihoods import NormalLikelihood
-from cfbnn_cli.moments import fast_path, ops
-
-def scaled(got, want):
-    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-
 def _nodes(node, seen=None):
     seen = set() if seen is None else seen
     if node is not None and node not in seen:
@@ -149,13 +156,7 @@ out = {}
 for estimator in ("analytic", "deterministic"):
     for dtype in (torch.float64, torch.float32):
         for output_bias in (True, False):
-            torch.manual_seed(0)
-            net = BayesianNetwork(4, [6, 150], output_bias=output_bias, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9)
-            with torch.no_grad():  # means and spreads that reach the moments' tails
-                for layer in net.layers:
-                    layer.loc.normal_(0.0, 1.0)
-                    layer.log_scale.uniform_(-4.0, 0.5)
-            net = net.to(dtype)
+            net = network([6, 150], output_bias, dtype)
             x, y = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype)
             noise = tuple(n.to(dtype) for n in net.sample_noise(21, estimator=estimator, generator=torch.Generator().manual_seed(1)))
             reference_net = copy.deepcopy(net).double()
@@ -186,12 +187,7 @@ def test_deeper_networks_take_the_device_tail_and_match_the_reference_under_the_
     """Two hidden layers: ``analytic`` samples the first and integrates the last two layers,
     ``deterministic`` propagates the first's moments; either way the last hidden layer and the
     output go through :class:`DeviceNormalELL` (forced here on CPU tensors, Triton interpreted)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", DEEP_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    errors = json.loads(line[len("RESULT ") :])
+    errors = _run_interpreted(DEEP_CHECK)
     assert len(errors) == 8
     for case, error in errors.items():
         tolerance = 1e-10 if "float64" in case else 2e-5
