@@ -43,8 +43,6 @@ from typing import Optional, Tuple
 import torch
 
 from ..moments import fast as fast_moments
-from ..moments import ops as moment_ops
-from ..moments.activations import ReLU
 from ..moments.bivariate import activation_covariance
 from ..moments.gaussian import check_mean_std
 from . import functional as F
@@ -238,31 +236,27 @@ class Estimator:
         if not isinstance(network.likelihood, NormalLikelihood) or getattr(output, "covariance", None) != "diagonal":
             return None
         target = y.unsqueeze(-1) if network.output_dim == 1 else y
-        # one output and a kernel for the activation: the last hidden layer and the output layer
-        # in one pass each way, from the pre-activations' variances
-        tail = fused.normal_tail_op(network.activation, output.loc, output.log_scale, target)
         log_precision = network.likelihood.log_precision
-        # off the CPU, the same pass on the operators' Triton kernels (fused.device_normal_ell)
-        on_device = (
-            tail is None
-            and output.loc.shape[0] == 1
-            and fused.device_elbo_applies(network.activation, output.loc, output.log_scale, target, log_precision)
+        # one output of a ReLU network: the last hidden layer and the output layer in one node on
+        # the cfbnn:: operators (C++ kernels on the CPU, Triton on CUDA), from the pre-activations'
+        # variances; other activations with C++ kernels: the same pass on the CPU's C++ tail
+        on_operators = output.loc.shape[0] == 1 and fused.operators_apply(
+            network.activation, output.loc, output.log_scale, target, log_precision
         )
+        tail = None if on_operators else fused.normal_tail_op(network.activation, output.loc, output.log_scale, target)
         kind, value = self.forward_to_tail(
-            network, h, noise, variance_form=tail is not None or on_device, kl_sink=kl_sink
+            network, h, noise, variance_form=tail is not None or on_operators, kl_sink=kl_sink
         )
         if kind in ("outputs", "full_moments"):
             return None
         if kind == "output_layer":
             phi, second_moment, variance = value, None, torch.zeros_like(value)
-        elif on_device or tail is not None:
-            # the last hidden layer and the output layer in one pass each way: the operators'
-            # kernels off the CPU, the C++ kernels on it
+        elif on_operators or tail is not None:
             gamma, xi2 = value
             prior_variance = None if kl_sink is None else network.prior_scale**2
             rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
-            if on_device:
-                ell, kl = fused.device_normal_ell(gamma, xi2, *rest)
+            if on_operators:
+                ell, kl = fused.operator_normal_ell(gamma, xi2, *rest)
             else:
                 ell, kl = fused.normal_ell_given_preactivation_and_kl(gamma, xi2, tail, *rest)
             if kl is not None:
@@ -292,10 +286,15 @@ class Estimator:
         log_precision = network.likelihood.log_precision
         parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        if x.device.type != "cpu":  # the operators' route: one hidden layer, about twenty kernels a step
-            if len(layers) != 2 or not fused.device_elbo_applies(network.activation, x, y, log_precision, *parameters):
+        if fused.operators_apply(network.activation, x, y, log_precision, *parameters):
+            # a ReLU network on the cfbnn:: operators, any device: one hidden layer as one node; a
+            # deeper one node by node, its last two layers as one (fused.operator_normal_ell)
+            if len(layers) != 2:
                 return None
-            return fused.device_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale)
+            return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale)
+        if x.device.type != "cpu":
+            return None
+        # other activations with C++ kernels (leaky ReLU, ReLU^2): the CPU's single node
         op = fused.activation_kernels(network.activation)
         target = y.unsqueeze(-1)
         if not fast_moments.layer_kernels_apply(op, x, target, log_precision, *parameters):
@@ -429,18 +428,23 @@ def _propagated_moments(network, index: int, h, moments, kl_sink: Optional[dict]
     exact (``moments=None``) or propagated."""
     layer = network.layers[index]
     inputs = h if moments is None else moments[0]
-    op = None
-    if layer.covariance == "diagonal" and inputs.dtype == layer.loc.dtype and inputs.device.type == "cpu":
-        op = fused.layer_kernel_op(network.activation, layer.loc, layer.log_scale)
-    if op is not None:  # the kernel takes the variances: no square root, forward or backward
+    diagonal = layer.covariance == "diagonal"
+    if diagonal and fused.operators_apply(network.activation, inputs, layer.loc):
+        # ReLU: cfbnn::relu_moments_from_variance (C++ on the CPU, Triton on CUDA), from the
+        # variances: no square root, forward or backward
         gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
         check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
-        phi, second_moment, variance = fast_moments.moments_from_variance(op, gamma, xi2)
-    elif type(network.activation) is ReLU and moment_ops.device_kernels_apply(inputs):
-        # off the CPU the same from the variances through cfbnn::relu_moments_from_variance (Triton)
+        phi, second_moment, variance = torch.ops.cfbnn.relu_moments_from_variance(gamma, xi2)
+    elif (
+        diagonal
+        and inputs.dtype == layer.loc.dtype
+        and inputs.device.type == "cpu"
+        and (op := fused.layer_kernel_op(network.activation, layer.loc, layer.log_scale)) is not None
+    ):
+        # other activations with C++ kernels: the same pass on the CPU
         gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
         check_mean_std(gamma, xi2, names=("gamma", "xi2"))
-        phi, second_moment, variance = torch.ops.cfbnn.relu_moments_from_variance(gamma, xi2)
+        phi, second_moment, variance = fast_moments.moments_from_variance(op, gamma, xi2)
     else:
         pre = _preactivation(network, index, h, moments, False, kl_sink)
         phi, second_moment, variance = network.activation.moments(*pre, return_variance=True)

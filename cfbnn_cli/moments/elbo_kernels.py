@@ -198,11 +198,16 @@ def normal_rows(
     spread_bias: float,
     precision: float,
     log_term: float,
+    residual: Optional[torch.Tensor] = None,
+    squares: Optional[torch.Tensor] = None,
 ):
     """The Normal likelihood's rows after :func:`normal_tail`'s forward pass, one loop (kernel
     ``normal_rows``): ``(residual, squares, ELL, sum ELL)`` with ``residual = y - mean_sum - mean_bias``,
     ``squares = spread_sum + spread_bias + residual^2`` and ``ELL = -precision/2 squares + log_term``
-    (eq. (7), one output). ``residual`` and ``squares`` are written over ``mean_sum`` and ``spread_sum``."""
+    (eq. (7), one output). ``residual`` and ``squares`` are written into the tensors given, else
+    over ``mean_sum`` and ``spread_sum``."""
+    residual = mean_sum if residual is None else residual
+    squares = spread_sum if squares is None else squares
     ell = torch.empty_like(mean_sum)
     total = kernel_function("normal_rows", mean_sum.dtype)(
         mean_sum.shape[0],
@@ -213,11 +218,11 @@ def normal_rows(
         spread_bias,
         precision,
         log_term,
-        mean_sum.data_ptr(),
-        spread_sum.data_ptr(),
+        residual.data_ptr(),
+        squares.data_ptr(),
         ell.data_ptr(),
     )
-    return mean_sum, spread_sum, ell, total
+    return residual, squares, ell, total
 
 
 def normal_row_gradients(grad_ell: torch.Tensor, residual: torch.Tensor, squares: torch.Tensor, precision: float):

@@ -1,6 +1,6 @@
 """Triton kernels of the last hidden layer's tail pass and of the one-output Normal ELBO's rows:
-the CUDA side of ``cfbnn::relu_tail`` (:mod:`cfbnn_cli.moments.tail_ops`) and of the device
-ELBO (:mod:`cfbnn_cli.bnn.fused.device_elbo`).
+the CUDA side of ``cfbnn::relu_tail`` (:mod:`cfbnn_cli.moments.tail_ops`) and of the ELBO's
+step operators (:mod:`cfbnn_cli.moments.elbo_ops`).
 
 The tail pass (paper eqs. (7)-(9) for one output) reduces the ReLU moments of an ``(rows, H)``
 block of pre-activation means and *variances* against three weight vectors without writing
@@ -221,7 +221,8 @@ def normal_elbo_rows_kernel(
     output_loc_ptr,
     output_log_scale_ptr,
     log_precision_ptr,
-    kl_ptr,
+    hidden_kl_ptr,
+    output_kl_ptr,
     residual_ptr,
     squares_ptr,
     elbo_ptr,
@@ -233,7 +234,7 @@ def normal_elbo_rows_kernel(
 ):
     """One program: the Normal likelihood's rows (:func:`normal_row_terms`) and the ELBO (paper
     eqs. (4), (7), one output): ``elbo = scale sum_r (log(tau)/2 - log(2 pi)/2 - tau/2 squares_r)
-    - kl[0] - kl[1]``, the rows summed in float64 in a fixed order."""
+    - KL(hidden) - KL(output)``, the rows summed in float64 in a fixed order."""
     log_precision = tl.load(log_precision_ptr).to(tl.float64)
     total = tl.zeros([BLOCK], dtype=tl.float64)
     for r0 in range(0, rows, BLOCK):
@@ -253,7 +254,7 @@ def normal_elbo_rows_kernel(
             BIAS,
         )
         total += tl.where(r_in, squares, 0.0)
-    kl = tl.load(kl_ptr).to(tl.float64) + tl.load(kl_ptr + 1).to(tl.float64)
+    kl = tl.load(hidden_kl_ptr).to(tl.float64) + tl.load(output_kl_ptr).to(tl.float64)
     ell = rows * (0.5 * log_precision - 0.9189385332046727) - 0.5 * tl.exp(log_precision) * tl.sum(total, axis=0)
     tl.store(elbo_ptr, (scale * ell - kl).to(elbo_ptr.dtype.element_ty))
 

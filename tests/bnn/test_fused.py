@@ -367,9 +367,10 @@ def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradc
 
 
 def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
-    """The two-hidden-layer deterministic ELBO runs its first hidden layer through the
-    variance kernel, the last through the fused tail, folds every layer's KL, and is one
-    autograd node (else the speed-up is silently lost)."""
+    """The two-hidden-layer deterministic ELBO of a ReLU network runs its first hidden layer through
+    the variance kernel (cfbnn::relu_moments_from_variance), the last two layers through the
+    operators' node (NormalELL, the tail kernel), and folds every layer's KL into its own function
+    (else the speed-up is silently lost)."""
     from cfbnn_cli.bnn.network import BayesianNetwork
     from cfbnn_cli.moments import elbo_kernels
 
@@ -381,7 +382,14 @@ def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     network = BayesianNetwork(5, [12, 9], 1)
     x, y = torch.randn(40, 5), torch.randn(40)
     elbo = network.elbo(x, y, num_data=400, estimator="deterministic")
-    assert type(elbo.grad_fn).__name__ == "_ClosedFormNormalELBOBackward"
+    nodes, stack = set(), [elbo.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack.extend(child for child, _ in node.next_functions)
+    names = " ".join(type(node).__name__ for node in nodes)
+    assert "NormalELLBackward" in names and "relu_moments_from_variance" in names
     elbo.backward()
     assert calls.count("hidden_pass") == 2 and calls.count("tail_pass") == 2  # forward + backward
     # every layer's KL folded into its own function, and computed once (not again by layer.kl)
@@ -415,7 +423,9 @@ def test_the_single_node_elbo_matches_the_node_by_node_route(dtype, tolerance, h
     from cfbnn_cli.bnn.network import BayesianNetwork
 
     torch.manual_seed(3)
-    network = BayesianNetwork(5, hidden, 1, prior_scale=0.7, output_bias=output_bias).to(dtype)
+    # (a ReLU network takes the operators' route, tests/bnn/test_operator_elbo.py)
+    network = BayesianNetwork(5, hidden, 1, activation="leaky_relu", prior_scale=0.7, output_bias=output_bias)
+    network = network.to(dtype)
     with torch.no_grad():  # spread the weights' scales so that every term matters
         for layer in network.layers:
             layer.log_scale.add_(torch.rand_like(layer.log_scale))
@@ -498,7 +508,7 @@ def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
         4,
         [6, 5],
         2 if case == "two_outputs" else 1,
-        activation="hard_sigmoid" if case == "no_kernels" else "relu",
+        activation="hard_sigmoid" if case == "no_kernels" else "leaky_relu",
         prior="empirical_bayes" if case == "empirical_bayes" else "fixed",
     )
     x = torch.randn(3, 10, 4) if case == "batched" else torch.randn(10, 4, requires_grad=case == "x_requires_grad")

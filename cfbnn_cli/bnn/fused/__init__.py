@@ -46,11 +46,11 @@ and ``torch.autograd.gradcheck``), and all but the kernel tail support ``torch.f
 / ``grad`` (``generate_vmap_rule``), which the gradient-variance measurement uses.
 
 One module per job: :mod:`.preactivation`, :mod:`.kl`, :mod:`.normal_ell`, :mod:`.single_node`,
-:mod:`.device_elbo` (the one-hidden-layer ELBO off the CPU, on the ``cfbnn::`` operators' kernels),
+:mod:`.operator_elbo` (ReLU networks' ELBO on the ``cfbnn::`` operators, one implementation for the CPU
+and CUDA),
 and :mod:`.support` (what they share).
 """
 
-from .device_elbo import device_elbo_applies, device_normal_elbo, device_normal_ell
 from .kl import diagonal_kl
 from .normal_ell import (
     activation_kernels,
@@ -60,6 +60,9 @@ from .normal_ell import (
     normal_ell_given_preactivation_and_kl,
     normal_tail_op,
 )
+from .operator_elbo import normal_elbo as operator_normal_elbo
+from .operator_elbo import normal_ell as operator_normal_ell
+from .operator_elbo import operators_apply, relu_operators_apply
 from .preactivation import (
     diagonal_preactivation,
     diagonal_preactivation_and_kl,
@@ -75,9 +78,6 @@ __all__ = [
     "Tape",
     "activation_kernels",
     "closed_form_normal_elbo",
-    "device_elbo_applies",
-    "device_normal_elbo",
-    "device_normal_ell",
     "diagonal_kl",
     "diagonal_preactivation",
     "diagonal_preactivation_and_kl",
@@ -87,7 +87,11 @@ __all__ = [
     "normal_ell_given_preactivation",
     "normal_ell_given_preactivation_and_kl",
     "normal_tail_op",
+    "operator_normal_elbo",
+    "operator_normal_ell",
+    "operators_apply",
     "propagated_preactivation",
     "propagated_preactivation_and_kl",
     "propagated_preactivation_variance",
+    "relu_operators_apply",
 ]

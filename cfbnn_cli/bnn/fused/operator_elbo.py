@@ -1,0 +1,261 @@
+"""The closed-form Normal likelihood terms of ReLU networks as autograd nodes on the ``cfbnn::``
+operators, one implementation for the CPU and CUDA (paper eqs. (4), (7)-(9), (12), (20); one
+Normal output): :class:`NormalELBO`, the whole ELBO of a one-hidden-layer network as one node,
+and :class:`NormalELL`, the last hidden layer and the output layer of any deeper one (the
+earlier layers sampled or propagated by the estimator).
+
+Every step is an operator (:mod:`cfbnn_cli.moments.elbo_ops`, ``cfbnn::relu_tail``) or a matrix
+product, and the dispatcher picks each step's kernel by device: C++ on the CPU, Triton on CUDA.
+The forward pass is: the input with its bias column and its square (``cfbnn::augment_pair``),
+each layer's KL with ``exp(2 log_scale)`` in the same pass (``cfbnn::diagonal_kl_pass``), the
+pre-activations' means and variances (2 matrix products), the tail pass (``cfbnn::relu_tail``)
+and the likelihood's rows with the ELBO's sum (``cfbnn::normal_elbo_rows``); the backward pass:
+the rows (``cfbnn::normal_rows_backward``), the tail pass (``cfbnn::relu_tail_backward``), the
+output layer's gradients (``cfbnn::output_layer_gradients``), two matrix products and one pass
+that finishes the hidden layer's gradients with its KL's folded in
+(``cfbnn::finish_diagonal_gradients``). On CUDA that is about twenty kernels a step, where the
+same mathematics written as ordinary torch code launches some 130; on the CPU, as many calls
+into the C++ kernels.
+
+Used by :meth:`cfbnn_cli.bnn.estimators.Estimator.elbo` where :func:`operators_apply`; the
+values and gradients are tested against the reference torch path on the CPU kernels, on the
+Triton kernels under ``TRITON_INTERPRET=1`` (tests/bnn/test_operator_elbo.py) and on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...moments import fast, ops
+from ...moments.activations import ReLU
+from ...moments.gaussian import check_mean_std
+from .support import transforms_active
+
+_cfbnn = torch.ops.cfbnn
+_FLOATS = (torch.float32, torch.float64)
+
+
+def operators_apply(activation, *tensors: torch.Tensor) -> bool:
+    """Whether :func:`normal_elbo` / :func:`normal_ell` run here: a ReLU network (a subclass may
+    change the function) and :func:`relu_operators_apply`."""
+    return type(activation) is ReLU and relu_operators_apply(*tensors)
+
+
+def relu_operators_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the ReLU operators' kernels take these tensors: one float dtype on one device with
+    kernels -- the CPU with the C++ kernels built and the fast path on, or CUDA with Triton, the
+    operators switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`) and the kernels'
+    first run on that device and dtype passed -- outside torch.func transforms and torch.compile."""
+    first = tensors[0]
+    if transforms_active() or any(t.device != first.device or t.dtype != first.dtype for t in tensors):
+        return False
+    if first.device.type == "cpu":
+        return first.dtype in _FLOATS and fast.fast_path_enabled() and fast.load_kernels() is not None
+    return ops.device_kernels_apply(first) and ops.first_use_check(
+        "the closed-form ELBO's Triton kernels", first.device, first.dtype, _self_check
+    )
+
+
+def _self_check(device: torch.device, dtype: torch.dtype) -> None:
+    """Both nodes forward and backward on a tiny problem (compiling their kernels)."""
+    g = torch.Generator().manual_seed(0)
+
+    def tensor(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype=dtype, device=device)
+
+    hidden = [tensor(5, 3).requires_grad_(), tensor(5, 3, shift=-2.0).requires_grad_()]
+    output = [tensor(1, 6).requires_grad_(), tensor(1, 6, shift=-2.0).requires_grad_()]
+    log_precision = tensor(1, shift=0.5).reshape(()).requires_grad_()
+    x, y = tensor(4, 2), tensor(4)
+    elbo = NormalELBO.apply(x, y, log_precision, *hidden, *output, (True, True), 1.0, 2.0)
+    gamma, xi2 = tensor(4, 5).requires_grad_(), tensor(4, 5, scale=0.1, shift=1.0).requires_grad_()
+    ell, kl = NormalELL.apply(gamma, xi2, *output, y, log_precision, True, 1.0)
+    values = torch.autograd.grad(elbo + ell.sum() - kl, [*hidden, *output, log_precision, gamma, xi2])
+    if not all(bool(torch.isfinite(v).all()) for v in (elbo, ell, kl, *values)):
+        raise FloatingPointError("non-finite values on a well-conditioned problem")
+
+
+def _output_layer_pass(loc, log_scale, width: int, prior_variance: float):
+    """The one-output layer's KL pass: ``(KL, (w_phi, w_var, w_second))``, the tail pass's weights
+    ``(loc, loc^2, Var W)`` of the first ``width`` columns written by the same pass."""
+    kl, variance, loc_square = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, True)
+    return kl, (loc.reshape(-1)[:width], loc_square.reshape(-1)[:width], variance.reshape(-1)[:width])
+
+
+def _tail_backward(grad, row_grads: bool, scale: float, saved, kl_grad, kl_sign: float, prior_variance: float, bias):
+    """The backward pass both nodes share, from ``grad`` (``dL/d ELL`` per row with
+    ``row_grads``, else one ``dL/d elbo`` for every row, times ``scale``): the rows, the tail pass
+    and the one-output layer's gradients with ``dL/dKL = kl_sign kl_grad`` folded in. ``saved``:
+    ``(gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)``.
+    Returns ``(d gamma, d xi2, d loc, d log_scale, d log_precision)``."""
+    gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares = saved
+    width = gamma.shape[1]
+    row_u, row_k, sums, grad_log_precision = _cfbnn.normal_rows_backward(
+        grad, residual, squares, log_precision, scale, row_grads
+    )
+    w_phi = loc.reshape(-1)[:width]
+    grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_backward(gamma, xi2, w_phi, w_var, w_second, row_u, row_k)
+    grad_loc, grad_log_scale = _cfbnn.output_layer_gradients(
+        columns, sums, loc, log_scale, kl_grad, kl_sign, prior_variance, bias
+    )
+    return grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision
+
+
+class NormalELBO(torch.autograd.Function):
+    """``scale * sum_n ELL_n - KL(hidden) - KL(output)`` (see the module doc) as one node."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x,
+        y,
+        log_precision,
+        hidden_loc,
+        hidden_log_scale,
+        output_loc,
+        output_log_scale,
+        biases,
+        prior_variance,
+        scale,
+    ):
+        hidden_bias, output_bias = biases
+        inputs, squares_in = _cfbnn.augment_pair(x, hidden_bias)  # [x, 1] and [x^2, 1]
+        hidden_kl, hidden_variance, _ = _cfbnn.diagonal_kl_pass(hidden_loc, hidden_log_scale, prior_variance, False)
+        width = hidden_loc.shape[0]
+        output_kl, (w_phi, w_var, w_second) = _output_layer_pass(output_loc, output_log_scale, width, prior_variance)
+        gamma = torch.mm(inputs, hidden_loc.t())
+        xi2 = torch.mm(squares_in, hidden_variance.t())
+        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second)
+        residual, squares, elbo = _cfbnn.normal_elbo_rows(
+            mean_sum,
+            spread_sum,
+            y,
+            output_loc,
+            output_log_scale,
+            log_precision,
+            hidden_kl,
+            output_kl,
+            scale,
+            output_bias,
+        )
+        ctx.save_for_backward(
+            inputs, squares_in, log_precision, hidden_loc, hidden_variance, output_loc, output_log_scale,
+            gamma, xi2, w_var, w_second, residual, squares,
+        )  # fmt: skip
+        ctx.output_bias, ctx.prior_variance, ctx.scale = output_bias, float(prior_variance), float(scale)
+        return elbo
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels build no graph: a second order raises
+    def backward(ctx, grad):
+        (
+            inputs, squares_in, log_precision, hidden_loc, hidden_variance, output_loc, output_log_scale,
+            gamma, xi2, w_var, w_second, residual, squares,
+        ) = ctx.saved_tensors  # fmt: skip
+        tail = (gamma, xi2, output_loc, output_log_scale, log_precision, w_var, w_second, residual, squares)
+        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
+            grad, False, ctx.scale, tail, grad, -1.0, ctx.prior_variance, ctx.output_bias
+        )
+        grad_hidden_loc = torch.mm(grad_gamma.t(), inputs)
+        grad_hidden_log_scale = torch.mm(grad_xi2.t(), squares_in)  # dL/d Var, finished in place below
+        _cfbnn.finish_diagonal_gradients(
+            grad_hidden_loc, grad_hidden_log_scale, hidden_loc, hidden_variance, grad, -1.0, ctx.prior_variance
+        )
+        return (
+            None,
+            None,
+            grad_log_precision if ctx.needs_input_grad[2] else None,
+            grad_hidden_loc,
+            grad_hidden_log_scale,
+            grad_output_loc,
+            grad_output_log_scale,
+            None,
+            None,
+            None,
+        )
+
+
+def normal_elbo(x, y, log_precision, hidden, output, prior_variance: float, scale: float) -> torch.Tensor:
+    """The ELBO of :class:`NormalELBO`: ``x`` ``(N, D)``, ``y`` ``(N,)``, ``hidden`` and ``output``
+    the two :class:`~cfbnn_cli.bnn.layers.GaussianMatrix` layers (diagonal q; the output layer of
+    one row)."""
+    return NormalELBO.apply(
+        x,
+        y,
+        log_precision,
+        hidden.loc,
+        hidden.log_scale,
+        output.loc,
+        output.log_scale,
+        (bool(hidden.bias), bool(output.bias)),
+        float(prior_variance),
+        float(scale),
+    )
+
+
+class NormalELL(torch.autograd.Function):
+    """``(ELL per row, KL)``: the last hidden layer's ReLU moments from its pre-activation means
+    and variances ``(rows, H)``, a one-output layer integrated exactly and the Normal likelihood
+    (eqs. (7)-(9)), the layer's KL folded in where a prior variance is given: forward, the KL pass
+    (writing ``Var W`` and ``loc^2``), ``cfbnn::relu_tail`` and the rows; backward, the rows, the
+    tail pass and the layer's gradients."""
+
+    @staticmethod
+    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance):
+        folded = prior_variance is not None
+        width = gamma.shape[1]
+        kl, (w_phi, w_var, w_second) = _output_layer_pass(loc, log_scale, width, prior_variance if folded else 1.0)
+        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second)
+        residual, squares, ell = _cfbnn.normal_ell_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
+        ctx.save_for_backward(gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)
+        ctx.bias, ctx.prior_variance = bias, prior_variance
+        if not folded:
+            ctx.mark_non_differentiable(kl)
+        return ell, kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels build no graph: a second order raises
+    def backward(ctx, grad_ell, grad_kl):
+        saved = ctx.saved_tensors
+        grad_ell = torch.zeros_like(saved[-1]) if grad_ell is None else grad_ell
+        kl_on = ctx.prior_variance is not None and grad_kl is not None
+        grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision = _tail_backward(
+            grad_ell,
+            True,
+            1.0,
+            saved,
+            grad_kl if kl_on else grad_ell,  # (not read where kl_sign is 0)
+            1.0 if kl_on else 0.0,
+            ctx.prior_variance if kl_on else 1.0,
+            ctx.bias,
+        )
+        return (
+            grad_gamma,
+            grad_xi2,
+            grad_loc,
+            grad_log_scale,
+            None,
+            grad_log_precision if ctx.needs_input_grad[5] else None,
+            None,
+            None,
+        )
+
+
+def normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, prior_variance=None):
+    """``(ELL per point, KL or None)`` of :class:`NormalELL` for pre-activation means and variances
+    ``(..., N, H)`` and targets ``(..., N, 1)``."""
+    check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the argument checks activation.moments makes (if on)
+    gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
+    lead, width = gamma.shape[:-1], gamma.shape[-1]
+    targets = torch.broadcast_to(y, lead + (1,)).reshape(-1)
+    ell, kl = NormalELL.apply(
+        gamma.reshape(-1, width),
+        xi2.reshape(-1, width),
+        loc,
+        log_scale,
+        targets,
+        log_precision,
+        bool(bias),
+        None if prior_variance is None else float(prior_variance),
+    )
+    return ell.reshape(lead), (kl if prior_variance is not None else None)

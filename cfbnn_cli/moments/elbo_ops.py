@@ -1,0 +1,424 @@
+"""The closed-form Normal ELBO's kernel steps as torch operators: ``torch.ops.cfbnn.*``, one
+kernel per device -- the C++ kernels of ``csrc/cfbnn_moments.cpp`` on the CPU, Triton
+(:mod:`.triton_kernels`, :mod:`.triton_tail_kernels`) on CUDA -- so that one autograd node,
+:mod:`cfbnn_cli.bnn.fused.operator_elbo`, serves both devices and the dispatcher picks the kernels.
+
+Forward (paper eqs. (4), (7)-(9), (12), one Normal output):
+
+``cfbnn::augment_pair(Tensor x, bool bias) -> (Tensor inputs, Tensor squares)``
+    ``([x, 1], [x^2, 1])`` (``(x, x^2)`` without ``bias``) of an ``(N, D)`` input, one pass: what
+    the pre-activations' means and variances multiply (eq. (12)).
+``cfbnn::diagonal_kl_pass(Tensor loc, Tensor log_scale, float prior_variance, bool loc_square) -> (Tensor kl, Tensor variance, Tensor loc_square)``
+    ``KL(N(loc, diag exp(2 log_scale)) || N(0, prior_variance I))`` (0-d) with ``exp(2 log_scale)``
+    and, with ``loc_square``, ``loc^2`` (else an empty tensor) from the same pass.
+``cfbnn::normal_ell_rows(Tensor mean_sum, Tensor spread_sum, Tensor y, Tensor loc, Tensor log_scale, Tensor log_precision, bool bias) -> (Tensor residual, Tensor squares, Tensor ell)``
+    after ``cfbnn::relu_tail``: per row ``residual = y - mean_sum - b``, ``squares = spread_sum +
+    Var b + residual^2`` and ``ELL = log(tau)/2 - log(2 pi)/2 - tau/2 squares`` (eq. (7); ``b``
+    the one-output layer's bias column of ``loc`` / ``log_scale``, with ``bias``).
+``cfbnn::normal_elbo_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, Tensor hidden_kl, Tensor output_kl, float scale, bool bias) -> (Tensor residual, Tensor squares, Tensor elbo)``
+    the same rows and ``elbo = scale sum_r ELL_r - hidden_kl - output_kl`` (eq. (4)), the rows
+    summed in float64.
+
+Backward:
+
+``cfbnn::normal_rows_backward(Tensor grad, Tensor residual, Tensor squares, Tensor log_precision, float scale, bool row_grads) -> (Tensor row_u, Tensor row_k, Tensor sums, Tensor grad_log_precision)``
+    from ``g_r = scale dL/d ELL_r`` (``grad`` per row with ``row_grads``, else one ``dL/d elbo``):
+    ``u = g tau residual`` and ``k = -g tau / 2`` (``cfbnn::relu_tail_backward``'s row gradients)
+    and ``sums = (sum u, sum k, dL/d log tau)`` (float64), the last also as ``grad_log_precision``.
+``cfbnn::output_layer_gradients(Tensor columns, Tensor sums, Tensor loc, Tensor log_scale, Tensor kl_grad, float kl_sign, float prior_variance, bool bias) -> (Tensor grad_loc, Tensor grad_log_scale)``
+    the one-output layer's gradients from ``cfbnn::relu_tail_backward``'s column sums and the
+    rows' ``sums``, its KL's folded in with ``dL/dKL = kl_sign * kl_grad``.
+``cfbnn::finish_diagonal_gradients(Tensor(a!) grad_loc, Tensor(b!) grad_variance, Tensor loc, Tensor variance, Tensor kl_grad, float kl_sign, float prior_variance) -> ()``
+    in place, one pass: a mean-field layer's ``dL/d loc`` and ``dL/d Var`` of the data term
+    become ``dL/d loc`` and ``dL/d log_scale`` with ``dL/dKL = kl_sign * kl_grad`` folded in:
+    ``grad_loc += dL/dKL loc / s^2``, ``grad_variance <- 2 Var grad_variance + dL/dKL (Var / s^2 - 1)``.
+
+The steps are not differentiable themselves: they are called inside the autograd nodes, whose
+backward passes call the backward steps. They are registered through :class:`torch.library.Library`
+(a few microseconds of dispatch per call on the CPU; ``custom_op``'s Python layer adds about
+ten), with fake implementations for ``torch.compile`` and ``opcheck``
+(``tests/moments/test_elbo_ops.py``). The CPU kernels need the C++ library
+(:func:`cfbnn_cli.moments.fast.load_kernels`); where it did not build, the callers take the
+reference route and a direct call raises.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable, Dict
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import elbo_kernels, fast
+from .ops import HAVE_TRITON, launch_diagonal_kl
+
+if HAVE_TRITON:
+    import triton
+
+    from . import triton_kernels, triton_tail_kernels
+
+__all__ = ["TRITON_KERNELS", "STEPS"]
+
+_LIB = torch.library.Library("cfbnn", "FRAGMENT")
+_ROWS_BLOCK = 1024
+_LOG_2PI = math.log(2.0 * math.pi)
+_LOG_MAX_DOUBLE = math.log(sys.float_info.max)
+
+SCHEMAS = {
+    "augment_pair": "augment_pair(Tensor x, bool bias) -> (Tensor, Tensor)",
+    "diagonal_kl_pass": (
+        "diagonal_kl_pass(Tensor loc, Tensor log_scale, float prior_variance, bool loc_square)"
+        " -> (Tensor, Tensor, Tensor)"
+    ),
+    "normal_ell_rows": (
+        "normal_ell_rows(Tensor mean_sum, Tensor spread_sum, Tensor y, Tensor loc, Tensor log_scale,"
+        " Tensor log_precision, bool bias) -> (Tensor, Tensor, Tensor)"
+    ),
+    "normal_elbo_rows": (
+        "normal_elbo_rows(Tensor mean_sum, Tensor spread_sum, Tensor y, Tensor loc, Tensor log_scale,"
+        " Tensor log_precision, Tensor hidden_kl, Tensor output_kl, float scale, bool bias)"
+        " -> (Tensor, Tensor, Tensor)"
+    ),
+    "normal_rows_backward": (
+        "normal_rows_backward(Tensor grad, Tensor residual, Tensor squares, Tensor log_precision,"
+        " float scale, bool row_grads) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "output_layer_gradients": (
+        "output_layer_gradients(Tensor columns, Tensor sums, Tensor loc, Tensor log_scale, Tensor kl_grad,"
+        " float kl_sign, float prior_variance, bool bias) -> (Tensor, Tensor)"
+    ),
+    "finish_diagonal_gradients": (
+        "finish_diagonal_gradients(Tensor(a!) grad_loc, Tensor(b!) grad_variance, Tensor loc, Tensor variance,"
+        " Tensor kl_grad, float kl_sign, float prior_variance) -> ()"
+    ),
+}
+STEPS = tuple(SCHEMAS)  # the operators' names in the cfbnn namespace
+
+
+# ----------------------------------------------------------------------------- CPU kernels (C++)
+
+
+def _library():
+    if fast.load_kernels() is None:
+        raise RuntimeError(
+            "cfbnn: the CPU kernels did not build (see cfbnn_cli.moments.fast_path_info()); "
+            "the ELBO's reference route does not need them"
+        )
+
+
+def _precision(log_precision: Tensor):
+    """``(log tau, tau)`` as numbers; ``tau`` +inf past the float64 range, as ``torch.exp`` gives
+    (an L-BFGS line search probes such steps and must see the reference path's -inf)."""
+    log_beta = float(log_precision)
+    return log_beta, (math.exp(log_beta) if log_beta < _LOG_MAX_DOUBLE else math.inf)
+
+
+def _augment_pair_cpu(x: Tensor, bias: bool):
+    _library()
+    x = x.contiguous()
+    if bias:
+        return elbo_kernels.augment_pair(x)
+    return x.clone(), x * x
+
+
+def _diagonal_kl_pass_cpu(loc: Tensor, log_scale: Tensor, prior_variance: float, loc_square: bool):
+    _library()
+    loc, log_scale = loc.contiguous(), log_scale.contiguous()
+    variance = torch.empty_like(log_scale)
+    sums = np.empty(3, dtype=np.float64)
+    elbo_kernels.kernel_function("diag_kl_sums", loc.dtype)(
+        loc.numel(),
+        loc.data_ptr(),
+        log_scale.data_ptr(),
+        sums.ctypes.data,
+        variance.data_ptr(),
+        torch.get_num_threads(),
+    )
+    kl = torch.scalar_tensor(elbo_kernels.kl_from_sums(*sums.tolist(), loc.numel(), prior_variance), dtype=loc.dtype)
+    return kl, variance, (loc * loc if loc_square else loc.new_empty(0))
+
+
+def _rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
+    _library()
+    width = loc.shape[-1] - int(bias)
+    log_beta, precision = _precision(log_precision)
+    mean_bias, spread_bias = (float(loc[0, width]), math.exp(2.0 * float(log_scale[0, width]))) if bias else (0, 0)
+    residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
+    return elbo_kernels.normal_rows(
+        mean_sum.contiguous(),
+        spread_sum.contiguous(),
+        y.contiguous(),
+        mean_bias,
+        spread_bias,
+        precision,
+        0.5 * (log_beta - _LOG_2PI),
+        residual,
+        squares,
+    )
+
+
+def _normal_ell_rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
+    residual, squares, ell, _ = _rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
+    return residual, squares, ell
+
+
+def _normal_elbo_rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
+    residual, squares, _, total = _rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
+    elbo = scale * total - float(hidden_kl) - float(output_kl)
+    return residual, squares, torch.scalar_tensor(elbo, dtype=mean_sum.dtype)
+
+
+def _normal_rows_backward_cpu(grad, residual, squares, log_precision, scale: float, row_grads: bool):
+    _library()
+    if row_grads:
+        per_row = grad.contiguous() if scale == 1.0 else grad * scale
+    else:
+        per_row = torch.full_like(residual, float(grad) * scale)
+    _, precision = _precision(log_precision)
+    residual, squares = residual.contiguous(), squares.contiguous()
+    row_u, row_k = torch.empty_like(per_row), torch.empty_like(per_row)
+    sums = torch.empty(3, dtype=torch.float64)
+    elbo_kernels.kernel_function("normal_row_gradients", per_row.dtype)(
+        per_row.shape[0],
+        per_row.data_ptr(),
+        residual.data_ptr(),
+        squares.data_ptr(),
+        precision,
+        row_u.data_ptr(),
+        row_k.data_ptr(),
+        sums.data_ptr(),
+    )
+    return row_u, row_k, sums, sums[2].to(log_precision.dtype, copy=True)  # (a view would alias `sums`)
+
+
+def _output_layer_gradients_cpu(columns, sums, loc, log_scale, kl_grad, kl_sign: float, prior_variance, bias: bool):
+    _library()
+    loc = loc.contiguous()
+    width = columns.shape[1]
+    grad_loc, grad_variance = torch.empty_like(loc), torch.empty_like(loc)
+    sum_u, sum_k, _ = sums.tolist()
+    weight_phi = loc.view(-1)[:width]
+    elbo_kernels.normal_output_gradients(columns.contiguous(), weight_phi, bias, sum_u, sum_k, grad_loc, grad_variance)
+    variance = log_scale.mul(2.0).exp_()
+    kl = kl_sign * float(kl_grad) if kl_sign else 0.0  # (kl_grad not read where kl_sign is 0)
+    elbo_kernels.finish_diagonal_gradients(loc, variance, grad_loc, grad_variance, 2.0, kl / prior_variance, kl)
+    return grad_loc, grad_variance
+
+
+def _check_in_place(*tensors: Tensor) -> None:
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            raise ValueError("cfbnn::finish_diagonal_gradients: the gradients it finishes in place must be contiguous")
+
+
+def _finish_diagonal_gradients_cpu(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign: float, prior_variance):
+    _library()
+    _check_in_place(grad_loc, grad_variance)
+    kl = kl_sign * float(kl_grad) if kl_sign else 0.0
+    elbo_kernels.finish_diagonal_gradients(
+        loc.contiguous(), variance.contiguous(), grad_loc, grad_variance, 2.0, kl / prior_variance, kl
+    )
+
+
+# ----------------------------------------------------------------------------- CUDA kernels (Triton)
+
+
+def _augment_pair_triton(x: Tensor, bias: bool):
+    x = x.contiguous()
+    rows, columns = x.shape
+    inputs = x.new_empty(rows, columns + int(bias))
+    squares = torch.empty_like(inputs)
+    triton_tail_kernels.augment_pair_kernel[(triton.cdiv(max(inputs.numel(), 1), triton_kernels.BLOCK),)](
+        x, inputs, squares, rows, columns, int(bias), triton_kernels.BLOCK
+    )
+    return inputs, squares
+
+
+def _diagonal_kl_pass_triton(loc: Tensor, log_scale: Tensor, prior_variance: float, loc_square: bool):
+    loc, log_scale = loc.contiguous(), log_scale.contiguous()
+    kl, variance = loc.new_empty(()), torch.empty_like(log_scale)
+    square = torch.empty_like(loc) if loc_square else loc.new_empty(0)
+    launch_diagonal_kl(loc, log_scale, prior_variance, kl, variance, square if loc_square else None)
+    return kl, variance, square
+
+
+def _normal_ell_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
+    rows = mean_sum.shape[0]
+    residual, squares, ell = (torch.empty_like(mean_sum) for _ in range(3))
+    triton_tail_kernels.normal_ell_rows_kernel[(triton.cdiv(max(rows, 1), _ROWS_BLOCK),)](
+        mean_sum.contiguous(),
+        spread_sum.contiguous(),
+        y.contiguous(),
+        loc.contiguous(),
+        log_scale.contiguous(),
+        log_precision,
+        residual,
+        squares,
+        ell,
+        rows,
+        loc.shape[-1] - int(bias),
+        bias,
+        _ROWS_BLOCK,
+    )
+    return residual, squares, ell
+
+
+def _normal_elbo_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
+    rows = mean_sum.shape[0]
+    residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
+    elbo = mean_sum.new_empty(())
+    triton_tail_kernels.normal_elbo_rows_kernel[(1,)](
+        mean_sum.contiguous(),
+        spread_sum.contiguous(),
+        y.contiguous(),
+        loc.contiguous(),
+        log_scale.contiguous(),
+        log_precision,
+        hidden_kl,
+        output_kl,
+        residual,
+        squares,
+        elbo,
+        rows,
+        loc.shape[-1] - int(bias),
+        float(scale),
+        bias,
+        _ROWS_BLOCK,
+    )
+    return residual, squares, elbo
+
+
+def _normal_rows_backward_triton(grad, residual, squares, log_precision, scale: float, row_grads: bool):
+    row_u, row_k = torch.empty_like(residual), torch.empty_like(residual)
+    sums = torch.empty(3, dtype=torch.float64, device=residual.device)
+    grad_log_precision = torch.empty_like(log_precision)
+    triton_tail_kernels.normal_rows_backward_kernel[(1,)](
+        grad.contiguous(),
+        residual.contiguous(),
+        squares.contiguous(),
+        log_precision,
+        row_u,
+        row_k,
+        sums,
+        grad_log_precision,
+        residual.shape[0],
+        float(scale),
+        row_grads,
+        _ROWS_BLOCK,
+    )
+    return row_u, row_k, sums, grad_log_precision
+
+
+def _output_layer_gradients_triton(columns, sums, loc, log_scale, kl_grad, kl_sign: float, prior_variance, bias):
+    loc, log_scale = loc.contiguous(), log_scale.contiguous()
+    width = columns.shape[1]
+    grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(loc)
+    triton_tail_kernels.output_gradients_kernel[(triton.cdiv(width + 1, triton_kernels.BLOCK),)](
+        columns.contiguous(),
+        sums,
+        loc,
+        log_scale,
+        kl_grad,
+        float(kl_sign),
+        grad_loc,
+        grad_log_scale,
+        width,
+        float(prior_variance),
+        bias,
+        triton_kernels.BLOCK,
+    )
+    return grad_loc, grad_log_scale
+
+
+def _finish_diagonal_gradients_triton(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance):
+    _check_in_place(grad_loc, grad_variance)
+    count = loc.numel()
+    triton_kernels.diagonal_gradients_kernel[triton_kernels.grid(count)](
+        loc.contiguous(),
+        variance.contiguous(),
+        grad_loc,
+        grad_variance,
+        grad_variance,  # dL/d log_scale over dL/d Var: element by element, read before written
+        kl_grad,
+        float(kl_sign),
+        count,
+        float(prior_variance),
+        BLOCK=triton_kernels.BLOCK,
+    )
+
+
+# ----------------------------------------------------------------------------- fake implementations
+
+
+def _augment_pair_fake(x, bias):
+    shape = (x.shape[0], x.shape[1] + int(bias))
+    return x.new_empty(shape), x.new_empty(shape)
+
+
+def _diagonal_kl_pass_fake(loc, log_scale, prior_variance, loc_square):
+    return loc.new_empty(()), torch.empty_like(log_scale), (torch.empty_like(loc) if loc_square else loc.new_empty(0))
+
+
+def _normal_ell_rows_fake(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias):
+    return tuple(torch.empty_like(mean_sum) for _ in range(3))
+
+
+def _normal_elbo_rows_fake(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
+    return torch.empty_like(mean_sum), torch.empty_like(mean_sum), mean_sum.new_empty(())
+
+
+def _normal_rows_backward_fake(grad, residual, squares, log_precision, scale, row_grads):
+    sums = residual.new_empty(3, dtype=torch.float64)
+    return torch.empty_like(residual), torch.empty_like(residual), sums, torch.empty_like(log_precision)
+
+
+def _output_layer_gradients_fake(columns, sums, loc, log_scale, kl_grad, kl_sign, prior_variance, bias):
+    return torch.empty_like(loc), torch.empty_like(loc)
+
+
+def _finish_diagonal_gradients_fake(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance):
+    return None
+
+
+CPU_KERNELS: Dict[str, Callable] = {
+    "augment_pair": _augment_pair_cpu,
+    "diagonal_kl_pass": _diagonal_kl_pass_cpu,
+    "normal_ell_rows": _normal_ell_rows_cpu,
+    "normal_elbo_rows": _normal_elbo_rows_cpu,
+    "normal_rows_backward": _normal_rows_backward_cpu,
+    "output_layer_gradients": _output_layer_gradients_cpu,
+    "finish_diagonal_gradients": _finish_diagonal_gradients_cpu,
+}
+# the CUDA kernels; on the CPU under TRITON_INTERPRET=1 the tests register these for the CPU too
+TRITON_KERNELS: Dict[str, Callable] = (
+    {
+        "augment_pair": _augment_pair_triton,
+        "diagonal_kl_pass": _diagonal_kl_pass_triton,
+        "normal_ell_rows": _normal_ell_rows_triton,
+        "normal_elbo_rows": _normal_elbo_rows_triton,
+        "normal_rows_backward": _normal_rows_backward_triton,
+        "output_layer_gradients": _output_layer_gradients_triton,
+        "finish_diagonal_gradients": _finish_diagonal_gradients_triton,
+    }
+    if HAVE_TRITON
+    else {}
+)
+_FAKES: Dict[str, Callable] = {
+    "augment_pair": _augment_pair_fake,
+    "diagonal_kl_pass": _diagonal_kl_pass_fake,
+    "normal_ell_rows": _normal_ell_rows_fake,
+    "normal_elbo_rows": _normal_elbo_rows_fake,
+    "normal_rows_backward": _normal_rows_backward_fake,
+    "output_layer_gradients": _output_layer_gradients_fake,
+    "finish_diagonal_gradients": _finish_diagonal_gradients_fake,
+}
+
+for _name, _schema in SCHEMAS.items():
+    _LIB.define(_schema)
+    _LIB.impl(_name, CPU_KERNELS[_name], "CPU")
+    if _name in TRITON_KERNELS:
+        _LIB.impl(_name, TRITON_KERNELS[_name], "CUDA")
+    torch.library.register_fake(f"cfbnn::{_name}", _FAKES[_name], lib=_LIB)

@@ -1,0 +1,232 @@
+"""The ReLU network's ELBO on the ``cfbnn::`` operators (:mod:`cfbnn_cli.bnn.fused.operator_elbo`),
+one implementation for both devices: its value and every gradient against the network's reference
+torch path in float64 -- one hidden layer (:class:`NormalELBO`) and two (:class:`NormalELL` for the
+last two layers; ``analytic`` samples the first, ``deterministic`` propagates it), both output-bias
+settings, float64 and float32 -- on the CPU's C++ kernels, and on the Triton kernels run on the CPU
+by Triton's interpreter (``TRITON_INTERPRET=1``, set in a subprocess before Triton is imported, the
+Triton kernels registered there as the operators' CPU kernels). tests/test_cuda.py and the CUDA
+tests below run it compiled on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cfbnn_cli.bnn import BayesianNetwork, fused
+from cfbnn_cli.moments import elbo_ops, fast_path, get_activation
+
+REPO = Path(__file__).resolve().parents[2]
+
+# shared by the checks on either kernels: the error measure, a network whose means and spreads
+# reach the moments' tails, and every case's errors and route against the reference path
+CHECK = """
+import copy, json, torch
+from cfbnn_cli.bnn import BayesianNetwork
+from cfbnn_cli.bnn.likelihoods import NormalLikelihood
+from cfbnn_cli.moments import fast_path
+
+def scaled(got, want):
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+def network(hidden, output_bias, dtype):
+    torch.manual_seed(0)
+    net = BayesianNetwork(4, hidden, output_bias=output_bias, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9)
+    with torch.no_grad():
+        for layer in net.layers:
+            layer.loc.normal_(0.0, 1.0)
+            layer.log_scale.uniform_(-4.0, 0.5)
+    return net.to(dtype)
+
+def node_names(value):
+    seen, stack = set(), [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(child for child, _ in node.next_functions)
+    return " ".join(type(node).__name__ for node in seen)
+
+def errors():
+    out = {}
+    cases = [([150], "analytic")] + [([6, 150], estimator) for estimator in ("analytic", "deterministic")]
+    for hidden, estimator in cases:
+        for dtype in (torch.float64, torch.float32):
+            for output_bias in (True, False):
+                net = network(hidden, output_bias, dtype)
+                x, y = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype)
+                g = torch.Generator().manual_seed(1)
+                noise = tuple(n.to(dtype) for n in net.sample_noise(21, estimator=estimator, generator=g))
+                value = net.elbo(x, y, num_data=100, noise=noise or None, estimator=estimator)
+                grads = torch.autograd.grad(value, list(net.parameters()))
+                reference_net = copy.deepcopy(net).double()
+                with fast_path(False):  # the reference torch path (no kernels)
+                    reference = reference_net.elbo(
+                        x.double(), y.double(), num_data=100, noise=tuple(n.double() for n in noise) or None,
+                        estimator=estimator,
+                    )
+                reference_grads = torch.autograd.grad(reference, list(reference_net.parameters()))
+                names = node_names(value)
+                if len(hidden) == 1:
+                    route = "NormalELBO" in names
+                else:
+                    route = "NormalELL" in names and (estimator == "analytic" or "relu_moments_from_variance" in names)
+                out[f"{len(hidden)}_{estimator}_{dtype}_{output_bias}"] = {
+                    "value": scaled(value.detach(), reference.detach()),
+                    "grads": max(scaled(g, r) for g, r in zip(grads, reference_grads)),
+                    "dtype": str(value.dtype),
+                    "route": route,
+                }
+    # the backward builds no graph: asking for a second order is an error, never a silent zero
+    net = network([150], True, torch.float64)
+    x, y = torch.randn(21, 4, dtype=torch.float64), torch.randn(21, dtype=torch.float64)
+    first = torch.autograd.grad(net.elbo(x, y), list(net.parameters()), create_graph=True)
+    try:
+        torch.autograd.grad(sum(g.sum() for g in first), list(net.parameters()))
+        out["second_order"] = "allowed"
+    except RuntimeError:  # (once_differentiable: the first-order gradients carry no graph)
+        out["second_order"] = "refused"
+    return out
+"""
+
+# in the subprocess: the operators' Triton kernels registered as their CPU kernels, then the checks
+INTERPRETED = """
+from cfbnn_cli.bnn.fused import operator_elbo
+from cfbnn_cli.moments import elbo_ops, ops, tail_ops
+calls = {}
+
+def counted(name, kernel):  # each Triton step counts its calls: the test asserts that every one ran
+    def run(*args):
+        calls[name] = calls.get(name, 0) + 1
+        return kernel(*args)
+    return run
+
+library = torch.library.Library("cfbnn", "IMPL")
+for name, kernel in elbo_ops.TRITON_KERNELS.items():
+    library.impl(name, counted(name, kernel), "CPU")
+tail_ops.relu_tail.register_kernel("cpu")(counted("relu_tail", tail_ops.triton_relu_tail))
+tail_ops.relu_tail_backward.register_kernel("cpu")(counted("relu_tail_backward", tail_ops.triton_relu_tail_backward))
+ops.relu_moments_from_variance.register_kernel("cpu")(
+    counted("relu_moments_from_variance", ops.triton_relu_moments_from_variance)
+)
+ops.relu_moments_from_variance_backward.register_kernel("cpu")(
+    counted("relu_moments_from_variance_backward", ops.triton_relu_moments_from_variance_backward)
+)
+out = errors()
+out["calls"] = calls
+for dtype in (torch.float32, torch.float64):  # the first-use checks that guard the CUDA route
+    operator_elbo._self_check(torch.device("cpu"), dtype)
+    ops._self_check(torch.device("cpu"), dtype)
+out["self_check"] = "ran"
+print("RESULT", json.dumps(out))
+"""
+
+
+def _assert_within_tolerance(errors: dict) -> None:
+    assert errors.pop("second_order") == "refused"
+    assert len(errors) == 12
+    for case, error in errors.items():
+        tolerance = 1e-10 if "float64" in case else 2e-5
+        assert error["route"], (case, "the operators' route was not taken")
+        assert error["dtype"] == case.split("_")[2], errors
+        assert error["value"] < tolerance and error["grads"] < tolerance, (case, errors)
+
+
+def test_the_cpu_kernels_match_the_reference_path():
+    namespace = {}
+    exec(CHECK, namespace)  # noqa: S102 - the checks shared with the interpreted run below
+    _assert_within_tolerance(namespace["errors"]())
+
+
+def test_the_triton_kernels_match_the_reference_path_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", CHECK + INTERPRETED], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    errors = json.loads(line[len("RESULT ") :])
+    assert errors.pop("self_check") == "ran"
+    steps = set(elbo_ops.STEPS) | {"relu_tail", "relu_tail_backward", "relu_moments_from_variance"}
+    calls = errors.pop("calls")
+    assert steps <= set(calls) and min(calls.values()) > 0, calls  # every step ran on its Triton kernel
+    _assert_within_tolerance(errors)
+
+
+def test_which_networks_take_the_operators():
+    """ReLU networks on either device; other activations keep the CPU's C++ single node (their
+    moments have C++ kernels but no Triton ones), and with the fast path off the reference path runs."""
+    net = BayesianNetwork(3, [5])
+    x, y = torch.randn(4, 3), torch.randn(4)
+    assert fused.operators_apply(net.activation, x, *net.parameters())
+    assert type(net.elbo(x, y).grad_fn).__name__ == "NormalELBOBackward"
+    assert not fused.operators_apply(get_activation("leaky_relu"), x, *net.parameters())
+    assert not fused.operators_apply(net.activation, x, x.double())  # one dtype
+    leaky = BayesianNetwork(3, [5], activation="leaky_relu")
+    assert "ClosedFormNormalELBO" in type(leaky.elbo(x, y).grad_fn).__name__
+    with fast_path(False):
+        assert not fused.operators_apply(net.activation, x, *net.parameters())
+        assert "NormalELBO" not in type(net.elbo(x, y).grad_fn).__name__
+
+
+def test_kernels_that_fail_on_first_use_leave_one_warning_and_the_other_route(monkeypatch, caplog):
+    from cfbnn_cli.moments import ops
+
+    def broken(device, dtype):
+        raise RuntimeError("PassManager::run failed\nmore compiler text")
+
+    monkeypatch.setattr(ops, "FIRST_USE", {})
+    key = (torch.device("cpu"), torch.float32)
+    with caplog.at_level("WARNING"):
+        assert ops.first_use_check("the test kernels", *key, broken) is False
+        assert ops.first_use_check("the test kernels", *key, broken) is False  # decided once
+        assert ops.first_use_check("other kernels", *key, lambda device, dtype: None) is True
+    warnings = [r.getMessage() for r in caplog.records if "failed on" in r.getMessage()]
+    assert warnings == [
+        "the test kernels failed on cpu (RuntimeError: PassManager::run failed); the reference route is used there"
+    ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_cuda_elbo_takes_the_operators_and_matches_the_cpu(dtype, tolerance):
+    torch.manual_seed(1)
+    net = BayesianNetwork(20, [300], prior_scale=0.7).to(dtype)
+    x, y = torch.randn(500, 20, dtype=dtype), torch.randn(500, dtype=dtype)
+    reference = net.elbo(x, y, num_data=5000, estimator="analytic")
+    reference_grads = torch.autograd.grad(reference, list(net.parameters()))
+    gpu = net.cuda()
+    value = gpu.elbo(x.cuda(), y.cuda(), num_data=5000, estimator="analytic")
+    assert type(value.grad_fn).__name__.startswith("NormalELBO")
+    grads = torch.autograd.grad(value, list(gpu.parameters()))
+    assert abs(float(value) - float(reference)) <= tolerance * abs(float(reference))
+    for got, want in zip(grads, reference_grads):
+        assert float((got.cpu() - want).abs().max()) <= tolerance * float(want.abs().max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("estimator", ["analytic", "deterministic"])
+def test_cuda_deeper_network_takes_the_operators_and_matches_the_cpu(estimator):
+    torch.manual_seed(2)
+    net = BayesianNetwork(20, [50, 300], prior_scale=0.7).double()
+    x, y = torch.randn(500, 20, dtype=torch.float64), torch.randn(500, dtype=torch.float64)
+    noise = net.sample_noise(500, estimator=estimator, generator=torch.Generator().manual_seed(3))
+    reference = net.elbo(x, y, num_data=5000, noise=noise, estimator=estimator)
+    reference_grads = torch.autograd.grad(reference, list(net.parameters()))
+    gpu = net.cuda()
+    value = gpu.elbo(x.cuda(), y.cuda(), num_data=5000, noise=tuple(n.cuda() for n in noise), estimator=estimator)
+    nodes, stack = set(), [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack.extend(child for child, _ in node.next_functions)
+    assert any(type(node).__name__.startswith("NormalELL") for node in nodes)
+    grads = torch.autograd.grad(value, list(gpu.parameters()))
+    assert abs(float(value) - float(reference)) <= 1e-10 * abs(float(reference))
+    for got, want in zip(grads, reference_grads):
+        assert float((got.cpu() - want).abs().max()) <= 1e-10 * float(want.abs().max())

@@ -1,0 +1,212 @@
+"""The ELBO's step operators (:mod:`cfbnn_cli.moments.elbo_ops`): each one's C++ CPU kernel against
+torch's own distributions and autograd in float64 (the definitions, not the kernels' formulas
+re-typed), and ``torch.library.opcheck`` on the CPU and, where there is one, on CUDA. Their Triton
+kernels run under the interpreter in tests/bnn/test_operator_elbo.py, where the whole ELBO they
+make is held to the reference path."""
+
+import math
+
+import pytest
+import torch
+
+import cfbnn_cli.moments  # noqa: F401 - registers the operators
+from cfbnn_cli.moments import elbo_ops
+
+C = torch.ops.cfbnn
+ROWS, WIDTH = 37, 11
+
+
+def _tensors(seed: int, dtype=torch.float64, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype=dtype, device=device)
+
+    return {
+        "x": draw(ROWS, 5, scale=2.0),
+        "loc": draw(1, WIDTH + 1),
+        "log_scale": draw(1, WIDTH + 1, scale=0.5, shift=-1.5),
+        "mean_sum": draw(ROWS),
+        "spread_sum": draw(ROWS).abs(),
+        "y": draw(ROWS),
+        "log_precision": draw(1, shift=0.3).reshape(()),
+        "row_grad": draw(ROWS),
+        "columns": draw(3, WIDTH).double(),
+        "matrix_loc": draw(6, 4),
+        "matrix_log_scale": draw(6, 4, scale=0.5, shift=-1.0),
+        "gradients": (draw(6, 4), draw(6, 4)),
+    }
+
+
+def _kl(loc, log_scale, prior_variance):
+    q = torch.distributions.Normal(loc, log_scale.exp())
+    p = torch.distributions.Normal(torch.zeros_like(loc), torch.full_like(loc, math.sqrt(prior_variance)))
+    return torch.distributions.kl_divergence(q, p).sum()
+
+
+def _ell(t, bias: bool):
+    """E_q[log N(y | mean_sum + b, 1/tau)] per row with the spread and Var b added: the definition."""
+    width = t["loc"].shape[1] - int(bias)
+    mean = t["mean_sum"] + (t["loc"][0, width] if bias else 0.0)
+    spread = t["spread_sum"] + (torch.exp(2 * t["log_scale"][0, width]) if bias else 0.0)
+    tau = t["log_precision"].exp()
+    normal = torch.distributions.Normal(mean, tau.rsqrt())
+    return normal.log_prob(t["y"]) - 0.5 * tau * spread
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_augment_pair(bias):
+    x = _tensors(0)["x"]
+    inputs, squares = C.augment_pair(x, bias)
+    want = torch.cat([x, torch.ones(ROWS, 1, dtype=x.dtype)], 1) if bias else x
+    assert torch.equal(inputs, want) and torch.equal(squares, want * want)
+
+
+@pytest.mark.parametrize("loc_square", [True, False])
+def test_diagonal_kl_pass(loc_square):
+    t = _tensors(1)
+    kl, variance, square = C.diagonal_kl_pass(t["matrix_loc"], t["matrix_log_scale"], 0.7, loc_square)
+    torch.testing.assert_close(kl, _kl(t["matrix_loc"], t["matrix_log_scale"], 0.7), rtol=1e-13, atol=0)
+    torch.testing.assert_close(variance, torch.exp(2 * t["matrix_log_scale"]), rtol=1e-15, atol=0)
+    assert square.shape == ((6, 4) if loc_square else (0,))
+    if loc_square:
+        torch.testing.assert_close(square, t["matrix_loc"] ** 2)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_rows_and_the_elbo(bias):
+    t = _tensors(2)
+    loc, log_scale = (t[k][:, : WIDTH + int(bias)] for k in ("loc", "log_scale"))
+    common = (t["mean_sum"], t["spread_sum"], t["y"], loc, log_scale, t["log_precision"])
+    residual, squares, ell = C.normal_ell_rows(*common, bias)
+    case = dict(t, loc=loc, log_scale=log_scale)
+    torch.testing.assert_close(ell, _ell(case, bias), rtol=1e-13, atol=1e-13)
+    b = loc[0, WIDTH] if bias else 0.0
+    torch.testing.assert_close(residual, t["y"] - t["mean_sum"] - b)
+    hidden_kl, output_kl = torch.tensor(1.25, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)
+    _, _, elbo = C.normal_elbo_rows(*common, hidden_kl, output_kl, 3.0, bias)
+    torch.testing.assert_close(elbo, 3.0 * _ell(case, bias).sum() - 1.75, rtol=1e-13, atol=0)
+    assert torch.equal(squares, C.normal_elbo_rows(*common, hidden_kl, output_kl, 3.0, bias)[1])
+
+
+@pytest.mark.parametrize("row_grads", [True, False])
+def test_rows_backward_is_the_gradient_of_the_rows(row_grads):
+    t = _tensors(3)
+    leaves = {k: t[k].clone().requires_grad_() for k in ("mean_sum", "spread_sum", "log_precision")}
+    ell = _ell(dict(t, **leaves), True)
+    grad = t["row_grad"] if row_grads else torch.tensor(0.8, dtype=torch.float64)
+    weights = 2.5 * (grad if row_grads else grad.expand(ROWS))
+    want = torch.autograd.grad((weights * ell).sum(), list(leaves.values()))
+    residual, squares, _ = C.normal_ell_rows(
+        t["mean_sum"], t["spread_sum"], t["y"], t["loc"], t["log_scale"], t["log_precision"], True
+    )
+    row_u, row_k, sums, grad_log_precision = C.normal_rows_backward(
+        grad, residual, squares, t["log_precision"], 2.5, row_grads
+    )
+    # dL/d mean_sum and dL/d spread_sum per row; their sums are the bias column's (d b = u, d Var b = k)
+    torch.testing.assert_close(row_u, want[0], rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(row_k, want[1], rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(sums[:2], torch.stack([want[0].sum(), want[1].sum()]), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(grad_log_precision, want[2], rtol=1e-12, atol=1e-13)
+    assert sums.dtype == torch.float64 and float(sums[2]) == float(grad_log_precision)
+
+
+@pytest.mark.parametrize("bias, kl_sign", [(True, -1.0), (False, 1.0), (True, 0.0)])
+def test_output_layer_gradients_fold_the_kl(bias, kl_sign):
+    t = _tensors(4)
+    width = WIDTH
+    loc, log_scale = (t[k][:, : width + int(bias)].clone().requires_grad_() for k in ("loc", "log_scale"))
+    sums = torch.tensor([0.3, -0.7, 0.0], dtype=torch.float64)
+    kl_grad = torch.tensor(1.7, dtype=torch.float64)
+    columns = t["columns"]
+    variance = torch.exp(2 * log_scale)
+    # the data term whose gradients the tail pass's column sums are: sum_c (col0 loc + col1 loc^2 + col2 Var)
+    data = (columns[0] * loc[0, :width] + columns[1] * loc[0, :width] ** 2 + columns[2] * variance[0, :width]).sum()
+    if bias:
+        data = data + sums[0] * loc[0, width] + sums[1] * variance[0, width]
+    objective = data + kl_sign * kl_grad * _kl(loc, log_scale, 0.6)
+    want = torch.autograd.grad(objective, [loc, log_scale])
+    got = C.output_layer_gradients(columns, sums, loc.detach(), log_scale.detach(), kl_grad, kl_sign, 0.6, bias)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-14)
+
+
+def test_finish_diagonal_gradients_in_place():
+    t = _tensors(5)
+    loc, log_scale = (t[k].clone().requires_grad_() for k in ("matrix_loc", "matrix_log_scale"))
+    grad_loc, grad_variance = (g.clone() for g in t["gradients"])
+    kl_grad = torch.tensor(-0.9, dtype=torch.float64)
+    objective = (grad_loc * loc).sum() + (grad_variance * torch.exp(2 * log_scale)).sum()
+    want = torch.autograd.grad(objective - kl_grad * _kl(loc, log_scale, 1.3), [loc, log_scale])
+    variance = torch.exp(2 * t["matrix_log_scale"])
+    result = C.finish_diagonal_gradients(grad_loc, grad_variance, t["matrix_loc"], variance, kl_grad, -1.0, 1.3)
+    assert result is None  # (in place: the two gradients are now d/d loc and d/d log_scale)
+    torch.testing.assert_close(grad_loc, want[0], rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(grad_variance, want[1], rtol=1e-13, atol=1e-14)
+    with pytest.raises(ValueError, match="contiguous"):
+        C.finish_diagonal_gradients(grad_loc.t(), grad_variance.t(), loc.detach().t(), variance.t(), kl_grad, -1.0, 1.3)
+
+
+def _opcheck_arguments(t):
+    residual, squares, _ = C.normal_ell_rows(
+        t["mean_sum"], t["spread_sum"], t["y"], t["loc"], t["log_scale"], t["log_precision"], True
+    )
+    kl = t["log_precision"] * 0 + 0.25
+    return {
+        "augment_pair": (t["x"], True),
+        "diagonal_kl_pass": (t["matrix_loc"], t["matrix_log_scale"], 0.8, True),
+        "normal_ell_rows": (t["mean_sum"], t["spread_sum"], t["y"], t["loc"], t["log_scale"], t["log_precision"], True),
+        "normal_elbo_rows": (
+            *(t[k] for k in ("mean_sum", "spread_sum", "y", "loc", "log_scale", "log_precision")),
+            kl,
+            kl,
+            2.0,
+            True,
+        ),
+        "normal_rows_backward": (t["row_grad"], residual, squares, t["log_precision"], 2.0, True),
+        "output_layer_gradients": (
+            t["columns"],
+            torch.ones(3, dtype=torch.float64, device=t["x"].device),
+            t["loc"],
+            t["log_scale"],
+            kl,
+            -1.0,
+            0.8,
+            True,
+        ),
+        "finish_diagonal_gradients": (
+            *(g.clone() for g in t["gradients"]),
+            t["matrix_loc"],
+            torch.exp(2 * t["matrix_log_scale"]),
+            kl,
+            -1.0,
+            0.8,
+        ),
+    }
+
+
+# the steps are not differentiable (the nodes' backward passes call the backward steps): the
+# checks that need an autograd registration are left out
+_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_opcheck_cpu(dtype):
+    arguments = _opcheck_arguments(_tensors(6, dtype))
+    assert set(arguments) == set(elbo_ops.STEPS)
+    for name, args in arguments.items():
+        torch.library.opcheck(getattr(C, name).default, args, test_utils=_UTILS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_opcheck_cuda_and_the_cpu_agree(dtype):
+    cpu, cuda = _opcheck_arguments(_tensors(7, dtype)), _opcheck_arguments(_tensors(7, dtype, "cuda"))
+    for name, args in cuda.items():
+        torch.library.opcheck(getattr(C, name).default, args, test_utils=_UTILS)
+        want, got = getattr(C, name)(*cpu[name]), getattr(C, name)(*args)
+        if name == "finish_diagonal_gradients":
+            want, got = cpu[name][:2], args[:2]
+        tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.cpu(), w, rtol=tolerance, atol=tolerance)
