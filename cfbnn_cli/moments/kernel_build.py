@@ -1,8 +1,7 @@
 """Build, cache and load the CPU kernel library (``csrc/cfbnn_moments.cpp``).
 
-The kernels are plain C++ (no torch headers: a build takes 10-20 s on a laptop core,
-where one translation unit that includes torch's headers takes about a minute), compiled
-with the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) into a shared
+The kernels are plain C++ without torch headers (a build takes 10-20 s on a laptop core),
+compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) into a shared
 library that :mod:`cfbnn_cli.moments.fast` loads with :mod:`ctypes` and
 :mod:`cfbnn_cli.moments.ops` registers as torch operators.
 
