@@ -245,15 +245,16 @@ def _diagonal_kl_pass_triton(loc: Tensor, log_scale: Tensor, prior_variance: flo
     return kl, variance, square
 
 
+def _row_inputs(mean_sum, spread_sum, y, loc, log_scale):
+    """The rows kernels' first five arguments, contiguous."""
+    return tuple(t.contiguous() for t in (mean_sum, spread_sum, y, loc, log_scale))
+
+
 def _normal_ell_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
     rows = mean_sum.shape[0]
     residual, squares, ell = (torch.empty_like(mean_sum) for _ in range(3))
     triton_tail_kernels.normal_ell_rows_kernel[(triton.cdiv(max(rows, 1), _ROWS_BLOCK),)](
-        mean_sum.contiguous(),
-        spread_sum.contiguous(),
-        y.contiguous(),
-        loc.contiguous(),
-        log_scale.contiguous(),
+        *_row_inputs(mean_sum, spread_sum, y, loc, log_scale),
         log_precision,
         residual,
         squares,
@@ -271,11 +272,7 @@ def _normal_elbo_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precis
     residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
     elbo = mean_sum.new_empty(())
     triton_tail_kernels.normal_elbo_rows_kernel[(1,)](
-        mean_sum.contiguous(),
-        spread_sum.contiguous(),
-        y.contiguous(),
-        loc.contiguous(),
-        log_scale.contiguous(),
+        *_row_inputs(mean_sum, spread_sum, y, loc, log_scale),
         log_precision,
         hidden_kl,
         output_kl,
