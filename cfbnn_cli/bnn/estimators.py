@@ -38,6 +38,7 @@ call (Table 1).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -428,23 +429,19 @@ def _propagated_moments(network, index: int, h, moments, kl_sink: Optional[dict]
     exact (``moments=None``) or propagated."""
     layer = network.layers[index]
     inputs = h if moments is None else moments[0]
-    diagonal = layer.covariance == "diagonal"
-    if diagonal and fused.operators_apply(network.activation, inputs, layer.loc):
-        # ReLU: cfbnn::relu_moments_from_variance (C++ on the CPU, Triton on CUDA), from the
-        # variances: no square root, forward or backward
+    from_variance = None  # the moments from the pre-activations' variances: no square root, either way
+    if layer.covariance == "diagonal":
+        if fused.operators_apply(network.activation, inputs, layer.loc):
+            # ReLU: cfbnn::relu_moments_from_variance (C++ on the CPU, Triton on CUDA)
+            from_variance = torch.ops.cfbnn.relu_moments_from_variance
+        elif inputs.dtype == layer.loc.dtype and inputs.device.type == "cpu":
+            op = fused.layer_kernel_op(network.activation, layer.loc, layer.log_scale)
+            if op is not None:  # other activations with C++ kernels: the same pass on the CPU
+                from_variance = functools.partial(fast_moments.moments_from_variance, op)
+    if from_variance is not None:
         gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
         check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
-        phi, second_moment, variance = torch.ops.cfbnn.relu_moments_from_variance(gamma, xi2)
-    elif (
-        diagonal
-        and inputs.dtype == layer.loc.dtype
-        and inputs.device.type == "cpu"
-        and (op := fused.layer_kernel_op(network.activation, layer.loc, layer.log_scale)) is not None
-    ):
-        # other activations with C++ kernels: the same pass on the CPU
-        gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
-        check_mean_std(gamma, xi2, names=("gamma", "xi2"))
-        phi, second_moment, variance = fast_moments.moments_from_variance(op, gamma, xi2)
+        phi, second_moment, variance = from_variance(gamma, xi2)
     else:
         pre = _preactivation(network, index, h, moments, False, kl_sink)
         phi, second_moment, variance = network.activation.moments(*pre, return_variance=True)

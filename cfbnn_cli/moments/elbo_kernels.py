@@ -36,6 +36,12 @@ def diagonal_kl_sums(
     ``variance_out`` (contiguous, like ``log_scale``) receives ``exp(2 log_scale)`` in the same pass."""
     if not _kl_kernels_apply(loc, log_scale):
         return None
+    return kl_sums_pass(loc, log_scale, variance_out)
+
+
+def kl_sums_pass(loc: torch.Tensor, log_scale: torch.Tensor, variance_out: Optional[torch.Tensor] = None):
+    """:func:`diagonal_kl_sums` without asking whether the kernels apply (the caller knows: plain
+    contiguous CPU tensors of one float dtype, the kernels built)."""
     out = np.empty(3, dtype=np.float64)
     kernel_function("diag_kl_sums", loc.dtype)(
         loc.numel(),
@@ -228,10 +234,10 @@ def normal_rows(
 def normal_row_gradients(grad_ell: torch.Tensor, residual: torch.Tensor, squares: torch.Tensor, precision: float):
     """Before :func:`normal_tail`'s backward pass (kernel ``normal_row_gradients``): from ``g =
     dL/d ELL`` the rows' ``u = dL/d mean_sum = precision g residual`` and ``k = dL/d squares =
-    -precision/2 g``, and ``(sum u, sum k, sum g (1/2 - precision/2 squares))``: the output bias's
-    gradients and ``dL/d log precision``."""
+    -precision/2 g``, and ``(sum u, sum k, sum g (1/2 - precision/2 squares))`` as a float64
+    tensor: the output bias's gradients and ``dL/d log precision``."""
     row_u, row_k = torch.empty_like(grad_ell), torch.empty_like(grad_ell)
-    sums = np.empty(3, dtype=np.float64)
+    sums = torch.empty(3, dtype=torch.float64)
     kernel_function("normal_row_gradients", grad_ell.dtype)(
         grad_ell.shape[0],
         grad_ell.data_ptr(),
@@ -240,9 +246,9 @@ def normal_row_gradients(grad_ell: torch.Tensor, residual: torch.Tensor, squares
         precision,
         row_u.data_ptr(),
         row_k.data_ptr(),
-        sums.ctypes.data,
+        sums.data_ptr(),
     )
-    return row_u, row_k, float(sums[0]), float(sums[1]), float(sums[2])
+    return row_u, row_k, sums
 
 
 def normal_output_gradients(

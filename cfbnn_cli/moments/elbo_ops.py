@@ -48,7 +48,6 @@ import math
 import sys
 from typing import Callable, Dict
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -128,16 +127,8 @@ def _diagonal_kl_pass_cpu(loc: Tensor, log_scale: Tensor, prior_variance: float,
     _library()
     loc, log_scale = loc.contiguous(), log_scale.contiguous()
     variance = torch.empty_like(log_scale)
-    sums = np.empty(3, dtype=np.float64)
-    elbo_kernels.kernel_function("diag_kl_sums", loc.dtype)(
-        loc.numel(),
-        loc.data_ptr(),
-        log_scale.data_ptr(),
-        sums.ctypes.data,
-        variance.data_ptr(),
-        torch.get_num_threads(),
-    )
-    kl = torch.scalar_tensor(elbo_kernels.kl_from_sums(*sums.tolist(), loc.numel(), prior_variance), dtype=loc.dtype)
+    sums = elbo_kernels.kl_sums_pass(loc, log_scale, variance)
+    kl = torch.scalar_tensor(elbo_kernels.kl_from_sums(*sums, loc.numel(), prior_variance), dtype=loc.dtype)
     return kl, variance, (loc * loc if loc_square else loc.new_empty(0))
 
 
@@ -178,18 +169,8 @@ def _normal_rows_backward_cpu(grad, residual, squares, log_precision, scale: flo
     else:
         per_row = torch.full_like(residual, float(grad) * scale)
     _, precision = _precision(log_precision)
-    residual, squares = residual.contiguous(), squares.contiguous()
-    row_u, row_k = torch.empty_like(per_row), torch.empty_like(per_row)
-    sums = torch.empty(3, dtype=torch.float64)
-    elbo_kernels.kernel_function("normal_row_gradients", per_row.dtype)(
-        per_row.shape[0],
-        per_row.data_ptr(),
-        residual.data_ptr(),
-        squares.data_ptr(),
-        precision,
-        row_u.data_ptr(),
-        row_k.data_ptr(),
-        sums.data_ptr(),
+    row_u, row_k, sums = elbo_kernels.normal_row_gradients(
+        per_row, residual.contiguous(), squares.contiguous(), precision
     )
     return row_u, row_k, sums, sums[2].to(log_precision.dtype, copy=True)  # (a view would alias `sums`)
 

@@ -168,9 +168,8 @@ class NormalELLGivenPreactivation(torch.autograd.Function):
         )
         precision = ctx.precision
         grad_ell = grad_ell.reshape(-1).contiguous()
-        row_mean_grad, row_spread_grad, sum_u, sum_k, log_beta_grad = fast_moments.normal_row_gradients(
-            grad_ell, residual, squares, precision
-        )
+        row_mean_grad, row_spread_grad, sums = fast_moments.normal_row_gradients(grad_ell, residual, squares, precision)
+        sum_u, sum_k, log_beta_grad = sums.tolist()
         grad_gamma, grad_xi, columns = fast_moments.normal_tail(
             ctx.op, flat_gamma, flat_xi, weight_phi, weight_loc2, weight_second, row_mean_grad, row_spread_grad
         )
