@@ -3,6 +3,7 @@ torch formulas (bnn/functional.py) and against finite differences (gradcheck), i
 
 import pytest
 import torch
+from autograd_nodes import node_names
 from torch.func import grad, vmap
 
 from cfbnn_cli.bnn import fused
@@ -382,13 +383,7 @@ def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
     network = BayesianNetwork(5, [12, 9], 1)
     x, y = torch.randn(40, 5), torch.randn(40)
     elbo = network.elbo(x, y, num_data=400, estimator="deterministic")
-    nodes, stack = set(), [elbo.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None and node not in nodes:
-            nodes.add(node)
-            stack.extend(child for child, _ in node.next_functions)
-    names = " ".join(type(node).__name__ for node in nodes)
+    names = node_names(elbo)
     assert "NormalELLBackward" in names and "relu_moments_from_variance" in names
     elbo.backward()
     assert calls.count("hidden_pass") == 2 and calls.count("tail_pass") == 2  # forward + backward

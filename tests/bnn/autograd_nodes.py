@@ -1,0 +1,13 @@
+"""The names of every node in an autograd graph: which route a value took (shared by the tests
+here, and imported by the interpreted check's subprocess)."""
+
+
+def node_names(value) -> str:
+    """The class names of every node reachable from ``value.grad_fn``, space-separated."""
+    seen, stack = set(), [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(child for child, _ in node.next_functions)
+    return " ".join(type(node).__name__ for node in seen)
