@@ -1,5 +1,5 @@
 """The closed-form Normal ELBO's kernel steps as torch operators: ``torch.ops.cfbnn.*``, one
-kernel per device -- the C++ kernels of ``csrc/cfbnn_moments.cpp`` on the CPU, Triton
+kernel per device -- C++ on the CPU (``csrc/cfbnn_ops.cpp`` around ``csrc/cfbnn_moments.cpp``), Triton
 (:mod:`.triton_kernels`, :mod:`.triton_tail_kernels`) on CUDA -- so that one autograd node,
 :mod:`cfbnn_cli.bnn.fused.operator_elbo`, serves both devices and the dispatcher picks the kernels.
 
@@ -35,23 +35,21 @@ Backward:
 
 The steps are not differentiable themselves: they are called inside the autograd nodes, whose
 backward passes call the backward steps. They are registered through :class:`torch.library.Library`
-(a few microseconds of dispatch per call on the CPU; ``custom_op``'s Python layer adds about
-ten), with fake implementations for ``torch.compile`` and ``opcheck``
-(``tests/moments/test_elbo_ops.py``). The CPU kernels need the C++ library
-(:func:`cfbnn_cli.moments.fast.load_kernels`); where it did not build, the callers take the
-reference route and a direct call raises.
+(``custom_op``'s Python layer would add about ten microseconds a call), with fake implementations
+for ``torch.compile`` and ``opcheck`` (``tests/moments/test_elbo_ops.py``). Their CPU kernels are
+C++ registered with the dispatcher by the kernel library itself (``csrc/cfbnn_ops.cpp``, a few
+microseconds a call); the Python CPU kernels below only load that library, and where it did not
+build the callers take the reference route and a direct call raises.
 """
 
 from __future__ import annotations
 
-import math
-import sys
 from typing import Callable, Dict
 
 import torch
 from torch import Tensor
 
-from . import elbo_kernels, fast
+from . import fast
 from .ops import HAVE_TRITON, launch_diagonal_kl
 
 if HAVE_TRITON:
@@ -63,8 +61,6 @@ __all__ = ["TRITON_KERNELS", "STEPS"]
 
 _LIB = torch.library.Library("cfbnn", "FRAGMENT")
 _ROWS_BLOCK = 1024
-_LOG_2PI = math.log(2.0 * math.pi)
-_LOG_MAX_DOUBLE = math.log(sys.float_info.max)
 
 SCHEMAS = {
     "augment_pair": "augment_pair(Tensor x, bool bias) -> (Tensor, Tensor)",
@@ -100,108 +96,30 @@ STEPS = tuple(SCHEMAS)  # the operators' names in the cfbnn namespace
 # ----------------------------------------------------------------------------- CPU kernels (C++)
 
 
-def _library():
-    if fast.load_kernels() is None:
-        raise RuntimeError(
-            "cfbnn: the CPU kernels did not build (see cfbnn_cli.moments.fast_path_info()); "
-            "the ELBO's reference route does not need them"
-        )
-
-
-def _precision(log_precision: Tensor):
-    """``(log tau, tau)`` as numbers; ``tau`` +inf past the float64 range, as ``torch.exp`` gives
-    (an L-BFGS line search probes such steps and must see the reference path's -inf)."""
-    log_beta = float(log_precision)
-    return log_beta, (math.exp(log_beta) if log_beta < _LOG_MAX_DOUBLE else math.inf)
-
-
-def _augment_pair_cpu(x: Tensor, bias: bool):
-    _library()
-    x = x.contiguous()
-    if bias:
-        return elbo_kernels.augment_pair(x)
-    return x.clone(), x * x
-
-
-def _diagonal_kl_pass_cpu(loc: Tensor, log_scale: Tensor, prior_variance: float, loc_square: bool):
-    _library()
-    loc, log_scale = loc.contiguous(), log_scale.contiguous()
-    variance = torch.empty_like(log_scale)
-    sums = elbo_kernels.kl_sums_pass(loc, log_scale, variance)
-    kl = torch.scalar_tensor(elbo_kernels.kl_from_sums(*sums, loc.numel(), prior_variance), dtype=loc.dtype)
-    return kl, variance, (loc * loc if loc_square else loc.new_empty(0))
-
-
-def _rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
-    _library()
-    width = loc.shape[-1] - int(bias)
-    log_beta, precision = _precision(log_precision)
-    mean_bias, spread_bias = (float(loc[0, width]), math.exp(2.0 * float(log_scale[0, width]))) if bias else (0, 0)
-    residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
-    return elbo_kernels.normal_rows(
-        mean_sum.contiguous(),
-        spread_sum.contiguous(),
-        y.contiguous(),
-        mean_bias,
-        spread_bias,
-        precision,
-        0.5 * (log_beta - _LOG_2PI),
-        residual,
-        squares,
-    )
-
-
-def _normal_ell_rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
-    residual, squares, ell, _ = _rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
-    return residual, squares, ell
-
-
-def _normal_elbo_rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
-    residual, squares, _, total = _rows_cpu(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
-    elbo = scale * total - float(hidden_kl) - float(output_kl)
-    return residual, squares, torch.scalar_tensor(elbo, dtype=mean_sum.dtype)
-
-
-def _normal_rows_backward_cpu(grad, residual, squares, log_precision, scale: float, row_grads: bool):
-    _library()
-    if row_grads:
-        per_row = grad.contiguous() if scale == 1.0 else grad * scale
-    else:
-        per_row = torch.full_like(residual, float(grad) * scale)
-    _, precision = _precision(log_precision)
-    row_u, row_k, sums = elbo_kernels.normal_row_gradients(
-        per_row, residual.contiguous(), squares.contiguous(), precision
-    )
-    return row_u, row_k, sums, sums[2].to(log_precision.dtype, copy=True)  # (a view would alias `sums`)
-
-
-def _output_layer_gradients_cpu(columns, sums, loc, log_scale, kl_grad, kl_sign: float, prior_variance, bias: bool):
-    _library()
-    loc = loc.contiguous()
-    width = columns.shape[1]
-    grad_loc, grad_variance = torch.empty_like(loc), torch.empty_like(loc)
-    sum_u, sum_k, _ = sums.tolist()
-    weight_phi = loc.view(-1)[:width]
-    elbo_kernels.normal_output_gradients(columns.contiguous(), weight_phi, bias, sum_u, sum_k, grad_loc, grad_variance)
-    variance = log_scale.mul(2.0).exp_()
-    kl = kl_sign * float(kl_grad) if kl_sign else 0.0  # (kl_grad not read where kl_sign is 0)
-    elbo_kernels.finish_diagonal_gradients(loc, variance, grad_loc, grad_variance, 2.0, kl / prior_variance, kl)
-    return grad_loc, grad_variance
-
-
 def _check_in_place(*tensors: Tensor) -> None:
     for tensor in tensors:
         if not tensor.is_contiguous():
             raise ValueError("cfbnn::finish_diagonal_gradients: the gradients it finishes in place must be contiguous")
 
 
-def _finish_diagonal_gradients_cpu(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign: float, prior_variance):
-    _library()
-    _check_in_place(grad_loc, grad_variance)
-    kl = kl_sign * float(kl_grad) if kl_sign else 0.0
-    elbo_kernels.finish_diagonal_gradients(
-        loc.contiguous(), variance.contiguous(), grad_loc, grad_variance, 2.0, kl / prior_variance, kl
-    )
+def _cpu_kernel(name: str) -> Callable:
+    """The CPU kernel registered in Python: it builds or loads the C++ library, whose own CPU
+    kernels (``csrc/cfbnn_ops.cpp``) then replace this one in the dispatcher, and calls the
+    operator again; where they are unavailable, a clear error (the callers take the reference
+    route first: :func:`cfbnn_cli.bnn.fused.operator_elbo.relu_operators_apply`)."""
+
+    def load_then_dispatch(*args):
+        if fast.load_kernels() is None or not fast.cpu_operators_registered():
+            reason = fast.fast_path_info().get("operators_error") or fast.fast_path_info().get("error")
+            raise RuntimeError(
+                f"cfbnn::{name}: its CPU kernel is part of the C++ library, which is unavailable here "
+                f"(cfbnn_cli.moments.fast_path_info() says why: {str(reason).splitlines()[0]}); "
+                "the ELBO's other routes do not need it"
+            )
+        return getattr(torch.ops.cfbnn, name)(*args)
+
+    load_then_dispatch.__name__ = f"{name}_cpu"
+    return load_then_dispatch
 
 
 # ----------------------------------------------------------------------------- CUDA kernels (Triton)
@@ -361,15 +279,8 @@ def _finish_diagonal_gradients_fake(grad_loc, grad_variance, loc, variance, kl_g
     return None
 
 
-CPU_KERNELS: Dict[str, Callable] = {
-    "augment_pair": _augment_pair_cpu,
-    "diagonal_kl_pass": _diagonal_kl_pass_cpu,
-    "normal_ell_rows": _normal_ell_rows_cpu,
-    "normal_elbo_rows": _normal_elbo_rows_cpu,
-    "normal_rows_backward": _normal_rows_backward_cpu,
-    "output_layer_gradients": _output_layer_gradients_cpu,
-    "finish_diagonal_gradients": _finish_diagonal_gradients_cpu,
-}
+# the C++ kernels replace these at load (kernel_library.register_cpu_operators)
+CPU_KERNELS: Dict[str, Callable] = {name: _cpu_kernel(name) for name in SCHEMAS}
 # the CUDA kernels; on the CPU under TRITON_INTERPRET=1 the tests register these for the CPU too
 TRITON_KERNELS: Dict[str, Callable] = (
     {

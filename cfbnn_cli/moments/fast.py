@@ -86,6 +86,7 @@ from .kernel_handles import KernelHandle
 from .kernel_library import (  # noqa: F401 - the fast path's switches and library, re-exported
     DTYPE_SUFFIX,
     KernelState,
+    cpu_operators_registered,
     count_negative,
     data_pointer,
     fast_path,

@@ -1,13 +1,24 @@
-"""Build, cache and load the CPU kernel library (``csrc/cfbnn_moments.cpp``).
+"""Build, cache and load the CPU kernel library (``csrc/``).
 
-The kernels are plain C++ without torch headers (a build takes 10-20 s on a laptop core),
-compiled with the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``) into a shared
-library that :mod:`cfbnn_cli.moments.fast` loads with :mod:`ctypes` and
-:mod:`cfbnn_cli.moments.ops` registers as torch operators.
+Two translation units are compiled side by side (two compiler processes) and linked into one
+shared library with the system C++ compiler (``$CXX``, else ``g++``/``c++``/``clang++``):
+
+* ``cfbnn_moments.cpp``, the kernels: plain C++ without torch headers, entry points declared in
+  ``cfbnn_kernels.h`` (10-20 s on a laptop core, the flag sets below);
+* ``cfbnn_ops.cpp``, the ``cfbnn::`` operators' CPU kernels registered with torch's dispatcher:
+  torch's core tensor and library headers only (a few seconds, beside the kernels), linked with
+  ``libc10`` and ``libtorch_cpu``. Not torch's ``cpp_extension``: its ``torch/extension.h``
+  includes the whole C++ API and Python bindings (about a minute per unit), and its build
+  directory has no per-user ownership checks. If this unit does not compile or link, the
+  kernels are linked alone (``fast_path_info()["operators_error"]`` says why) and the ELBO
+  takes the routes that do not need the operators.
+
+:mod:`cfbnn_cli.moments.fast` loads the library with :mod:`ctypes`; once it has passed its
+self-test, :mod:`cfbnn_cli.moments.kernel_library` calls ``cfbnn_register_cpu_kernels()``.
 
 The cache (``$CFBNN_CACHE_DIR``, default ``$XDG_CACHE_HOME/cfbnn`` or ``~/.cache/cfbnn``):
 
-* one folder per build, named by a hash of the source, the compiler and its version, the
+* one folder per build, named by a hash of the sources, the compiler and its version, the
   flags, the CPU (``-march=native``), torch's version and the kernels' ABI number;
 * the directory must be the user's own (mode 0700; :func:`~cfbnn_cli.runtime.safefs.private_directory`);
   each library's SHA-256, recorded beside it at build time, is checked before the dynamic
@@ -50,16 +61,37 @@ from ..runtime.safefs import (
     sha256_of_file,
 )
 
-SOURCE_PATH = Path(__file__).with_name("csrc") / "cfbnn_moments.cpp"
+SOURCE_FOLDER = Path(__file__).with_name("csrc")
+SOURCE_PATH = SOURCE_FOLDER / "cfbnn_moments.cpp"  # the kernels
+HEADER_PATH = SOURCE_FOLDER / "cfbnn_kernels.h"  # their entry points, included by both units
+OPERATORS_PATH = SOURCE_FOLDER / "cfbnn_ops.cpp"  # the operators' CPU kernels (torch headers)
+SOURCES = (SOURCE_PATH, HEADER_PATH, OPERATORS_PATH)
 LIBRARY_NAME = "cfbnn_moments.so"
+OPERATORS_FAILED_NAME = "operators-failed"  # why a library was linked without its operators
 HASH_SUFFIX = ".sha256"
 FAILED_NAME = "failed"  # a flag set that did not compile: its compiler message, kept beside its key
 LOCK_NAME = ".build.lock"
 COMPILE_TIMEOUT_SECONDS = 300
 
 
+def read_sources() -> Dict[str, str]:
+    """``{file name: text}`` of the library's sources (what is hashed into the cache key and built)."""
+    return {path.name: path.read_text(encoding="utf-8") for path in SOURCES}
+
+
 def read_source() -> str:
-    return SOURCE_PATH.read_text(encoding="utf-8")
+    """All the sources as one text (the cache key's)."""
+    return "\n".join(read_sources().values())
+
+
+def operator_flags() -> Tuple[list, list]:
+    """``(compile flags, link flags)`` of the operators' unit: torch's headers (C++20, as they
+    require), its C++ ABI, and its libraries (found through an rpath; torch has loaded them)."""
+    root = Path(torch.__file__).resolve().parent
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    compile_flags = ["-O2", "-std=c++20", "-fPIC", f"-I{root / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    link_flags = [f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu"]
+    return compile_flags, link_flags
 
 
 def find_compiler() -> Optional[str]:
@@ -136,32 +168,74 @@ def compiler_message(stderr: str, limit: int = 12) -> str:
     return "\n".join(([first_error, "..."] if first_error not in tail else []) + tail)
 
 
-def compile_library(compiler: str, flags, target: str, source: str) -> Optional[str]:
-    """Compile ``source`` into ``target`` and record its content hash beside it; the compiler's
-    message if it fails, else ``None``.
+def _run_all(commands) -> list:
+    """Run the compiler ``commands`` side by side; ``(returncode, stderr)`` of each (``-1`` and the
+    reason where one could not run or ran past the timeout)."""
+    processes = []
+    for command in commands:
+        try:
+            processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        except OSError as error:
+            processes.append(f"{type(error).__name__}: {error}")
+    results = []
+    deadline = time.monotonic() + COMPILE_TIMEOUT_SECONDS
+    for process in processes:
+        if isinstance(process, str):
+            results.append((-1, process))
+            continue
+        try:
+            _, stderr = process.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            results.append((process.returncode, stderr.decode(errors="replace")))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            results.append((-1, f"the compiler ran past {COMPILE_TIMEOUT_SECONDS} s"))
+    return results
 
-    Both files are written atomically (a temporary file, then a rename) inside a private
-    directory; the hash is what :func:`verified` checks before the library is ever loaded.
+
+def compile_library(compiler: str, flags, target: str, sources: Dict[str, str]) -> Tuple[Optional[str], Optional[str]]:
+    """Build ``sources`` (:func:`read_sources`) into ``target`` and record its content hash beside
+    it: ``(error, operators_error)``, the compiler's message where the kernels did not build
+    (else ``None``), and where only the operators' unit did not (the kernels then linked alone).
+
+    The kernels' unit (``flags``) and the operators' unit (:func:`operator_flags`) compile side by
+    side, then one link. Both files are written atomically (a temporary file, then a rename)
+    inside a private directory; the hash is what :func:`verified` checks before the library is
+    ever loaded.
     """
     directory = str(private_directory(os.path.dirname(target)))
     with tempfile.TemporaryDirectory(dir=directory) as work:
-        source_file = os.path.join(work, "cfbnn_moments.cpp")
-        with open(source_file, "w") as handle:
-            handle.write(source)
+        for name, text in sources.items():
+            with open(os.path.join(work, name), "w") as handle:
+                handle.write(text)
+        kernels_object, operators_object = os.path.join(work, "kernels.o"), os.path.join(work, "operators.o")
+        compile_only = [f for f in flags if not f.startswith("-l") and f != "-shared"]
+        libraries = [f for f in flags if f.startswith("-l")]
+        operators_compile, operators_link = operator_flags()
+        compiles = [[compiler, "-c", os.path.join(work, SOURCE_PATH.name), "-o", kernels_object] + compile_only]
+        with_operators = OPERATORS_PATH.name in sources
+        if with_operators:
+            compiles.append([compiler, "-c", os.path.join(work, OPERATORS_PATH.name), "-o", operators_object])
+            compiles[-1] += operators_compile
+        results = _run_all(compiles)
+        if results[0][0] != 0:
+            return compiler_message(results[0][1]), None
+        operators_error = None
+        if with_operators and results[1][0] != 0:
+            operators_error = compiler_message(results[1][1])
         output = os.path.join(work, LIBRARY_NAME)
-        command = (
-            [compiler, source_file, "-o", output]
-            + [f for f in flags if not f.startswith("-l")]
-            + [f for f in flags if f.startswith("-l")]
-        )
-        try:
-            result = subprocess.run(
-                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=COMPILE_TIMEOUT_SECONDS
-            )
-        except (OSError, subprocess.SubprocessError) as error:
-            return f"{type(error).__name__}: {error}"
-        if result.returncode != 0:
-            return compiler_message(result.stderr.decode(errors="replace"))
+
+        def link(objects, extra):
+            return _run_all([[compiler, "-shared", *objects, "-o", output, *compile_only, *libraries, *extra]])[0]
+
+        if with_operators and operators_error is None:
+            returncode, stderr = link([kernels_object, operators_object], operators_link)
+            if returncode != 0:
+                operators_error = compiler_message(stderr)
+        if not with_operators or operators_error is not None:
+            returncode, stderr = link([kernels_object], [])
+            if returncode != 0:
+                return compiler_message(stderr), None
         os.chmod(output, 0o700)
         record = os.path.join(work, LIBRARY_NAME + HASH_SUFFIX)
         with open(record, "w") as handle:
@@ -169,7 +243,7 @@ def compile_library(compiler: str, flags, target: str, source: str) -> Optional[
         # the library first: a reader that finds the new hash finds the new library too
         os.replace(output, target)
         os.replace(record, target + HASH_SUFFIX)
-    return None
+    return None, operators_error
 
 
 def verified(target: str) -> Optional[str]:
@@ -202,9 +276,10 @@ def discard(target: str) -> None:
             os.unlink(path)
 
 
-def _recorded_failure(folder: str) -> Optional[str]:
-    """The compiler message a previous start recorded for this key, if it is ours to trust."""
-    path = os.path.join(folder, FAILED_NAME)
+def _recorded_failure(folder: str, name: str = FAILED_NAME) -> Optional[str]:
+    """The compiler message a previous start recorded for this key (``name``: of the whole
+    build, or of the operators' unit), if it is ours to trust."""
+    path = os.path.join(folder, name)
     if not os.path.lexists(path):
         return None
     try:
@@ -215,9 +290,16 @@ def _recorded_failure(folder: str) -> Optional[str]:
         return None  # not trustworthy: build again
 
 
-def _record_failure(folder: str, message: str) -> None:
+def _record_failure(folder: str, message: Optional[str], name: str = FAILED_NAME) -> None:
+    """Record ``message`` under ``name`` in ``folder``; ``None`` removes an earlier record."""
+    path = os.path.join(folder, name)
+    if message is None:
+        with contextlib.suppress(OSError):
+            if os.path.lexists(path) and not os.path.isdir(path):
+                os.unlink(path)
+        return
     try:
-        descriptor = open_no_follow(os.path.join(folder, FAILED_NAME), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        descriptor = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             handle.write(message + "\n")
     except OSError:
@@ -245,14 +327,15 @@ def load_library(
     except OSError as error:  # someone else's directory, a link, or unwritable: never load from it
         return None, {"error": f"kernel cache refused: {error}"}
     try:
-        source = read_source()
+        sources = read_sources()
     except OSError as error:
         return None, {"error": f"kernel source missing ({error}); reinstall cfbnn"}
     version = compiler_version(compiler)
     errors = []
     with build_lock(root):
         for flags in flag_sets():
-            folder = os.path.join(root, f"moments-{cache_key(source, compiler, version, flags, abi)}")
+            key = cache_key("\n".join(sources.values()), compiler, version, flags, abi)
+            folder = os.path.join(root, f"moments-{key}")
             target = os.path.join(folder, LIBRARY_NAME)
             try:
                 private_directory(folder)
@@ -279,7 +362,8 @@ def load_library(
                 start = time.perf_counter()
                 try:
                     discard(target)
-                    error = compile_library(compiler, flags, target, source)
+                    error, operators_error = compile_library(compiler, flags, target, sources)
+                    _record_failure(folder, operators_error, OPERATORS_FAILED_NAME)
                 except OSError as failure:  # e.g. an unwritable or foreign cache directory
                     error = (
                         f"{type(failure).__name__}: {failure}"
@@ -316,6 +400,7 @@ def load_library(
                 "compiler": f"{compiler} ({version})",
                 "openmp": bool(library.cfbnn_openmp()),
                 "error": None,
+                "operators_error": _recorded_failure(folder, OPERATORS_FAILED_NAME),
             }
             return library, info
     return None, {"error": "\n".join(errors) or "no build succeeded"}

@@ -31,6 +31,7 @@ def _switch_from_environment() -> bool:
 class KernelState:
     enabled = _switch_from_environment()
     library = None  # the loaded ctypes library
+    operators = False  # its C++ kernels of the cfbnn:: operators are registered (csrc/cfbnn_ops.cpp)
     tried = False  # a load/build was attempted (successful or not)
     info: Dict[str, object] = {}
     lock = threading.Lock()
@@ -62,13 +63,15 @@ def fast_path_info() -> Dict[str, object]:
 
     Keys: ``enabled``, ``available``, ``library`` (path), ``cached`` (found on disk),
     ``build_seconds`` (compile time of this process's build, 0 if cached),
-    ``load_seconds``, ``flags``, ``openmp``, ``error`` (why not available).
+    ``load_seconds``, ``flags``, ``openmp``, ``error`` (why not available), ``operators``
+    (the ``cfbnn::`` operators' C++ CPU kernels registered) and ``operators_error`` (why not).
     """
     if KernelState.enabled or KernelState.tried:
         load_kernels()
     info = dict(KernelState.info) if KernelState.tried else {"error": "not built: the fast path is switched off"}
     info["enabled"] = KernelState.enabled
     info["available"] = KernelState.library is not None
+    info["operators"] = KernelState.operators
     return info
 
 
@@ -178,6 +181,8 @@ def load_kernels(rebuild: bool = False):
             return KernelState.library
         KernelState.library, KernelState.info = load_library(rebuild)
         KernelState.tried = True
+        if KernelState.library is not None:
+            KernelState.operators = KernelState.operators or register_cpu_operators(KernelState.library)
         if KernelState.library is None:
             reason = str(KernelState.info.get("error") or "unknown reason").splitlines()
             warnings.warn(
@@ -187,6 +192,28 @@ def load_kernels(rebuild: bool = False):
                 stacklevel=3,
             )
     return KernelState.library
+
+
+def register_cpu_operators(library) -> bool:
+    """Register the library's CPU kernels of the ``cfbnn::`` operators with torch's dispatcher
+    (``cfbnn_register_cpu_kernels``); whether it has them (a library whose operators' unit did not
+    build has not: ``fast_path_info()["operators_error"]``). They replace the Python CPU kernels,
+    registered when :mod:`.elbo_ops` and :mod:`.tail_ops` were imported (before this: the later
+    registration wins); registered once per process."""
+    from . import elbo_ops, tail_ops  # noqa: F401 - their definitions first
+
+    register = getattr(library, "cfbnn_register_cpu_kernels", None)
+    if register is None:
+        return False
+    register.restype = ctypes.c_int
+    register()
+    return True
+
+
+def cpu_operators_registered() -> bool:
+    """Whether the ``cfbnn::`` operators' CPU kernels are the C++ library's (see
+    :func:`register_cpu_operators`); ``False`` before the library was loaded."""
+    return KernelState.operators
 
 
 def load_library(rebuild: bool):

@@ -99,16 +99,23 @@ def counted(name, kernel):  # each Triton step counts its calls: the test assert
         return kernel(*args)
     return run
 
+# the C++ library registers its CPU kernels when it loads: load it first, so that these come later and win
+from cfbnn_cli.moments import fast
+assert fast.load_kernels() is not None and fast.cpu_operators_registered()
 library = torch.library.Library("cfbnn", "IMPL")
 for name, kernel in elbo_ops.TRITON_KERNELS.items():
     library.impl(name, counted(name, kernel), "CPU")
-tail_ops.relu_tail.register_kernel("cpu")(counted("relu_tail", tail_ops.triton_relu_tail))
-tail_ops.relu_tail_backward.register_kernel("cpu")(counted("relu_tail_backward", tail_ops.triton_relu_tail_backward))
-ops.relu_moments_from_variance.register_kernel("cpu")(
-    counted("relu_moments_from_variance", ops.triton_relu_moments_from_variance)
+library.impl("relu_tail", counted("relu_tail", tail_ops.triton_relu_tail), "CPU")
+library.impl("relu_tail_backward", counted("relu_tail_backward", tail_ops.triton_relu_tail_backward), "CPU")
+library.impl(
+    "relu_moments_from_variance",
+    counted("relu_moments_from_variance", ops.triton_relu_moments_from_variance),
+    "CPU",
 )
-ops.relu_moments_from_variance_backward.register_kernel("cpu")(
-    counted("relu_moments_from_variance_backward", ops.triton_relu_moments_from_variance_backward)
+library.impl(
+    "relu_moments_from_variance_backward",
+    counted("relu_moments_from_variance_backward", ops.triton_relu_moments_from_variance_backward),
+    "CPU",
 )
 # every layer integrated (deterministic): the CUDA route, node by node with the last two layers as
 # one, declined here on the CPU by the C++ single node; that node declines for this run

@@ -210,3 +210,37 @@ def test_opcheck_cuda_and_the_cpu_agree(dtype):
         tolerance = 1e-12 if dtype == torch.float64 else 2e-6
         for w, g in zip(want, got):
             torch.testing.assert_close(g.cpu(), w, rtol=tolerance, atol=tolerance)
+
+
+def test_the_cpu_kernels_are_the_cpp_librarys():
+    """The CPU kernels of every cfbnn:: operator (moments, KL, tail pass, the steps) are registered in C++ by the kernel
+    library (csrc/cfbnn_ops.cpp): the dispatcher's active CPU kernel comes from that file."""
+    from cfbnn_cli.moments import fast
+
+    if fast.load_kernels() is None:
+        pytest.skip("the C++ kernels did not build here")
+    assert fast.cpu_operators_registered() and fast.fast_path_info()["operators"]
+    registered = ("relu_moments", "relu_moments_from_variance", "diagonal_kl", "relu_tail", *elbo_ops.STEPS)
+    for name in (*registered, *(f"{name}_backward" for name in registered[:4])):
+        active = [line for line in torch._C._dispatch_dump(f"cfbnn::{name}").splitlines() if line.startswith("CPU:")]
+        assert len(active) == 1 and "cfbnn_ops.cpp" in active[0], (name, active)
+
+
+def test_the_cpu_kernels_refuse_mixed_dtypes_and_wrong_shapes():
+    """Typed tensors, not raw pointers: what would have read the wrong memory raises, naming the op."""
+    t = _tensors(8)
+    rows = [t[k] for k in ("mean_sum", "spread_sum", "y", "loc", "log_scale", "log_precision")]
+    mixed = [rows[0].float(), *rows[1:]]
+    with pytest.raises(ValueError, match="cfbnn::normal_ell_rows: every tensor must have one dtype"):
+        C.normal_ell_rows(*mixed, True)
+    short = [*rows[:2], rows[2][:5], *rows[3:]]
+    with pytest.raises(ValueError, match=f"cfbnn::normal_ell_rows: `y` must have {ROWS} elements"):
+        C.normal_ell_rows(*short, True)
+    with pytest.raises(ValueError, match="cfbnn::diagonal_kl_pass: `log_scale` must have 24 elements"):
+        C.diagonal_kl_pass(t["matrix_loc"], t["matrix_log_scale"][:, :3], 0.8, False)
+    mean, variance = t["x"], t["x"].abs()
+    weights = [torch.ones(mean.shape[1], dtype=mean.dtype)] * 2 + [torch.ones(3, dtype=mean.dtype)]
+    with pytest.raises(ValueError, match="cfbnn::relu_tail: each weight must be"):
+        C.relu_tail(mean, variance, *weights)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        C.augment_pair(t["x"].to(torch.int64), True)

@@ -31,13 +31,19 @@ def _python(code, env_update, timeout=300):
 
 
 def _fake_compiler(tmp_path: Path, body: str) -> Path:
-    """A shell script standing in for the compiler: it logs each call, then runs ``body``."""
+    """A shell script standing in for the compiler: it logs each call's arguments (one line a
+    call, in ``calls``), then runs ``body``."""
     script = tmp_path / "fake-c++"
     script.write_text(
-        f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi\necho call >> "{tmp_path}/calls"\n{body}\n'
+        f'#!/bin/sh\nif [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi\necho "$*" >> "{tmp_path}/calls"\n{body}\n'
     )
     script.chmod(0o755)
     return script
+
+
+def _kernel_compiles(tmp_path: Path) -> int:
+    """How many times the fake compiler compiled the kernels' unit."""
+    return sum("cfbnn_moments.cpp" in line for line in (tmp_path / "calls").read_text().splitlines())
 
 
 def test_the_source_is_a_real_file_shipped_with_the_package():
@@ -45,7 +51,31 @@ def test_the_source_is_a_real_file_shipped_with_the_package():
     source = kernel_build.read_source()
     assert 'extern "C" int cfbnn_abi(void)' in source
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert '"cfbnn_cli.moments" = ["csrc/*.cpp"]' in pyproject
+    assert '"cfbnn_cli.moments" = ["csrc/*.cpp", "csrc/*.h"]' in pyproject
+    assert set(kernel_build.read_sources()) == {"cfbnn_moments.cpp", "cfbnn_kernels.h", "cfbnn_ops.cpp"}
+
+
+def test_an_operators_unit_that_does_not_build_leaves_the_kernels_linked_alone(tmp_path):
+    """The two units compile side by side; where the operators' unit fails, the kernels are linked
+    without it or torch's libraries, and its compiler message comes back."""
+    compiler = _fake_compiler(
+        tmp_path,
+        'case "$*" in *cfbnn_ops.cpp*) echo "cfbnn_ops.cpp:3:10: fatal error: torch/library.h: No such file" >&2; '
+        'exit 1;; esac\nout=""; prev=""; for a in "$@"; do if [ "$prev" = "-o" ]; then out="$a"; fi; prev="$a"; done\n'
+        'echo built > "$out"',
+    )
+    target = tmp_path / "cache" / "build" / kernel_build.LIBRARY_NAME
+    target.parent.mkdir(parents=True, mode=0o700)
+    flags = kernel_build.flag_sets()[-1]
+    error, operators_error = kernel_build.compile_library(
+        str(compiler), flags, str(target), kernel_build.read_sources()
+    )
+    assert error is None and "torch/library.h: No such file" in operators_error
+    link = [line for line in (tmp_path / "calls").read_text().splitlines() if " -shared " in f" {line} "]
+    link = [line for line in link if " -c " not in f" {line} "]
+    assert len(link) == 1 and "kernels.o" in link[0]
+    assert "operators.o" not in link[0] and "-ltorch_cpu" not in link[0]
+    assert target.read_text() == "built\n" and kernel_build.verified(str(target)) is None
 
 
 def test_the_cache_key_follows_source_compiler_flags_and_torch(monkeypatch):
@@ -69,17 +99,17 @@ def test_a_failing_flag_set_is_recorded_with_the_compilers_message_and_not_retri
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("CFBNN_CACHE_DIR", str(tmp_path / "cache"))
     library, info = kernel_build.load_library(15, lambda lib: None, lambda lib: None)
-    calls = len((tmp_path / "calls").read_text().splitlines())
+    calls = _kernel_compiles(tmp_path)
     assert calls == len(kernel_build.flag_sets())  # each flag set compiled once
     assert library is None and "error: no such intrinsic" in info["error"]  # the compiler's own words
     # the next start (a new process would read the same records) does not compile again
     library, info = kernel_build.load_library(15, lambda lib: None, lambda lib: None)
-    assert len((tmp_path / "calls").read_text().splitlines()) == calls
+    assert _kernel_compiles(tmp_path) == calls
     assert library is None and "recorded at an earlier start" in info["error"]
     assert "error: no such intrinsic" in info["error"]
     # rebuild=True tries again
     kernel_build.load_library(15, lambda lib: None, lambda lib: None, rebuild=True)
-    assert len((tmp_path / "calls").read_text().splitlines()) == 2 * calls
+    assert _kernel_compiles(tmp_path) == 2 * calls
 
 
 def test_the_warning_names_the_compilers_message(tmp_path):
@@ -128,7 +158,7 @@ def test_one_builder_at_a_time_the_second_process_loads_what_the_first_built(tmp
     for process, (out, err) in zip(processes, outputs):
         assert process.returncode == 0, err
         assert "AVAILABLE True" in out
-    assert len((tmp_path / "calls").read_text().splitlines()) == 1
+    assert _kernel_compiles(tmp_path) == 1
     assert sorted("CACHED True" in out for out, _ in outputs) == [False, True]
 
 

@@ -43,14 +43,19 @@ def operators_apply(activation, *tensors: torch.Tensor) -> bool:
 
 def relu_operators_apply(*tensors: torch.Tensor) -> bool:
     """Whether the ReLU operators' kernels take these tensors: one float dtype on one device with
-    kernels -- the CPU with the C++ kernels built and the fast path on, or CUDA with Triton, the
+    kernels -- the CPU with the C++ library built with its operators and the fast path on, or CUDA with Triton, the
     operators switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`) and the kernels'
     first run on that device and dtype passed -- outside torch.func transforms and torch.compile."""
     first = tensors[0]
     if transforms_active() or any(t.device != first.device or t.dtype != first.dtype for t in tensors):
         return False
     if first.device.type == "cpu":
-        return first.dtype in _FLOATS and fast.fast_path_enabled() and fast.load_kernels() is not None
+        return (
+            first.dtype in _FLOATS
+            and fast.fast_path_enabled()
+            and fast.load_kernels() is not None
+            and fast.cpu_operators_registered()
+        )
     return ops.device_kernels_apply(first) and ops.first_use_check(
         "the closed-form ELBO's Triton kernels", first.device, first.dtype, _self_check
     )

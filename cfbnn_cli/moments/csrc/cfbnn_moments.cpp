@@ -43,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <initializer_list>
+#include "cfbnn_kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -1,0 +1,39 @@
+/* The C entry points of cfbnn_moments.cpp that cfbnn_ops.cpp calls, declared once.
+ *
+ * cfbnn_moments.cpp includes this header too, so a definition whose signature drifts from
+ * its declaration here fails to compile instead of corrupting memory at run time. Each kernel
+ * exists for float32 (_f32) and float64 (_f64) arrays; every pointer is a contiguous array. */
+#ifndef CFBNN_KERNELS_H
+#define CFBNN_KERNELS_H
+
+#include <stdint.h>
+
+#define CFBNN_KERNEL_DECLARATIONS(T, SUF)                                                                        \
+  void relu_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, T* u0, T* pdf, int nt);     \
+  void relu_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps, const T* gu,    \
+                           int gus, const T* gv, int gvs, T* gm, T* gs, int nt);                                 \
+  void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps, T* op, T* ou,     \
+                         T* ov, const T* gp, const T* gu, const T* gv, T* ogm, T* ogv, int64_t w, int nt);        \
+  void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl, T* gs, int nt);   \
+  void augment_pair_##SUF(int64_t rows, int64_t D, const T* x, T* aug, T* sq, int nt);                         \
+  void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt);                  \
+  void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double a, double c, double b, T* gl,  \
+                                  T* gv, int nt);                                                              \
+  double normal_rows_##SUF(int64_t rows, const T* mean, const T* spread, const T* y, double mb, double sb,     \
+                           double beta, double lt, T* res, T* sq, T* ell);                                     \
+  void normal_row_gradients_##SUF(int64_t rows, const T* g, const T* res, const T* sq, double beta, T* u, T* k, \
+                                  double* sums);                                                               \
+  void normal_output_gradients_##SUF(int64_t H, const double* cols, const T* wp, int bias, double su,          \
+                                     double sk, T* gl, T* gv);                                                 \
+  void tail_pass_##SUF(int kind, int backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,    \
+                       const T* wp, const T* wv, const T* wu, const T* ru, const T* rk, T* om, T* osp, T* ogm,  \
+                       T* ogs, double* ocols, int nt);
+
+extern "C" {
+CFBNN_KERNEL_DECLARATIONS(float, f32)
+CFBNN_KERNEL_DECLARATIONS(double, f64)
+}
+
+#undef CFBNN_KERNEL_DECLARATIONS
+
+#endif

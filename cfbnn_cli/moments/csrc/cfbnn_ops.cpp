@@ -1,0 +1,463 @@
+/* The CPU kernels of the closed-form ELBO's operators (cfbnn::*), registered with torch's
+ * dispatcher in C++.
+ *
+ * The operators' schemas, their CUDA (Triton) kernels and their fake implementations are
+ * defined in Python (cfbnn_cli/moments/elbo_ops.py, tail_ops.py); this unit gives each its CPU
+ * kernel: argument checks with typed tensors (a wrong dtype or shape raises, it never reaches a
+ * kernel as a raw pointer), output allocation, and a call into the kernels of
+ * cfbnn_moments.cpp (declared in cfbnn_kernels.h). A call costs a few microseconds of dispatch,
+ * where a Python kernel calling the same C function through ctypes costs about twenty.
+ *
+ * It includes only torch's core tensor and library headers (a few seconds to compile, beside
+ * the kernels' unit) and is linked with the kernels into one library by
+ * cfbnn_cli/moments/kernel_build.py; cfbnn_cli/moments/kernel_library.py calls
+ * cfbnn_register_cpu_kernels() once that library has loaded and passed its self-test. */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/library.h>
+
+#include <cfloat>
+#include <cmath>
+#include <initializer_list>
+#include <limits>
+#include <string>
+#include <tuple>
+
+#include "cfbnn_kernels.h"
+
+namespace {
+
+using at::Tensor;
+
+/* Each kernel of cfbnn_kernels.h by element type. */
+template <typename T>
+struct Kernels;
+#define CFBNN_KERNEL_TABLE(T, SUF)                                       \
+  template <>                                                            \
+  struct Kernels<T> {                                                    \
+    static constexpr auto relu_forward = &relu_forward_##SUF;            \
+    static constexpr auto relu_backward = &relu_backward_##SUF;          \
+    static constexpr auto hidden_pass = &hidden_pass_##SUF;              \
+    static constexpr auto diag_kl_backward = &diag_kl_backward_##SUF;    \
+    static constexpr auto augment_pair = &augment_pair_##SUF;            \
+    static constexpr auto diag_kl_sums = &diag_kl_sums_##SUF;            \
+    static constexpr auto diag_gradient_finish = &diag_gradient_finish_##SUF; \
+    static constexpr auto normal_rows = &normal_rows_##SUF;              \
+    static constexpr auto normal_row_gradients = &normal_row_gradients_##SUF; \
+    static constexpr auto normal_output_gradients = &normal_output_gradients_##SUF; \
+    static constexpr auto tail_pass = &tail_pass_##SUF;                  \
+  };
+CFBNN_KERNEL_TABLE(float, f32)
+CFBNN_KERNEL_TABLE(double, f64)
+#undef CFBNN_KERNEL_TABLE
+
+const double LOG_2PI = std::log(2.0 * M_PI);
+const double LOG_MAX_DOUBLE = std::log(DBL_MAX);
+const int RELU_KIND = 0;  // tail_pass's and hidden_pass's activation: 0 ReLU, 1 leaky ReLU, 2 ReLU^2
+
+int threads() { return at::get_num_threads(); }
+
+/* float32 or float64, the same for every tensor given (a mixed call must never reach a kernel). */
+void check_floats(const char* op, const Tensor& first, std::initializer_list<const Tensor*> others) {
+  TORCH_CHECK_VALUE(first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble, "cfbnn::", op,
+                    ": the CPU kernels take float32 or float64 tensors; got ", first.scalar_type());
+  for (const Tensor* other : others) {
+    TORCH_CHECK_VALUE(other->scalar_type() == first.scalar_type(), "cfbnn::", op,
+                      ": every tensor must have one dtype; got ", first.scalar_type(), " and ",
+                      other->scalar_type());
+  }
+}
+
+void check_numel(const char* op, const char* name, const Tensor& tensor, int64_t expected) {
+  TORCH_CHECK_VALUE(tensor.numel() == expected, "cfbnn::", op, ": `", name, "` must have ", expected,
+                    " elements; got shape ", tensor.sizes());
+}
+
+/* (log tau, tau) as numbers; tau +inf past the float64 range, as torch.exp gives (an L-BFGS line
+   search probes such steps and must see the reference path's -inf). */
+std::pair<double, double> precision(const Tensor& log_precision) {
+  const double log_beta = log_precision.item<double>();
+  return {log_beta, log_beta < LOG_MAX_DOUBLE ? std::exp(log_beta) : std::numeric_limits<double>::infinity()};
+}
+
+template <typename F>
+auto by_dtype(const Tensor& like, F&& body) {
+  if (like.scalar_type() == at::kDouble) return body(double{});
+  return body(float{});
+}
+
+// ------------------------------------------------------------------------- ReLU moments and the KL
+
+/* Every tensor of `mean`'s shape and of one float dtype (cfbnn_cli/moments/ops.py: check_operands). */
+void check_operands(const char* op, const Tensor& mean, std::initializer_list<const Tensor*> others) {
+  check_floats(op, mean, others);
+  for (const Tensor* other : others) {
+    TORCH_CHECK_VALUE(other->sizes() == mean.sizes(), "cfbnn::", op, ": every tensor must have the shape of `mean` ",
+                      mean.sizes(), "; got ", other->sizes());
+  }
+}
+
+std::tuple<Tensor, Tensor, Tensor> relu_moments(const Tensor& mean_in, const Tensor& std_in) {
+  check_operands("relu_moments", mean_in, {&std_in});
+  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous();
+  Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::relu_forward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(),
+                             ups.data_ptr<T>(), var.data_ptr<T>(), nullptr, nullptr, threads());
+    return 0;
+  });
+  return {phi, ups, var};
+}
+
+std::tuple<Tensor, Tensor> relu_moments_backward(const Tensor& mean_in, const Tensor& std_in, const Tensor& phi_in,
+                                                 const Tensor& grad_phi_in, const Tensor& grad_upsilon_in,
+                                                 const Tensor& grad_variance_in) {
+  check_operands("relu_moments_backward", mean_in, {&std_in, &phi_in, &grad_phi_in, &grad_upsilon_in,
+                                                    &grad_variance_in});
+  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous(), phi = phi_in.contiguous();
+  const Tensor gp = grad_phi_in.contiguous(), gu = grad_upsilon_in.contiguous(), gv = grad_variance_in.contiguous();
+  Tensor grad_mean = at::empty_like(mean), grad_std = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::relu_backward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(),
+                              gp.data_ptr<T>(), 0, gu.data_ptr<T>(), 0, gv.data_ptr<T>(), 0, grad_mean.data_ptr<T>(),
+                              grad_std.data_ptr<T>(), threads());
+    return 0;
+  });
+  return {grad_mean, grad_std};
+}
+
+std::tuple<Tensor, Tensor, Tensor> relu_moments_from_variance(const Tensor& mean_in, const Tensor& variance_in) {
+  check_operands("relu_moments_from_variance", mean_in, {&variance_in});
+  const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous();
+  Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::hidden_pass(RELU_KIND, 0, mean.numel(), mean.data_ptr<T>(), variance.data_ptr<T>(), 0.0,
+                            phi.data_ptr<T>(), ups.data_ptr<T>(), var.data_ptr<T>(), nullptr, nullptr, nullptr,
+                            nullptr, nullptr, 0, threads());
+    return 0;
+  });
+  return {phi, ups, var};
+}
+
+std::tuple<Tensor, Tensor> relu_moments_from_variance_backward(const Tensor& mean_in, const Tensor& variance_in,
+                                                               const Tensor& grad_phi_in,
+                                                               const Tensor& grad_upsilon_in,
+                                                               const Tensor& grad_variance_in) {
+  check_operands("relu_moments_from_variance_backward", mean_in,
+                 {&variance_in, &grad_phi_in, &grad_upsilon_in, &grad_variance_in});
+  const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous();
+  const Tensor gp = grad_phi_in.contiguous(), gu = grad_upsilon_in.contiguous(), gv = grad_variance_in.contiguous();
+  Tensor grad_mean = at::empty_like(mean), grad_var = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::hidden_pass(RELU_KIND, 1, mean.numel(), mean.data_ptr<T>(), variance.data_ptr<T>(), 0.0, nullptr,
+                            nullptr, nullptr, gp.data_ptr<T>(), gu.data_ptr<T>(), gv.data_ptr<T>(),
+                            grad_mean.data_ptr<T>(), grad_var.data_ptr<T>(), 0, threads());
+    return 0;
+  });
+  return {grad_mean, grad_var};
+}
+
+void check_kl(const char* op, const Tensor& loc, const Tensor& log_scale, double prior_variance) {
+  check_operands(op, loc, {&log_scale});
+  TORCH_CHECK_VALUE(prior_variance > 0, "cfbnn::", op, ": `prior_variance` must be > 0; got ", prior_variance);
+}
+
+/* KL(N(loc, diag Var) || N(0, s^2 I)) from (sum Var, sum loc^2, sum log_scale): paper eq. (4)'s KL term. */
+double kl_from_sums(const double* sums, double count, double prior_variance) {
+  return 0.5 * ((sums[0] + sums[1]) / prior_variance - count + count * std::log(prior_variance)) - sums[2];
+}
+
+/* The three sums of the KL, with exp(2 log_scale) written into `variance` where it is defined. */
+void kl_sums(const Tensor& loc, const Tensor& log_scale, double* sums, Tensor* variance) {
+  by_dtype(loc, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::diag_kl_sums(loc.numel(), loc.data_ptr<T>(), log_scale.data_ptr<T>(), sums,
+                             variance != nullptr ? variance->data_ptr<T>() : nullptr, threads());
+    return 0;
+  });
+}
+
+Tensor diagonal_kl(const Tensor& loc_in, const Tensor& log_scale_in, double prior_variance) {
+  check_kl("diagonal_kl", loc_in, log_scale_in, prior_variance);
+  const Tensor loc = loc_in.contiguous(), log_scale = log_scale_in.contiguous();
+  double sums[3];
+  kl_sums(loc, log_scale, sums, nullptr);
+  return at::scalar_tensor(kl_from_sums(sums, static_cast<double>(loc.numel()), prior_variance), loc.options());
+}
+
+std::tuple<Tensor, Tensor> diagonal_kl_backward(const Tensor& loc_in, const Tensor& log_scale_in, const Tensor& grad,
+                                                double prior_variance) {
+  check_kl("diagonal_kl_backward", loc_in, log_scale_in, prior_variance);
+  const Tensor loc = loc_in.contiguous(), log_scale = log_scale_in.contiguous();
+  const double value = grad.item<double>();
+  Tensor grad_loc = at::empty_like(loc), grad_log_scale = at::empty_like(log_scale);
+  by_dtype(loc, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::diag_kl_backward(loc.numel(), loc.data_ptr<T>(), log_scale.data_ptr<T>(), value / prior_variance,
+                                 value, grad_loc.data_ptr<T>(), grad_log_scale.data_ptr<T>(), threads());
+    return 0;
+  });
+  return {grad_loc, grad_log_scale};
+}
+
+// ------------------------------------------------------------------------- forward steps
+
+std::tuple<Tensor, Tensor> augment_pair(const Tensor& x_in, bool bias) {
+  check_floats("augment_pair", x_in, {});
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "cfbnn::augment_pair: `x` must be (N, D); got shape ", x_in.sizes());
+  const Tensor x = x_in.contiguous();
+  if (!bias) return {x.clone(), at::mul(x, x)};
+  const int64_t rows = x.size(0), columns = x.size(1);
+  Tensor inputs = at::empty({rows, columns + 1}, x.options()), squares = at::empty_like(inputs);
+  by_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::augment_pair(rows, columns, x.data_ptr<T>(), inputs.data_ptr<T>(), squares.data_ptr<T>(),
+                             threads());
+    return 0;
+  });
+  return {inputs, squares};
+}
+
+std::tuple<Tensor, Tensor, Tensor> diagonal_kl_pass(const Tensor& loc_in, const Tensor& log_scale_in,
+                                                    double prior_variance, bool loc_square) {
+  check_floats("diagonal_kl_pass", loc_in, {&log_scale_in});
+  check_numel("diagonal_kl_pass", "log_scale", log_scale_in, loc_in.numel());
+  const Tensor loc = loc_in.contiguous(), log_scale = log_scale_in.contiguous();
+  Tensor variance = at::empty_like(log_scale);
+  double sums[3];
+  kl_sums(loc, log_scale, sums, &variance);
+  const double kl = kl_from_sums(sums, static_cast<double>(loc.numel()), prior_variance);
+  return {at::scalar_tensor(kl, loc.options()), variance,
+          loc_square ? at::mul(loc, loc) : at::empty({0}, loc.options())};
+}
+
+/* The rows of both likelihood steps: (residual, squares, ELL, sum ELL). */
+std::tuple<Tensor, Tensor, Tensor, double> rows(const char* op, const Tensor& mean_sum, const Tensor& spread_sum,
+                                                const Tensor& y, const Tensor& loc, const Tensor& log_scale,
+                                                const Tensor& log_precision, bool bias) {
+  check_floats(op, mean_sum, {&spread_sum, &y, &loc, &log_scale});
+  const int64_t count = mean_sum.numel();
+  check_numel(op, "spread_sum", spread_sum, count);
+  check_numel(op, "y", y, count);
+  check_numel(op, "log_scale", log_scale, loc.numel());
+  check_numel(op, "log_precision", log_precision, 1);
+  const int64_t width = loc.size(-1) - (bias ? 1 : 0);
+  TORCH_CHECK_VALUE(width >= 0 && loc.numel() == loc.size(-1), "cfbnn::", op,
+                    ": `loc` must be the one-output layer's (1, H [+ 1]); got shape ", loc.sizes());
+  const auto [log_beta, beta] = precision(log_precision);
+  double mean_bias = 0.0, spread_bias = 0.0;
+  if (bias) {
+    mean_bias = loc.reshape({-1})[width].item<double>();
+    spread_bias = std::exp(2.0 * log_scale.reshape({-1})[width].item<double>());
+  }
+  const Tensor mean = mean_sum.contiguous(), spread = spread_sum.contiguous(), target = y.contiguous();
+  Tensor residual = at::empty_like(mean), squares = at::empty_like(mean), ell = at::empty_like(mean);
+  const double total = by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    return Kernels<T>::normal_rows(count, mean.data_ptr<T>(), spread.data_ptr<T>(), target.data_ptr<T>(), mean_bias,
+                                   spread_bias, beta, 0.5 * (log_beta - LOG_2PI), residual.data_ptr<T>(),
+                                   squares.data_ptr<T>(), ell.data_ptr<T>());
+  });
+  return {residual, squares, ell, total};
+}
+
+std::tuple<Tensor, Tensor, Tensor> normal_ell_rows(const Tensor& mean_sum, const Tensor& spread_sum, const Tensor& y,
+                                                   const Tensor& loc, const Tensor& log_scale,
+                                                   const Tensor& log_precision, bool bias) {
+  auto [residual, squares, ell, total] =
+      rows("normal_ell_rows", mean_sum, spread_sum, y, loc, log_scale, log_precision, bias);
+  (void)total;
+  return {residual, squares, ell};
+}
+
+std::tuple<Tensor, Tensor, Tensor> normal_elbo_rows(const Tensor& mean_sum, const Tensor& spread_sum,
+                                                    const Tensor& y, const Tensor& loc, const Tensor& log_scale,
+                                                    const Tensor& log_precision, const Tensor& hidden_kl,
+                                                    const Tensor& output_kl, double scale, bool bias) {
+  auto [residual, squares, ell, total] =
+      rows("normal_elbo_rows", mean_sum, spread_sum, y, loc, log_scale, log_precision, bias);
+  (void)ell;
+  const double elbo = scale * total - hidden_kl.item<double>() - output_kl.item<double>();
+  return {residual, squares, at::scalar_tensor(elbo, mean_sum.options())};
+}
+
+// ------------------------------------------------------------------------- backward steps
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> normal_rows_backward(const Tensor& grad, const Tensor& residual_in,
+                                                                const Tensor& squares_in,
+                                                                const Tensor& log_precision, double scale,
+                                                                bool row_grads) {
+  check_floats("normal_rows_backward", residual_in, {&squares_in, &grad});
+  const int64_t count = residual_in.numel();
+  check_numel("normal_rows_backward", "squares", squares_in, count);
+  check_numel("normal_rows_backward", "grad", grad, row_grads ? count : 1);
+  const Tensor per_row = row_grads ? (scale == 1.0 ? grad.contiguous() : at::mul(grad, scale))
+                                   : at::full_like(residual_in, grad.item<double>() * scale);
+  const Tensor residual = residual_in.contiguous(), squares = squares_in.contiguous();
+  const double beta = precision(log_precision).second;
+  Tensor row_u = at::empty_like(residual), row_k = at::empty_like(residual);
+  Tensor sums = at::empty({3}, residual.options().dtype(at::kDouble));
+  by_dtype(residual, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::normal_row_gradients(count, per_row.data_ptr<T>(), residual.data_ptr<T>(), squares.data_ptr<T>(),
+                                     beta, row_u.data_ptr<T>(), row_k.data_ptr<T>(), sums.data_ptr<double>());
+    return 0;
+  });
+  Tensor grad_log_precision = at::scalar_tensor(sums.data_ptr<double>()[2], log_precision.options());
+  return {row_u, row_k, sums, grad_log_precision.reshape(log_precision.sizes())};
+}
+
+/* grad_loc += dL/dKL loc / s^2 and grad_variance <- scale Var grad_variance + dL/dKL (Var / s^2 - 1). */
+void finish(const Tensor& loc, const Tensor& variance, Tensor& grad_loc, Tensor& grad_variance, double scale,
+            double kl, double prior_variance) {
+  by_dtype(loc, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::diag_gradient_finish(loc.numel(), loc.data_ptr<T>(), variance.data_ptr<T>(), scale,
+                                     kl / prior_variance, kl, grad_loc.data_ptr<T>(), grad_variance.data_ptr<T>(),
+                                     threads());
+    return 0;
+  });
+}
+
+double kl_gradient(const Tensor& kl_grad, double kl_sign) {
+  return kl_sign != 0.0 ? kl_sign * kl_grad.item<double>() : 0.0;  // kl_grad is not read where kl_sign is 0
+}
+
+std::tuple<Tensor, Tensor> output_layer_gradients(const Tensor& columns_in, const Tensor& sums, const Tensor& loc_in,
+                                                  const Tensor& log_scale_in, const Tensor& kl_grad, double kl_sign,
+                                                  double prior_variance, bool bias) {
+  check_floats("output_layer_gradients", loc_in, {&log_scale_in});
+  TORCH_CHECK_VALUE(columns_in.scalar_type() == at::kDouble && columns_in.dim() == 2 && columns_in.size(0) == 3,
+                    "cfbnn::output_layer_gradients: `columns` must be float64 (3, H); got ",
+                    columns_in.scalar_type(), " ", columns_in.sizes());
+  TORCH_CHECK_VALUE(sums.scalar_type() == at::kDouble && sums.numel() == 3,
+                    "cfbnn::output_layer_gradients: `sums` must be float64 (3,); got ", sums.scalar_type(), " ",
+                    sums.sizes());
+  const int64_t width = columns_in.size(1);
+  check_numel("output_layer_gradients", "loc", loc_in, width + (bias ? 1 : 0));
+  check_numel("output_layer_gradients", "log_scale", log_scale_in, loc_in.numel());
+  const Tensor loc = loc_in.contiguous(), columns = columns_in.contiguous();
+  Tensor grad_loc = at::empty_like(loc), grad_variance = at::empty_like(loc);
+  const Tensor sums_cpu = sums.contiguous();
+  const double sum_u = sums_cpu.data_ptr<double>()[0], sum_k = sums_cpu.data_ptr<double>()[1];
+  const Tensor variance = log_scale_in.mul(2.0).exp_().contiguous();
+  by_dtype(loc, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::normal_output_gradients(width, columns.data_ptr<double>(), loc.data_ptr<T>(), bias ? 1 : 0, sum_u,
+                                        sum_k, grad_loc.data_ptr<T>(), grad_variance.data_ptr<T>());
+    return 0;
+  });
+  finish(loc, variance, grad_loc, grad_variance, 2.0, kl_gradient(kl_grad, kl_sign), prior_variance);
+  return {grad_loc, grad_variance};
+}
+
+void finish_diagonal_gradients(Tensor grad_loc, Tensor grad_variance, const Tensor& loc_in, const Tensor& variance_in,
+                               const Tensor& kl_grad, double kl_sign, double prior_variance) {
+  check_floats("finish_diagonal_gradients", grad_loc, {&grad_variance, &loc_in, &variance_in});
+  TORCH_CHECK_VALUE(grad_loc.is_contiguous() && grad_variance.is_contiguous(),
+                    "cfbnn::finish_diagonal_gradients: the gradients it finishes in place must be contiguous");
+  const int64_t count = loc_in.numel();
+  check_numel("finish_diagonal_gradients", "grad_loc", grad_loc, count);
+  check_numel("finish_diagonal_gradients", "grad_variance", grad_variance, count);
+  check_numel("finish_diagonal_gradients", "variance", variance_in, count);
+  const Tensor loc = loc_in.contiguous(), variance = variance_in.contiguous();
+  finish(loc, variance, grad_loc, grad_variance, 2.0, kl_gradient(kl_grad, kl_sign), prior_variance);
+}
+
+// ------------------------------------------------------------------------- the ReLU tail pass
+
+void check_tail(const char* op, const Tensor& mean, const Tensor& variance,
+                std::initializer_list<const Tensor*> weights) {
+  check_floats(op, mean, {&variance});
+  TORCH_CHECK_VALUE(mean.dim() == 2 && variance.sizes() == mean.sizes(), "cfbnn::", op,
+                    ": `mean` and `variance` must be (rows, H) of one shape; got ", mean.sizes(), " and ",
+                    variance.sizes());
+  for (const Tensor* weight : weights) {
+    TORCH_CHECK_VALUE(weight->dim() == 1 && weight->size(0) == mean.size(1) &&
+                          weight->scalar_type() == mean.scalar_type(),
+                      "cfbnn::", op, ": each weight must be (", mean.size(1), ",) of dtype ", mean.scalar_type(),
+                      "; got ", weight->sizes(), " ", weight->scalar_type());
+  }
+}
+
+std::tuple<Tensor, Tensor> relu_tail(const Tensor& mean_in, const Tensor& variance_in, const Tensor& weight_phi_in,
+                                     const Tensor& weight_variance_in, const Tensor& weight_second_in) {
+  check_tail("relu_tail", mean_in, variance_in, {&weight_phi_in, &weight_variance_in, &weight_second_in});
+  const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous();
+  const Tensor wp = weight_phi_in.contiguous(), wv = weight_variance_in.contiguous(),
+               wu = weight_second_in.contiguous();
+  const int64_t rows_count = mean.size(0), width = mean.size(1);
+  Tensor mean_sum = at::empty({rows_count}, mean.options()), spread_sum = at::empty({rows_count}, mean.options());
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::tail_pass(RELU_KIND, 0, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(), 0.0,
+                          wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(), nullptr, nullptr,
+                          mean_sum.data_ptr<T>(), spread_sum.data_ptr<T>(), nullptr, nullptr, nullptr, threads());
+    return 0;
+  });
+  return {mean_sum, spread_sum};
+}
+
+std::tuple<Tensor, Tensor, Tensor> relu_tail_backward(const Tensor& mean_in, const Tensor& variance_in,
+                                                      const Tensor& weight_phi_in, const Tensor& weight_variance_in,
+                                                      const Tensor& weight_second_in, const Tensor& grad_mean_in,
+                                                      const Tensor& grad_spread_in) {
+  check_tail("relu_tail_backward", mean_in, variance_in, {&weight_phi_in, &weight_variance_in, &weight_second_in});
+  const int64_t rows_count = mean_in.size(0), width = mean_in.size(1);
+  for (const Tensor* grad : {&grad_mean_in, &grad_spread_in}) {
+    TORCH_CHECK_VALUE(grad->dim() == 1 && grad->size(0) == rows_count && grad->scalar_type() == mean_in.scalar_type(),
+                      "cfbnn::relu_tail_backward: the row gradients must be (", rows_count, ",) of dtype ",
+                      mean_in.scalar_type(), "; got ", grad->sizes(), " ", grad->scalar_type());
+  }
+  const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous();
+  const Tensor wp = weight_phi_in.contiguous(), wv = weight_variance_in.contiguous(),
+               wu = weight_second_in.contiguous();
+  const Tensor ru = grad_mean_in.contiguous(), rk = grad_spread_in.contiguous();
+  Tensor grad_mean = at::empty_like(mean), grad_variance = at::empty_like(mean);
+  Tensor columns = at::empty({3, width}, mean.options().dtype(at::kDouble));
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::tail_pass(RELU_KIND, 1, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(), 0.0,
+                          wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(), ru.data_ptr<T>(), rk.data_ptr<T>(),
+                          nullptr, nullptr, grad_mean.data_ptr<T>(), grad_variance.data_ptr<T>(),
+                          columns.data_ptr<double>(), threads());
+    return 0;
+  });
+  return {grad_mean, grad_variance, columns};
+}
+
+}  // namespace
+
+/* Registers the CPU kernels above for the cfbnn:: operators (defined in Python). A later
+   registration for the same operator and key replaces an earlier one, so these take over from
+   the Python CPU kernels that only load this library. Called once per process. */
+extern "C" int cfbnn_register_cpu_kernels(void) {
+  static torch::Library* library = nullptr;
+  if (library != nullptr) return 0;
+  library = new torch::Library(torch::Library::IMPL, "cfbnn", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  library->impl("relu_moments", TORCH_FN(relu_moments));
+  library->impl("relu_moments_backward", TORCH_FN(relu_moments_backward));
+  library->impl("relu_moments_from_variance", TORCH_FN(relu_moments_from_variance));
+  library->impl("relu_moments_from_variance_backward", TORCH_FN(relu_moments_from_variance_backward));
+  library->impl("diagonal_kl", TORCH_FN(diagonal_kl));
+  library->impl("diagonal_kl_backward", TORCH_FN(diagonal_kl_backward));
+  library->impl("augment_pair", TORCH_FN(augment_pair));
+  library->impl("diagonal_kl_pass", TORCH_FN(diagonal_kl_pass));
+  library->impl("normal_ell_rows", TORCH_FN(normal_ell_rows));
+  library->impl("normal_elbo_rows", TORCH_FN(normal_elbo_rows));
+  library->impl("normal_rows_backward", TORCH_FN(normal_rows_backward));
+  library->impl("output_layer_gradients", TORCH_FN(output_layer_gradients));
+  library->impl("finish_diagonal_gradients", TORCH_FN(finish_diagonal_gradients));
+  library->impl("relu_tail", TORCH_FN(relu_tail));
+  library->impl("relu_tail_backward", TORCH_FN(relu_tail_backward));
+  return 1;
+}
