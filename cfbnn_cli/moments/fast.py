@@ -86,8 +86,8 @@ from .kernel_handles import KernelHandle
 from .kernel_library import (  # noqa: F401 - the fast path's switches and library, re-exported
     DTYPE_SUFFIX,
     KernelState,
-    cpu_operators_registered,
     count_negative,
+    cpu_operators_registered,
     data_pointer,
     fast_path,
     fast_path_enabled,

@@ -51,6 +51,7 @@ class _NormalELLGivenHidden(torch.autograd.Function):
         ctx.save_for_backward(phi, variance, second_moment, loc, weight_variance, log_precision, residual, squares)
 
     @staticmethod
+    @support.first_order_only  # written-out backward: a second order raises
     def backward(ctx, grad_ell, _grad_residual, _grad_squares, _grad_weight_variance):
         if grad_ell is None:  # the ELL itself unused (the classic form passes no zeros)
             return None, None, None, None, None, None, None, None
@@ -162,6 +163,7 @@ class NormalELLGivenPreactivation(torch.autograd.Function):
         return ell.reshape(gamma.shape[:-1]), kl
 
     @staticmethod
+    @support.first_order_only  # written-out backward: a second order raises
     def backward(ctx, grad_ell, grad_kl):
         (flat_gamma, flat_xi, loc, weight_variance, weight_phi, weight_loc2, weight_second, residual, squares) = (
             ctx.saved_tensors

@@ -29,7 +29,7 @@ import torch
 from ...moments import fast, ops
 from ...moments.activations import ReLU
 from ...moments.gaussian import check_mean_std
-from .support import transforms_active
+from .support import first_order_only, transforms_active
 
 _cfbnn = torch.ops.cfbnn
 _FLOATS = (torch.float32, torch.float64)
@@ -151,7 +151,7 @@ class NormalELBO(torch.autograd.Function):
         return elbo
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # its kernels build no graph: a second order raises
+    @first_order_only  # its kernels build no graph: a second order raises
     def backward(ctx, grad):
         (
             inputs, squares_in, log_precision, hidden_loc, hidden_variance, output_loc, output_log_scale,
@@ -219,7 +219,7 @@ class NormalELL(torch.autograd.Function):
         return ell, kl
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # its kernels build no graph: a second order raises
+    @first_order_only  # its kernels build no graph: a second order raises
     def backward(ctx, grad_ell, grad_kl):
         saved = ctx.saved_tensors
         grad_ell = torch.zeros_like(saved[-1]) if grad_ell is None else grad_ell

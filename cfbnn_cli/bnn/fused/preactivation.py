@@ -61,6 +61,7 @@ class DiagonalPreactivation(torch.autograd.Function):
         )
 
     @staticmethod
+    @support.first_order_only  # written-out backward: a second order raises
     def backward(ctx, grad_gamma, grad_xi, _grad_variance, _grad_squared, grad_kl=None, _grad_augmented=None):
         inputs, loc, xi, variance, squared = ctx.saved_tensors  # inputs: [h, 1] when augmented
         grad_gamma, grad_xi = support.gradient_pair(
@@ -204,6 +205,7 @@ class PropagatedPreactivation(torch.autograd.Function):
         ctx.save_for_backward(phi, variance, second, loc, weight_variance, None if variance_output else xi, loc_square)
 
     @staticmethod
+    @support.first_order_only  # written-out backward: a second order raises
     def backward(ctx, grad_gamma, grad_xi, _grad_weight_variance, _grad_second, grad_kl=None, _grad_loc_square=None):
         phi, variance, second, loc, weight_variance, xi, loc_square = ctx.saved_tensors
         width = variance.shape[-1]

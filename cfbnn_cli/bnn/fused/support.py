@@ -4,6 +4,7 @@ functions, and :class:`Tape`, the context the single-node ELBO runs them on."""
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from typing import Optional
@@ -23,6 +24,32 @@ def transforms_active() -> bool:
     functions below take out-of-place ops only (an in-place op on an unbatched result with a
     batched operand is an error) and never write through ``out=``."""
     return torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+
+
+def first_order_only(backward):
+    """A fused node's ``backward`` (a staticmethod's function): first derivatives only.
+
+    The backward passes are written out from what the forward pass saved, which carries no graph
+    (and on the fast path they are kernels), so the gradients they return cannot be
+    differentiated again correctly. ``torch.autograd.function.once_differentiable`` would return
+    them without a graph when the incoming gradient needs none (the loss's own, say): a second
+    derivative taken through a sum with other terms (a gradient penalty, a Hessian-vector
+    product) would then leave this node's part out, silently. Here asking for a graph of the
+    gradients (``create_graph=True``) raises instead. Under torch.func transforms (whose ``grad``
+    always asks for that graph; the gradient-variance draws) the backward runs as usual."""
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled() and not transforms_active():  # (a plain backward runs without grad mode)
+            raise RuntimeError(
+                f"cfbnn: {backward.__qualname__.split('.')[0]}, a node of the closed-form ELBO, has first "
+                "derivatives only: create_graph=True (second derivatives, gradient penalties, "
+                "Hessian-vector products) is not supported; differentiate the gradients numerically "
+                "(finite differences of torch.autograd.grad) where a second order is needed"
+            )
+        return backward(ctx, *grads)
+
+    return checked
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
