@@ -105,6 +105,7 @@ def test_a_crafted_checkpoint_is_refused_and_runs_nothing(finished_run, tmp_path
     assert "start a fresh run dir" in text
 
 
+@pytest.mark.slow  # the crafted-checkpoint refusal of the training commands (above) runs by default
 def test_a_crafted_evaluation_checkpoint_for_imagenet_predict_runs_nothing(tmp_path):
     marker = tmp_path / "PWNED"
     evil = tmp_path / "best.pt"

@@ -199,9 +199,8 @@ def register_cpu_operators(library) -> bool:
     (``cfbnn_register_cpu_kernels``); whether it has them (a library whose operators' unit did not
     build has not: ``fast_path_info()["operators_error"]``). They replace the Python CPU kernels,
     registered when :mod:`.elbo_ops` and :mod:`.tail_ops` were imported (before this: the later
-    registration wins); registered once per process."""
-    from . import elbo_ops, tail_ops  # noqa: F401 - their definitions first
-
+    registration wins: the package's ``__init__`` imports those two before anything can load the
+    library); registered once per process."""
     register = getattr(library, "cfbnn_register_cpu_kernels", None)
     if register is None:
         return False

@@ -41,6 +41,7 @@ def _predictive_argmax(head, x, samples=16384, seed=9):
     return total.argmax(-1)
 
 
+@pytest.mark.slow  # the deterministic prediction as the Monte Carlo limit (below) runs by default
 @torch.no_grad()
 def test_monte_carlo_prediction_converges_with_n_inner():
     """Wide posterior: MC(N_inner) approaches the exact predictive's answer; its spread shrinks."""

@@ -1,12 +1,13 @@
 /* cfbnn's CPU kernels: activation moments and the closed-form ELBO's passes.
  *
  * Built at first use by cfbnn_cli/moments/kernel_build.py (the system C++ compiler, cached per user),
- * loaded with ctypes by cfbnn_cli/moments/fast.py, and exposed as torch operators (cfbnn::*) by
- * cfbnn_cli/moments/ops.py.
+ * together with cfbnn_ops.cpp, the cfbnn:: torch operators' CPU kernels, which call the entry
+ * points declared in cfbnn_kernels.h (included here too, so that a definition cannot drift from
+ * its declaration). cfbnn_cli/moments/fast.py calls the other entry points through ctypes.
  *
- * It needs no torch headers: the kernels take raw pointers (contiguous float32/float64
- * arrays), so a build takes 10-20 s once per machine instead of the minutes that torch's
- * headers add to every translation unit.
+ * This unit needs no torch headers: the kernels take raw pointers (contiguous float32/float64
+ * arrays), so it compiles in 10-20 s once per machine without the seconds that torch's
+ * headers add to a translation unit.
  *
  * Numerics are those of `cfbnn_cli.moments.gaussian` and
  * `cfbnn_cli.moments.activations` (the reference path):
