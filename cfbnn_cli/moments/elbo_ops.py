@@ -110,7 +110,8 @@ def _cpu_kernel(name: str) -> Callable:
 
     def load_then_dispatch(*args):
         if fast.load_kernels() is None or not fast.cpu_operators_registered():
-            reason = fast.fast_path_info().get("operators_error") or fast.fast_path_info().get("error")
+            info = fast.fast_path_info()
+            reason = info.get("operators_error") or info.get("error")
             raise RuntimeError(
                 f"cfbnn::{name}: its CPU kernel is part of the C++ library, which is unavailable here "
                 f"(cfbnn_cli.moments.fast_path_info() says why: {str(reason).splitlines()[0]}); "

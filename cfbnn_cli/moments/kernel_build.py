@@ -79,9 +79,14 @@ def read_sources() -> Dict[str, str]:
     return {path.name: path.read_text(encoding="utf-8") for path in SOURCES}
 
 
+def source_text(sources: Dict[str, str]) -> str:
+    """The sources as one text: what the cache key hashes."""
+    return "\n".join(sources.values())
+
+
 def read_source() -> str:
     """All the sources as one text (the cache key's)."""
-    return "\n".join(read_sources().values())
+    return source_text(read_sources())
 
 
 def operator_flags() -> Tuple[list, list]:
@@ -212,27 +217,25 @@ def compile_library(compiler: str, flags, target: str, sources: Dict[str, str]) 
         compile_only = [f for f in flags if not f.startswith("-l") and f != "-shared"]
         libraries = [f for f in flags if f.startswith("-l")]
         operators_compile, operators_link = operator_flags()
-        compiles = [[compiler, "-c", os.path.join(work, SOURCE_PATH.name), "-o", kernels_object] + compile_only]
-        with_operators = OPERATORS_PATH.name in sources
-        if with_operators:
-            compiles.append([compiler, "-c", os.path.join(work, OPERATORS_PATH.name), "-o", operators_object])
-            compiles[-1] += operators_compile
-        results = _run_all(compiles)
-        if results[0][0] != 0:
-            return compiler_message(results[0][1]), None
-        operators_error = None
-        if with_operators and results[1][0] != 0:
-            operators_error = compiler_message(results[1][1])
+        (kernels, kernels_stderr), (operators, operators_stderr) = _run_all(
+            [
+                [compiler, "-c", os.path.join(work, SOURCE_PATH.name), "-o", kernels_object, *compile_only],
+                [compiler, "-c", os.path.join(work, OPERATORS_PATH.name), "-o", operators_object, *operators_compile],
+            ]
+        )
+        if kernels != 0:
+            return compiler_message(kernels_stderr), None
+        operators_error = compiler_message(operators_stderr) if operators != 0 else None
         output = os.path.join(work, LIBRARY_NAME)
 
         def link(objects, extra):
             return _run_all([[compiler, "-shared", *objects, "-o", output, *compile_only, *libraries, *extra]])[0]
 
-        if with_operators and operators_error is None:
+        if operators_error is None:
             returncode, stderr = link([kernels_object, operators_object], operators_link)
             if returncode != 0:
                 operators_error = compiler_message(stderr)
-        if not with_operators or operators_error is not None:
+        if operators_error is not None:
             returncode, stderr = link([kernels_object], [])
             if returncode != 0:
                 return compiler_message(stderr), None
@@ -331,11 +334,11 @@ def load_library(
     except OSError as error:
         return None, {"error": f"kernel source missing ({error}); reinstall cfbnn"}
     version = compiler_version(compiler)
+    text = source_text(sources)
     errors = []
     with build_lock(root):
         for flags in flag_sets():
-            key = cache_key("\n".join(sources.values()), compiler, version, flags, abi)
-            folder = os.path.join(root, f"moments-{key}")
+            folder = os.path.join(root, f"moments-{cache_key(text, compiler, version, flags, abi)}")
             target = os.path.join(folder, LIBRARY_NAME)
             try:
                 private_directory(folder)
