@@ -247,15 +247,22 @@ def _(mean, std, phi, grad_phi, grad_upsilon, grad_variance):
     return torch.empty_like(mean), torch.empty_like(mean)
 
 
+def _absent_gradient(like: Tensor) -> Tensor:
+    """The gradient of an output nothing used: one zero expanded to ``like``'s shape, which the
+    kernels read as a scalar (the C++ one as no gradient at all) instead of a block of zeros."""
+    return like.new_zeros(()).expand(like.shape)
+
+
 def _setup_context(ctx, inputs, output):
     mean, std = inputs
     phi, _, _ = output
+    ctx.set_materialize_grads(False)  # an unused output's gradient: _absent_gradient, not a block of zeros
     ctx.save_for_backward(mean, std, phi)
 
 
 def _backward(ctx, grad_phi, grad_upsilon, grad_variance):
     mean, std, phi = ctx.saved_tensors
-    grads = [g if g is not None else torch.zeros_like(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
+    grads = [g if g is not None else _absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
     if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
         return _differentiable_backward(mean, std, phi, *grads)
     return relu_moments_backward(mean, std, phi, *grads)
@@ -377,20 +384,54 @@ class ReLUMoments(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         mean, std = inputs
+        ctx.set_materialize_grads(False)  # an unused output's gradient: _absent_gradient, not a block of zeros
         ctx.save_for_backward(mean, std, output[0])
 
     @staticmethod
     def backward(ctx, grad_phi, grad_upsilon, grad_variance):
         mean, std, phi = ctx.saved_tensors
-        grads = [g if g is not None else torch.zeros_like(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
+        grads = [g if g is not None else _absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
         if torch.is_grad_enabled() or any(is_transformed(t) for t in (mean, std, phi, *grads)):
-            return _differentiable_backward(mean, std, phi, *grads)
+            return ReLUMomentsVJP.apply(mean, std, phi, *grads)
         return tuple(torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *grads))
 
     @staticmethod
     def vmap(info, in_dims, mean, std):
         mean, std = align_batched(mean, std, in_dims)
         return ReLUMoments.apply(*torch.broadcast_tensors(mean, std)), (0, 0, 0)
+
+
+class ReLUMomentsVJP(torch.autograd.Function):
+    """The vector-Jacobian product of :class:`ReLUMoments` where a graph of it is wanted
+    (``create_graph=True``, and always under ``torch.func.grad``: every per-draw gradient of the
+    gradient-variance measurement): the backward kernel (``cfbnn::relu_moments_backward``, one
+    pass) computes it; a derivative of it, when one is taken, is that of the same formula in
+    differentiable torch ops (:func:`_differentiable_backward`), so it is differentiable to any
+    order. ``phi`` counts as an input of its own, as it does there."""
+
+    @staticmethod
+    def forward(mean, std, phi, grad_phi, grad_upsilon, grad_variance):
+        return tuple(torch.ops.cfbnn.relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_grad_mean, grad_grad_std):
+        inputs = ctx.saved_tensors
+        cotangents = tuple(_absent_gradient(inputs[0]) if g is None else g for g in (grad_grad_mean, grad_grad_std))
+        _, vjp = torch.func.vjp(_differentiable_backward, *inputs)
+        return vjp(cotangents)
+
+    @staticmethod
+    def vmap(info, in_dims, *tensors):
+        # elementwise: every operand with the vmap dimension first, all expanded to one shape (the
+        # operator takes one shape; a broadcast gradient stays a stride-0 view the kernel reads once)
+        aligned = align_batched(*tensors, in_dims)
+        shape = torch.broadcast_shapes(*(t.shape for t in aligned))
+        shape = (info.batch_size,) + shape[1:]
+        return ReLUMomentsVJP.apply(*(t.expand(shape) for t in aligned)), (0, 0)
 
 
 _DEVICE_KERNELS = {"enabled": True}
@@ -411,6 +452,16 @@ def device_kernels(enabled: bool = True):
         yield
     finally:
         set_device_kernels(previous)
+
+
+def operator_route(mean: Tensor) -> bool:
+    """Whether ``cfbnn::relu_moments`` serves ``mean`` (already checked, of one dtype and device
+    with its std) with a compiled kernel: on the CPU the C++ one, where the library built with its
+    operators and the fast path is on (:func:`cfbnn_cli.moments.fast.usable`, which also leaves
+    ``torch.compile`` its reference ops); elsewhere Triton (:func:`device_kernels_apply`)."""
+    if mean.device.type == "cpu":
+        return fast.usable(mean) and fast.cpu_operators_registered()
+    return device_kernels_apply(mean)
 
 
 def device_kernels_apply(mean: Tensor) -> bool:
@@ -472,7 +523,12 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
 def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through the operators (autograd
     and ``torch.func`` included)."""
-    return ReLUMoments.apply(*torch.broadcast_tensors(mean, std))
+    mean, std = torch.broadcast_tensors(mean, std)
+    if not (torch.is_grad_enabled() and (mean.requires_grad or std.requires_grad)) and not (
+        is_transformed(mean) or is_transformed(std)
+    ):  # nothing to differentiate: the operator alone (prediction), without an autograd.Function
+        return tuple(torch.ops.cfbnn.relu_moments(mean, std))
+    return ReLUMoments.apply(mean, std)
 
 
 # ----------------------------------------------------------------------------- the KL of a mean-field matrix

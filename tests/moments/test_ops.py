@@ -160,6 +160,43 @@ def test_gradients_match_finite_differences_and_double_backward():
     assert torch.autograd.gradcheck(torch.ops.cfbnn.relu_moments, (mean, std))
     assert torch.autograd.gradgradcheck(torch.ops.cfbnn.relu_moments, (mean, std))
     assert torch.autograd.gradcheck(ops.relu_moments_function, (mean, std))
+    # the function's backward under create_graph is the kernel (ops.ReLUMomentsVJP), differentiable again
+    assert torch.autograd.gradgradcheck(ops.relu_moments_function, (mean, std))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backward_operator_reads_broadcast_gradients_as_their_dense_copies(dtype):
+    """``cfbnn::relu_moments_backward`` takes a gradient expanded from one value (what ``sum()``'s
+    backward hands over; an expanded zero for an unused output) without materializing it: the
+    result must be bit for bit what the dense copies give, 0 and -0 and a non-zero value alike, on
+    a length that leaves a partial kernel block."""
+    g = torch.Generator().manual_seed(3)
+    mean = torch.randn(37, 29, generator=g, dtype=dtype) * 3
+    std = torch.rand(37, 29, generator=g, dtype=dtype) + 0.05
+    phi = torch.ops.cfbnn.relu_moments(mean, std)[0]
+    dense = torch.randn(37, 29, generator=g, dtype=dtype)
+    for value in (0.0, -0.0, 1.5):
+        broadcast = torch.tensor(value, dtype=dtype).expand(mean.shape)
+        for grads in ((broadcast, broadcast, broadcast), (dense, broadcast, broadcast), (broadcast, dense, dense)):
+            got = torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *grads)
+            want = torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *(t.contiguous() for t in grads))
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (value, [t.stride() for t in grads])
+
+
+def test_unused_outputs_take_no_gradient_and_match_the_reference():
+    """Only Phi used (Upsilon and Var left out of the loss), through the operator's own autograd and
+    through the torch.func-ready function: the gradients of the reference path's autograd."""
+    g = torch.Generator().manual_seed(4)
+    mean = torch.randn(50, 8, generator=g, dtype=torch.float64) * 2
+    std = torch.rand(50, 8, generator=g, dtype=torch.float64) + 0.1
+    m0, s0 = mean.clone().requires_grad_(), std.clone().requires_grad_()
+    get_activation("relu")._reference_moments(m0, s0)[0].sum().backward()
+    for function in (torch.ops.cfbnn.relu_moments, ops.relu_moments_function):
+        m, s = mean.clone().requires_grad_(), std.clone().requires_grad_()
+        function(m, s)[0].sum().backward()
+        torch.testing.assert_close(m.grad, m0.grad, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(s.grad, s0.grad, rtol=1e-12, atol=1e-14)
 
 
 def test_torch_func_grad_and_vmap_through_the_function():

@@ -21,6 +21,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <initializer_list>
@@ -115,18 +116,39 @@ std::tuple<Tensor, Tensor, Tensor> relu_moments(const Tensor& mean_in, const Ten
   return {phi, ups, var};
 }
 
+/* One output gradient of the ReLU backward kernel as (pointer, is_scalar). A tensor expanded from one
+   value -- what sum()'s backward hands over, or the zero the autograd registration passes for an
+   unused output -- passes that value instead of a materialized copy, and an expanded zero no
+   pointer at all (the kernel's zero, which lets it take its dense path); `held` keeps the memory. */
+template <typename T>
+std::pair<const T*, int> gradient_operand(const Tensor& grad, Tensor& held) {
+  const auto strides = grad.strides();
+  const bool broadcast = grad.numel() > 0 && std::all_of(strides.begin(), strides.end(), [](int64_t s) { return s == 0; });
+  if (!broadcast) {
+    held = grad.contiguous();
+    return {held.data_ptr<T>(), 0};
+  }
+  held = grad;
+  const T* value = grad.data_ptr<T>();
+  if (*value == T(0)) return {nullptr, 0};
+  return {value, 1};
+}
+
 std::tuple<Tensor, Tensor> relu_moments_backward(const Tensor& mean_in, const Tensor& std_in, const Tensor& phi_in,
                                                  const Tensor& grad_phi_in, const Tensor& grad_upsilon_in,
                                                  const Tensor& grad_variance_in) {
   check_operands("relu_moments_backward", mean_in, {&std_in, &phi_in, &grad_phi_in, &grad_upsilon_in,
                                                     &grad_variance_in});
   const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous(), phi = phi_in.contiguous();
-  const Tensor gp = grad_phi_in.contiguous(), gu = grad_upsilon_in.contiguous(), gv = grad_variance_in.contiguous();
   Tensor grad_mean = at::empty_like(mean), grad_std = at::empty_like(mean);
   by_dtype(mean, [&](auto zero) {
     using T = decltype(zero);
-    Kernels<T>::relu_backward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(),
-                              gp.data_ptr<T>(), 0, gu.data_ptr<T>(), 0, gv.data_ptr<T>(), 0, grad_mean.data_ptr<T>(),
+    Tensor held[3];
+    const auto [gp, gp_scalar] = gradient_operand<T>(grad_phi_in, held[0]);
+    const auto [gu, gu_scalar] = gradient_operand<T>(grad_upsilon_in, held[1]);
+    const auto [gv, gv_scalar] = gradient_operand<T>(grad_variance_in, held[2]);
+    Kernels<T>::relu_backward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(), gp,
+                              gp_scalar, gu, gu_scalar, gv, gv_scalar, grad_mean.data_ptr<T>(),
                               grad_std.data_ptr<T>(), threads());
     return 0;
   });
