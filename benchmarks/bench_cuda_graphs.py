@@ -35,6 +35,7 @@ from cfbnn_cli.bnn.vae import BayesianDecoderVAE
 from cfbnn_cli.moments import validate_args
 from cfbnn_cli.train import TrainingLoop
 from cfbnn_cli.train.graphs import GraphedTrainingStep
+from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
 
 TARGETS = []  # (name, value, target text, met)
 
@@ -87,7 +88,7 @@ def training_steps(args, device):
         for graphs in (False, True):
             torch.manual_seed(0)
             model = BayesianNetwork(dim, [hidden]).to(device)
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+            optimizer = adam(model.parameters(), lr=1e-3)
             loss = lambda r, model=model: -model.elbo(x[r], y[r], num_data=10_000, estimator="analytic")  # noqa: E731
             if graphs:
                 step = GraphedTrainingStep(model, optimizer, loss, device, label=f"D={dim}")
@@ -109,7 +110,7 @@ def training_steps(args, device):
             if graphs and not step.enabled:
                 raise SystemExit(f"capture of the D={dim} step failed: {step.failure}")
         mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)).to(device)
-        mlp_optimizer = torch.optim.Adam(mlp.parameters(), lr=1e-3)
+        mlp_optimizer = adam(mlp.parameters(), lr=1e-3)
         mlp_step = GraphedTrainingStep(
             mlp, mlp_optimizer, lambda r: (mlp(x[r]).squeeze(-1) - y[r]).square().mean(), device, label="MLP"
         )
@@ -139,7 +140,7 @@ def vae_epoch(args, device):
     for graphs in (False, True):
         torch.manual_seed(0)
         model = BayesianDecoderVAE(784, variant="v3").to(device)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        optimizer = adam(model.parameters(), lr=1e-3)
         sampler = torch.Generator(device=device).manual_seed(0)
         loop = TrainingLoop(
             model,

@@ -23,6 +23,7 @@ import torch
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
 from cfbnn_cli.bnn.network import BayesianNetwork
 from cfbnn_cli.moments import set_validate_args
+from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
 
 MSD_TRAIN = 463_715
 
@@ -68,7 +69,7 @@ def main(argv=None):
             f"  {estimator:<9} {args.samples} draws: vmap {vectorized:7.1f} s   per-sample loop ~{loop:7.1f} s "
             f"(from {args.loop_samples})   speed-up {loop / vectorized:5.2f}x"
         )
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = adam(model.parameters(), lr=1e-3)
     xs = torch.randn(args.train_steps, 500, 90, device=device)
     ys = torch.randn(args.train_steps, 500, device=device)
     for step in range(3):

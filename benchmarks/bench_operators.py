@@ -35,6 +35,7 @@ from bench_cuda_graphs import (  # the timing and kernel-count helpers of the gr
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.moments import get_activation, ops, validate_args
 from cfbnn_cli.train.graphs import GraphedTrainingStep
+from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
 
 TARGETS = []  # (name, value, target text, met)
 
@@ -121,7 +122,7 @@ def cuda_steps(args):
         def network(estimator):
             torch.manual_seed(0)
             model = BayesianNetwork(dim, [hidden]).to(device)
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+            optimizer = adam(model.parameters(), lr=1e-3)
             return model, optimizer, lambda r: -model.elbo(x[r], y[r], num_data=10_000, estimator=estimator)
 
         kernels = {}
@@ -146,7 +147,7 @@ def cuda_steps(args):
                     raise SystemExit(f"capture of the {name} step failed: {step.failure}")
                 timings[name] = _median_ms(lambda step=step: step(rows), args.steps, args.repeats, sync)
         mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)).to(device)
-        mlp_optimizer = torch.optim.Adam(mlp.parameters(), lr=1e-3)
+        mlp_optimizer = adam(mlp.parameters(), lr=1e-3)
         mlp_step = GraphedTrainingStep(
             mlp, mlp_optimizer, lambda r: (mlp(x[r]).squeeze(-1) - y[r]).square().mean(), device, label="MLP"
         )

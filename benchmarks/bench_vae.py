@@ -19,6 +19,7 @@ import torch
 
 from cfbnn_cli.bnn.vae import VARIANTS, BayesianDecoderVAE
 from cfbnn_cli.moments import validate_args
+from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
 
 MSD_TRAIN_ROWS = 360_741  # 70% of 515,345
 
@@ -42,7 +43,7 @@ def main(argv=None):
         for variant in VARIANTS:
             torch.manual_seed(0)
             model = BayesianDecoderVAE(90, variant=variant).to(device)
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+            optimizer = adam(model.parameters(), lr=1e-3)
             generator = torch.Generator(device=device).manual_seed(0)
 
             def loss_fn(batch):

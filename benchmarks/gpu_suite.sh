@@ -46,6 +46,7 @@ step bench_operators.log 120 $PY benchmarks/bench_operators.py --device cuda --l
 if [ "$1" != quick ]; then
   step bench_cuda_graphs.log 150 $PY benchmarks/bench_cuda_graphs.py --repeats 3
   step bench_elbo.log 120 $PY benchmarks/bench_elbo.py --device cuda --variance-draws 20 --repeats 5
+  step bench_others.log 60 $PY benchmarks/bench_optimizer.py --device cuda
   step bench_others.log 60 $PY benchmarks/bench_moments.py --devices cuda
   step bench_others.log 90 $PY benchmarks/bench_gradvar.py --device cuda --loop-samples 300
   step bench_others.log 90 $PY benchmarks/bench_vae.py --device cuda

@@ -169,15 +169,16 @@ def _graph_failures(caplog):
     return [r.getMessage() for r in caplog.records if "CUDA graph capture" in r.getMessage()]
 
 
-def _train_on_cuda(cuda_graphs, loss_hook=None, estimator="sampling", epochs=3):
-    """The Table 1 step on CUDA through the loop: 29 rows in batches of 8 (a last batch of 5)."""
-    from cfbnn_cli.train import TrainingLoop
+def _train_on_cuda(cuda_graphs, loss_hook=None, estimator="sampling", epochs=3, optimizer_factory=None):
+    """The Table 1 step on CUDA through the loop: 29 rows in batches of 8 (a last batch of 5),
+    with the pipelines' Adam (fused) unless ``optimizer_factory`` says otherwise."""
+    from cfbnn_cli.train import TrainingLoop, optimizers
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(29, 5, generator=g).cuda()
     y = torch.randn(29, generator=g).cuda()
     model = BayesianNetwork(5, [16, 16], generator=torch.Generator().manual_seed(0)).cuda()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    optimizer = (optimizer_factory or optimizers.adam)(model.parameters(), lr=0.01)
     sampler = torch.Generator(device="cuda").manual_seed(3)
 
     def loss(rows):
@@ -207,6 +208,17 @@ def test_graphed_training_gives_the_eager_parameters_after_k_steps(caplog, estim
     graphed, loop = _train_on_cuda(True, estimator=estimator)
     assert loop.graphed is not None and loop.graphed.enabled, _graph_failures(caplog)
     assert set(loop.graphed.graphs) == {8, 5}  # the last partial batch has a graph of its own
+    for name in eager:
+        torch.testing.assert_close(graphed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_graphed_fused_adam_gives_the_parameters_of_eager_default_adam(caplog):
+    """The pipelines' Adam is torch's fused one, captured in the step's graph: after k steps the
+    parameters of torch's default Adam run eagerly."""
+    eager, _ = _train_on_cuda(False, estimator="analytic", optimizer_factory=torch.optim.Adam)
+    graphed, loop = _train_on_cuda(True, estimator="analytic")
+    assert loop.graphed is not None and loop.graphed.enabled, _graph_failures(caplog)
+    assert loop.optimizer.param_groups[0]["fused"] is True
     for name in eager:
         torch.testing.assert_close(graphed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
 

@@ -37,7 +37,7 @@ from ..runtime.checks import require_choice, require_int, require_positive_float
 from ..runtime.cuda_graphs import GraphedCall
 from ..runtime.errors import ConfigError
 from ..runtime.seed import seed_everything
-from ..train import TrainingLoop, loop_from_config
+from ..train import TrainingLoop, loop_from_config, optimizers
 
 log = logging.getLogger(__name__)
 VARIANT_CHOICES = ["all", *VARIANTS]
@@ -175,7 +175,7 @@ def _test_ll_trials(cfg, model, data: UnsupervisedData, label: str, decoder_weig
 def _train_variant(cfg, variant: str, data: UnsupervisedData, device, run_dir: Path, earlier_rows: List[dict]) -> Dict:
     generator = seed_everything(cfg.seed)
     model = _build(cfg, data.dim, variant, generator).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
+    optimizer = optimizers.adam(model.parameters(), lr=cfg.trainer.lr)
     sampler = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     x_train = data.x_train
     num_data = len(x_train)

@@ -48,7 +48,7 @@ from ...runtime.checks import (
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_torch_save
 from ...runtime.seed import seed_everything
-from ...train import loop_from_config
+from ...train import loop_from_config, optimizers
 from . import features as feature_cache
 from .prediction import batched, evaluate, top_k_correct
 
@@ -159,7 +159,7 @@ def train_head(cfg, data, run_dir: Path, device) -> Dict:
     generator = seed_everything(cfg.seed)
     x, y = data["x_train"], data["y_train"]
     model = build_head(cfg, data, generator).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
+    optimizer = optimizers.adam(model.parameters(), lr=cfg.trainer.lr)
     # each rank draws its own logit samples; the data order is shared (same seed everywhere)
     sampler = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1000 * distributed.rank())
     num_data = len(y)

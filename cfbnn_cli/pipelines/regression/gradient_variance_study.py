@@ -47,7 +47,7 @@ from ...runtime.checks import require_choice, require_int, require_positive_floa
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.seed import seed_everything
-from ...train import loop_from_config
+from ...train import loop_from_config, optimizers
 from .model_file import save_regression_model
 
 log = logging.getLogger(__name__)
@@ -424,7 +424,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         generator=generator,
         prior=cfg.model.prior,
     ).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
+    optimizer = optimizers.adam(model.parameters(), lr=cfg.trainer.lr)
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
     data.x_test, data.y_test = data.x_test.to(device), data.y_test.to(device)
     num_data = data.num_train

@@ -21,7 +21,7 @@ from ...bnn.network import BayesianNetwork
 from ...bnn.predictive import mixture_log_likelihood, mixture_mean
 from ...data.regression import RegressionData
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
-from ...train import TrainingLoop
+from ...train import TrainingLoop, optimizers
 from ...train.full_batch import minimize_full_batch
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ def _fit_by_validation(
     x_validation, y_validation = data.x_train[validation_rows], data.y_train[validation_rows]
     loop = TrainingLoop(
         module,
-        torch.optim.Adam(parameters, lr=cfg.trainer.lr),
+        optimizers.adam(parameters, lr=cfg.trainer.lr),
         lambda rows: loss_on_rows(fit_rows[rows], len(fit_rows)),
         len(fit_rows),
         min(cfg.trainer.batch_size, len(fit_rows)),
