@@ -29,9 +29,11 @@ Kernels:
   :mod:`cfbnn_cli.moments.triton_kernels` (one launch each way); without Triton, the
   reference torch ops.
 
-Autograd: the backward op, or -- where a graph of the backward is wanted
-(``create_graph=True``, ``torch.func`` higher orders) -- the same formula in differentiable
-torch ops. ``vmap``: the ops are elementwise, so a batched call is one call on the batch.
+Autograd: the backward op. Where a graph of the backward is wanted (``create_graph=True``, and
+always under ``torch.func.grad``), ``relu_moments``' backward is still its kernel, inside
+:class:`ReLUMomentsVJP`, whose own derivative is the same formula in differentiable torch ops;
+the other operators' is that formula itself. ``vmap``: the ops are elementwise, so a batched
+call is one call on the batch.
 """
 
 from __future__ import annotations
@@ -263,8 +265,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_phi, grad_upsilon, grad_variance):
     mean, std, phi = ctx.saved_tensors
     grads = [g if g is not None else _absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
-    if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
-        return _differentiable_backward(mean, std, phi, *grads)
+    if torch.is_grad_enabled():  # a graph of the backward is wanted: the kernel, differentiable again
+        return ReLUMomentsVJP.apply(mean, std, phi, *grads)
     return relu_moments_backward(mean, std, phi, *grads)
 
 
