@@ -23,8 +23,10 @@ class Activation:
 
     name: str = "activation"
     # (mean, std) -> (Phi, Upsilon, Var) through this activation's torch operator
-    # (:mod:`cfbnn_cli.moments.ops`), used off the CPU; None: the reference ops there
+    # (:mod:`cfbnn_cli.moments.ops`), and whether that operator has a compiled kernel for a given
+    # mean; None: the fused C++ kernels or the reference ops
     operator = None
+    operator_applies = staticmethod(ops.operator_route)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -53,7 +55,7 @@ class Activation:
     def moments(self, mean, std, return_variance: bool = False):
         """``(E[g(z)], E[g(z)^2])`` (and ``Var[g(z)]`` if asked) for ``z ~ N(mean, std^2)``.
 
-        Paper eq. (9) (``Phi``, ``Upsilon``). An activation with a ``cfbnn::`` operator (ReLU) runs
+        Paper eq. (9) (``Phi``, ``Upsilon``). An activation with a ``cfbnn::`` operator (ReLU, leaky ReLU) runs
         it wherever it has a compiled kernel (C++ on the CPU, Triton on CUDA); the others run
         their fused C++ kernels (:mod:`cfbnn_cli.moments.fast`) on CPU float32/float64 tensors;
         everything else, and the fast path switched off, the reference torch ops. All compute the
@@ -61,7 +63,7 @@ class Activation:
         """
         mean, std = check_mean_std(mean, std)
         mean, std = torch.broadcast_tensors(mean, std)
-        if self.operator is not None and ops.operator_route(mean):
+        if self.operator is not None and self.operator_applies(mean):
             # one operator (cfbnn::<name>_moments) on every device, its kernel picked by the
             # dispatcher: C++ on the CPU, Triton on CUDA (in place of the reference's ~40 kernels)
             phi, upsilon, variance = self.operator(mean, std)

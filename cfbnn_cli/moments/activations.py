@@ -50,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import fast, kernel_handles, ops
+from . import fast, kernel_handles, leaky_ops, ops
 from .activation_base import Activation, check_real
 from .gaussian import (
     check_mean_std,
@@ -151,21 +151,13 @@ class LeakyReLU(Activation):
         return kernel_handles.LeakyReLUOp(self._reference_moments, self.negative_slope)
 
     def _moments(self, mean, std):
-        eps = self.negative_slope
-        tail = small_tail(mean, std, 2)
-        s1, s2 = tail[..., 1], tail[..., 2]
-        upper = mean >= 0
-        var = std * std
-        # mean >= 0: g - mean = (z - mean) + (eps - 1) z 1{z<0}
-        phi_upper = mean + (1.0 - eps) * s1
-        second_upper = var + 2.0 * (eps - 1.0) * (s2 + mean * s1) + (eps - 1.0) ** 2 * s2
-        # mean < 0: g - eps*mean = eps (z - mean) + (1 - eps) z 1{z>0}
-        phi_lower = eps * mean + (1.0 - eps) * s1
-        second_lower = eps * eps * var + 2.0 * eps * (1.0 - eps) * (s2 - mean * s1) + (1.0 - eps) ** 2 * s2
-        shift_sq = (1.0 - eps) ** 2 * s1 * s1
-        phi = torch.where(upper, phi_upper, phi_lower)
-        variance = torch.where(upper, second_upper, second_lower) - shift_sq
-        return phi, variance
+        return leaky_ops.reference_leaky_moments(mean, std, self.negative_slope)
+
+    def operator(self, mean, std):
+        """``(Phi, Upsilon, Var)`` through ``cfbnn::leaky_relu_moments``."""
+        return leaky_ops.leaky_relu_moments_function(mean, std, self.negative_slope)
+
+    operator_applies = staticmethod(leaky_ops.leaky_operator_route)
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0, self.negative_slope], [0.0, 1.0]], name="leaky_relu")

@@ -249,7 +249,7 @@ def _(mean, std, phi, grad_phi, grad_upsilon, grad_variance):
     return torch.empty_like(mean), torch.empty_like(mean)
 
 
-def _absent_gradient(like: Tensor) -> Tensor:
+def absent_gradient(like: Tensor) -> Tensor:
     """The gradient of an output nothing used: one zero expanded to ``like``'s shape, which the
     kernels read as a scalar (the C++ one as no gradient at all) instead of a block of zeros."""
     return like.new_zeros(()).expand(like.shape)
@@ -258,13 +258,13 @@ def _absent_gradient(like: Tensor) -> Tensor:
 def _setup_context(ctx, inputs, output):
     mean, std = inputs
     phi, _, _ = output
-    ctx.set_materialize_grads(False)  # an unused output's gradient: _absent_gradient, not a block of zeros
+    ctx.set_materialize_grads(False)  # an unused output's gradient: absent_gradient, not a block of zeros
     ctx.save_for_backward(mean, std, phi)
 
 
 def _backward(ctx, grad_phi, grad_upsilon, grad_variance):
     mean, std, phi = ctx.saved_tensors
-    grads = [g if g is not None else _absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
+    grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
     if torch.is_grad_enabled():  # a graph of the backward is wanted: the kernel, differentiable again
         return ReLUMomentsVJP.apply(mean, std, phi, *grads)
     return relu_moments_backward(mean, std, phi, *grads)
@@ -386,13 +386,13 @@ class ReLUMoments(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         mean, std = inputs
-        ctx.set_materialize_grads(False)  # an unused output's gradient: _absent_gradient, not a block of zeros
+        ctx.set_materialize_grads(False)  # an unused output's gradient: absent_gradient, not a block of zeros
         ctx.save_for_backward(mean, std, output[0])
 
     @staticmethod
     def backward(ctx, grad_phi, grad_upsilon, grad_variance):
         mean, std, phi = ctx.saved_tensors
-        grads = [g if g is not None else _absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
+        grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
         if torch.is_grad_enabled() or any(is_transformed(t) for t in (mean, std, phi, *grads)):
             return ReLUMomentsVJP.apply(mean, std, phi, *grads)
         return tuple(torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *grads))
@@ -422,7 +422,7 @@ class ReLUMomentsVJP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_grad_mean, grad_grad_std):
         inputs = ctx.saved_tensors
-        cotangents = tuple(_absent_gradient(inputs[0]) if g is None else g for g in (grad_grad_mean, grad_grad_std))
+        cotangents = tuple(absent_gradient(inputs[0]) if g is None else g for g in (grad_grad_mean, grad_grad_std))
         _, vjp = torch.func.vjp(_differentiable_backward, *inputs)
         return vjp(cotangents)
 

@@ -30,8 +30,12 @@ def small_tail(mean, std, order):
 
     Returns ``S_k = E[w^k 1{w>0}]`` for ``w ~ N(-|mean|, std^2)``: for ``mean >= 0``
     these are ``(-1)^k E[z^k 1{z<0}]``, for ``mean < 0`` they are ``E[z^k 1{z>0}]``.
+
+    ``-|mean|`` is written with the branch the callers select (``mean >= 0``): at ``mean = 0``
+    autograd then takes that branch's derivative, the true one (the moments are smooth there),
+    where ``abs``'s would be 0 and leave, say, ReLU's ``dPhi/dmean`` at 1 instead of 1/2.
     """
-    return positive_part_moments(order, -mean.abs(), std)
+    return positive_part_moments(order, torch.where(mean >= 0, -mean, mean), std)
 
 
 _LOG_INV_SQRT_2PI = -0.5 * math.log(2.0 * math.pi)

@@ -179,6 +179,92 @@ def relu_moments_backward_kernel(
     tl.store(g_spread_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
 
 
+@triton.jit
+def leaky_from_tail(mean, std, pdf, s0, s1, s2, eps):
+    """Leaky ReLU's ``(Phi, Var before its clamp at 0, dPhi/dmean, dPhi/dstd, dVar/dmean,
+    dVar/dstd)``, float64, from the small tail (the C++ ``leaky_combine``; paper eqs. (21), (22),
+    written around the far side of 0 so that nothing cancels): with ``w ~ N(-|mean|, std^2)``,
+    ``S1 = E[w 1{w>0}] = std s1``, ``S2 = E[w^2 1{w>0}] = std^2 s2``, ``u0 = P(w > 0) = s0``."""
+    om = 1.0 - eps
+    big_s1 = std * s1
+    big_s2 = std * std * s2
+    variance = std * std
+    upper = mean >= 0.0
+    # mean >= 0: g - mean = (z - mean) + (eps - 1) z 1{z<0};  mean < 0: g - eps mean = eps (z - mean) + (1 - eps) z 1{z>0}
+    phi = tl.where(upper, mean + om * big_s1, eps * mean + om * big_s1)
+    second = tl.where(
+        upper,
+        variance + 2.0 * (eps - 1.0) * (big_s2 + mean * big_s1) + om * om * big_s2,
+        eps * eps * variance + 2.0 * eps * om * (big_s2 - mean * big_s1) + om * om * big_s2,
+    )
+    var = second - om * om * big_s1 * big_s1
+    cdf = tl.where(upper, 1.0 - s0, s0)  # Phi_N(mean/std)
+    cdf_neg = tl.where(upper, s0, 1.0 - s0)  # Phi_N(-mean/std)
+    d_phi_mean = eps + om * cdf  # E[g']
+    d_phi_std = om * pdf  # std E[g''] (heat equation)
+    # dVar/dmean = 2 Cov(g, g') = 2 (1 - eps) Cov(g, 1{z>0}), without cancellation
+    d_var_mean = 2.0 * om * tl.where(upper, eps * big_s1 + s0 * phi, big_s1 * (1.0 - om * s0) - eps * mean * s0)
+    # dVar/dstd = std E[(g^2)''] - 2 Phi std E[g''] = 2 std E[g'^2] - 2 (1 - eps) Phi phi(t)
+    d_var_std = 2.0 * std * (eps * eps * cdf_neg + cdf) - 2.0 * om * phi * pdf
+    return phi, var, d_phi_mean, d_phi_std, d_var_mean, d_var_std
+
+
+@triton.jit
+def leaky_relu_moments_kernel(
+    mean_ptr, std_ptr, slope_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr
+):
+    """``(Phi, Upsilon, Var)`` of leaky ReLU elementwise (:func:`leaky_from_tail`), Var clamped at
+    0; the slope read as float64 from ``slope_ptr`` (one launch for any slope)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    mean = m_in.to(tl.float64)
+    std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    eps = tl.load(slope_ptr).to(tl.float64)
+    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
+    phi, var, _, _, _, _ = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
+    var = tl.maximum(var, 0.0)
+    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
+    tl.store(ups_ptr + offsets, (var + phi * phi).to(m_in.dtype), mask=inside)
+    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
+
+
+@triton.jit
+def leaky_relu_moments_backward_kernel(
+    mean_ptr,
+    std_ptr,
+    slope_ptr,
+    phi_ptr,
+    g_phi_ptr,
+    g_ups_ptr,
+    g_var_ptr,
+    g_mean_ptr,
+    g_std_ptr,
+    n,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """Vector-Jacobian product of :func:`leaky_relu_moments_kernel` (``Upsilon = Var + Phi^2``, the
+    saved Phi; no gradient through Var where its clamp bites, as the reference's ``clamp_min``)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    mean = m_in.to(tl.float64)
+    std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    eps = tl.load(slope_ptr).to(tl.float64)
+    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
+    _, var, pm, ps, vm, vs = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
+    keep = tl.where(var < 0.0, 0.0, 1.0)
+    phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    a = g_phi + 2.0 * phi * g_ups
+    b = (g_ups + g_var) * keep
+    tl.store(g_mean_ptr + offsets, (pm * a + vm * b).to(m_in.dtype), mask=inside)
+    tl.store(g_std_ptr + offsets, (ps * a + vs * b).to(m_in.dtype), mask=inside)
+
+
 def cf_depth(dtype) -> int:
     """The continued fraction's depth for results of ``dtype`` (float32 or float64)."""
     return CF_DEPTH_F32 if str(dtype).endswith("float32") else CF_DEPTH

@@ -21,10 +21,11 @@ POINTS = [(float(np.float32(t * s)), s) for s in STD_GRID for t in T_GRID] + [(2
 TOLERANCE = {torch.float64: (1e-10, 1e-300), torch.float32: (1e-5, float(torch.finfo(torch.float32).tiny))}
 
 
-def _quadrature(points):
+def _quadrature(points, name="relu", **params):
+    """``(Phi, Var, Upsilon, E|g|)`` by quadrature at each point, of ReLU or another activation."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quad's roundoff notes at the extreme points
-        return [activation_reference("relu", m, s) for m, s in points]
+        return [activation_reference(name, m, s, **params) for m, s in points]
 
 
 def worst_error(values, references, points, dtype) -> float:

@@ -262,8 +262,8 @@ def test_threads_and_block_positions_give_identical_results():
 
 def test_switches_select_the_path(monkeypatch):
     """ReLU takes its operator (cfbnn::relu_moments, the C++ kernel) on CPU float tensors, leaky
-    ReLU (no operator) its fused kernels called directly; with the fast path switched off, or
-    another dtype, both take the reference ops."""
+    ReLU (whose operator serves CUDA only) its fused kernels called directly; with the fast path
+    switched off, or another dtype, both take the reference ops."""
     relu, leaky = get_activation("relu"), get_activation("leaky_relu")
     operator_calls, kernel_calls = [], []
     monkeypatch.setattr(relu, "operator", lambda *a: operator_calls.append(1) or ops.relu_moments_function(*a))
@@ -411,7 +411,7 @@ def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivativ
     only some of (Phi, Upsilon, Var) carry a gradient. ReLU's kernel is its operator's
     (ops.ReLUMomentsVJP), the others' the direct route's (fast._KernelBackward)."""
     calls = []
-    function = ops.ReLUMomentsVJP if activation.operator is not None else fast._KernelBackward
+    function = ops.ReLUMomentsVJP if activation.name == "relu" else fast._KernelBackward
     original = function.forward
     monkeypatch.setattr(function, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
     g = torch.Generator().manual_seed(11)

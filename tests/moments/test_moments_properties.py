@@ -100,6 +100,20 @@ def test_gradcheck_float64(activation):
     assert gradgradcheck(fn, (mean, std))
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["kernels", "reference"])
+@pytest.mark.parametrize("activation", ALL, ids=repr)
+def test_gradients_at_a_zero_mean_are_the_values_central_differences(activation, fast):
+    """At ``mean = 0`` exactly (a zero-initialized layer's pre-activations), where the moments are
+    smooth but the reference path's formulas switch branch: float64 gradients of Phi, Upsilon and
+    Var against central differences of the values (gradcheck), on both paths."""
+    from cfbnn_cli.moments import fast_path
+
+    mean = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    std = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64, requires_grad=True)
+    with fast_path(fast):
+        assert gradcheck(lambda m, s: activation.moments(m, s, return_variance=True), (mean, std))
+
+
 def test_gradcheck_kernels():
     generator = torch.Generator().manual_seed(2)
     mean = (3 * torch.randn(10, generator=generator, dtype=torch.float64)).requires_grad_()

@@ -14,7 +14,7 @@ import math
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import ops, tail_ops
+from cfbnn_cli.moments import leaky_ops, ops, tail_ops
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 
@@ -59,6 +59,36 @@ def tail_errors(device: str, dtype, generator) -> dict:
             *(_scaled(columns[i], reference[2 + i].grad) for i in range(3)),
         ),
     }
+
+
+LEAKY_SLOPES = (0.125, -0.5)  # test_moments_quadrature.py's: inside [0, 1] and outside
+
+
+def leaky_errors(device: str, dtype, generator) -> dict:
+    """Leaky ReLU's Triton kernels at two slopes: the values against quadrature on the ReLU grid
+    (the tolerances of test_moments_quadrature.py), the gradients against the float64 reference
+    ops' autograd."""
+    values_worst = grads_worst = 0.0
+    mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
+    std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
+    grads = [torch.randn(len(POINTS), generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)]
+    positive = std > 0  # (the reference's autograd has no gradient at std = 0)
+    for slope in LEAKY_SLOPES:
+        references = _quadrature(POINTS, "leaky_relu", negative_slope=slope)
+        phi, ups, var = leaky_ops.triton_leaky_relu_moments(mean.to(device), std.to(device), slope)
+        values_worst = max(values_worst, worst_error([t.cpu() for t in (phi, ups, var)], references, POINTS, dtype))
+        m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))
+        want = leaky_ops._reference_forward(m64, s64, slope if dtype == torch.float64 else float(torch.tensor(slope)))
+        torch.autograd.backward(list(want), [t.double() for t in grads])
+        gm, gs = leaky_ops.triton_leaky_relu_moments_backward(
+            mean.to(device), std.to(device), phi, *(t.to(device) for t in grads), slope
+        )
+        grads_worst = max(
+            grads_worst,
+            _relative(gm.cpu()[positive], m64.grad[positive]),
+            _relative(gs.cpu()[positive], s64.grad[positive]),
+        )
+    return {"values": values_worst, "grads": grads_worst}
 
 
 def triton_errors(device: str) -> dict:
@@ -115,6 +145,7 @@ def triton_errors(device: str) -> dict:
             "grads": max(_relative(gl, l64.grad), _relative(gs, s64.grad)),
         }
         out[name + "_tail"] = tail_errors(device, dtype, g)
+        out[name + "_leaky"] = leaky_errors(device, dtype, g)
     return out
 
 
@@ -130,4 +161,6 @@ def assert_within_tolerances(errors: dict) -> None:
     assert errors["float32_kl"]["value"] < 1e-5 and errors["float32_kl"]["grads"] < 1e-5, errors
     for name, tolerance in (("float64_tail", 1e-10), ("float32_tail", 1e-5)):
         assert errors[name]["values"] < tolerance and errors[name]["grads"] < tolerance, (name, errors)
+    for name, tolerance in (("float64_leaky", 1e-10), ("float32_leaky", 1e-5)):
+        assert errors[name]["values"] <= 1.0 and errors[name]["grads"] < tolerance, (name, errors)
     assert all(math.isfinite(v) for d in errors.values() for v in d.values()), errors

@@ -43,6 +43,8 @@ struct Kernels;
   struct Kernels<T> {                                                    \
     static constexpr auto relu_forward = &relu_forward_##SUF;            \
     static constexpr auto relu_backward = &relu_backward_##SUF;          \
+    static constexpr auto leaky_forward = &leaky_forward_##SUF;          \
+    static constexpr auto leaky_backward = &leaky_backward_##SUF;        \
     static constexpr auto hidden_pass = &hidden_pass_##SUF;              \
     static constexpr auto diag_kl_backward = &diag_kl_backward_##SUF;    \
     static constexpr auto augment_pair = &augment_pair_##SUF;            \
@@ -150,6 +152,50 @@ std::tuple<Tensor, Tensor> relu_moments_backward(const Tensor& mean_in, const Te
     Kernels<T>::relu_backward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(), gp,
                               gp_scalar, gu, gu_scalar, gv, gv_scalar, grad_mean.data_ptr<T>(),
                               grad_std.data_ptr<T>(), threads());
+    return 0;
+  });
+  return {grad_mean, grad_std};
+}
+
+/* The slope as the kernels take it: for float32 tensors the float32 number torch's float32
+   arithmetic multiplies by (cfbnn_cli/moments/kernel_handles.py: LeakyReLUOp). */
+template <typename T>
+double slope_for(double negative_slope) {
+  return sizeof(T) == sizeof(float) ? static_cast<double>(static_cast<float>(negative_slope)) : negative_slope;
+}
+
+std::tuple<Tensor, Tensor, Tensor> leaky_relu_moments(const Tensor& mean_in, const Tensor& std_in,
+                                                      double negative_slope) {
+  check_operands("leaky_relu_moments", mean_in, {&std_in});
+  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous();
+  Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::leaky_forward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), slope_for<T>(negative_slope),
+                              phi.data_ptr<T>(), ups.data_ptr<T>(), var.data_ptr<T>(), nullptr, nullptr, nullptr,
+                              nullptr, threads());
+    return 0;
+  });
+  return {phi, ups, var};
+}
+
+std::tuple<Tensor, Tensor> leaky_relu_moments_backward(const Tensor& mean_in, const Tensor& std_in,
+                                                       const Tensor& phi_in, const Tensor& grad_phi_in,
+                                                       const Tensor& grad_upsilon_in, const Tensor& grad_variance_in,
+                                                       double negative_slope) {
+  check_operands("leaky_relu_moments_backward", mean_in, {&std_in, &phi_in, &grad_phi_in, &grad_upsilon_in,
+                                                          &grad_variance_in});
+  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous(), phi = phi_in.contiguous();
+  Tensor grad_mean = at::empty_like(mean), grad_std = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Tensor held[3];
+    const auto [gp, gp_scalar] = gradient_operand<T>(grad_phi_in, held[0]);
+    const auto [gu, gu_scalar] = gradient_operand<T>(grad_upsilon_in, held[1]);
+    const auto [gv, gv_scalar] = gradient_operand<T>(grad_variance_in, held[2]);
+    Kernels<T>::leaky_backward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), slope_for<T>(negative_slope),
+                               phi.data_ptr<T>(), gp, gp_scalar, gu, gu_scalar, gv, gv_scalar,
+                               grad_mean.data_ptr<T>(), grad_std.data_ptr<T>(), threads());
     return 0;
   });
   return {grad_mean, grad_std};
@@ -468,6 +514,8 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   library = new torch::Library(torch::Library::IMPL, "cfbnn", c10::DispatchKey::CPU, __FILE__, __LINE__);
   library->impl("relu_moments", TORCH_FN(relu_moments));
   library->impl("relu_moments_backward", TORCH_FN(relu_moments_backward));
+  library->impl("leaky_relu_moments", TORCH_FN(leaky_relu_moments));
+  library->impl("leaky_relu_moments_backward", TORCH_FN(leaky_relu_moments_backward));
   library->impl("relu_moments_from_variance", TORCH_FN(relu_moments_from_variance));
   library->impl("relu_moments_from_variance_backward", TORCH_FN(relu_moments_from_variance_backward));
   library->impl("diagonal_kl", TORCH_FN(diagonal_kl));
