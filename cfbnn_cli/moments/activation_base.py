@@ -23,8 +23,8 @@ class Activation:
 
     name: str = "activation"
     # (mean, std) -> (Phi, Upsilon, Var) through this activation's torch operator
-    # (:mod:`cfbnn_cli.moments.ops`), and whether that operator has a compiled kernel for a given
-    # mean; None: the fused C++ kernels or the reference ops
+    # (:mod:`cfbnn_cli.moments.ops`), and whether moments() takes it for a given mean (off the
+    # CPU); None: the fused C++ kernels or the reference ops
     operator = None
     operator_applies = staticmethod(ops.operator_route)
 
@@ -55,20 +55,19 @@ class Activation:
     def moments(self, mean, std, return_variance: bool = False):
         """``(E[g(z)], E[g(z)^2])`` (and ``Var[g(z)]`` if asked) for ``z ~ N(mean, std^2)``.
 
-        Paper eq. (9) (``Phi``, ``Upsilon``). An activation with a ``cfbnn::`` operator (ReLU, leaky ReLU) runs
-        it wherever it has a compiled kernel (C++ on the CPU, Triton on CUDA); the others run
-        their fused C++ kernels (:mod:`cfbnn_cli.moments.fast`) on CPU float32/float64 tensors;
-        everything else, and the fast path switched off, the reference torch ops. All compute the
-        same cancellation-free forms.
+        Paper eq. (9) (``Phi``, ``Upsilon``). On CPU float32/float64 tensors this runs the fused C++
+        kernels of :mod:`cfbnn_cli.moments.fast` (unless switched off); on CUDA an activation with a
+        ``cfbnn::`` operator (ReLU, leaky ReLU) runs it (Triton); everything else the reference
+        torch ops. All compute the same cancellation-free forms.
         """
         mean, std = check_mean_std(mean, std)
         mean, std = torch.broadcast_tensors(mean, std)
         if self.operator is not None and self.operator_applies(mean):
-            # one operator (cfbnn::<name>_moments) on every device, its kernel picked by the
-            # dispatcher: C++ on the CPU, Triton on CUDA (in place of the reference's ~40 kernels)
+            # off the CPU: one operator (cfbnn::<name>_moments, a Triton kernel each way) in place
+            # of the reference path's ~40 small kernels (ops.operator_route says why not on the CPU)
             phi, upsilon, variance = self.operator(mean, std)
         elif (op := self.cpu_kernels if fast.usable(mean) else None) is not None:
-            # the activations without an operator: their fused C++ kernels, called directly
+            # the CPU: the fused C++ kernels, called directly
             phi, upsilon, variance = fast.moments(op, mean, std, return_variance)
         else:
             phi, upsilon, variance = self._reference_moments(mean, std)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
-from cfbnn_cli.moments import fast, fast_path, get_activation, ops, piecewise_polynomial
+from cfbnn_cli.moments import fast, fast_path, get_activation, piecewise_polynomial
 
 pytestmark = pytest.mark.skipif(fast.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)")
 
@@ -261,35 +261,26 @@ def test_threads_and_block_positions_give_identical_results():
 
 
 def test_switches_select_the_path(monkeypatch):
-    """ReLU takes its operator (cfbnn::relu_moments, the C++ kernel) on CPU float tensors, leaky
-    ReLU (whose operator serves CUDA only) its fused kernels called directly; with the fast path
-    switched off, or another dtype, both take the reference ops."""
-    relu, leaky = get_activation("relu"), get_activation("leaky_relu")
-    operator_calls, kernel_calls = [], []
-    monkeypatch.setattr(relu, "operator", lambda *a: operator_calls.append(1) or ops.relu_moments_function(*a))
+    relu = get_activation("relu")
+    calls = []
     original = fast.moments
-    monkeypatch.setattr(fast, "moments", lambda *a, **k: kernel_calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(fast, "moments", lambda *a, **k: calls.append(1) or original(*a, **k))
     mean, std = torch.randn(10), torch.rand(10)
-
-    def both(m, s):
-        relu.moments(m, s)
-        leaky.moments(m, s)
-
-    both(mean, std)
-    assert operator_calls == [1] and kernel_calls == [1]
+    relu.moments(mean, std)
+    assert calls == [1]
     with fast_path(False):
         assert not fast.fast_path_enabled()
-        both(mean, std)
-    assert operator_calls == [1] and kernel_calls == [1] and fast.fast_path_enabled()
+        relu.moments(mean, std)
+    assert calls == [1] and fast.fast_path_enabled()
     fast.set_fast_path(False)
     try:
-        both(mean, std)
+        relu.moments(mean, std)
     finally:
         fast.set_fast_path(True)
-    assert operator_calls == [1] and kernel_calls == [1]
-    both(mean.double(), std.double())
-    both(mean.to(torch.bfloat16), std.to(torch.bfloat16))  # other dtypes: the reference path
-    assert operator_calls == [1, 1] and kernel_calls == [1, 1]
+    assert calls == [1]
+    relu.moments(mean.double(), std.double())
+    relu.moments(mean.to(torch.bfloat16), std.to(torch.bfloat16))  # other dtypes: the reference path
+    assert calls == [1, 1]
 
 
 def test_info_reports_the_build():
@@ -408,12 +399,10 @@ def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivativ
     """create_graph=True (what torch.func.grad always asks for): the first derivative comes from
     the backward kernel (a function of its own), the second from the reference path's
     differentiable ops; both equal the reference path's (fast path off), in float64, also when
-    only some of (Phi, Upsilon, Var) carry a gradient. ReLU's kernel is its operator's
-    (ops.ReLUMomentsVJP), the others' the direct route's (fast._KernelBackward)."""
+    only some of (Phi, Upsilon, Var) carry a gradient."""
     calls = []
-    function = ops.ReLUMomentsVJP if activation.name == "relu" else fast._KernelBackward
-    original = function.forward
-    monkeypatch.setattr(function, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
+    original = fast._KernelBackward.forward
+    monkeypatch.setattr(fast._KernelBackward, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
     g = torch.Generator().manual_seed(11)
     mean = 3 * torch.randn(6, 5, generator=g, dtype=torch.float64)
     std = torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05
