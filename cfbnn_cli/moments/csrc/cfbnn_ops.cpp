@@ -136,25 +136,38 @@ std::pair<const T*, int> gradient_operand(const Tensor& grad, Tensor& held) {
   return {value, 1};
 }
 
-std::tuple<Tensor, Tensor> relu_moments_backward(const Tensor& mean_in, const Tensor& std_in, const Tensor& phi_in,
-                                                 const Tensor& grad_phi_in, const Tensor& grad_upsilon_in,
-                                                 const Tensor& grad_variance_in) {
-  check_operands("relu_moments_backward", mean_in, {&std_in, &phi_in, &grad_phi_in, &grad_upsilon_in,
-                                                    &grad_variance_in});
+/* What both moments' backward operators do around their kernel: check the operands, make the
+   inputs contiguous, pass each output gradient as (pointer, is_scalar) (gradient_operand), then
+   kernel(T{}, n, mean, std, phi, gp, gp_scalar, gu, gu_scalar, gv, gv_scalar, grad_mean, grad_std). */
+template <typename Kernel>
+std::tuple<Tensor, Tensor> moments_backward(const char* op, const Tensor& mean_in, const Tensor& std_in,
+                                            const Tensor& phi_in, const Tensor& grad_phi, const Tensor& grad_upsilon,
+                                            const Tensor& grad_variance, Kernel&& kernel) {
+  check_operands(op, mean_in, {&std_in, &phi_in, &grad_phi, &grad_upsilon, &grad_variance});
   const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous(), phi = phi_in.contiguous();
   Tensor grad_mean = at::empty_like(mean), grad_std = at::empty_like(mean);
   by_dtype(mean, [&](auto zero) {
     using T = decltype(zero);
     Tensor held[3];
-    const auto [gp, gp_scalar] = gradient_operand<T>(grad_phi_in, held[0]);
-    const auto [gu, gu_scalar] = gradient_operand<T>(grad_upsilon_in, held[1]);
-    const auto [gv, gv_scalar] = gradient_operand<T>(grad_variance_in, held[2]);
-    Kernels<T>::relu_backward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(), gp,
-                              gp_scalar, gu, gu_scalar, gv, gv_scalar, grad_mean.data_ptr<T>(),
-                              grad_std.data_ptr<T>(), threads());
+    const auto [gp, gp_scalar] = gradient_operand<T>(grad_phi, held[0]);
+    const auto [gu, gu_scalar] = gradient_operand<T>(grad_upsilon, held[1]);
+    const auto [gv, gv_scalar] = gradient_operand<T>(grad_variance, held[2]);
+    kernel(zero, mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(), gp, gp_scalar, gu,
+           gu_scalar, gv, gv_scalar, grad_mean.data_ptr<T>(), grad_std.data_ptr<T>());
     return 0;
   });
   return {grad_mean, grad_std};
+}
+
+std::tuple<Tensor, Tensor> relu_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
+                                                 const Tensor& grad_phi, const Tensor& grad_upsilon,
+                                                 const Tensor& grad_variance) {
+  return moments_backward("relu_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
+                          [](auto zero, int64_t n, const auto* m, const auto* s, const auto* f, const auto* gp,
+                             int gps, const auto* gu, int gus, const auto* gv, int gvs, auto* gm, auto* gs) {
+                            Kernels<decltype(zero)>::relu_backward(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs,
+                                                                   threads());
+                          });
 }
 
 /* The slope as the kernels take it: for float32 tensors the float32 number torch's float32
@@ -179,26 +192,17 @@ std::tuple<Tensor, Tensor, Tensor> leaky_relu_moments(const Tensor& mean_in, con
   return {phi, ups, var};
 }
 
-std::tuple<Tensor, Tensor> leaky_relu_moments_backward(const Tensor& mean_in, const Tensor& std_in,
-                                                       const Tensor& phi_in, const Tensor& grad_phi_in,
-                                                       const Tensor& grad_upsilon_in, const Tensor& grad_variance_in,
-                                                       double negative_slope) {
-  check_operands("leaky_relu_moments_backward", mean_in, {&std_in, &phi_in, &grad_phi_in, &grad_upsilon_in,
-                                                          &grad_variance_in});
-  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous(), phi = phi_in.contiguous();
-  Tensor grad_mean = at::empty_like(mean), grad_std = at::empty_like(mean);
-  by_dtype(mean, [&](auto zero) {
-    using T = decltype(zero);
-    Tensor held[3];
-    const auto [gp, gp_scalar] = gradient_operand<T>(grad_phi_in, held[0]);
-    const auto [gu, gu_scalar] = gradient_operand<T>(grad_upsilon_in, held[1]);
-    const auto [gv, gv_scalar] = gradient_operand<T>(grad_variance_in, held[2]);
-    Kernels<T>::leaky_backward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), slope_for<T>(negative_slope),
-                               phi.data_ptr<T>(), gp, gp_scalar, gu, gu_scalar, gv, gv_scalar,
-                               grad_mean.data_ptr<T>(), grad_std.data_ptr<T>(), threads());
-    return 0;
-  });
-  return {grad_mean, grad_std};
+std::tuple<Tensor, Tensor> leaky_relu_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
+                                                       const Tensor& grad_phi, const Tensor& grad_upsilon,
+                                                       const Tensor& grad_variance, double negative_slope) {
+  return moments_backward("leaky_relu_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
+                          [negative_slope](auto zero, int64_t n, const auto* m, const auto* s, const auto* f,
+                                           const auto* gp, int gps, const auto* gu, int gus, const auto* gv, int gvs,
+                                           auto* gm, auto* gs) {
+                            using T = decltype(zero);
+                            Kernels<T>::leaky_backward(n, m, s, slope_for<T>(negative_slope), f, gp, gps, gu, gus,
+                                                       gv, gvs, gm, gs, threads());
+                          });
 }
 
 std::tuple<Tensor, Tensor, Tensor> relu_moments_from_variance(const Tensor& mean_in, const Tensor& variance_in) {
