@@ -111,6 +111,26 @@ def relu_vjp(mean, std, phi, g_phi, g_ups, g_var, CF_DEPTH: tl.constexpr):
 
 
 @triton.jit
+def block_operands(mean_ptr, spread_ptr, n, BLOCK: tl.constexpr):
+    """This program's block of an elementwise kernel: ``(offsets, inside, mean as stored, mean and
+    spread in float64)``; lanes past ``n`` read a mean of 0 and a spread of 1 (finite arithmetic)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
+    spread = tl.load(spread_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    return offsets, inside, m_in, m_in.to(tl.float64), spread
+
+
+@triton.jit
+def output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside):
+    """The block's gradients of ``(Phi, Upsilon, Var)``, float64."""
+    g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    return g_phi, g_ups, g_var
+
+
+@triton.jit
 def relu_moments_kernel(
     mean_ptr,
     spread_ptr,
@@ -127,13 +147,10 @@ def relu_moments_kernel(
     standard deviation, or with ``FROM_VARIANCE`` the variance (the square root taken here, the
     variance kept at or above ``FLOOR``, the dtype's smallest normal number, as the CPU kernel
     ``hidden_pass`` does)."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    std = tl.load(spread_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, spread_ptr, n, BLOCK)
     if FROM_VARIANCE:
         std = tl.sqrt(tl.maximum(std, FLOOR))
-    phi, ups, var = relu_core(m_in.to(tl.float64), std, CF_DEPTH)
+    phi, ups, var = relu_core(mean, std, CF_DEPTH)
     tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
     tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
     tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
@@ -157,11 +174,7 @@ def relu_moments_backward_kernel(
 ):
     """Vector-Jacobian product of :func:`relu_moments_kernel` (:func:`relu_vjp`); with
     ``FROM_VARIANCE`` Phi is recomputed (``phi_ptr`` unused) and ``d variance = d std / (2 std)``."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    mean = m_in.to(tl.float64)
-    std = tl.load(spread_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, spread_ptr, n, BLOCK)
     if FROM_VARIANCE:
         std = tl.sqrt(tl.maximum(std, FLOOR))
     x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)  # once, for Phi and the derivatives
@@ -169,9 +182,7 @@ def relu_moments_backward_kernel(
         phi, _, _ = relu_from_tail(mean, std, x, s1, s2)
     else:
         phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside)
     g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
     if FROM_VARIANCE:
         g_std = 0.5 * g_std / std
@@ -215,11 +226,7 @@ def leaky_relu_moments_kernel(
 ):
     """``(Phi, Upsilon, Var)`` of leaky ReLU elementwise (:func:`leaky_from_tail`), Var clamped at
     0; the slope read as float64 from ``slope_ptr`` (one launch for any slope)."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    mean = m_in.to(tl.float64)
-    std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
     eps = tl.load(slope_ptr).to(tl.float64)
     x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
     phi, var, _, _, _, _ = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
@@ -246,19 +253,13 @@ def leaky_relu_moments_backward_kernel(
 ):
     """Vector-Jacobian product of :func:`leaky_relu_moments_kernel` (``Upsilon = Var + Phi^2``, the
     saved Phi; no gradient through Var where its clamp bites, as the reference's ``clamp_min``)."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    m_in = tl.load(mean_ptr + offsets, mask=inside, other=0.0)
-    mean = m_in.to(tl.float64)
-    std = tl.load(std_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
     eps = tl.load(slope_ptr).to(tl.float64)
     x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
     _, var, pm, ps, vm, vs = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
     keep = tl.where(var < 0.0, 0.0, 1.0)
     phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_phi = tl.load(g_phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_ups = tl.load(g_ups_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_var = tl.load(g_var_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside)
     a = g_phi + 2.0 * phi * g_ups
     b = (g_ups + g_var) * keep
     tl.store(g_mean_ptr + offsets, (pm * a + vm * b).to(m_in.dtype), mask=inside)
