@@ -13,7 +13,7 @@ Kernels, as for ``cfbnn::relu_moments`` (:mod:`.ops`): on the CPU the C++ ``leak
 (``csrc/cfbnn_ops.cpp``, registered when the library loads; before that, and without a
 compiler, :func:`reference_leaky_moments`); on CUDA the Triton kernels of
 :mod:`.triton_kernels`, one launch each way. Autograd (the backward kernel; under
-``create_graph`` inside :class:`LeakyReLUMomentsVJP`, whose own derivative is that of the
+``create_graph`` inside :class:`.ops.KernelVJP`, whose own derivative is that of the
 reference ops), fake and vmap registrations; ``opcheck`` in ``tests/moments/test_leaky_ops.py``.
 """
 
@@ -26,7 +26,15 @@ from torch import Tensor
 
 from . import fast
 from .gaussian import align_batched, is_transformed
-from .ops import HAVE_TRITON, absent_gradient, check_operands, device_kernels_apply, first_use_check
+from .ops import (
+    HAVE_TRITON,
+    KernelVJP,
+    absent_gradient,
+    check_operands,
+    device_kernels_apply,
+    elementwise_vmap,
+    first_use_check,
+)
 from .relu_reference import small_tail
 
 if HAVE_TRITON:
@@ -200,30 +208,21 @@ def _backward(ctx, grad_phi, grad_upsilon, grad_variance):
     mean, std, phi = ctx.saved_tensors
     grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
     if torch.is_grad_enabled():  # a graph of the backward is wanted: the kernel, differentiable again
-        return (*LeakyReLUMomentsVJP.apply(mean, std, phi, *grads, ctx.negative_slope), None)
+        return (*_kernel_vjp(mean, std, phi, grads, ctx.negative_slope), None)
     return (*leaky_relu_moments_backward(mean, std, phi, *grads, ctx.negative_slope), None)
+
+
+def _kernel_vjp(mean, std, phi, grads, negative_slope):
+    """The backward kernel with a derivative of its own (:class:`.ops.KernelVJP`)."""
+    kernel = torch.ops.cfbnn.leaky_relu_moments_backward
+    return KernelVJP.apply(kernel, _differentiable_backward, mean, std, phi, *grads, negative_slope)
 
 
 leaky_relu_moments.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _elementwise_vmap(op, count: int):
-    def rule(info, in_dims, *arguments):
-        *tensors, negative_slope = arguments
-        moved = []
-        for tensor, dim in zip(tensors, in_dims):
-            if dim is None:
-                tensor = tensor.unsqueeze(0).expand(info.batch_size, *tensor.shape)
-            else:
-                tensor = tensor.movedim(dim, 0)
-            moved.append(tensor.contiguous())
-        return op(*moved, negative_slope), (0,) * count
-
-    return rule
-
-
-leaky_relu_moments.register_vmap(_elementwise_vmap(leaky_relu_moments, 3))
-leaky_relu_moments_backward.register_vmap(_elementwise_vmap(leaky_relu_moments_backward, 2))
+leaky_relu_moments.register_vmap(elementwise_vmap(leaky_relu_moments, 3))
+leaky_relu_moments_backward.register_vmap(elementwise_vmap(leaky_relu_moments_backward, 2))
 
 
 class LeakyReLUMoments(torch.autograd.Function):
@@ -243,49 +242,13 @@ class LeakyReLUMoments(torch.autograd.Function):
         mean, std, phi = ctx.saved_tensors
         grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
         if torch.is_grad_enabled() or any(is_transformed(t) for t in (mean, std, phi, *grads)):
-            return (*LeakyReLUMomentsVJP.apply(mean, std, phi, *grads, ctx.negative_slope), None)
+            return (*_kernel_vjp(mean, std, phi, grads, ctx.negative_slope), None)
         return (*torch.ops.cfbnn.leaky_relu_moments_backward(mean, std, phi, *grads, ctx.negative_slope), None)
 
     @staticmethod
     def vmap(info, in_dims, mean, std, negative_slope):
         mean, std = align_batched(mean, std, in_dims[:2])
         return LeakyReLUMoments.apply(*torch.broadcast_tensors(mean, std), negative_slope), (0, 0, 0)
-
-
-class LeakyReLUMomentsVJP(torch.autograd.Function):
-    """The vector-Jacobian product of :class:`LeakyReLUMoments` where a graph of it is wanted
-    (``create_graph=True``, and always under ``torch.func.grad``): the backward kernel computes
-    it; its own derivative is that of the reference ops (:func:`_differentiable_backward`)."""
-
-    @staticmethod
-    def forward(mean, std, phi, grad_phi, grad_upsilon, grad_variance, negative_slope):
-        grads = (grad_phi, grad_upsilon, grad_variance)
-        return tuple(torch.ops.cfbnn.leaky_relu_moments_backward(mean, std, phi, *grads, negative_slope))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        *tensors, negative_slope = inputs
-        ctx.negative_slope = negative_slope
-        ctx.save_for_backward(*tensors)
-
-    @staticmethod
-    def backward(ctx, grad_grad_mean, grad_grad_std):
-        inputs = ctx.saved_tensors
-        cotangents = tuple(absent_gradient(inputs[0]) if g is None else g for g in (grad_grad_mean, grad_grad_std))
-
-        def first_derivative(*tensors):
-            return _differentiable_backward(*tensors, ctx.negative_slope)
-
-        _, vjp = torch.func.vjp(first_derivative, *inputs)
-        return (*vjp(cotangents), None)
-
-    @staticmethod
-    def vmap(info, in_dims, *arguments):
-        *tensors, negative_slope = arguments
-        aligned = align_batched(*tensors, in_dims[:-1])
-        shape = torch.broadcast_shapes(*(t.shape for t in aligned))
-        shape = (info.batch_size,) + shape[1:]
-        return LeakyReLUMomentsVJP.apply(*(t.expand(shape) for t in aligned), negative_slope), (0, 0)
 
 
 def leaky_relu_moments_function(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:

@@ -31,7 +31,7 @@ Kernels:
 
 Autograd: the backward op. Where a graph of the backward is wanted (``create_graph=True``, and
 always under ``torch.func.grad``), ``relu_moments``' backward is still its kernel, inside
-:class:`ReLUMomentsVJP`, whose own derivative is the same formula in differentiable torch ops;
+:class:`KernelVJP`, whose own derivative is the same formula in differentiable torch ops;
 the other operators' is that formula itself. ``vmap``: the ops are elementwise, so a batched
 call is one call on the batch.
 """
@@ -266,30 +266,35 @@ def _backward(ctx, grad_phi, grad_upsilon, grad_variance):
     mean, std, phi = ctx.saved_tensors
     grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
     if torch.is_grad_enabled():  # a graph of the backward is wanted: the kernel, differentiable again
-        return ReLUMomentsVJP.apply(mean, std, phi, *grads)
+        return KernelVJP.apply(torch.ops.cfbnn.relu_moments_backward, _differentiable_backward, mean, std, phi, *grads)
     return relu_moments_backward(mean, std, phi, *grads)
 
 
 relu_moments.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _elementwise_vmap(op, count: int):
-    def rule(info, in_dims, *tensors):
-        size = info.batch_size
+def elementwise_vmap(op, count: int):
+    """The vmap rule of an elementwise operator with ``count`` outputs: each tensor argument with
+    the vmap dimension first (an unbatched one expanded to the batch), one call on the batch; the
+    other arguments (a slope, say) passed as they are."""
+
+    def rule(info, in_dims, *arguments):
         moved = []
-        for tensor, dim in zip(tensors, in_dims):
-            if dim is None:
-                tensor = tensor.unsqueeze(0).expand(size, *tensor.shape)
-            else:
-                tensor = tensor.movedim(dim, 0)
-            moved.append(tensor.contiguous())
+        for argument, dim in zip(arguments, in_dims):
+            if isinstance(argument, Tensor):
+                if dim is None:
+                    argument = argument.unsqueeze(0).expand(info.batch_size, *argument.shape)
+                else:
+                    argument = argument.movedim(dim, 0)
+                argument = argument.contiguous()
+            moved.append(argument)
         return op(*moved), (0,) * count
 
     return rule
 
 
-relu_moments.register_vmap(_elementwise_vmap(relu_moments, 3))
-relu_moments_backward.register_vmap(_elementwise_vmap(relu_moments_backward, 2))
+relu_moments.register_vmap(elementwise_vmap(relu_moments, 3))
+relu_moments_backward.register_vmap(elementwise_vmap(relu_moments_backward, 2))
 
 
 # ----------------------------------------------------------------------------- from the variances
@@ -370,8 +375,8 @@ def _from_variance_backward(ctx, grad_phi, grad_upsilon, grad_variance):
 
 
 relu_moments_from_variance.register_autograd(_from_variance_backward, setup_context=_from_variance_setup_context)
-relu_moments_from_variance.register_vmap(_elementwise_vmap(relu_moments_from_variance, 3))
-relu_moments_from_variance_backward.register_vmap(_elementwise_vmap(relu_moments_from_variance_backward, 2))
+relu_moments_from_variance.register_vmap(elementwise_vmap(relu_moments_from_variance, 3))
+relu_moments_from_variance_backward.register_vmap(elementwise_vmap(relu_moments_from_variance_backward, 2))
 
 
 class ReLUMoments(torch.autograd.Function):
@@ -394,7 +399,9 @@ class ReLUMoments(torch.autograd.Function):
         mean, std, phi = ctx.saved_tensors
         grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
         if torch.is_grad_enabled() or any(is_transformed(t) for t in (mean, std, phi, *grads)):
-            return ReLUMomentsVJP.apply(mean, std, phi, *grads)
+            return KernelVJP.apply(
+                torch.ops.cfbnn.relu_moments_backward, _differentiable_backward, mean, std, phi, *grads
+            )
         return tuple(torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *grads))
 
     @staticmethod
@@ -403,37 +410,38 @@ class ReLUMoments(torch.autograd.Function):
         return ReLUMoments.apply(*torch.broadcast_tensors(mean, std)), (0, 0, 0)
 
 
-class ReLUMomentsVJP(torch.autograd.Function):
-    """The vector-Jacobian product of :class:`ReLUMoments` where a graph of it is wanted
+class KernelVJP(torch.autograd.Function):
+    """The vector-Jacobian product of an activation's moments where a graph of it is wanted
     (``create_graph=True``, and always under ``torch.func.grad``: every per-draw gradient of the
-    gradient-variance measurement): the backward kernel (``cfbnn::relu_moments_backward``, one
-    pass) computes it; a derivative of it, when one is taken, is that of the same formula in
-    differentiable torch ops (:func:`_differentiable_backward`), so it is differentiable to any
-    order. ``phi`` counts as an input of its own, as it does there."""
+    gradient-variance measurement): ``kernel(mean, std, phi, grad_phi, grad_upsilon,
+    grad_variance, *parameters)``, the backward operator (one pass), computes it; a derivative of
+    it, when one is taken, is that of ``formula`` (same arguments) in differentiable torch ops,
+    so it is differentiable to any order. ``phi`` counts as an input of its own, as it does there."""
 
     @staticmethod
-    def forward(mean, std, phi, grad_phi, grad_upsilon, grad_variance):
-        return tuple(torch.ops.cfbnn.relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance))
+    def forward(kernel, formula, mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters):
+        return tuple(kernel(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.formula, ctx.parameters = inputs[1], inputs[8:]
+        ctx.save_for_backward(*inputs[2:8])
 
     @staticmethod
     def backward(ctx, grad_grad_mean, grad_grad_std):
         inputs = ctx.saved_tensors
         cotangents = tuple(absent_gradient(inputs[0]) if g is None else g for g in (grad_grad_mean, grad_grad_std))
-        _, vjp = torch.func.vjp(_differentiable_backward, *inputs)
-        return vjp(cotangents)
+        _, vjp = torch.func.vjp(lambda *tensors: ctx.formula(*tensors, *ctx.parameters), *inputs)
+        return (None, None, *vjp(cotangents), *(None,) * len(ctx.parameters))
 
     @staticmethod
-    def vmap(info, in_dims, *tensors):
+    def vmap(info, in_dims, kernel, formula, *arguments):
         # elementwise: every operand with the vmap dimension first, all expanded to one shape (the
         # operator takes one shape; a broadcast gradient stays a stride-0 view the kernel reads once)
-        aligned = align_batched(*tensors, in_dims)
+        aligned = align_batched(*arguments[:6], in_dims[2:8])
         shape = torch.broadcast_shapes(*(t.shape for t in aligned))
         shape = (info.batch_size,) + shape[1:]
-        return ReLUMomentsVJP.apply(*(t.expand(shape) for t in aligned)), (0, 0)
+        return KernelVJP.apply(kernel, formula, *(t.expand(shape) for t in aligned), *arguments[6:]), (0, 0)
 
 
 _DEVICE_KERNELS = {"enabled": True}
