@@ -13,10 +13,9 @@ fused one. Not a test.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_elbo import median_times  # round-robin medians after two warm-up rounds
 
 from cfbnn_cli.bnn import ClosedFormBNN
 from cfbnn_cli.moments import set_validate_args
@@ -28,19 +27,6 @@ IMPLEMENTATIONS = {
     "for-each": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True),
     "default": lambda params: torch.optim.Adam(params, lr=1e-3),
 }
-
-
-def round_robin(calls, repeats, sync):
-    times = {name: [] for name in calls}
-    for round_index in range(repeats + 2):  # two warm-up rounds
-        for name, call in calls.items():
-            sync()
-            start = time.perf_counter()
-            call()
-            sync()
-            if round_index >= 2:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _training_step(model, optimizer, x, y):
@@ -61,7 +47,6 @@ def main(argv=None):
     tune_allocator()
     set_validate_args(False)
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {where}, batch 500, float32, medians of {args.repeats} round-robin rounds")
     for size in args.sizes:
@@ -78,8 +63,8 @@ def main(argv=None):
             optimizer_steps[name] = optimizer.step
             trained = ClosedFormBNN(dim, hidden).to(device)
             training_steps[name] = _training_step(trained, make(trained.parameters()), x, y)
-        alone = round_robin(optimizer_steps, args.repeats, sync)
-        whole = round_robin(training_steps, args.repeats, sync)
+        alone = median_times(optimizer_steps, args.repeats, device)
+        whole = median_times(training_steps, args.repeats, device)
         fused = next(iter(IMPLEMENTATIONS))
         print(f"\nD={dim}, H={hidden} ({sum(p.numel() for p in ClosedFormBNN(dim, hidden).parameters()):,} parameters)")
         print(f"  {'Adam implementation':<24} {'Adam step':>12} {'ratio':>7} {'training step':>15} {'ratio':>7}")
