@@ -185,6 +185,12 @@ class _PartialsOp(KernelHandle):
         return _partials_backward(phi, saved, grads, plain=plain)
 
 
+def slope_for(negative_slope: float, dtype: torch.dtype) -> float:
+    """Leaky ReLU's slope as its kernels take it: for float32 tensors the float32 number float32
+    torch arithmetic multiplies by."""
+    return float(np.float32(negative_slope)) if dtype == torch.float32 else float(negative_slope)
+
+
 class LeakyReLUOp(_RecomputingOp):
     kernel = "leaky"
     tail_kind = 1
@@ -194,10 +200,7 @@ class LeakyReLUOp(_RecomputingOp):
         self.negative_slope = negative_slope
 
     def kernel_parameters(self, dtype):
-        eps = self.negative_slope
-        if dtype == torch.float32:  # what float32 torch arithmetic multiplies by
-            eps = float(np.float32(eps))
-        return (eps,)
+        return (slope_for(self.negative_slope, dtype),)
 
 
 class ReLUSquaredOp(_RecomputingOp):

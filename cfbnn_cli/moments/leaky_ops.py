@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import fast
 from .gaussian import align_batched, is_transformed
+from .kernel_handles import slope_for
 from .ops import (
     HAVE_TRITON,
     KernelVJP,
@@ -71,7 +72,7 @@ def reference_leaky_moments(mean: Tensor, std: Tensor, negative_slope: float) ->
 
 
 def _reference_forward(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:
-    phi, variance = reference_leaky_moments(mean, std, _slope(negative_slope, mean.dtype))
+    phi, variance = reference_leaky_moments(mean, std, slope_for(negative_slope, mean.dtype))
     variance = variance.clamp_min(0.0)  # rounding can leave -1 ulp; a variance is never negative
     return phi, variance + phi * phi, variance
 
@@ -83,20 +84,13 @@ def _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var, negat
     return vjp((grad_phi, grad_ups, grad_var))
 
 
-def _slope(negative_slope: float, dtype: torch.dtype) -> float:
-    """The slope float32 torch arithmetic multiplies by, for float32 tensors."""
-    if dtype == torch.float32:
-        return float(torch.tensor(negative_slope, dtype=torch.float32))
-    return float(negative_slope)
-
-
 # ----------------------------------------------------------------------------- Triton launches
 
 
 def _slope_tensor(mean: Tensor, negative_slope: float) -> Tensor:
     # read by the kernels as float64 (a Triton float argument would be float32); filled on the
     # device, so a launch inside a CUDA graph capture needs no copy from the host
-    return torch.full((1,), _slope(negative_slope, mean.dtype), dtype=torch.float64, device=mean.device)
+    return torch.full((1,), slope_for(negative_slope, mean.dtype), dtype=torch.float64, device=mean.device)
 
 
 def triton_leaky_relu_moments(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:
@@ -278,11 +272,9 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def leaky_operator_route(mean: Tensor) -> bool:
-    """Whether ``LeakyReLU.moments`` takes ``cfbnn::leaky_relu_moments`` for ``mean``: off the CPU,
-    where its Triton kernels run, once their first run there passed; on the CPU it calls the same
-    C++ kernels directly, as ReLU does (:func:`.ops.operator_route`)."""
-    if mean.device.type == "cpu":
-        return False
+    """Whether ``LeakyReLU.moments`` takes ``cfbnn::leaky_relu_moments`` for ``mean``: off the CPU
+    (:func:`.ops.device_kernels_apply`; on the CPU it calls the same C++ kernels directly, as
+    ReLU does), once its Triton kernels' first run on that device and dtype passed."""
     return device_kernels_apply(mean) and first_use_check(
         "the Triton kernels of cfbnn::leaky_relu_moments", mean.device, mean.dtype, _self_check
     )

@@ -464,16 +464,6 @@ def device_kernels(enabled: bool = True):
         set_device_kernels(previous)
 
 
-def operator_route(mean: Tensor) -> bool:
-    """Whether an activation's moments take its ``cfbnn::`` operator for ``mean``: off the CPU,
-    where the operators' Triton kernels run (:func:`device_kernels_apply`). On the CPU the
-    activations call the same C++ kernels directly (:mod:`cfbnn_cli.moments.fast`): measured on
-    this project's 2-core machine, ReLU's forward + backward on a 500 x 200 float32 block took
-    415-458 µs through the operator against 370-399 µs directly (one process, either order: the
-    custom op's Python autograd layer, and the Var it always writes)."""
-    return mean.device.type != "cpu" and device_kernels_apply(mean)
-
-
 def device_kernels_apply(mean: Tensor) -> bool:
     """Whether ``cfbnn::relu_moments`` has a compiled kernel for ``mean`` off the CPU (Triton on
     CUDA), the route is on, and the kernels' first run on that device and dtype succeeded."""

@@ -171,7 +171,7 @@ std::tuple<Tensor, Tensor> relu_moments_backward(const Tensor& mean, const Tenso
 }
 
 /* The slope as the kernels take it: for float32 tensors the float32 number torch's float32
-   arithmetic multiplies by (cfbnn_cli/moments/kernel_handles.py: LeakyReLUOp). */
+   arithmetic multiplies by (cfbnn_cli/moments/kernel_handles.py: slope_for). */
 template <typename T>
 double slope_for(double negative_slope) {
   return sizeof(T) == sizeof(float) ? static_cast<double>(static_cast<float>(negative_slope)) : negative_slope;
