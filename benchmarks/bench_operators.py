@@ -56,6 +56,8 @@ def cpu_moments(args):
 
         return call
 
+    ones, zeros = torch.ones_like(x), torch.zeros_like(x)
+
     def kernels_alone():
         phi, ups, var = torch.ops.cfbnn.relu_moments(x, s)
         torch.ops.cfbnn.relu_moments_backward(x, s, phi, ones, ones, zeros)
@@ -64,7 +66,6 @@ def cpu_moments(args):
         torch.special.erfc(x)
         torch.exp(x)
 
-    ones, zeros = torch.ones_like(x), torch.zeros_like(x)
     calls = {
         "cli": harness(relu.moments),
         "operator": harness(ops.relu_moments_function),
