@@ -32,9 +32,10 @@ from .ops import (
     KernelVJP,
     absent_gradient,
     check_operands,
-    device_kernels_apply,
+    differentiable_by_formula,
     elementwise_vmap,
     first_use_check,
+    operator_route,
 )
 from .relu_reference import small_tail
 
@@ -213,6 +214,7 @@ def _kernel_vjp(mean, std, phi, grads, negative_slope):
 
 
 leaky_relu_moments.register_autograd(_backward, setup_context=_setup_context)
+differentiable_by_formula(leaky_relu_moments_backward, _differentiable_backward, 6)
 
 
 leaky_relu_moments.register_vmap(elementwise_vmap(leaky_relu_moments, 3))
@@ -272,9 +274,11 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def leaky_operator_route(mean: Tensor) -> bool:
-    """Whether ``LeakyReLU.moments`` takes ``cfbnn::leaky_relu_moments`` for ``mean``: off the CPU
-    (:func:`.ops.device_kernels_apply`; on the CPU it calls the same C++ kernels directly, as
-    ReLU does), once its Triton kernels' first run on that device and dtype passed."""
-    return device_kernels_apply(mean) and first_use_check(
+    """Whether ``LeakyReLU.moments`` takes ``cfbnn::leaky_relu_moments`` for ``mean``: where
+    :func:`.ops.operator_route` (the CPU with the C++ library's operators, CUDA), on CUDA once its
+    Triton kernels' first run on that device and dtype passed."""
+    if not operator_route(mean):
+        return False
+    return mean.device.type == "cpu" or first_use_check(
         "the Triton kernels of cfbnn::leaky_relu_moments", mean.device, mean.dtype, _self_check
     )

@@ -444,6 +444,31 @@ class KernelVJP(torch.autograd.Function):
         return KernelVJP.apply(kernel, formula, *(t.expand(shape) for t in aligned), *arguments[6:]), (0, 0)
 
 
+def differentiable_by_formula(backward_operator, formula: Callable, tensor_count: int) -> None:
+    """Give a moments backward operator a derivative of its own: that of ``formula`` (the same
+    arguments, differentiable torch ops) through ``torch.func.vjp``, as :class:`KernelVJP`'s. The
+    CPU's C++ autograd of the moments operators (``csrc/cfbnn_ops.cpp``: MomentsAutograd) calls the
+    backward operator through autograd when a graph of the backward is wanted (``create_graph``,
+    ``torch.func.grad``): this makes that graph. The first ``tensor_count`` arguments are tensors,
+    the rest numbers."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.parameters = inputs[tensor_count:]
+        ctx.save_for_backward(*inputs[:tensor_count])
+
+    def backward(ctx, grad_grad_mean, grad_grad_spread):
+        inputs = ctx.saved_tensors
+        cotangents = tuple(absent_gradient(inputs[0]) if g is None else g for g in (grad_grad_mean, grad_grad_spread))
+        _, vjp = torch.func.vjp(lambda *tensors: formula(*tensors, *ctx.parameters), *inputs)
+        return (*vjp(cotangents), *(None,) * len(ctx.parameters))
+
+    backward_operator.register_autograd(backward, setup_context=setup_context)
+
+
+differentiable_by_formula(relu_moments_backward, _differentiable_backward, 6)
+differentiable_by_formula(relu_moments_from_variance_backward, differentiable_from_variance_backward, 5)
+
+
 _DEVICE_KERNELS = {"enabled": True}
 
 
@@ -474,6 +499,17 @@ def device_kernels_apply(mean: Tensor) -> bool:
         and mean.dtype in _FLOATS
         and first_use_check("the Triton kernels of the cfbnn:: operators", mean.device, mean.dtype, _self_check)
     )
+
+
+def operator_route(mean: Tensor) -> bool:
+    """Whether an activation's moments take its ``cfbnn::`` operator for ``mean``: on CUDA where
+    :func:`device_kernels_apply`, and on the CPU where the C++ library is in use
+    (:func:`cfbnn_cli.moments.fast.usable`) and registered the operators' CPU kernels and their C++
+    autograd (a library whose operators' unit did not build has not: the activations then call
+    its kernels directly)."""
+    if mean.device.type == "cpu":
+        return fast.usable(mean) and fast.cpu_operators_registered()
+    return device_kernels_apply(mean)
 
 
 # (what, device, dtype) -> whether a first-use check passed there: a visible cache, filled once per

@@ -41,6 +41,13 @@ def small_tail(mean, std, order):
 _LOG_INV_SQRT_2PI = -0.5 * math.log(2.0 * math.pi)
 
 
+def positive_part(mean):
+    """``max(mean, 0)`` with the callers' branch (``mean >= 0``): at ``mean = 0`` its derivative is
+    1, the branch whose small tail completes ``Phi`` (``clamp(min=0)``'s is 0 there, which left
+    autograd's ``dPhi/dmean`` at -1/2 instead of 1/2)."""
+    return torch.where(mean >= 0, mean, 0.0)
+
+
 def relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
     """(Phi, Upsilon, Var, Phi_N(t), Phi_N(-t), phi(t)) of relu for one block, in float64.
 
@@ -62,7 +69,7 @@ def relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
     s1_sq = s1 * s1
     # the branch as a 0/1 factor: blending arithmetically is ~4x faster than torch.where on CPU
     upper = (mean >= 0).to(mean.dtype)
-    phi = torch.addcmul(mean.clamp(min=0.0), std, s1)
+    phi = torch.addcmul(positive_part(mean), std, s1)
     # upper bracket 1 - s2 - 2 x s1 - s1^2, lower bracket s2 - s1^2: lower + upper * (1 - 2 s2 - 2 x s1)
     lower_bracket = s2 - s1_sq
     difference = torch.addcmul(s2.mul_(-2.0).add_(1.0), x, s1, value=-2.0)
@@ -107,8 +114,10 @@ def relu_small_tail(mean, std):
     :func:`relu_mean_block`: ``x = |mean|/std``, ``s_0 = Phi_N(-x)``, ``s_1 = phi(x) - x s_0``."""
     mean = mean.double()
     std = std.double()
-    # out of place where torch.func has no in-place batching rule (clamp_, addcmul_)
-    x = mean.abs().div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp(max=T_MAX)
+    # out of place where torch.func has no in-place batching rule (clamp_, addcmul_); |mean| with
+    # the callers' branch (mean >= 0), as in small_tail: autograd through it is then right at mean = 0
+    magnitude = torch.where(mean >= 0, mean, -mean)
+    x = magnitude.div_(std.clamp(min=torch.finfo(torch.float64).tiny)).clamp(max=T_MAX)
     s0 = torch.special.erfc(x * INV_SQRT_2).mul_(0.5)
     pdf = x.square().mul_(-0.5).add_(_LOG_INV_SQRT_2PI).exp_()
     return mean, std, x, s0, pdf, torch.addcmul(pdf, x, s0, value=-1.0)
@@ -118,7 +127,7 @@ def relu_mean_block(mean: torch.Tensor, std: torch.Tensor):
     """``(Phi,)`` of relu alone, in float64: ``Phi = max(mean, 0) + std s_1`` with the small
     tail ``s_1`` of :func:`relu_forward_block` (same arithmetic, 7 elementwise ops instead of 20)."""
     mean, std, _, _, _, s1 = relu_small_tail(mean, std)
-    return (s1.mul_(std).add_(mean.clamp(min=0.0)),)
+    return (s1.mul_(std).add_(positive_part(mean)),)
 
 
 class ReLUMomentsReference(torch.autograd.Function):

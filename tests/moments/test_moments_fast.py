@@ -260,26 +260,35 @@ def test_threads_and_block_positions_give_identical_results():
         assert torch.equal(x[5:], y)
 
 
-def test_switches_select_the_path(monkeypatch):
-    relu = get_activation("relu")
+@pytest.mark.parametrize("name", ["relu", "relu_squared"])
+def test_switches_select_the_path(monkeypatch, name):
+    """ReLU takes its operator (C++ kernels and autograd), ReLU^2 the kernels called directly; the
+    fast-path switches and the other dtypes send both to the reference ops."""
+    activation = get_activation(name)
     calls = []
-    original = fast.moments
-    monkeypatch.setattr(fast, "moments", lambda *a, **k: calls.append(1) or original(*a, **k))
-    mean, std = torch.randn(10), torch.rand(10)
-    relu.moments(mean, std)
+    if activation.operator is not None:
+        original = activation.operator
+        monkeypatch.setattr(activation, "operator", lambda *a, **k: calls.append(1) or original(*a, **k))
+    else:
+        original = fast.moments
+        monkeypatch.setattr(fast, "moments", lambda *a, **k: calls.append(1) or original(*a, **k))
+    mean, std = torch.randn(10, requires_grad=True), torch.rand(10)
+    phi, _ = activation.moments(mean, std)
     assert calls == [1]
+    if activation.operator is not None:
+        assert "MomentsAutograd" in phi.grad_fn.name()  # the operator's C++ autograd node (csrc/cfbnn_ops.cpp)
     with fast_path(False):
         assert not fast.fast_path_enabled()
-        relu.moments(mean, std)
+        activation.moments(mean, std)
     assert calls == [1] and fast.fast_path_enabled()
     fast.set_fast_path(False)
     try:
-        relu.moments(mean, std)
+        activation.moments(mean, std)
     finally:
         fast.set_fast_path(True)
     assert calls == [1]
-    relu.moments(mean.double(), std.double())
-    relu.moments(mean.to(torch.bfloat16), std.to(torch.bfloat16))  # other dtypes: the reference path
+    activation.moments(mean.double(), std.double())
+    activation.moments(mean.to(torch.bfloat16), std.to(torch.bfloat16))  # other dtypes: the reference path
     assert calls == [1, 1]
 
 
@@ -397,9 +406,10 @@ def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivativ
     activation, weights, monkeypatch
 ):
     """create_graph=True (what torch.func.grad always asks for): the first derivative comes from
-    the backward kernel (a function of its own), the second from the reference path's
-    differentiable ops; both equal the reference path's (fast path off), in float64, also when
-    only some of (Phi, Upsilon, Var) carry a gradient."""
+    the backward kernel (a function of its own: for ReLU and leaky ReLU their backward operator,
+    called through its autograd by the forward operator's C++ autograd node), the second from
+    the reference path's differentiable ops; both equal the reference path's (fast path off), in
+    float64, also when only some of (Phi, Upsilon, Var) carry a gradient."""
     calls = []
     original = fast._KernelBackward.forward
     monkeypatch.setattr(fast._KernelBackward, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
@@ -416,6 +426,9 @@ def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivativ
             total = a * (phi * phi.detach()).sum() + b * ups.sum() + c * (var * torch.linspace(0, 1, 5)).sum()
             first = torch.autograd.grad(total, (m, s), create_graph=True)
             second = torch.autograd.grad((first[0] * first[0].detach()).sum() + 3 * first[1].sum(), (m, s))
+        if enabled and activation.operator is not None:  # the backward operator's own node made it
+            backward_operator = f"cfbnn_{activation.name}_moments_backward"
+            calls += [name for name in (type(first[0].grad_fn).__name__,) if backward_operator in name]
         results.append(first + second)
     assert calls, "the first derivative did not come from the backward kernel"
     for fast_result, reference in zip(*results):

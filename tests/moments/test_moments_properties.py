@@ -114,6 +114,20 @@ def test_gradients_at_a_zero_mean_are_the_values_central_differences(activation,
         assert gradcheck(lambda m, s: activation.moments(m, s, return_variance=True), (mean, std))
 
 
+def test_the_operators_torch_references_have_the_central_difference_gradients_at_a_zero_mean():
+    """The ReLU operators' reference functions (the fallback without a compiler and the double
+    backward's formula: ``ops._reference_forward``, ``ops.reference_from_variance``), autograd
+    straight through their torch ops at ``mean = 0`` exactly, against central differences; and
+    second derivatives (gradgradcheck) there."""
+    from cfbnn_cli.moments import ops
+
+    mean = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    spread = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64, requires_grad=True)
+    for function in (ops._reference_forward, ops.reference_from_variance):
+        assert gradcheck(function, (mean, spread))
+        assert gradgradcheck(function, (mean, spread))
+
+
 def test_gradcheck_kernels():
     generator = torch.Generator().manual_seed(2)
     mean = (3 * torch.randn(10, generator=generator, dtype=torch.float64)).requires_grad_()

@@ -19,7 +19,7 @@ import torch
 from relu_grid import POINTS, _quadrature, worst_error
 from triton_check import assert_within_tolerances, triton_errors
 
-from cfbnn_cli.moments import get_activation, ops
+from cfbnn_cli.moments import fast, get_activation, ops
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -197,6 +197,46 @@ def test_unused_outputs_take_no_gradient_and_match_the_reference():
         function(m, s)[0].sum().backward()
         torch.testing.assert_close(m.grad, m0.grad, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(s.grad, s0.grad, rtol=1e-12, atol=1e-14)
+
+
+MOMENTS_OPERATORS = {  # operator, its extra arguments, the reference path's (Phi, Upsilon, Var)
+    "relu_moments": ((), get_activation("relu")._reference_moments),
+    "leaky_relu_moments": ((0.1,), get_activation("leaky_relu", negative_slope=0.1)._reference_moments),
+    "relu_moments_from_variance": ((), ops.reference_from_variance),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOMENTS_OPERATORS))
+def test_cpu_autograd_is_one_cpp_node_with_the_reference_gradients(name):
+    """On the CPU the moments operators' autograd is the C++ library's (csrc/cfbnn_ops.cpp:
+    MomentsAutograd, registered for AutogradCPU): one node, whose gradients -- every output used
+    or one, far tails included -- and second derivatives (create_graph through the backward
+    operator's own derivative) are the reference path's autograd's, float64."""
+    assert fast.load_kernels() is not None and fast.cpu_operators_registered()
+    operator = getattr(torch.ops.cfbnn, name)
+    extra, reference = MOMENTS_OPERATORS[name]
+    g = torch.Generator().manual_seed(5)
+    mean = torch.randn(30, 6, generator=g, dtype=torch.float64) * 3
+    spread = torch.rand(30, 6, generator=g, dtype=torch.float64) + 0.05
+    mean[0, :3] = torch.tensor([-40.0, 40.0, 0.0], dtype=torch.float64)
+    weights = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64)
+    for used in ((0, 1, 2), (1,), (2,)):
+        results = []
+        for function in (lambda m, s: operator(m, s, *extra), reference):
+            m, s = mean.clone().requires_grad_(), spread.clone().requires_grad_()
+            outputs = function(m, s)
+            if function is not reference:
+                assert "MomentsAutograd" in outputs[0].grad_fn.name()
+            total = sum(((k + 1) * outputs[k] * weights).sum() for k in used)
+            first = torch.autograd.grad(total, (m, s), create_graph=True)
+            second = torch.autograd.grad((first[0] * first[0].detach()).sum() + first[1].sum(), (m, s))
+            results.append(first + second)
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    m = mean[1:].clone().requires_grad_()
+    s = spread[1:].clone().requires_grad_()
+    torch.library.opcheck(operator.default, (m, s, *extra))
+    assert torch.autograd.gradgradcheck(lambda m, s: operator(m, s, *extra), (m[:4], s[:4]))
 
 
 def test_torch_func_grad_and_vmap_through_the_function():
