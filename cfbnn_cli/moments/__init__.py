@@ -8,7 +8,7 @@ kernels that are the default on CPU (``CFBNN_FAST_MOMENTS=0``,
 :func:`set_fast_path` or ``with fast_path(False)`` select the reference path).
 """
 
-from . import elbo_ops, tail_ops  # noqa: F401 - register cfbnn::relu_tail and the ELBO steps (cfbnn::relu_moments, cfbnn::leaky_relu_moments: via .activations)
+from . import elbo_ops, tail_ops  # noqa: F401 - register cfbnn::relu_tail and the ELBO steps (the moments operators: via .activations)
 from .activations import (
     ACTIVATIONS,
     Activation,

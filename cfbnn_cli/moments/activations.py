@@ -50,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import fast, kernel_handles, leaky_ops, ops
+from . import fast, kernel_handles, leaky_ops, ops, relu_squared_ops
 from .activation_base import Activation, check_real
 from .gaussian import (
     check_mean_std,
@@ -178,17 +178,10 @@ class ReLUSquared(Activation):
         return kernel_handles.ReLUSquaredOp(self._reference_moments)
 
     def _moments(self, mean, std):
-        tail = small_tail(mean, std, 4)
-        s2, s4 = tail[..., 2], tail[..., 4]
-        upper = mean >= 0
-        var = std * std
-        mean_sq = mean * mean
-        # mean >= 0: g - mean^2 = (z^2 - mean^2) - z^2 1{z<0}
-        phi_upper = mean_sq + var - s2
-        var_upper = 4.0 * mean_sq * var + 2.0 * var * var + 2.0 * var * s2 - s2 * s2 - s4 + 2.0 * mean_sq * s2
-        # mean < 0: g = z^2 1{z>0}, all of it in the small tail
-        var_lower = s4 - s2 * s2
-        return torch.where(upper, phi_upper, s2), torch.where(upper, var_upper, var_lower)
+        return relu_squared_ops.reference_relu_squared_moments(mean, std)
+
+    operator = staticmethod(relu_squared_ops.relu_squared_moments_function)
+    operator_applies = staticmethod(relu_squared_ops.relu_squared_operator_route)
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 0.0, 1.0]], name="relu_squared")

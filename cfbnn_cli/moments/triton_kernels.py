@@ -35,8 +35,10 @@ BLOCK = 1024
 
 
 @triton.jit
-def small_tail(mean, std, CF_DEPTH: tl.constexpr):
-    """``(x, pdf, s0, s1, s2)`` in float64 for float64 ``mean``, ``std`` (``std >= 0``)."""
+def small_tail_orders(mean, std, CF_DEPTH: tl.constexpr, ORDER4: tl.constexpr):
+    """``(x, pdf, s0, s1, s2, s3, s4)`` in float64 for float64 ``mean``, ``std`` (``std >= 0``);
+    ``s3``, ``s4`` (``s_k = (k - 1) s_{k-2} - x s_{k-1}``; far out ``s_k = s_{k-1} r_k``) only
+    with ``ORDER4`` (ReLU^2), else zeros."""
     x = tl.minimum(tl.abs(mean) / tl.maximum(std, 2.2250738585072014e-308), 1e4)
     pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
     # near 0: erf and the recursion
@@ -53,10 +55,16 @@ def small_tail(mean, std, CF_DEPTH: tl.constexpr):
         xc = xf
     r = 0.5 * (tl.sqrt(xc * xc + 4.0 * (CF_DEPTH + 1)) - xc)
     r2 = r
+    r3 = r
+    r4 = r
     for j in tl.static_range(CF_DEPTH, 0, -1):
         r = j / (xc + r)
         if j == 2:
             r2 = r
+        if j == 3:
+            r3 = r
+        if j == 4:
+            r4 = r
     r = r.to(tl.float64)
     r2 = r2.to(tl.float64)
     far_s0 = tl.exp(-0.5 * xf * xf) * 0.3989422804014327 / (xf + r)
@@ -66,6 +74,23 @@ def small_tail(mean, std, CF_DEPTH: tl.constexpr):
     s0 = tl.where(far, far_s0, near_s0)
     s1 = tl.where(far, far_s1, near_s1)
     s2 = tl.where(far, far_s2, near_s2)
+    if ORDER4:
+        near_s3 = 2.0 * near_s1 - x * near_s2
+        near_s4 = 3.0 * near_s2 - x * near_s3
+        far_s3 = far_s2 * r3.to(tl.float64)
+        far_s4 = far_s3 * r4.to(tl.float64)
+        s3 = tl.where(far, far_s3, near_s3)
+        s4 = tl.where(far, far_s4, near_s4)
+    else:
+        s3 = tl.zeros_like(s2)
+        s4 = tl.zeros_like(s2)
+    return x, pdf, s0, s1, s2, s3, s4
+
+
+@triton.jit
+def small_tail(mean, std, CF_DEPTH: tl.constexpr):
+    """``(x, pdf, s0, s1, s2)`` in float64 for float64 ``mean``, ``std`` (``std >= 0``)."""
+    x, pdf, s0, s1, s2, _, _ = small_tail_orders(mean, std, CF_DEPTH, False)
     return x, pdf, s0, s1, s2
 
 
@@ -257,6 +282,85 @@ def leaky_relu_moments_backward_kernel(
     eps = tl.load(slope_ptr).to(tl.float64)
     x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
     _, var, pm, ps, vm, vs = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
+    keep = tl.where(var < 0.0, 0.0, 1.0)
+    phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside)
+    a = g_phi + 2.0 * phi * g_ups
+    b = (g_ups + g_var) * keep
+    tl.store(g_mean_ptr + offsets, (pm * a + vm * b).to(m_in.dtype), mask=inside)
+    tl.store(g_std_ptr + offsets, (ps * a + vs * b).to(m_in.dtype), mask=inside)
+
+
+@triton.jit
+def relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4):
+    """ReLU^2's ``(Phi, Var before its clamp at 0, dPhi/dmean, dPhi/dstd, dVar/dmean, dVar/dstd)``,
+    float64, from the small tail (the C++ ``relusq_combine``; paper eqs. (28), (29), errata 1, 2):
+    ``S_k = E[w^k 1{w>0}] = std^k s_k``, ``w ~ N(-|mean|, std^2)``, and the truncated moments
+    ``M_k = E[z^k 1{z>0}]``: ``dPhi/dmean = 2 M_1``, ``dPhi/dstd = 2 std M_0``,
+    ``dVar/dmean = 4 (M_3 - M_2 M_1)``, ``dVar/dstd = 4 std M_2 (3 - M_0)`` (heat equation)."""
+    upper = mean >= 0.0
+    variance = std * std
+    mean_sq = mean * mean
+    big_s1 = std * s1
+    big_s2 = variance * s2
+    big_s3 = variance * std * s3
+    big_s4 = variance * variance * s4
+    # mean >= 0: g - mean^2 = (z^2 - mean^2) - z^2 1{z<0}; mean < 0: all of g in the small tail
+    phi = tl.where(upper, mean_sq + variance - big_s2, big_s2)
+    var = tl.where(
+        upper,
+        4.0 * mean_sq * variance
+        + 2.0 * variance * variance
+        + 2.0 * variance * big_s2
+        - big_s2 * big_s2
+        - big_s4
+        + 2.0 * mean_sq * big_s2,
+        big_s4 - big_s2 * big_s2,
+    )
+    m0 = tl.where(upper, 1.0 - s0, s0)
+    m1 = tl.where(upper, mean + big_s1, big_s1)
+    covariance = tl.where(
+        upper,
+        2.0 * mean * variance + big_s3 + mean * big_s2 - (mean_sq + variance) * big_s1 + big_s1 * big_s2,
+        big_s3 - big_s2 * big_s1,
+    )
+    return phi, var, 2.0 * m1, 2.0 * std * m0, 4.0 * covariance, 4.0 * std * phi * (3.0 - m0)
+
+
+@triton.jit
+def relu_squared_moments_kernel(
+    mean_ptr, std_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr
+):
+    """``(Phi, Upsilon, Var)`` of ReLU^2 elementwise (:func:`relu_squared_from_tail`), Var
+    clamped at 0."""
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
+    x, pdf, s0, s1, s2, s3, s4 = small_tail_orders(mean, std, CF_DEPTH, True)
+    phi, var, _, _, _, _ = relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4)
+    var = tl.maximum(var, 0.0)
+    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
+    tl.store(ups_ptr + offsets, (var + phi * phi).to(m_in.dtype), mask=inside)
+    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
+
+
+@triton.jit
+def relu_squared_moments_backward_kernel(
+    mean_ptr,
+    std_ptr,
+    phi_ptr,
+    g_phi_ptr,
+    g_ups_ptr,
+    g_var_ptr,
+    g_mean_ptr,
+    g_std_ptr,
+    n,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """Vector-Jacobian product of :func:`relu_squared_moments_kernel` (``Upsilon = Var + Phi^2``,
+    the saved Phi; no gradient through Var where its clamp bites, as the reference's ``clamp_min``)."""
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
+    x, pdf, s0, s1, s2, s3, s4 = small_tail_orders(mean, std, CF_DEPTH, True)
+    _, var, pm, ps, vm, vs = relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4)
     keep = tl.where(var < 0.0, 0.0, 1.0)
     phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside)

@@ -260,9 +260,10 @@ def test_threads_and_block_positions_give_identical_results():
         assert torch.equal(x[5:], y)
 
 
-@pytest.mark.parametrize("name", ["relu", "relu_squared"])
+@pytest.mark.parametrize("name", ["relu", "hard_sigmoid"])
 def test_switches_select_the_path(monkeypatch, name):
-    """ReLU takes its operator (C++ kernels and autograd), ReLU^2 the kernels called directly; the
+    """ReLU takes its operator (C++ kernels and autograd), the hard sigmoid (a piecewise polynomial,
+    no operator) the kernels called directly; the
     fast-path switches and the other dtypes send both to the reference ops."""
     activation = get_activation(name)
     calls = []

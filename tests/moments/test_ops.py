@@ -203,6 +203,7 @@ MOMENTS_OPERATORS = {  # operator, its extra arguments, the reference path's (Ph
     "relu_moments": ((), get_activation("relu")._reference_moments),
     "leaky_relu_moments": ((0.1,), get_activation("leaky_relu", negative_slope=0.1)._reference_moments),
     "relu_moments_from_variance": ((), ops.reference_from_variance),
+    "relu_squared_moments": ((), get_activation("relu_squared")._reference_moments),
 }
 
 

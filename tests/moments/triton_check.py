@@ -14,7 +14,7 @@ import math
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import leaky_ops, ops, tail_ops
+from cfbnn_cli.moments import leaky_ops, ops, relu_squared_ops, tail_ops
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 
@@ -91,6 +91,26 @@ def leaky_errors(device: str, dtype, generator) -> dict:
     return {"values": values_worst, "grads": grads_worst}
 
 
+def relu_squared_errors(device: str, dtype, generator) -> dict:
+    """ReLU^2's Triton kernels: the values against quadrature on the ReLU grid (the tolerances of
+    test_moments_quadrature.py), the gradients against the float64 reference ops' autograd."""
+    mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
+    std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
+    grads = [torch.randn(len(POINTS), generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)]
+    positive = std > 0  # (the reference's autograd has no gradient at std = 0)
+    phi, ups, var = relu_squared_ops.triton_relu_squared_moments(mean.to(device), std.to(device))
+    values = worst_error([t.cpu() for t in (phi, ups, var)], _quadrature(POINTS, "relu_squared"), POINTS, dtype)
+    m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))
+    torch.autograd.backward(list(relu_squared_ops._reference_forward(m64, s64)), [t.double() for t in grads])
+    gm, gs = relu_squared_ops.triton_relu_squared_moments_backward(
+        mean.to(device), std.to(device), phi, *(t.to(device) for t in grads)
+    )
+    grads_worst = max(
+        _relative(gm.cpu()[positive], m64.grad[positive]), _relative(gs.cpu()[positive], s64.grad[positive])
+    )
+    return {"values": values, "grads": grads_worst}
+
+
 def triton_errors(device: str) -> dict:
     """Errors of every Triton kernel launched on ``device``, in the units the tolerances use."""
     references = _quadrature(POINTS)
@@ -146,6 +166,7 @@ def triton_errors(device: str) -> dict:
         }
         out[name + "_tail"] = tail_errors(device, dtype, g)
         out[name + "_leaky"] = leaky_errors(device, dtype, g)
+        out[name + "_relu_squared"] = relu_squared_errors(device, dtype, g)
     return out
 
 
@@ -161,6 +182,7 @@ def assert_within_tolerances(errors: dict) -> None:
     assert errors["float32_kl"]["value"] < 1e-5 and errors["float32_kl"]["grads"] < 1e-5, errors
     for name, tolerance in (("float64_tail", 1e-10), ("float32_tail", 1e-5)):
         assert errors[name]["values"] < tolerance and errors[name]["grads"] < tolerance, (name, errors)
-    for name, tolerance in (("float64_leaky", 1e-10), ("float32_leaky", 1e-5)):
-        assert errors[name]["values"] <= 1.0 and errors[name]["grads"] < tolerance, (name, errors)
+    for kind in ("leaky", "relu_squared"):
+        for name, tolerance in ((f"float64_{kind}", 1e-10), (f"float32_{kind}", 1e-5)):
+            assert errors[name]["values"] <= 1.0 and errors[name]["grads"] < tolerance, (name, errors)
     assert all(math.isfinite(v) for d in errors.values() for v in d.values()), errors

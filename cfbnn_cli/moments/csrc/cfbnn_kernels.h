@@ -16,6 +16,10 @@
                            T* vm, T* vs, int nt);                                                                \
   void leaky_backward_##SUF(int64_t n, const T* m, const T* s, double eps, const T* phi, const T* gp, int gps,   \
                             const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt);                   \
+  void relusq_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, T* pm, T* ps, T* vm,      \
+                            T* vs, int nt);                                                                      \
+  void relusq_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps, const T* gu, \
+                             int gus, const T* gv, int gvs, T* gm, T* gs, int nt);                               \
   void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps, T* op, T* ou,     \
                          T* ov, const T* gp, const T* gu, const T* gv, T* ogm, T* ogv, int64_t w, int nt);        \
   void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl, T* gs, int nt);   \

@@ -51,6 +51,8 @@ struct Kernels;
     static constexpr auto relu_backward = &relu_backward_##SUF;          \
     static constexpr auto leaky_forward = &leaky_forward_##SUF;          \
     static constexpr auto leaky_backward = &leaky_backward_##SUF;        \
+    static constexpr auto relusq_forward = &relusq_forward_##SUF;        \
+    static constexpr auto relusq_backward = &relusq_backward_##SUF;      \
     static constexpr auto hidden_pass = &hidden_pass_##SUF;              \
     static constexpr auto diag_kl_backward = &diag_kl_backward_##SUF;    \
     static constexpr auto augment_pair = &augment_pair_##SUF;            \
@@ -208,6 +210,30 @@ std::tuple<Tensor, Tensor> leaky_relu_moments_backward(const Tensor& mean, const
                             using T = decltype(zero);
                             Kernels<T>::leaky_backward(n, m, s, slope_for<T>(negative_slope), f, gp, gps, gu, gus,
                                                        gv, gvs, gm, gs, threads());
+                          });
+}
+
+std::tuple<Tensor, Tensor, Tensor> relu_squared_moments(const Tensor& mean_in, const Tensor& std_in) {
+  check_operands("relu_squared_moments", mean_in, {&std_in});
+  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous();
+  Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::relusq_forward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(),
+                               ups.data_ptr<T>(), var.data_ptr<T>(), nullptr, nullptr, nullptr, nullptr, threads());
+    return 0;
+  });
+  return {phi, ups, var};
+}
+
+std::tuple<Tensor, Tensor> relu_squared_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
+                                                         const Tensor& grad_phi, const Tensor& grad_upsilon,
+                                                         const Tensor& grad_variance) {
+  return moments_backward("relu_squared_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
+                          [](auto zero, int64_t n, const auto* m, const auto* s, const auto* f, const auto* gp,
+                             int gps, const auto* gu, int gus, const auto* gv, int gvs, auto* gm, auto* gs) {
+                            Kernels<decltype(zero)>::relusq_backward(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs,
+                                                                     threads());
                           });
 }
 
@@ -518,7 +544,7 @@ std::tuple<Tensor, Tensor, Tensor> relu_tail_backward(const Tensor& mean_in, con
 /* The activations' moments operators and their backward operators, through the dispatcher (not
    the functions above: under torch.compile or opcheck the tensors are fake, and the dispatcher
    sends them to the fake implementations). */
-enum MomentsKind : int64_t { RELU_MOMENTS = 0, RELU_FROM_VARIANCE = 1, LEAKY_MOMENTS = 2 };
+enum MomentsKind : int64_t { RELU_MOMENTS = 0, RELU_FROM_VARIANCE = 1, LEAKY_MOMENTS = 2, RELU_SQUARED_MOMENTS = 3 };
 
 using MomentsOutputs = std::tuple<Tensor, Tensor, Tensor>;
 using Gradients = std::tuple<Tensor, Tensor>;
@@ -533,7 +559,10 @@ MomentsOutputs call_moments(int64_t kind, const Tensor& mean, const Tensor& spre
       operator_handle("cfbnn::relu_moments_from_variance").typed<MomentsOutputs(const Tensor&, const Tensor&)>();
   static const auto leaky =
       operator_handle("cfbnn::leaky_relu_moments").typed<MomentsOutputs(const Tensor&, const Tensor&, double)>();
+  static const auto squared =
+      operator_handle("cfbnn::relu_squared_moments").typed<MomentsOutputs(const Tensor&, const Tensor&)>();
   if (kind == LEAKY_MOMENTS) return leaky.call(mean, spread, slope);
+  if (kind == RELU_SQUARED_MOMENTS) return squared.call(mean, spread);
   return (kind == RELU_FROM_VARIANCE ? from_variance : relu).call(mean, spread);
 }
 
@@ -548,7 +577,9 @@ Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& 
       operator_handle("cfbnn::leaky_relu_moments_backward")
           .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                            double)>();
+  static const auto squared = operator_handle("cfbnn::relu_squared_moments_backward").typed<Six>();
   if (kind == LEAKY_MOMENTS) return leaky.call(mean, spread, phi, gp, gu, gv, slope);
+  if (kind == RELU_SQUARED_MOMENTS) return squared.call(mean, spread, phi, gp, gu, gv);
   if (kind == RELU_FROM_VARIANCE) return from_variance.call(mean, spread, gp, gu, gv);
   return relu.call(mean, spread, phi, gp, gu, gv);
 }
@@ -558,7 +589,7 @@ Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& 
    expanded, which the kernels read as no gradient (gradient_operand), not as a block of zeros. A
    backward that builds a graph (create_graph, torch.func.grad) calls the backward operator
    through autograd, whose own derivative is registered in Python (cfbnn_cli/moments/ops.py:
-   differentiable_by_formula); otherwise straight to its kernel. One class for the three
+   differentiable_by_formula); otherwise straight to its kernel. One class for the four
    operators (the kind and the slope ride in the context): each torch::autograd::Function
    instantiation costs seconds of compile time. */
 class MomentsAutograd : public torch::autograd::Function<MomentsAutograd> {
@@ -610,6 +641,10 @@ MomentsOutputs relu_moments_from_variance_autograd(const Tensor& mean, const Ten
   return as_outputs(MomentsAutograd::apply(mean, variance, RELU_FROM_VARIANCE, 0.0));
 }
 
+MomentsOutputs relu_squared_moments_autograd(const Tensor& mean, const Tensor& std_dev) {
+  return as_outputs(MomentsAutograd::apply(mean, std_dev, RELU_SQUARED_MOMENTS, 0.0));
+}
+
 MomentsOutputs leaky_relu_moments_autograd(const Tensor& mean, const Tensor& std_dev, double negative_slope) {
   return as_outputs(MomentsAutograd::apply(mean, std_dev, LEAKY_MOMENTS, negative_slope));
 }
@@ -627,6 +662,8 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   library->impl("relu_moments_backward", TORCH_FN(relu_moments_backward));
   library->impl("leaky_relu_moments", TORCH_FN(leaky_relu_moments));
   library->impl("leaky_relu_moments_backward", TORCH_FN(leaky_relu_moments_backward));
+  library->impl("relu_squared_moments", TORCH_FN(relu_squared_moments));
+  library->impl("relu_squared_moments_backward", TORCH_FN(relu_squared_moments_backward));
   library->impl("relu_moments_from_variance", TORCH_FN(relu_moments_from_variance));
   library->impl("relu_moments_from_variance_backward", TORCH_FN(relu_moments_from_variance_backward));
   library->impl("diagonal_kl", TORCH_FN(diagonal_kl));
@@ -647,5 +684,6 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   autograd->impl("relu_moments", TORCH_FN(relu_moments_autograd));
   autograd->impl("relu_moments_from_variance", TORCH_FN(relu_moments_from_variance_autograd));
   autograd->impl("leaky_relu_moments", TORCH_FN(leaky_relu_moments_autograd));
+  autograd->impl("relu_squared_moments", TORCH_FN(relu_squared_moments_autograd));
   return 1;
 }
