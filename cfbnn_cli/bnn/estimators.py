@@ -238,9 +238,10 @@ class Estimator:
             return None
         target = y.unsqueeze(-1) if network.output_dim == 1 else y
         log_precision = network.likelihood.log_precision
-        # one output of a ReLU network: the last hidden layer and the output layer in one node on
-        # the cfbnn:: operators (C++ kernels on the CPU, Triton on CUDA), from the pre-activations'
-        # variances; other activations with C++ kernels: the same pass on the CPU's C++ tail
+        # one output of a ReLU-family network (ReLU, leaky ReLU, ReLU^2): the last hidden layer and
+        # the output layer in one node on the cfbnn:: operators (C++ kernels on the CPU, Triton on
+        # CUDA), from the pre-activations' variances; other activations with C++ kernels (the
+        # piecewise polynomials): the same pass on the CPU's C++ tail
         on_operators = output.loc.shape[0] == 1 and fused.operators_apply(
             network.activation, output.loc, output.log_scale, target, log_precision
         )
@@ -257,7 +258,7 @@ class Estimator:
             prior_variance = None if kl_sink is None else network.prior_scale**2
             rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
             if on_operators:
-                ell, kl = fused.operator_normal_ell(gamma, xi2, *rest)
+                ell, kl = fused.operator_normal_ell(gamma, xi2, *rest, family=fused.tail_family(network.activation))
             else:
                 ell, kl = fused.normal_ell_given_preactivation_and_kl(gamma, xi2, tail, *rest)
             if kl is not None:
@@ -288,8 +289,9 @@ class Estimator:
         parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
         if len(layers) == 2 and fused.operators_apply(network.activation, x, y, log_precision, *parameters):
-            # one hidden ReLU layer on the cfbnn:: operators, any device, as one node
-            return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale)
+            # one hidden layer of the ReLU family on the cfbnn:: operators, any device, as one node
+            family = fused.tail_family(network.activation)
+            return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
         if x.device.type != "cpu":  # deeper ones node by node, the last two layers as one (operator_normal_ell)
             return None
         # on the CPU, deeper networks (every layer integrated: deterministic) and the other activations
@@ -430,7 +432,9 @@ def _propagated_moments(network, index: int, h, moments, kl_sink: Optional[dict]
     inputs = h if moments is None else moments[0]
     from_variance = None  # the moments from the pre-activations' variances: no square root, either way
     if layer.covariance == "diagonal":
-        if fused.operators_apply(network.activation, inputs, layer.loc):
+        if fused.tail_family(network.activation) == fused.operator_elbo.RELU and fused.operators_apply(
+            network.activation, inputs, layer.loc
+        ):
             # ReLU: cfbnn::relu_moments_from_variance (C++ on the CPU, Triton on CUDA)
             from_variance = torch.ops.cfbnn.relu_moments_from_variance
         elif inputs.dtype == layer.loc.dtype and inputs.device.type == "cpu":

@@ -1,15 +1,17 @@
 """The last hidden layer's tail pass as torch operators: ``torch.ops.cfbnn.relu_tail*``.
 
-``cfbnn::relu_tail(Tensor mean, Tensor variance, Tensor weight_phi, Tensor weight_variance, Tensor weight_second) -> (Tensor mean_sum, Tensor spread_sum)``
+``cfbnn::relu_tail(Tensor mean, Tensor variance, Tensor weight_phi, Tensor weight_variance, Tensor weight_second, int activation=0, float negative_slope=0.0) -> (Tensor mean_sum, Tensor spread_sum)``
     For pre-activation means and *variances* ``(rows, H)`` of the last hidden layer and three
     ``(H,)`` weight vectors, the two row sums that one integrated output needs (paper eqs.
     (7)-(9)): ``mean_sum_r = sum_c Phi_rc w_phi_c`` and ``spread_sum_r = sum_c Var_rc w_var_c +
-    Upsilon_rc w_second_c``, with ``(Phi, Upsilon, Var)`` the ReLU moments (eq. (20)) --
+    Upsilon_rc w_second_c``, with ``(Phi, Upsilon, Var)`` the moments of the ReLU family's
+    ``activation`` (:data:`ACTIVATION_KINDS`: 0 ReLU, eq. (20); 1 leaky ReLU of slope
+    ``negative_slope``, eqs. (21), (22); 2 ReLU^2, eqs. (28), (29)) --
     computed and reduced in one pass, never written to memory. For the output weights' mean
     ``m`` and variance ``v``: ``w_phi = m``, ``w_var = m^2``, ``w_second = v`` give the output's
     mean (less its bias) and its variance. The variance is floored at the dtype's smallest
     normal number, as in ``cfbnn::relu_moments_from_variance``.
-``cfbnn::relu_tail_backward(mean, variance, weight_phi, weight_variance, weight_second, grad_mean_sum, grad_spread_sum) -> (grad_mean, grad_variance, columns)``
+``cfbnn::relu_tail_backward(mean, variance, weight_phi, weight_variance, weight_second, grad_mean_sum, grad_spread_sum, int activation=0, float negative_slope=0.0) -> (grad_mean, grad_variance, columns)``
     its vector-Jacobian product: ``dL/d mean``, ``dL/d variance`` and ``columns`` ``(3, H)``,
     float64, the weights' gradients ``(sum_r u_r Phi_rc, sum_r k_r Var_rc, sum_r k_r Upsilon_rc)``.
 
@@ -25,7 +27,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import elbo_kernels, fast, kernel_handles
+from . import elbo_kernels, fast, kernel_handles, leaky_ops, relu_squared_ops
 from .ops import (
     HAVE_TRITON,
     check_operands,
@@ -38,10 +40,24 @@ if HAVE_TRITON:
 
     from . import triton_kernels, triton_tail_kernels
 
-__all__ = ["relu_tail", "relu_tail_backward", "reference_relu_tail", "triton_relu_tail", "triton_relu_tail_backward"]
+__all__ = [
+    "ACTIVATION_KINDS",
+    "relu_tail",
+    "relu_tail_backward",
+    "reference_relu_tail",
+    "triton_relu_tail",
+    "triton_relu_tail_backward",
+]
+
+# the ReLU family's activations by their ``activation`` argument (the C++ tail_pass's kind)
+ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
 
 
-def _check_tail(name: str, mean: Tensor, variance: Tensor, *weights: Tensor) -> None:
+def _check_tail(name: str, mean: Tensor, variance: Tensor, *weights: Tensor, activation: int = 0) -> None:
+    if activation not in ACTIVATION_KINDS.values():
+        raise ValueError(
+            f"cfbnn::{name}: `activation` must be 0 (ReLU), 1 (leaky ReLU) or 2 (ReLU^2); got {activation}"
+        )
     check_operands(name, mean, variance)
     if mean.dim() != 2:
         raise ValueError(f"cfbnn::{name}: `mean` and `variance` must be (rows, H); got shape {tuple(mean.shape)}")
@@ -56,20 +72,44 @@ def _check_tail(name: str, mean: Tensor, variance: Tensor, *weights: Tensor) -> 
 # ----------------------------------------------------------------------------- reference (torch ops)
 
 
-def reference_relu_tail(mean, variance, weight_phi, weight_variance, weight_second) -> Tuple[Tensor, Tensor]:
-    """The two row sums from ``cfbnn::relu_moments_from_variance`` and torch ops (any leading batch
+def _family_moments(mean, variance, activation: int, negative_slope: float):
+    """``(Phi, Upsilon, Var)`` of ``activation`` from the pre-activations' variances, differentiable
+    to any order: ReLU's operator, the others' reference ops on the floored variance's root (as
+    the kernels take it)."""
+    if activation == 0:
+        return torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
+    # the floor as the kernels take it: a value, not a gradient's cut (their d std / d variance is
+    # 1 / (2 std) at the floor too, as ReLU's differentiable_from_variance_backward)
+    floored = variance + (variance.clamp(min=variance_floor(variance.dtype)) - variance).detach()
+    std = floored.sqrt()
+    if activation == 1:
+        return leaky_ops._reference_forward(mean, std, negative_slope)
+    return relu_squared_ops._reference_forward(mean, std)
+
+
+def reference_relu_tail(
+    mean, variance, weight_phi, weight_variance, weight_second, activation: int = 0, negative_slope: float = 0.0
+) -> Tuple[Tensor, Tensor]:
+    """The two row sums from the activation's moments and torch ops (any leading batch
     dimensions; differentiable to any order)."""
-    phi, ups, var = torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
+    phi, ups, var = _family_moments(mean, variance, activation, negative_slope)
     return (phi * weight_phi).sum(-1), (var * weight_variance + ups * weight_second).sum(-1)
 
 
-def _differentiable_tail_backward(mean, variance, weight_phi, weight_variance, weight_second, row_u, row_k):
+def _differentiable_tail_backward(
+    mean, variance, weight_phi, weight_variance, weight_second, row_u, row_k, activation: int = 0, negative_slope=0.0
+):
     """The vector-Jacobian product in differentiable ops (double backward, batched calls)."""
-    phi, ups, var = torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
     u, k = row_u.unsqueeze(-1), row_k.unsqueeze(-1)
-    grad_mean, grad_variance = differentiable_from_variance_backward(
-        mean, variance, u * weight_phi, k * weight_second, k * weight_variance
-    )
+    grads = (u * weight_phi, k * weight_second, k * weight_variance)
+    if activation == 0:
+        phi, ups, var = torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
+        grad_mean, grad_variance = differentiable_from_variance_backward(mean, variance, *grads)
+    else:
+        (phi, ups, var), vjp = torch.func.vjp(
+            lambda m, v: _family_moments(m, v, activation, negative_slope), mean, variance
+        )
+        grad_mean, grad_variance = vjp((grads[0], grads[1], grads[2]))
     rows = tuple(range(mean.dim() - 2, mean.dim() - 1))  # the rows' dimension, batch dims kept
     columns = torch.stack([(u * phi).sum(rows), (k * var).sum(rows), (k * ups).sum(rows)], -2)
     return grad_mean, grad_variance, columns
@@ -78,7 +118,16 @@ def _differentiable_tail_backward(mean, variance, weight_phi, weight_variance, w
 # ----------------------------------------------------------------------------- Triton launches
 
 
-def triton_relu_tail(mean, variance, weight_phi, weight_variance, weight_second) -> Tuple[Tensor, Tensor]:
+def _slope_tensor(mean: Tensor, activation: int, negative_slope: float) -> Tensor:
+    # read by the kernels as float64 (a Triton float argument would be float32); filled on the
+    # device, so a launch inside a CUDA graph capture needs no copy from the host
+    slope = kernel_handles.slope_for(negative_slope, mean.dtype) if activation == 1 else 0.0
+    return torch.full((1,), slope, dtype=torch.float64, device=mean.device)
+
+
+def triton_relu_tail(
+    mean, variance, weight_phi, weight_variance, weight_second, activation: int = 0, negative_slope: float = 0.0
+) -> Tuple[Tensor, Tensor]:
     """The Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
     mean, variance = mean.contiguous(), variance.contiguous()
     weights = [w.contiguous() for w in (weight_phi, weight_variance, weight_second)]
@@ -89,6 +138,7 @@ def triton_relu_tail(mean, variance, weight_phi, weight_variance, weight_second)
         mean,
         variance,
         *weights,
+        _slope_tensor(mean, activation, negative_slope),
         mean_sum,
         spread_sum,
         rows,
@@ -97,11 +147,14 @@ def triton_relu_tail(mean, variance, weight_phi, weight_variance, weight_second)
         block,
         triton_tail_kernels.FORWARD_COLUMNS,
         triton_kernels.cf_depth(mean.dtype),
+        activation,
     )
     return mean_sum, spread_sum
 
 
-def triton_relu_tail_backward(mean, variance, weight_phi, weight_variance, weight_second, row_u, row_k):
+def triton_relu_tail_backward(
+    mean, variance, weight_phi, weight_variance, weight_second, row_u, row_k, activation: int = 0, negative_slope=0.0
+):
     """The Triton vector-Jacobian product: one launch over ``(row block, column block)`` tiles,
     then the tiles' float64 column sums added over the row blocks."""
     mean, variance, row_u, row_k = (t.contiguous() for t in (mean, variance, row_u, row_k))
@@ -116,6 +169,7 @@ def triton_relu_tail_backward(mean, variance, weight_phi, weight_variance, weigh
         mean,
         variance,
         *weights,
+        _slope_tensor(mean, activation, negative_slope),
         row_u,
         row_k,
         grad_mean,
@@ -127,6 +181,7 @@ def triton_relu_tail_backward(mean, variance, weight_phi, weight_variance, weigh
         block_r,
         block_c,
         triton_kernels.cf_depth(mean.dtype),
+        activation,
     )
     return grad_mean, grad_variance, partial.sum(0)
 
@@ -138,12 +193,19 @@ _define = torch.library.custom_op
 
 @_define("cfbnn::relu_tail", mutates_args=())
 def relu_tail(
-    mean: Tensor, variance: Tensor, weight_phi: Tensor, weight_variance: Tensor, weight_second: Tensor
+    mean: Tensor,
+    variance: Tensor,
+    weight_phi: Tensor,
+    weight_variance: Tensor,
+    weight_second: Tensor,
+    activation: int = 0,
+    negative_slope: float = 0.0,
 ) -> Tuple[Tensor, Tensor]:
-    _check_tail("relu_tail", mean, variance, weight_phi, weight_variance, weight_second)
+    weights = (weight_phi, weight_variance, weight_second)
+    _check_tail("relu_tail", mean, variance, *weights, activation=activation)
     if not HAVE_TRITON:  # pragma: no cover - without Triton the device kernels are the reference ops
-        return tuple(t.clone() for t in reference_relu_tail(mean, variance, weight_phi, weight_variance, weight_second))
-    return triton_relu_tail(mean, variance, weight_phi, weight_variance, weight_second)
+        return tuple(t.clone() for t in reference_relu_tail(mean, variance, *weights, activation, negative_slope))
+    return triton_relu_tail(mean, variance, *weights, activation, negative_slope)
 
 
 @_define("cfbnn::relu_tail_backward", mutates_args=())
@@ -155,14 +217,17 @@ def relu_tail_backward(
     weight_second: Tensor,
     grad_mean_sum: Tensor,
     grad_spread_sum: Tensor,
+    activation: int = 0,
+    negative_slope: float = 0.0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     weights = (weight_phi, weight_variance, weight_second)
-    _check_tail("relu_tail_backward", mean, variance, *weights)
+    _check_tail("relu_tail_backward", mean, variance, *weights, activation=activation)
     _check_rows("relu_tail_backward", mean, grad_mean_sum, grad_spread_sum)
+    rows = (grad_mean_sum, grad_spread_sum, activation, negative_slope)
     if not HAVE_TRITON:  # pragma: no cover
-        grads = _differentiable_tail_backward(mean, variance, *weights, grad_mean_sum, grad_spread_sum)
+        grads = _differentiable_tail_backward(mean, variance, *weights, *rows)
         return grads[0], grads[1], grads[2].double()
-    return triton_relu_tail_backward(mean, variance, *weights, grad_mean_sum, grad_spread_sum)
+    return triton_relu_tail_backward(mean, variance, *weights, *rows)
 
 
 def _check_rows(name: str, mean: Tensor, *row_grads: Tensor) -> None:
@@ -174,52 +239,77 @@ def _check_rows(name: str, mean: Tensor, *row_grads: Tensor) -> None:
             )
 
 
+def _kernel_handle(activation: int, negative_slope: float):
+    """The activation's kernels in the library called directly (``tail_pass`` with its kind)."""
+    if activation == 1:
+        return kernel_handles.LeakyReLUOp(None, negative_slope)
+    return kernel_handles.ReLUSquaredOp(None) if activation == 2 else kernel_handles.ReLUOp(None)
+
+
 @relu_tail.register_kernel("cpu")
-def _relu_tail_cpu(mean, variance, weight_phi, weight_variance, weight_second):
+def _relu_tail_cpu(mean, variance, weight_phi, weight_variance, weight_second, activation=0, negative_slope=0.0):
+    # before the library has loaded: load it (its C++ kernel then takes over) or, without a
+    # compiler, the reference ops (fresh tensors, as an operator must return)
     weights = (weight_phi, weight_variance, weight_second)
-    _check_tail("relu_tail", mean, variance, *weights)
-    if fast.load_kernels() is None:  # no compiler: the reference ops (fresh tensors, as an op must return)
-        return tuple(t.clone() for t in reference_relu_tail(mean, variance, *weights))
-    contiguous = [t.contiguous() for t in (mean, variance, *weights)]
-    return elbo_kernels.normal_tail(kernel_handles.ReLUOp(None), *contiguous)
+    _check_tail("relu_tail", mean, variance, *weights, activation=activation)
+    if fast.load_kernels() is not None and fast.cpu_operators_registered():
+        return torch.ops.cfbnn.relu_tail(mean, variance, *weights, activation, negative_slope)
+    if fast.load_kernels() is not None:  # the library without its operators' unit
+        contiguous = [t.contiguous() for t in (mean, variance, *weights)]
+        return elbo_kernels.normal_tail(_kernel_handle(activation, negative_slope), *contiguous)
+    return tuple(t.clone() for t in reference_relu_tail(mean, variance, *weights, activation, negative_slope))
 
 
 @relu_tail_backward.register_kernel("cpu")
-def _relu_tail_backward_cpu(mean, variance, weight_phi, weight_variance, weight_second, grad_mean_sum, grad_spread_sum):
+def _relu_tail_backward_cpu(
+    mean, variance, weight_phi, weight_variance, weight_second, grad_mean_sum, grad_spread_sum, activation=0, slope=0.0
+):
     weights = (weight_phi, weight_variance, weight_second)
-    _check_tail("relu_tail_backward", mean, variance, *weights)
+    _check_tail("relu_tail_backward", mean, variance, *weights, activation=activation)
     _check_rows("relu_tail_backward", mean, grad_mean_sum, grad_spread_sum)
-    if fast.load_kernels() is None:
-        grads = _differentiable_tail_backward(mean, variance, *weights, grad_mean_sum, grad_spread_sum)
-        return grads[0], grads[1], grads[2].double()
-    contiguous = [t.contiguous() for t in (mean, variance, *weights, grad_mean_sum, grad_spread_sum)]
-    return elbo_kernels.normal_tail(kernel_handles.ReLUOp(None), *contiguous)
+    if fast.load_kernels() is not None and fast.cpu_operators_registered():
+        return torch.ops.cfbnn.relu_tail_backward(
+            mean, variance, *weights, grad_mean_sum, grad_spread_sum, activation, slope
+        )
+    if fast.load_kernels() is not None:  # the library without its operators' unit
+        contiguous = [t.contiguous() for t in (mean, variance, *weights, grad_mean_sum, grad_spread_sum)]
+        return elbo_kernels.normal_tail(_kernel_handle(activation, slope), *contiguous)
+    with torch.no_grad():
+        grads = _differentiable_tail_backward(
+            mean, variance, *weights, grad_mean_sum, grad_spread_sum, activation, slope
+        )
+    return grads[0], grads[1], grads[2].double()
 
 
 @relu_tail.register_fake
-def _(mean, variance, weight_phi, weight_variance, weight_second):
+def _(mean, variance, weight_phi, weight_variance, weight_second, activation=0, negative_slope=0.0):
     return mean.new_empty(mean.shape[:1]), mean.new_empty(mean.shape[:1])
 
 
 @relu_tail_backward.register_fake
-def _(mean, variance, weight_phi, weight_variance, weight_second, grad_mean_sum, grad_spread_sum):
+def _(
+    mean, variance, weight_phi, weight_variance, weight_second, grad_mean_sum, grad_spread_sum, activation=0, slope=0.0
+):
     columns = mean.new_empty((3, mean.shape[1]), dtype=torch.float64)
     return torch.empty_like(mean), torch.empty_like(mean), columns
 
 
 def _tail_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:5])
+    ctx.activation = inputs[5:]  # (activation, negative_slope)
 
 
 def _tail_backward(ctx, grad_mean_sum, grad_spread_sum):
     mean, variance, *weights = ctx.saved_tensors
     grads = [g if g is not None else mean.new_zeros(mean.shape[:1]) for g in (grad_mean_sum, grad_spread_sum)]
     if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
-        grad_mean, grad_variance, columns = _differentiable_tail_backward(mean, variance, *weights, *grads)
+        grad_mean, grad_variance, columns = _differentiable_tail_backward(
+            mean, variance, *weights, *grads, *ctx.activation
+        )
     else:
-        grad_mean, grad_variance, columns = relu_tail_backward(mean, variance, *weights, *grads)
+        grad_mean, grad_variance, columns = relu_tail_backward(mean, variance, *weights, *grads, *ctx.activation)
     columns = columns.to(mean.dtype)
-    return grad_mean, grad_variance, columns[0], columns[1], columns[2]
+    return grad_mean, grad_variance, columns[0], columns[1], columns[2], None, None
 
 
 relu_tail.register_autograd(_tail_backward, setup_context=_tail_setup_context)
@@ -232,23 +322,33 @@ def _batched(info, in_dims, *tensors):
     ]
 
 
-def _tail_vmap(info, in_dims, mean, variance, weight_phi, weight_variance, weight_second):
-    if in_dims[2:] == (None, None, None):  # shared weights: the batch's rows are rows of one call
+def _tail_vmap(
+    info, in_dims, mean, variance, weight_phi, weight_variance, weight_second, activation=0, negative_slope=0.0
+):
+    if in_dims[2:5] == (None, None, None):  # shared weights: the batch's rows are rows of one call
         mean, variance = _batched(info, in_dims[:2], mean, variance)
         batch, rows, width = mean.shape
         sums = relu_tail(
-            mean.reshape(-1, width), variance.reshape(-1, width), weight_phi, weight_variance, weight_second
+            mean.reshape(-1, width),
+            variance.reshape(-1, width),
+            weight_phi,
+            weight_variance,
+            weight_second,
+            activation,
+            negative_slope,
         )
         return tuple(s.reshape(batch, rows) for s in sums), (0, 0)
-    tensors = _batched(info, in_dims, mean, variance, weight_phi, weight_variance, weight_second)
+    tensors = _batched(info, in_dims[:5], mean, variance, weight_phi, weight_variance, weight_second)
     weights = [w.unsqueeze(1) for w in tensors[2:]]
-    return reference_relu_tail(*tensors[:2], *weights), (0, 0)
+    return reference_relu_tail(*tensors[:2], *weights, activation, negative_slope), (0, 0)
 
 
-def _tail_backward_vmap(info, in_dims, *tensors):
-    tensors = _batched(info, in_dims, *tensors)
+def _tail_backward_vmap(info, in_dims, *arguments):
+    tensors = _batched(info, in_dims[:7], *arguments[:7])
     weights = [w.unsqueeze(1) for w in tensors[2:5]]
-    grad_mean, grad_variance, columns = _differentiable_tail_backward(*tensors[:2], *weights, *tensors[5:])
+    grad_mean, grad_variance, columns = _differentiable_tail_backward(
+        *tensors[:2], *weights, *tensors[5:], *arguments[7:]
+    )
     return (grad_mean, grad_variance, columns.double()), (0, 0, 0)
 
 

@@ -370,6 +370,33 @@ def relu_squared_moments_backward_kernel(
     tl.store(g_std_ptr + offsets, (ps * a + vs * b).to(m_in.dtype), mask=inside)
 
 
+@triton.jit
+def family_moments(mean, std, eps, g_phi, g_ups, g_var, ACTIVATION: tl.constexpr, CF_DEPTH: tl.constexpr):
+    """``(Phi, Upsilon, Var, d mean, d std)`` of the ReLU family's ``ACTIVATION`` (0 ReLU, 1 leaky
+    ReLU of slope ``eps``, 2 ReLU^2), float64, and the vector-Jacobian product for the output
+    gradients ``g_phi``, ``g_ups``, ``g_var`` (zeros for a forward pass: the compiler drops what
+    they feed). Var clamped at 0, without a gradient where the clamp bites (the reference's
+    ``clamp_min``); the small tail computed once for both."""
+    if ACTIVATION == 0:
+        x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
+        phi, ups, var = relu_from_tail(mean, std, x, s1, s2)
+        g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
+    else:
+        if ACTIVATION == 1:
+            x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
+            phi, raw_var, pm, ps, vm, vs = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
+        else:
+            x, pdf, s0, s1, s2, s3, s4 = small_tail_orders(mean, std, CF_DEPTH, True)
+            phi, raw_var, pm, ps, vm, vs = relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4)
+        var = tl.maximum(raw_var, 0.0)
+        ups = var + phi * phi
+        a = g_phi + 2.0 * phi * g_ups
+        b = (g_ups + g_var) * tl.where(raw_var < 0.0, 0.0, 1.0)
+        g_mean = pm * a + vm * b
+        g_std = ps * a + vs * b
+    return phi, ups, var, g_mean, g_std
+
+
 def cf_depth(dtype) -> int:
     """The continued fraction's depth for results of ``dtype`` (float32 or float64)."""
     return CF_DEPTH_F32 if str(dtype).endswith("float32") else CF_DEPTH

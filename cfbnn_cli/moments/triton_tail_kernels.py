@@ -2,7 +2,8 @@
 the CUDA side of ``cfbnn::relu_tail`` (:mod:`cfbnn_cli.moments.tail_ops`) and of the ELBO's
 step operators (:mod:`cfbnn_cli.moments.elbo_ops`).
 
-The tail pass (paper eqs. (7)-(9) for one output) reduces the ReLU moments of an ``(rows, H)``
+The tail pass (paper eqs. (7)-(9) for one output) reduces the moments of the ReLU family (ReLU,
+leaky ReLU, ReLU^2: the ``ACTIVATION`` constant) of an ``(rows, H)``
 block of pre-activation means and *variances* against three weight vectors without writing
 ``Phi``, ``Upsilon`` or ``Var`` to memory:
 
@@ -13,7 +14,8 @@ Forward: one program per block of rows, looping over the columns (a row's sum ne
 the program: no atomics, the same result at every launch). Backward: one program per
 ``(row block, column block)`` tile; the tile's column sums go to a float64 buffer of one row
 per row block, summed afterwards (again no atomics). The moments' numerics are those of
-:mod:`.triton_kernels` (:func:`~.triton_kernels.relu_core`, float64 whatever the input dtype).
+:mod:`.triton_kernels` (:func:`~.triton_kernels.family_moments`, float64 whatever the input
+dtype).
 """
 
 import math
@@ -21,7 +23,7 @@ import math
 import triton
 import triton.language as tl
 
-from .triton_kernels import fold_kl, relu_core, relu_from_tail, relu_vjp_from_tail, small_tail
+from .triton_kernels import family_moments, fold_kl, relu_core
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
@@ -57,6 +59,7 @@ def relu_tail_kernel(
     w_phi_ptr,
     w_var_ptr,
     w_second_ptr,
+    slope_ptr,
     mean_sum_ptr,
     spread_sum_ptr,
     rows,
@@ -65,17 +68,25 @@ def relu_tail_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     CF_DEPTH: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
-    """The two row sums of a block of ``BLOCK_R`` rows (the variance floored: :func:`load_tile`)."""
+    """The two row sums of a block of ``BLOCK_R`` rows (the variance floored: :func:`load_tile`)
+    for the ReLU family's ``ACTIVATION`` (:func:`~.triton_kernels.family_moments`; the leaky
+    slope read as float64 from ``slope_ptr``)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = r < rows
+    eps = tl.load(slope_ptr).to(tl.float64)
     acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
     acc_spread = tl.zeros([BLOCK_R], dtype=tl.float64)
     for c0 in range(0, width, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         c_in = c < width
         mean, std, _, _ = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR)
-        phi, ups, var = relu_core(mean, std, CF_DEPTH)
+        if ACTIVATION == 0:
+            phi, ups, var = relu_core(mean, std, CF_DEPTH)
+        else:
+            zero = tl.zeros_like(mean)
+            phi, ups, var, _, _ = family_moments(mean, std, eps, zero, zero, zero, ACTIVATION, CF_DEPTH)
         w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in)
         acc_mean += tl.sum(phi * w_phi[None, :], axis=1)
         acc_spread += tl.sum(var * w_var[None, :] + ups * w_second[None, :], axis=1)
@@ -90,6 +101,7 @@ def relu_tail_backward_kernel(
     w_phi_ptr,
     w_var_ptr,
     w_second_ptr,
+    slope_ptr,
     row_u_ptr,
     row_k_ptr,
     g_mean_ptr,
@@ -101,6 +113,7 @@ def relu_tail_backward_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     CF_DEPTH: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
     """For row gradients ``u = dL/d mean_sum``, ``k = dL/d spread_sum``: ``dL/d mean`` and
     ``dL/d variance`` of the tile (:func:`~.triton_kernels.relu_vjp` with ``dL/dPhi = u w_phi``,
@@ -112,13 +125,13 @@ def relu_tail_backward_kernel(
     r_in = r < rows
     c_in = c < width
     mean, std, offsets, inside = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR)
-    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)  # once, for the moments and the derivatives
-    phi, ups, var = relu_from_tail(mean, std, x, s1, s2)
     u = tl.load(row_u_ptr + r, mask=r_in, other=0.0).to(tl.float64)
     k = tl.load(row_k_ptr + r, mask=r_in, other=0.0).to(tl.float64)
     w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in)
     g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
-    g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
+    eps = tl.load(slope_ptr).to(tl.float64)
+    # the small tail once, for the moments and the derivatives
+    phi, ups, var, g_mean, g_std = family_moments(mean, std, eps, g_phi, g_ups, g_var, ACTIVATION, CF_DEPTH)
     dtype = g_mean_ptr.dtype.element_ty
     tl.store(g_mean_ptr + offsets, g_mean.to(dtype), mask=inside)
     tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(dtype), mask=inside)

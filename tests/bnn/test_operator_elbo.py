@@ -29,14 +29,17 @@ import copy, json, torch
 from autograd_nodes import node_names
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.bnn.likelihoods import NormalLikelihood
-from cfbnn_cli.moments import fast_path
+from cfbnn_cli.moments import fast_path, get_activation
 
 def scaled(got, want):
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
-def network(hidden, output_bias, dtype):
+def network(hidden, output_bias, dtype, activation="relu", **params):
     torch.manual_seed(0)
-    net = BayesianNetwork(4, hidden, output_bias=output_bias, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9)
+    net = BayesianNetwork(
+        4, hidden, output_bias=output_bias, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9,
+        activation=get_activation(activation, **params),
+    )
     with torch.no_grad():
         for layer in net.layers:
             layer.loc.normal_(0.0, 1.0)
@@ -45,11 +48,14 @@ def network(hidden, output_bias, dtype):
 
 def errors():
     out = {}
-    cases = [([150], "analytic")] + [([6, 150], estimator) for estimator in ("analytic", "deterministic")]
-    for hidden, estimator in cases:
+    cases = [([150], "analytic", "relu")] + [([6, 150], estimator, "relu") for estimator in ("analytic", "deterministic")]
+    # the rest of the ReLU family: one hidden layer (NormalELBO) and two (NormalELL)
+    cases += [(hidden, "analytic", name) for name in ("leaky_relu", "relu_squared") for hidden in ([150], [6, 150])]
+    for hidden, estimator, activation in cases:
+        params = {"negative_slope": -0.5} if activation == "leaky_relu" else {}
         for dtype in (torch.float64, torch.float32):
             for output_bias in (True, False):
-                net = network(hidden, output_bias, dtype)
+                net = network(hidden, output_bias, dtype, activation, **params)
                 x, y = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype)
                 g = torch.Generator().manual_seed(1)
                 noise = tuple(n.to(dtype) for n in net.sample_noise(21, estimator=estimator, generator=g))
@@ -69,7 +75,8 @@ def errors():
                     route = "NormalELL" in names
                 else:
                     route = all(part in names for part in DEEP_DETERMINISTIC_ROUTE)
-                out[f"{len(hidden)}_{estimator}_{dtype}_{output_bias}"] = {
+                name = "" if activation == "relu" else "_" + activation
+                out[f"{len(hidden)}_{estimator}_{dtype}_{output_bias}{name}"] = {
                     "value": scaled(value.detach(), reference.detach()),
                     "grads": max(scaled(g, r) for g, r in zip(grads, reference_grads)),
                     "dtype": str(value.dtype),
@@ -135,7 +142,7 @@ print("RESULT", json.dumps(out))
 
 def _assert_within_tolerance(errors: dict) -> None:
     assert errors.pop("second_order") == "refused"
-    assert len(errors) == 12
+    assert len(errors) == 28
     for case, error in errors.items():
         tolerance = 1e-10 if "float64" in case else 2e-5
         assert error["route"], (case, "the operators' route was not taken")
@@ -167,16 +174,28 @@ def test_the_triton_kernels_match_the_reference_path_under_the_interpreter():
 
 
 def test_which_networks_take_the_operators():
-    """ReLU networks on either device; other activations keep the CPU's C++ single node (their
-    moments have C++ kernels but no Triton ones), and with the fast path off the reference path runs."""
+    """Networks of the ReLU family (ReLU, leaky ReLU, ReLU^2) on either device; other activations
+    (the piecewise polynomials) and subclasses do not, deeper networks with every layer integrated
+    keep the CPU's C++ single node, and with the fast path off the reference path runs."""
     net = BayesianNetwork(3, [5])
     x, y = torch.randn(4, 3), torch.randn(4)
     assert fused.operators_apply(net.activation, x, *net.parameters())
     assert type(net.elbo(x, y).grad_fn).__name__ == "NormalELBOBackward"
-    assert not fused.operators_apply(get_activation("leaky_relu"), x, *net.parameters())
     assert not fused.operators_apply(net.activation, x, x.double())  # one dtype
-    leaky = BayesianNetwork(3, [5], activation="leaky_relu")
-    assert "ClosedFormNormalELBO" in type(leaky.elbo(x, y).grad_fn).__name__
+    for name, family in (("leaky_relu", (1, 0.01)), ("relu_squared", (2, 0.0))):
+        assert fused.tail_family(get_activation(name)) == family
+        assert fused.operators_apply(get_activation(name), x, *net.parameters())
+        one_hidden = BayesianNetwork(3, [5], activation=name)
+        assert type(one_hidden.elbo(x, y).grad_fn).__name__ == "NormalELBOBackward"
+        deeper = BayesianNetwork(3, [5, 4], activation=name)
+        assert "ClosedFormNormalELBO" in type(deeper.elbo(x, y, estimator="deterministic").grad_fn).__name__
+    hard_sigmoid = get_activation("hard_sigmoid")
+    assert fused.tail_family(hard_sigmoid) is None and not fused.operators_apply(hard_sigmoid, x, *net.parameters())
+
+    class Shifted(type(net.activation)):  # a subclass may change the function: not the operators
+        pass
+
+    assert fused.tail_family(Shifted()) is None
     with fast_path(False):
         assert not fused.operators_apply(net.activation, x, *net.parameters())
         assert "NormalELBO" not in type(net.elbo(x, y).grad_fn).__name__
@@ -201,10 +220,11 @@ def test_kernels_that_fail_on_first_use_leave_one_warning_and_the_other_route(mo
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "relu_squared"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
-def test_cuda_elbo_takes_the_operators_and_matches_the_cpu(dtype, tolerance):
+def test_cuda_elbo_takes_the_operators_and_matches_the_cpu(dtype, tolerance, activation):
     torch.manual_seed(1)
-    net = BayesianNetwork(20, [300], prior_scale=0.7).to(dtype)
+    net = BayesianNetwork(20, [300], prior_scale=0.7, activation=activation).to(dtype)
     x, y = torch.randn(500, 20, dtype=dtype), torch.randn(500, dtype=dtype)
     reference = net.elbo(x, y, num_data=5000, estimator="analytic")
     reference_grads = torch.autograd.grad(reference, list(net.parameters()))

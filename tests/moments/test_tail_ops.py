@@ -20,49 +20,60 @@ def _inputs(rows, width, dtype, seed=0):
     return [t.to(dtype) for t in (mean, variance, *weights)]
 
 
-def _reference(tensors):
-    return tail_ops.reference_relu_tail(*[t.double() for t in tensors])
+# the ReLU family's (activation, negative_slope): ReLU, leaky ReLU inside and outside [0, 1], ReLU^2
+FAMILY = [(0, 0.0), (1, 0.125), (1, -0.5), (2, 0.0)]
+FAMILY_IDS = ["relu", "leaky_0.125", "leaky_-0.5", "relu_squared"]
 
 
+def _reference(tensors, family=(0, 0.0)):
+    return tail_ops.reference_relu_tail(*[t.double() for t in tensors], *family)
+
+
+@pytest.mark.parametrize("family", FAMILY, ids=FAMILY_IDS)
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("shape", [(1, 1), (37, 5), (300, 200)])
-def test_cpu_tail_matches_the_reference_ops(dtype, rtol, shape):
+def test_cpu_tail_matches_the_reference_ops(dtype, rtol, shape, family):
     tensors = _inputs(*shape, dtype)
-    got = torch.ops.cfbnn.relu_tail(*tensors)
-    for value, want in zip(got, _reference(tensors)):
+    got = torch.ops.cfbnn.relu_tail(*tensors, *family)
+    for value, want in zip(got, _reference(tensors, family)):
         assert value.dtype == dtype and value.shape == shape[:1]
         torch.testing.assert_close(value.double(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("family", FAMILY, ids=FAMILY_IDS)
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
-def test_cpu_tail_gradients_match_the_reference_autograd(dtype, rtol):
+def test_cpu_tail_gradients_match_the_reference_autograd(dtype, rtol, family):
     tensors = [t.requires_grad_() for t in _inputs(40, 9, dtype, seed=1)]
     reference = [t.detach().double().requires_grad_() for t in tensors]
     g = torch.Generator().manual_seed(2)
     row_grads = [torch.randn(40, generator=g, dtype=torch.float64) for _ in range(2)]
-    torch.autograd.backward(torch.ops.cfbnn.relu_tail(*tensors), [r.to(dtype) for r in row_grads])
-    torch.autograd.backward(tail_ops.reference_relu_tail(*reference), row_grads)
+    torch.autograd.backward(torch.ops.cfbnn.relu_tail(*tensors, *family), [r.to(dtype) for r in row_grads])
+    torch.autograd.backward(tail_ops.reference_relu_tail(*reference, *family), row_grads)
     for got, want in zip(tensors, reference):
         scale = float(want.grad.abs().max())
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=rtol, atol=rtol * scale)
 
 
-def test_gradcheck_and_double_backward():
+@pytest.mark.parametrize("family", FAMILY, ids=FAMILY_IDS)
+def test_gradcheck_and_double_backward(family):
     tensors = [t.requires_grad_() for t in _inputs(6, 4, torch.float64, seed=3)]
     # away from the floor's kink, and of a size finite differences resolve
     tensors[1] = (tensors[1].detach().clamp(max=4.0) + 0.05).requires_grad_()
-    assert torch.autograd.gradcheck(torch.ops.cfbnn.relu_tail, tensors)
-    assert torch.autograd.gradgradcheck(torch.ops.cfbnn.relu_tail, tensors)
+    function = lambda *t: torch.ops.cfbnn.relu_tail(*t, *family)  # noqa: E731
+    assert torch.autograd.gradcheck(function, tensors)
+    assert torch.autograd.gradgradcheck(function, tensors)
 
 
+@pytest.mark.parametrize("family", FAMILY, ids=FAMILY_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_opcheck_cpu(dtype):
+def test_opcheck_cpu(dtype, family):
     tensors = _inputs(30, 7, dtype, seed=4)
     tensors[1] = tensors[1] + 0.01
-    torch.library.opcheck(torch.ops.cfbnn.relu_tail.default, [t.requires_grad_() for t in tensors])
+    torch.library.opcheck(torch.ops.cfbnn.relu_tail.default, [t.requires_grad_() for t in tensors] + list(family))
     g = torch.Generator().manual_seed(5)
     rows = [torch.randn(30, generator=g, dtype=torch.float64).to(dtype) for _ in range(2)]
-    torch.library.opcheck(torch.ops.cfbnn.relu_tail_backward.default, [t.detach() for t in tensors] + rows)
+    arguments = [t.detach() for t in tensors] + rows + list(family)
+    torch.library.opcheck(torch.ops.cfbnn.relu_tail_backward.default, arguments)
 
 
 def test_vmap_with_shared_and_batched_weights():

@@ -46,8 +46,8 @@ and ``torch.autograd.gradcheck``), and all but the kernel tail support ``torch.f
 / ``grad`` (``generate_vmap_rule``), which the gradient-variance measurement uses.
 
 One module per job: :mod:`.preactivation`, :mod:`.kl`, :mod:`.normal_ell`, :mod:`.single_node`,
-:mod:`.operator_elbo` (ReLU networks' ELBO on the ``cfbnn::`` operators, one implementation for the CPU
-and CUDA),
+:mod:`.operator_elbo` (ReLU-family networks' ELBO on the ``cfbnn::`` operators, one implementation for the
+CPU and CUDA),
 and :mod:`.support` (what they share).
 """
 
@@ -62,7 +62,7 @@ from .normal_ell import (
 )
 from .operator_elbo import normal_elbo as operator_normal_elbo
 from .operator_elbo import normal_ell as operator_normal_ell
-from .operator_elbo import operators_apply, relu_operators_apply
+from .operator_elbo import operators_apply, relu_operators_apply, tail_family
 from .preactivation import (
     diagonal_preactivation,
     diagonal_preactivation_and_kl,
@@ -94,4 +94,5 @@ __all__ = [
     "propagated_preactivation_and_kl",
     "propagated_preactivation_variance",
     "relu_operators_apply",
+    "tail_family",
 ]

@@ -1,4 +1,5 @@
-"""The closed-form Normal likelihood terms of ReLU networks as autograd nodes on the ``cfbnn::``
+"""The closed-form Normal likelihood terms of ReLU-family networks (ReLU, leaky ReLU, ReLU^2) as
+autograd nodes on the ``cfbnn::``
 operators, one implementation for the CPU and CUDA (paper eqs. (4), (7)-(9), (12), (20); one
 Normal output): :class:`NormalELBO`, the whole ELBO of a one-hidden-layer network as one node,
 and :class:`NormalELL`, the last hidden layer and the output layer of any deeper one (the
@@ -27,25 +28,42 @@ from __future__ import annotations
 import torch
 
 from ...moments import fast, ops
-from ...moments.activations import ReLU
+from ...moments.activations import LeakyReLU, ReLU, ReLUSquared
 from ...moments.gaussian import check_mean_std
+from ...moments.tail_ops import ACTIVATION_KINDS
 from .support import first_order_only, transforms_active
 
 _cfbnn = torch.ops.cfbnn
 _FLOATS = (torch.float32, torch.float64)
 
 
+RELU = (ACTIVATION_KINDS["relu"], 0.0)  # a family: (cfbnn::relu_tail's activation, its negative slope)
+
+
+def tail_family(activation):
+    """``(activation, negative_slope)`` of ``cfbnn::relu_tail`` for a ReLU, leaky ReLU or ReLU^2
+    activation; ``None`` for any other (a subclass too: it may change the function)."""
+    kind = type(activation)
+    if kind is ReLU or kind is ReLUSquared:
+        return (ACTIVATION_KINDS[activation.name], 0.0)
+    if kind is LeakyReLU:
+        return (ACTIVATION_KINDS["leaky_relu"], float(activation.negative_slope))
+    return None
+
+
 def operators_apply(activation, *tensors: torch.Tensor) -> bool:
-    """Whether :func:`normal_elbo` / :func:`normal_ell` run here: a ReLU network (a subclass may
-    change the function) and :func:`relu_operators_apply`."""
-    return type(activation) is ReLU and relu_operators_apply(*tensors)
+    """Whether :func:`normal_elbo` / :func:`normal_ell` run here: a ReLU-family network
+    (:func:`tail_family`) and :func:`relu_operators_apply`."""
+    family = tail_family(activation)
+    return family is not None and relu_operators_apply(*tensors, family=family)
 
 
-def relu_operators_apply(*tensors: torch.Tensor) -> bool:
-    """Whether the ReLU operators' kernels take these tensors: one float dtype on one device with
-    kernels -- the CPU with the C++ library built with its operators and the fast path on, or CUDA with Triton, the
-    operators switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`) and the kernels'
-    first run on that device and dtype passed -- outside torch.func transforms and torch.compile."""
+def relu_operators_apply(*tensors: torch.Tensor, family=RELU) -> bool:
+    """Whether the ReLU family's operators' kernels take these tensors: one float dtype on one
+    device with kernels -- the CPU with the C++ library built with its operators and the fast path
+    on, or CUDA with Triton, the operators switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`)
+    and the kernels' first run on that device and dtype (and for that activation) passed -- outside
+    torch.func transforms and torch.compile."""
     first = tensors[0]
     if transforms_active() or any(t.device != first.device or t.dtype != first.dtype for t in tensors):
         return False
@@ -56,12 +74,13 @@ def relu_operators_apply(*tensors: torch.Tensor) -> bool:
             and fast.load_kernels() is not None
             and fast.cpu_operators_registered()
         )
+    what = "the closed-form ELBO's Triton kernels" + ("" if family == RELU else f" (activation {family[0]})")
     return ops.device_kernels_apply(first) and ops.first_use_check(
-        "the closed-form ELBO's Triton kernels", first.device, first.dtype, _self_check
+        what, first.device, first.dtype, lambda device, dtype: _self_check(device, dtype, family)
     )
 
 
-def _self_check(device: torch.device, dtype: torch.dtype) -> None:
+def _self_check(device: torch.device, dtype: torch.dtype, family=RELU) -> None:
     """Both nodes forward and backward on a tiny problem (compiling their kernels)."""
     g = torch.Generator().manual_seed(0)
 
@@ -72,9 +91,9 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
     output = [tensor(1, 6).requires_grad_(), tensor(1, 6, shift=-2.0).requires_grad_()]
     log_precision = tensor(1, shift=0.5).reshape(()).requires_grad_()
     x, y = tensor(4, 2), tensor(4)
-    elbo = NormalELBO.apply(x, y, log_precision, *hidden, *output, (True, True), 1.0, 2.0)
+    elbo = NormalELBO.apply(x, y, log_precision, *hidden, *output, (True, True), 1.0, 2.0, family)
     gamma, xi2 = tensor(4, 5).requires_grad_(), tensor(4, 5, scale=0.1, shift=1.0).requires_grad_()
-    ell, kl = NormalELL.apply(gamma, xi2, *output, y, log_precision, True, 1.0)
+    ell, kl = NormalELL.apply(gamma, xi2, *output, y, log_precision, True, 1.0, family)
     values = torch.autograd.grad(elbo + ell.sum() - kl, [*hidden, *output, log_precision, gamma, xi2])
     if not all(bool(torch.isfinite(v).all()) for v in (elbo, ell, kl, *values)):
         raise FloatingPointError("non-finite values on a well-conditioned problem")
@@ -87,7 +106,9 @@ def _output_layer_pass(loc, log_scale, width: int, prior_variance: float):
     return kl, (loc.reshape(-1)[:width], loc_square.reshape(-1)[:width], variance.reshape(-1)[:width])
 
 
-def _tail_backward(grad, row_grads: bool, scale: float, saved, kl_grad, kl_sign: float, prior_variance: float, bias):
+def _tail_backward(
+    grad, row_grads: bool, scale: float, saved, kl_grad, kl_sign: float, prior_variance: float, bias, family
+):
     """The backward pass both nodes share, from ``grad`` (``dL/d ELL`` per row with
     ``row_grads``, else one ``dL/d elbo`` for every row, times ``scale``): the rows, the tail pass
     and the one-output layer's gradients with ``dL/dKL = kl_sign kl_grad`` folded in. ``saved``:
@@ -99,7 +120,7 @@ def _tail_backward(grad, row_grads: bool, scale: float, saved, kl_grad, kl_sign:
         grad, residual, squares, log_precision, scale, row_grads
     )
     w_phi = loc.reshape(-1)[:width]
-    grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_backward(gamma, xi2, w_phi, w_var, w_second, row_u, row_k)
+    grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_backward(gamma, xi2, w_phi, w_var, w_second, row_u, row_k, *family)
     grad_loc, grad_log_scale = _cfbnn.output_layer_gradients(
         columns, sums, loc, log_scale, kl_grad, kl_sign, prior_variance, bias
     )
@@ -122,6 +143,7 @@ class NormalELBO(torch.autograd.Function):
         biases,
         prior_variance,
         scale,
+        family=RELU,
     ):
         hidden_bias, output_bias = biases
         inputs, squares_in = _cfbnn.augment_pair(x, hidden_bias)  # [x, 1] and [x^2, 1]
@@ -130,7 +152,7 @@ class NormalELBO(torch.autograd.Function):
         output_kl, (w_phi, w_var, w_second) = _output_layer_pass(output_loc, output_log_scale, width, prior_variance)
         gamma = torch.mm(inputs, hidden_loc.t())
         xi2 = torch.mm(squares_in, hidden_variance.t())
-        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second)
+        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
         residual, squares, elbo = _cfbnn.normal_elbo_rows(
             mean_sum,
             spread_sum,
@@ -148,6 +170,7 @@ class NormalELBO(torch.autograd.Function):
             gamma, xi2, w_var, w_second, residual, squares,
         )  # fmt: skip
         ctx.output_bias, ctx.prior_variance, ctx.scale = output_bias, float(prior_variance), float(scale)
+        ctx.family = family
         return elbo
 
     @staticmethod
@@ -159,7 +182,7 @@ class NormalELBO(torch.autograd.Function):
         ) = ctx.saved_tensors  # fmt: skip
         tail = (gamma, xi2, output_loc, output_log_scale, log_precision, w_var, w_second, residual, squares)
         grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
-            grad, False, ctx.scale, tail, grad, -1.0, ctx.prior_variance, ctx.output_bias
+            grad, False, ctx.scale, tail, grad, -1.0, ctx.prior_variance, ctx.output_bias, ctx.family
         )
         grad_hidden_loc = torch.mm(grad_gamma.t(), inputs)
         grad_hidden_log_scale = torch.mm(grad_xi2.t(), squares_in)  # dL/d Var, finished in place below
@@ -177,13 +200,14 @@ class NormalELBO(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def normal_elbo(x, y, log_precision, hidden, output, prior_variance: float, scale: float) -> torch.Tensor:
+def normal_elbo(x, y, log_precision, hidden, output, prior_variance: float, scale: float, family=RELU) -> torch.Tensor:
     """The ELBO of :class:`NormalELBO`: ``x`` ``(N, D)``, ``y`` ``(N,)``, ``hidden`` and ``output``
     the two :class:`~cfbnn_cli.bnn.layers.GaussianMatrix` layers (diagonal q; the output layer of
-    one row)."""
+    one row), ``family`` the activation's (:func:`tail_family`)."""
     return NormalELBO.apply(
         x,
         y,
@@ -195,25 +219,26 @@ def normal_elbo(x, y, log_precision, hidden, output, prior_variance: float, scal
         (bool(hidden.bias), bool(output.bias)),
         float(prior_variance),
         float(scale),
+        family,
     )
 
 
 class NormalELL(torch.autograd.Function):
-    """``(ELL per row, KL)``: the last hidden layer's ReLU moments from its pre-activation means
+    """``(ELL per row, KL)``: the last hidden layer's activation moments from its pre-activation means
     and variances ``(rows, H)``, a one-output layer integrated exactly and the Normal likelihood
     (eqs. (7)-(9)), the layer's KL folded in where a prior variance is given: forward, the KL pass
     (writing ``Var W`` and ``loc^2``), ``cfbnn::relu_tail`` and the rows; backward, the rows, the
     tail pass and the layer's gradients."""
 
     @staticmethod
-    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance):
+    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance, family=RELU):
         folded = prior_variance is not None
         width = gamma.shape[1]
         kl, (w_phi, w_var, w_second) = _output_layer_pass(loc, log_scale, width, prior_variance if folded else 1.0)
-        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second)
+        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
         residual, squares, ell = _cfbnn.normal_ell_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
         ctx.save_for_backward(gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)
-        ctx.bias, ctx.prior_variance = bias, prior_variance
+        ctx.bias, ctx.prior_variance, ctx.family = bias, prior_variance, family
         if not folded:
             ctx.mark_non_differentiable(kl)
         return ell, kl
@@ -233,6 +258,7 @@ class NormalELL(torch.autograd.Function):
             1.0 if kl_on else 0.0,
             ctx.prior_variance if kl_on else 1.0,
             ctx.bias,
+            ctx.family,
         )
         return (
             grad_gamma,
@@ -243,12 +269,13 @@ class NormalELL(torch.autograd.Function):
             grad_log_precision if ctx.needs_input_grad[5] else None,
             None,
             None,
+            None,
         )
 
 
-def normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, prior_variance=None):
+def normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, prior_variance=None, family=RELU):
     """``(ELL per point, KL or None)`` of :class:`NormalELL` for pre-activation means and variances
-    ``(..., N, H)`` and targets ``(..., N, 1)``."""
+    ``(..., N, H)`` and targets ``(..., N, 1)``, ``family`` the activation's (:func:`tail_family`)."""
     check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the argument checks activation.moments makes (if on)
     gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
     lead, width = gamma.shape[:-1], gamma.shape[-1]
@@ -262,5 +289,6 @@ def normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, 
         log_precision,
         bool(bias),
         None if prior_variance is None else float(prior_variance),
+        family,
     )
     return ell.reshape(lead), (kl if prior_variance is not None else None)

@@ -493,9 +493,19 @@ void check_tail(const char* op, const Tensor& mean, const Tensor& variance,
   }
 }
 
+/* The ReLU family's kind for tail_pass: 0 ReLU, 1 leaky ReLU (its slope as the kernels take it,
+   slope_for), 2 ReLU^2. */
+int64_t tail_kind(const char* op, int64_t activation) {
+  TORCH_CHECK_VALUE(activation >= 0 && activation <= 2, "cfbnn::", op,
+                    ": `activation` must be 0 (ReLU), 1 (leaky ReLU) or 2 (ReLU^2); got ", activation);
+  return activation;
+}
+
 std::tuple<Tensor, Tensor> relu_tail(const Tensor& mean_in, const Tensor& variance_in, const Tensor& weight_phi_in,
-                                     const Tensor& weight_variance_in, const Tensor& weight_second_in) {
+                                     const Tensor& weight_variance_in, const Tensor& weight_second_in,
+                                     int64_t activation, double negative_slope) {
   check_tail("relu_tail", mean_in, variance_in, {&weight_phi_in, &weight_variance_in, &weight_second_in});
+  const int kind = static_cast<int>(tail_kind("relu_tail", activation));
   const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous();
   const Tensor wp = weight_phi_in.contiguous(), wv = weight_variance_in.contiguous(),
                wu = weight_second_in.contiguous();
@@ -503,9 +513,10 @@ std::tuple<Tensor, Tensor> relu_tail(const Tensor& mean_in, const Tensor& varian
   Tensor mean_sum = at::empty({rows_count}, mean.options()), spread_sum = at::empty({rows_count}, mean.options());
   by_dtype(mean, [&](auto zero) {
     using T = decltype(zero);
-    Kernels<T>::tail_pass(RELU_KIND, 0, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(), 0.0,
-                          wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(), nullptr, nullptr,
-                          mean_sum.data_ptr<T>(), spread_sum.data_ptr<T>(), nullptr, nullptr, nullptr, threads());
+    Kernels<T>::tail_pass(kind, 0, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(),
+                          slope_for<T>(negative_slope), wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(), nullptr,
+                          nullptr, mean_sum.data_ptr<T>(), spread_sum.data_ptr<T>(), nullptr, nullptr, nullptr,
+                          threads());
     return 0;
   });
   return {mean_sum, spread_sum};
@@ -514,8 +525,10 @@ std::tuple<Tensor, Tensor> relu_tail(const Tensor& mean_in, const Tensor& varian
 std::tuple<Tensor, Tensor, Tensor> relu_tail_backward(const Tensor& mean_in, const Tensor& variance_in,
                                                       const Tensor& weight_phi_in, const Tensor& weight_variance_in,
                                                       const Tensor& weight_second_in, const Tensor& grad_mean_in,
-                                                      const Tensor& grad_spread_in) {
+                                                      const Tensor& grad_spread_in, int64_t activation,
+                                                      double negative_slope) {
   check_tail("relu_tail_backward", mean_in, variance_in, {&weight_phi_in, &weight_variance_in, &weight_second_in});
+  const int kind = static_cast<int>(tail_kind("relu_tail_backward", activation));
   const int64_t rows_count = mean_in.size(0), width = mean_in.size(1);
   for (const Tensor* grad : {&grad_mean_in, &grad_spread_in}) {
     TORCH_CHECK_VALUE(grad->dim() == 1 && grad->size(0) == rows_count && grad->scalar_type() == mean_in.scalar_type(),
@@ -530,10 +543,10 @@ std::tuple<Tensor, Tensor, Tensor> relu_tail_backward(const Tensor& mean_in, con
   Tensor columns = at::empty({3, width}, mean.options().dtype(at::kDouble));
   by_dtype(mean, [&](auto zero) {
     using T = decltype(zero);
-    Kernels<T>::tail_pass(RELU_KIND, 1, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(), 0.0,
-                          wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(), ru.data_ptr<T>(), rk.data_ptr<T>(),
-                          nullptr, nullptr, grad_mean.data_ptr<T>(), grad_variance.data_ptr<T>(),
-                          columns.data_ptr<double>(), threads());
+    Kernels<T>::tail_pass(kind, 1, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(),
+                          slope_for<T>(negative_slope), wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(),
+                          ru.data_ptr<T>(), rk.data_ptr<T>(), nullptr, nullptr, grad_mean.data_ptr<T>(),
+                          grad_variance.data_ptr<T>(), columns.data_ptr<double>(), threads());
     return 0;
   });
   return {grad_mean, grad_variance, columns};
