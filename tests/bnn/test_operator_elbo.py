@@ -54,7 +54,8 @@ def errors():
     for hidden, estimator, activation in cases:
         params = {"negative_slope": -0.5} if activation == "leaky_relu" else {}
         for dtype in (torch.float64, torch.float32):
-            for output_bias in (True, False):
+            # (the output bias is the rows' business, the same for every activation: ReLU covers both)
+            for output_bias in (True, False) if activation == "relu" else (True,):
                 net = network(hidden, output_bias, dtype, activation, **params)
                 x, y = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype)
                 g = torch.Generator().manual_seed(1)
@@ -142,7 +143,7 @@ print("RESULT", json.dumps(out))
 
 def _assert_within_tolerance(errors: dict) -> None:
     assert errors.pop("second_order") == "refused"
-    assert len(errors) == 28
+    assert len(errors) == 20
     for case, error in errors.items():
         tolerance = 1e-10 if "float64" in case else 2e-5
         assert error["route"], (case, "the operators' route was not taken")
