@@ -24,23 +24,19 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import fast
-from .gaussian import align_batched, is_transformed
 from .kernel_handles import slope_for
 from .ops import (
+    ACTIVATION_KINDS,
     HAVE_TRITON,
-    KernelVJP,
-    absent_gradient,
     check_operands,
-    differentiable_by_formula,
-    elementwise_vmap,
-    first_use_check,
-    operator_route,
+    checked_operator_route,
+    launch_family_moments,
+    launch_family_moments_backward,
+    moments_function,
+    moments_kernels_check,
+    register_moments_operators,
 )
 from .relu_reference import small_tail
-
-if HAVE_TRITON:
-    from . import triton_kernels
 
 __all__ = [
     "leaky_relu_moments",
@@ -88,50 +84,18 @@ def _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var, negat
 # ----------------------------------------------------------------------------- Triton launches
 
 
-def _slope_tensor(mean: Tensor, negative_slope: float) -> Tensor:
-    # read by the kernels as float64 (a Triton float argument would be float32); filled on the
-    # device, so a launch inside a CUDA graph capture needs no copy from the host
-    return torch.full((1,), slope_for(negative_slope, mean.dtype), dtype=torch.float64, device=mean.device)
-
-
 def triton_leaky_relu_moments(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:
     """The Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
-    mean, std = mean.contiguous(), std.contiguous()
-    phi, ups, var = (torch.empty_like(mean) for _ in range(3))
-    n = mean.numel()
-    triton_kernels.leaky_relu_moments_kernel[triton_kernels.grid(n)](
-        mean,
-        std,
-        _slope_tensor(mean, negative_slope),
-        phi,
-        ups,
-        var,
-        n,
-        triton_kernels.BLOCK,
-        triton_kernels.cf_depth(mean.dtype),
-    )
-    return phi, ups, var
+    return launch_family_moments(mean, std, ACTIVATION_KINDS["leaky_relu"], negative_slope)
 
 
 def triton_leaky_relu_moments_backward(
     mean: Tensor, std: Tensor, phi: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor, negative_slope: float
 ) -> Tuple[Tensor, Tensor]:
     """The Triton vector-Jacobian product of :func:`triton_leaky_relu_moments`."""
-    tensors = [t.contiguous() for t in (mean, std)]
-    rest = [t.contiguous() for t in (phi, grad_phi, grad_ups, grad_var)]
-    grad_mean, grad_std = torch.empty_like(tensors[0]), torch.empty_like(tensors[0])
-    n = mean.numel()
-    triton_kernels.leaky_relu_moments_backward_kernel[triton_kernels.grid(n)](
-        *tensors,
-        _slope_tensor(tensors[0], negative_slope),
-        *rest,
-        grad_mean,
-        grad_std,
-        n,
-        triton_kernels.BLOCK,
-        triton_kernels.cf_depth(mean.dtype),
+    return launch_family_moments_backward(
+        mean, std, phi, grad_phi, grad_ups, grad_var, ACTIVATION_KINDS["leaky_relu"], negative_slope
     )
-    return grad_mean, grad_std
 
 
 # ----------------------------------------------------------------------------- the operators
@@ -162,26 +126,6 @@ def leaky_relu_moments_backward(
     return triton_leaky_relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance, negative_slope)
 
 
-@leaky_relu_moments.register_kernel("cpu")
-def _leaky_relu_moments_cpu(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:
-    # before the library has loaded: load it (its C++ kernel then takes over) or, without a
-    # compiler, the reference ops (fresh tensors, as an operator must return)
-    check_operands("leaky_relu_moments", mean, std)
-    if fast.load_kernels() is not None and fast.cpu_operators_registered():
-        return torch.ops.cfbnn.leaky_relu_moments(mean, std, negative_slope)
-    return tuple(value.clone() for value in _reference_forward(mean, std, negative_slope))
-
-
-@leaky_relu_moments_backward.register_kernel("cpu")
-def _leaky_relu_moments_backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance, negative_slope):
-    check_operands("leaky_relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-    grads = (grad_phi, grad_upsilon, grad_variance)
-    if fast.load_kernels() is not None and fast.cpu_operators_registered():
-        return torch.ops.cfbnn.leaky_relu_moments_backward(mean, std, phi, *grads, negative_slope)
-    with torch.no_grad():
-        return tuple(_differentiable_backward(mean, std, phi, *grads, negative_slope))
-
-
 @leaky_relu_moments.register_fake
 def _(mean, std, negative_slope):
     return torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)
@@ -192,93 +136,23 @@ def _(mean, std, phi, grad_phi, grad_upsilon, grad_variance, negative_slope):
     return torch.empty_like(mean), torch.empty_like(mean)
 
 
-def _setup_context(ctx, inputs, output):
-    mean, std, negative_slope = inputs
-    ctx.negative_slope = negative_slope
-    ctx.set_materialize_grads(False)  # an unused output's gradient: absent_gradient, not a block of zeros
-    ctx.save_for_backward(mean, std, output[0])
-
-
-def _backward(ctx, grad_phi, grad_upsilon, grad_variance):
-    mean, std, phi = ctx.saved_tensors
-    grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
-    if torch.is_grad_enabled():  # a graph of the backward is wanted: the kernel, differentiable again
-        return (*_kernel_vjp(mean, std, phi, grads, ctx.negative_slope), None)
-    return (*leaky_relu_moments_backward(mean, std, phi, *grads, ctx.negative_slope), None)
-
-
-def _kernel_vjp(mean, std, phi, grads, negative_slope):
-    """The backward kernel with a derivative of its own (:class:`.ops.KernelVJP`)."""
-    kernel = torch.ops.cfbnn.leaky_relu_moments_backward
-    return KernelVJP.apply(kernel, _differentiable_backward, mean, std, phi, *grads, negative_slope)
-
-
-leaky_relu_moments.register_autograd(_backward, setup_context=_setup_context)
-differentiable_by_formula(leaky_relu_moments_backward, _differentiable_backward, 6)
-
-
-leaky_relu_moments.register_vmap(elementwise_vmap(leaky_relu_moments, 3))
-leaky_relu_moments_backward.register_vmap(elementwise_vmap(leaky_relu_moments_backward, 2))
-
-
-class LeakyReLUMoments(torch.autograd.Function):
-    """``(Phi, Upsilon, Var)`` through the two operators, as an autograd.Function so that
-    ``torch.func`` transforms work as well as autograd (as :class:`.ops.ReLUMoments`)."""
-
-    @staticmethod
-    def forward(mean, std, negative_slope):
-        return tuple(torch.ops.cfbnn.leaky_relu_moments(mean, std, negative_slope))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
-
-    @staticmethod
-    def backward(ctx, grad_phi, grad_upsilon, grad_variance):
-        mean, std, phi = ctx.saved_tensors
-        grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
-        if torch.is_grad_enabled() or any(is_transformed(t) for t in (mean, std, phi, *grads)):
-            return (*_kernel_vjp(mean, std, phi, grads, ctx.negative_slope), None)
-        return (*torch.ops.cfbnn.leaky_relu_moments_backward(mean, std, phi, *grads, ctx.negative_slope), None)
-
-    @staticmethod
-    def vmap(info, in_dims, mean, std, negative_slope):
-        mean, std = align_batched(mean, std, in_dims[:2])
-        return LeakyReLUMoments.apply(*torch.broadcast_tensors(mean, std), negative_slope), (0, 0, 0)
+register_moments_operators(
+    leaky_relu_moments, leaky_relu_moments_backward, _reference_forward, _differentiable_backward
+)
 
 
 def leaky_relu_moments_function(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:
     """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through the operators (autograd
     and ``torch.func`` included)."""
-    mean, std = torch.broadcast_tensors(mean, std)
-    negative_slope = float(negative_slope)
-    if is_transformed(mean) or is_transformed(std):
-        return LeakyReLUMoments.apply(mean, std, negative_slope)
-    # outside torch.func the operator's own autograd registration serves (cheaper than the Function)
-    return tuple(torch.ops.cfbnn.leaky_relu_moments(mean, std, negative_slope))
+    arguments = (leaky_relu_moments, leaky_relu_moments_backward, _differentiable_backward, mean, std)
+    return moments_function(*arguments, float(negative_slope))
 
 
-# ----------------------------------------------------------------------------- the route
-
-
-def _self_check(device: torch.device, dtype: torch.dtype) -> None:
-    """Both Triton kernels on a few elements (compiling them)."""
-    values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
-    spread = torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device)
-    outputs = [
-        *triton_leaky_relu_moments(values, spread, 0.1),
-        *triton_leaky_relu_moments_backward(values, spread, values, spread, spread, spread, 0.1),
-    ]
-    if not all(bool(torch.isfinite(t).all()) for t in outputs):
-        raise FloatingPointError("non-finite values on a well-conditioned problem")
+_KERNELS_CHECK = moments_kernels_check(triton_leaky_relu_moments, triton_leaky_relu_moments_backward, 0.1)
 
 
 def leaky_operator_route(mean: Tensor) -> bool:
     """Whether ``LeakyReLU.moments`` takes ``cfbnn::leaky_relu_moments`` for ``mean``: where
     :func:`.ops.operator_route` (the CPU with the C++ library's operators, CUDA), on CUDA once its
     Triton kernels' first run on that device and dtype passed."""
-    if not operator_route(mean):
-        return False
-    return mean.device.type == "cpu" or first_use_check(
-        "the Triton kernels of cfbnn::leaky_relu_moments", mean.device, mean.dtype, _self_check
-    )
+    return checked_operator_route(mean, "the Triton kernels of cfbnn::leaky_relu_moments", _KERNELS_CHECK)

@@ -61,10 +61,14 @@ except ImportError:  # pragma: no cover - depends on the install
     HAVE_TRITON = False
 
 __all__ = [
+    "ACTIVATION_KINDS",
     "relu_moments",
     "relu_moments_backward",
     "relu_moments_function",
-    "ReLUMoments",
+    "OperatorMoments",
+    "moments_function",
+    "register_moments_autograd",
+    "register_moments_operators",
     "HAVE_TRITON",
     "device_kernels",
     "set_device_kernels",
@@ -135,6 +139,53 @@ def _launch_backward(mean: Tensor, spread: Tensor, phi: Tensor, grads, from_vari
         triton_kernels.cf_depth(mean.dtype),
     )
     return grad_mean, grad_spread
+
+
+# the ReLU family's activations by their ``activation`` argument: the C++ tail_pass's kind, the
+# Triton family kernels' ACTIVATION and cfbnn::relu_tail's activation
+ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
+
+
+def launch_family_moments(mean: Tensor, std: Tensor, activation: int, negative_slope: float = 0.0):
+    """``(Phi, Upsilon, Var)`` of leaky ReLU (``activation`` 1) or ReLU^2 (2) by the Triton kernel
+    :func:`~.triton_kernels.family_moments_kernel` on ``mean``'s device (CUDA; the CPU under
+    ``TRITON_INTERPRET=1``)."""
+    mean, std = mean.contiguous(), std.contiguous()
+    phi, ups, var = (torch.empty_like(mean) for _ in range(3))
+    n = mean.numel()
+    triton_kernels.family_moments_kernel[triton_kernels.grid(n)](
+        mean,
+        std,
+        slope_tensor(mean, negative_slope),
+        phi,
+        ups,
+        var,
+        n,
+        triton_kernels.BLOCK,
+        triton_kernels.cf_depth(mean.dtype),
+        activation,
+    )
+    return phi, ups, var
+
+
+def launch_family_moments_backward(mean, std, phi, grad_phi, grad_ups, grad_var, activation: int, negative_slope=0.0):
+    """The Triton vector-Jacobian product of :func:`launch_family_moments`."""
+    tensors = [t.contiguous() for t in (mean, std)]
+    rest = [t.contiguous() for t in (phi, grad_phi, grad_ups, grad_var)]
+    grad_mean, grad_std = torch.empty_like(tensors[0]), torch.empty_like(tensors[0])
+    n = mean.numel()
+    triton_kernels.family_moments_backward_kernel[triton_kernels.grid(n)](
+        *tensors,
+        slope_tensor(tensors[0], negative_slope),
+        *rest,
+        grad_mean,
+        grad_std,
+        n,
+        triton_kernels.BLOCK,
+        triton_kernels.cf_depth(mean.dtype),
+        activation,
+    )
+    return grad_mean, grad_std
 
 
 def triton_relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -255,22 +306,58 @@ def absent_gradient(like: Tensor) -> Tensor:
     return like.new_zeros(()).expand(like.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    mean, std = inputs
-    phi, _, _ = output
-    ctx.set_materialize_grads(False)  # an unused output's gradient: absent_gradient, not a block of zeros
-    ctx.save_for_backward(mean, std, phi)
+def register_cpu_fallbacks(forward, backward, reference_forward: Callable, formula: Callable) -> None:
+    """The Python CPU kernels of a moments operator pair (arguments as
+    :func:`register_moments_autograd`'s; ``reference_forward(mean, std, *parameters)`` the
+    reference ops' ``(Phi, Upsilon, Var)``). They serve before the C++ library has loaded -- they
+    load it, and its C++ kernels, registered then, take over -- and, without a compiler, run the
+    reference ops (fresh tensors, as an operator must return)."""
+    name = forward._name.split("::")[-1]
+
+    def forward_cpu(mean, std, *parameters):
+        check_operands(name, mean, std)
+        if fast.load_kernels() is not None and fast.cpu_operators_registered():
+            return forward(mean, std, *parameters)
+        return tuple(value.clone() for value in reference_forward(mean, std, *parameters))
+
+    def backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters):
+        grads = (grad_phi, grad_upsilon, grad_variance)
+        check_operands(name + "_backward", mean, std, phi, *grads)
+        if fast.load_kernels() is not None and fast.cpu_operators_registered():
+            return backward(mean, std, phi, *grads, *parameters)
+        with torch.no_grad():
+            return tuple(formula(mean, std, phi, *grads, *parameters))
+
+    forward.register_kernel("cpu")(forward_cpu)
+    backward.register_kernel("cpu")(backward_cpu)
 
 
-def _backward(ctx, grad_phi, grad_upsilon, grad_variance):
-    mean, std, phi = ctx.saved_tensors
-    grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
-    if torch.is_grad_enabled():  # a graph of the backward is wanted: the kernel, differentiable again
-        return KernelVJP.apply(torch.ops.cfbnn.relu_moments_backward, _differentiable_backward, mean, std, phi, *grads)
-    return relu_moments_backward(mean, std, phi, *grads)
+def register_moments_autograd(forward, backward, formula: Callable) -> None:
+    """The autograd registration of a moments operator ``forward(mean, std, *parameters) -> (Phi,
+    Upsilon, Var)`` (the Python one: CUDA's; the CPU's is C++) through its backward operator
+    ``backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters)``; where a graph
+    of the backward is wanted, inside :class:`KernelVJP` with ``formula``'s derivative. An unused
+    output's gradient is :func:`absent_gradient`, not a block of zeros."""
+
+    def setup_context(ctx, inputs, output):
+        mean, std, *parameters = inputs
+        ctx.parameters = tuple(parameters)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(mean, std, output[0])
+
+    def backward_pass(ctx, grad_phi, grad_upsilon, grad_variance):
+        mean, std, phi = ctx.saved_tensors
+        grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
+        if torch.is_grad_enabled():  # a graph of the backward is wanted: the kernel, differentiable again
+            result = KernelVJP.apply(backward, formula, mean, std, phi, *grads, *ctx.parameters)
+        else:
+            result = backward(mean, std, phi, *grads, *ctx.parameters)
+        return (*result, *(None,) * len(ctx.parameters))
+
+    forward.register_autograd(backward_pass, setup_context=setup_context)
 
 
-relu_moments.register_autograd(_backward, setup_context=_setup_context)
+register_moments_autograd(relu_moments, relu_moments_backward, _differentiable_backward)
 
 
 def elementwise_vmap(op, count: int):
@@ -295,6 +382,18 @@ def elementwise_vmap(op, count: int):
 
 relu_moments.register_vmap(elementwise_vmap(relu_moments, 3))
 relu_moments_backward.register_vmap(elementwise_vmap(relu_moments_backward, 2))
+
+
+def register_moments_operators(forward, backward, reference_forward: Callable, formula: Callable) -> None:
+    """Everything of a moments operator pair but its device kernels and fake implementations:
+    the Python CPU kernels (:func:`register_cpu_fallbacks`), autograd
+    (:func:`register_moments_autograd`), the backward operator's own derivative
+    (:func:`differentiable_by_formula`) and both vmap rules."""
+    register_cpu_fallbacks(forward, backward, reference_forward, formula)
+    register_moments_autograd(forward, backward, formula)
+    differentiable_by_formula(backward, formula, 6)
+    forward.register_vmap(elementwise_vmap(forward, 3))
+    backward.register_vmap(elementwise_vmap(backward, 2))
 
 
 # ----------------------------------------------------------------------------- from the variances
@@ -379,18 +478,20 @@ relu_moments_from_variance.register_vmap(elementwise_vmap(relu_moments_from_vari
 relu_moments_from_variance_backward.register_vmap(elementwise_vmap(relu_moments_from_variance_backward, 2))
 
 
-class ReLUMoments(torch.autograd.Function):
-    """``(Phi, Upsilon, Var)`` through the two operators, as an autograd.Function so that
-    ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``) work as well as autograd: the
-    operators' own autograd registration serves autograd alone."""
+class OperatorMoments(torch.autograd.Function):
+    """``(Phi, Upsilon, Var)`` through a moments operator and its backward operator (arguments as
+    :func:`register_moments_autograd`'s), as an autograd.Function so that ``torch.func``
+    transforms (``grad``, ``vmap``, ``jacrev``) work as well as autograd: the operators' own
+    autograd registrations serve autograd alone."""
 
     @staticmethod
-    def forward(mean, std):
-        return tuple(torch.ops.cfbnn.relu_moments(mean, std))
+    def forward(forward, backward, formula, mean, std, *parameters):
+        return tuple(forward(mean, std, *parameters))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        mean, std = inputs
+        _, backward, formula, mean, std, *parameters = inputs
+        ctx.backward, ctx.formula, ctx.parameters = backward, formula, tuple(parameters)
         ctx.set_materialize_grads(False)  # an unused output's gradient: absent_gradient, not a block of zeros
         ctx.save_for_backward(mean, std, output[0])
 
@@ -399,15 +500,27 @@ class ReLUMoments(torch.autograd.Function):
         mean, std, phi = ctx.saved_tensors
         grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
         if torch.is_grad_enabled() or any(is_transformed(t) for t in (mean, std, phi, *grads)):
-            return KernelVJP.apply(
-                torch.ops.cfbnn.relu_moments_backward, _differentiable_backward, mean, std, phi, *grads
-            )
-        return tuple(torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *grads))
+            result = KernelVJP.apply(ctx.backward, ctx.formula, mean, std, phi, *grads, *ctx.parameters)
+        else:
+            result = tuple(ctx.backward(mean, std, phi, *grads, *ctx.parameters))
+        return (None, None, None, *result, *(None,) * len(ctx.parameters))
 
     @staticmethod
-    def vmap(info, in_dims, mean, std):
-        mean, std = align_batched(mean, std, in_dims)
-        return ReLUMoments.apply(*torch.broadcast_tensors(mean, std)), (0, 0, 0)
+    def vmap(info, in_dims, forward, backward, formula, mean, std, *parameters):
+        mean, std = align_batched(mean, std, in_dims[3:5])
+        broadcast = torch.broadcast_tensors(mean, std)
+        return OperatorMoments.apply(forward, backward, formula, *broadcast, *parameters), (0, 0, 0)
+
+
+def moments_function(forward, backward, formula: Callable, mean: Tensor, std: Tensor, *parameters):
+    """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through a moments operator
+    (arguments as :func:`register_moments_autograd`'s), autograd and ``torch.func`` included."""
+    mean, std = torch.broadcast_tensors(mean, std)
+    if is_transformed(mean) or is_transformed(std):
+        return OperatorMoments.apply(forward, backward, formula, mean, std, *parameters)
+    # outside torch.func the operator's own autograd registration serves: about 25 µs a call less
+    # than the autograd.Function on the CPU
+    return tuple(forward(mean, std, *parameters))
 
 
 class KernelVJP(torch.autograd.Function):
@@ -512,6 +625,42 @@ def operator_route(mean: Tensor) -> bool:
     return device_kernels_apply(mean)
 
 
+def checked_operator_route(mean: Tensor, what: str, check: Callable) -> bool:
+    """:func:`operator_route` for an operator whose Triton kernels have a first-use ``check`` of
+    their own on CUDA (``check(device, dtype)``, :func:`moments_kernels_check`)."""
+    if not operator_route(mean):
+        return False
+    return mean.device.type == "cpu" or first_use_check(what, mean.device, mean.dtype, check)
+
+
+def moments_kernels_check(forward: Callable, backward: Callable, *parameters) -> Callable:
+    """A first-use check of a moments operator's two Triton launches (``forward(mean, std,
+    *parameters)``, ``backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance,
+    *parameters)``) on a few elements, compiling them; non-finite results raise."""
+
+    def check(device: torch.device, dtype: torch.dtype) -> None:
+        values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
+        spread = torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device)
+        outputs = [
+            *forward(values, spread, *parameters),
+            *backward(values, spread, values, spread, spread, spread, *parameters),
+        ]
+        if not all(bool(torch.isfinite(t).all()) for t in outputs):
+            raise FloatingPointError("non-finite values on a well-conditioned problem")
+
+    return check
+
+
+def slope_tensor(mean: Tensor, negative_slope: float) -> Tensor:
+    """Leaky ReLU's slope for the Triton kernels, as its kernels take it for ``mean``'s dtype
+    (:func:`~.kernel_handles.slope_for`): read by them as float64 (a Triton float argument would
+    be float32); filled on the device, so a launch inside a CUDA graph capture needs no copy from
+    the host."""
+    return torch.full(
+        (1,), kernel_handles.slope_for(negative_slope, mean.dtype), dtype=torch.float64, device=mean.device
+    )
+
+
 # (what, device, dtype) -> whether a first-use check passed there: a visible cache, filled once per
 # device and dtype in an eager call (nothing is tried inside a CUDA graph capture)
 FIRST_USE: Dict[Tuple[str, torch.device, torch.dtype], bool] = {}
@@ -559,12 +708,7 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
 def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through the operators (autograd
     and ``torch.func`` included)."""
-    mean, std = torch.broadcast_tensors(mean, std)
-    if is_transformed(mean) or is_transformed(std):
-        return ReLUMoments.apply(mean, std)
-    # outside torch.func the operator's own autograd registration serves: about 25 µs a call less
-    # than the autograd.Function on the CPU
-    return tuple(torch.ops.cfbnn.relu_moments(mean, std))
+    return moments_function(relu_moments, relu_moments_backward, _differentiable_backward, mean, std)
 
 
 # ----------------------------------------------------------------------------- the KL of a mean-field matrix

@@ -29,9 +29,11 @@ from torch import Tensor
 
 from . import elbo_kernels, fast, kernel_handles, leaky_ops, relu_squared_ops
 from .ops import (
+    ACTIVATION_KINDS,
     HAVE_TRITON,
     check_operands,
     differentiable_from_variance_backward,
+    slope_tensor,
     variance_floor,
 )
 
@@ -48,9 +50,6 @@ __all__ = [
     "triton_relu_tail",
     "triton_relu_tail_backward",
 ]
-
-# the ReLU family's activations by their ``activation`` argument (the C++ tail_pass's kind)
-ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
 
 
 def _check_tail(name: str, mean: Tensor, variance: Tensor, *weights: Tensor, activation: int = 0) -> None:
@@ -118,13 +117,6 @@ def _differentiable_tail_backward(
 # ----------------------------------------------------------------------------- Triton launches
 
 
-def _slope_tensor(mean: Tensor, activation: int, negative_slope: float) -> Tensor:
-    # read by the kernels as float64 (a Triton float argument would be float32); filled on the
-    # device, so a launch inside a CUDA graph capture needs no copy from the host
-    slope = kernel_handles.slope_for(negative_slope, mean.dtype) if activation == 1 else 0.0
-    return torch.full((1,), slope, dtype=torch.float64, device=mean.device)
-
-
 def triton_relu_tail(
     mean, variance, weight_phi, weight_variance, weight_second, activation: int = 0, negative_slope: float = 0.0
 ) -> Tuple[Tensor, Tensor]:
@@ -138,7 +130,7 @@ def triton_relu_tail(
         mean,
         variance,
         *weights,
-        _slope_tensor(mean, activation, negative_slope),
+        slope_tensor(mean, negative_slope if activation == ACTIVATION_KINDS["leaky_relu"] else 0.0),
         mean_sum,
         spread_sum,
         rows,
@@ -169,7 +161,7 @@ def triton_relu_tail_backward(
         mean,
         variance,
         *weights,
-        _slope_tensor(mean, activation, negative_slope),
+        slope_tensor(mean, negative_slope if activation == ACTIVATION_KINDS["leaky_relu"] else 0.0),
         row_u,
         row_k,
         grad_mean,

@@ -246,52 +246,6 @@ def leaky_from_tail(mean, std, pdf, s0, s1, s2, eps):
 
 
 @triton.jit
-def leaky_relu_moments_kernel(
-    mean_ptr, std_ptr, slope_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr
-):
-    """``(Phi, Upsilon, Var)`` of leaky ReLU elementwise (:func:`leaky_from_tail`), Var clamped at
-    0; the slope read as float64 from ``slope_ptr`` (one launch for any slope)."""
-    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
-    eps = tl.load(slope_ptr).to(tl.float64)
-    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
-    phi, var, _, _, _, _ = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
-    var = tl.maximum(var, 0.0)
-    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
-    tl.store(ups_ptr + offsets, (var + phi * phi).to(m_in.dtype), mask=inside)
-    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
-
-
-@triton.jit
-def leaky_relu_moments_backward_kernel(
-    mean_ptr,
-    std_ptr,
-    slope_ptr,
-    phi_ptr,
-    g_phi_ptr,
-    g_ups_ptr,
-    g_var_ptr,
-    g_mean_ptr,
-    g_std_ptr,
-    n,
-    BLOCK: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-):
-    """Vector-Jacobian product of :func:`leaky_relu_moments_kernel` (``Upsilon = Var + Phi^2``, the
-    saved Phi; no gradient through Var where its clamp bites, as the reference's ``clamp_min``)."""
-    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
-    eps = tl.load(slope_ptr).to(tl.float64)
-    x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
-    _, var, pm, ps, vm, vs = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
-    keep = tl.where(var < 0.0, 0.0, 1.0)
-    phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside)
-    a = g_phi + 2.0 * phi * g_ups
-    b = (g_ups + g_var) * keep
-    tl.store(g_mean_ptr + offsets, (pm * a + vm * b).to(m_in.dtype), mask=inside)
-    tl.store(g_std_ptr + offsets, (ps * a + vs * b).to(m_in.dtype), mask=inside)
-
-
-@triton.jit
 def relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4):
     """ReLU^2's ``(Phi, Var before its clamp at 0, dPhi/dmean, dPhi/dstd, dVar/dmean, dVar/dstd)``,
     float64, from the small tail (the C++ ``relusq_combine``; paper eqs. (28), (29), errata 1, 2):
@@ -328,14 +282,47 @@ def relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4):
 
 
 @triton.jit
-def relu_squared_moments_kernel(
-    mean_ptr, std_ptr, phi_ptr, ups_ptr, var_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr
+def family_partials(mean, std, eps, ACTIVATION: tl.constexpr, CF_DEPTH: tl.constexpr):
+    """``(Phi, Var before its clamp at 0, dPhi/dmean, dPhi/dstd, dVar/dmean, dVar/dstd)``, float64,
+    of leaky ReLU (``ACTIVATION`` 1, slope ``eps``: :func:`leaky_from_tail`) or ReLU^2 (2:
+    :func:`relu_squared_from_tail`), from the small tail computed here."""
+    if ACTIVATION == 1:
+        x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
+        phi, var, pm, ps, vm, vs = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
+    else:
+        x, pdf, s0, s1, s2, s3, s4 = small_tail_orders(mean, std, CF_DEPTH, True)
+        phi, var, pm, ps, vm, vs = relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4)
+    return phi, var, pm, ps, vm, vs
+
+
+@triton.jit
+def partials_vjp(phi, raw_var, pm, ps, vm, vs, g_phi, g_ups, g_var):
+    """``(d mean, d std)`` from the partials (``Upsilon = Var + Phi^2``); no gradient through Var
+    where its clamp at 0 bites, as the reference's ``clamp_min``."""
+    a = g_phi + 2.0 * phi * g_ups
+    b = (g_ups + g_var) * tl.where(raw_var < 0.0, 0.0, 1.0)
+    return pm * a + vm * b, ps * a + vs * b
+
+
+@triton.jit
+def family_moments_kernel(
+    mean_ptr,
+    std_ptr,
+    slope_ptr,
+    phi_ptr,
+    ups_ptr,
+    var_ptr,
+    n,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
-    """``(Phi, Upsilon, Var)`` of ReLU^2 elementwise (:func:`relu_squared_from_tail`), Var
-    clamped at 0."""
+    """``(Phi, Upsilon, Var)`` of leaky ReLU (``ACTIVATION`` 1) or ReLU^2 (2) elementwise
+    (:func:`family_partials`), Var clamped at 0; the slope read as float64 from ``slope_ptr`` (one
+    launch for any slope; unused by ReLU^2)."""
     offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
-    x, pdf, s0, s1, s2, s3, s4 = small_tail_orders(mean, std, CF_DEPTH, True)
-    phi, var, _, _, _, _ = relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4)
+    eps = tl.load(slope_ptr).to(tl.float64)
+    phi, var, _, _, _, _ = family_partials(mean, std, eps, ACTIVATION, CF_DEPTH)
     var = tl.maximum(var, 0.0)
     tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
     tl.store(ups_ptr + offsets, (var + phi * phi).to(m_in.dtype), mask=inside)
@@ -343,9 +330,10 @@ def relu_squared_moments_kernel(
 
 
 @triton.jit
-def relu_squared_moments_backward_kernel(
+def family_moments_backward_kernel(
     mean_ptr,
     std_ptr,
+    slope_ptr,
     phi_ptr,
     g_phi_ptr,
     g_ups_ptr,
@@ -355,19 +343,18 @@ def relu_squared_moments_backward_kernel(
     n,
     BLOCK: tl.constexpr,
     CF_DEPTH: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
-    """Vector-Jacobian product of :func:`relu_squared_moments_kernel` (``Upsilon = Var + Phi^2``,
-    the saved Phi; no gradient through Var where its clamp bites, as the reference's ``clamp_min``)."""
+    """Vector-Jacobian product of :func:`family_moments_kernel` (:func:`partials_vjp` with the
+    saved Phi)."""
     offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
-    x, pdf, s0, s1, s2, s3, s4 = small_tail_orders(mean, std, CF_DEPTH, True)
-    _, var, pm, ps, vm, vs = relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4)
-    keep = tl.where(var < 0.0, 0.0, 1.0)
+    eps = tl.load(slope_ptr).to(tl.float64)
+    _, var, pm, ps, vm, vs = family_partials(mean, std, eps, ACTIVATION, CF_DEPTH)
     phi = tl.load(phi_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside)
-    a = g_phi + 2.0 * phi * g_ups
-    b = (g_ups + g_var) * keep
-    tl.store(g_mean_ptr + offsets, (pm * a + vm * b).to(m_in.dtype), mask=inside)
-    tl.store(g_std_ptr + offsets, (ps * a + vs * b).to(m_in.dtype), mask=inside)
+    g_mean, g_std = partials_vjp(phi, var, pm, ps, vm, vs, g_phi, g_ups, g_var)
+    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
+    tl.store(g_std_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
 
 
 @triton.jit
@@ -382,18 +369,10 @@ def family_moments(mean, std, eps, g_phi, g_ups, g_var, ACTIVATION: tl.constexpr
         phi, ups, var = relu_from_tail(mean, std, x, s1, s2)
         g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
     else:
-        if ACTIVATION == 1:
-            x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)
-            phi, raw_var, pm, ps, vm, vs = leaky_from_tail(mean, std, pdf, s0, s1, s2, eps)
-        else:
-            x, pdf, s0, s1, s2, s3, s4 = small_tail_orders(mean, std, CF_DEPTH, True)
-            phi, raw_var, pm, ps, vm, vs = relu_squared_from_tail(mean, std, pdf, s0, s1, s2, s3, s4)
+        phi, raw_var, pm, ps, vm, vs = family_partials(mean, std, eps, ACTIVATION, CF_DEPTH)
         var = tl.maximum(raw_var, 0.0)
         ups = var + phi * phi
-        a = g_phi + 2.0 * phi * g_ups
-        b = (g_ups + g_var) * tl.where(raw_var < 0.0, 0.0, 1.0)
-        g_mean = pm * a + vm * b
-        g_std = ps * a + vs * b
+        g_mean, g_std = partials_vjp(phi, raw_var, pm, ps, vm, vs, g_phi, g_ups, g_var)
     return phi, ups, var, g_mean, g_std
 
 

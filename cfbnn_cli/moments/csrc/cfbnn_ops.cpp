@@ -113,17 +113,28 @@ void check_operands(const char* op, const Tensor& mean, std::initializer_list<co
   }
 }
 
-std::tuple<Tensor, Tensor, Tensor> relu_moments(const Tensor& mean_in, const Tensor& std_in) {
-  check_operands("relu_moments", mean_in, {&std_in});
-  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous();
+/* What the moments' forward operators do around their kernel: check the operands, make them
+   contiguous, allocate (Phi, Upsilon, Var), then kernel(T{}, n, mean, spread, phi, ups, var). */
+template <typename Kernel>
+std::tuple<Tensor, Tensor, Tensor> moments_forward(const char* op, const Tensor& mean_in, const Tensor& spread_in,
+                                                   Kernel&& kernel) {
+  check_operands(op, mean_in, {&spread_in});
+  const Tensor mean = mean_in.contiguous(), spread = spread_in.contiguous();
   Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
   by_dtype(mean, [&](auto zero) {
     using T = decltype(zero);
-    Kernels<T>::relu_forward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(),
-                             ups.data_ptr<T>(), var.data_ptr<T>(), nullptr, nullptr, threads());
+    kernel(zero, mean.numel(), mean.data_ptr<T>(), spread.data_ptr<T>(), phi.data_ptr<T>(), ups.data_ptr<T>(),
+           var.data_ptr<T>());
     return 0;
   });
   return {phi, ups, var};
+}
+
+std::tuple<Tensor, Tensor, Tensor> relu_moments(const Tensor& mean, const Tensor& std_dev) {
+  return moments_forward("relu_moments", mean, std_dev,
+                         [](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u, auto* v) {
+                           Kernels<decltype(zero)>::relu_forward(n, m, s, f, u, v, nullptr, nullptr, threads());
+                         });
 }
 
 /* One output gradient of the ReLU backward kernel as (pointer, is_scalar). A tensor expanded from one
@@ -185,19 +196,15 @@ double slope_for(double negative_slope) {
   return sizeof(T) == sizeof(float) ? static_cast<double>(static_cast<float>(negative_slope)) : negative_slope;
 }
 
-std::tuple<Tensor, Tensor, Tensor> leaky_relu_moments(const Tensor& mean_in, const Tensor& std_in,
+std::tuple<Tensor, Tensor, Tensor> leaky_relu_moments(const Tensor& mean, const Tensor& std_dev,
                                                       double negative_slope) {
-  check_operands("leaky_relu_moments", mean_in, {&std_in});
-  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous();
-  Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
-  by_dtype(mean, [&](auto zero) {
-    using T = decltype(zero);
-    Kernels<T>::leaky_forward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), slope_for<T>(negative_slope),
-                              phi.data_ptr<T>(), ups.data_ptr<T>(), var.data_ptr<T>(), nullptr, nullptr, nullptr,
-                              nullptr, threads());
-    return 0;
-  });
-  return {phi, ups, var};
+  return moments_forward("leaky_relu_moments", mean, std_dev,
+                         [negative_slope](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u,
+                                          auto* v) {
+                           using T = decltype(zero);
+                           Kernels<T>::leaky_forward(n, m, s, slope_for<T>(negative_slope), f, u, v, nullptr,
+                                                     nullptr, nullptr, nullptr, threads());
+                         });
 }
 
 std::tuple<Tensor, Tensor> leaky_relu_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
@@ -213,17 +220,12 @@ std::tuple<Tensor, Tensor> leaky_relu_moments_backward(const Tensor& mean, const
                           });
 }
 
-std::tuple<Tensor, Tensor, Tensor> relu_squared_moments(const Tensor& mean_in, const Tensor& std_in) {
-  check_operands("relu_squared_moments", mean_in, {&std_in});
-  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous();
-  Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
-  by_dtype(mean, [&](auto zero) {
-    using T = decltype(zero);
-    Kernels<T>::relusq_forward(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(),
-                               ups.data_ptr<T>(), var.data_ptr<T>(), nullptr, nullptr, nullptr, nullptr, threads());
-    return 0;
-  });
-  return {phi, ups, var};
+std::tuple<Tensor, Tensor, Tensor> relu_squared_moments(const Tensor& mean, const Tensor& std_dev) {
+  return moments_forward("relu_squared_moments", mean, std_dev,
+                         [](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u, auto* v) {
+                           Kernels<decltype(zero)>::relusq_forward(n, m, s, f, u, v, nullptr, nullptr, nullptr,
+                                                                    nullptr, threads());
+                         });
 }
 
 std::tuple<Tensor, Tensor> relu_squared_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
@@ -237,18 +239,12 @@ std::tuple<Tensor, Tensor> relu_squared_moments_backward(const Tensor& mean, con
                           });
 }
 
-std::tuple<Tensor, Tensor, Tensor> relu_moments_from_variance(const Tensor& mean_in, const Tensor& variance_in) {
-  check_operands("relu_moments_from_variance", mean_in, {&variance_in});
-  const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous();
-  Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
-  by_dtype(mean, [&](auto zero) {
-    using T = decltype(zero);
-    Kernels<T>::hidden_pass(RELU_KIND, 0, mean.numel(), mean.data_ptr<T>(), variance.data_ptr<T>(), 0.0,
-                            phi.data_ptr<T>(), ups.data_ptr<T>(), var.data_ptr<T>(), nullptr, nullptr, nullptr,
-                            nullptr, nullptr, 0, threads());
-    return 0;
-  });
-  return {phi, ups, var};
+std::tuple<Tensor, Tensor, Tensor> relu_moments_from_variance(const Tensor& mean, const Tensor& variance) {
+  return moments_forward("relu_moments_from_variance", mean, variance,
+                         [](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u, auto* v) {
+                           Kernels<decltype(zero)>::hidden_pass(RELU_KIND, 0, n, m, s, 0.0, f, u, v, nullptr,
+                                                                 nullptr, nullptr, nullptr, nullptr, 0, threads());
+                         });
 }
 
 std::tuple<Tensor, Tensor> relu_moments_from_variance_backward(const Tensor& mean_in, const Tensor& variance_in,
