@@ -26,10 +26,9 @@ class Activation:
     # (mean, std) -> (Phi, Upsilon, Var) through this activation's torch operator
     # (:mod:`cfbnn_cli.moments.ops`), and whether moments() takes it for a given mean: on CUDA (its
     # Triton kernels) and on the CPU (its C++ kernel and C++ autograd), where the C++ library
-    # registered them. Measured on this project's 2-core machine (500 x 200 float32, one process,
-    # round-robin), ReLU.moments took 336 us forward + backward through the operator against 353 us
-    # calling the same kernels directly, and 128 against 148 us without autograd. None: the fused
-    # C++ kernels called directly, or the reference ops
+    # registered them. Measured on this project's 2-core machine (benchmarks/bench_routes.py), the
+    # operator is 4-9 % faster than calling the same kernels directly forward + backward, and equal
+    # without autograd. None: the fused C++ kernels called directly, or the reference ops
     operator = None
     operator_applies = staticmethod(ops.operator_route)
 
