@@ -96,6 +96,14 @@ def test_bad_inputs_name_the_problem():
         torch.ops.cfbnn.relu_tail(mean[0], variance[0], *weights)
     with pytest.raises(ValueError, match="one dtype"):
         torch.ops.cfbnn.relu_tail(mean, variance.float(), *weights)
+    rows = [torch.zeros(4, dtype=torch.float64)] * 2
+    for activation in (3, -1):  # the C++ kernels' check, and the Python reference's (no library needed)
+        with pytest.raises(ValueError, match=r"`activation` must be 0 \(ReLU\), 1 \(leaky ReLU\) or 2"):
+            torch.ops.cfbnn.relu_tail(mean, variance, *weights, activation)
+        with pytest.raises(ValueError, match="`activation` must be"):
+            torch.ops.cfbnn.relu_tail_backward(mean, variance, *weights, *rows, activation)
+        with pytest.raises(ValueError, match="`activation` must be"):
+            tail_ops._check_tail("relu_tail", mean, variance, *weights, activation=activation)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
