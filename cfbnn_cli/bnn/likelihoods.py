@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..moments import validating_args
 from .classification import (
     as_two_class,
     softmax_ell_analytic_numerator,
@@ -38,6 +39,7 @@ from .classification import (
     softmax_ell_control_variate,
     softmax_ell_monte_carlo,
 )
+from .input_checks import check_device, rows_matching
 
 CLASSIFICATION_OBJECTIVES = ("approximation", "control_variate", "analytic_numerator", "sampling")
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -66,6 +68,15 @@ class NormalLikelihood(nn.Module):
     def needs_samples(self, objective: Optional[str] = None) -> bool:
         return False
 
+    def check_targets(self, y, x, outputs: int):
+        """``y`` for inputs ``x`` ``(..., N, D)``: ``(..., N)`` for one output (a ``(..., N, 1)``
+        column is squeezed), ``(..., N, outputs)`` otherwise; cast to ``x``'s dtype."""
+        rows = x.shape[-2]
+        expected = f"(N,) or (N, 1) with N = {rows}" if outputs == 1 else f"(N, {outputs}) with N = {rows}"
+        y = rows_matching(y, rows, 0 if outputs == 1 else outputs, "y", expected, tuple(x.shape))
+        check_device(y, x, "y")
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
     def expected_log_likelihood(
         self, y, mean, variance, samples=None, objective: Optional[str] = None, multi_output: bool = False
     ) -> torch.Tensor:
@@ -92,6 +103,14 @@ class HeteroscedasticNormalLikelihood(nn.Module):
 
     def needs_moments(self, objective: Optional[str] = None) -> bool:
         return True
+
+    def check_targets(self, y, x, outputs: int):
+        """``y`` ``(..., N)`` (or ``(..., N, 1)``, squeezed) for inputs ``x`` ``(..., N, D)``,
+        cast to ``x``'s dtype: one target per point, whatever the two outputs."""
+        rows = x.shape[-2]
+        y = rows_matching(y, rows, 0, "y", f"(N,) or (N, 1) with N = {rows}", tuple(x.shape))
+        check_device(y, x, "y")
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def needs_samples(self, objective: Optional[str] = None) -> bool:
         return False
@@ -153,6 +172,27 @@ class CategoricalLikelihood(nn.Module):
 
     def needs_moments(self, objective: Optional[str] = None) -> bool:
         return (objective or self.objective) != "sampling"
+
+    def check_targets(self, labels, x, outputs: int):
+        """Integer class indices ``(..., N)`` (or ``(..., N, 1)``, squeezed) for inputs ``x``
+        ``(..., N, D)``, each in ``[0, num_classes)`` (two for the logistic likelihood's one
+        logit). The range is read on the CPU always and on a GPU only with argument validation
+        on (``cfbnn_cli.moments.set_validate_args``): there it costs a synchronization."""
+        rows = x.shape[-2]
+        labels = rows_matching(labels, rows, 0, "labels", f"(N,) of class indices with N = {rows}", tuple(x.shape))
+        check_device(labels, x, "labels")
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise ValueError(f"`labels` must be an integer tensor of class indices; got dtype {labels.dtype}")
+        classes = 2 if self.logistic else outputs
+        readable = labels.device.type == "cpu" or (validating_args() and not torch.cuda.is_current_stream_capturing())
+        if labels.numel() and readable and not torch._C._functorch.is_functorch_wrapped_tensor(labels):
+            low, high = int(labels.min()), int(labels.max())
+            if low < 0 or high >= classes:
+                raise ValueError(
+                    f"`labels` must be class indices in [0, {classes}) for this network's {classes} classes; "
+                    f"got values from {low} to {high}"
+                )
+        return labels
 
     def needs_samples(self, objective: Optional[str] = None) -> bool:
         return (objective or self.objective) != "approximation"

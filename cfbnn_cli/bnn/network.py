@@ -30,6 +30,7 @@ from ..moments import get_activation
 from . import functional as F
 from .estimators import ESTIMATORS, ClosedForm, Estimator, LocalReparameterization, make_estimator
 from .functional import augment
+from .input_checks import check_inputs
 from .layers import COVARIANCES, GaussianMatrix, Layer, PointLinear
 from .likelihoods import LIKELIHOODS, CategoricalLikelihood, NormalLikelihood, make_likelihood
 from .predictive import Predictive, predictive, predictive_components
@@ -96,6 +97,7 @@ class BayesianNetwork(nn.Module):
         if n_gaussian and covariances[-1] not in ("diagonal", "full"):
             raise ValueError(f"the output layer's covariance must be 'diagonal' or 'full'; got {covariances[-1]!r}")
         self.activation = get_activation(activation)
+        self.input_dim = int(input_dim)
         self.output_dim = int(output_dim)
         self.point_layers = int(point_layers)
         self.prior_scale = float(prior_scale)
@@ -189,6 +191,18 @@ class BayesianNetwork(nn.Module):
 
     # ------------------------------------------------------------------ outputs
 
+    def checked_inputs(self, x, y=None):
+        """``(x, y)`` as the network takes them (:mod:`.input_checks`): ``x`` ``(..., N,
+        input_dim)`` of the parameters' dtype and device, ``y`` (if given) in the likelihood's
+        shape (a one-output Normal's ``(N, 1)`` column squeezed to ``(N,)``); a ``ValueError``
+        naming the argument otherwise."""
+        check_inputs(self, x)
+        if y is not None:
+            check_targets = getattr(self.likelihood, "check_targets", None)  # a user's likelihood: as given
+            if check_targets is not None:
+                y = check_targets(y, x, self.output_dim)
+        return x, y
+
     def point_features(self, x: torch.Tensor) -> torch.Tensor:
         """The activations after the point layers (``x`` itself when there are none; the
         outputs when every layer is a point layer)."""
@@ -222,6 +236,8 @@ class BayesianNetwork(nn.Module):
         says ``x`` is already :meth:`point_features`.
         """
         estimator = make_estimator(estimator)
+        if not after_point_layers:
+            check_inputs(self, x)
         h = x if after_point_layers else self.point_features(x)
         if noise is None:
             noise = estimator.sample_noise(self, h.shape[-2], generator=generator, lead=h.shape[:-2])
@@ -246,6 +262,7 @@ class BayesianNetwork(nn.Module):
             or "sampled" in treatments
         ):
             return self.output_moments(x, estimator=ClosedForm(), noise=())[0]
+        check_inputs(self, x)
         hidden, output = self.layers[hidden_index], self.layers[-1]
         h = self.point_features(x)
         gamma, xi = F.diagonal_preactivation_moments(augment(h) if hidden.bias else h, hidden.loc_and_variance())
@@ -257,6 +274,8 @@ class BayesianNetwork(nn.Module):
         """``(S, ..., N[, O])`` outputs with every Gaussian layer sampled (local
         reparameterization), all samples in one batched computation."""
         sampling = LocalReparameterization()
+        if not after_point_layers:
+            check_inputs(self, x)
         h = x if after_point_layers else self.point_features(x)
         noise = sampling.sample_noise(self, h.shape[-2], generator=generator, num_samples=num_samples)
         return self.output_moments(h, estimator=sampling, noise=noise, after_point_layers=True)[0]
@@ -272,6 +291,7 @@ class BayesianNetwork(nn.Module):
         num_nodes: int = 64,
     ):
         """``p(y | x)`` as a mixture of Normals (:func:`~.predictive.predictive_components`)."""
+        check_inputs(self, x)
         return predictive_components(
             self,
             x,
@@ -285,6 +305,7 @@ class BayesianNetwork(nn.Module):
     def predict(self, x, *, estimator: EstimatorLike = "analytic", num_samples: int = 64, generator=None) -> Predictive:
         """``p(y | x)`` as a :class:`~cfbnn_cli.bnn.predictive.Predictive` (mean, variance and its
         parts, a Normal, intervals); one-output Normal likelihoods."""
+        check_inputs(self, x)
         return predictive(self, x, estimator=make_estimator(estimator), num_samples=num_samples, generator=generator)
 
     # ------------------------------------------------------------------ objectives
@@ -303,6 +324,7 @@ class BayesianNetwork(nn.Module):
         """``E_q[log p(y_n | x_n, W)]`` per data point ``(..., N)`` (summed over outputs):
         exact, or a one-sample estimate over the sampled layers
         (:meth:`.Estimator.expected_log_likelihood_per_point`)."""
+        x, y = self.checked_inputs(x, y)
         return make_estimator(estimator).expected_log_likelihood_per_point(
             self, x, y, noise=noise, generator=generator, num_samples=num_samples, objective=objective
         )
@@ -326,6 +348,7 @@ class BayesianNetwork(nn.Module):
     ):
         """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO
         (:meth:`.Estimator.elbo`)."""
+        x, y = self.checked_inputs(x, y)
         return make_estimator(estimator).elbo(
             self,
             x,
