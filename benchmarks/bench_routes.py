@@ -11,8 +11,11 @@ against called directly, side by side in one process.
    behind the same entry, ``Activation.moments`` (its argument checks included either way).
 2. One forward + backward step of a one-hidden-layer leaky ReLU and ReLU^2 network (batch 500,
    the Normal ELBO): on the operators (``NormalELBO``) against the C++ single node
-   (``bnn/fused/single_node.py``, what these networks took before), at D=90/H=200 and
-   D=2048/H=1000.
+   (``bnn/fused/single_node.py``, what these networks took before, and take where the operators'
+   unit did not build), at D=90/H=200 and D=2048/H=1000.
+3. The same for deeper ReLU, leaky ReLU and ReLU^2 networks with every layer integrated
+   (``deterministic``): on the operators (``DeepNormalELBO``) against the C++ single node, at
+   90-200-200-1, 90-50-50-50-1 and 512-500-500-1.
 
 Every row is the median of ``--repeats`` timings, the rows of a section (of a size, in section 2)
 timed round-robin (one of each per round) so that a slow spell of a shared machine hits them
@@ -72,16 +75,18 @@ def moments_rows(repeats: int) -> dict:
     return rows
 
 
-def elbo_rows(repeats: int, sizes) -> dict:
-    """Section 2: ``{label: seconds}``, each size timed on its own."""
+def elbo_rows(repeats: int, shapes, activations, estimator: str = "analytic") -> dict:
+    """Sections 2 and 3: ``{label: seconds}`` for networks ``(D, hidden widths)``, each shape
+    timed on its own."""
     operators_apply = fused.operators_apply
     rows = {}
-    for D, H in sizes:
+    for D, hidden in shapes:
         steps = {}
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(500, D, generator=g), torch.randn(500, generator=g)
-        for name, params in ACTIVATIONS[1:]:
-            network = BayesianNetwork(D, [H], activation=get_activation(name, **params))
+        shape = "-".join(str(width) for width in (D, *hidden, 1))
+        for name, params in activations:
+            network = BayesianNetwork(D, hidden, activation=get_activation(name, **params))
 
             def step(network=network, x=x, y=y, on_operators=True):
                 # the estimator asks fused.operators_apply; declining sends it to the single node
@@ -89,12 +94,12 @@ def elbo_rows(repeats: int, sizes) -> dict:
                 try:
                     for parameter in network.parameters():
                         parameter.grad = None
-                    (-network.elbo(x, y, num_data=10 * len(x))).backward()
+                    (-network.elbo(x, y, num_data=10 * len(x), estimator=estimator)).backward()
                 finally:
                     fused.operators_apply = operators_apply
 
-            steps[f"{name} {D}-{H}-1 step, operators"] = step
-            steps[f"{name} {D}-{H}-1 step, single node"] = lambda step=step: step(on_operators=False)
+            steps[f"{name} {shape} step, operators"] = step
+            steps[f"{name} {shape} step, single node"] = lambda step=step: step(on_operators=False)
         rows.update(median_times(steps, repeats, torch.device("cpu")))
     return rows
 
@@ -112,9 +117,13 @@ def main(argv=None):
     print("\n1. Activation.moments on a 500x200 block (us)")
     for label, seconds in moments_rows(args.repeats).items():
         print(f"   {label:48s} {seconds * 1e6:8.1f}")
-    sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes]
+    shapes = [(int(size.split("x")[0]), [int(size.split("x")[1])]) for size in args.sizes]
     print("\n2. one-hidden-layer network, forward + backward at batch 500 (ms)")
-    for label, seconds in elbo_rows(max(args.repeats // 10, 5), sizes).items():
+    for label, seconds in elbo_rows(max(args.repeats // 10, 5), shapes, ACTIVATIONS[1:]).items():
+        print(f"   {label:48s} {seconds * 1e3:8.3f}")
+    print("\n3. deeper networks, every layer integrated (deterministic), forward + backward at batch 500 (ms)")
+    deep = [(90, [200, 200]), (90, [50, 50, 50]), (512, [500, 500])]
+    for label, seconds in elbo_rows(max(args.repeats // 10, 5), deep, ACTIVATIONS, "deterministic").items():
         print(f"   {label:48s} {seconds * 1e3:8.3f}")
 
 

@@ -288,15 +288,16 @@ class Estimator:
         log_precision = network.likelihood.log_precision
         parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        if len(layers) == 2 and fused.operators_apply(network.activation, x, y, log_precision, *parameters):
-            # one hidden layer of the ReLU family on the cfbnn:: operators, any device, as one node
+        if fused.operators_apply(network.activation, x, y, log_precision, *parameters):
+            # the ReLU family on the cfbnn:: operators, any device, as one node
             family = fused.tail_family(network.activation)
-            return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
-        if x.device.type != "cpu":  # deeper ones node by node, the last two layers as one (operator_normal_ell)
+            if len(layers) == 2:
+                return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
+            return fused.operator_deep_normal_elbo(x, y, log_precision, layers, network.prior_scale**2, scale, family)
+        if x.device.type != "cpu":
             return None
-        # on the CPU, deeper networks (every layer integrated: deterministic) and the other activations
-        # with C++ kernels (leaky ReLU, ReLU^2) as the C++ single node: for a ReLU D-200-200-1 network
-        # it is about a fifth faster than the node-by-node route on the operators
+        # on the CPU, the other activations with C++ kernels (the piecewise polynomials) as the C++
+        # single node
         op = fused.activation_kernels(network.activation)
         target = y.unsqueeze(-1)
         if not fast_moments.layer_kernels_apply(op, x, target, log_precision, *parameters):

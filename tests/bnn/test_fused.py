@@ -366,13 +366,27 @@ def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradc
     torch.autograd.gradcheck(lambda m, v: fast.moments_from_variance(op, m, v), (mean64, variance64))
 
 
+def _without_operators(monkeypatch) -> None:
+    """As where the C++ library built but its operators' unit did not: the library's kernels
+    called directly, the deeper ReLU-family ELBO as the C++ single node."""
+    from cfbnn_cli.moments import fast
+
+    monkeypatch.setattr(fast, "cpu_operators_registered", lambda: False)
+
+
+# the ELBO as one autograd node: on the operators (one hidden layer, two or more), or without them
+# the C++ single node (fused.closed_form_normal_elbo)
+ONE_NODE = ("NormalELBOBackward", "DeepNormalELBOBackward", "_ClosedFormNormalELBOBackward")
+
+
 def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
-    """On the CPU the two-hidden-layer deterministic ELBO runs its first hidden layer through the
-    variance kernel, the last through the fused tail, folds every layer's KL, and is one
-    autograd node (else the speed-up is silently lost)."""
+    """Without the operators, on the CPU the two-hidden-layer deterministic ELBO runs its first
+    hidden layer through the variance kernel, the last through the fused tail, folds every layer's
+    KL, and is one autograd node (else the speed-up is silently lost)."""
     from cfbnn_cli.bnn.network import BayesianNetwork
     from cfbnn_cli.moments import elbo_kernels
 
+    _without_operators(monkeypatch)
     calls = []
     original = elbo_kernels.kernel_function
     monkeypatch.setattr(
@@ -407,14 +421,19 @@ def _node_by_node_elbo(network, x, y, num_data, estimator, noise=None):
         ([3], "deterministic", True),
     ],
 )
-def test_the_single_node_elbo_matches_the_node_by_node_route(dtype, tolerance, hidden, estimator, output_bias):
-    """The closed-form ELBO as one autograd node -- fused.closed_form_normal_elbo for deeper
-    networks; one hidden layer of the ReLU family takes the operators' NormalELBO -- against the
+@pytest.mark.parametrize("operators", [True, False], ids=["operators", "single_node"])
+def test_the_single_node_elbo_matches_the_node_by_node_route(
+    dtype, tolerance, hidden, estimator, output_bias, operators, monkeypatch
+):
+    """The closed-form ELBO as one autograd node -- on the operators (NormalELBO for one hidden
+    layer, DeepNormalELBO for more) or, without them, fused.closed_form_normal_elbo -- against the
     same functions as separate nodes, value and every gradient (the learned noise precision's
     too); the node-by-node route is itself checked against the torch formulas above and against
     Monte Carlo in tests/bnn/test_deterministic.py."""
     from cfbnn_cli.bnn.network import BayesianNetwork
 
+    if not operators:
+        _without_operators(monkeypatch)
     torch.manual_seed(3)
     # (a ReLU network takes the operators' route, tests/bnn/test_operator_elbo.py)
     network = BayesianNetwork(5, hidden, 1, activation="leaky_relu", prior_scale=0.7, output_bias=output_bias)
@@ -426,10 +445,10 @@ def test_the_single_node_elbo_matches_the_node_by_node_route(dtype, tolerance, h
     x, y = torch.randn(30, 5, generator=g, dtype=dtype), torch.randn(30, generator=g, dtype=dtype)
     parameters = list(network.parameters())
     single = network.elbo(x, y, num_data=300, estimator=estimator)
-    one_node = "_ClosedFormNormalELBOBackward" if len(hidden) > 1 else "NormalELBOBackward"
+    one_node = ONE_NODE[min(len(hidden), 2) - 1] if operators else ONE_NODE[2]
     assert type(single.grad_fn).__name__ == one_node
     reference = _node_by_node_elbo(network, x, y, 300, estimator)
-    assert type(reference.grad_fn).__name__ != one_node
+    assert type(reference.grad_fn).__name__ not in ONE_NODE
     torch.testing.assert_close(single, reference, rtol=tolerance, atol=0.0)
     for found, expected in zip(torch.autograd.grad(single, parameters), torch.autograd.grad(reference, parameters)):
         torch.testing.assert_close(
@@ -458,14 +477,18 @@ def test_the_single_node_elbo_passes_gradcheck():
     torch.autograd.gradcheck(elbo, (log_precision, *parameters))
 
 
-def test_the_single_node_elbo_keeps_autograd_semantics():
+@pytest.mark.parametrize("operators", [True, False], ids=["operators", "single_node"])
+def test_the_single_node_elbo_keeps_autograd_semantics(operators, monkeypatch):
     """retain_graph gives the same gradients twice; without it a second backward pass is refused;
     a parameter changed in place between the passes is caught (the saved tensors' versions)."""
     from cfbnn_cli.bnn.network import BayesianNetwork
 
+    if not operators:
+        _without_operators(monkeypatch)
     network = BayesianNetwork(4, [6, 5], 1)
     x, y = torch.randn(10, 4), torch.randn(10)
     elbo = network.elbo(x, y, num_data=None, estimator="deterministic")
+    assert type(elbo.grad_fn).__name__ == ONE_NODE[1 if operators else 2]
     first = torch.autograd.grad(elbo, list(network.parameters()), retain_graph=True)
     second = torch.autograd.grad(elbo, list(network.parameters()))
     for a, b in zip(first, second):
@@ -511,7 +534,7 @@ def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
     noise = network.sample_noise(10, estimator=estimator, generator=_generator(1))
     with fast_path(case != "fast_path_off"):
         elbo = network.elbo(x, y, num_data=100, estimator=estimator, noise=noise)
-        assert type(elbo.grad_fn).__name__ != "_ClosedFormNormalELBOBackward"
+        assert type(elbo.grad_fn).__name__ not in ONE_NODE
         # the estimator's own route (deterministic_full: the covariance across units, not the diagonal)
         reference = _node_by_node_elbo(network, x, y, 100, estimator, noise)
         torch.testing.assert_close(elbo, reference, rtol=1e-6, atol=0.0)

@@ -1,7 +1,9 @@
-"""The ReLU network's ELBO on the ``cfbnn::`` operators (:mod:`cfbnn_cli.bnn.fused.operator_elbo`),
-one implementation for both devices: its value and every gradient against the network's reference
-torch path in float64 -- one hidden layer (:class:`NormalELBO`) and two (:class:`NormalELL` for the
-last two layers; ``analytic`` samples the first, ``deterministic`` propagates it), both output-bias
+"""The ReLU network's ELBO on the ``cfbnn::`` operators (:mod:`cfbnn_cli.bnn.fused.operator_elbo`,
+:mod:`~cfbnn_cli.bnn.fused.operator_deep_elbo`), one implementation for both devices: its value
+and every gradient against the network's reference torch path in float64 -- one hidden layer
+(:class:`NormalELBO`), two with the first sampled (``analytic``: :class:`NormalELL` for the last
+two layers) and two or three with every layer integrated (``deterministic``:
+:class:`DeepNormalELBO`), both output-bias
 settings, float64 and float32 -- on the CPU's C++ kernels, and on the Triton kernels run on the CPU
 by Triton's interpreter (``TRITON_INTERPRET=1``, set in a subprocess before Triton is imported, the
 Triton kernels registered there as the operators' CPU kernels). tests/test_cuda.py and the CUDA
@@ -49,8 +51,11 @@ def network(hidden, output_bias, dtype, activation="relu", **params):
 def errors():
     out = {}
     cases = [([150], "analytic", "relu")] + [([6, 150], estimator, "relu") for estimator in ("analytic", "deterministic")]
-    # the rest of the ReLU family: one hidden layer (NormalELBO) and two (NormalELL)
+    cases.append(([5, 4, 40], "deterministic", "relu"))  # three hidden layers: two propagated
+    # the rest of the ReLU family: one hidden layer (NormalELBO), two sampled then integrated
+    # (NormalELL) and two integrated (DeepNormalELBO)
     cases += [(hidden, "analytic", name) for name in ("leaky_relu", "relu_squared") for hidden in ([150], [6, 150])]
+    cases += [([6, 150], "deterministic", name) for name in ("leaky_relu", "relu_squared")]
     for hidden, estimator, activation in cases:
         params = {"negative_slope": -0.5} if activation == "leaky_relu" else {}
         for dtype in (torch.float64, torch.float32):
@@ -75,7 +80,7 @@ def errors():
                 elif estimator == "analytic":
                     route = "NormalELL" in names
                 else:
-                    route = all(part in names for part in DEEP_DETERMINISTIC_ROUTE)
+                    route = "DeepNormalELBO" in names
                 name = "" if activation == "relu" else "_" + activation
                 out[f"{len(hidden)}_{estimator}_{dtype}_{output_bias}{name}"] = {
                     "value": scaled(value.detach(), reference.detach()),
@@ -124,13 +129,10 @@ library.impl(
     counted("relu_moments_from_variance_backward", ops.triton_relu_moments_from_variance_backward),
     "CPU",
 )
-# every layer integrated (deterministic): the CUDA route, node by node with the last two layers as
-# one, declined here on the CPU by the C++ single node; that node declines for this run
-import cfbnn_cli.bnn.fused as fused
-fused.closed_form_normal_elbo = lambda *args: None
-# (on the CPU the moments operator's autograd node is the C++ library's MomentsAutograd, around
-# whichever CPU kernel is registered: the Triton one here, which `calls` counts)
-DEEP_DETERMINISTIC_ROUTE = ("NormalELL", "MomentsAutograd")
+from cfbnn_cli.moments import leaky_ops, relu_squared_ops
+for module, name in ((leaky_ops, "leaky_relu_moments"), (relu_squared_ops, "relu_squared_moments")):
+    for op in (name, name + "_backward"):  # the propagated hidden layers' moments (DeepNormalELBO)
+        library.impl(op, counted(op, getattr(module, "triton_" + op)), "CPU")
 out = errors()
 out["calls"] = calls
 for dtype in (torch.float32, torch.float64):  # the first-use checks that guard the CUDA route
@@ -143,7 +145,7 @@ print("RESULT", json.dumps(out))
 
 def _assert_within_tolerance(errors: dict) -> None:
     assert errors.pop("second_order") == "refused"
-    assert len(errors) == 20
+    assert len(errors) == 28
     for case, error in errors.items():
         tolerance = 1e-10 if "float64" in case else 2e-5
         assert error["route"], (case, "the operators' route was not taken")
@@ -152,8 +154,7 @@ def _assert_within_tolerance(errors: dict) -> None:
 
 
 def test_the_cpu_kernels_match_the_reference_path():
-    # deeper networks with every layer integrated take the CPU's C++ single node (faster there)
-    namespace = {"DEEP_DETERMINISTIC_ROUTE": ("_ClosedFormNormalELBO",)}
+    namespace = {}
     exec(CHECK, namespace)  # noqa: S102 - the checks shared with the interpreted run below
     _assert_within_tolerance(namespace["errors"]())
 
@@ -169,15 +170,16 @@ def test_the_triton_kernels_match_the_reference_path_under_the_interpreter():
     errors = json.loads(line[len("RESULT ") :])
     assert errors.pop("self_check") == "ran"
     steps = set(elbo_ops.STEPS) | {"relu_tail", "relu_tail_backward", "relu_moments_from_variance"}
+    steps |= {f"{name}_moments{part}" for name in ("leaky_relu", "relu_squared") for part in ("", "_backward")}
     calls = errors.pop("calls")
     assert steps <= set(calls) and min(calls.values()) > 0, calls  # every step ran on its Triton kernel
     _assert_within_tolerance(errors)
 
 
 def test_which_networks_take_the_operators():
-    """Networks of the ReLU family (ReLU, leaky ReLU, ReLU^2) on either device; other activations
-    (the piecewise polynomials) and subclasses do not, deeper networks with every layer integrated
-    keep the CPU's C++ single node, and with the fast path off the reference path runs."""
+    """Networks of the ReLU family (ReLU, leaky ReLU, ReLU^2) on either device, one hidden layer
+    or more; other activations (the piecewise polynomials) and subclasses do not, and with the
+    fast path off the reference path runs."""
     net = BayesianNetwork(3, [5])
     x, y = torch.randn(4, 3), torch.randn(4)
     assert fused.operators_apply(net.activation, x, *net.parameters())
@@ -189,9 +191,13 @@ def test_which_networks_take_the_operators():
         one_hidden = BayesianNetwork(3, [5], activation=name)
         assert type(one_hidden.elbo(x, y).grad_fn).__name__ == "NormalELBOBackward"
         deeper = BayesianNetwork(3, [5, 4], activation=name)
-        assert "ClosedFormNormalELBO" in type(deeper.elbo(x, y, estimator="deterministic").grad_fn).__name__
+        assert type(deeper.elbo(x, y, estimator="deterministic").grad_fn).__name__ == "DeepNormalELBOBackward"
+    deeper = BayesianNetwork(3, [5, 4, 6])
+    assert type(deeper.elbo(x, y, estimator="deterministic").grad_fn).__name__ == "DeepNormalELBOBackward"
     hard_sigmoid = get_activation("hard_sigmoid")
     assert fused.tail_family(hard_sigmoid) is None and not fused.operators_apply(hard_sigmoid, x, *net.parameters())
+    piecewise = BayesianNetwork(3, [5, 4], activation=hard_sigmoid)  # node by node, on its C++ kernels
+    assert "ELBO" not in type(piecewise.elbo(x, y, estimator="deterministic").grad_fn).__name__
 
     class Shifted(type(net.activation)):  # a subclass may change the function: not the operators
         pass
@@ -249,8 +255,35 @@ def test_cuda_deeper_network_takes_the_operators_and_matches_the_cpu(estimator):
     reference_grads = torch.autograd.grad(reference, list(net.parameters()))
     gpu = net.cuda()
     value = gpu.elbo(x.cuda(), y.cuda(), num_data=5000, noise=tuple(n.cuda() for n in noise), estimator=estimator)
-    assert "NormalELLBackward" in node_names(value)
+    assert ("NormalELLBackward" if estimator == "analytic" else "DeepNormalELBOBackward") in node_names(value)
     grads = torch.autograd.grad(value, list(gpu.parameters()))
     assert abs(float(value) - float(reference)) <= 1e-10 * abs(float(reference))
     for got, want in zip(grads, reference_grads):
         assert float((got.cpu() - want).abs().max()) <= 1e-10 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("family", [(0, 0.0), (1, -0.5), (2, 0.0)], ids=["relu", "leaky_relu", "relu_squared"])
+def test_the_deep_elbo_passes_gradcheck(family):
+    """DeepNormalELBO's written-out backward pass (two propagated layers, with and without the
+    output bias) against finite differences in float64, the noise precision's gradient too."""
+    from cfbnn_cli.bnn.fused.operator_deep_elbo import DeepNormalELBO
+
+    g = torch.Generator().manual_seed(12)
+    dt = torch.float64
+    x, y = 0.5 * torch.randn(6, 3, generator=g, dtype=dt), torch.randn(6, generator=g, dtype=dt)
+    for output_bias in (True, False):
+        parameters = []
+        for rows, columns in [(4, 4), (5, 5), (3, 6), (1, 3 + output_bias)]:  # (outputs, inputs + bias column)
+            parameters += [
+                # (inputs and weights of scale 1/2: ReLU^2 stacked three deep stays in a range where
+                # finite differences keep their digits)
+                (0.5 * torch.randn(rows, columns, generator=g, dtype=dt)).requires_grad_(),
+                (0.3 * torch.randn(rows, columns, generator=g, dtype=dt) - 1.0).requires_grad_(),
+            ]
+        log_precision = torch.tensor(0.2, dtype=dt, requires_grad=True)
+        biases = (True, True, True, output_bias)
+
+        def elbo(log_precision, *p):
+            return DeepNormalELBO.apply(x, y, log_precision, biases, 0.64, 10.0, family, *p)
+
+        assert torch.autograd.gradcheck(elbo, (log_precision, *parameters))

@@ -47,7 +47,7 @@ and ``torch.autograd.gradcheck``), and all but the kernel tail support ``torch.f
 
 One module per job: :mod:`.preactivation`, :mod:`.kl`, :mod:`.normal_ell`, :mod:`.single_node`,
 :mod:`.operator_elbo` (ReLU-family networks' ELBO on the ``cfbnn::`` operators, one implementation for the
-CPU and CUDA),
+CPU and CUDA), :mod:`.operator_deep_elbo` (the same for two or more hidden layers, every one integrated),
 and :mod:`.support` (what they share).
 """
 
@@ -60,6 +60,7 @@ from .normal_ell import (
     normal_ell_given_preactivation_and_kl,
     normal_tail_op,
 )
+from .operator_deep_elbo import deep_normal_elbo as operator_deep_normal_elbo
 from .operator_elbo import normal_elbo as operator_normal_elbo
 from .operator_elbo import normal_ell as operator_normal_ell
 from .operator_elbo import operators_apply, relu_operators_apply, tail_family
@@ -87,6 +88,7 @@ __all__ = [
     "normal_ell_given_preactivation",
     "normal_ell_given_preactivation_and_kl",
     "normal_tail_op",
+    "operator_deep_normal_elbo",
     "operator_normal_elbo",
     "operator_normal_ell",
     "operators_apply",

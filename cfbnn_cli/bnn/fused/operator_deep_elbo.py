@@ -1,0 +1,165 @@
+"""The closed-form ELBO of a deeper ReLU-family network (ReLU, leaky ReLU, ReLU^2; two or more
+hidden layers of diagonal Gaussian weights, every layer integrated: ``deterministic``) as ONE
+autograd node on the ``cfbnn::`` operators, the same code for the CPU and CUDA.
+
+Each hidden layer after the first takes its inputs' moments (paper eqs. (12), (20); the ReLU
+family's ``Phi``, ``Upsilon`` and ``Var`` from the pre-activations' means and variances) and
+propagates them through its weights ``W ~ N(M, S)`` (mean field, bias column last):
+
+    gamma' = [Phi, 1] M^T,    xi2' = [Upsilon, 1] S^T + Var (M o M)^T
+
+(``Var(w^T h) = sum_j S_j E[h_j^2] + M_j^2 Var h_j`` for independent ``w`` and ``h``); the first
+layer is :class:`~.operator_elbo.NormalELBO`'s (``[x, 1] M^T`` and ``[x^2, 1] S^T``) and the last
+hidden layer and the output layer its tail pass. Every elementwise step is an operator
+(``cfbnn::augment_pair``, ``cfbnn::diagonal_kl_pass``, the moments operators, ``cfbnn::relu_tail``,
+``cfbnn::normal_elbo_rows`` and their backward passes, ``cfbnn::finish_diagonal_gradients``),
+the rest matrix products, so the dispatcher picks C++ on the CPU and Triton on CUDA, and the
+backward pass runs them in reverse without autograd's per-operation bookkeeping.
+
+Tested against the reference torch path in float64 (tests/bnn/test_operator_deep_elbo.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...moments import ops
+from .operator_elbo import RELU, _output_layer_pass, _tail_backward
+from .support import first_order_only
+
+_cfbnn = torch.ops.cfbnn
+
+
+def _standard_deviation(variance: torch.Tensor) -> torch.Tensor:
+    """The kernels' floored square root (``ops.variance_floor``): a variance of exactly 0 keeps a
+    finite slope, ``d std / d variance = 1 / (2 std)`` at the floor as everywhere."""
+    return variance.clamp(min=ops.variance_floor(variance.dtype)).sqrt_()
+
+
+def hidden_moments(mean, variance, family):
+    """``(Phi, Upsilon, Var, std)`` of the family's activation of ``N(mean, variance)`` elementwise
+    (``std``: what the backward pass needs besides ``mean`` and ``variance``; ``None`` for ReLU,
+    whose operator takes the variance)."""
+    activation, slope = family
+    if activation == RELU[0]:
+        return (*_cfbnn.relu_moments_from_variance(mean, variance), None)
+    std = _standard_deviation(variance)
+    if activation == 1:
+        return (*_cfbnn.leaky_relu_moments(mean, std, slope), std)
+    return (*_cfbnn.relu_squared_moments(mean, std), std)
+
+
+def hidden_moments_backward(mean, variance, std, phi, grad_phi, grad_ups, grad_var, family):
+    """``(d mean, d variance)`` of :func:`hidden_moments` for the gradients of its outputs."""
+    activation, slope = family
+    if activation == RELU[0]:
+        return _cfbnn.relu_moments_from_variance_backward(mean, variance, grad_phi, grad_ups, grad_var)
+    if activation == 1:
+        grad_mean, grad_std = _cfbnn.leaky_relu_moments_backward(mean, std, phi, grad_phi, grad_ups, grad_var, slope)
+    else:
+        grad_mean, grad_std = _cfbnn.relu_squared_moments_backward(mean, std, phi, grad_phi, grad_ups, grad_var)
+    return grad_mean, grad_std.div_(std).mul_(0.5)  # d std / d variance = 1 / (2 std); in place: fresh
+
+
+def _with_ones(values: torch.Tensor, bias: bool) -> torch.Tensor:
+    """``[values, 1]``: the next layer's inputs with its bias column."""
+    return F.pad(values, (0, 1), value=1.0) if bias else values
+
+
+class DeepNormalELBO(torch.autograd.Function):
+    """``scale * sum_n ELL_n - sum_l KL_l`` of a network of two or more hidden layers, every layer
+    integrated (see the module doc), as one node. ``parameters``: each layer's ``(loc,
+    log_scale)`` in order, the output layer's (one row) last; ``biases`` each layer's bias flag."""
+
+    @staticmethod
+    def forward(ctx, x, y, log_precision, biases, prior_variance, scale, family, *parameters):
+        locs, log_scales = parameters[0::2], parameters[1::2]
+        inputs, squares_in = _cfbnn.augment_pair(x, biases[0])  # [x, 1] and [x^2, 1]
+        hidden_kl, variance, _ = _cfbnn.diagonal_kl_pass(locs[0], log_scales[0], prior_variance, False)
+        gamma = torch.mm(inputs, locs[0].t())
+        xi2 = torch.mm(squares_in, variance.t())
+        first = (inputs, squares_in, variance)
+        propagated = []  # per later hidden layer: its inputs' pre-activations, moments and weights
+        for loc, log_scale, bias in zip(locs[1:-1], log_scales[1:-1], biases[1:-1]):
+            phi, ups, var_h, std = hidden_moments(gamma, xi2, family)
+            kl, variance, loc_square = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, True)
+            width = phi.shape[1]
+            phi_in, ups_in = _with_ones(phi, bias), _with_ones(ups, bias)
+            next_gamma = torch.mm(phi_in, loc.t())
+            next_xi2 = torch.mm(ups_in, variance.t()).addmm_(var_h, loc_square[:, :width].t())
+            propagated.append((gamma, xi2, std, phi, phi_in, ups_in, var_h, variance, loc_square))
+            hidden_kl = hidden_kl + kl
+            gamma, xi2 = next_gamma, next_xi2
+        output_loc, output_log_scale = locs[-1], log_scales[-1]
+        width = gamma.shape[1]
+        output_kl, (w_phi, w_var, w_second) = _output_layer_pass(output_loc, output_log_scale, width, prior_variance)
+        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
+        residual, squares, elbo = _cfbnn.normal_elbo_rows(
+            mean_sum,
+            spread_sum,
+            y,
+            output_loc,
+            output_log_scale,
+            log_precision,
+            hidden_kl,
+            output_kl,
+            scale,
+            biases[-1],
+        )
+        tail = (gamma, xi2, output_loc, output_log_scale, log_precision, w_var, w_second, residual, squares)
+        flat = [*first, *(t for layer in propagated for t in layer if t is not None), *tail, *parameters]
+        ctx.save_for_backward(*flat)
+        ctx.has_std = [layer[2] is not None for layer in propagated]
+        ctx.biases, ctx.prior_variance, ctx.scale, ctx.family = biases, float(prior_variance), float(scale), family
+        return elbo
+
+    @staticmethod
+    @first_order_only  # its kernels build no graph: a second order raises
+    def backward(ctx, grad):
+        saved = list(ctx.saved_tensors)
+        inputs, squares_in, first_variance = saved[:3]
+        position, propagated = 3, []
+        for has_std in ctx.has_std:
+            count = 9 if has_std else 8
+            layer = saved[position : position + count]
+            if not has_std:
+                layer.insert(2, None)
+            propagated.append(layer)
+            position += count
+        tail, parameters = saved[position : position + 9], saved[position + 9 :]
+        locs = parameters[0::2]
+        pv = ctx.prior_variance
+        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
+            grad, False, ctx.scale, tuple(tail), grad, -1.0, pv, ctx.biases[-1], ctx.family
+        )
+        grads = [grad_output_loc, grad_output_log_scale]
+        for index in range(len(propagated) - 1, -1, -1):
+            gamma, xi2, std, phi, phi_in, ups_in, var_h, variance, loc_square = propagated[index]
+            loc, width = locs[index + 1], phi.shape[1]
+            grad_loc = torch.mm(grad_gamma.t(), phi_in)
+            # d xi2'/d M = 2 M Var: on the weights, not the bias column (its inputs have no variance)
+            grad_loc[:, :width].addcmul_(loc[:, :width], torch.mm(grad_xi2.t(), var_h), value=2.0)
+            grad_variance = torch.mm(grad_xi2.t(), ups_in)  # dL/d S, made dL/d log_scale below
+            _cfbnn.finish_diagonal_gradients(grad_loc, grad_variance, loc, variance, grad, -1.0, pv)
+            grads = [grad_loc, grad_variance, *grads]
+            grad_phi = torch.mm(grad_gamma, loc[:, :width])
+            grad_ups = torch.mm(grad_xi2, variance[:, :width])
+            grad_var = torch.mm(grad_xi2, loc_square[:, :width])
+            grad_gamma, grad_xi2 = hidden_moments_backward(
+                gamma, xi2, std, phi, grad_phi, grad_ups, grad_var, ctx.family
+            )
+        grad_loc = torch.mm(grad_gamma.t(), inputs)
+        grad_variance = torch.mm(grad_xi2.t(), squares_in)
+        _cfbnn.finish_diagonal_gradients(grad_loc, grad_variance, locs[0], first_variance, grad, -1.0, pv)
+        grads = [grad_loc, grad_variance, *grads]
+        return (None, None, grad_log_precision if ctx.needs_input_grad[2] else None, None, None, None, None, *grads)
+
+
+def deep_normal_elbo(x, y, log_precision, layers, prior_variance: float, scale: float, family=RELU) -> torch.Tensor:
+    """The ELBO of :class:`DeepNormalELBO`: ``x`` ``(N, D)``, ``y`` ``(N,)``, ``layers`` the
+    network's :class:`~cfbnn_cli.bnn.layers.GaussianMatrix` layers (diagonal q; three or more, the
+    output layer of one row), ``family`` the activation's (:func:`.operator_elbo.tail_family`)."""
+    parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
+    biases = tuple(bool(layer.bias) for layer in layers)
+    return DeepNormalELBO.apply(x, y, log_precision, biases, float(prior_variance), float(scale), family, *parameters)
