@@ -210,8 +210,9 @@ class Estimator:
     ):
         """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO. Where every
         layer is a diagonal Gaussian integrated here, with one Normal output, a fixed prior and
-        tensors the kernels take, as one autograd node (:func:`.fused.closed_form_normal_elbo`:
-        same value and gradients, less autograd bookkeeping; ``tests/bnn/test_fused.py``)."""
+        tensors the kernels take, as one autograd node (:meth:`_single_node_elbo`: same value and
+        gradients, less autograd bookkeeping; ``tests/bnn/test_operator_elbo.py``,
+        ``tests/bnn/test_fused.py``)."""
         single = self._single_node_elbo(network, x, y, num_data, noise)
         if single is not None:
             return single
@@ -271,7 +272,9 @@ class Estimator:
         )
 
     def _single_node_elbo(self, network, x, y, num_data: Optional[int], noise):
-        """:func:`.fused.closed_form_normal_elbo` where it applies, else ``None``."""
+        """The ELBO as one node where it applies, else ``None``: for the ReLU family on the
+        operators (:func:`.fused.operator_normal_elbo`, :func:`.fused.operator_deep_normal_elbo`),
+        where those are not registered on the CPU :func:`.fused.closed_form_normal_elbo`."""
         if noise or x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad:
             return None
         layers = network.layers

@@ -26,7 +26,9 @@ out, reusing what the forward computed:
   layer), one Normal output, as ONE autograd node: the functions above run in a row on
   :class:`~.support.Tape` contexts and their backward passes in reverse, so autograd's bookkeeping
   (a node per function, per scalar operation of the ELBO's sum, zeros for unused outputs)
-  is paid once. :meth:`~cfbnn_cli.bnn.estimators.Estimator.elbo` takes it where it applies.
+  is paid once. :meth:`~cfbnn_cli.bnn.estimators.Estimator.elbo` takes it for ReLU-family
+  networks where the library's operators are not registered (elsewhere the same node on the
+  operators, :mod:`.operator_elbo` and :mod:`.operator_deep_elbo`).
 
 While an ELBO is evaluated, the layer's KL comes out of the same function
 (:func:`diagonal_preactivation_and_kl`, :func:`propagated_preactivation_and_kl`,
