@@ -8,7 +8,9 @@ kernels that are the default on CPU (``CFBNN_FAST_MOMENTS=0``,
 :func:`set_fast_path` or ``with fast_path(False)`` select the reference path).
 """
 
-from . import elbo_ops, tail_ops  # noqa: F401 - register cfbnn::relu_tail and the ELBO steps (the moments operators: via .activations)
+# register cfbnn::relu_tail, the ELBO steps and relu_mean before anything loads the C++ library
+# (the moments operators: via .activations)
+from . import elbo_ops, relu_mean_ops, tail_ops  # noqa: F401
 from .activations import (
     ACTIVATIONS,
     Activation,

@@ -182,6 +182,15 @@ def relu_moments_kernel(
 
 
 @triton.jit
+def relu_mean_kernel(mean_ptr, std_ptr, phi_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr):
+    """``E[relu(z)]`` elementwise alone (:func:`relu_core`'s Phi; what a prediction needs): one
+    output written instead of three."""
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
+    phi, _, _ = relu_core(mean, std, CF_DEPTH)
+    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
+
+
+@triton.jit
 def relu_moments_backward_kernel(
     mean_ptr,
     spread_ptr,

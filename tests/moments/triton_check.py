@@ -14,7 +14,7 @@ import math
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import leaky_ops, ops, relu_squared_ops, tail_ops
+from cfbnn_cli.moments import leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 
@@ -167,6 +167,9 @@ def triton_errors(device: str) -> dict:
             "value": abs(float(kl) - float(reference.detach())) / abs(float(reference.detach())),
             "grads": max(_relative(gl, l64.grad), _relative(gs, s64.grad)),
         }
+        # ReLU's mean alone (cfbnn::relu_mean) against the same quadrature
+        phi_alone = relu_mean_ops.triton_relu_mean(on(mean), on(std)).cpu()
+        out[name + "_mean"] = {"values": worst_error([phi_alone], references, POINTS, dtype)}
         out[name + "_tail"] = tail_errors(device, dtype, g)
         out[name + "_leaky"] = leaky_errors(device, dtype, g)
         out[name + "_relu_squared"] = relu_squared_errors(device, dtype, g)
@@ -176,7 +179,14 @@ def triton_errors(device: str) -> dict:
 def assert_within_tolerances(errors: dict) -> None:
     """The tolerances of the CPU kernels (test_ops.test_cpu_operator_matches_quadrature and
     test_cpu_diagonal_kl_matches_torch_distributions)."""
-    for name in ("float64", "float32", "float64_from_variance", "float32_from_variance"):
+    for name in (
+        "float64",
+        "float32",
+        "float64_from_variance",
+        "float32_from_variance",
+        "float64_mean",
+        "float32_mean",
+    ):
         assert errors[name]["values"] <= 1.0, (name, errors)
     for name, tolerance in (("float64", 1e-10), ("float32", 1e-5)):
         assert errors[name]["grads"] < tolerance, (name, errors)

@@ -48,6 +48,7 @@ struct Kernels;
   template <>                                                            \
   struct Kernels<T> {                                                    \
     static constexpr auto relu_forward = &relu_forward_##SUF;            \
+    static constexpr auto relu_mean = &relu_mean_##SUF;                  \
     static constexpr auto relu_backward = &relu_backward_##SUF;          \
     static constexpr auto leaky_forward = &leaky_forward_##SUF;          \
     static constexpr auto leaky_backward = &leaky_backward_##SUF;        \
@@ -135,6 +136,19 @@ std::tuple<Tensor, Tensor, Tensor> relu_moments(const Tensor& mean, const Tensor
                          [](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u, auto* v) {
                            Kernels<decltype(zero)>::relu_forward(n, m, s, f, u, v, nullptr, nullptr, threads());
                          });
+}
+
+/* E[relu(z)] alone: the prediction's moments kernel without Upsilon, Var and the saved factors. */
+Tensor relu_mean(const Tensor& mean_in, const Tensor& std_in) {
+  check_operands("relu_mean", mean_in, {&std_in});
+  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous();
+  Tensor phi = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::relu_mean(mean.numel(), mean.data_ptr<T>(), std_dev.data_ptr<T>(), phi.data_ptr<T>(), threads());
+    return 0;
+  });
+  return phi;
 }
 
 /* One output gradient of the ReLU backward kernel as (pointer, is_scalar). A tensor expanded from one
@@ -669,6 +683,7 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   library = new torch::Library(torch::Library::IMPL, "cfbnn", c10::DispatchKey::CPU, __FILE__, __LINE__);
   library->impl("relu_moments", TORCH_FN(relu_moments));
   library->impl("relu_moments_backward", TORCH_FN(relu_moments_backward));
+  library->impl("relu_mean", TORCH_FN(relu_mean));
   library->impl("leaky_relu_moments", TORCH_FN(leaky_relu_moments));
   library->impl("leaky_relu_moments_backward", TORCH_FN(leaky_relu_moments_backward));
   library->impl("relu_squared_moments", TORCH_FN(relu_squared_moments));
