@@ -56,6 +56,7 @@ from .gaussian import (
     check_mean_std,
 )
 from .piecewise_polynomial import HardSigmoid, PiecewisePolynomial, piecewise_polynomial
+from .relu_mean_ops import relu_mean_route
 from .relu_reference import ReLUMomentsReference, blockwise, relu_mean_block, small_tail
 
 __all__ = [
@@ -118,7 +119,7 @@ class ReLU(Activation):
         if torch.is_grad_enabled():
             return self.moments(mean, std)[0]
         mean, std = check_mean_std(mean, std)
-        if ops.operator_route(mean):
+        if relu_mean_route(mean):
             # cfbnn::relu_mean: C++ on the CPU, Triton on CUDA, one output written
             return torch.ops.cfbnn.relu_mean(*torch.broadcast_tensors(mean, std))
         if fast.usable(mean):  # (the library's operators' unit did not build: its kernel directly)

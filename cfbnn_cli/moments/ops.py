@@ -691,8 +691,6 @@ def first_use_check(what: str, device: torch.device, dtype: torch.dtype, check: 
 
 def _self_check(device: torch.device, dtype: torch.dtype) -> None:
     """Every operator's device kernels forward and backward on a few elements (compiling them)."""
-    from . import relu_mean_ops  # (it builds on this module)
-
     values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
     spread = torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device)
     outputs = [
@@ -702,7 +700,6 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
         *triton_relu_moments_from_variance_backward(values, spread, spread, spread, spread),
         triton_diagonal_kl(values, -spread, 1.5),
         *triton_diagonal_kl_backward(values, -spread, spread[0], 1.5),
-        relu_mean_ops.triton_relu_mean(values, spread),
     ]
     if not all(bool(torch.isfinite(t).all()) for t in outputs):
         raise FloatingPointError("non-finite values on a well-conditioned problem")

@@ -24,10 +24,11 @@ from .ops import (
     _reference_forward,
     absent_gradient,
     check_operands,
+    checked_operator_route,
     relu_moments_backward,
 )
 
-__all__ = ["relu_mean", "triton_relu_mean"]
+__all__ = ["relu_mean", "relu_mean_route", "triton_relu_mean"]
 
 
 def triton_relu_mean(mean: Tensor, std: Tensor) -> Tensor:
@@ -90,3 +91,18 @@ def _vmap(info, in_dims, mean, std):
 
 
 relu_mean.register_vmap(_vmap)
+
+
+def _kernel_check(device: torch.device, dtype: torch.dtype) -> None:
+    """The Triton kernel on a few elements (compiling it); non-finite results raise."""
+    values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
+    if not bool(
+        torch.isfinite(triton_relu_mean(values, torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device))).all()
+    ):
+        raise FloatingPointError("non-finite values on a well-conditioned problem")
+
+
+def relu_mean_route(mean: Tensor) -> bool:
+    """Whether :meth:`ReLU.mean <cfbnn_cli.moments.activations.ReLU.mean>` takes the operator for
+    ``mean`` (:func:`~.ops.checked_operator_route`, with this kernel's first-use check on CUDA)."""
+    return checked_operator_route(mean, "the Triton kernel of cfbnn::relu_mean", _kernel_check)

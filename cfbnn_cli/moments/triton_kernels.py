@@ -34,19 +34,32 @@ CF_DEPTH_F32 = 24
 BLOCK = 1024
 
 
+# Clamps that keep a NaN: tl.maximum / tl.minimum compile to IEEE maxNum / minNum on a GPU, which
+# return the other operand for a NaN (the interpreter's numpy propagates it), so a NaN mean or
+# standard deviation would leave finite moments; these selects give NaN on every device.
+@triton.jit
+def at_least(value, bound):
+    return tl.where(value < bound, bound, value)
+
+
+@triton.jit
+def at_most(value, bound):
+    return tl.where(value > bound, bound, value)
+
+
 @triton.jit
 def small_tail_orders(mean, std, CF_DEPTH: tl.constexpr, ORDER4: tl.constexpr):
     """``(x, pdf, s0, s1, s2, s3, s4)`` in float64 for float64 ``mean``, ``std`` (``std >= 0``);
     ``s3``, ``s4`` (``s_k = (k - 1) s_{k-2} - x s_{k-1}``; far out ``s_k = s_{k-1} r_k``) only
     with ``ORDER4`` (ReLU^2), else zeros."""
-    x = tl.minimum(tl.abs(mean) / tl.maximum(std, 2.2250738585072014e-308), 1e4)
+    x = at_most(tl.abs(mean) / at_least(std, 2.2250738585072014e-308), 1e4)
     pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
     # near 0: erf and the recursion
     near_s0 = 0.5 * (1.0 - tl.math.erf(x * 0.7071067811865476))
     near_s1 = pdf - x * near_s0
     near_s2 = near_s0 - x * near_s1
     # far: the continued fraction, x kept >= 2 so that the unselected lanes stay finite
-    xf = tl.maximum(x, 2.0)
+    xf = at_least(x, 2.0)
     # for float32 results (a depth of at most 32: CF_DEPTH_F32) the divisions run in float32: the
     # fraction has only positive terms, so its rounding stays a few float32 ulps
     if CF_DEPTH <= 32:
@@ -99,10 +112,10 @@ def relu_from_tail(mean, std, x, s1, s2):
     """``(Phi, Upsilon, Var)`` of ``relu(z)``, ``z ~ N(mean, std^2)``, float64, from the small tail
     (paper eq. (20), the cancellation-free form of ``relu_reference.relu_forward_block``)."""
     upper = mean >= 0.0
-    phi = tl.maximum(mean, 0.0) + std * s1
+    phi = at_least(mean, 0.0) + std * s1
     # the bracket of Var / std^2: above 0, 1 - s2 - 2 x s1 - s1^2 (>= 0.34); below, s2 - s1^2
     bracket = tl.where(upper, 1.0 - s2 - 2.0 * x * s1 - s1 * s1, s2 - s1 * s1)
-    var = tl.maximum(std * std * bracket, 0.0)
+    var = at_least(std * std * bracket, 0.0)
     return phi, var + phi * phi, var
 
 
@@ -174,7 +187,7 @@ def relu_moments_kernel(
     ``hidden_pass`` does)."""
     offsets, inside, m_in, mean, std = block_operands(mean_ptr, spread_ptr, n, BLOCK)
     if FROM_VARIANCE:
-        std = tl.sqrt(tl.maximum(std, FLOOR))
+        std = tl.sqrt(at_least(std, FLOOR))
     phi, ups, var = relu_core(mean, std, CF_DEPTH)
     tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
     tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
@@ -210,7 +223,7 @@ def relu_moments_backward_kernel(
     ``FROM_VARIANCE`` Phi is recomputed (``phi_ptr`` unused) and ``d variance = d std / (2 std)``."""
     offsets, inside, m_in, mean, std = block_operands(mean_ptr, spread_ptr, n, BLOCK)
     if FROM_VARIANCE:
-        std = tl.sqrt(tl.maximum(std, FLOOR))
+        std = tl.sqrt(at_least(std, FLOOR))
     x, pdf, s0, s1, s2 = small_tail(mean, std, CF_DEPTH)  # once, for Phi and the derivatives
     if FROM_VARIANCE:
         phi, _, _ = relu_from_tail(mean, std, x, s1, s2)
@@ -332,7 +345,7 @@ def family_moments_kernel(
     offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK)
     eps = tl.load(slope_ptr).to(tl.float64)
     phi, var, _, _, _, _ = family_partials(mean, std, eps, ACTIVATION, CF_DEPTH)
-    var = tl.maximum(var, 0.0)
+    var = at_least(var, 0.0)
     tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
     tl.store(ups_ptr + offsets, (var + phi * phi).to(m_in.dtype), mask=inside)
     tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
@@ -379,7 +392,7 @@ def family_moments(mean, std, eps, g_phi, g_ups, g_var, ACTIVATION: tl.constexpr
         g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
     else:
         phi, raw_var, pm, ps, vm, vs = family_partials(mean, std, eps, ACTIVATION, CF_DEPTH)
-        var = tl.maximum(raw_var, 0.0)
+        var = at_least(raw_var, 0.0)
         ups = var + phi * phi
         g_mean, g_std = partials_vjp(phi, raw_var, pm, ps, vm, vs, g_phi, g_ups, g_var)
     return phi, ups, var, g_mean, g_std

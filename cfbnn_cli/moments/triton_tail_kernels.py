@@ -23,7 +23,7 @@ import math
 import triton
 import triton.language as tl
 
-from .triton_kernels import family_moments, fold_kl, relu_core
+from .triton_kernels import at_least, family_moments, fold_kl, relu_core
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
@@ -40,7 +40,7 @@ def load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR: tl.constex
     offsets = r[:, None] * width + c[None, :]
     mean = tl.load(mean_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
-    return mean, tl.sqrt(tl.maximum(variance, FLOOR)), offsets, inside
+    return mean, tl.sqrt(at_least(variance, FLOOR)), offsets, inside  # (a NaN stays NaN)
 
 
 @triton.jit

@@ -44,6 +44,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <initializer_list>
+#include <limits>
 #include "cfbnn_kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -599,14 +600,45 @@ static void act_f64_range(int64_t lo, int64_t hi, const double* RS m, const doub
 
 /* ------------------------------------------------------------ drivers */
 
+/* A NaN mean or standard deviation makes every output of its element NaN. The arithmetic above
+   would not always say so: the distance's clamp and the tail's selects turn a NaN into a
+   finite far-tail value (a NaN input to a network then gave a finite ELBO). One vectorized
+   count per block; the rare blocks with a NaN are patched. */
+template <typename T>
+static void propagate_nan(int64_t lo, int64_t hi, const T* RS m, const T* RS s, Outs<T> o) {
+  int nans = 0;
+#pragma omp simd reduction(+ : nans)
+  for (int64_t i = lo; i < hi; i++) nans += (m[i] != m[i]) | (s[i] != s[i]);
+  if (!nans) return;
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  T* outs[7] = {o.phi, o.ups, o.var, o.a, o.b, o.c, o.d};
+  for (int64_t i = lo; i < hi; i++) {
+    if (m[i] == m[i] && s[i] == s[i]) continue;
+    for (T* out : outs)
+      if (out) out[i] = nan;
+  }
+}
+
+/* The same over whole arrays, for the piecewise polynomials' kernels (one pass of counting). */
+template <typename T>
+static void propagate_nan_all(int64_t n, const T* m, const T* s, std::initializer_list<T*> outputs) {
+  Outs<T> o = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  T** slots[7] = {&o.phi, &o.ups, &o.var, &o.a, &o.b, &o.c, &o.d};
+  int q = 0;
+  for (T* out : outputs) *slots[q++] = out;
+  propagate_nan<T>(0, n, m, s, o);
+}
+
 template <int KIND, bool VAR, bool SAVE, int MODE>
 INLINE void act_range(int64_t lo, int64_t hi, const float* m, const float* s, double eps, Outs<float> o) {
   if (act_f32_range<KIND, VAR, SAVE, MODE>(lo, hi, m, s, (float)eps, o))
     act_f32_fixup<KIND, VAR, SAVE, MODE>(lo, hi, m, s, (float)eps, o);
+  propagate_nan<float>(lo, hi, m, s, o);
 }
 template <int KIND, bool VAR, bool SAVE, int MODE>
 INLINE void act_range(int64_t lo, int64_t hi, const double* m, const double* s, double eps, Outs<double> o) {
   act_f64_range<KIND, VAR, SAVE, MODE>(lo, hi, m, s, eps, o);
+  propagate_nan<double>(lo, hi, m, s, o);
 }
 
 template <typename T, int KIND, bool VAR, bool SAVE, int MODE>
@@ -784,7 +816,7 @@ static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const 
         const T* RS vin = s + lo;
         const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
 #pragma omp simd
-        for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] > floor ? vin[j] : floor);
+        for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] < floor ? floor : vin[j]);  // (a NaN stays NaN)
       }
       if (backward) act_block<T, KIND, true, true, MODE_FULL>(0, k, m + lo, sd, eps, outs);
       else act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
@@ -850,7 +882,7 @@ static void hidden_pass(bool backward, int64_t n, const T* m, const T* v, double
       const T* RS vin = v + lo;
       const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
 #pragma omp simd
-      for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] > floor ? vin[j] : floor);
+      for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] < floor ? floor : vin[j]);  // (a NaN stays NaN)
     }
     if (!backward && width == 0) {
       T* outs[7] = {o_phi + lo, o_ups + lo, o_var + lo, nullptr, nullptr, nullptr, nullptr};
@@ -1857,6 +1889,7 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
     sp.bp = bp; sp.coef = coef; sp.deriv = deriv; sp.side = side; sp.tails = tails; sp.jumps = jumps;            \
     sp.gl = gl; sp.coef32 = coef32; sp.bp32 = bp32;                                                              \
     pw_forward<T>(n, m, s, sp, phi, ups, var, pm, ps, vm, vs, nt);                                               \
+    propagate_nan_all<T>(n, m, s, {phi, ups, var, pm, ps, vm, vs});                                              \
   }
 
 BOTH(ACT_ENTRIES)
@@ -1890,6 +1923,7 @@ extern "C" void hs_forward_f32(int64_t n, const float* m, const float* s, int B,
   sp.bp = bp; sp.coef = coef; sp.deriv = deriv; sp.side = side; sp.tails = tails; sp.jumps = jumps;
   sp.gl = gl; sp.coef32 = coef32; sp.bp32 = bp32;
   hs_forward_f32(n, m, s, sp, (float)a, (float)sign, phi, ups, var, pm, ps, vm, vs, nt);
+  propagate_nan_all<float>(n, m, s, {phi, ups, var, pm, ps, vm, vs});
 }
 
 extern "C" void hs_backward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp,
@@ -1902,6 +1936,7 @@ extern "C" void hs_backward_f32(int64_t n, const float* m, const float* s, int B
   sp.bp = bp; sp.coef = coef; sp.deriv = deriv; sp.side = side; sp.tails = tails; sp.jumps = jumps;
   sp.gl = gl; sp.coef32 = coef32; sp.bp32 = bp32;
   hs_backward_f32(n, m, s, sp, (float)a, (float)sign, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);
+  propagate_nan_all<float>(n, m, s, {gm, gs});
 }
 
 extern "C" int pw_max_breakpoints(void) { return MAX_B; }
