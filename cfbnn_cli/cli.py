@@ -272,6 +272,9 @@ def make_task(sub: Subcommand):
         try:
             with RunDirLock(run_dir):
                 validate_common(cfg)
+                # the pipeline's checks that need no data, before the run dir is touched: a typo
+                # must not replace a finished run's records with a failed one's
+                importlib.import_module(sub.pipeline).validate(cfg)
                 values = parse_run_values(cfg)  # device, estimator, likelihood: objects from here on
                 # before any work: denormals flushed (inherited by the OpenMP threads created
                 # next), threads shared with the other cfbnn jobs, memory kept for reuse

@@ -149,6 +149,12 @@ def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path, cfbnn
     assert results["pipeline"] == "imagenet_predict" and results["status"] == "complete"
     again = cfbnn(*args, "resume=true")
     assert again.returncode == 0 and "already finished, skipping" in again.stdout + again.stderr
+    # a mistyped value sent to the finished run's dir: one line and exit 2, the finished run's
+    # records untouched (its checks ran before the dir was claimed)
+    records = {name: (run_dir / name).read_bytes() for name in ("done", "results.json", ".hydra/config.yaml")}
+    typo = cfbnn(*args, "model.activation=tanh")
+    assert typo.returncode == 2 and "model.activation" in typo.stderr and "Traceback" not in typo.stderr
+    assert {name: (run_dir / name).read_bytes() for name in records} == records
 
 
 def test_invalid_value_exits_2_before_work(tmp_path, cfbnn):
