@@ -38,7 +38,7 @@ from .functional import (
     regression_ell_given_hidden,
     regression_expected_log_likelihood,
 )
-from .layers import GaussianMatrix, PointLinear
+from .layers import GaussianMatrix, PointLinear, cached_weights
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, NormalLikelihood
 from .network import BayesianNetwork, ClosedFormBNN, bayesian_head
 from .predictive import Predictive, predictive
@@ -61,6 +61,7 @@ __all__ = [
     "Predictive",
     "augment",
     "bayesian_head",
+    "cached_weights",
     "kl_normal_rows",
     "make_estimator",
     "predictive",

@@ -250,7 +250,7 @@ class BayesianNetwork(nn.Module):
         deterministic prediction ``argmax y_hat``, eq. (42), needs nothing more).
 
         For a diagonal last hidden layer it takes a leaner path: the stacked means and
-        variances of that layer (cached while the weights stay put) in one product, and
+        variances of that layer (kept between calls inside :func:`~.layers.cached_weights`) in one product, and
         the mean-only moments of the activation.
         """
         treatments = ClosedForm().treatments(self)

@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch.func import functional_call, grad, vmap
 
-from cfbnn_cli.bnn import BayesianNetwork, ClosedFormBNN, GaussianMatrix, NormalLikelihood, PointLinear, bayesian_head
+from cfbnn_cli.bnn import (
+    BayesianNetwork,
+    ClosedFormBNN,
+    GaussianMatrix,
+    NormalLikelihood,
+    PointLinear,
+    bayesian_head,
+    cached_weights,
+)
 from cfbnn_cli.runtime.numerics import NonFiniteLossError, ensure_finite
 
 DT = torch.float64
@@ -244,37 +252,45 @@ def test_layer_names_for_any_depth():
 
 
 def test_gaussian_matrix_loc_and_variance_is_cached_only_while_the_parameters_stay_put():
-    """Prediction reuses ``loc_and_variance()`` across batches; any change of a parameter must show."""
+    """Inside cached_weights(), prediction reuses ``loc_and_variance()`` across batches; any change
+    of a parameter must show. Outside, nothing is cached: an edit through ``.data`` (no new
+    version) shows too."""
     matrix = GaussianMatrix(4, 3, init_scale=0.5, generator=torch.Generator().manual_seed(0))
 
     def expected():
         return torch.stack([matrix.loc, matrix.log_scale.exp() ** 2]).detach()
 
     with torch.no_grad():
+        outside = matrix.loc_and_variance()
+        assert matrix.loc_and_variance() is not outside
+        matrix.loc.data.mul_(3.0)  # invisible to a version-keyed cache
+        torch.testing.assert_close(matrix.loc_and_variance(), expected())
+    with torch.no_grad(), cached_weights():
         first = matrix.loc_and_variance()
         assert matrix.loc_and_variance() is first  # reused, not recomputed
         torch.testing.assert_close(first, expected())
-    optimizer = torch.optim.SGD(matrix.parameters(), lr=0.1)
-    with_grad = matrix.loc_and_variance()
-    assert with_grad.requires_grad  # with autograd on: a fresh, differentiable value
-    (with_grad[0].sum() + with_grad[1].sum()).backward()
-    assert matrix.loc.grad is not None and matrix.log_scale.grad is not None
-    optimizer.step()
-    with torch.no_grad():
-        stepped = matrix.loc_and_variance()
-        torch.testing.assert_close(stepped, expected())
-        assert not torch.allclose(stepped, first)
-    state = {k: v.clone() for k, v in matrix.state_dict().items()}
-    state["log_scale"].fill_(0.0)
-    matrix.load_state_dict(state)
-    with torch.inference_mode():
-        torch.testing.assert_close(matrix.loc_and_variance()[1], torch.ones(4, 3))
-    with torch.no_grad():
-        matrix.loc.add_(1.0)  # an in-place change of the means alone
-        torch.testing.assert_close(matrix.loc_and_variance(), expected())
-    matrix.double()
-    with torch.no_grad():
-        assert matrix.loc_and_variance().dtype == torch.float64
+    with cached_weights():
+        optimizer = torch.optim.SGD(matrix.parameters(), lr=0.1)
+        with_grad = matrix.loc_and_variance()
+        assert with_grad.requires_grad  # with autograd on: a fresh, differentiable value
+        (with_grad[0].sum() + with_grad[1].sum()).backward()
+        assert matrix.loc.grad is not None and matrix.log_scale.grad is not None
+        optimizer.step()
+        with torch.no_grad():
+            stepped = matrix.loc_and_variance()
+            torch.testing.assert_close(stepped, expected())
+            assert not torch.allclose(stepped, first)
+        state = {k: v.clone() for k, v in matrix.state_dict().items()}
+        state["log_scale"].fill_(0.0)
+        matrix.load_state_dict(state)
+        with torch.inference_mode():
+            torch.testing.assert_close(matrix.loc_and_variance()[1], torch.ones(4, 3))
+        with torch.no_grad():
+            matrix.loc.add_(1.0)  # an in-place change of the means alone
+            torch.testing.assert_close(matrix.loc_and_variance(), expected())
+        matrix.double()
+        with torch.no_grad():
+            assert matrix.loc_and_variance().dtype == torch.float64
     with pytest.raises(ValueError, match="diagonal"):
         GaussianMatrix(2, 2, covariance="full").loc_and_variance()
 
