@@ -120,6 +120,12 @@ class Estimator:
         if network.point_layers == len(network.layers):  # a plain network: h is already the output
             return "outputs", h
         treatments = self.treatments(network)
+        sampled = treatments.count("sampled")
+        if len(noise) != sampled:
+            raise ValueError(
+                f"`noise` must hold one tensor per sampled layer: estimator {self.name!r} samples {sampled} layer(s) "
+                f"of this network; got {len(noise)} (noise=None draws it)"
+            )
         noise = iter(noise)
         last = len(network.layers) - 1
         moments = None  # (mean, variance, second moment) of h once it is propagated rather than known

@@ -64,3 +64,24 @@ def rows_matching(y, rows: int, columns: int, what: str, expected: str, x_shape:
 def check_device(y, x, what: str) -> None:
     if y.device != x.device:
         raise ValueError(f"`{what}` is on {y.device} but `x` is on {x.device}; move both to one device")
+
+
+def check_count(value, name: str, minimum: int = 1) -> int:
+    """``value`` as an int of at least ``minimum`` (a sample count, a chunk size); ``ValueError``
+    naming ``name`` otherwise (a bool, a fraction, ``0``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}; got {value!r}")
+    return int(value)
+
+
+def check_num_data(num_data, batch: int):
+    """``num_data`` of an ELBO (the data set's size, which scales the minibatch's likelihood):
+    ``None`` or an integer >= 1, and a non-empty batch to scale from."""
+    if num_data is None:
+        return None
+    if isinstance(num_data, torch.Tensor) and num_data.numel() == 1:
+        num_data = num_data.item()
+    num_data = check_count(num_data, "num_data")
+    if batch == 0:
+        raise ValueError(f"num_data={num_data} scales a minibatch's likelihood by num_data / batch; the batch is empty")
+    return num_data

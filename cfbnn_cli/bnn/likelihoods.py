@@ -50,8 +50,8 @@ class NormalLikelihood(nn.Module):
 
     def __init__(self, precision: float = 1.0, learn: bool = True):
         super().__init__()
-        if not precision > 0:
-            raise ValueError(f"`precision` must be > 0; got {precision!r}")
+        if not (precision > 0 and math.isfinite(precision)):
+            raise ValueError(f"`precision` must be finite and > 0; got {precision!r}")
         log_precision = torch.tensor(math.log(precision))
         if learn:
             self.log_precision = nn.Parameter(log_precision)

@@ -30,9 +30,15 @@ from ..moments import get_activation
 from . import functional as F
 from .estimators import ESTIMATORS, ClosedForm, Estimator, LocalReparameterization, make_estimator
 from .functional import augment
-from .input_checks import check_inputs
+from .input_checks import check_count, check_inputs, check_num_data
 from .layers import COVARIANCES, GaussianMatrix, Layer, PointLinear
-from .likelihoods import LIKELIHOODS, CategoricalLikelihood, NormalLikelihood, make_likelihood
+from .likelihoods import (
+    LIKELIHOODS,
+    CategoricalLikelihood,
+    HeteroscedasticNormalLikelihood,
+    NormalLikelihood,
+    make_likelihood,
+)
 from .predictive import Predictive, predictive, predictive_components
 
 __all__ = [
@@ -50,6 +56,23 @@ __all__ = [
 PRIORS = ("fixed", "empirical_bayes")
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
 EstimatorLike = Union[Estimator, str]
+
+
+def _check_likelihood_outputs(likelihood, output_dim: int) -> None:
+    """The likelihood's number of network outputs against ``output_dim``."""
+    outputs = getattr(likelihood, "outputs", None)  # (the heteroscedastic Normal's mean and log-variance)
+    if outputs is not None and output_dim != outputs:
+        raise ValueError(
+            f"`output_dim` must be {outputs} for {type(likelihood).__name__} (its outputs); got {output_dim}"
+        )
+    if isinstance(likelihood, CategoricalLikelihood):
+        if likelihood.logistic and output_dim != 1:
+            raise ValueError(f"`output_dim` must be 1 for the logistic likelihood (one logit); got {output_dim}")
+        if not likelihood.logistic and output_dim < 2:
+            raise ValueError(
+                f"`output_dim` is the number of classes of the softmax likelihood, at least 2; got {output_dim} "
+                "(for two classes with one logit use the logistic likelihood)"
+            )
 
 
 class BayesianNetwork(nn.Module):
@@ -96,6 +119,7 @@ class BayesianNetwork(nn.Module):
             raise ValueError(f"`covariance` needs one entry per Gaussian layer ({n_gaussian}); got {covariances}")
         if n_gaussian and covariances[-1] not in ("diagonal", "full"):
             raise ValueError(f"the output layer's covariance must be 'diagonal' or 'full'; got {covariances[-1]!r}")
+        _check_likelihood_outputs(likelihood, int(output_dim))
         self.activation = get_activation(activation)
         self.input_dim = int(input_dim)
         self.output_dim = int(output_dim)
@@ -254,6 +278,12 @@ class BayesianNetwork(nn.Module):
         the mean-only moments of the activation.
         """
         treatments = ClosedForm().treatments(self)
+        if "sampled" in treatments:
+            raise ValueError(
+                "output_mean() is the exact mean under 'analytic', which samples this network's first "
+                f"{treatments.count('sampled')} Gaussian layer(s); use predict(x).mean (Monte Carlo over them) or "
+                "predict(x, estimator='deterministic').mean (moments propagated)"
+            )
         hidden_index = len(self.layers) - 2
         if (
             hidden_index < 0
@@ -274,6 +304,7 @@ class BayesianNetwork(nn.Module):
         """``(S, ..., N[, O])`` outputs with every Gaussian layer sampled (local
         reparameterization), all samples in one batched computation."""
         sampling = LocalReparameterization()
+        check_count(num_samples, "num_samples")
         if not after_point_layers:
             check_inputs(self, x)
         h = x if after_point_layers else self.point_features(x)
@@ -292,6 +323,9 @@ class BayesianNetwork(nn.Module):
     ):
         """``p(y | x)`` as a mixture of Normals (:func:`~.predictive.predictive_components`)."""
         check_inputs(self, x)
+        check_count(num_samples, "num_samples")
+        check_count(chunk, "chunk")
+        check_count(num_nodes, "num_nodes")
         return predictive_components(
             self,
             x,
@@ -306,6 +340,7 @@ class BayesianNetwork(nn.Module):
         """``p(y | x)`` as a :class:`~cfbnn_cli.bnn.predictive.Predictive` (mean, variance and its
         parts, a Normal, intervals); one-output Normal likelihoods."""
         check_inputs(self, x)
+        check_count(num_samples, "num_samples")
         return predictive(self, x, estimator=make_estimator(estimator), num_samples=num_samples, generator=generator)
 
     # ------------------------------------------------------------------ objectives
@@ -325,6 +360,7 @@ class BayesianNetwork(nn.Module):
         exact, or a one-sample estimate over the sampled layers
         (:meth:`.Estimator.expected_log_likelihood_per_point`)."""
         x, y = self.checked_inputs(x, y)
+        check_count(num_samples, "num_samples")
         return make_estimator(estimator).expected_log_likelihood_per_point(
             self, x, y, noise=noise, generator=generator, num_samples=num_samples, objective=objective
         )
@@ -349,6 +385,8 @@ class BayesianNetwork(nn.Module):
         """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO
         (:meth:`.Estimator.elbo`)."""
         x, y = self.checked_inputs(x, y)
+        num_data = check_num_data(num_data, x.shape[-2])
+        check_count(num_samples, "num_samples")
         return make_estimator(estimator).elbo(
             self,
             x,
@@ -368,16 +406,26 @@ class BayesianNetwork(nn.Module):
         estimator: EstimatorLike = "analytic",
         noise=None,
         generator=None,
-        num_samples: int = 1,
+        num_samples: Optional[int] = None,
         objective: Optional[str] = None,
     ):
-        """``model(x)``: the predictive distribution (:meth:`predict`). ``model(x, y, ...)``: the
-        summed expected log-likelihood (what ``torch.func.functional_call`` and
-        ``DistributedDataParallel`` evaluate in training)."""
+        """``model(x)``: the predictive distribution (:meth:`predict`; ``num_samples`` its draws of
+        the sampled layers, 64 if not given). ``model(x, y, ...)``: the summed expected
+        log-likelihood (what ``torch.func.functional_call`` and ``DistributedDataParallel``
+        evaluate in training; ``num_samples`` the objective's samples, 1 if not given)."""
         if y is None:
-            return self.predict(x, estimator=estimator, generator=generator)
+            if noise is not None or objective is not None:
+                raise ValueError("model(x) predicts: `noise` and `objective` are for model(x, y)")
+            draws = {} if num_samples is None else {"num_samples": num_samples}
+            return self.predict(x, estimator=estimator, generator=generator, **draws)
         return self.expected_log_likelihood(
-            x, y, estimator=estimator, noise=noise, generator=generator, num_samples=num_samples, objective=objective
+            x,
+            y,
+            estimator=estimator,
+            noise=noise,
+            generator=generator,
+            num_samples=1 if num_samples is None else num_samples,
+            objective=objective,
         )
 
 
@@ -417,14 +465,13 @@ class ClosedFormBNN(BayesianNetwork):
                     f"`likelihood` must be one of {LIKELIHOODS} or a likelihood object; got {likelihood!r}"
                 )
             likelihood = make_likelihood(likelihood, precision, learn_precision, objective)
-        elif not isinstance(likelihood, (NormalLikelihood, CategoricalLikelihood)):
+        elif not isinstance(likelihood, (NormalLikelihood, CategoricalLikelihood, HeteroscedasticNormalLikelihood)):
             raise ValueError(
-                f"`likelihood` must be a NormalLikelihood or CategoricalLikelihood (or its name); got {likelihood!r}"
+                "`likelihood` must be a NormalLikelihood, HeteroscedasticNormalLikelihood or CategoricalLikelihood "
+                f"(or its name); got {likelihood!r}"
             )
         if b_covariance not in ("diagonal", "full"):
             raise ValueError(f"`b_covariance` must be 'diagonal' or 'full'; got {b_covariance!r}")
-        if getattr(likelihood, "logistic", False) and output_dim != 1:
-            raise ValueError(f"`output_dim` must be 1 for the logistic likelihood; got {output_dim}")
         super().__init__(
             input_dim,
             [hidden_dim],

@@ -75,8 +75,9 @@ def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int
     """``p(y | x)`` of ``model`` (see the module docstring); ``x`` is ``(N, D)``."""
     if not isinstance(model.likelihood, NormalLikelihood) or model.output_dim != 1:
         raise ValueError(
-            "predictive() is for one-output Normal likelihoods; a heteroscedastic or categorical model "
-            "predicts through predictive_components() or output_mean()"
+            "predict() is for one-output Normal likelihoods; a heteroscedastic model predicts through "
+            "predictive_components(), a categorical one through output_mean() (its argmax, eq. (42)) or "
+            "sample_outputs()"
         )
     estimator = make_estimator(estimator)
     h = model.point_features(x)
@@ -107,9 +108,14 @@ def predictive_components(
     (:meth:`~.likelihoods.HeteroscedasticNormalLikelihood.predictive_mixture`) given the
     propagated (mean, log-variance) moments, for each draw of the sampled layers.
     """
+    heteroscedastic = getattr(model.likelihood, "needs_covariance", False)
+    if not heteroscedastic and (not isinstance(model.likelihood, NormalLikelihood) or model.output_dim != 1):
+        raise ValueError(
+            "predictive_components() is for one-output Normal and heteroscedastic likelihoods; a categorical "
+            "model predicts through output_mean() (its argmax, eq. (42)) or sample_outputs()"
+        )
     estimator = make_estimator(estimator)
     h = model.point_features(x)
-    heteroscedastic = getattr(model.likelihood, "needs_covariance", False)
     sampled = bool(estimator.noise_shapes(model, h.shape[-2]))
     num_draws = num_samples if sampled else 1  # each draw's components share 1 / num_draws
     draws = (

@@ -119,3 +119,74 @@ def test_a_likelihood_without_check_targets_gets_the_targets_as_given():
     network = BayesianNetwork(5, [7], likelihood=Recording())
     network.expected_log_likelihood(_x(), torch.zeros(10), estimator="sampling")
     assert seen == [(10,)]
+
+
+@pytest.mark.parametrize("num_data", [0, -5, 2.5, True, "100"])
+def test_num_data_must_be_a_positive_integer(num_data):
+    with pytest.raises(ValueError, match=r"`num_data` must be an integer >= 1"):
+        _network().elbo(_x(), torch.zeros(10), num_data=num_data)
+
+
+def test_an_empty_batch_cannot_be_scaled_to_num_data_but_is_fine_without():
+    network, empty = _network(), torch.zeros(0, 5)
+    with pytest.raises(ValueError, match=r"the batch is empty"):
+        network.elbo(empty, torch.zeros(0), num_data=100)
+    torch.testing.assert_close(network.elbo(empty, torch.zeros(0)), -network.kl())
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda net, x: net.predict(x, estimator="sampling", num_samples=0),
+        lambda net, x: net.predictive_components(x, estimator="sampling", num_samples=-1),
+        lambda net, x: net.predictive_components(x, estimator="sampling", chunk=0),
+        lambda net, x: net.sample_outputs(x, 0),
+        lambda net, x: net.elbo(x, torch.zeros(10), estimator="sampling", num_samples=0),
+    ],
+    ids=["predict", "components", "chunk", "sample_outputs", "elbo"],
+)
+def test_sample_counts_must_be_positive_integers(call):
+    with pytest.raises(ValueError, match=r"must be an integer >= 1; got (0|-1)"):
+        call(_network(), _x())
+
+
+def test_model_x_passes_num_samples_to_predict():
+    network, x = BayesianNetwork(5, [6, 4]), _x()
+    draws = [network(x, num_samples=n, generator=torch.Generator().manual_seed(0)) for n in (2, 400)]
+    direct = network.predict(x, num_samples=400, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(draws[1].mean, direct.mean)
+    assert not torch.allclose(draws[0].mean, draws[1].mean)
+    with pytest.raises(ValueError, match="model\\(x\\) predicts"):
+        network(x, noise=())
+
+
+def test_output_mean_of_a_network_with_sampled_layers_names_the_alternatives():
+    network, x = BayesianNetwork(5, [6, 4]), _x()
+    with pytest.raises(ValueError, match=r"samples this network's first 1 Gaussian layer.*estimator='deterministic'"):
+        network.output_mean(x)
+    with pytest.raises(ValueError, match=r"`noise` must hold one tensor per sampled layer.*samples 1.*got 0"):
+        network.output_moments(x, noise=())
+
+
+def test_likelihood_and_output_dim_must_agree():
+    from cfbnn_cli.bnn.likelihoods import HeteroscedasticNormalLikelihood
+
+    with pytest.raises(ValueError, match=r"`output_dim` must be 2 for HeteroscedasticNormalLikelihood"):
+        BayesianNetwork(5, [6], 1, likelihood=HeteroscedasticNormalLikelihood())
+    with pytest.raises(ValueError, match=r"must be 2 for HeteroscedasticNormalLikelihood.*got 3"):
+        ClosedFormBNN(5, 6, output_dim=3, likelihood="heteroscedastic")
+    ClosedFormBNN(5, 6, output_dim=2, likelihood=HeteroscedasticNormalLikelihood())  # the object, as its name
+    with pytest.raises(ValueError, match=r"at least 2.*logistic likelihood"):
+        ClosedFormBNN(5, 6, output_dim=1, likelihood="softmax")
+    with pytest.raises(ValueError, match=r"must be 1 for the logistic likelihood"):
+        BayesianNetwork(5, [6], 3, likelihood=ClosedFormBNN(5, 6, likelihood="logistic").likelihood)
+    classifier = ClosedFormBNN(5, 6, output_dim=4, likelihood="softmax")
+    for predict in (classifier.predict, classifier.predictive_components):
+        with pytest.raises(ValueError, match=r"categorical.*output_mean\(\)"):
+            predict(_x())
+
+
+@pytest.mark.parametrize("precision", [float("inf"), float("nan"), 0.0, -1.0])
+def test_the_noise_precision_must_be_finite_and_positive(precision):
+    with pytest.raises(ValueError, match=r"`precision` must be finite and > 0"):
+        NormalLikelihood(precision)
