@@ -279,6 +279,7 @@ def test_fingerprint_ignores_resume_and_device_and_where_the_run_dir_lies(tmp_pa
     assert config_fingerprint(first, tmp_path / "elsewhere") != config_fingerprint(second, tmp_path / "elsewhere")
 
 
+@pytest.mark.slow  # (8 s: two sweeps; a finished run resumed with another config: the test above)
 def test_sweep_jobs_are_bound_to_their_config(tmp_path):
     sweep = tmp_path / "sweep"
     common = [f"hydra.sweep.dir={sweep}", f"features.cache_dir={tmp_path / 'cache'}", "stage=features", "device=cpu"]
