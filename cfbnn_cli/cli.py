@@ -166,6 +166,28 @@ def compose_config(config_name: str, overrides: Sequence[str] = (), return_hydra
         return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
+def _unknown_key_message(error, sub) -> Optional[str]:
+    """One line for an override of a key the command's config does not have (Hydra says it in
+    five, and suggests ``+key=...``, which would only add an unused key): the key, the nearest
+    existing keys beside it, and where the keys are listed; ``None`` for any other error."""
+    import difflib
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = error if isinstance(error, (ConfigKeyError, ConfigAttributeError)) else error.__cause__
+    if not isinstance(cause, (ConfigKeyError, ConfigAttributeError)) or not getattr(cause, "full_key", None):
+        return None
+    parent = getattr(cause, "parent_node", None)
+    siblings = [str(key) for key in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
+    close = difflib.get_close_matches(str(getattr(cause, "key", "")), siblings, n=3)
+    prefix = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
+    hint = f" (did you mean {' or '.join(prefix + key for key in close)}?)" if close else ""
+    return (
+        f"{cause.full_key} is not a key of `cfbnn {sub.name}`'s config{hint}; "
+        f"`cfbnn {sub.name} --help` lists its groups and keys"
+    )
+
+
 def _report_error(error: CfbnnError) -> None:
     """One line for the user on stderr, and the same line in the run's ``<job>.log`` when
     Hydra set logging up (the console handler writes to stdout, so it is left out)."""
@@ -457,6 +479,10 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     except (CompactHydraException, OmegaConfBaseException) as error:
         if user_wants_traceback:
             raise
+        unknown = _unknown_key_message(error, sub)
+        if unknown is not None:  # one line, as for every other bad value
+            print(f"cfbnn: error: {unknown}", file=sys.stderr)
+            return 2
         override = getattr(error, "override", None)  # an OverrideParseException knows the override
         print(f"cfbnn: error{f' in the override {override!r}' if override else ''}: {error}", file=sys.stderr)
         if isinstance(error.__cause__, OmegaConfBaseException):

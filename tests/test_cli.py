@@ -249,3 +249,13 @@ def test_logger_tensorboard_writes_each_epochs_metrics_as_scalars(tmp_path, regr
     assert not (tmp_path / "plain" / "tensorboard").exists()  # csv: the default
     with pytest.raises(Exception, match="logger='wandb' is not one of csv, tensorboard"):
         metrics_sink.logging_to(OmegaConf.create({"logger": {"name": "wandb"}}), tmp_path)
+
+
+def test_an_unknown_key_is_one_line_naming_the_nearest_keys(tmp_path, cfbnn):
+    out = cfbnn("train", "regression", f"hydra.run.dir={tmp_path / 'r'}", "trainer.epoch=3")
+    assert out.returncode == 2 and not (tmp_path / "r").exists()
+    lines = out.stderr.strip().splitlines()
+    assert lines == [
+        "cfbnn: error: trainer.epoch is not a key of `cfbnn train regression`'s config (did you mean "
+        "trainer.epochs?); `cfbnn train regression --help` lists its groups and keys"
+    ], out.stderr
