@@ -26,9 +26,15 @@ NOT_SETTINGS = re.compile(
 )
 
 
+def run_config(run) -> Dict[str, object]:
+    """The run's flattened configuration with its input files' content hashes
+    (:func:`~.records.input_contents`): runs on different data files differ in them."""
+    return {**flatten(run.get("config", {})), **run.get("_inputs", {})}
+
+
 def run_settings(run) -> str:
     """The run's configuration without what does not change its results (the seed stays)."""
-    flat = flatten(run.get("config", {}))
+    flat = run_config(run)
     return json.dumps({k: v for k, v in sorted(flat.items()) if not NOT_SETTINGS.match(k)}, default=str)
 
 
@@ -54,7 +60,7 @@ def drop_duplicates(runs: Sequence[dict]) -> Tuple[List[dict], List[Tuple[dict, 
 def swept_keys(runs: Sequence[dict]) -> List[str]:
     """Config keys whose values differ between ``runs``: not the seed, not a key that
     follows the seed in every run (``data.seed: ${seed}``), not paths and devices."""
-    flat = [flatten(run.get("config", {})) for run in runs]
+    flat = [run_config(run) for run in runs]
     keys = sorted(set().union(*flat)) if flat else []
     out = []
     for key in keys:
@@ -68,16 +74,20 @@ def swept_keys(runs: Sequence[dict]) -> List[str]:
     return out
 
 
-def group_value(value) -> str:
-    return MISSING if value is None else str(value)
+def group_value(value, key: str = "") -> str:
+    if value is None:
+        return MISSING
+    if key.endswith("#content"):  # a file's SHA-256: its first 12 digits tell files apart in a table
+        return str(value)[:12]
+    return str(value)
 
 
 def group_runs(runs: Sequence[dict], keys: Sequence[str]) -> List[Tuple[Dict[str, str], List[dict]]]:
     """``[(group key values, runs)]`` in sorted order; a key a run lacks reads ``—``."""
     groups: Dict[Tuple[str, ...], List[dict]] = {}
     for run in runs:
-        flat = flatten(run.get("config", {}))
-        groups.setdefault(tuple(group_value(flat.get(k)) for k in keys), []).append(run)
+        flat = run_config(run)
+        groups.setdefault(tuple(group_value(flat.get(k), k) for k in keys), []).append(run)
     return [(dict(zip(keys, values)), groups[values]) for values in sorted(groups)]
 
 

@@ -135,6 +135,21 @@ def read_record(file: Path):
         raise ValueError("nested too deeply to be a cfbnn results record") from None
 
 
+def input_contents(run_dir: Path) -> Dict[str, str]:
+    """The content hashes of a run's input files (``data.path#content``, ...) from its config
+    record (``.cfbnn/config.json``; ``{}`` where there is none): ``data.path`` itself is not a
+    factor (one file at two paths is one experiment), but runs on two different files are not
+    replicates of one experiment either."""
+    try:
+        record = read_record(run_dir / ".cfbnn" / "config.json")
+    except (OSError, ValueError):
+        return {}
+    config = record.get("config") if isinstance(record, dict) else None
+    if not isinstance(config, dict):
+        return {}
+    return {key: str(value) for key, value in config.items() if isinstance(key, str) and key.endswith("#content")}
+
+
 def collect(path) -> List[dict]:
     """Every readable, complete ``results.json`` under ``path`` (any other is named and skipped)."""
     path = Path(path)
@@ -150,6 +165,7 @@ def collect(path) -> List[dict]:
             skip_file(file, error)
             continue
         record["_path"] = str(file.parent)
+        record["_inputs"] = input_contents(file.parent)
         runs.append(record)
     if not runs:
         raise DataError(

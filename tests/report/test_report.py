@@ -173,6 +173,27 @@ def test_identical_runs_with_the_same_seed_are_duplicates_not_replicates(tmp_pat
     ]
 
 
+def test_runs_on_different_data_files_are_groups_not_replicates(tmp_path, capsys):
+    """data.path is not a factor (one file at two paths is one experiment), but the file's content
+    is: runs on two files with the same config and seed were averaged as replicates."""
+    contents = {"a": "120:aaaa1111bbbb2222", "b": "120:aaaa1111bbbb2222", "c": "98:cccc3333dddd4444"}
+    for name, (seed, path, rmse) in {
+        "a": (0, "/x/one.csv", 1.0),
+        "b": (1, "/y/one.csv", 3.0),
+        "c": (0, "/x/two.csv", 50.0),
+    }.items():
+        config = {"seed": seed, "data": {"name": "csv", "path": path}, "estimator": {"name": "analytic"}}
+        _write_run(tmp_path / name, "train_regression", config, {"final_test_rmse": rmse})
+        (tmp_path / name / ".cfbnn").mkdir()
+        record = {"config_fingerprint": name, "config": {"data.path": path, "data.path#content": contents[name]}}
+        (tmp_path / name / ".cfbnn" / "config.json").write_text(json.dumps(record))
+    report(tmp_path)
+    assert "3 runs in 2 groups by data.path#content" in capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "report_train_regression_table.csv").set_index("data.path#content")
+    assert table.loc["120:aaaa1111", "final_test_rmse"] == "2.0 ± 1.0" and table.loc["120:aaaa1111", "runs"] == 2
+    assert table.loc["98:cccc3333d", "final_test_rmse"] == "50.00" and table.loc["98:cccc3333d", "runs"] == 1
+
+
 def test_keys_that_follow_the_seed_are_replicates_not_factors():
     runs = [
         {"config": {"seed": s, "data": {"seed": s, "name": "synthetic"}, "trainer": {"lr": lr}}}
