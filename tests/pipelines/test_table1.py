@@ -212,3 +212,23 @@ def test_readme_main_command(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((tmp_path / "results.json").read_text())["status"] == "complete"
+
+
+def test_batch_sizes_larger_than_a_small_data_set_are_named_together():
+    """A file of one's own with fewer rows than the defaults' 500: both batch sizes in one message,
+    with values that fit (they came one run at a time)."""
+    from types import SimpleNamespace
+
+    from cfbnn_cli.cli import compose_config
+    from cfbnn_cli.pipelines.regression.gradient_variance_study import _check_against_data
+    from cfbnn_cli.runtime.errors import ConfigError
+
+    cfg = compose_config("train_regression", [])
+    small = SimpleNamespace(num_train=180, name="csv")
+    with pytest.raises(ConfigError) as error:
+        _check_against_data(cfg, small)
+    assert str(error.value) == (
+        "trainer.batch_size=500 and gradient_variance.batch_size=500 are larger than the 180 training rows of "
+        "data=csv; lower them, e.g. trainer.batch_size=180 gradient_variance.batch_size=180"
+    )
+    _check_against_data(cfg, SimpleNamespace(num_train=500, name="csv"))  # equal fits

@@ -85,15 +85,18 @@ def gradient_variance_epochs(cfg) -> List[int]:
 
 
 def _check_against_data(cfg, data: RegressionData) -> None:
-    if cfg.trainer.batch_size > data.num_train:
+    """Every batch size larger than the training rows, named in one message with the values that
+    fit (the defaults, 500, suit Table 1's data, not a small file of one's own)."""
+    too_large = [("trainer.batch_size", cfg.trainer.batch_size)]
+    if cfg.gradient_variance.num_samples:
+        too_large.append(("gradient_variance.batch_size", cfg.gradient_variance.batch_size))
+    too_large = [(key, value) for key, value in too_large if value > data.num_train]
+    if too_large:
+        named = " and ".join(f"{key}={value}" for key, value in too_large)
+        fix = " ".join(f"{key}={data.num_train}" for key, _ in too_large)
         raise ConfigError(
-            f"trainer.batch_size={cfg.trainer.batch_size} is larger than the {data.num_train} training rows of "
-            f"data={data.name}; lower it"
-        )
-    if cfg.gradient_variance.num_samples and cfg.gradient_variance.batch_size > data.num_train:
-        raise ConfigError(
-            f"gradient_variance.batch_size={cfg.gradient_variance.batch_size} is larger than the "
-            f"{data.num_train} training rows; lower it"
+            f"{named} {'is' if len(too_large) == 1 else 'are'} larger than the {data.num_train} training rows of "
+            f"data={data.name}; lower {'it' if len(too_large) == 1 else 'them'}, e.g. {fix}"
         )
 
 
