@@ -322,6 +322,13 @@ def decoded_lines(path: Path) -> List[str]:
     """The lines of a UTF-8 text file (a byte-order mark dropped); a byte that is not
     UTF-8 is an error naming its line, not a traceback."""
     data = _read_bytes(path)
+    for magic, kind in ((b"\x93NUMPY", "a NumPy .npy array"), (b"PK\x03\x04", "a zip archive (an .npz?)")):
+        if data.startswith(magic):
+            raise DataError(
+                f"{path} is {kind}, not a CSV: training reads a .csv with a header row or an .npz of named arrays "
+                "(numpy.savez(path, x=x, y=y)), predict a .csv with a header row "
+                "(pandas.DataFrame(x, columns=names).to_csv(path, index=False))"
+            )
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:

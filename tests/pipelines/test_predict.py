@@ -156,7 +156,31 @@ def test_predict_errors_are_one_line(trained_csv_run, tmp_path, cfbnn, capsys):
     assert "not a cfbnn run dir" in _main_error(capsys, tmp_path, folder / "train.csv")
     assert "no such file" in _main_error(capsys, run_dir, tmp_path / "nope.csv")
     assert "--estimator" in _main_error(capsys, run_dir, folder / "train.csv", "--estimator", "magic")
+    assert "is a directory; give a file path" in _main_error(capsys, run_dir, folder / "train.csv", "--out", tmp_path)
+    for seed in ("-1", str(2**70)):
+        assert "--seed" in _main_error(capsys, run_dir, folder / "train.csv", "--seed", seed)
+    np.save(tmp_path / "rows.npy", x[:3])
+    assert "NumPy .npy array, not a CSV" in _main_error(capsys, run_dir, tmp_path / "rows.npy")
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "results.json").write_text('{"status": "failed", "error": "data.csv, line 7: non-numeric value"}')
+    assert "is a failed run (data.csv, line 7" in _main_error(capsys, failed, folder / "train.csv")
     assert not (tmp_path / "p.csv").exists() and not (run_dir / "predictions.csv").exists()
+
+
+def test_predict_ignores_a_blank_or_na_target_column(trained_csv_run, tmp_path):
+    """New rows' targets are unknown: a blank or NA target column is ignored like a filled one."""
+    folder, run_dir, x, y = trained_csv_run
+    _write_csv(tmp_path / "filled.csv", ["a", "price", "b", "c"], [[*r[:1], t, *r[1:]] for r, t in zip(x[:5], y[:5])])
+    _write_csv(
+        tmp_path / "blank.csv",
+        ["a", "price", "b", "c"],
+        [[r[0], blank, r[1], r[2]] for r, blank in zip(x[:5], ["", "NA", "", "", ""])],
+    )
+    filled = _read_predictions(predict_pipeline.predict_run(run_dir, tmp_path / "filled.csv", out=tmp_path / "f.csv"))
+    blank = _read_predictions(predict_pipeline.predict_run(run_dir, tmp_path / "blank.csv", out=tmp_path / "b.csv"))
+    for key in filled:
+        np.testing.assert_array_equal(blank[key], filled[key])
 
 
 def test_predict_on_a_generated_data_run_reads_features_by_position(tmp_path, regression_cfg, capsys):

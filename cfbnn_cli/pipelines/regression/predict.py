@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -32,6 +33,17 @@ from .model_file import FILE_NAME, load_regression_model
 HELP = __doc__.split("\n\n", 1)[1]
 
 
+def _without_column(line: str, position: int) -> str:
+    """A CSV line without its field at ``position`` (a line with too few fields is left for the
+    parser to name)."""
+    fields = next(csv.reader([line]), [])
+    if len(fields) <= position:
+        return line
+    out = io.StringIO()
+    csv.writer(out, lineterminator="").writerow(fields[:position] + fields[position + 1 :])
+    return out.getvalue()
+
+
 def read_feature_rows(path: Path, columns: Optional[List[str]], input_dim: int, target: str) -> np.ndarray:
     """The new rows' features ``(N, D)`` in the training file's column order."""
     if not path.is_file():
@@ -40,6 +52,10 @@ def read_feature_rows(path: Path, columns: Optional[List[str]], input_dim: int, 
     if not lines or not lines[0].strip():
         raise DataError(f"{path} is empty (or its first line, the header, is blank)")
     header = [name.strip() for name in next(csv.reader(lines[:1]))]
+    if target in header and header.count(target) == 1:  # ignored: it may be blank or NA in new rows
+        position = header.index(target)
+        header.pop(position)
+        lines = lines[:1] + [_without_column(line, position) for line in lines[1:]]
     table = parse_numeric_rows(lines[1:], str(path), expected_columns=len(header), first_line=2)
     if table.size == 0:
         raise DataError(f"{path} has a header but no data rows")
@@ -74,6 +90,12 @@ def predict_run(run_dir, data_path, out=None, estimator=None, num_samples: int =
     if not (run_dir / "results.json").is_file():
         raise DataError(f"{run_dir} is not a cfbnn run dir (no results.json); pass the dir a run printed")
     if not (run_dir / "done").is_file():
+        status = _recorded_status(run_dir)
+        if status is not None and status[0] == "failed":
+            raise DataError(
+                f"{run_dir} is a failed run ({status[1][:200] or 'see its results.json'}); fix that and train again, "
+                "then predict"
+            )
         raise DataError(f"{run_dir} is not finished (no `done` file); resume it with resume=true, then predict")
     model_path = run_dir / FILE_NAME
     if not model_path.is_file():
@@ -91,13 +113,26 @@ def predict_run(run_dir, data_path, out=None, estimator=None, num_samples: int =
     estimator = make_estimator(estimator)  # an object from here on
     if num_samples < 1:
         raise ConfigError(f"--num-samples {num_samples} must be >= 1")
+    if not 0 <= seed < 2**63:
+        raise ConfigError(f"--seed {seed} must be in 0..2^63-1")
+    out = Path(out) if out is not None else run_dir / "predictions.csv"
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file path, e.g. --out {out / 'predictions.csv'}")
     scaling = info["scaling"]
     features = read_feature_rows(data_path, info["columns"], info["architecture"]["input_dim"], info["target"])
     standardized = standardize_columns(features, scaling["feature_mean"].numpy(), scaling["feature_std"].numpy())
     check_finite_columns(standardized.astype(np.float32), str(data_path), info["columns"], "feature column")
     x = torch.as_tensor(standardized, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
-    prediction = model.predict(x, estimator=estimator, num_samples=num_samples, generator=generator)
+    try:
+        prediction = model.predict(x, estimator=estimator, num_samples=num_samples, generator=generator)
+    except (MemoryError, RuntimeError) as error:  # torch's "can't allocate memory" is a RuntimeError
+        if isinstance(error, RuntimeError) and "alloc" not in str(error):
+            raise
+        raise ConfigError(
+            f"--num-samples {num_samples} draws of {len(x)} rows do not fit in memory; lower --num-samples, "
+            "or predict the rows in parts"
+        ) from None
     prediction = prediction.unscaled(scaling["target_mean"], scaling["target_std"])
     columns = describe(prediction, coverage=0.9)
     text = io.StringIO()
@@ -106,8 +141,16 @@ def predict_run(run_dir, data_path, out=None, estimator=None, num_samples: int =
     values = np.stack([c.double().numpy() for c in columns.values()], axis=1)
     for index, row in enumerate(values, start=1):
         writer.writerow([index, *(repr(float(v)) for v in row)])
-    out = Path(out) if out is not None else run_dir / "predictions.csv"
     return atomic_write_text(out, text.getvalue())
+
+
+def _recorded_status(run_dir: Path):
+    """``(status, error)`` from the run's ``results.json``; ``None`` where it cannot be read."""
+    try:
+        record = json.loads((run_dir / "results.json").read_text(encoding="utf-8"))
+        return str(record.get("status")), str(record.get("error") or "")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def main(argv: Sequence[str]) -> int:
