@@ -175,3 +175,41 @@ def test_snapshot_holds_the_parameters_at_the_given_training_time(tmp_path, monk
     )
     short.run()
     assert short.snapshot is None
+
+
+def test_last_pt_and_metrics_are_written_at_the_first_and_last_epoch_and_by_time_between(tmp_path, monkeypatch):
+    """Writing the whole history every epoch made a run's time grow with the square of its epochs:
+    the first epoch, then every ``persist_seconds``, and the last; a resume redoes the epochs after
+    the last write and ends where an uninterrupted run ends."""
+    writes = []
+    original = TrainingLoop._write_metrics
+    monkeypatch.setattr(TrainingLoop, "_write_metrics", lambda self: writes.append(len(self.history)) or original(self))
+    x, y, model = _toy()
+    rare = _loop(model, x, y, tmp_path / "rare", epochs=30, persist_seconds=3600.0)
+    rare.run()
+    assert writes == [1, 30] and len(pd.read_csv(tmp_path / "rare" / "metrics.csv")) == 30
+    writes.clear()
+    x, y, model = _toy()
+    _loop(model, x, y, tmp_path / "every", epochs=4, persist_seconds=0.0).run()
+    assert writes == [1, 2, 3, 4]
+
+
+def test_a_run_killed_between_writes_resumes_to_the_uninterrupted_result(tmp_path):
+    x, y, model = _toy()
+    _loop(model, x, y, tmp_path / "whole", epochs=10, persist_seconds=3600.0).run()
+    uninterrupted = model.weight.detach().clone()
+
+    def killed_at_6(epoch, row):
+        if epoch == 6:
+            raise KeyboardInterrupt
+
+    x, y, model = _toy()
+    with pytest.raises(KeyboardInterrupt):
+        _loop(model, x, y, tmp_path / "killed", epochs=10, persist_seconds=3600.0, after_epoch=killed_at_6).run()
+    x, y, _ = _toy()
+    model = _toy(seed=5)[2]  # other starting weights: the checkpoint must bring the run back
+    resumed = _loop(model, x, y, tmp_path / "killed", epochs=10, persist_seconds=3600.0, resume=True)
+    assert resumed.restore() == 1  # the last write: after the first epoch
+    resumed.run()
+    torch.testing.assert_close(model.weight.detach(), uninterrupted, rtol=0.0, atol=0.0)
+    assert list(pd.read_csv(tmp_path / "killed" / "metrics.csv")["epoch"]) == list(range(1, 11))
