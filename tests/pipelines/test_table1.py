@@ -126,8 +126,10 @@ def test_analytic_gradient_variance_is_lower_on_the_final_layer(tmp_path, regres
 
 
 def test_resume_continues_from_checkpoint_bit_for_bit(tmp_path, interrupt_on_call, regression_cfg):
-    """A run stopped after epoch 2 and resumed with the same config ends exactly as an
-    uninterrupted run; resuming with another trainer.epochs is refused, naming the key."""
+    """A run stopped in epoch 3 and resumed with the same config ends exactly as an
+    uninterrupted run (from last.pt of epoch 1: it is written after the first epoch, then by
+    time, so epochs 2-3 are redone); resuming with another trainer.epochs is refused, naming
+    the key."""
     from cfbnn_cli.pipelines.regression import gradient_variance_study as study
     from cfbnn_cli.runtime.rundir import claim_run_dir
 
@@ -140,7 +142,7 @@ def test_resume_continues_from_checkpoint_bit_for_bit(tmp_path, interrupt_on_cal
     with pytest.raises(KeyboardInterrupt):
         regression.run(cfg, tmp_path / "stopped")
     restore()
-    assert torch.load(tmp_path / "stopped" / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2
+    assert torch.load(tmp_path / "stopped" / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 1
     resumed = regression_cfg("trainer.epochs=4", "gradient_variance.num_samples=0", "resume=true")
     claim_run_dir(resumed, tmp_path / "stopped")
     regression.run(resumed, tmp_path / "stopped")
