@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...moments import ops
-from .operator_elbo import RELU, _output_layer_pass, _tail_backward
+from .operator_elbo import RELU, _first_layer, _first_layer_gradients, _tail_and_rows, _tail_backward
 from .support import first_order_only
 
 _cfbnn = torch.ops.cfbnn
@@ -75,63 +75,40 @@ class DeepNormalELBO(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, log_precision, biases, prior_variance, scale, family, *parameters):
         locs, log_scales = parameters[0::2], parameters[1::2]
-        inputs, squares_in = _cfbnn.augment_pair(x, biases[0])  # [x, 1] and [x^2, 1]
-        hidden_kl, variance, _ = _cfbnn.diagonal_kl_pass(locs[0], log_scales[0], prior_variance, False)
-        gamma = torch.mm(inputs, locs[0].t())
-        xi2 = torch.mm(squares_in, variance.t())
-        first = (inputs, squares_in, variance)
+        inputs, squares_in, hidden_kl, variance, gamma, xi2 = _first_layer(
+            x, locs[0], log_scales[0], biases[0], prior_variance
+        )
         propagated = []  # per later hidden layer: its inputs' pre-activations, moments and weights
         for loc, log_scale, bias in zip(locs[1:-1], log_scales[1:-1], biases[1:-1]):
             phi, ups, var_h, std = hidden_moments(gamma, xi2, family)
-            kl, variance, loc_square = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, True)
+            kl, layer_variance, loc_square = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, True)
             width = phi.shape[1]
             phi_in, ups_in = _with_ones(phi, bias), _with_ones(ups, bias)
             next_gamma = torch.mm(phi_in, loc.t())
-            next_xi2 = torch.mm(ups_in, variance.t()).addmm_(var_h, loc_square[:, :width].t())
-            propagated.append((gamma, xi2, std, phi, phi_in, ups_in, var_h, variance, loc_square))
+            next_xi2 = torch.mm(ups_in, layer_variance.t()).addmm_(var_h, loc_square[:, :width].t())
+            propagated.append((gamma, xi2, std, phi, phi_in, ups_in, var_h, layer_variance, loc_square))
             hidden_kl = hidden_kl + kl
             gamma, xi2 = next_gamma, next_xi2
-        output_loc, output_log_scale = locs[-1], log_scales[-1]
-        width = gamma.shape[1]
-        output_kl, (w_phi, w_var, w_second) = _output_layer_pass(output_loc, output_log_scale, width, prior_variance)
-        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
-        residual, squares, elbo = _cfbnn.normal_elbo_rows(
-            mean_sum,
-            spread_sum,
-            y,
-            output_loc,
-            output_log_scale,
-            log_precision,
-            hidden_kl,
-            output_kl,
-            scale,
-            biases[-1],
+        elbo, tail = _tail_and_rows(
+            gamma, xi2, locs[-1], log_scales[-1], y, log_precision, hidden_kl, prior_variance, scale, biases[-1], family
         )
-        tail = (gamma, xi2, output_loc, output_log_scale, log_precision, w_var, w_second, residual, squares)
-        flat = [*first, *(t for layer in propagated for t in layer if t is not None), *tail, *parameters]
-        ctx.save_for_backward(*flat)
-        ctx.has_std = [layer[2] is not None for layer in propagated]
+        # (std is None for ReLU, whose operator takes the variance: save_for_backward keeps a None)
+        ctx.save_for_backward(inputs, squares_in, variance, *(t for layer in propagated for t in layer), *tail, *locs)
+        ctx.layers = len(propagated)
         ctx.biases, ctx.prior_variance, ctx.scale, ctx.family = biases, float(prior_variance), float(scale), family
         return elbo
 
     @staticmethod
     @first_order_only  # its kernels build no graph: a second order raises
     def backward(ctx, grad):
-        saved = list(ctx.saved_tensors)
+        saved = ctx.saved_tensors
         inputs, squares_in, first_variance = saved[:3]
-        position, propagated = 3, []
-        for has_std in ctx.has_std:
-            count = 9 if has_std else 8
-            layer = saved[position : position + count]
-            if not has_std:
-                layer.insert(2, None)
-            propagated.append(layer)
-            position += count
-        tail, parameters = saved[position : position + 9], saved[position + 9 :]
-        locs = parameters[0::2]
+        end = 3 + 9 * ctx.layers
+        propagated = [saved[start : start + 9] for start in range(3, end, 9)]
+        tail, locs = saved[end : end + 9], saved[end + 9 :]
         pv = ctx.prior_variance
         grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
-            grad, False, ctx.scale, tuple(tail), grad, -1.0, pv, ctx.biases[-1], ctx.family
+            grad, False, ctx.scale, tail, grad, -1.0, pv, ctx.biases[-1], ctx.family
         )
         grads = [grad_output_loc, grad_output_log_scale]
         for index in range(len(propagated) - 1, -1, -1):
@@ -149,10 +126,10 @@ class DeepNormalELBO(torch.autograd.Function):
             grad_gamma, grad_xi2 = hidden_moments_backward(
                 gamma, xi2, std, phi, grad_phi, grad_ups, grad_var, ctx.family
             )
-        grad_loc = torch.mm(grad_gamma.t(), inputs)
-        grad_variance = torch.mm(grad_xi2.t(), squares_in)
-        _cfbnn.finish_diagonal_gradients(grad_loc, grad_variance, locs[0], first_variance, grad, -1.0, pv)
-        grads = [grad_loc, grad_variance, *grads]
+        grads = [
+            *_first_layer_gradients(grad_gamma, grad_xi2, inputs, squares_in, locs[0], first_variance, grad, pv),
+            *grads,
+        ]
         return (None, None, grad_log_precision if ctx.needs_input_grad[2] else None, None, None, None, None, *grads)
 
 

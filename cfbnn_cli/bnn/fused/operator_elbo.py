@@ -127,6 +127,35 @@ def _tail_backward(
     return grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision
 
 
+def _first_layer(x, loc, log_scale, bias: bool, prior_variance: float):
+    """A first layer's forward pass: ``(inputs, squares_in, KL, variance, gamma, xi2)`` with
+    ``[x, 1]`` and ``[x^2, 1]`` in one pass, its KL and ``exp(2 log_scale)`` in another, and the
+    pre-activations' means and variances as two matrix products."""
+    inputs, squares_in = _cfbnn.augment_pair(x, bias)
+    kl, variance, _ = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, False)
+    return inputs, squares_in, kl, variance, torch.mm(inputs, loc.t()), torch.mm(squares_in, variance.t())
+
+
+def _first_layer_gradients(grad_gamma, grad_xi2, inputs, squares_in, loc, variance, kl_grad, prior_variance):
+    """``(d loc, d log_scale)`` of :func:`_first_layer` (``dL/dKL = -kl_grad`` folded in)."""
+    grad_loc = torch.mm(grad_gamma.t(), inputs)
+    grad_log_scale = torch.mm(grad_xi2.t(), squares_in)  # dL/d Var, finished in place below
+    _cfbnn.finish_diagonal_gradients(grad_loc, grad_log_scale, loc, variance, kl_grad, -1.0, prior_variance)
+    return grad_loc, grad_log_scale
+
+
+def _tail_and_rows(gamma, xi2, loc, log_scale, y, log_precision, hidden_kl, prior_variance, scale, bias, family):
+    """The ELBO from the last hidden layer's pre-activations: the one-output layer's KL pass, the tail
+    pass and the rows with the ELBO's sum; ``(elbo, saved)``, ``saved`` what :func:`_tail_backward`
+    takes."""
+    output_kl, (w_phi, w_var, w_second) = _output_layer_pass(loc, log_scale, gamma.shape[1], prior_variance)
+    mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
+    residual, squares, elbo = _cfbnn.normal_elbo_rows(
+        mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias
+    )
+    return elbo, (gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)
+
+
 class NormalELBO(torch.autograd.Function):
     """``scale * sum_n ELL_n - KL(hidden) - KL(output)`` (see the module doc) as one node."""
 
@@ -146,29 +175,23 @@ class NormalELBO(torch.autograd.Function):
         family=RELU,
     ):
         hidden_bias, output_bias = biases
-        inputs, squares_in = _cfbnn.augment_pair(x, hidden_bias)  # [x, 1] and [x^2, 1]
-        hidden_kl, hidden_variance, _ = _cfbnn.diagonal_kl_pass(hidden_loc, hidden_log_scale, prior_variance, False)
-        width = hidden_loc.shape[0]
-        output_kl, (w_phi, w_var, w_second) = _output_layer_pass(output_loc, output_log_scale, width, prior_variance)
-        gamma = torch.mm(inputs, hidden_loc.t())
-        xi2 = torch.mm(squares_in, hidden_variance.t())
-        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
-        residual, squares, elbo = _cfbnn.normal_elbo_rows(
-            mean_sum,
-            spread_sum,
-            y,
+        inputs, squares_in, hidden_kl, hidden_variance, gamma, xi2 = _first_layer(
+            x, hidden_loc, hidden_log_scale, hidden_bias, prior_variance
+        )
+        elbo, tail = _tail_and_rows(
+            gamma,
+            xi2,
             output_loc,
             output_log_scale,
+            y,
             log_precision,
             hidden_kl,
-            output_kl,
+            prior_variance,
             scale,
             output_bias,
+            family,
         )
-        ctx.save_for_backward(
-            inputs, squares_in, log_precision, hidden_loc, hidden_variance, output_loc, output_log_scale,
-            gamma, xi2, w_var, w_second, residual, squares,
-        )  # fmt: skip
+        ctx.save_for_backward(inputs, squares_in, hidden_loc, hidden_variance, *tail)
         ctx.output_bias, ctx.prior_variance, ctx.scale = output_bias, float(prior_variance), float(scale)
         ctx.family = family
         return elbo
@@ -176,18 +199,12 @@ class NormalELBO(torch.autograd.Function):
     @staticmethod
     @first_order_only  # its kernels build no graph: a second order raises
     def backward(ctx, grad):
-        (
-            inputs, squares_in, log_precision, hidden_loc, hidden_variance, output_loc, output_log_scale,
-            gamma, xi2, w_var, w_second, residual, squares,
-        ) = ctx.saved_tensors  # fmt: skip
-        tail = (gamma, xi2, output_loc, output_log_scale, log_precision, w_var, w_second, residual, squares)
+        inputs, squares_in, hidden_loc, hidden_variance, *tail = ctx.saved_tensors
         grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
             grad, False, ctx.scale, tail, grad, -1.0, ctx.prior_variance, ctx.output_bias, ctx.family
         )
-        grad_hidden_loc = torch.mm(grad_gamma.t(), inputs)
-        grad_hidden_log_scale = torch.mm(grad_xi2.t(), squares_in)  # dL/d Var, finished in place below
-        _cfbnn.finish_diagonal_gradients(
-            grad_hidden_loc, grad_hidden_log_scale, hidden_loc, hidden_variance, grad, -1.0, ctx.prior_variance
+        grad_hidden_loc, grad_hidden_log_scale = _first_layer_gradients(
+            grad_gamma, grad_xi2, inputs, squares_in, hidden_loc, hidden_variance, grad, ctx.prior_variance
         )
         return (
             None,
