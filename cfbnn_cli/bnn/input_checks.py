@@ -61,6 +61,14 @@ def rows_matching(y, rows: int, columns: int, what: str, expected: str, x_shape:
     return y
 
 
+def float_targets(y, x, columns: int, expected: str):
+    """Regression targets for inputs ``x``: :func:`rows_matching` (``columns`` 0 for one per row),
+    on ``x``'s device, cast to its dtype."""
+    y = rows_matching(y, x.shape[-2], columns, "y", expected, tuple(x.shape))
+    check_device(y, x, "y")
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 def check_device(y, x, what: str) -> None:
     if y.device != x.device:
         raise ValueError(f"`{what}` is on {y.device} but `x` is on {x.device}; move both to one device")

@@ -39,7 +39,7 @@ from .classification import (
     softmax_ell_control_variate,
     softmax_ell_monte_carlo,
 )
-from .input_checks import check_device, rows_matching
+from .input_checks import check_device, float_targets, rows_matching
 
 CLASSIFICATION_OBJECTIVES = ("approximation", "control_variate", "analytic_numerator", "sampling")
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -73,9 +73,7 @@ class NormalLikelihood(nn.Module):
         column is squeezed), ``(..., N, outputs)`` otherwise; cast to ``x``'s dtype."""
         rows = x.shape[-2]
         expected = f"(N,) or (N, 1) with N = {rows}" if outputs == 1 else f"(N, {outputs}) with N = {rows}"
-        y = rows_matching(y, rows, 0 if outputs == 1 else outputs, "y", expected, tuple(x.shape))
-        check_device(y, x, "y")
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return float_targets(y, x, 0 if outputs == 1 else outputs, expected)
 
     def expected_log_likelihood(
         self, y, mean, variance, samples=None, objective: Optional[str] = None, multi_output: bool = False
@@ -107,10 +105,7 @@ class HeteroscedasticNormalLikelihood(nn.Module):
     def check_targets(self, y, x, outputs: int):
         """``y`` ``(..., N)`` (or ``(..., N, 1)``, squeezed) for inputs ``x`` ``(..., N, D)``,
         cast to ``x``'s dtype: one target per point, whatever the two outputs."""
-        rows = x.shape[-2]
-        y = rows_matching(y, rows, 0, "y", f"(N,) or (N, 1) with N = {rows}", tuple(x.shape))
-        check_device(y, x, "y")
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return float_targets(y, x, 0, f"(N,) or (N, 1) with N = {x.shape[-2]}")
 
     def needs_samples(self, objective: Optional[str] = None) -> bool:
         return False

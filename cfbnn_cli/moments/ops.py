@@ -375,7 +375,7 @@ def elementwise_vmap(op, count: int):
                     argument = argument.movedim(dim, 0)
                 argument = argument.contiguous()
             moved.append(argument)
-        return op(*moved), (0,) * count
+        return op(*moved), 0 if count == 1 else (0,) * count
 
     return rule
 

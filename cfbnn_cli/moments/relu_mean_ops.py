@@ -25,6 +25,7 @@ from .ops import (
     absent_gradient,
     check_operands,
     checked_operator_route,
+    elementwise_vmap,
     relu_moments_backward,
 )
 
@@ -79,18 +80,7 @@ def _backward(ctx, grad_phi):
 relu_mean.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _vmap(info, in_dims, mean, std):
-    moved = []
-    for tensor, dim in zip((mean, std), in_dims):
-        if dim is None:
-            tensor = tensor.unsqueeze(0).expand(info.batch_size, *tensor.shape)
-        else:
-            tensor = tensor.movedim(dim, 0)
-        moved.append(tensor.contiguous())
-    return relu_mean(*moved), 0
-
-
-relu_mean.register_vmap(_vmap)
+relu_mean.register_vmap(elementwise_vmap(relu_mean, 1))
 
 
 def _kernel_check(device: torch.device, dtype: torch.dtype) -> None:
