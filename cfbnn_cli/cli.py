@@ -52,6 +52,12 @@ SUBCOMMANDS: Tuple[Subcommand, ...] = (
         "train a BNN regressor; gradient variance of analytic vs sampling ELBO (paper Table 1)",
     ),
     Subcommand(
+        ("train", "classification"),
+        "train_classification",
+        "cfbnn_cli.pipelines.classification",
+        "fit a closed-form Bayesian classifier to a table (yours: data=csv); held-out accuracy, model.pt",
+    ),
+    Subcommand(
         ("vae",),
         "vae",
         "cfbnn_cli.pipelines.vae",
@@ -79,7 +85,7 @@ Everything after the command goes to Hydra, e.g.
 Outputs go to outputs/<command>/<date>/<time>/ (set hydra.run.dir=... to change); each command
 ends by printing that directory and its main table.
 
-  cfbnn predict RUN_DIR NEW.csv             # a finished train-regression run's predictive on new rows
+  cfbnn predict RUN_DIR NEW.csv             # a trained model's predictions for new rows of a table
   eval "$(cfbnn completion bash)"           # tab completion of commands, config groups and keys
   cfbnn report PATH                         # aggregate every results.json under PATH
   cfbnn report PATH --paper                 # ... and paper_reproduction.md (the paper's numbers beside)
@@ -94,7 +100,8 @@ LAUNCHER_HINT = (
 # not a Hydra application: `cfbnn report` reads finished runs (cfbnn_cli.report.aggregate)
 PREDICT_SUMMARY = (
     "predict RUN NEW.csv",
-    "a finished train-regression run's predictive on new rows: predictions.csv (mean, sd, variance parts, 90 % interval)",
+    "a trained model's predictions for new rows: predictions.csv (regression: mean, sd, interval; "
+    "classification: label, class probabilities)",
 )
 REPORT_SUMMARY = (
     "report PATH",
@@ -376,16 +383,17 @@ def _before_torch_loads() -> None:
 
 def _predict(argv: List[str]) -> int:
     """``cfbnn predict RUN_DIR FILE``: the run's own kind of prediction -- an ``imagenet-predict``
-    run (its ``head.pt``) classifies new features, any other run is read as a ``train
-    regression`` run (its ``model.pt``; the error says so where it is not one)."""
+    run (its ``head.pt``) classifies new features, any other run (or a model file) is read as a
+    ``train regression`` or ``train classification`` model (``model.pt``; the error says so
+    where it is not one)."""
     run_dir = next((a for a in argv if not a.startswith("-")), None)
     if run_dir is not None and (Path(run_dir) / "head.pt").is_file():
         from .pipelines.imagenet.predict_new import main as classify
 
         return classify(argv)
-    from .pipelines.regression.predict import main as regress
+    from .pipelines.predict import main as tabular
 
-    return regress(argv)
+    return tabular(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

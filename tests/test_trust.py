@@ -412,6 +412,7 @@ def test_a_1e200_target_trains_to_finite_metrics_in_original_units(tmp_path):
     path = _write_csv(tmp_path / "big.csv", ["a", "b", "c", "y"], [[*r, v] for r, v in zip(x, y)])
     cfg = _config(
         "data=csv",
+        "protocol=gradient_variance",
         f"data.path={path}",
         "data.target=y",
         "trainer.epochs=1",

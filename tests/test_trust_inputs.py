@@ -35,6 +35,7 @@ from cfbnn_cli.runtime.rundir import claim_run_dir
 
 CSV_SMALL = [
     "data=csv",
+    "protocol=gradient_variance",  # the Table 1 study on a file: its own keys below
     "data.target=y",
     "model.hidden_sizes=[8]",
     "trainer.epochs=1",

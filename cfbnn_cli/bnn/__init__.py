@@ -9,7 +9,10 @@
   :class:`LocalReparameterization` (``sampling``), :class:`DeterministicPropagation`
   (``deterministic``; ``full_covariance=True``: ``deterministic_full``); :func:`make_estimator`.
 * :mod:`.predictive` -- ``model(x)`` / ``model.predict(x)``: the predictive distribution as an
-  object; the predictive as a mixture of Normals and its log-likelihood.
+  object (a classifier's: a ``Categorical`` of class probabilities); the predictive as a
+  mixture of Normals and its log-likelihood.
+* :mod:`.model_file` -- models as files: :func:`save_model`, :func:`load_model` (what ``cfbnn
+  train`` writes and ``cfbnn predict`` reads).
 * :mod:`.likelihoods` -- Normal and categorical (softmax/logistic) likelihoods, passed in.
 * :mod:`.functional` -- pure functions: exact ELL, predictive moments, KL.
 * :mod:`.fused` -- the closed form's hot path as autograd functions with analytic backward passes.
@@ -40,8 +43,9 @@ from .functional import (
 )
 from .layers import GaussianMatrix, PointLinear, cached_weights
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, NormalLikelihood
+from .model_file import SavedModel, load_model, save_model
 from .network import BayesianNetwork, ClosedFormBNN, bayesian_head
-from .predictive import Predictive, predictive
+from .predictive import Predictive, class_distribution, predictive
 
 __all__ = [
     "CLASSIFICATION_OBJECTIVES",
@@ -59,14 +63,18 @@ __all__ = [
     "NormalLikelihood",
     "PointLinear",
     "Predictive",
+    "SavedModel",
     "augment",
     "bayesian_head",
     "cached_weights",
+    "class_distribution",
     "kl_normal_rows",
+    "load_model",
     "make_estimator",
     "predictive",
     "predictive_moments",
     "preactivation_moments",
     "regression_ell_given_hidden",
     "regression_expected_log_likelihood",
+    "save_model",
 ]

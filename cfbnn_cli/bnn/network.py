@@ -39,7 +39,7 @@ from .likelihoods import (
     NormalLikelihood,
     make_likelihood,
 )
-from .predictive import Predictive, predictive, predictive_components
+from .predictive import class_distribution, predictive, predictive_components
 
 __all__ = [
     "COVARIANCES",
@@ -336,11 +336,17 @@ class BayesianNetwork(nn.Module):
             num_nodes=num_nodes,
         )
 
-    def predict(self, x, *, estimator: EstimatorLike = "analytic", num_samples: int = 64, generator=None) -> Predictive:
-        """``p(y | x)`` as a :class:`~cfbnn_cli.bnn.predictive.Predictive` (mean, variance and its
-        parts, a Normal, intervals); one-output Normal likelihoods."""
+    def predict(self, x, *, estimator: EstimatorLike = "analytic", num_samples: int = 64, generator=None):
+        """``p(y | x)``: for a one-output Normal likelihood a :class:`~cfbnn_cli.bnn.predictive.Predictive`
+        (mean, variance and its parts, a Normal, intervals); for a categorical likelihood the
+        class probabilities as a ``torch.distributions.Categorical``
+        (:func:`~cfbnn_cli.bnn.predictive.class_distribution`: ``.probs``, ``.probs.argmax(-1)``)."""
         check_inputs(self, x)
         check_count(num_samples, "num_samples")
+        if isinstance(self.likelihood, CategoricalLikelihood):
+            return class_distribution(
+                self, x, estimator=make_estimator(estimator), num_samples=num_samples, generator=generator
+            )
         return predictive(self, x, estimator=make_estimator(estimator), num_samples=num_samples, generator=generator)
 
     # ------------------------------------------------------------------ objectives

@@ -27,8 +27,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from .classification import approximate_class_probabilities, as_two_class
 from .estimators import make_estimator
-from .likelihoods import NormalLikelihood
+from .likelihoods import CategoricalLikelihood, NormalLikelihood
 
 
 @dataclass
@@ -75,9 +76,8 @@ def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int
     """``p(y | x)`` of ``model`` (see the module docstring); ``x`` is ``(N, D)``."""
     if not isinstance(model.likelihood, NormalLikelihood) or model.output_dim != 1:
         raise ValueError(
-            "predict() is for one-output Normal likelihoods; a heteroscedastic model predicts through "
-            "predictive_components(), a categorical one through output_mean() (its argmax, eq. (42)) or "
-            "sample_outputs()"
+            "predictive() is for one-output Normal likelihoods; a heteroscedastic model predicts through "
+            "predictive_components(), a categorical one through class_distribution() (model.predict(x) picks)"
         )
     estimator = make_estimator(estimator)
     h = model.point_features(x)
@@ -92,6 +92,34 @@ def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int
     mean = means.mean(0)
     spread = means.var(0, unbiased=False)  # between the draws: from the sampled layers
     return Predictive(mean, var_a.mean(0) + spread, var_b.mean(0), torch.full_like(mean, float(noise)), exact=False)
+
+
+@torch.no_grad()
+def class_distribution(
+    model, x: torch.Tensor, *, estimator="analytic", num_samples: int = 64, generator=None
+) -> torch.distributions.Categorical:
+    """``p(class | x)`` of a categorical ``model`` as a ``torch.distributions.Categorical``
+    (``.probs`` ``(N, K)``; a logistic network's two classes are ``[0, 1]``).
+
+    The probabilities are the variance-corrected softmax implied by eq. (38),
+    ``softmax(y_hat + log(1 + var/2))`` of the logits' moments
+    (:func:`~.classification.approximate_class_probabilities`): exact moments where every
+    Gaussian layer is integrated under ``estimator``, else averaged over ``num_samples``
+    draws of the sampled layers.
+    """
+    if not isinstance(model.likelihood, CategoricalLikelihood):
+        raise ValueError(
+            "class_distribution() is for categorical networks; a regression network predicts with predict()"
+        )
+    estimator = make_estimator(estimator)
+    h = model.point_features(x)
+    sampled = bool(estimator.noise_shapes(model, h.shape[-2]))
+    noise = estimator.sample_noise(model, h.shape[-2], generator=generator, num_samples=num_samples) if sampled else ()
+    mean, variance = model.output_moments(h, estimator=estimator, noise=noise, after_point_layers=True)
+    if model.likelihood.logistic:
+        mean, variance = as_two_class(mean), as_two_class(variance)
+    probabilities = approximate_class_probabilities(mean, variance)
+    return torch.distributions.Categorical(probs=probabilities.mean(0) if sampled else probabilities)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import logging
 import math
 import zipfile
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ import torch
 
 from ..runtime.errors import ConfigError, DataError
 from .standardize import check_finite_columns, column_statistics, standardize_columns
+from .tabular import read_table
+
+log = logging.getLogger(__name__)
 
 MSD_SCRIPT = "python data_scripts/fetch_year_prediction_msd.py"
 MSD_ROWS = 515_345
@@ -200,14 +204,15 @@ def read_year_prediction_msd(path, expected_rows: Optional[int]) -> np.ndarray:
     return table
 
 
-def tabular_file(path, target, test_fraction=0.1, seed=0) -> RegressionData:
+def tabular_file(path, target, test_fraction=0.1, seed=0, **options) -> RegressionData:
     """Any numeric ``.csv`` (with a header row) or ``.npz`` file with a named target column.
 
     For ``.npz``: either arrays ``x`` and ``y`` (``target`` names the ``y`` array), or
-    one array per column. Non-numeric or NaN cells raise an error naming the line.
+    one array per column. Non-numeric or NaN cells raise an error naming the column and row;
+    ``options``: the column choice and blank-cell policy of :func:`~.tabular.read_table`.
     """
     path = Path(path)
-    x, y, columns = _read_tabular(path, target)
+    x, y, columns = _read_tabular(path, target, **options)
     if len(y) < 3:
         raise DataError(f"{path}: {len(y)} rows is too few to train and test on")
     train, test = _random_split(len(y), test_fraction, seed)
@@ -235,16 +240,6 @@ class RegressionTable:
             self.columns,
             self.target,
         )
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as error:
-        raise DataError(
-            f"cannot read {path} ({error.strerror or type(error).__name__}); check the file's "
-            "permissions, or point data.path at a readable copy"
-        ) from None
 
 
 def _numeric_array(arrays, name: str, path: Path) -> np.ndarray:
@@ -318,75 +313,44 @@ def _read_npz(path: Path, target: str):
     return x, y, columns
 
 
-def decoded_lines(path: Path) -> List[str]:
-    """The lines of a UTF-8 text file (a byte-order mark dropped); a byte that is not
-    UTF-8 is an error naming its line, not a traceback."""
-    data = _read_bytes(path)
-    for magic, kind in ((b"\x93NUMPY", "a NumPy .npy array"), (b"PK\x03\x04", "a zip archive (an .npz?)")):
-        if data.startswith(magic):
-            raise DataError(
-                f"{path} is {kind}, not a CSV: training reads a .csv with a header row or an .npz of named arrays "
-                "(numpy.savez(path, x=x, y=y)), predict a .csv with a header row "
-                "(pandas.DataFrame(x, columns=names).to_csv(path, index=False))"
-            )
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        # the codec counts from after a byte-order mark
-        offset = error.start + (3 if data.startswith(b"\xef\xbb\xbf") else 0)
-        line = data[:offset].count(b"\n") + 1
-        raise DataError(
-            f"{path}, line {line}: byte 0x{data[offset]:02x} is not UTF-8 text; re-save the file as UTF-8 "
-            "(e.g. `iconv -f latin1 -t utf-8`)"
-        ) from None
-    return text.splitlines()
+def table_options(cfg) -> dict:
+    """``data.features``, ``data.drop`` and ``data.missing`` of a ``data=csv`` config, as
+    :func:`~.tabular.read_table`'s keywords (absent keys: every column, refuse blank cells)."""
+    from omegaconf import OmegaConf
+
+    def names(key):
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None:
+            return None
+        if isinstance(value, str) or not OmegaConf.is_list(value) and not isinstance(value, (list, tuple)):
+            raise ConfigError(f"data.{key}={value!r} must be a list of column names, e.g. data.{key}=[id,name]")
+        return [str(v) for v in value]
+
+    return {
+        "features": names("features"),
+        "drop": names("drop") or [],
+        "missing": str(OmegaConf.select(cfg, "missing", default="error")),
+    }
 
 
-def _check_header(path: Path, header: List[str], target: str) -> None:
-    if len(header) == 1 and any(sep in header[0] for sep in (";", "\t", "|")):
-        separator = next(sep for sep in (";", "\t", "|") if sep in header[0])
-        raise DataError(
-            f"{path}: the header is one column {header[0][:60]!r}: the file looks {separator!r}-separated, and cfbnn "
-            f"reads comma-separated CSV; convert it, e.g. pandas.read_csv(path, sep={separator!r}).to_csv(new_path, "
-            "index=False)"
-        )
-    seen, duplicates = set(), []
-    for name in header:
-        if name in seen and name not in duplicates:
-            duplicates.append(name)
-        seen.add(name)
-    if duplicates:
-        raise DataError(
-            f"{path}: duplicate column name(s) {duplicates} in the header; every column needs its own "
-            "name (which one is the target otherwise?)"
-        )
-    if target not in header:
-        raise DataError(f"{path}: no column named `{target}` (data.target); columns are {header}")
-
-
-def _read_tabular(path, target):
+def _read_tabular(path, target, features=None, drop=(), missing="error"):
     """``(x, y, feature names)`` of a numeric CSV (header row) or NPZ file; errors name the
-    column or line."""
+    column and row (:func:`~.tabular.read_table`, which also takes the column choice and the
+    policy for blank cells, and logs what it left out)."""
     path = Path(path)
     if path.is_dir():
         raise DataError(f"data.path={path} is a directory, not a data file; point it at a .csv or .npz file")
     if not path.is_file():
         raise DataError(f"data file not found: {path} (set data.path=...)")
     if path.suffix == ".npz":
+        if features or drop:
+            raise ConfigError("data.features and data.drop choose the columns of a CSV file; an .npz is read whole")
         x, y, columns = _read_npz(path, target)
     else:
-        lines = decoded_lines(path)
-        if not lines or not lines[0].strip():
-            raise DataError(f"{path} is empty (or its first line, the header, is blank)")
-        header = [h.strip() for h in next(csv.reader(lines[:1]))]
-        _check_header(path, header, target)
-        table = parse_numeric_rows(lines[1:], str(path), expected_columns=len(header), first_line=2)
-        if table.size == 0:
-            raise DataError(f"{path} has a header but no data rows")
-        column = header.index(target)
-        y = table[:, column]
-        x = np.delete(table, column, axis=1)
-        columns = [name for i, name in enumerate(header) if i != column]
+        table = read_table(path, target, features=features, drop=drop, missing=missing)
+        for note in table.notes:
+            log.info("%s: %s", path, note)
+        x, y, columns = table.x, table.y, table.columns
     if x.shape[1] == 0:
         raise DataError(
             f"{path} holds only the target `{target}`: no feature column to regress on; add the "
@@ -416,7 +380,7 @@ def load_regression_table(cfg) -> RegressionTable:
         return RegressionTable("year_prediction_msd", table[:, 1:], table[:, 0], "year")
     if name == "csv":
         _require_path_and_target(cfg)
-        x, y, columns = _read_tabular(cfg.path, cfg.target)
+        x, y, columns = _read_tabular(cfg.path, cfg.target, **table_options(cfg))
         return RegressionTable(Path(cfg.path).stem, x, y, cfg.target, columns)
     if name == "rdataset":
         return rdataset(cfg.dataset, cfg.target, list(cfg.drop))
@@ -486,7 +450,7 @@ def load_regression_data(cfg) -> RegressionData:
         return year_prediction_msd(cfg.path, cfg.n_train, cfg.expected_rows)
     if name == "csv":
         _require_path_and_target(cfg)
-        return tabular_file(cfg.path, cfg.target, cfg.test_fraction, cfg.seed)
+        return tabular_file(cfg.path, cfg.target, cfg.test_fraction, cfg.seed, **table_options(cfg))
     if name == "rdataset":
         table = rdataset(cfg.dataset, cfg.target, list(cfg.drop))
         train, test = _random_split(len(table.y), cfg.test_fraction, cfg.seed)

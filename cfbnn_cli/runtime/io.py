@@ -9,11 +9,12 @@ directory entry: a link at the target is replaced, never written through.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Iterator, List, TextIO
 
 TEMPORARY_SUFFIX = ".tmp"
 TEMPORARY_MARKER = ".cfbnn-"
@@ -48,6 +49,27 @@ def atomic_write_bytes(path, data: bytes) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+@contextlib.contextmanager
+def atomic_text_writer(path) -> Iterator[TextIO]:
+    """A text handle whose contents become ``path`` only when the block ends without an
+    error (a file written in parts, e.g. a prediction streamed chunk by chunk); otherwise
+    ``path`` is as it was and the temporary file is gone."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}", suffix=TEMPORARY_SUFFIX)
+    try:
+        os.fchmod(fd, file_mode())
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def atomic_write_text(path, text: str) -> Path:

@@ -12,8 +12,9 @@ import torch
 from conftest import one_line_error
 
 from cfbnn_cli.bnn import BayesianNetwork, ClosedFormBNN, Predictive
+from cfbnn_cli.pipelines import predict as predict_pipeline
+from cfbnn_cli.pipelines import regression
 from cfbnn_cli.pipelines.regression import gradient_variance_study as pipeline
-from cfbnn_cli.pipelines.regression import predict as predict_pipeline
 
 
 def _monte_carlo_moments(model, x, draws=40_000, seed=0):
@@ -88,21 +89,16 @@ def trained_csv_run(tmp_path_factory):
     cfg = compose_config(
         "train_regression",
         [
-            "data=csv",
+            "data=csv",  # selects protocol=fit: the UCI recipe on one held-out split, then model.pt
             f"data.path={folder / 'train.csv'}",
             "data.target=price",
             "model.hidden_sizes=[32]",
-            "trainer.epochs=60",
-            "trainer.batch_size=50",
-            "trainer.lr=0.01",
-            "gradient_variance.num_samples=0",
-            "evaluation.num_samples=4",
             "device=cpu",
         ],
     )
     run_dir = folder / "run"
     run_dir.mkdir()
-    pipeline.run(cfg, run_dir)
+    regression.run(cfg, run_dir)
     (run_dir / "results.json").write_text("{}")  # what the CLI writes once a run finishes
     (run_dir / "done").write_text("")
     return folder, run_dir, x, y
@@ -146,9 +142,9 @@ def test_predict_errors_are_one_line(trained_csv_run, tmp_path, cfbnn, capsys):
     _write_csv(tmp_path / "other.csv", ["a", "b", "d"], x[:3])
     # once through the command itself: exit 2, one line, no traceback
     text = one_line_error(cfbnn("predict", str(run_dir), str(tmp_path / "other.csv")))
-    assert "missing c" in text and "not in the training file: d" in text
+    assert "missing c" in text and "not used by the model: d" in text and "--keep" in text
     _write_csv(tmp_path / "text.csv", ["a", "b", "c"], [["1", "2", "x"]])
-    assert "line 2" in _main_error(capsys, run_dir, tmp_path / "text.csv")
+    assert "column `c`, row 1: 'x' is not a number" in _main_error(capsys, run_dir, tmp_path / "text.csv")
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     (unfinished / "results.json").write_text("{}")
@@ -189,11 +185,11 @@ def test_predict_on_a_generated_data_run_reads_features_by_position(tmp_path, re
     pipeline.run(regression_cfg("gradient_variance.num_samples=0"), run_dir)
     (run_dir / "results.json").write_text("{}")
     (run_dir / "done").write_text("")
-    from cfbnn_cli.pipelines.regression.model_file import load_regression_model
+    from cfbnn_cli.bnn import load_model
 
-    _, info = load_regression_model(run_dir / "model.pt")
-    dim = info["architecture"]["input_dim"]
-    assert info["columns"] is None
+    saved = load_model(run_dir / "model.pt")
+    dim = saved.input_dim
+    assert saved.columns is None
     _write_csv(tmp_path / "new.csv", [f"x{i}" for i in range(dim)], np.zeros((4, dim)))
     out = predict_pipeline.predict_run(run_dir, tmp_path / "new.csv")
     assert out == run_dir / "predictions.csv" and len(_read_predictions(out)["mean"]) == 4
@@ -254,9 +250,9 @@ def test_a_uci_run_saves_its_chosen_method_refit_on_every_row(tmp_path, uci_cfg,
     """uci.save_model=<method>: after the splits that method is refit on all rows and saved;
     `cfbnn predict` then gives calibrated predictions in the target's units (the synthetic data's
     noise is N(0, 0.3²): most rows inside the 90 % interval, and the interval near ±1.645·0.3 wide)."""
+    from cfbnn_cli.bnn import load_model
     from cfbnn_cli.data.regression import load_regression_table
     from cfbnn_cli.pipelines.regression import uci_protocol
-    from cfbnn_cli.pipelines.regression.model_file import load_regression_model
 
     cfg = uci_cfg(f"uci.methods=[{method}]", "uci.n_splits=1", f"uci.save_model={method}")
     run_dir = tmp_path / "run"
@@ -264,10 +260,8 @@ def test_a_uci_run_saves_its_chosen_method_refit_on_every_row(tmp_path, uci_cfg,
     uci_protocol.run(cfg, run_dir)
     (run_dir / "results.json").write_text("{}")
     (run_dir / "done").write_text("")
-    _, info = load_regression_model(run_dir / "model.pt")
-    assert info["method"] == method and info["estimator"] == (
-        "deterministic" if "deterministic" in method else "analytic"
-    )
+    saved = load_model(run_dir / "model.pt")
+    assert saved.method == method and saved.estimator == ("deterministic" if "deterministic" in method else "analytic")
     table = load_regression_table(cfg.data)
     _write_csv(tmp_path / "rows.csv", [f"x{i}" for i in range(table.x.shape[1])], table.x)
     out = predict_pipeline.predict_run(run_dir, tmp_path / "rows.csv")

@@ -1,4 +1,4 @@
-"""`cfbnn train regression`'s two protocols: which one ``cfg.protocol`` names, and the pipeline's
+"""`cfbnn train regression`'s three protocols: which one ``cfg.protocol`` names, and the pipeline's
 ``validate`` / ``supports_distributed`` / ``run`` handed to it."""
 
 from __future__ import annotations
@@ -7,13 +7,15 @@ from omegaconf import DictConfig
 
 from ...runtime.checks import require_choice
 
-PROTOCOLS = ("gradient_variance", "uci")
+PROTOCOLS = ("gradient_variance", "uci", "fit")
 
 
 def _protocol(cfg: DictConfig):
     protocol = require_choice(cfg, "protocol", PROTOCOLS)
     if protocol == "uci":
         from . import uci_protocol as module
+    elif protocol == "fit":
+        from . import fit as module
     else:
         from . import gradient_variance_study as module
     return module

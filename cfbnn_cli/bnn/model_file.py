@@ -1,0 +1,370 @@
+"""Models as files: a trained network with what it takes to predict on new rows in original units.
+
+:func:`save_model` writes, :func:`load_model` reads (a :class:`SavedModel`). ``cfbnn train
+regression`` and ``cfbnn train classification`` write ``model.pt`` with it, ``cfbnn predict``
+reads it, and a network trained in Python runs through ``cfbnn predict`` once saved::
+
+    save_model("model.pt", network, feature_mean=x.mean(0), feature_std=x.std(0),
+               target_mean=float(y.mean()), target_std=float(y.std()), columns=names, target="y")
+    saved = load_model("runs/my/model.pt")  # a CLI-trained model, in one line
+    saved.predict(new_rows)                 # original units in and out
+
+The file holds plain tensors, numbers, strings and lists only, so it loads with
+``torch.load(weights_only=True)`` (no pickle of arbitrary objects), and every field is checked
+on loading: a file that is not a cfbnn model, or is damaged, is one ``DataError`` naming the
+file and the field, never a traceback from deep inside the network.
+
+Fields: ``architecture`` (the keyword arguments that rebuild the
+:class:`~cfbnn_cli.bnn.network.BayesianNetwork`), ``state_dict`` (its weights), ``scaling``
+(the training rows' feature means and standard deviations, the target's mean and standard
+deviation: the network sees standardized values), ``columns`` / ``target`` (the feature names,
+``None`` for features read by position, and the target's name), ``classes`` (a classifier's
+label names, index ``k`` the ``k``-th output), ``estimator`` (the default for predicting),
+``method`` and ``data`` (free text: how and on what it was trained).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..runtime.checkpoints import load_checkpoint
+from ..runtime.errors import CheckpointError, DataError
+from ..runtime.io import atomic_torch_save
+from .estimators import ESTIMATORS
+from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, HeteroscedasticNormalLikelihood
+from .likelihoods import NormalLikelihood as _Normal
+from .network import BayesianNetwork
+
+FORMAT = "cfbnn.model"
+VERSION = 2
+LEGACY_FORMAT = "cfbnn.regression_model"  # version 1: regression only, read as such
+FILE_NAME = "model.pt"
+# bounds a damaged or hostile file cannot get past (a width of 1e11 would ask for terabytes)
+MAX_WIDTH = 1_000_000
+MAX_PARAMETERS = 2_000_000_000
+_LIKELIHOODS = ("normal", "heteroscedastic", "softmax", "logistic")
+_COVARIANCES = ("diagonal", "full", "lowrank")
+
+
+def architecture_of(model: BayesianNetwork) -> dict:
+    """The keyword arguments that rebuild ``model`` (its weights then come from its state dict)."""
+    layers = list(model.layers)
+    gaussian = model.gaussian_layers
+    likelihood = model.likelihood
+    if isinstance(likelihood, HeteroscedasticNormalLikelihood):
+        name, objective = "heteroscedastic", "approximation"
+    elif isinstance(likelihood, CategoricalLikelihood):
+        name, objective = ("logistic" if likelihood.logistic else "softmax"), likelihood.objective
+    else:
+        name, objective = "normal", "approximation"
+    ranks = [layer.factor.shape[-1] for layer in gaussian if layer.covariance == "lowrank"]
+    first = layers[0]
+    input_dim = first.in_features if isinstance(first, torch.nn.Linear) else first.loc.shape[1] - int(first.bias)
+    return {
+        "input_dim": int(input_dim),
+        "hidden_sizes": [int(layer.out_features) for layer in layers[:-1]],
+        "output_dim": int(model.output_dim),
+        "activation": str(model.activation.name),
+        "covariance": [str(layer.covariance) for layer in gaussian],
+        "rank": int(ranks[0]) if ranks else 10,
+        "prior_scale": float(model.prior_scale),
+        "prior": str(model.prior),
+        "point_layers": int(model.point_layers),
+        "output_bias": bool(getattr(layers[-1], "bias", True) is not False),
+        "likelihood": name,
+        "objective": objective,
+        "learn_precision": isinstance(getattr(likelihood, "log_precision", None), torch.nn.Parameter),
+    }
+
+
+def _vector(values, name: str, size: int) -> Optional[torch.Tensor]:
+    if values is None:
+        return None
+    tensor = torch.as_tensor(
+        np.asarray(values.detach().cpu() if torch.is_tensor(values) else values), dtype=torch.float64
+    )
+    tensor = tensor.reshape(-1)
+    if tensor.numel() != size:
+        raise ValueError(f"`{name}` has {tensor.numel()} values; the network has {size} input features")
+    if not torch.isfinite(tensor).all() or (name == "feature_std" and not (tensor > 0).all()):
+        raise ValueError(f"`{name}` must be finite{' and positive' if name == 'feature_std' else ''}")
+    return tensor
+
+
+def save_model(
+    path,
+    model: BayesianNetwork,
+    *,
+    feature_mean=None,
+    feature_std=None,
+    target_mean: float = 0.0,
+    target_std: float = 1.0,
+    columns: Optional[Sequence[str]] = None,
+    target: str = "y",
+    classes: Optional[Sequence[str]] = None,
+    estimator: str = "analytic",
+    method: str = "",
+    data: str = "",
+) -> Path:
+    """Write ``model`` to ``path`` atomically, with the scaling its inputs and target had.
+
+    ``feature_mean`` / ``feature_std`` (``(D,)``; ``None``: the network takes the features as
+    they are) and ``target_mean`` / ``target_std`` (regression) put new rows on the network's
+    scale and its predictions back in original units. ``columns`` names the ``D`` features (new
+    rows are then matched by name; ``None``: by position). ``classes``: a classifier's label
+    names, one per class (default ``"0"``, ``"1"``, ...).
+    """
+    if not isinstance(model, BayesianNetwork):
+        raise TypeError(f"`model` must be a cfbnn BayesianNetwork; got {type(model).__name__}")
+    architecture = architecture_of(model)
+    dim = architecture["input_dim"]
+    if columns is not None:
+        columns = [str(c) for c in columns]
+        if len(columns) != dim or len(set(columns)) != dim:
+            raise ValueError(f"`columns` must be {dim} distinct names, one per input feature; got {len(columns)}")
+    categorical = isinstance(model.likelihood, CategoricalLikelihood)
+    if categorical:
+        count = 2 if model.likelihood.logistic else model.output_dim
+        classes = [str(k) for k in (classes if classes is not None else range(count))]
+        if len(classes) != count or len(set(classes)) != count:
+            raise ValueError(f"`classes` must be {count} distinct names, one per class; got {classes}")
+    elif classes is not None:
+        raise ValueError("`classes` is for a categorical network; this one is a regression network")
+    if not (math.isfinite(target_mean) and math.isfinite(target_std) and target_std > 0):
+        raise ValueError(
+            f"`target_mean` must be finite and `target_std` finite and > 0; got {target_mean}, {target_std}"
+        )
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"`estimator` must be one of {ESTIMATORS}; got {estimator!r}")
+    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
+        raise ValueError("the model has non-finite weights (NaN or infinity); it cannot predict, so it is not saved")
+    record = {
+        "format": FORMAT,
+        "version": VERSION,
+        "task": "classification" if categorical else "regression",
+        "architecture": architecture,
+        "state_dict": weights,
+        "scaling": {
+            "feature_mean": _vector(feature_mean, "feature_mean", dim),
+            "feature_std": _vector(feature_std, "feature_std", dim),
+            "target_mean": float(target_mean),
+            "target_std": float(target_std),
+        },
+        "columns": columns,
+        "target": str(target),
+        "classes": classes,
+        "data": str(data),
+        "estimator": str(estimator),
+        "method": str(method),
+    }
+    return atomic_torch_save(record, Path(path))
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _problem(path, field: str, why: str) -> DataError:
+    return DataError(f"{path} is not a usable cfbnn model file: {field} {why}; retrain, or save it with save_model")
+
+
+def _count(value, path, field, low=0, high=MAX_WIDTH) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _problem(path, field, f"is {str(value)[:40]!r}, not a whole number in [{low}, {high}]")
+    return value
+
+
+def _checked_architecture(a, path) -> dict:
+    if not isinstance(a, dict):
+        raise _problem(path, "`architecture`", "is missing or not a mapping")
+    needed = ("input_dim", "hidden_sizes", "output_dim", "activation", "covariance", "likelihood")
+    absent = [key for key in needed if key not in a]
+    if absent:
+        raise _problem(path, "`architecture`", f"lacks {', '.join(absent)}")
+    from ..moments import ACTIVATIONS
+
+    _count(a["input_dim"], path, "architecture.input_dim", 1)
+    _count(a["output_dim"], path, "architecture.output_dim", 1)
+    sizes = a["hidden_sizes"]
+    if not isinstance(sizes, list) or not sizes:
+        raise _problem(path, "architecture.hidden_sizes", f"is {str(sizes)[:40]!r}, not a list of widths")
+    for width in sizes:
+        _count(width, path, "architecture.hidden_sizes", 1)
+    widths = [a["input_dim"]] + sizes + [a["output_dim"]]
+    if sum((i + 1) * o for i, o in zip(widths[:-1], widths[1:])) * 2 > MAX_PARAMETERS:
+        raise _problem(path, "architecture", f"asks for more than {MAX_PARAMETERS:,} parameters")
+    if a["activation"] not in ACTIVATIONS:
+        raise _problem(
+            path, "architecture.activation", f"is {str(a['activation'])[:40]!r}, not one of {sorted(ACTIVATIONS)}"
+        )
+    if a["likelihood"] not in _LIKELIHOODS:
+        raise _problem(path, "architecture.likelihood", f"is {str(a['likelihood'])[:40]!r}, not one of {_LIKELIHOODS}")
+    covariance = a["covariance"]
+    if not isinstance(covariance, list) or any(c not in _COVARIANCES for c in covariance):
+        raise _problem(path, "architecture.covariance", f"is {str(covariance)[:40]!r}, not a list of {_COVARIANCES}")
+    _count(a.get("point_layers", 0), path, "architecture.point_layers", 0, len(widths) - 1)
+    _count(a.get("rank", 10), path, "architecture.rank", 1)
+    if a.get("objective", "approximation") not in CLASSIFICATION_OBJECTIVES:
+        raise _problem(path, "architecture.objective", "is not a classification objective")
+    scale = a.get("prior_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise _problem(path, "architecture.prior_scale", f"is {str(scale)[:40]!r}, not a positive number")
+    return a
+
+
+def _checked_scaling(scaling, path, dim: int) -> dict:
+    if not isinstance(scaling, dict):
+        raise _problem(path, "`scaling`", "is missing or not a mapping")
+    for key in ("feature_mean", "feature_std"):
+        value = scaling.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.numel() != dim or not torch.isfinite(value).all():
+            raise _problem(path, f"scaling.{key}", f"is not {dim} finite numbers")
+    if scaling.get("feature_std") is not None and not (scaling["feature_std"] > 0).all():
+        raise _problem(path, "scaling.feature_std", "has a value <= 0")
+    for key in ("target_mean", "target_std"):
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _problem(path, f"scaling.{key}", f"is {str(value)[:40]!r}, not a finite number")
+    if not scaling["target_std"] > 0:
+        raise _problem(path, "scaling.target_std", "is not > 0")
+    return scaling
+
+
+def _names(value, path, field: str, count: int) -> Optional[List[str]]:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != count or not all(isinstance(v, str) for v in value):
+        raise _problem(path, field, f"is not a list of {count} names")
+    return value
+
+
+def _likelihood(a):
+    name = a["likelihood"]
+    if name == "heteroscedastic":
+        return HeteroscedasticNormalLikelihood()
+    if name in ("softmax", "logistic"):
+        return CategoricalLikelihood(a.get("objective", "approximation"), logistic=name == "logistic")
+    return _Normal(1.0, bool(a.get("learn_precision", True)))  # the precision itself comes with the weights
+
+
+@dataclass
+class SavedModel:
+    """A network read by :func:`load_model`, with its scaling and names; :meth:`predict` takes
+    rows in original units."""
+
+    network: BayesianNetwork
+    task: str  # "regression" | "classification"
+    feature_mean: Optional[torch.Tensor]
+    feature_std: Optional[torch.Tensor]
+    target_mean: float
+    target_std: float
+    columns: Optional[List[str]]
+    target: str
+    classes: Optional[List[str]]
+    estimator: str
+    method: str = ""
+    data: str = ""
+
+    @property
+    def input_dim(self) -> int:
+        return self.network.input_dim
+
+    def standardized(self, x: Union[torch.Tensor, np.ndarray]) -> torch.Tensor:
+        """``x`` ``(N, D)`` in original units on the network's scale (its dtype and device)."""
+        parameter = next(self.network.parameters())
+        x = torch.as_tensor(np.asarray(x) if not torch.is_tensor(x) else x, dtype=torch.float64)
+        if x.ndim != 2 or x.shape[1] != self.input_dim:
+            raise ValueError(f"`x` must be (N, {self.input_dim}) rows of features; got shape {tuple(x.shape)}")
+        if self.feature_mean is not None:
+            x = (x - self.feature_mean) / self.feature_std
+        return x.to(dtype=parameter.dtype, device=parameter.device)
+
+    @torch.no_grad()
+    def predict(self, x, *, estimator: Optional[str] = None, num_samples: int = 64, generator=None):
+        """Regression: the :class:`~cfbnn_cli.bnn.predictive.Predictive` in the target's units;
+        classification: a ``torch.distributions.Categorical`` over :attr:`classes`."""
+        prediction = self.network.predict(
+            self.standardized(x), estimator=estimator or self.estimator, num_samples=num_samples, generator=generator
+        )
+        if self.task == "classification":
+            return prediction
+        return prediction.unscaled(self.target_mean, self.target_std)
+
+
+def load_model(path, map_location="cpu") -> SavedModel:
+    """The model in ``path`` (eval mode, on ``map_location``); a file that is not a cfbnn model,
+    or whose fields do not hold together, is one :class:`~cfbnn_cli.runtime.errors.DataError`
+    naming the file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such model file (a `cfbnn train` run writes model.pt; save_model writes one)")
+    try:
+        record = load_checkpoint(path, map_location=map_location, what="model file")
+    except CheckpointError as error:  # its message says what failed; here nothing is resumed, so no resume hint
+        raise DataError(str(error).split("; nothing was run", 1)[0] + "; retrain, or point at another file") from None
+    kind = record.get("format")
+    if kind == LEGACY_FORMAT and record.get("version") == 1:
+        record = dict(record, task="regression", classes=None)
+    elif kind != FORMAT:
+        raise DataError(f"{path} is not a cfbnn model file (written by save_model or `cfbnn train`)")
+    elif record.get("version") != VERSION:
+        raise DataError(
+            f"{path} has model-file version {str(record.get('version'))[:20]!r}; this cfbnn reads {VERSION}"
+        )
+    a = _checked_architecture(record.get("architecture"), path)
+    task = record.get("task")
+    if task not in ("regression", "classification") or (task == "classification") != (
+        a["likelihood"] in ("softmax", "logistic")
+    ):
+        raise _problem(path, "`task`", f"{str(task)[:40]!r} does not match its likelihood {a['likelihood']}")
+    scaling = _checked_scaling(record.get("scaling"), path, a["input_dim"])
+    weights = record.get("state_dict")
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise _problem(path, "`state_dict`", "is not a mapping of tensors")
+    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
+        raise _problem(path, "`state_dict`", "holds NaN or infinite weights")
+    try:
+        network = BayesianNetwork(
+            a["input_dim"],
+            list(a["hidden_sizes"]),
+            a["output_dim"],
+            a["activation"],
+            list(a["covariance"]),
+            a.get("rank", 10),
+            prior_scale=float(a.get("prior_scale", 1.0)),
+            likelihood=_likelihood(a),
+            point_layers=a.get("point_layers", 0),
+            output_bias=bool(a.get("output_bias", True)),
+            prior=a.get("prior", "fixed"),
+        )
+        network.load_state_dict(weights)
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise _problem(path, "`state_dict`", f"does not fit the recorded architecture ({reason[:160]})") from None
+    network.to(map_location).eval()
+    count = 2 if a["likelihood"] == "logistic" else a["output_dim"]
+    estimator = record.get("estimator", "analytic")
+    if estimator not in ESTIMATORS:
+        raise _problem(path, "`estimator`", f"is {str(estimator)[:40]!r}, not one of {ESTIMATORS}")
+    return SavedModel(
+        network=network,
+        task=task,
+        feature_mean=scaling.get("feature_mean"),
+        feature_std=scaling.get("feature_std"),
+        target_mean=float(scaling["target_mean"]),
+        target_std=float(scaling["target_std"]),
+        columns=_names(record.get("columns"), path, "`columns`", a["input_dim"]),
+        target=str(record.get("target", "y"))[:200],
+        classes=_names(record.get("classes"), path, "`classes`", count) if task == "classification" else None,
+        estimator=estimator,
+        method=str(record.get("method", ""))[:200],
+        data=str(record.get("data", ""))[:200],
+    )

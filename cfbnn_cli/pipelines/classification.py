@@ -1,0 +1,315 @@
+"""``cfbnn train classification``: a closed-form Bayesian classifier fitted to a table.
+
+The network is ``D -> 50 ReLUs -> K logits`` with mean-field Normal weights (``model.*``), priors
+N(0, 1) and posterior standard deviations started at 0.1 (the UCI protocol's recipe), and the
+paper's softmax likelihood: its expected log-likelihood is the deterministic approximation of
+eq. (38), so the objective has nothing sampled. On one random train/test split
+(``data.test_fraction``, from ``data.seed``):
+
+* up to ``fit.full_batch_max_rows`` training rows the objective is minimized by full-batch
+  L-BFGS to convergence; above, by minibatch Adam stopped by the held-out log-likelihood of a
+  validation split (``fit.validation_fraction``, ``fit.patience``);
+* the held-out rows give the accuracy and the log-likelihood per row (of the class
+  probabilities ``softmax(y_hat + log(1 + var/2))`` implied by eq. (38)), beside scikit-learn's
+  logistic regression on the same split (``fit.baseline``); ``classification.md``, a
+  reliability figure ``classification.png`` and ``results.json`` (``fit/...``);
+* ``model.pt`` (:func:`~cfbnn_cli.bnn.model_file.save_model`, with the label names), refit on
+  every row first (``fit.refit``) or the model tested: ``cfbnn predict RUN NEW.csv`` writes each
+  new row's class probabilities and predicted label.
+
+Labels may be text or numbers; classes are ordered numerically where every label is a number.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from ..bnn.likelihoods import CategoricalLikelihood
+from ..bnn.model_file import FILE_NAME, save_model
+from ..bnn.network import BayesianNetwork
+from ..data.classification import (
+    CLASSIFICATION_DATA,
+    ClassificationSplit,
+    ClassificationTable,
+    load_classification_table,
+)
+from ..data.tabular import MISSING_POLICIES, held_out_split
+from ..moments import ACTIVATIONS, validate_args
+from ..report.figures import caption, new_figure, save_figure
+from ..report.numbers import format_value
+from ..report.tables import write_table
+from ..run_values import RunValues, parse_run_values
+from ..runtime.checks import require_bool, require_choice, require_int, require_positive_float, require_widths
+from ..runtime.device import synchronize
+from ..runtime.errors import ConfigError
+from ..train import TrainingLoop, optimizers
+from ..train.full_batch import minimize_full_batch
+
+log = logging.getLogger(__name__)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every check that needs no data, before any work starts."""
+    require_choice(cfg, "data.name", list(CLASSIFICATION_DATA))
+    if OmegaConf.select(cfg, "data.missing", default=None) is not None:
+        require_choice(cfg, "data.missing", list(MISSING_POLICIES))
+    fraction = OmegaConf.select(cfg, "data.test_fraction", default=None)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigError(f"data.test_fraction={fraction!r} must be a number in (0, 1): the held-out share (e.g. 0.1)")
+    require_int(cfg, "data.seed", minimum=0)
+    require_widths(cfg, "model.hidden_sizes", example="[50]")
+    require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
+    require_positive_float(cfg, "model.init_scale")
+    require_positive_float(cfg, "model.prior_scale")
+    for key in ("refit", "baseline"):
+        require_bool(cfg, f"fit.{key}")
+    for key in ("full_batch_max_rows", "max_iterations", "evaluate_every", "patience"):
+        require_int(cfg, f"fit.{key}", minimum=1)
+    require_positive_float(cfg, "fit.rtol")
+    validation = OmegaConf.select(cfg, "fit.validation_fraction")
+    if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
+        raise ConfigError(
+            f"fit.validation_fraction={validation!r} must be a number in (0, 0.5): the share of the training rows "
+            "that decides when minibatch training stops (e.g. 0.1)"
+        )
+    require_int(cfg, "trainer.epochs", minimum=1)
+
+
+def supports_distributed(cfg: DictConfig) -> bool:
+    return False
+
+
+def _network(table: ClassificationTable, cfg, seed: int) -> BayesianNetwork:
+    return BayesianNetwork(
+        table.x.shape[1],
+        list(cfg.model.hidden_sizes),
+        len(table.classes),
+        cfg.model.activation,
+        "diagonal",
+        prior_scale=float(cfg.model.prior_scale),
+        init_scale=float(cfg.model.init_scale),
+        likelihood=CategoricalLikelihood("approximation"),
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def log_likelihood_per_row(model: BayesianNetwork, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``log p(y_n | x_n)`` of the predicted class probabilities, per row ``(N,)``."""
+    with torch.no_grad():
+        probabilities = model.predict(x).probs
+    return probabilities.gather(-1, y[:, None]).squeeze(-1).clamp_min(1e-300).log()
+
+
+class _Fit:
+    """One model fitted on ``split``'s training rows: L-BFGS or Adam (see the module docstring)."""
+
+    def __init__(self, table, split: ClassificationSplit, cfg, device, seed: int, label: str):
+        self.model = _network(table, cfg, seed).to(device)
+        x, y = split.x_train.to(device), split.y_train.to(device)
+        rows = len(y)
+        started = time.perf_counter()
+        with tqdm(total=1, desc=label, unit="fit", leave=False) as bar:
+            if rows <= cfg.fit.full_batch_max_rows:
+                result = minimize_full_batch(
+                    lambda: -self.model.elbo(x, y, num_data=rows) / rows,
+                    self.model.parameters(),
+                    max_iterations=cfg.fit.max_iterations,
+                    rtol=cfg.fit.rtol,
+                    label=f"{label} objective",
+                )
+                self.optimizer, self.iterations, self.converged = "lbfgs", result.iterations, result.converged
+                self.stopped_early = False
+            else:
+                self._adam(x, y, cfg, device, seed, label)
+            bar.update(1)
+        synchronize(device)
+        self.seconds = time.perf_counter() - started
+
+    def _adam(self, x, y, cfg, device, seed: int, label: str) -> None:
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1)).to(device)
+        held = max(1, int(round(cfg.fit.validation_fraction * len(y))))
+        fit_rows, validation_rows = order[held:], order[:held]
+        model = self.model
+        loop = TrainingLoop(
+            model,
+            optimizers.adam(model.parameters(), lr=cfg.trainer.lr),
+            lambda rows: -model.elbo(x[fit_rows[rows]], y[fit_rows[rows]], num_data=len(fit_rows)),
+            len(fit_rows),
+            min(int(cfg.trainer.batch_size), len(fit_rows)),
+            device,
+            epochs=cfg.trainer.epochs,
+            data_generator=torch.Generator().manual_seed(seed + 2),
+            label=label,
+            evaluate=lambda epoch: {
+                "validation_ll": float(log_likelihood_per_row(model, x[validation_rows], y[validation_rows]).mean())
+            },
+            select=("validation_ll", "max"),
+            patience=cfg.fit.patience,
+            evaluate_every=cfg.fit.evaluate_every,
+            cuda_graphs=cfg.trainer.cuda_graphs,
+        )
+        result = loop.run()
+        loop.load_best()
+        self.optimizer, self.iterations = "adam", len(result.history)
+        self.converged, self.stopped_early = False, loop.stopped_early
+
+    def describe(self) -> str:
+        if self.optimizer == "lbfgs":
+            state = "converged" if self.converged else "NOT converged (raise fit.max_iterations)"
+            return f"L-BFGS, {self.iterations} iterations, {state}"
+        state = "stopped by validation" if self.stopped_early else "reached trainer.epochs"
+        return f"Adam, {self.iterations} epochs, {state}"
+
+
+def _baseline_accuracy(split: ClassificationSplit) -> Optional[float]:
+    """scikit-learn's logistic regression (its defaults: L2, C = 1) on the same standardized split."""
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        model = LogisticRegression(max_iter=2000).fit(split.x_train.numpy(), split.y_train.numpy())
+    return float((model.predict(split.x_test.numpy()) == split.y_test.numpy()).mean())
+
+
+def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
+    run_dir = Path(run_dir)
+    validate(cfg)
+    device = (values or parse_run_values(cfg)).device
+    table = load_classification_table(cfg.data)
+    train, test = held_out_split(len(table.y), float(cfg.data.test_fraction), int(cfg.data.seed))
+    split = table.split(train, test)
+    log.info(
+        "fitting a closed-form classifier on %s: %d training rows, %d held out, %d features, %d classes (%s), "
+        "hidden layers %s, device=%s",
+        table.name,
+        len(train),
+        len(test),
+        table.x.shape[1],
+        len(table.classes),
+        ", ".join(table.classes[:10]) + (", ..." if len(table.classes) > 10 else ""),
+        list(cfg.model.hidden_sizes),
+        device,
+    )
+    with validate_args(False):
+        fitted = _Fit(table, split, cfg, device, seed=int(cfg.seed) * 1000, label="fit")
+        x_test, y_test = split.x_test.to(device), split.y_test.to(device)
+        with torch.no_grad():
+            probabilities = fitted.model.predict(x_test).probs
+        log_likelihood = log_likelihood_per_row(fitted.model, x_test, y_test)
+        accuracy = float((probabilities.argmax(-1) == y_test).double().mean())
+        model, scaling = fitted.model, split
+        if cfg.fit.refit:
+            every = np.arange(len(table.y))
+            scaling = table.split(every, every[:0])
+            log.info("fit.refit=true: refitting on all %d rows for %s", len(every), FILE_NAME)
+            model = _Fit(table, scaling, cfg, device, seed=int(cfg.seed) + 10_000, label="refit").model
+    baseline = _baseline_accuracy(split) if cfg.fit.baseline else None
+    metrics = {
+        "fit/test_accuracy": accuracy,
+        "fit/test_nll": -float(log_likelihood.mean()),
+        "fit/baseline_accuracy": baseline,
+        "fit/train_rows": len(train),
+        "fit/test_rows": len(test),
+        "fit/classes": len(table.classes),
+        "fit/train_seconds": fitted.seconds,
+        "fit/iterations": fitted.iterations,
+        "fit/converged": float(fitted.converged or fitted.stopped_early),
+    }
+    log.info(
+        "held-out: accuracy %.2f%%, log-likelihood %s per row%s; %s in %.1f s",
+        100 * accuracy,
+        format_value(-metrics["fit/test_nll"]),
+        f" (logistic regression on the same split: {100 * baseline:.2f}%)" if baseline is not None else "",
+        fitted.describe(),
+        fitted.seconds,
+    )
+    frame = pd.DataFrame(
+        {
+            "held-out": [
+                f"{len(test)} of {len(table.y)} rows",
+                f"{len(table.classes)}",
+                f"{100 * accuracy:.2f} %",
+                format_value(-metrics["fit/test_nll"]),
+                f"{100 * baseline:.2f} %" if baseline is not None else "—",
+                fitted.describe(),
+            ]
+        },
+        index=[
+            "rows",
+            "classes",
+            "accuracy",
+            "log-likelihood per row",
+            "logistic regression's accuracy",
+            "training",
+        ],
+    )
+    tables = write_table(
+        frame,
+        run_dir,
+        "classification",
+        caption=f"closed-form classifier on {table.name}: a random {100 * float(cfg.data.test_fraction):g} % of the "
+        f"rows held out (seed {cfg.data.seed}); logistic regression: scikit-learn's defaults on the same split",
+        data=pd.DataFrame([{k.split("/", 1)[1]: v for k, v in metrics.items()}]),
+    )
+    figure = _plot_reliability(probabilities.double().cpu().numpy(), y_test.cpu().numpy(), table, run_dir)
+    save_model(
+        run_dir / FILE_NAME,
+        model,
+        feature_mean=scaling.feature_mean,
+        feature_std=scaling.feature_std,
+        columns=table.columns,
+        target=table.target,
+        classes=table.classes,
+        estimator="analytic",
+        method="closed_form_classifier",
+        data=table.name,
+    )
+    return {
+        "metrics": metrics,
+        "tables": tables,
+        "figures": {"classification": figure},
+        "device": device,
+        "main_table": "classification.md",
+    }
+
+
+def _plot_reliability(probabilities: np.ndarray, labels: np.ndarray, table: ClassificationTable, run_dir: Path) -> str:
+    """Held-out reliability: in bins of the predicted label's probability, the share predicted right."""
+    confidence = probabilities.max(1)
+    right = probabilities.argmax(1) == labels
+    edges = np.linspace(0.0, 1.0, 11)
+    which = np.clip(np.digitize(confidence, edges) - 1, 0, 9)
+    fig, (ax,) = new_figure(1, width=3.6, height=3.4)
+    centres, shares, counts = [], [], []
+    for k in range(10):
+        members = which == k
+        if members.any():
+            centres.append(float(confidence[members].mean()))
+            shares.append(float(right[members].mean()))
+            counts.append(int(members.sum()))
+    ax.plot([0, 1], [0, 1], color="0.5", lw=0.6, ls="--", label="calibrated")
+    ax.plot(centres, shares, "o-", ms=3, lw=0.8, color="tab:blue", label="held-out rows")
+    for centre, share, count in zip(centres, shares, counts):
+        ax.annotate(str(count), (centre, share), textcoords="offset points", xytext=(3, -8), fontsize=5)
+    ax.set_xlim(0, 1.02)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("probability of the predicted label")
+    ax.set_ylabel("share predicted right")
+    ax.legend(fontsize=6, loc="upper left")
+    caption(
+        fig,
+        f"{table.name}: {len(labels)} held-out rows in bins of confidence (numbers: rows per bin); "
+        f"accuracy {100 * right.mean():.1f} %",
+    )
+    return save_figure(fig, run_dir / "classification.png")

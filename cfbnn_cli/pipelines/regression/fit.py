@@ -1,0 +1,273 @@
+"""``protocol: fit`` (``data=csv`` selects it): your own table fitted, not studied.
+
+The UCI protocol's validated recipe (``conf/train_regression/protocol/fit.yaml``: one hidden
+layer of 50 ReLUs, priors N(0, 1), posterior standard deviations started at 0.1, a learned
+noise) on one random train/test split (``data.test_fraction``, drawn from ``data.seed`` as the
+UCI protocol's split ``k`` is drawn from ``k``):
+
+* the exact ELBO (nothing is sampled) is minimized by full-batch L-BFGS to convergence, or,
+  above ``fit.full_batch_max_rows`` training rows, by minibatch Adam (batches of at most the
+  rows there are) stopped by the log-likelihood of a validation split
+  (:func:`~.uci_methods.fit_method`, the method ``fit.method``);
+* the held-out rows give the test RMSE, the log-likelihood per row (in the target's units) and
+  the coverage of the central 50 % and 90 % predictive intervals: logged, printed as
+  ``fit.md`` and written to ``results.json`` (``fit/...``), with ``fit.png``: each held-out
+  row's target against its predictive mean and 90 % interval;
+* ``model.pt`` (:func:`~cfbnn_cli.bnn.model_file.save_model`), refit on every row first
+  (``fit.refit``, as the UCI protocol's ``uci.save_model``) or the model tested.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ...bnn.model_file import FILE_NAME
+from ...bnn.network import PRIORS
+from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
+from ...data.tabular import held_out_split
+from ...moments import ACTIVATIONS, validate_args
+from ...report.figures import caption, new_figure, save_figure
+from ...report.numbers import format_value
+from ...report.tables import write_table
+from ...run_values import RunValues, parse_run_values
+from ...runtime.checks import require_bool, require_choice, require_int, require_positive_float, require_widths
+from ...runtime.device import synchronize
+from ...runtime.errors import ConfigError
+from ...runtime.numerics import map_row_chunks, rows_per_chunk
+from .model_file import save_regression_model
+from .uci_methods import Fitted, Split, fit_method, quiet, test_metrics
+
+log = logging.getLogger(__name__)
+METHODS = ("closed_form_diagonal", "closed_form_full", "closed_form_lowrank", "deterministic_2_hidden")
+
+
+def validate(cfg: DictConfig) -> str:
+    """Every check that needs no data; returns the method."""
+    method = require_choice(cfg, "fit.method", list(METHODS))
+    require_bool(cfg, "fit.refit")
+    require_int(cfg, "fit.full_batch_max_rows", minimum=1)
+    require_int(cfg, "fit.max_iterations", minimum=1)
+    require_int(cfg, "fit.evaluate_every", minimum=1)
+    require_int(cfg, "fit.patience", minimum=1)
+    require_positive_float(cfg, "fit.rtol")
+    validation = OmegaConf.select(cfg, "fit.validation_fraction")
+    if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
+        raise ConfigError(
+            f"fit.validation_fraction={validation!r} must be a number in (0, 0.5): the share of the training rows "
+            "that decides when minibatch training stops (e.g. 0.1)"
+        )
+    require_widths(cfg, "fit.deep_hidden_sizes", minimum_length=2, example="[50,50]")
+    require_widths(cfg, "model.hidden_sizes", example="[50]")
+    require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
+    require_choice(cfg, "model.prior", list(PRIORS))
+    require_int(cfg, "model.rank", minimum=1)
+    require_positive_float(cfg, "model.init_scale")
+    require_positive_float(cfg, "model.prior_scale")
+    require_int(cfg, "trainer.epochs", minimum=1)
+    require_int(cfg, "trainer.batch_size", minimum=1)
+    require_positive_float(cfg, "trainer.lr")
+    if OmegaConf.select(cfg, "likelihood", default="normal") != "normal":
+        raise ConfigError(
+            f"likelihood={cfg.likelihood} with protocol=fit: the fit and `cfbnn predict` use the Normal likelihood; "
+            "experiment=uci 'uci.methods=[heteroscedastic]' measures the heteroscedastic one"
+        )
+    validate_data_config(cfg)
+    fraction = OmegaConf.select(cfg, "data.test_fraction", default=None)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise ConfigError(f"data.test_fraction={fraction!r} must be a number in (0, 1): the held-out share (e.g. 0.1)")
+    return method
+
+
+def method_config(cfg: DictConfig) -> DictConfig:
+    """The config :func:`~.uci_methods.fit_method` reads (``uci.*`` there), from ``fit.*``."""
+    values = OmegaConf.to_container(cfg, resolve=True)
+    fit = values["fit"]
+    values["uci"] = {
+        "full_batch_max_rows": fit["full_batch_max_rows"],
+        "max_iterations": fit["max_iterations"],
+        "rtol": fit["rtol"],
+        "validation_fraction": fit["validation_fraction"],
+        "evaluate_every": fit["evaluate_every"],
+        "patience": fit["patience"],
+        "deep_hidden_sizes": fit["deep_hidden_sizes"],
+        # the fit's methods integrate every layer: nothing is sampled, so one draw is exact
+        "predictive_samples": 1,
+        "validation_samples": 1,
+        "sampling_init_scale": values["model"]["init_scale"],
+    }
+    return OmegaConf.create(values)
+
+
+def _to_device(data: RegressionData, device) -> RegressionData:
+    data.x_train, data.y_train = data.x_train.to(device), data.y_train.to(device)
+    data.x_test, data.y_test = data.x_test.to(device), data.y_test.to(device)
+    return data
+
+
+def _fit(method: str, data: RegressionData, cfg, device, seed: int, label: str) -> Fitted:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=1, desc=label, unit="fit", leave=False) as bar, quiet("cfbnn_cli.train.loop"):
+        fitted = fit_method(method, Split(data, 0, progress=bar), cfg, device, seed=seed)
+        bar.update(1)
+    return fitted
+
+
+def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
+    run_dir = Path(run_dir)
+    method = validate(cfg)
+    device = (values or parse_run_values(cfg)).device
+    table: RegressionTable = load_regression_table(cfg.data)
+    train, test = held_out_split(len(table.y), float(cfg.data.test_fraction), int(cfg.data.seed))
+    data = _to_device(table.split(train, test), device)
+    settings = method_config(cfg)
+    log.info(
+        "fitting %s on %s: %d training rows, %d held out, %d features (%s), hidden layers %s, device=%s",
+        method,
+        table.name,
+        len(train),
+        len(test),
+        table.x.shape[1],
+        ", ".join(table.columns[:8]) + (", ..." if table.columns and len(table.columns) > 8 else "")
+        if table.columns
+        else "by position",
+        list(cfg.model.hidden_sizes) if method != "deterministic_2_hidden" else list(cfg.fit.deep_hidden_sizes),
+        device,
+    )
+    with validate_args(False):
+        synchronize(device)
+        started = time.perf_counter()
+        fitted = _fit(method, data, settings, device, seed=int(cfg.seed) * 1000, label="fit")
+        synchronize(device)
+        seconds = time.perf_counter() - started
+        metrics_row = test_metrics(fitted.predict, data, settings)
+        figure = _plot_held_out(fitted, data, settings, table, run_dir / "fit.png")
+        model, estimator, scaled = fitted.model, fitted.estimator, data
+        if cfg.fit.refit:
+            every = np.arange(len(table.y))
+            scaled = _to_device(table.split(every, every[:0]), device)
+            log.info("fit.refit=true: refitting on all %d rows for %s", len(every), FILE_NAME)
+            # the UCI protocol's uci.save_model refit draws from the same seed: one model for one table
+            refit = _fit(method, scaled, settings, device, seed=int(cfg.seed) + 10_000, label="refit")
+            model, estimator = refit.model, refit.estimator
+    metrics = {
+        "fit/test_rmse": metrics_row["rmse"],
+        "fit/test_ll": metrics_row["test_ll"],
+        "fit/coverage_90": metrics_row["coverage_90"],
+        "fit/coverage_50": metrics_row["coverage_50"],
+        "fit/noise_sd": fitted.noise_std * data.target_std,
+        "fit/train_rows": len(train),
+        "fit/test_rows": len(test),
+        "fit/validation_ll": None,
+        "fit/train_seconds": seconds,
+        "fit/iterations": fitted.iterations,
+        "fit/converged": float(fitted.converged or fitted.stopped_early),
+    }
+    how = (
+        f"L-BFGS, {fitted.iterations} iterations, {'converged' if fitted.converged else 'NOT converged (raise fit.max_iterations)'}"
+        if fitted.optimizer == "lbfgs"
+        else f"Adam, {fitted.iterations} epochs, {'stopped by validation' if fitted.stopped_early else 'reached trainer.epochs'}"
+    )
+    log.info(
+        "held-out: RMSE %s, log-likelihood %s per row, 90%% interval covers %.1f%% (50%%: %.1f%%); %s in %.1f s",
+        format_value(metrics["fit/test_rmse"]),
+        format_value(metrics["fit/test_ll"]),
+        100 * metrics["fit/coverage_90"],
+        100 * metrics["fit/coverage_50"],
+        how,
+        seconds,
+    )
+    frame = pd.DataFrame(
+        {
+            "held-out": [
+                f"{len(test)} of {len(table.y)} rows",
+                format_value(metrics["fit/test_rmse"]),
+                format_value(metrics["fit/test_ll"]),
+                f"{100 * metrics['fit/coverage_90']:.1f} %",
+                f"{100 * metrics['fit/coverage_50']:.1f} %",
+                format_value(metrics["fit/noise_sd"]),
+                how,
+            ]
+        },
+        index=[
+            "rows",
+            f"RMSE ({table.target})",
+            "log-likelihood per row",
+            "90 % interval coverage",
+            "50 % interval coverage",
+            "noise s.d. (learned)",
+            "training",
+        ],
+    )
+    data_frame = pd.DataFrame([metric_row(metrics)])
+    tables = write_table(
+        frame,
+        run_dir,
+        "fit",
+        caption=f"{method} on {table.name}: a random {100 * float(cfg.data.test_fraction):g} % of the rows held out "
+        f"(seed {cfg.data.seed}); units of {table.target}",
+        data=data_frame,
+    )
+    save_regression_model(run_dir, model, scaled, estimator.name, method)
+    return {"metrics": metrics, "tables": tables, "figures": {"fit": figure}, "device": device, "main_table": "fit.md"}
+
+
+def _plot_held_out(fitted: Fitted, data: RegressionData, cfg, table: RegressionTable, path: Path) -> str:
+    """Each held-out row's target against its predictive mean, with the central 90 % interval
+    (the fit's methods integrate every layer: the predictive is that Normal exactly)."""
+    chunk = rows_per_chunk(4 * max(list(cfg.model.hidden_sizes) + list(cfg.uci.deep_hidden_sizes)))
+
+    def moments(x):
+        prediction = fitted.model.predict(x, estimator=fitted.estimator).unscaled(data.target_mean, data.target_std)
+        return (prediction.mean, *prediction.interval(0.9))
+
+    with torch.no_grad():
+        mean, low, high = (t.cpu().numpy() for t in map_row_chunks(moments, data.x_test, chunk))
+    target = data.y_test.cpu().numpy() * data.target_std + data.target_mean
+    inside = (target >= low) & (target <= high)
+    fig, (ax,) = new_figure(1, width=3.6, height=3.4)
+    ax.errorbar(
+        target[inside],
+        mean[inside],
+        yerr=[mean[inside] - low[inside], high[inside] - mean[inside]],
+        fmt="o",
+        ms=2.5,
+        lw=0.6,
+        color="tab:blue",
+        label="interval covers the target",
+    )
+    ax.errorbar(
+        target[~inside],
+        mean[~inside],
+        yerr=[mean[~inside] - low[~inside], high[~inside] - mean[~inside]],
+        fmt="o",
+        ms=2.5,
+        lw=0.6,
+        color="tab:red",
+        label="interval misses it",
+    )
+    span = [min(target.min(), low.min()), max(target.max(), high.max())]
+    ax.plot(span, span, color="0.5", lw=0.6, ls="--", label="mean = target")
+    ax.set_xlabel(f"held-out {table.target}")
+    ax.set_ylabel("predictive mean, 90 % interval")
+    ax.legend(fontsize=6, loc="upper left")
+    caption(
+        fig,
+        f"{table.name}: {len(target)} held-out rows; the 90 % interval covers {100 * inside.mean():.0f} % "
+        f"(RMSE {format_value(math.sqrt(float(np.mean((mean - target) ** 2))))})",
+    )
+    return save_figure(fig, path)
+
+
+def metric_row(metrics: Dict[str, float]) -> Dict[str, float]:
+    """The ``fit/...`` metrics without their prefix (one row of ``fit.csv``)."""
+    return {key.split("/", 1)[1]: value for key, value in metrics.items() if key.startswith("fit/")}
