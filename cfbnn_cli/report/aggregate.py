@@ -38,7 +38,7 @@ import pandas as pd
 from ..runtime.errors import CfbnnError, DataError
 from ..runtime.io import atomic_write_text
 from .grouping import drop_duplicates, group_runs, run_seed, summarize
-from .records import collect, safe_name, skip_file
+from .records import collect, skip_file
 from .reproduction import paper_reproduction
 from .sections import FIGURES, TITLES, Section, plural, section_table, sections
 from .tables import write_table
@@ -62,32 +62,39 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
     used_names: set = set()
     built: List[Tuple[Section, pd.DataFrame]] = []
     for section in sections(runs):
-        table, keys = section_table(section)
-        if table.empty or len(table.columns) <= len(keys) + 2:  # only the group keys, runs and seeds: nothing to show
-            raise DataError(
-                f"cfbnn report: the {len(section.runs)} {section.key} runs under {path} have no metric to "
-                f"tabulate (e.g. {section.runs[0]['_path']})"
-            )
-        name = f"report_{safe_name(section.pipeline)}" + (f"_{safe_name(section.variant)}" if section.variant else "")
+        name = section.name
         while name in used_names:  # two odd names that clean up alike must not overwrite each other
             name += "_"
         used_names.add(name)
-        atomic_write_text(out / f"{name}.csv", summarize(section.runs).to_csv(index=False))
-        files = [f"{name}.csv"]
-        group_keys = [k for k in keys if not (section.kind == "table2" and k == "variant")]
-        n_groups = len(group_runs(section.runs, group_keys))
-        title = (
-            f"{section.key}: {TITLES[section.kind]}; {plural(len(section.runs), 'run')}"
-            + (f" in {n_groups} groups by {', '.join(group_keys)}" if group_keys else "")
-            + "; mean ± s.e. over the runs of a row (seeds are replicates)"
-        )
-        files += list(write_table(table, out, f"{name}_table", caption=title, index=False))
-        figure = FIGURES.get(section.kind)
-        if figure is not None and figure(section.runs, out / f"{name}.png"):
-            files.append(f"{name}.png")
+        files: List[str] = []
+        for suffix, kind in section.parts():
+            table, keys = section_table(section, kind)
+            if table.empty or len(table.columns) <= len(keys) + 2:  # only the group keys, runs and seeds
+                if suffix:  # an extra table with nothing in it is left out
+                    continue
+                raise DataError(
+                    f"cfbnn report: the {len(section.runs)} {section.key} runs under {path} have no metric to "
+                    f"tabulate (e.g. {section.runs[0]['_path']})"
+                )
+            stem = f"{name}{suffix}"
+            if not suffix:
+                atomic_write_text(out / f"{stem}.csv", summarize(section.runs).to_csv(index=False))
+                files.append(f"{stem}.csv")
+                built.append((section, table))
+            group_keys = [k for k in keys if not (kind == "table2" and k == "variant")]
+            n_groups = len(group_runs(section.runs, group_keys))
+            title = (
+                f"{section.key}{section.note}: {TITLES[kind]}; {plural(len(section.runs), 'run')}"
+                + (f" in {n_groups} groups by {', '.join(group_keys)}" if group_keys else "")
+                + "; mean ± s.e. over the runs of a row (seeds are replicates)"
+            )
+            part_files = list(write_table(table, out, f"{stem}_table", caption=title, index=False))
+            figure = FIGURES.get(kind)
+            if figure is not None and figure(section.runs, out / f"{stem}.png", keys):
+                part_files.append(f"{stem}.png")
+            files += part_files
+            print(f"{title}\n\n{table.to_markdown(index=False)}\n\n-> {', '.join(str(out / f) for f in part_files)}\n")
         written[section.key] = files
-        built.append((section, table))
-        print(f"{title}\n\n{table.to_markdown(index=False)}\n\n-> {', '.join(str(out / f) for f in files)}\n")
     if duplicates:
         print(
             f"{len(duplicates)} duplicate run(s) left out (same configuration and seed as a kept run); see the lines above\n"
