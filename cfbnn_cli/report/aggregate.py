@@ -12,10 +12,14 @@ pipeline and protocol.
   own s.e. over splits, and says so).
 * Runs with the same configuration *and* the same seed are duplicates, not
   replicates: the first (by path) is kept, the others are named and left out.
-* Pipeline tables: Table 1 (gradient variances and their ratio by layer and epoch),
-  the UCI protocol (method x test LL / RMSE), Table 2 (VAE variant x test LL and the
-  ELBO's terms), Figure 1 (MC by N_inner vs the deterministic prediction); any other
-  pipeline gets a table of its headline metrics. Figures where one helps.
+* Pipeline tables: Table 1 (gradient variances and their ratio by layer and epoch; and
+  its runs' test metrics), the UCI protocol (method x test LL / RMSE), Table 2 (VAE
+  variant x test LL and the ELBO's terms), Figure 1 (MC by N_inner vs the deterministic
+  prediction), a fit to one's own data (``train regression`` with ``protocol: fit``, and
+  Table 1's runs that measured no gradient variance: test RMSE, LL and 90 %-interval
+  coverage; ``train classification``: test accuracy and NLL) with a figure of them per
+  configuration; any other pipeline gets a table of its headline metrics. Figures where
+  one helps. Configurations are in numeric order (:func:`.grouping.value_order`).
 * ``--paper`` adds ``paper_reproduction.{md,csv}``: one row per claim of the paper (Table
   1's ratios at initialization, Table 2's ordering, Figure 1's deterministic vs MC-512)
   with the paper's number, cfbnn's from these runs, whether the runs show the effect,
@@ -23,7 +27,8 @@ pipeline and protocol.
 
 Written beside the runs (or under ``--out``): ``report_<name>.csv`` (long form: every
 metric's mean, s.e. and n per group), ``report_<name>_table.{csv,md,tex}`` and
-``report_<name>.png``. A corrupt ``results.json`` and a failed run are named and
+``report_<name>.png`` (Table 1's runs also ``report_<name>_test_metrics_table.*`` and
+``.png``; runs that measured no gradient variance are never named ``gradient_variance``). A corrupt ``results.json`` and a failed run are named and
 skipped; a path with none is an error, and so is a table that would come out empty.
 """
 
@@ -120,7 +125,8 @@ by the config keys whose values differ; seeds are replicates; a run repeating an
 seed is left out as a duplicate).
 
 Writes beside the runs (or under --out): report_<name>.csv (every metric's mean, s.e. and n per
-group), report_<name>_table.{csv,md,tex} and report_<name>.png. Unreadable records and failed runs
+group), report_<name>_table.{csv,md,tex} and report_<name>.png (a fit's: test RMSE, LL and
+90%-interval coverage, or accuracy and NLL, per configuration). Unreadable records and failed runs
 are named on stderr and skipped.
 
   cfbnn report outputs/train_regression/multirun/2026-11-27/10-00-00-000000
