@@ -12,10 +12,14 @@ pipeline and protocol.
   own s.e. over splits, and says so).
 * Runs with the same configuration *and* the same seed are duplicates, not
   replicates: the first (by path) is kept, the others are named and left out.
-* Pipeline tables: Table 1 (gradient variances and their ratio by layer and epoch),
-  the UCI protocol (method x test LL / RMSE), Table 2 (VAE variant x test LL and the
-  ELBO's terms), Figure 1 (MC by N_inner vs the deterministic prediction); any other
-  pipeline gets a table of its headline metrics. Figures where one helps.
+* Pipeline tables: Table 1 (gradient variances and their ratio by layer and epoch; and
+  its runs' test metrics), the UCI protocol (method x test LL / RMSE), Table 2 (VAE
+  variant x test LL and the ELBO's terms), Figure 1 (MC by N_inner vs the deterministic
+  prediction), a fit to one's own data (``train regression`` with ``protocol: fit``, and
+  Table 1's runs that measured no gradient variance: test RMSE, LL and 90 %-interval
+  coverage; ``train classification``: test accuracy and NLL) with a figure of them per
+  configuration; any other pipeline gets a table of its headline metrics. Figures where
+  one helps. Configurations are in numeric order (:func:`.grouping.value_order`).
 * ``--paper`` adds ``paper_reproduction.{md,csv}``: one row per claim of the paper (Table
   1's ratios at initialization, Table 2's ordering, Figure 1's deterministic vs MC-512)
   with the paper's number, cfbnn's from these runs, whether the runs show the effect,
@@ -23,7 +27,8 @@ pipeline and protocol.
 
 Written beside the runs (or under ``--out``): ``report_<name>.csv`` (long form: every
 metric's mean, s.e. and n per group), ``report_<name>_table.{csv,md,tex}`` and
-``report_<name>.png``. A corrupt ``results.json`` and a failed run are named and
+``report_<name>.png`` (Table 1's runs also ``report_<name>_test_metrics_table.*`` and
+``.png``; runs that measured no gradient variance are never named ``gradient_variance``). A corrupt ``results.json`` and a failed run are named and
 skipped; a path with none is an error, and so is a table that would come out empty.
 """
 
@@ -38,7 +43,7 @@ import pandas as pd
 from ..runtime.errors import CfbnnError, DataError
 from ..runtime.io import atomic_write_text
 from .grouping import drop_duplicates, group_runs, run_seed, summarize
-from .records import collect, safe_name, skip_file
+from .records import collect, skip_file
 from .reproduction import paper_reproduction
 from .sections import FIGURES, TITLES, Section, plural, section_table, sections
 from .tables import write_table
@@ -62,32 +67,39 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
     used_names: set = set()
     built: List[Tuple[Section, pd.DataFrame]] = []
     for section in sections(runs):
-        table, keys = section_table(section)
-        if table.empty or len(table.columns) <= len(keys) + 2:  # only the group keys, runs and seeds: nothing to show
-            raise DataError(
-                f"cfbnn report: the {len(section.runs)} {section.key} runs under {path} have no metric to "
-                f"tabulate (e.g. {section.runs[0]['_path']})"
-            )
-        name = f"report_{safe_name(section.pipeline)}" + (f"_{safe_name(section.variant)}" if section.variant else "")
+        name = section.name
         while name in used_names:  # two odd names that clean up alike must not overwrite each other
             name += "_"
         used_names.add(name)
-        atomic_write_text(out / f"{name}.csv", summarize(section.runs).to_csv(index=False))
-        files = [f"{name}.csv"]
-        group_keys = [k for k in keys if not (section.kind == "table2" and k == "variant")]
-        n_groups = len(group_runs(section.runs, group_keys))
-        title = (
-            f"{section.key}: {TITLES[section.kind]}; {plural(len(section.runs), 'run')}"
-            + (f" in {n_groups} groups by {', '.join(group_keys)}" if group_keys else "")
-            + "; mean ± s.e. over the runs of a row (seeds are replicates)"
-        )
-        files += list(write_table(table, out, f"{name}_table", caption=title, index=False))
-        figure = FIGURES.get(section.kind)
-        if figure is not None and figure(section.runs, out / f"{name}.png"):
-            files.append(f"{name}.png")
+        files: List[str] = []
+        for suffix, kind in section.parts():
+            table, keys = section_table(section, kind)
+            if table.empty or len(table.columns) <= len(keys) + 2:  # only the group keys, runs and seeds
+                if suffix:  # an extra table with nothing in it is left out
+                    continue
+                raise DataError(
+                    f"cfbnn report: the {len(section.runs)} {section.key} runs under {path} have no metric to "
+                    f"tabulate (e.g. {section.runs[0]['_path']})"
+                )
+            stem = f"{name}{suffix}"
+            if not suffix:
+                atomic_write_text(out / f"{stem}.csv", summarize(section.runs).to_csv(index=False))
+                files.append(f"{stem}.csv")
+                built.append((section, table))
+            group_keys = [k for k in keys if not (kind == "table2" and k == "variant")]
+            n_groups = len(group_runs(section.runs, group_keys))
+            title = (
+                f"{section.key}{section.note}: {TITLES[kind]}; {plural(len(section.runs), 'run')}"
+                + (f" in {n_groups} groups by {', '.join(group_keys)}" if group_keys else "")
+                + "; mean ± s.e. over the runs of a row (seeds are replicates)"
+            )
+            part_files = list(write_table(table, out, f"{stem}_table", caption=title, index=False))
+            figure = FIGURES.get(kind)
+            if figure is not None and figure(section.runs, out / f"{stem}.png", keys):
+                part_files.append(f"{stem}.png")
+            files += part_files
+            print(f"{title}\n\n{table.to_markdown(index=False)}\n\n-> {', '.join(str(out / f) for f in part_files)}\n")
         written[section.key] = files
-        built.append((section, table))
-        print(f"{title}\n\n{table.to_markdown(index=False)}\n\n-> {', '.join(str(out / f) for f in files)}\n")
     if duplicates:
         print(
             f"{len(duplicates)} duplicate run(s) left out (same configuration and seed as a kept run); see the lines above\n"
@@ -113,7 +125,8 @@ by the config keys whose values differ; seeds are replicates; a run repeating an
 seed is left out as a duplicate).
 
 Writes beside the runs (or under --out): report_<name>.csv (every metric's mean, s.e. and n per
-group), report_<name>_table.{csv,md,tex} and report_<name>.png. Unreadable records and failed runs
+group), report_<name>_table.{csv,md,tex} and report_<name>.png (a fit's: test RMSE, LL and
+90%-interval coverage, or accuracy and NLL, per configuration). Unreadable records and failed runs
 are named on stderr and skipped.
 
   cfbnn report outputs/train_regression/multirun/2026-11-27/10-00-00-000000

@@ -82,13 +82,39 @@ def group_value(value, key: str = "") -> str:
     return str(value)
 
 
+def value_order(value) -> tuple:
+    """A sort key that puts config values in numeric order: numbers by value (``1e-05`` before
+    ``0.001``, ``20`` before ``100``), lists element by element (a flattened list is its JSON text:
+    ``[50]`` before ``[50, 50]`` before ``[200, 200]``), then text, then a missing value."""
+    if value is None or value == MISSING:
+        return (3,)
+    if isinstance(value, (bool, int, float)):
+        return (0, float(value))
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, list):
+            return (1, tuple(value_order(item) for item in parsed))
+    if isinstance(value, list):
+        return (1, tuple(value_order(item) for item in value))
+    return (2, str(value))
+
+
 def group_runs(runs: Sequence[dict], keys: Sequence[str]) -> List[Tuple[Dict[str, str], List[dict]]]:
-    """``[(group key values, runs)]`` in sorted order; a key a run lacks reads ``—``."""
+    """``[(group key values, runs)]`` in order of the values (:func:`value_order`: numbers and lists
+    of numbers numerically); a key a run lacks reads ``—``."""
     groups: Dict[Tuple[str, ...], List[dict]] = {}
+    order: Dict[Tuple[str, ...], tuple] = {}
     for run in runs:
         flat = run_config(run)
-        groups.setdefault(tuple(group_value(flat.get(k), k) for k in keys), []).append(run)
-    return [(dict(zip(keys, values)), groups[values]) for values in sorted(groups)]
+        values = tuple(group_value(flat.get(k), k) for k in keys)
+        groups.setdefault(values, []).append(run)
+        order.setdefault(
+            values, tuple(value_order(v if k.endswith("#content") else flat.get(k)) for k, v in zip(keys, values))
+        )
+    return [(dict(zip(keys, values)), groups[values]) for values in sorted(groups, key=lambda v: (order[v], v))]
 
 
 def run_seed(run):

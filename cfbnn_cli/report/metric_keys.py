@@ -6,7 +6,17 @@ layout are in :mod:`.table1_schema`.
   ``uci/compare/<closed form>_vs_<peer>/...``;
 * ``vae/<variant>/<name>``: Table 2, per variant ``v1``-``v3`` (``test_ll``, ...);
 * ``monte_carlo/N<n>/<name>`` and ``deterministic/<name>``: Figure 1, Monte Carlo prediction with
-  ``n`` inner samples (``top1_mean``, ...) and the deterministic prediction (``top1``, ...).
+  ``n`` inner samples (``top1_mean``, ...) and the deterministic prediction (``top1``, ...);
+* ``fit/<name>``: a fit to one's own data, ``train regression`` with ``protocol: fit``
+  (:data:`FIT_REGRESSION_KEYS`) and ``train classification`` (:data:`FIT_CLASSIFICATION_KEYS`);
+* ``final_<name>`` and ``calibration/coverage_<percent>``: Table 1's runs (``protocol:
+  gradient_variance``), the training loop's last evaluation (``final_test_rmse``,
+  ``final_test_ll_closed_form``, ...) and the share of test targets inside the predictive's central
+  intervals.
+
+:data:`REGRESSION_HEADLINES` and :data:`CLASSIFICATION_HEADLINES` name the headline metrics
+``cfbnn report`` tabulates and draws for such runs, each with the keys that hold it, first found
+first.
 """
 
 from __future__ import annotations
@@ -33,6 +43,73 @@ def monte_carlo_key(inner_samples: int, name: str) -> str:
 
 def deterministic_key(name: str) -> str:
     return f"deterministic/{name}"
+
+
+def fit_key(name: str) -> str:
+    """``fit/<name>``: a metric of a fit to one's own data (regression or classification)."""
+    return f"fit/{name}"
+
+
+FIT_REGRESSION_KEYS = tuple(
+    fit_key(name)
+    for name in (
+        "test_rmse",  # in the target's units
+        "test_ll",  # mean log-likelihood per held-out row, in the target's units
+        "coverage_90",  # share of held-out targets inside the central 90 % predictive interval
+        "coverage_50",
+        "train_rows",
+        "test_rows",
+        "validation_ll",  # may be None (no validation split)
+        "train_seconds",
+        "iterations",
+        "converged",  # 1 or 0
+    )
+)
+FIT_CLASSIFICATION_KEYS = tuple(
+    fit_key(name)
+    for name in (
+        "test_accuracy",
+        "test_nll",  # mean negative log-likelihood per held-out row
+        "train_rows",
+        "test_rows",
+        "classes",
+        "train_seconds",
+        "iterations",
+        "converged",
+    )
+)
+
+
+def final_key(name: str) -> str:
+    """``final_<name>``: the training loop's last evaluation in a Table 1 run (``final_test_rmse``)."""
+    return f"final_{name}"
+
+
+def coverage_key(percent: int) -> str:
+    """``calibration/coverage_<percent>``: a Table 1 run's share of test targets inside the central
+    ``percent`` % predictive interval."""
+    return f"calibration/coverage_{percent}"
+
+
+# headline metric -> the keys that hold it, the first one present in a run's metrics is read
+REGRESSION_HEADLINES = {
+    "test_rmse": (fit_key("test_rmse"), final_key("test_rmse")),
+    "test_ll": (fit_key("test_ll"), final_key("test_ll_closed_form")),
+    "coverage_90": (fit_key("coverage_90"), coverage_key(90)),
+}
+CLASSIFICATION_HEADLINES = {
+    "test_accuracy": (fit_key("test_accuracy"),),
+    "test_nll": (fit_key("test_nll"),),
+}
+CONVERGED_KEYS = (fit_key("converged"), "train/converged")  # 1 converged, 0 not
+
+
+def headline_value(metrics, keys):
+    """The value of the first of ``keys`` that ``metrics`` holds (``None`` where none is)."""
+    for key in keys:
+        if key in metrics:
+            return metrics[key]
+    return None
 
 
 def uci_methods(metric_names: Iterable[str]) -> List[str]:

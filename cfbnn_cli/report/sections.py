@@ -1,5 +1,6 @@
 """The report's sections: one table (and a figure where one helps) per pipeline and protocol --
-Table 1, the UCI protocol, Table 2, Figure 1, and a generic table of headline metrics."""
+Table 1, the UCI protocol, Table 2, Figure 1, the test metrics of a fit (regression: test RMSE, LL and
+90 %-interval coverage; classification: accuracy and NLL), and a generic table of headline metrics."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from . import paper as paper_values
 from . import table1_schema
 from .figures import caption, legend_below, new_figure, save_figure
 from .grouping import Stat, group_runs, metric_stat, seeds_text, stat, swept_keys
 from .metric_keys import (
+    CLASSIFICATION_HEADLINES,
+    CONVERGED_KEYS,
+    REGRESSION_HEADLINES,
     deterministic_key,
+    headline_value,
     monte_carlo_key,
     monte_carlo_sizes,
     uci_key,
@@ -24,10 +30,11 @@ from .metric_keys import (
     vae_variants,
 )
 from .numbers import format_mean_se, format_value
-from .records import MISSING
+from .records import MISSING, safe_name
 
 # a pipeline's protocols are separate tables
 VARIANT_KEYS = {"train_regression": "protocol"}
+GRADIENT_VARIANCE = "gradient_variance"  # Table 1's protocol: its runs that measured nothing are not a Table 1
 COMMAND_WORDS = {"train_regression": "train regression", "vae": "vae", "imagenet_predict": "imagenet-predict"}
 
 
@@ -73,17 +80,23 @@ def epoch_heading(epoch: int, runs) -> str:
 
 def table1_table(runs, keys) -> pd.DataFrame:
     """Table 1 over runs (:mod:`.table1_schema`): rows (group, the paper's two estimators and their
-    ratio), columns epoch x layer, cells "weight means / log σ" as mean ± s.e. over seeds (the
-    ratio: of the per-run ratios)."""
+    ratio), columns epoch x layer (the headings over all the runs, so that every group has the same
+    columns), cells "weight means / log σ" as mean ± s.e. over seeds (the ratio: of the per-run
+    ratios); ``—`` where a measurement has no value, empty where a group's runs did not measure it
+    (a layer their network does not have)."""
     epochs, layers = gradvar_layout(runs)
+    headings = {epoch: epoch_heading(epoch, runs) for epoch in epochs}  # one set of columns for every group
     rows = []
     for group, members in group_runs(runs, keys):
+        measured = {m for run in members for m in run["metrics"]}
+
+        def cell(key, members=members, measured=measured):
+            if key not in measured:  # a layer or epoch this group's runs do not have: an empty cell
+                return ""
+            return metric_stat(members, key).text(sig=table1_schema.DIGITS) or MISSING
+
         body = table1_schema.table_rows(
-            [*table1_schema.PAPER_ESTIMATORS, table1_schema.RATIO],
-            epochs,
-            layers,
-            lambda epoch: epoch_heading(epoch, members),
-            lambda key: metric_stat(members, key).text(sig=table1_schema.DIGITS) or MISSING,
+            [*table1_schema.PAPER_ESTIMATORS, table1_schema.RATIO], epochs, layers, headings.__getitem__, cell
         )
         for label, columns in body:
             rows.append({**group, "Estimator": label, **columns, "runs": len(members), "seeds": seeds_text(members)})
@@ -109,6 +122,69 @@ def uci_table(runs, keys) -> pd.DataFrame:
             row.update({"runs": len(members), "seeds": seeds_text(members)})
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+HEADLINE_LABELS = {
+    "test_rmse": "Test RMSE",
+    "test_ll": "Test LL",
+    "coverage_90": "90 %-interval coverage",
+    "test_accuracy": "Test accuracy",
+    "test_nll": "Test NLL",
+}
+# a headline figure's panel: its title and what its axis measures
+HEADLINE_PANELS = {
+    "test_rmse": ("Test RMSE (lower is better)", "target units"),
+    "test_ll": ("Test LL (higher is better)", "nats per test row, target units"),
+    "coverage_90": ("90 %-interval coverage", "share of test targets inside\n(dotted: 0.9, calibrated)"),
+    "test_accuracy": ("Test accuracy (higher is better)", "share of test rows"),
+    "test_nll": ("Test NLL (lower is better)", "nats per test row"),
+}
+HEADLINES = {"regression": REGRESSION_HEADLINES, "classification": CLASSIFICATION_HEADLINES}
+
+
+def headline_stat(runs, keys) -> Stat:
+    """Mean ± s.e. over ``runs`` of the metric the first of ``keys`` present in each run holds."""
+    return stat(headline_value(run["metrics"], keys) for run in runs)
+
+
+def present_headlines(runs, kind: str) -> Dict[str, Tuple[str, ...]]:
+    """The headline metrics of ``kind`` (``regression``/``classification``) that some run has a value for."""
+    return {
+        name: keys
+        for name, keys in HEADLINES[kind].items()
+        if any(headline_value(run["metrics"], keys) is not None for run in runs)
+    }
+
+
+def converged_text(runs) -> str:
+    """``"k of n"``: of the runs that judged convergence, how many had converged (``""``: none judged)."""
+    judged = [v for run in runs if (v := headline_value(run["metrics"], CONVERGED_KEYS)) is not None]
+    return f"{sum(1 for v in judged if v == 1)} of {len(judged)}" if judged else ""
+
+
+def headline_table(runs, keys, kind: str) -> pd.DataFrame:
+    """A fit's test metrics over runs: rows (group), columns the headline metrics of ``kind`` as
+    mean ± s.e. over the runs (seeds) of a row, how many of them converged, runs and seeds."""
+    headlines = present_headlines(runs, kind)
+    judged = any(headline_value(run["metrics"], CONVERGED_KEYS) is not None for run in runs)
+    rows = []
+    for group, members in group_runs(runs, keys):
+        row = dict(group)
+        for name, metric_keys in headlines.items():
+            row[HEADLINE_LABELS[name]] = headline_stat(members, metric_keys).text()
+        if judged:
+            row["Converged"] = converged_text(members)
+        row.update({"runs": len(members), "seeds": seeds_text(members)})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def regression_table(runs, keys) -> pd.DataFrame:
+    return headline_table(runs, keys, "regression")
+
+
+def classification_table(runs, keys) -> pd.DataFrame:
+    return headline_table(runs, keys, "classification")
 
 
 VAE_COLUMNS = (
@@ -218,7 +294,7 @@ def describe_runs(runs) -> str:
 PAPER_LATE_EPOCH = 50  # the paper's Table 1 "after training" column
 
 
-def figure_table1(runs, path) -> Optional[str]:
+def figure_table1(runs, path, keys: Sequence[str] = ()) -> Optional[str]:
     epochs, layers = gradvar_layout(runs)
     if not epochs:
         return None
@@ -286,7 +362,7 @@ def _errorbar(ax, x, stats: Sequence[Stat], **style):
     return ax.errorbar(x, [s.mean for s in stats], yerr=[s.se or 0.0 for s in stats], **style)
 
 
-def figure_vae(runs, path) -> Optional[str]:
+def figure_vae(runs, path, keys: Sequence[str] = ()) -> Optional[str]:
     variants = sorted({v for run in runs for v in vae_variants_of(run)})
     if not variants:
         return None
@@ -314,7 +390,7 @@ def figure_vae(runs, path) -> Optional[str]:
     return save_figure(fig, path)
 
 
-def figure_figure1(runs, path) -> Optional[str]:
+def figure_figure1(runs, path, keys: Sequence[str] = ()) -> Optional[str]:
     inner = inner_samples_of(runs)
     if not inner:
         return None
@@ -355,6 +431,71 @@ def figure_figure1(runs, path) -> Optional[str]:
     return save_figure(fig, path)
 
 
+def headline_figure(runs, path, keys: Sequence[str], kind: str) -> Optional[str]:
+    """One panel per headline metric (regression: test RMSE, test LL, 90 %-interval coverage;
+    classification: accuracy, NLL), one row per configuration (group of ``keys``), in the table's
+    order: mean ± s.e. over the runs (seeds) of the group, and each run as an open circle."""
+    headlines = present_headlines(runs, kind)
+    if not headlines:
+        return None
+    groups = group_runs(runs, keys)
+    labels = [", ".join(group.values()) or "all runs" for group, _ in groups]
+    longest = max(len(label) for label in labels)
+    panels = len(headlines)
+    fig, axes = new_figure(
+        panels, width=max(2.3 * panels + 0.07 * longest, 4.5), height=1.6 + 0.3 * len(groups), sharey=True
+    )
+    rows = list(range(len(groups)))
+    for ax, (name, metric_keys) in zip(axes, headlines.items()):
+        stats = [headline_stat(members, metric_keys) for _, members in groups]
+        ax.errorbar(
+            [s.mean for s in stats],
+            rows,
+            xerr=[s.se or 0.0 for s in stats],
+            fmt="s",
+            ms=5,
+            capsize=3,
+            color="C0",
+            label="mean ± s.e. over the runs (seeds)",
+        )
+        for row, s in zip(rows, stats):
+            ax.plot(
+                s.values,
+                [row + 0.22] * len(s.values),
+                "o",
+                ms=3,
+                mfc="none",
+                color="0.35",
+                label="one run (seed)" if row == 0 else None,
+            )
+        if name == "coverage_90":  # the nominal level, inside the axis with a margin
+            ax.axvline(0.9, color="0.5", ls=":", lw=1)
+            low, high = ax.get_xlim()
+            low, high = min(low, 0.9), max(high, 0.9)
+            ax.set_xlim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # tick labels that do not run into each other
+        title, unit = HEADLINE_PANELS[name]
+        ax.set_title(title)
+        ax.set_xlabel(unit)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(rows)
+    axes[0].set_yticklabels(labels)
+    axes[0].set_ylim(len(groups) - 0.5, -0.5)  # the first configuration on top, as in the table
+    if keys:
+        axes[0].set_ylabel(", ".join(keys))
+    legend_below(fig, axes, ncol=3)
+    caption(fig, f"Test metrics per configuration; {describe_runs(runs)}")
+    return save_figure(fig, path)
+
+
+def figure_regression(runs, path, keys: Sequence[str] = ()) -> Optional[str]:
+    return headline_figure(runs, path, keys, "regression")
+
+
+def figure_classification(runs, path, keys: Sequence[str] = ()) -> Optional[str]:
+    return headline_figure(runs, path, keys, "classification")
+
+
 # ----------------------------------------------------------------------------- one table per pipeline variant
 
 
@@ -371,6 +512,20 @@ class Section:
         return self.pipeline if self.variant is None else f"{self.pipeline}/{self.variant}"
 
     @property
+    def name(self) -> str:
+        """The report's files for this section are ``<name>.csv``, ``<name>_table.*``, ..."""
+        return f"report_{safe_name(self.pipeline)}" + (f"_{safe_name(self.variant)}" if self.variant else "")
+
+    @property
+    def note(self) -> str:
+        """What the title adds: runs of Table 1's protocol that measured no gradient variance say so."""
+        if self.variant is None and any(
+            run.get("config", {}).get("protocol") == GRADIENT_VARIANCE for run in self.runs
+        ):
+            return " (protocol gradient_variance; no gradient variance measured)"
+        return ""
+
+    @property
     def kind(self) -> str:
         metrics = {m for run in self.runs for m in run["metrics"]}
         if self.pipeline == "vae" and vae_variants(metrics):
@@ -381,14 +536,34 @@ class Section:
             return "table1"
         if self.pipeline == "train_regression" and uci_methods(metrics):
             return "uci"
+        for kind in ("regression", "classification"):
+            if present_headlines(self.runs, kind):
+                return kind
         return "generic"
+
+    def parts(self) -> List[Tuple[str, str]]:
+        """``(file-name suffix, kind)`` of each table the section writes: its own, and for Table 1's
+        runs also their test metrics (``_test_metrics``)."""
+        parts = [("", self.kind)]
+        if self.kind == "table1" and present_headlines(self.runs, "regression"):
+            parts.append(("_test_metrics", "regression"))
+        return parts
+
+
+def measured_gradient_variance(run) -> bool:
+    return bool(table1_schema.layout(run["metrics"])[0])
 
 
 def sections(runs: Sequence[dict]) -> List[Section]:
+    """The runs by pipeline and protocol. Runs of Table 1's protocol that measured no gradient
+    variance (``gradient_variance.epochs=[]``) are a section of their own, under no protocol name:
+    their test metrics, not a Table 1 of empty cells."""
     out: Dict[Tuple[str, Optional[str]], List[dict]] = {}
     for run in runs:
         key = VARIANT_KEYS.get(run["pipeline"])
         variant = run.get("config", {}).get(key) if key else None
+        if variant == GRADIENT_VARIANCE and not measured_gradient_variance(run):
+            variant = None
         out.setdefault((run["pipeline"], None if variant is None else str(variant)), []).append(run)
     return [Section(p, v, out[(p, v)]) for p, v in sorted(out, key=lambda pv: (pv[0], pv[1] or ""))]
 
@@ -398,21 +573,39 @@ TABLE_BUILDERS = {
     "uci": uci_table,
     "table2": vae_table,
     "figure1": figure1_table,
+    "regression": regression_table,
+    "classification": classification_table,
     "generic": generic_table,
 }
-FIGURES = {"table1": figure_table1, "table2": figure_vae, "figure1": figure_figure1}
+FIGURES = {
+    "table1": figure_table1,
+    "table2": figure_vae,
+    "figure1": figure_figure1,
+    "regression": figure_regression,
+    "classification": figure_classification,
+}
 TITLES = {
     "table1": "Table 1, gradient variance",
     "uci": "UCI protocol",
     "table2": "Table 2, VAE",
     "figure1": "Figure 1, Monte Carlo vs deterministic prediction",
+    "regression": "test metrics",
+    "classification": "test metrics",
     "generic": "headline metrics",
 }
 
 
-def section_table(section: Section) -> Tuple[pd.DataFrame, List[str]]:
+def section_keys(section: Section) -> List[str]:
+    """The config keys that group the section's runs (not its protocol, which names the section)."""
     keys = swept_keys(section.runs)
     if section.variant is not None:
         keys = [k for k in keys if k != VARIANT_KEYS[section.pipeline]]
-    table = TABLE_BUILDERS[section.kind](section.runs, keys)
-    return table, keys
+    return keys
+
+
+def section_table(section: Section, kind: Optional[str] = None) -> Tuple[pd.DataFrame, List[str]]:
+    """The table of ``kind`` (default: the section's own) over the section's runs, and its group keys;
+    a cell no group has a value for is empty."""
+    keys = section_keys(section)
+    table = TABLE_BUILDERS[kind or section.kind](section.runs, keys)
+    return table.fillna(""), keys

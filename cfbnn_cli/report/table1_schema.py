@@ -62,7 +62,8 @@ def metrics_from_results(results: Dict[int, dict]) -> Dict[str, Optional[float]]
 
 
 def layout(metric_names: Iterable[str]) -> Tuple[List[int], List[str]]:
-    """The epochs (sorted) and layers (first seen first) that metric keys cover."""
+    """The epochs (sorted) and layers (first seen first, ``final`` last: the keys of a one-hidden-layer
+    network, ``first`` and ``final``, may come before a deeper one's ``second``) that metric keys cover."""
     epochs, layers = set(), []
     for name in metric_names:
         match = _KEY.fullmatch(name)
@@ -70,7 +71,7 @@ def layout(metric_names: Iterable[str]) -> Tuple[List[int], List[str]]:
             epochs.add(int(match["epoch"]))
             if match["layer"] not in layers:
                 layers.append(match["layer"])
-    return sorted(epochs), layers
+    return sorted(epochs), sorted(layers, key=lambda layer: (layer == "final", layers.index(layer)))
 
 
 def epoch_heading(epoch: int, last_epoch: Optional[int], converged: Optional[float]) -> str:
@@ -105,7 +106,8 @@ def table_rows(
     cell: Callable[[str], str],
 ) -> List[Tuple[str, Dict[str, str]]]:
     """Table 1's body: for each row (an estimator or :data:`RATIO`) its label and ``{column
-    heading: "weight means / log σ"}``, each half ``cell(metric key)``."""
+    heading: "weight means / log σ"}``, each half ``cell(metric key)``; a cell whose halves are both
+    empty (a layer the network does not have) is empty."""
     epochs, layers = list(epochs), list(layers)
     body = []
     for row in rows:
@@ -113,8 +115,7 @@ def table_rows(
         for epoch in epochs:
             when = heading(epoch)
             for layer in layers:
-                columns[column_heading(when, layer)] = " / ".join(
-                    cell(row_key(row, epoch, layer, kind)) for kind in KINDS
-                )
+                halves = [cell(row_key(row, epoch, layer, kind)) for kind in KINDS]
+                columns[column_heading(when, layer)] = " / ".join(halves) if any(halves) else ""
         body.append((RATIO_LABEL if row == RATIO else ESTIMATOR_LABELS[row], columns))
     return body

@@ -55,8 +55,8 @@ def test_report_on_hand_made_runs_gives_the_known_mean_and_standard_error(tmp_pa
     assert rmse.loc["sampling", "se"] == pytest.approx(math.sqrt(8.0) / math.sqrt(2))
     table = pd.read_csv(tmp_path / "report_train_regression_table.csv").set_index("estimator.name")
     # s.e. 1.1547 keeps two digits (leading 1), the mean follows; 2.0 likewise
-    assert table.loc["analytic", "final_test_rmse"] == "3.0 ± 1.2"
-    assert table.loc["sampling", "final_test_rmse"] == "12.0 ± 2.0"
+    assert table.loc["analytic", "Test RMSE"] == "3.0 ± 1.2"
+    assert table.loc["sampling", "Test RMSE"] == "12.0 ± 2.0"
     assert list(table["runs"]) == [3, 2] and list(table["seeds"]) == ["0,1,2", "0,1"]
     assert "5 runs in 2 groups by estimator.name" in out.out  # the count printed is the table's
     assert "report_train_regression_table.tex" in written["train_regression"]
@@ -190,8 +190,8 @@ def test_runs_on_different_data_files_are_groups_not_replicates(tmp_path, capsys
     report(tmp_path)
     assert "3 runs in 2 groups by data.path#content" in capsys.readouterr().out
     table = pd.read_csv(tmp_path / "report_train_regression_table.csv").set_index("data.path#content")
-    assert table.loc["120:aaaa1111", "final_test_rmse"] == "2.0 ± 1.0" and table.loc["120:aaaa1111", "runs"] == 2
-    assert table.loc["98:cccc3333d", "final_test_rmse"] == "50.00" and table.loc["98:cccc3333d", "runs"] == 1
+    assert table.loc["120:aaaa1111", "Test RMSE"] == "2.0 ± 1.0" and table.loc["120:aaaa1111", "runs"] == 2
+    assert table.loc["98:cccc3333d", "Test RMSE"] == "50.00" and table.loc["98:cccc3333d", "runs"] == 1
 
 
 def test_keys_that_follow_the_seed_are_replicates_not_factors():
