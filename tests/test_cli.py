@@ -16,11 +16,11 @@ def test_help_lists_subcommands(cfbnn):
     out = cfbnn("--help")
     assert out.returncode == 0
     commands = out.stdout.split("commands:")[1].split("Everything after")[0]  # the command list itself
-    for sub in ("train regression", "vae", "imagenet-predict", "report PATH"):
+    for sub in ("train regression", "train classification", "vae", "imagenet-predict", "report PATH"):
         assert f"\n  {sub} " in commands, sub
 
 
-@pytest.mark.parametrize("args", [["nope"], ["train"], ["train", "classification"], []])
+@pytest.mark.parametrize("args", [["nope"], ["train"], ["train", "clustering"], []])
 def test_unknown_or_incomplete_subcommand_exits_2_with_usage(args, cfbnn):
     out = cfbnn(*args)
     assert out.returncode == 2
@@ -68,7 +68,7 @@ def test_config_groups_and_keys_switch():
         ),
         (
             "train regression",
-            ["protocol: gradient_variance, uci", "estimator", "experiment: paper_table1, uci"],
+            ["protocol: fit, gradient_variance, uci", "estimator", "experiment: paper_table1, uci"],
             ["paper_table2", "variant", "digits", "head_small"],
         ),
         (

@@ -180,6 +180,12 @@ def _count(value, path, field, low=0, high=MAX_WIDTH) -> int:
     return value
 
 
+def _choice(value, allowed, path, field: str):
+    if not isinstance(value, str) or value not in allowed:
+        raise _problem(path, field, f"is {str(value)[:40]!r}, not one of {sorted(allowed)}")
+    return value
+
+
 def _checked_architecture(a, path) -> dict:
     if not isinstance(a, dict):
         raise _problem(path, "`architecture`", "is missing or not a mapping")
@@ -199,19 +205,18 @@ def _checked_architecture(a, path) -> dict:
     widths = [a["input_dim"]] + sizes + [a["output_dim"]]
     if sum((i + 1) * o for i, o in zip(widths[:-1], widths[1:])) * 2 > MAX_PARAMETERS:
         raise _problem(path, "architecture", f"asks for more than {MAX_PARAMETERS:,} parameters")
-    if a["activation"] not in ACTIVATIONS:
-        raise _problem(
-            path, "architecture.activation", f"is {str(a['activation'])[:40]!r}, not one of {sorted(ACTIVATIONS)}"
-        )
-    if a["likelihood"] not in _LIKELIHOODS:
-        raise _problem(path, "architecture.likelihood", f"is {str(a['likelihood'])[:40]!r}, not one of {_LIKELIHOODS}")
+    _choice(a["activation"], ACTIVATIONS, path, "architecture.activation")
+    _choice(a["likelihood"], _LIKELIHOODS, path, "architecture.likelihood")
     covariance = a["covariance"]
-    if not isinstance(covariance, list) or any(c not in _COVARIANCES for c in covariance):
+    if not isinstance(covariance, list) or not all(isinstance(c, str) and c in _COVARIANCES for c in covariance):
         raise _problem(path, "architecture.covariance", f"is {str(covariance)[:40]!r}, not a list of {_COVARIANCES}")
     _count(a.get("point_layers", 0), path, "architecture.point_layers", 0, len(widths) - 1)
     _count(a.get("rank", 10), path, "architecture.rank", 1)
-    if a.get("objective", "approximation") not in CLASSIFICATION_OBJECTIVES:
-        raise _problem(path, "architecture.objective", "is not a classification objective")
+    _choice(a.get("objective", "approximation"), CLASSIFICATION_OBJECTIVES, path, "architecture.objective")
+    for key in ("output_bias", "learn_precision"):
+        if not isinstance(a.get(key, True), bool):
+            raise _problem(path, f"architecture.{key}", "is not true/false")
+    _choice(a.get("prior", "fixed"), ("fixed", "empirical_bayes"), path, "architecture.prior")
     scale = a.get("prior_scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise _problem(path, "architecture.prior_scale", f"is {str(scale)[:40]!r}, not a positive number")
@@ -244,6 +249,11 @@ def _names(value, path, field: str, count: int) -> Optional[List[str]]:
     if not isinstance(value, list) or len(value) != count or not all(isinstance(v, str) for v in value):
         raise _problem(path, field, f"is not a list of {count} names")
     return value
+
+
+def _text(value) -> str:
+    """A free-text field (a name), kept short; anything else is shown as empty."""
+    return value[:200] if isinstance(value, str) else ""
 
 
 def _likelihood(a):
@@ -310,19 +320,23 @@ def load_model(path, map_location="cpu") -> SavedModel:
         record = load_checkpoint(path, map_location=map_location, what="model file")
     except CheckpointError as error:  # its message says what failed; here nothing is resumed, so no resume hint
         raise DataError(str(error).split("; nothing was run", 1)[0] + "; retrain, or point at another file") from None
-    kind = record.get("format")
-    if kind == LEGACY_FORMAT and record.get("version") == 1:
+    kind, version = record.get("format"), record.get("version")
+    kind = kind if isinstance(kind, str) else None  # a damaged header may hold anything
+    version = version if isinstance(version, int) and not isinstance(version, bool) else None
+    if kind == LEGACY_FORMAT and version == 1:
         record = dict(record, task="regression", classes=None)
     elif kind != FORMAT:
         raise DataError(f"{path} is not a cfbnn model file (written by save_model or `cfbnn train`)")
-    elif record.get("version") != VERSION:
+    elif version != VERSION:
         raise DataError(
             f"{path} has model-file version {str(record.get('version'))[:20]!r}; this cfbnn reads {VERSION}"
         )
     a = _checked_architecture(record.get("architecture"), path)
     task = record.get("task")
-    if task not in ("regression", "classification") or (task == "classification") != (
-        a["likelihood"] in ("softmax", "logistic")
+    if (
+        not isinstance(task, str)
+        or task not in ("regression", "classification")
+        or (task == "classification") != (a["likelihood"] in ("softmax", "logistic"))
     ):
         raise _problem(path, "`task`", f"{str(task)[:40]!r} does not match its likelihood {a['likelihood']}")
     scaling = _checked_scaling(record.get("scaling"), path, a["input_dim"])
@@ -351,9 +365,7 @@ def load_model(path, map_location="cpu") -> SavedModel:
         raise _problem(path, "`state_dict`", f"does not fit the recorded architecture ({reason[:160]})") from None
     network.to(map_location).eval()
     count = 2 if a["likelihood"] == "logistic" else a["output_dim"]
-    estimator = record.get("estimator", "analytic")
-    if estimator not in ESTIMATORS:
-        raise _problem(path, "`estimator`", f"is {str(estimator)[:40]!r}, not one of {ESTIMATORS}")
+    estimator = _choice(record.get("estimator", "analytic"), ESTIMATORS, path, "`estimator`")
     return SavedModel(
         network=network,
         task=task,
@@ -362,9 +374,9 @@ def load_model(path, map_location="cpu") -> SavedModel:
         target_mean=float(scaling["target_mean"]),
         target_std=float(scaling["target_std"]),
         columns=_names(record.get("columns"), path, "`columns`", a["input_dim"]),
-        target=str(record.get("target", "y"))[:200],
+        target=_text(record.get("target", "y")),
         classes=_names(record.get("classes"), path, "`classes`", count) if task == "classification" else None,
         estimator=estimator,
-        method=str(record.get("method", ""))[:200],
-        data=str(record.get("data", ""))[:200],
+        method=_text(record.get("method", "")),
+        data=_text(record.get("data", "")),
     )

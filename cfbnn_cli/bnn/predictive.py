@@ -101,11 +101,14 @@ def class_distribution(
     """``p(class | x)`` of a categorical ``model`` as a ``torch.distributions.Categorical``
     (``.probs`` ``(N, K)``; a logistic network's two classes are ``[0, 1]``).
 
-    The probabilities are the variance-corrected softmax implied by eq. (38),
-    ``softmax(y_hat + log(1 + var/2))`` of the logits' moments
-    (:func:`~.classification.approximate_class_probabilities`): exact moments where every
-    Gaussian layer is integrated under ``estimator``, else averaged over ``num_samples``
-    draws of the sampled layers.
+    The probabilities are eq. (38)'s variance-corrected softmax of the logits' moments,
+    ``softmax(y_hat + log(1 + var/2))`` (:func:`~.classification.approximate_class_probabilities`,
+    as ``cfbnn imagenet-predict`` uses): exact moments where every Gaussian layer is integrated
+    under ``estimator``, else averaged over ``num_samples`` draws of the sampled layers. It
+    approximates the predictive ``E_q[softmax(y)]``; on the digits classifier that ``cfbnn train
+    classification`` fits it is closer to a 4,000-draw Monte Carlo over the weights (mean absolute
+    difference 0.015) than the probit approximation ``softmax(y_hat / sqrt(1 + pi var / 8))``
+    (0.023), whose test NLL there is 0.35 against 0.13 (docs/library.md).
     """
     if not isinstance(model.likelihood, CategoricalLikelihood):
         raise ValueError(

@@ -216,6 +216,10 @@ def read_table(
     header = header[offset:]
     _check_names(path, header)
     columns = _chosen_columns(path, header, target, features, drop)
+    if not columns and header == [target]:
+        raise DataError(
+            f"{path} holds only the target `{target}`: no feature column to learn from; add the input columns to the file"
+        )
     if not columns:
         raise DataError(f"{path}: no feature column is left beside the target `{target}`; keep at least one")
     where = str(path)

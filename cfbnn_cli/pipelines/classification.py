@@ -46,6 +46,7 @@ from ..data.classification import (
 from ..data.tabular import MISSING_POLICIES, held_out_split
 from ..moments import ACTIVATIONS, validate_args
 from ..report.figures import caption, new_figure, save_figure
+from ..report.metric_keys import fit_key
 from ..report.numbers import format_value
 from ..report.tables import write_table
 from ..run_values import RunValues, parse_run_values
@@ -216,20 +217,20 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             model = _Fit(table, scaling, cfg, device, seed=int(cfg.seed) + 10_000, label="refit").model
     baseline = _baseline_accuracy(split) if cfg.fit.baseline else None
     metrics = {
-        "fit/test_accuracy": accuracy,
-        "fit/test_nll": -float(log_likelihood.mean()),
-        "fit/baseline_accuracy": baseline,
-        "fit/train_rows": len(train),
-        "fit/test_rows": len(test),
-        "fit/classes": len(table.classes),
-        "fit/train_seconds": fitted.seconds,
-        "fit/iterations": fitted.iterations,
-        "fit/converged": float(fitted.converged or fitted.stopped_early),
+        fit_key("test_accuracy"): accuracy,
+        fit_key("test_nll"): -float(log_likelihood.mean()),
+        fit_key("baseline_accuracy"): baseline,
+        fit_key("train_rows"): len(train),
+        fit_key("test_rows"): len(test),
+        fit_key("classes"): len(table.classes),
+        fit_key("train_seconds"): fitted.seconds,
+        fit_key("iterations"): fitted.iterations,
+        fit_key("converged"): float(fitted.converged or fitted.stopped_early),
     }
     log.info(
         "held-out: accuracy %.2f%%, log-likelihood %s per row%s; %s in %.1f s",
         100 * accuracy,
-        format_value(-metrics["fit/test_nll"]),
+        format_value(-metrics[fit_key("test_nll")]),
         f" (logistic regression on the same split: {100 * baseline:.2f}%)" if baseline is not None else "",
         fitted.describe(),
         fitted.seconds,
@@ -240,7 +241,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                 f"{len(test)} of {len(table.y)} rows",
                 f"{len(table.classes)}",
                 f"{100 * accuracy:.2f} %",
-                format_value(-metrics["fit/test_nll"]),
+                format_value(-metrics[fit_key("test_nll")]),
                 f"{100 * baseline:.2f} %" if baseline is not None else "—",
                 fitted.describe(),
             ]

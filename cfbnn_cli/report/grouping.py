@@ -89,7 +89,11 @@ def value_order(value) -> tuple:
     if value is None or value == MISSING:
         return (3,)
     if isinstance(value, (bool, int, float)):
-        return (0, float(value))
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float's range (a damaged record): at its end
+            number = math.inf if value > 0 else -math.inf
+        return (0, math.inf, 1) if math.isnan(number) else (0, number, 0)  # NaN after every number
     if isinstance(value, str) and value.startswith("["):
         try:
             parsed = json.loads(value)

@@ -481,10 +481,10 @@ def headline_figure(runs, path, keys: Sequence[str], kind: str) -> Optional[str]
     axes[0].set_yticks(rows)
     axes[0].set_yticklabels(labels)
     axes[0].set_ylim(len(groups) - 0.5, -0.5)  # the first configuration on top, as in the table
-    if keys:
-        axes[0].set_ylabel(", ".join(keys))
     legend_below(fig, axes, ncol=3)
-    caption(fig, f"Test metrics per configuration; {describe_runs(runs)}")
+    # the factors' names in the caption: a long list as the axis label runs off the figure
+    named = f" (rows: {', '.join(keys)})" if keys else ""
+    caption(fig, f"Test metrics per configuration{named}; {describe_runs(runs)}")
     return save_figure(fig, path)
 
 

@@ -66,10 +66,10 @@ def test_csv_and_npz_loaders(tmp_path):
     np.savez(tmp_path / "t.npz", x=frame[["a", "b"]].values, y=frame["strength"].values)
     assert tabular_file(tmp_path / "t.npz", "y").input_dim == 2
     (tmp_path / "bad.csv").write_text("a,b,strength\n1,2,3\n4,oops,6\n7,8,9\n1,1,1\n")
-    with pytest.raises(DataError, match="line 3"):
+    with pytest.raises(DataError, match="column `b`, row 2: 'oops' is not a number"):
         tabular_file(tmp_path / "bad.csv", "strength")
     (tmp_path / "nan.csv").write_text("a,b,strength\n1,2,3\n4,nan,6\n7,8,9\n")
-    with pytest.raises(DataError, match="line 3"):
+    with pytest.raises(DataError, match="column `b`, row 2: blank"):
         tabular_file(tmp_path / "nan.csv", "strength")
     with pytest.raises(DataError, match="no column named `y`"):
         tabular_file(tmp_path / "t.csv", "y")

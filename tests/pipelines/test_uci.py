@@ -229,7 +229,11 @@ def _never_fit(monkeypatch):
         ("a,b,y\n" + "".join(f"{i},{i % 3},{i * 2}\n" for i in range(20)), "strength", "no column named `strength`"),
         ("a,b,y\n" + "".join(f"{i},{i % 3},5\n" for i in range(20)), "y", "target column `y` is constant"),
         ("a,b,y\n" + "".join(f"{i},{i % 3},{i}\n" for i in range(6)), "y", "needs at least 10"),
-        ("a,b,y\n1,2,3\n4,oops,6\n" + "".join(f"{i},1,{i}\n" for i in range(20)), "y", "line 3: non-numeric"),
+        (
+            "a,b,y\n1,2,3\n4,oops,6\n" + "".join(f"{i},1,{i}\n" for i in range(20)),
+            "y",
+            "column `b`, row 2: 'oops' is not a number",
+        ),
     ],
 )
 def test_bad_csv_is_named_before_any_training(tmp_path, monkeypatch, text, target, message, uci_cfg):

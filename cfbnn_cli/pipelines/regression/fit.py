@@ -36,6 +36,7 @@ from ...data.regression import RegressionData, RegressionTable, load_regression_
 from ...data.tabular import held_out_split
 from ...moments import ACTIVATIONS, validate_args
 from ...report.figures import caption, new_figure, save_figure
+from ...report.metric_keys import fit_key
 from ...report.numbers import format_value
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
@@ -160,17 +161,17 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             refit = _fit(method, scaled, settings, device, seed=int(cfg.seed) + 10_000, label="refit")
             model, estimator = refit.model, refit.estimator
     metrics = {
-        "fit/test_rmse": metrics_row["rmse"],
-        "fit/test_ll": metrics_row["test_ll"],
-        "fit/coverage_90": metrics_row["coverage_90"],
-        "fit/coverage_50": metrics_row["coverage_50"],
-        "fit/noise_sd": fitted.noise_std * data.target_std,
-        "fit/train_rows": len(train),
-        "fit/test_rows": len(test),
-        "fit/validation_ll": None,
-        "fit/train_seconds": seconds,
-        "fit/iterations": fitted.iterations,
-        "fit/converged": float(fitted.converged or fitted.stopped_early),
+        fit_key("test_rmse"): metrics_row["rmse"],
+        fit_key("test_ll"): metrics_row["test_ll"],
+        fit_key("coverage_90"): metrics_row["coverage_90"],
+        fit_key("coverage_50"): metrics_row["coverage_50"],
+        fit_key("noise_sd"): fitted.noise_std * data.target_std,
+        fit_key("train_rows"): len(train),
+        fit_key("test_rows"): len(test),
+        fit_key("validation_ll"): None,
+        fit_key("train_seconds"): seconds,
+        fit_key("iterations"): fitted.iterations,
+        fit_key("converged"): float(fitted.converged or fitted.stopped_early),
     }
     how = (
         f"L-BFGS, {fitted.iterations} iterations, {'converged' if fitted.converged else 'NOT converged (raise fit.max_iterations)'}"
@@ -179,10 +180,10 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     )
     log.info(
         "held-out: RMSE %s, log-likelihood %s per row, 90%% interval covers %.1f%% (50%%: %.1f%%); %s in %.1f s",
-        format_value(metrics["fit/test_rmse"]),
-        format_value(metrics["fit/test_ll"]),
-        100 * metrics["fit/coverage_90"],
-        100 * metrics["fit/coverage_50"],
+        format_value(metrics[fit_key("test_rmse")]),
+        format_value(metrics[fit_key("test_ll")]),
+        100 * metrics[fit_key("coverage_90")],
+        100 * metrics[fit_key("coverage_50")],
         how,
         seconds,
     )
@@ -190,11 +191,11 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         {
             "held-out": [
                 f"{len(test)} of {len(table.y)} rows",
-                format_value(metrics["fit/test_rmse"]),
-                format_value(metrics["fit/test_ll"]),
-                f"{100 * metrics['fit/coverage_90']:.1f} %",
-                f"{100 * metrics['fit/coverage_50']:.1f} %",
-                format_value(metrics["fit/noise_sd"]),
+                format_value(metrics[fit_key("test_rmse")]),
+                format_value(metrics[fit_key("test_ll")]),
+                f"{100 * metrics[fit_key('coverage_90')]:.1f} %",
+                f"{100 * metrics[fit_key('coverage_50')]:.1f} %",
+                format_value(metrics[fit_key("noise_sd")]),
                 how,
             ]
         },
