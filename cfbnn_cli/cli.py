@@ -5,14 +5,16 @@ top-level config in ``conf/`` and a pipeline module; everything after them goes
 to Hydra untouched, so overrides (``trainer.epochs=3``), ``--cfg job``,
 ``-m``/``--multirun`` and ``hydra/launcher=...`` work as in any Hydra app.
 
-The task function is the only place that knows about Hydra: it locks the run dir
-(a second run into it exits 2 naming the owner's pid), validates the shared config
-keys, binds the dir to the config's fingerprint (``resume=true`` continues only the
-same configuration), calls ``pipeline.run(cfg, run_dir)`` (a plain function) and
-writes ``results.json`` + ``done`` (``status: "failed"`` and no ``done`` when a final
-metric is not finite). A :class:`CfbnnError` becomes one line on stderr and its
-exit code, Hydra's composition errors exit 2 (the traceback too with
-``HYDRA_FULL_ERROR=1``).
+The task function is the only place that knows about Hydra: it validates the config
+keys, refuses a finished run's dir unless ``resume=true`` or ``overwrite=true``, locks
+the run dir (a second run into it exits 2 naming the owner's pid), binds the dir to the
+config's fingerprint (``resume=true`` continues only the same configuration), calls
+``pipeline.run(cfg, run_dir)`` (a plain function) and writes ``results.json`` + ``done``
+(``status: "failed"`` and no ``done`` when a final metric is not finite). A run that fails
+before it writes any output (a bad value, a missing data file) leaves the dir as it found
+it, and no dir where Hydra made one for it (:class:`~cfbnn_cli.runtime.rundir.RunDirState`).
+A :class:`CfbnnError` becomes one line on stderr and its exit code, Hydra's composition
+errors exit 2 (the traceback too with ``HYDRA_FULL_ERROR=1``).
 """
 
 from __future__ import annotations
@@ -292,19 +294,28 @@ def make_task(sub: Subcommand):
         from .run_values import parse_run_values
         from .runtime.checks import validate_common
         from .runtime.errors import ConfigError
-        from .runtime.rundir import RunDirLock, claim_run_dir
+        from .runtime.made_dirs import made_by_this_run
+        from .runtime.progress import progress_setting
+        from .runtime.rundir import RunDirLock, RunDirState, claim_run_dir, log_handlers_in, refuse_finished_run
         from .runtime.safefs import UnsafePathError
         from .runtime.threads import configure_threads, flush_denormals, tune_allocator
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
+        # what the dir held before this run: a run that fails before writing any output leaves it so
+        found = RunDirState(run_dir, made=made_by_this_run(run_dir), logs=log_handlers_in(run_dir))
+        lock = RunDirLock(run_dir)
         flushed_before = None
+        recorded = False  # results.json written: the dir now says what happened
         try:
-            with RunDirLock(run_dir):
-                validate_common(cfg)
-                # the pipeline's checks that need no data, before the run dir is touched: a typo
+            try:
+                # the checks that need no data, before the run dir is locked or touched: a typo
                 # must not replace a finished run's records with a failed one's
+                validate_common(cfg)
+                progress_setting()
                 importlib.import_module(sub.pipeline).validate(cfg)
                 values = parse_run_values(cfg)  # device, estimator, likelihood: objects from here on
+                refuse_finished_run(cfg, run_dir)  # read only; again under the lock in claim_run_dir
+                lock.acquire()
                 # before any work: denormals flushed (inherited by the OpenMP threads created
                 # next), threads shared with the other cfbnn jobs, memory kept for reuse
                 flushed_before = flush_denormals(cfg.runtime.flush_denormals)
@@ -321,7 +332,10 @@ def make_task(sub: Subcommand):
                 started = time.perf_counter()
                 try:
                     result = run_pipeline(sub, cfg, run_dir, values)
-                except CfbnnError as error:  # the dir is this run's: say in it why the run failed
+                except CfbnnError as error:
+                    if found.wrote_no_output():  # e.g. a missing or malformed data file: nothing to keep
+                        raise
+                    # the dir holds this run's outputs: say in it why the run failed
                     write_results(
                         run_dir,
                         pipeline=sub.config_name,
@@ -332,6 +346,7 @@ def make_task(sub: Subcommand):
                         fingerprint=fingerprint,
                         error=str(error),
                     )
+                    recorded = True
                     raise
                 metrics = result.get("metrics", {})
                 bad = _non_finite(metrics)
@@ -347,6 +362,7 @@ def make_task(sub: Subcommand):
                     fingerprint=fingerprint,
                     status="failed" if bad else "complete",
                 )
+                recorded = True
                 if not bad:
                     print_outcome(run_dir, result)
                 if bad:
@@ -355,16 +371,20 @@ def make_task(sub: Subcommand):
                         f'{", ..." if len(bad) > 8 else ""}): results.json says status "failed" and no `done` is '
                         f"written; check the data for extreme values or lower trainer.lr ({run_dir})"
                     )
-        except UnsafePathError as error:  # a link or a foreign folder met while writing
-            refused = ConfigError(str(error))
-            _report_error(refused)
-            refused.reported = True
-            raise refused from None
+            except UnsafePathError as error:  # a link or a foreign folder met while writing
+                raise ConfigError(str(error)) from None
         except CfbnnError as error:
-            _report_error(error)
+            if not recorded and found.wrote_no_output():
+                # refused before any output: the dir as it was (none where this run made it), the
+                # reason on stderr only
+                found.leave_as_found(lock)
+                print(f"cfbnn: error: {error}", file=sys.stderr, flush=True)
+            else:
+                _report_error(error)
             error.reported = True
             raise
         finally:  # as it was (a multirun or a test runs more in this process)
+            lock.release()
             if flushed_before is not None:
                 flush_denormals(flushed_before)
 
@@ -462,11 +482,16 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     from hydra.errors import CompactHydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from .runtime.made_dirs import forget
+
+    forget()  # what an earlier command in this process noted about its dirs
     user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
     # Hydra's own handler would print and exit 1 for every error; let them reach us instead
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    # Hydra reads sys.argv; give it only the arguments after the subcommand.
-    sys.argv = [f"cfbnn {sub.name}"] + rest
+    # Hydra reads sys.argv; give it only the arguments after the subcommand, and the shared configs'
+    # folder as an extra config dir: `hydra.searchpath` alone finds them when composing, but --help
+    # lists the groups ($APP_CONFIG_GROUPS) of the search path Hydra starts with (`logger` lives there)
+    sys.argv = [f"cfbnn {sub.name}", f"--config-dir={conf / 'shared'}"] + rest
     _point_hydra_at_shared_configs(conf)
     stderr = sys.stderr
     sys.stderr = _WithoutHydraJobError(stderr)

@@ -1,10 +1,12 @@
 """cli.py: dispatch, config composition and each command's help, run directories, errors."""
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TRUST_REGRESSION, one_line_error
 from omegaconf import OmegaConf, open_dict
 
 from cfbnn_cli.cli import SUBCOMMANDS, compose_config, find_subcommand
@@ -63,22 +65,34 @@ def test_config_groups_and_keys_switch():
                 "variant",
                 "data: digits, fashion_mnist, synthetic, year_prediction_msd",
                 "experiment: paper_table2, table2_fashion_mnist",
+                "logger: csv, tensorboard",
             ],
-            ["paper_table1", "head_small", "protocol", "csv"],
+            ["paper_table1", "head_small", "protocol", "computers"],
         ),
         (
             "train regression",
-            ["protocol: fit, gradient_variance, uci", "estimator", "experiment: paper_table1, uci"],
+            [
+                "protocol: fit, gradient_variance, uci",
+                "estimator",
+                "experiment: paper_table1, uci",
+                "logger: csv, tensorboard",
+            ],
             ["paper_table2", "variant", "digits", "head_small"],
         ),
         (
             "imagenet-predict",
-            ["objective", "model: head, head_small", "data: digits, fake, fashion_mnist, imagenet"],
+            [
+                "objective",
+                "model: head, head_small",
+                "data: digits, fake, fashion_mnist, imagenet",
+                "logger: csv, tensorboard",
+            ],
             ["paper_table1", "variant", "protocol", "synthetic"],
         ),
     ],
 )
 def test_each_command_help_lists_only_its_own_groups_and_keys(cfbnn, sub, own, foreign):
+    """Its own groups, the shared ones among them (``logger``, from conf/shared/), and no other command's."""
     out = cfbnn(*sub.split(), "--help")
     assert out.returncode == 0, out.stderr
     groups = out.stdout.split("Main keys")[0]
@@ -259,3 +273,108 @@ def test_an_unknown_key_is_one_line_naming_the_nearest_keys(tmp_path, cfbnn):
         "cfbnn: error: trainer.epoch is not a key of `cfbnn train regression`'s config (did you mean "
         "trainer.epochs?); `cfbnn train regression --help` lists its groups and keys"
     ], out.stderr
+
+
+# ----------------------------------------------------------------------------- runs you cannot lose
+
+# TRUST_REGRESSION without its data keys, for data=csv (whose config has none of them)
+CSV_RUN = [o for o in TRUST_REGRESSION if not o.startswith("data.")]
+
+
+def _contents(folder: Path) -> dict:
+    """Every path under ``folder`` with its bytes (``None`` for a folder): equal means unchanged."""
+    return {
+        str(path.relative_to(folder)): (None if path.is_dir() else path.read_bytes())
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+def test_a_new_run_into_a_finished_runs_dir_is_refused_unless_resumed_or_overwritten(tmp_path, cfbnn):
+    run_dir = tmp_path / "run"
+    args = ["train", "regression", f"hydra.run.dir={run_dir}", *TRUST_REGRESSION]
+    first = cfbnn(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    # a redirected stderr gets no progress bars (tqdm's \r lines)
+    assert "\r" not in first.stderr and "it/s" not in first.stderr, first.stderr[-2000:]
+    finished = _contents(run_dir)
+    assert "done" in finished and "model.pt" in finished
+    refused = cfbnn(*args, "seed=1")
+    text = one_line_error(refused)
+    assert refused.stderr.strip().splitlines() == [
+        f"cfbnn: error: {run_dir} holds a finished run (done, results.json); add resume=true to continue it (a "
+        "finished job is skipped) or overwrite=true to replace its outputs, or choose another hydra.run.dir "
+        "(hydra.sweep.dir for a sweep)"
+    ], text
+    assert _contents(run_dir) == finished  # byte for byte, the log included
+    # a data error with overwrite=true: refused before any output, the finished run kept as it was
+    missing = cfbnn(
+        "train", "regression", f"hydra.run.dir={run_dir}", *CSV_RUN, "data=csv",
+        f"data.path={tmp_path / 'missing.csv'}", "data.target=y", "overwrite=true",
+    )  # fmt: skip
+    assert "data file not found" in one_line_error(missing)
+    assert _contents(run_dir) == finished
+    both = cfbnn(*args, "resume=true", "overwrite=true")
+    assert "resume=true and overwrite=true" in one_line_error(both) and _contents(run_dir) == finished
+    skipped = cfbnn(*args, "resume=true")
+    assert skipped.returncode == 0 and "already finished, skipping" in skipped.stdout + skipped.stderr
+    replaced = cfbnn(*args, "seed=1", "overwrite=true")
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    results = yaml.safe_load((run_dir / "results.json").read_text())
+    assert results["status"] == "complete" and results["config"]["seed"] == 1
+    assert (run_dir / "model.pt").read_bytes() != finished["model.pt"]
+
+
+def test_a_run_refused_before_any_output_leaves_no_dir_and_an_existing_dir_as_it_was(tmp_path, cfbnn):
+    refused = cfbnn("train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'deeper' / 'run'}", "estimator=foo")
+    assert "estimator='foo'" in one_line_error(refused)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,y\n1,2\nx,3\n")
+    for path, message in [(tmp_path / "missing.csv", "data file not found"), (bad, "non-numeric")]:
+        out = cfbnn(
+            "train", "regression", f"hydra.run.dir={tmp_path / 'new' / path.stem}", *CSV_RUN, "data=csv",
+            f"data.path={path}", "data.target=y",
+        )  # fmt: skip
+        assert message in one_line_error(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csv"]  # not even the folders above the run dir
+    # a dir that was there: what it held stays, nothing is added (no log, no lock)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    before = _contents(kept)
+    out = cfbnn(
+        "train", "regression", f"hydra.run.dir={kept}", *CSV_RUN, "data=csv", f"data.path={bad}", "data.target=y"
+    )
+    assert "non-numeric" in one_line_error(out) and _contents(kept) == before
+    # a sweep: each job's dir is its own, none is left (the sweep dir keeps Hydra's multirun.yaml)
+    sweep = tmp_path / "sweep"
+    out = cfbnn("train", "regression", "-m", "seed=0,1", f"hydra.sweep.dir={sweep}", "estimator=foo")
+    assert "estimator='foo'" in one_line_error(out)
+    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]
+
+
+def test_progress_bars_only_on_request_when_stderr_is_not_a_terminal(tmp_path, cfbnn):
+    """CFBNN_PROGRESS=1 draws them into a file too (rate-limited); a bad value is one line."""
+    args = ["train", "regression", f"hydra.run.dir={tmp_path / 'run'}", *TRUST_REGRESSION]
+    shown = cfbnn(*args, env={"CFBNN_PROGRESS": "1"})
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "train: epoch 1/2" in shown.stderr
+    bad = cfbnn(*args, "hydra.run.dir=" + str(tmp_path / "bad"), env={"CFBNN_PROGRESS": "maybe"})
+    assert "CFBNN_PROGRESS='maybe' is not one of 1, 0, auto" in one_line_error(bad)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_first_kernel_build_says_what_it_does_and_how_long_it_took(tmp_path, cfbnn):
+    """A fresh kernel cache: one line before the compiler runs, one after with the time it took (here
+    a stand-in compiler that fails, so the torch path serves and the run finishes)."""
+    compiler = tmp_path / "fake-c++"
+    compiler.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi\nexit 1\n')
+    compiler.chmod(0o755)
+    out = cfbnn(
+        "train", "regression", f"hydra.run.dir={tmp_path / 'run'}", *TRUST_REGRESSION,
+        env={"CXX": str(compiler), "CFBNN_CACHE_DIR": str(tmp_path / "cache"), "CFBNN_FAST_MOMENTS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if "CPU kernels" in line]
+    assert len(lines) == 2, out.stdout[-3000:]
+    assert "compiling the CPU kernels (first use, about 20 s" in lines[0]
+    assert re.search(r"the CPU kernels did not compile \(\d+\.\d s\)", lines[1]), lines[1]

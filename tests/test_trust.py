@@ -447,6 +447,49 @@ def test_non_finite_final_metrics_end_as_failed_with_a_non_zero_exit(tmp_path, m
     assert not (tmp_path / "done").exists()
 
 
+def _run_task(run_dir, monkeypatch, pipeline_run):
+    """The CLI's task for ``train regression`` in this process, with ``pipeline_run`` as the pipeline."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from cfbnn_cli.cli import SUBCOMMANDS, make_task
+
+    monkeypatch.setattr(regression, "run", pipeline_run)
+    hydra_cfg = OmegaConf.create({"runtime": {"output_dir": str(run_dir)}, "overrides": {"task": []}})
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra_cfg))
+    make_task(SUBCOMMANDS[0])(_config())
+
+
+def test_a_run_that_fails_after_an_output_says_why_in_its_run_dir(tmp_path, monkeypatch):
+    """Once the run has written an output, a failure is recorded in the dir (``status: failed``, the
+    error, no ``done``); ``cfbnn report`` names and skips it."""
+    from cfbnn_cli.report.records import collect
+
+    def fails_after_an_epoch(cfg, run_dir, values=None):
+        (run_dir / "metrics.csv").write_text("epoch,train_elbo_per_point\n1,-3.0\n")
+        raise DataError("data.csv, line 7: non-numeric value")
+
+    with pytest.raises(DataError):
+        _run_task(tmp_path, monkeypatch, fails_after_an_epoch)
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert record["status"] == "failed" and "line 7: non-numeric value" in record["error"]
+    assert (tmp_path / "metrics.csv").exists() and not (tmp_path / "done").exists()
+    with pytest.raises(DataError, match="no results.json of a complete run"):
+        collect(tmp_path)
+
+
+def test_a_run_that_fails_before_any_output_leaves_an_existing_dir_as_it_was(tmp_path, monkeypatch):
+    """A data error before any output (the pipeline loads its data first): the dir keeps exactly
+    what it held -- no lock, no config record, no .hydra/, no failed results.json."""
+    (tmp_path / "notes.txt").write_text("mine")
+
+    def no_data(cfg, run_dir, values=None):
+        raise DataError("data file not found: data.csv (set data.path=...)")
+
+    with pytest.raises(DataError):
+        _run_task(tmp_path, monkeypatch, no_data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 # ----------------------------------------------------------------------------- 7, 8. smaller defects
 
 

@@ -109,16 +109,12 @@ def test_each_bad_input_is_one_line_on_stderr_and_exit_2(cli_outcomes, case):
     assert "cfbnn: error" not in stdout  # errors go to stderr only
 
 
-def test_a_run_that_fails_says_why_in_its_run_dir(cli_outcomes, tmp_path_factory):
-    """A run stopped by an error once it owns its dir records ``status: failed`` and the error in
-    results.json (no ``done``), so the dir says why; ``cfbnn report`` names and skips it."""
+def test_a_run_refused_by_its_data_leaves_no_run_dir(cli_outcomes, tmp_path_factory):
+    """A data error raised before any output (the 1-column CSV): one line, and no run dir left
+    behind (Hydra made it for this run); tests/test_trust.py covers a failure after an output."""
     folder = next(p for p in tmp_path_factory.getbasetemp().glob("cli_cases*"))
-    run = folder / "runs" / "case0"  # the 1-column CSV
-    record = json.loads((run / "results.json").read_text())
-    assert record["status"] == "failed" and "holds only the target `y`" in record["error"]
-    assert not (run / "done").exists()
-    with pytest.raises(DataError, match="no results.json of a complete run"):
-        collect(run)
+    assert "holds only the target `y`" in cli_outcomes["1-column CSV"].stderr
+    assert not (folder / "runs" / "case0").exists()
 
 
 # ----------------------------------------------------------------------------- readers, in process

@@ -40,6 +40,7 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -60,6 +61,8 @@ from ..runtime.safefs import (
     private_directory,
     sha256_of_file,
 )
+
+log = logging.getLogger(__name__)
 
 SOURCE_FOLDER = Path(__file__).with_name("csrc")
 SOURCE_PATH = SOURCE_FOLDER / "cfbnn_moments.cpp"  # the kernels
@@ -338,6 +341,7 @@ def load_library(
     version = compiler_version(compiler)
     text = source_text(sources)
     errors = []
+    compiling_since = None  # when this call began compiling (the first use with this cache): said before and after
     with build_lock(root):
         for flags in flag_sets():
             folder = os.path.join(root, f"moments-{cache_key(text, compiler, version, flags, abi)}")
@@ -364,6 +368,9 @@ def load_library(
                     cached = False
             build_seconds = 0.0
             if not cached:
+                if compiling_since is None:
+                    log.warning("compiling the CPU kernels (first use, about 20 s; cached in %s afterwards)", root)
+                    compiling_since = time.perf_counter()
                 start = time.perf_counter()
                 try:
                     discard(target)
@@ -407,5 +414,11 @@ def load_library(
                 "error": None,
                 "operators_error": _recorded_failure(folder, OPERATORS_FAILED_NAME),
             }
+            if compiling_since is not None:
+                log.info("compiled the CPU kernels in %.1f s", time.perf_counter() - compiling_since)
             return library, info
+    if compiling_since is not None:
+        log.info(
+            "the CPU kernels did not compile (%.1f s); the torch path serves", time.perf_counter() - compiling_since
+        )
     return None, {"error": "\n".join(errors) or "no build succeeded"}

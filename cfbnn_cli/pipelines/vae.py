@@ -23,7 +23,6 @@ from typing import Dict, List, Optional
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from ..bnn.vae import VARIANTS, BayesianDecoderVAE
 from ..data.unsupervised import UnsupervisedData, load_unsupervised_data
@@ -36,6 +35,7 @@ from ..run_values import RunValues, parse_run_values
 from ..runtime.checks import require_choice, require_int, require_positive_float, require_present_bounds, require_widths
 from ..runtime.cuda_graphs import GraphedCall
 from ..runtime.errors import ConfigError
+from ..runtime.progress import progress_bar
 from ..runtime.seed import seed_everything
 from ..train import TrainingLoop, loop_from_config, optimizers
 
@@ -157,7 +157,7 @@ def importance_weighted_test_ll(
 
 def _test_ll_trials(cfg, model, data: UnsupervisedData, label: str, decoder_weights: str) -> torch.Tensor:
     """The ``evaluation.trials`` trials of the test LL (one reading), in original units."""
-    with tqdm(total=cfg.evaluation.trials, desc=label, leave=False) as bar:
+    with progress_bar(total=cfg.evaluation.trials, desc=label, leave=False) as bar:
         trials = importance_weighted_test_ll(
             model,
             data.x_test,

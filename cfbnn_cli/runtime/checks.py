@@ -118,10 +118,17 @@ def require_choice(cfg: DictConfig, key: str, choices: Iterable[Any]):
 
 
 def validate_common(cfg: DictConfig) -> None:
-    """Check ``seed``, ``resume``, ``runtime.threads``, ``runtime.flush_denormals``, ``trainer.epochs``, ``trainer.batch_size``,
+    """Check ``seed``, ``resume``, ``overwrite``, ``runtime.threads``, ``runtime.flush_denormals``, ``trainer.epochs``, ``trainer.batch_size``,
     ``trainer.lr``, ``trainer.cuda_graphs``."""
     require_int(cfg, "seed", minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")
     require_bool(cfg, "resume")
+    if OmegaConf.select(cfg, "overwrite", default=None) is not None:
+        require_bool(cfg, "overwrite")
+        if cfg.resume and cfg.overwrite:
+            raise ConfigError(
+                "resume=true and overwrite=true contradict each other: resume=true continues the run in the dir, "
+                "overwrite=true replaces it; give one"
+            )
     threads = _get(cfg, "runtime.threads")
     if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"runtime.threads={_short(threads)} must be auto or a positive integer")

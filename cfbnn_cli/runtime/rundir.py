@@ -11,8 +11,13 @@ Everything cfbnn keeps about a run dir (as opposed to the run's outputs) lives i
   inside. A second run into the dir exits naming that pid; the kernel releases the
   lock when its owner dies, so a lock left by a killed run is simply taken over.
 
+A finished run's dir (``done`` or ``results.json``) takes a new run only with ``resume=true``
+(a finished job is skipped) or ``overwrite=true`` (its outputs are replaced)
+(:func:`refuse_finished_run`). A run that fails before it writes any output leaves its dir as
+it found it, and leaves no dir where it made one (:class:`RunDirState`).
+
 The fingerprint ignores the keys that do not change results (:data:`IGNORED_KEYS`:
-``resume``, ``device``, ``runtime.threads``), records a path inside the run dir relative to
+``resume``, ``overwrite``, ``device``, ``runtime.threads``), records a path inside the run dir relative to
 it (a moved run dir still resumes), and covers every input file a key names by its size
 and SHA-256 (:func:`fingerprinted_config`).
 """
@@ -30,12 +35,19 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .errors import CheckpointError, ConfigError
-from .io import atomic_write_json, file_mode, remove_stale_temporary_files
+from .io import (
+    TEMPORARY_MARKER,
+    TEMPORARY_SUFFIX,
+    atomic_write_bytes,
+    atomic_write_json,
+    file_mode,
+    remove_stale_temporary_files,
+)
 from .safefs import UnsafePathError, open_no_follow
 
 log = logging.getLogger(__name__)
 
-IGNORED_KEYS = frozenset({"resume", "device", "runtime.threads"})
+IGNORED_KEYS = frozenset({"resume", "overwrite", "device", "runtime.threads"})
 STATE_FOLDER = ".cfbnn"
 
 
@@ -174,6 +186,7 @@ class RunDirLock:
     def __init__(self, run_dir):
         self.path = Path(run_dir) / STATE_FOLDER / "lock"
         self._handle = None
+        self._found: Optional[str] = None  # the lock file's text before acquire (None: there was none)
 
     def _owner(self) -> str:
         try:
@@ -187,6 +200,7 @@ class RunDirLock:
     def acquire(self) -> "RunDirLock":
         refuse_links_inside(self.path.parent.parent, STATE_FOLDER)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        existed = os.path.lexists(self.path)
         # never through a link: the lock is truncated below, and its old content logged
         try:
             handle = os.fdopen(open_no_follow(self.path, os.O_RDWR | os.O_CREAT, file_mode()), "r+")
@@ -206,7 +220,9 @@ class RunDirLock:
         except ImportError:  # pragma: no cover - no fcntl (Windows): pid liveness instead
             self._acquire_by_pid()
         handle.seek(0)
-        previous = handle.read().strip()
+        found = handle.read()
+        self._found = found if existed else None
+        previous = found.strip()
         if previous:
             log.info("took over the lock of a finished or killed run (%s)", previous)
         handle.seek(0)
@@ -236,12 +252,30 @@ class RunDirLock:
                 "finish, or choose another hydra.run.dir"
             )
 
+    @property
+    def held(self) -> bool:
+        return self._handle is not None
+
     def release(self) -> None:
         if self._handle is not None:
             self._handle.seek(0)
             self._handle.truncate()  # an empty lock file: nobody owns the dir
             self._handle.close()  # closing releases the flock
             self._handle = None
+
+    def release_as_found(self) -> None:
+        """Release the lock and leave its file as :meth:`acquire` found it: removed if there was
+        none (while still held, so no other run holds a removed file), else its old text."""
+        if self._handle is None:
+            return
+        if self._found is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            self._handle.seek(0)
+            self._handle.truncate()
+            self._handle.write(self._found)
+        self._handle.close()
+        self._handle = None
 
     def __enter__(self) -> "RunDirLock":
         return self.acquire()
@@ -254,6 +288,25 @@ class RunDirLock:
 
 # what a run leaves in its dir; any of them means "a run was here"
 _RUN_ARTIFACTS = ("done", "results.json", "checkpoints", "uci_progress.json", "metrics.csv")
+# any of them means "a run finished here" (completed, or failed with its reason recorded)
+FINISHED_MARKERS = ("done", "results.json")
+
+
+def refuse_finished_run(cfg, run_dir) -> None:
+    """Raise :class:`ConfigError` when ``run_dir`` holds a finished run (:data:`FINISHED_MARKERS`)
+    and neither ``resume=true`` (continue it; a finished job is skipped) nor ``overwrite=true``
+    (replace its outputs) was given: a new run must not replace a finished one by accident.
+    Reads only; the CLI calls it before the dir is locked (so a refused run changes nothing in
+    it) and :func:`claim_run_dir` again under the lock."""
+    if cfg.get("resume", False) or cfg.get("overwrite", False):
+        return
+    found = [name for name in FINISHED_MARKERS if os.path.lexists(Path(run_dir) / name)]
+    if found:
+        raise ConfigError(
+            f"{run_dir} holds a finished run ({', '.join(found)}); add resume=true to continue it (a finished "
+            "job is skipped) or overwrite=true to replace its outputs, or choose another hydra.run.dir (hydra.sweep.dir "
+            "for a sweep)"
+        )
 
 
 def _read_record(run_dir: Path) -> Optional[dict]:
@@ -278,12 +331,14 @@ def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
     Call it while holding :class:`RunDirLock`. ``finished`` is True when ``resume=true``
     finds this very configuration already done (the caller skips the run). Raises
     :class:`ConfigError` when ``resume=true`` meets another configuration, naming the
-    keys that differ. With ``resume=false`` an earlier run's ``done`` and
-    ``results.json`` are removed first (a fresh run replaces it), so a half-finished
-    new run is never mistaken for the old finished one.
+    keys that differ. With ``resume=false`` a finished run is refused
+    (:func:`refuse_finished_run`) unless ``overwrite=true``, and then its ``done`` and
+    ``results.json`` are removed first (the new run replaces it), so a half-finished new
+    run is never mistaken for the old finished one.
     """
     run_dir = Path(run_dir)
     refuse_links_inside(run_dir, *OWN_FOLDERS)
+    refuse_finished_run(cfg, run_dir)
     removed = [
         str(Path(sub) / name) for sub in ("",) + OWN_FOLDERS for name in remove_stale_temporary_files(run_dir / sub)
     ]
@@ -313,7 +368,8 @@ def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
     else:
         if leftovers:
             log.warning(
-                "resume=false: starting afresh in %s, which holds an earlier run's %s (they will be replaced)",
+                "%s: starting afresh in %s, which holds an earlier run's %s (they will be replaced)",
+                "overwrite=true" if cfg.get("overwrite", False) else "resume=false",
                 run_dir,
                 ", ".join(leftovers),
             )
@@ -324,3 +380,177 @@ def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
             run_dir / STATE_FOLDER / "config.json", {"config_fingerprint": fingerprint, "config": current}
         )
     return fingerprint, finished
+
+
+# ----------------------------------------------------------------------------- leaving a dir as found
+
+# what a run writes about itself rather than its outputs; a run that fails before any output puts them back
+BOOKKEEPING = (
+    "done",
+    "results.json",
+    f"{STATE_FOLDER}/config.json",
+    ".hydra/config.yaml",
+    ".hydra/hydra.yaml",
+    ".hydra/overrides.yaml",
+)
+_BOOKKEEPING_FOLDERS = (".hydra", STATE_FOLDER)
+SNAPSHOT_LIMIT = 20000  # a run dir with more entries than this is not compared (a failed run then records why)
+
+
+def _real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _regular_bytes(path: Path) -> Tuple[bool, Optional[bytes]]:
+    """``(ours, content)``: ``content`` is ``None`` where nothing is at ``path``; ``ours`` is False for
+    a link or anything but a regular file (never read, written or removed)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return True, None
+    except OSError:
+        return False, None
+    if not stat.S_ISREG(info.st_mode):
+        return False, None
+    try:
+        with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as handle:
+            return True, handle.read()
+    except OSError:
+        return False, None
+
+
+class RunDirState:
+    """What a run found in its dir when it started, so that a run failing before it writes any
+    output leaves the dir as it found it (:meth:`leave_as_found`).
+
+    ``made``: the topmost folder the run's start made (the run dir or a parent of it; see
+    :mod:`cfbnn_cli.runtime.made_dirs`), ``None`` where the run dir was there before. ``logs``:
+    the log handlers writing into the dir (:class:`~cfbnn_cli.runtime.safefs.NoFollowFileHandler`
+    knows whether it made its file, and the file's length then). The outputs -- every entry
+    but the bookkeeping (:data:`BOOKKEEPING`, ``.cfbnn/``, ``.hydra/``), the logs and temporary
+    files -- are listed with their type, size, time and inode, to tell whether the run wrote any.
+    """
+
+    def __init__(self, run_dir, made=None, logs=()):
+        self.run_dir = Path(run_dir)
+        self.made = Path(made) if made is not None else None
+        self.logs = list(logs)
+        self.files = {name: _regular_bytes(self.run_dir / name) for name in BOOKKEEPING}
+        self.folders = {name: _real_dir(self.run_dir / name) for name in _BOOKKEEPING_FOLDERS}
+        self.outputs = self._outputs()
+
+    def _outputs(self) -> Optional[Dict[str, Tuple[int, int, int, int]]]:
+        skip = {"done", "results.json", *_BOOKKEEPING_FOLDERS} | {Path(h.baseFilename).name for h in self.logs}
+        listed: Dict[str, Tuple[int, int, int, int]] = {}
+        stack = [(self.run_dir, "")]
+        while stack:
+            folder, prefix = stack.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            for entry in entries:
+                if (not prefix and entry.name in skip) or (
+                    entry.name.startswith(".")
+                    and TEMPORARY_MARKER in entry.name
+                    and entry.name.endswith(TEMPORARY_SUFFIX)
+                ):
+                    continue
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                listed[prefix + entry.name] = (stat.S_IFMT(info.st_mode), info.st_size, info.st_mtime_ns, info.st_ino)
+                if stat.S_ISDIR(info.st_mode):
+                    stack.append((Path(entry.path), f"{prefix}{entry.name}/"))
+                if len(listed) > SNAPSHOT_LIMIT:
+                    return None
+        return listed
+
+    def wrote_no_output(self) -> bool:
+        """Whether every output is as the run found it (only bookkeeping and the log changed)."""
+        return self.outputs is not None and self._outputs() == self.outputs
+
+    def leave_as_found(self, lock: Optional[RunDirLock] = None) -> None:
+        """Put the dir back as the run found it; call it only where :meth:`wrote_no_output`.
+
+        Holding ``lock`` (the run wrote its bookkeeping under it), each bookkeeping file gets
+        back its old bytes (or is removed where there was none), a log this run made is
+        removed and one it found is cut back to its old length, and the lock is released as
+        it was found. Without the lock (the run was refused before taking it, so it wrote
+        nothing but may share the log with a run that holds it) only a log this run made and
+        left empty is removed. Then the bookkeeping folders and the folders the run's start
+        made are removed where they are empty. The logs are closed first. No link is followed,
+        no folder that holds anything is removed, nothing the run did not make is deleted.
+        """
+        held = lock is not None and lock.held
+        if held:
+            for name, (ours, content) in self.files.items():
+                path = self.run_dir / name
+                if not ours or not _real_dir(path.parent):
+                    continue
+                ours_now, now = _regular_bytes(path)
+                if not ours_now or now == content:
+                    continue
+                if content is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    atomic_write_bytes(path, content)
+        root = logging.getLogger()
+        for handler in self.logs:
+            root.removeHandler(handler)  # a closed FileHandler reopens on the next record
+            handler.close()
+            path = Path(handler.baseFilename)
+            made, size = getattr(handler, "created", None), getattr(handler, "found_size", 0)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if made is None or not stat.S_ISREG(info.st_mode):
+                continue
+            if made and (held or info.st_size == size):
+                path.unlink(missing_ok=True)
+            elif not made and held and info.st_size > size:
+                fd = open_no_follow(path, os.O_WRONLY)
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+        if held:
+            lock.release_as_found()
+        for name in _BOOKKEEPING_FOLDERS:
+            if not self.folders[name] and _real_dir(self.run_dir / name):
+                try:
+                    os.rmdir(self.run_dir / name)
+                except OSError:
+                    pass
+        if self.made is not None:
+            folder = self.run_dir
+            while True:
+                try:
+                    os.rmdir(folder)  # an empty folder only; a link is not removed
+                except OSError:
+                    break
+                if folder == self.made or folder.parent == folder:
+                    break
+                folder = folder.parent
+
+
+def log_handlers_in(run_dir) -> List[logging.FileHandler]:
+    """The root logger's file handlers writing into ``run_dir`` (Hydra's ``<job>.log``)."""
+    try:
+        folder = Path(run_dir).resolve()
+    except OSError:
+        return []
+    found = []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            try:
+                if Path(handler.baseFilename).resolve().parent == folder:
+                    found.append(handler)
+            except OSError:
+                continue
+    return found

@@ -125,11 +125,21 @@ def sha256_of_file(path: PathLike, chunk: int = 1 << 20) -> str:
 class NoFollowFileHandler(logging.FileHandler):
     """:class:`logging.FileHandler` that opens its file with :func:`open_no_follow`: a ``<job>.log``
     planted as a link is refused (:class:`UnsafePathError`), not appended through. Hydra's
-    job logging uses it (``conf/shared/base.yaml``)."""
+    job logging uses it (``conf/shared/base.yaml``).
+
+    It remembers what it found at its first open -- ``created`` (the file was not there) and
+    ``found_size`` (its length then) -- so that a run refused before any work can leave its
+    dir as it was (:class:`cfbnn_cli.runtime.rundir.RunDirState`)."""
+
+    created = None
+    found_size = 0
 
     def _open(self):
         mask = os.umask(0)
         os.umask(mask)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in self.mode else os.O_TRUNC)
+        existed = os.path.lexists(self.baseFilename)
         fd = open_no_follow(self.baseFilename, flags, 0o666 & ~mask)
+        if self.created is None:
+            self.created, self.found_size = not existed, os.fstat(fd).st_size
         return os.fdopen(fd, self.mode.replace("b", ""), encoding=self.encoding, errors=self.errors)

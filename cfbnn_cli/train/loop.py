@@ -18,7 +18,7 @@
   fingerprint; atomic) and ``metrics.csv``; only rank 0 writes;
 * resume: ``resume=True`` continues from ``last.pt`` if the same configuration wrote it
   (:func:`~cfbnn_cli.runtime.checkpoints.restore_training_state` refuses another);
-* the tqdm bar (terminal only; the log gets one line per epoch).
+* the progress bar (runtime.progress: a terminal only; the log gets one line per epoch).
 
 What stays in a pipeline is only its own: the data, the model, the loss of a
 minibatch (``loss(rows) -> scalar``) and what to measure.
@@ -35,13 +35,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from ..runtime import distributed, metrics_sink, threads
 from ..runtime.checkpoints import load_model_weights, restore_training_state, save_training_state
 from ..runtime.errors import CheckpointError
 from ..runtime.io import atomic_torch_save, atomic_write_text
 from ..runtime.numerics import ensure_finite
+from ..runtime.progress import progress_bar
 from .graphs import GraphedTrainingStep
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class TrainingLoop:
     objective_name: str = "train_elbo_per_point"
     objective_scale: float = 1.0
     label: str = "train"
-    progress: Optional[tqdm] = None  # an outer bar to advance per step, instead of one per epoch
+    progress: Optional[object] = None  # an outer bar (progress_bar) to advance per step, not one per epoch
     extra: dict = field(default_factory=dict)  # the pipeline's state, saved in and restored from last.pt
     config: Optional[dict] = None  # the resolved config, recorded in last.pt
     cuda_graphs: bool = True  # on CUDA, each step as one CUDA graph (train/graphs.py); trainer.cuda_graphs
@@ -265,7 +265,7 @@ class TrainingLoop:
             sizes: List[int] = []
             own_bar = self.progress is None
             bar = (
-                tqdm(
+                progress_bar(
                     total=len(batches),
                     desc=f"{self.label}: epoch {epoch}/{self.epoch_cap or self.epochs}",
                     leave=False,

@@ -87,3 +87,33 @@ def test_runtime_flush_denormals_must_be_a_bool():
     )
     with pytest.raises(ConfigError, match=r"runtime.flush_denormals='yes' must be true or false"):
         validate_common(cfg)
+
+
+def test_progress_bars_are_drawn_on_a_terminal_only(monkeypatch):
+    """Every bar comes from runtime.progress: drawn when stderr is a terminal, not in a file or pipe;
+    CFBNN_PROGRESS=0 turns them off, =1 on (in a file at most one update every 30 s)."""
+    import io
+    import sys
+
+    from cfbnn_cli.runtime.progress import FILE_INTERVAL_S, progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    def drawn(stream):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with progress_bar(total=3, desc="steps", file=stream) as bar:
+            bar.update(3)
+        return "steps" in stream.getvalue(), bar
+
+    monkeypatch.delenv("CFBNN_PROGRESS", raising=False)
+    assert drawn(Terminal())[0] and not drawn(io.StringIO())[0]
+    monkeypatch.setenv("CFBNN_PROGRESS", "0")
+    assert not drawn(Terminal())[0]
+    monkeypatch.setenv("CFBNN_PROGRESS", "1")
+    shown, bar = drawn(io.StringIO())
+    assert shown and bar.mininterval == FILE_INTERVAL_S
+    monkeypatch.setenv("CFBNN_PROGRESS", "sometimes")
+    with pytest.raises(ConfigError, match="CFBNN_PROGRESS='sometimes' is not one of 1, 0, auto"):
+        progress_bar(total=1)

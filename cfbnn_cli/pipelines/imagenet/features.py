@@ -20,12 +20,12 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
-from tqdm.auto import tqdm
 
 from ...runtime import distributed
 from ...runtime.checkpoints import load_checkpoint
 from ...runtime.errors import CheckpointError, DataError
 from ...runtime.io import atomic_torch_save, atomic_write_json
+from ...runtime.progress import progress_bar
 
 log = logging.getLogger(__name__)
 RANDOM_BACKBONE_SEED = 0
@@ -153,7 +153,7 @@ def extract(
     ]
     if todo:
         log.info("extracting %s features: %d of %d shards to do, into %s", split, len(todo), shards, folder)
-        with tqdm(
+        with progress_bar(
             total=sum(min(shard_size, len(dataset) - i * shard_size) for i in todo),
             desc=f"features {split}",
             leave=False,

@@ -12,7 +12,6 @@ from typing import Dict, List, Tuple
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from ...bnn.classification import approximate_class_probabilities
 from ...bnn.layers import cached_weights
@@ -23,6 +22,7 @@ from ...report.numbers import format_mean_se, format_value
 from ...report.tables import write_table
 from ...runtime.cuda_graphs import GraphedCall
 from ...runtime.device import synchronize
+from ...runtime.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def monte_carlo_accuracy(
         )
 
     graphed = {}
-    for start in tqdm(range(0, len(labels), batch_size), desc="Monte Carlo prediction", leave=False):
+    for start in progress_bar(range(0, len(labels), batch_size), desc="Monte Carlo prediction", leave=False):
         x, y = features[start : start + batch_size], labels[start : start + batch_size]
         hidden = model.point_features(x)
         for offset in range(0, total, chunk):

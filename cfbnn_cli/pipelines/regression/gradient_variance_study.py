@@ -19,7 +19,6 @@ from typing import Dict, List, Optional
 import pandas as pd
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
 from ...bnn.gradient_variance import gradient_variance
@@ -46,6 +45,7 @@ from ...runtime import distributed
 from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
+from ...runtime.progress import progress_bar
 from ...runtime.seed import seed_everything
 from ...train import loop_from_config, optimizers
 from .model_file import save_regression_model
@@ -167,7 +167,7 @@ def _gradient_variance_both(model, x, y, num_data, cfg, generator, epoch) -> Dic
     for estimator in STUDY_ESTIMATORS:
         started = time.perf_counter()
         sampled = bool(model.noise_shapes(x.shape[0], estimator=estimator))  # nothing drawn: no bar to show
-        with tqdm(
+        with progress_bar(
             total=cfg.gradient_variance.num_samples,
             desc=f"gradient draws, {estimator}, epoch {epoch}",
             leave=False,

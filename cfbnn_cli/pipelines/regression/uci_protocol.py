@@ -70,7 +70,6 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from ...bnn.calibration import NOMINAL_LEVELS
 from ...bnn.network import PRIORS
@@ -83,6 +82,7 @@ from ...runtime.checks import require_choice, require_int, require_positive_floa
 from ...runtime.device import synchronize
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
+from ...runtime.progress import progress_bar
 from ...runtime.rundir import config_fingerprint, refuse_other_config
 from .model_file import save_regression_model
 from .uci_methods import DETERMINISTIC_METHODS, METHODS, Fitted, Split, fit_method, quiet, test_metrics
@@ -338,7 +338,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         _warm_up(
             [m for m in methods if any((k, m) not in done for k in range(len(splits)))], table, splits, cfg, device
         )
-        with tqdm(total=remaining, desc="uci", unit="fit", leave=False) as bar:
+        with progress_bar(total=remaining, desc="uci", unit="fit", leave=False) as bar:
             for k, (train, test) in enumerate(splits):
                 split = Split(_to_device(table.split(train, test), device), k, progress=bar)
                 for method in order:
