@@ -32,7 +32,6 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from ..bnn.likelihoods import CategoricalLikelihood
 from ..bnn.model_file import FILE_NAME, save_model
@@ -53,6 +52,7 @@ from ..run_values import RunValues, parse_run_values
 from ..runtime.checks import require_bool, require_choice, require_int, require_positive_float, require_widths
 from ..runtime.device import synchronize
 from ..runtime.errors import ConfigError
+from ..runtime.progress import progress_bar
 from ..train import TrainingLoop, optimizers
 from ..train.full_batch import minimize_full_batch
 
@@ -119,7 +119,7 @@ class _Fit:
         x, y = split.x_train.to(device), split.y_train.to(device)
         rows = len(y)
         started = time.perf_counter()
-        with tqdm(total=1, desc=label, unit="fit", leave=False) as bar:
+        with progress_bar(total=1, desc=label, unit="fit", leave=False) as bar:
             if rows <= cfg.fit.full_batch_max_rows:
                 result = minimize_full_batch(
                     lambda: -self.model.elbo(x, y, num_data=rows) / rows,

@@ -44,6 +44,7 @@ from ...runtime.checks import require_bool, require_choice, require_int, require
 from ...runtime.device import synchronize
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
+from ...runtime.progress import progress_bar
 from .model_file import save_regression_model
 from .uci_methods import Fitted, Split, fit_method, quiet, test_metrics
 
@@ -115,9 +116,8 @@ def _to_device(data: RegressionData, device) -> RegressionData:
 
 
 def _fit(method: str, data: RegressionData, cfg, device, seed: int, label: str) -> Fitted:
-    from tqdm.auto import tqdm
 
-    with tqdm(total=1, desc=label, unit="fit", leave=False) as bar, quiet("cfbnn_cli.train.loop"):
+    with progress_bar(total=1, desc=label, unit="fit", leave=False) as bar, quiet("cfbnn_cli.train.loop"):
         fitted = fit_method(method, Split(data, 0, progress=bar), cfg, device, seed=seed)
         bar.update(1)
     return fitted
