@@ -34,12 +34,17 @@ import numpy as np
 import torch
 
 from ..runtime.checkpoints import load_checkpoint
-from ..runtime.errors import CheckpointError, DataError
+from ..runtime.errors import CheckpointError, DataError, NonFiniteResultError
 from ..runtime.io import atomic_torch_save
 from .estimators import ESTIMATORS
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, HeteroscedasticNormalLikelihood
 from .likelihoods import NormalLikelihood as _Normal
 from .network import BayesianNetwork
+
+class NonFiniteWeightsError(NonFiniteResultError, ValueError):
+    """A network with NaN or infinite weights was given to :func:`save_model`: a ``ValueError`` for
+    the library, a failed run (exit 1, nothing written) for the CLI."""
+
 
 FORMAT = "cfbnn.model"
 VERSION = 2
@@ -144,7 +149,10 @@ def save_model(
         raise ValueError(f"`estimator` must be one of {ESTIMATORS}; got {estimator!r}")
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
-        raise ValueError("the model has non-finite weights (NaN or infinity); it cannot predict, so it is not saved")
+        raise NonFiniteWeightsError(
+            "the model has non-finite weights (NaN or infinity); it cannot predict, so it is not saved "
+            "(check the data for extreme values, or lower the learning rate)"
+        )
     record = {
         "format": FORMAT,
         "version": VERSION,
