@@ -278,7 +278,8 @@ def test_an_unknown_key_is_one_line_naming_the_nearest_keys(tmp_path, cfbnn):
 # ----------------------------------------------------------------------------- runs you cannot lose
 
 # TRUST_REGRESSION without its data keys, for data=csv (whose config has none of them)
-CSV_RUN = [o for o in TRUST_REGRESSION if not o.startswith("data.")]
+# Table 1's study on a file (data=csv alone selects protocol=fit, which has no gradient_variance keys)
+CSV_RUN = [o for o in TRUST_REGRESSION if not o.startswith("data.")] + ["protocol=gradient_variance"]
 
 
 def _contents(folder: Path) -> dict:
@@ -329,7 +330,7 @@ def test_a_run_refused_before_any_output_leaves_no_dir_and_an_existing_dir_as_it
     assert "estimator='foo'" in one_line_error(refused)
     bad = tmp_path / "bad.csv"
     bad.write_text("a,y\n1,2\nx,3\n")
-    for path, message in [(tmp_path / "missing.csv", "data file not found"), (bad, "non-numeric")]:
+    for path, message in [(tmp_path / "missing.csv", "data file not found"), (bad, "is not a number")]:
         out = cfbnn(
             "train", "regression", f"hydra.run.dir={tmp_path / 'new' / path.stem}", *CSV_RUN, "data=csv",
             f"data.path={path}", "data.target=y",
@@ -344,7 +345,7 @@ def test_a_run_refused_before_any_output_leaves_no_dir_and_an_existing_dir_as_it
     out = cfbnn(
         "train", "regression", f"hydra.run.dir={kept}", *CSV_RUN, "data=csv", f"data.path={bad}", "data.target=y"
     )
-    assert "non-numeric" in one_line_error(out) and _contents(kept) == before
+    assert "is not a number" in one_line_error(out) and _contents(kept) == before
     # a sweep: each job's dir is its own, none is left (the sweep dir keeps Hydra's multirun.yaml)
     sweep = tmp_path / "sweep"
     out = cfbnn("train", "regression", "-m", "seed=0,1", f"hydra.sweep.dir={sweep}", "estimator=foo")

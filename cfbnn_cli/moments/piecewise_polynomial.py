@@ -156,6 +156,11 @@ class PiecewisePolynomial(Activation):
         zero = torch.zeros_like(first)
         first = torch.where(positive, first, zero)
         second = torch.where(positive, second, zero)
+        # a NaN std fails `std > 0` like a zero one: without this it would read as a point mass
+        # at the mean (g(mean)), a finite value where the input was NaN (the CUDA path's bug)
+        unknown = std.isnan()
+        first = torch.where(unknown, std, first)
+        second = torch.where(unknown, std, second)
         return centre + first, second - first * first
 
     def _centred_expectations(self, mean, std, centre):

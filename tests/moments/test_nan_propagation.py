@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cfbnn_cli.bnn import BayesianNetwork, ClosedFormBNN
-from cfbnn_cli.moments import get_activation
+from cfbnn_cli.moments import fast_path, get_activation
 
 ACTIVATIONS = ["relu", "leaky_relu", "relu_squared", "hard_sigmoid", "identity"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -47,6 +47,20 @@ def test_moments_of_a_nan_are_nan_and_the_rest_unchanged(name, dtype, device):
                 phi = activation.mean(mean, std)
                 nan = mean.isnan() if name == "identity" else bad
                 assert phi[nan].isnan().all() and torch.equal(phi[~nan], clean[0][~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_the_reference_formulas_keep_a_nan_too(name, dtype):
+    """The torch formulas (a GPU's route for the piecewise polynomials, every device's without
+    kernels): a NaN std once read as std 0 there, g(mean) for the hard sigmoid."""
+    activation = get_activation(name)
+    mean, std = _operands(dtype, "cpu")
+    with fast_path(False):
+        outputs = activation.moments(mean, std, return_variance=True)
+    nan = mean.isnan() if name == "identity" else mean.isnan() | std.isnan()
+    assert outputs[0][nan].isnan().all() and outputs[1][mean.isnan() | std.isnan()].isnan().all()
+    assert not outputs[0][~(mean.isnan() | std.isnan())].isnan().any()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -135,7 +135,9 @@ def test_cuda_moments_take_the_operator_and_match_the_cpu(dtype, rtol):
     std = torch.rand(300, 9, generator=g, dtype=dtype) + 0.05
     results = []
     for device in ("cpu", "cuda"):
-        m, s = (t.to(device).requires_grad_() for t in (mean, std))
+        # a fresh leaf per device: .to("cpu") of a CPU tensor is the tensor itself, which would make
+        # the CUDA copy a non-leaf (no .grad) once the CPU pass has set requires_grad on it
+        m, s = (t.detach().to(device, copy=True).requires_grad_() for t in (mean, std))
         phi, ups, var = activation.moments(m, s, return_variance=True)
         # the CPU's C++ autograd node; on CUDA the operator's Python autograd registration
         assert ("MomentsAutograd" if device == "cpu" else "cfbnn_relu_squared_moments") in phi.grad_fn.name()
