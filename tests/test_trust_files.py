@@ -285,6 +285,80 @@ def test_the_job_registry_neither_writes_through_nor_removes_a_link(tmp_path):
     assert other.is_symlink() and victim.read_text() == "precious"
 
 
+COUNT_JOBS = """
+    import sys
+    from cfbnn_cli.runtime.threads import JobRegistry
+    registry = JobRegistry(sys.argv[1])
+    registry.register()
+    print("JOBS", registry.count())
+    """
+
+
+def _odd_entries(jobs, tmp_path):
+    """A FIFO, a link, a directory and a socket among the registry's entries (another host's
+    FIFO, and a link to a FIFO, too): none of them is a job, none must block a count."""
+    host = socket.gethostname()
+    os.mkfifo(jobs / f"{host}-999999")
+    os.mkfifo(tmp_path / "elsewhere-fifo")
+    (jobs / f"{host}-999998").symlink_to(tmp_path / "elsewhere-fifo")
+    (jobs / f"{host}-999997").mkdir()
+    bound = socket.socket(socket.AF_UNIX)
+    bound.bind(str(jobs / f"{host}-999996"))
+    bound.close()
+
+
+def test_a_fifo_or_link_in_the_job_registry_is_ignored_and_never_blocks(tmp_path):
+    """The fault: a FIFO named like a job's file hung every run with runtime.threads=auto,
+    forever and silently (its open for reading waited for a writer)."""
+    jobs = tmp_path / "cache" / "jobs"
+    jobs.mkdir(parents=True, mode=0o700)
+    _odd_entries(jobs, tmp_path)
+    (jobs / f"{socket.gethostname()}-999995").write_text("")  # a finished job's file: removed
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(COUNT_JOBS), str(jobs)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "JOBS 1" in out.stdout
+    left = sorted(path.name.rsplit("-", 1)[1] for path in jobs.iterdir())
+    assert "999995" not in left and {"999999", "999998", "999997", "999996"} <= set(left)  # not removed
+
+
+def test_a_fifo_at_this_jobs_own_name_is_refused_not_waited_on(tmp_path):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir(mode=0o700)
+    os.mkfifo(jobs / f"{socket.gethostname()}-999999")
+    code = """
+        import os, sys
+        from cfbnn_cli.runtime.threads import JobRegistry
+        os.getpid = lambda: 999999  # this job's own name is taken by the FIFO
+        try:
+            JobRegistry(sys.argv[1]).register()
+        except OSError as error:
+            print("REFUSED", error)
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(jobs)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "REFUSED" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_run_with_threads_auto_finishes_despite_a_fifo_in_the_registry(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "jobs").mkdir(parents=True, mode=0o700)
+    _odd_entries(cache / "jobs", tmp_path)
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "cfbnn_cli.cli", "train", "regression", *REGRESSION, "runtime.threads=auto"]
+    out = subprocess.run(
+        [*command, f"hydra.run.dir={run}"],
+        env=dict(os.environ, CFBNN_CACHE_DIR=str(cache), CFBNN_FAST_MOMENTS="0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run / "done").exists()
+
+
 LINKS = [".cfbnn/lock", "train_regression.log", "checkpoints"]
 
 
