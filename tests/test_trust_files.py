@@ -19,7 +19,7 @@ from conftest import finish_all, one_line_error
 from omegaconf import open_dict
 
 from cfbnn_cli.cli import compose_config
-from cfbnn_cli.moments import fast, kernel_library
+from cfbnn_cli.moments import fast, kernel_build, kernel_library
 from cfbnn_cli.runtime import safefs
 from cfbnn_cli.runtime.errors import ConfigError
 from cfbnn_cli.runtime.io import atomic_write_text, remove_stale_temporary_files
@@ -101,16 +101,23 @@ def _planted_library(tmp_path, marker):
     return library
 
 
+def _plain_hash_record(library):
+    """A planted library with a plain SHA-256 record beside it that matches it (under both the
+    old and the current record names): what a planter without the cache's key can write."""
+    for suffix in (".sha256", kernel_build.HASH_SUFFIX):
+        (library.parent / f"cfbnn_moments.so{suffix}").write_text(safefs.sha256_of_file(library) + "\n")
+
+
 def _forge(library):
-    """A planted library with a hash record that matches it, both owned by another user."""
-    record = library.parent / "cfbnn_moments.so.sha256"
-    record.write_text(safefs.sha256_of_file(library) + "\n")
+    """A planted library with a hash record that matches it, the library owned by another user."""
+    _plain_hash_record(library)
     os.chown(library, 12345, 12345)
 
 
 SCENARIOS = {  # name -> what is done to a copy of a built cache before a process loads from it
     "as built": None,
     "planted": "plant",
+    "planted, with a matching plain hash record, by the same user": "plant+record",
     "planted, hash record forged, owned by another user": "plant+forge",
     "truncated": "truncate",
     "random bytes": "randomize",
@@ -135,6 +142,8 @@ def cache_outcomes(built_cache, tmp_path_factory):
             shutil.copy(_planted_library(place, marker), library)
             if action == "plant+forge":
                 _forge(library)
+            elif action == "plant+record":
+                _plain_hash_record(library)
         elif action == "truncate":
             library.write_bytes(library.read_bytes()[: library.stat().st_size // 3])
         elif action == "randomize":
@@ -157,17 +166,28 @@ def test_a_fresh_cache_is_private_and_records_each_librarys_hash(built_cache, ca
     library = _built_library(cache)
     for folder in (cache, library.parent):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    assert (library.parent / "cfbnn_moments.so.sha256").read_text().strip() == safefs.sha256_of_file(library)
+    key = kernel_build.record_key(cache)
+    record = (library.parent / f"cfbnn_moments.so{kernel_build.HASH_SUFFIX}").read_text().strip()
+    assert record == kernel_build.record_of(key, str(library.parent), library.read_bytes())
+    assert stat.S_IMODE((cache / kernel_build.KEY_NAME).stat().st_mode) == 0o600
     again = cache_outcomes["as built"][0]
     assert "AVAILABLE True CACHED True" in again.stdout and "rebuilding" not in again.stderr
 
 
 @needs_kernels
-@pytest.mark.parametrize("scenario", ["planted", "planted, hash record forged, owned by another user"])
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "planted",
+        "planted, with a matching plain hash record, by the same user",
+        "planted, hash record forged, owned by another user",
+    ],
+)
 def test_a_planted_library_is_never_loaded(cache_outcomes, scenario):
-    """The fault: a .so with a constructor at the cache path ran as the user. Now its bytes
-    must match the hash recorded at build time (or, with a forged record, the record and the
-    library must be the user's own and writable by nobody else) before anything loads it."""
+    """The fault: a .so with a constructor at the cache path ran as the user, even one planted
+    by the same user with a matching SHA-256 beside it. Now its bytes must match the record
+    made at build time under the cache's own key (and the library must be the user's own and
+    writable by nobody else) before anything loads it."""
     if scenario not in cache_outcomes:
         pytest.skip("a file of another user can be made only as root")
     out, library, marker = cache_outcomes[scenario]
@@ -211,6 +231,39 @@ def test_a_cache_directory_of_ours_is_narrowed_to_0700_and_a_link_is_refused(tmp
         safefs.private_directory(link)
 
 
+def test_a_cache_under_a_parent_others_can_write_is_refused_and_the_torch_path_serves(tmp_path, monkeypatch):
+    """The fault: a user who could write the cache dir's parent renamed the cache away and put
+    their own in its place between the check and the load. The parents were never checked."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone may rename what is in it
+    monkeypatch.setenv("CFBNN_CACHE_DIR", str(shared / "cache"))
+    library, info = kernel_library.load_library(rebuild=False)
+    assert library is None and "kernel cache refused" in info["error"]
+    assert f"{shared} (a parent of" in info["error"] and "writable by other users" in info["error"]
+    assert not list((shared / "cache").iterdir())  # nothing built, nothing loaded from there
+    # below a link to such a directory: the directory the link leads to is judged too
+    link = tmp_path / "mine"
+    link.symlink_to(shared)
+    with pytest.raises(safefs.UnsafePathError, match="writable by other users"):
+        safefs.check_parents(link / "cache")
+
+
+def test_the_parents_of_a_cache_may_be_roots_or_yours_and_sticky_ones_are_allowed(tmp_path):
+    sticky = tmp_path / "tmp-like"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)  # like /tmp: others may add entries, not rename or remove ours
+    safefs.check_parents(sticky / "cache" / "below")
+    os.chmod(sticky, 0o775)
+    with pytest.raises(safefs.UnsafePathError, match=r"writable by other users \(mode 775\)"):
+        safefs.check_parents(sticky / "cache")
+    os.chmod(sticky, 0o755)
+    if AS_ROOT:
+        os.chown(sticky, 12345, 12345)
+        with pytest.raises(safefs.UnsafePathError, match="owned by uid 12345, neither root nor you"):
+            safefs.check_parents(sticky / "cache")
+
+
 # ----------------------------------------------------------------------------- links are not written through
 
 
@@ -230,6 +283,80 @@ def test_the_job_registry_neither_writes_through_nor_removes_a_link(tmp_path):
     registry.register()
     assert registry.count() == 1
     assert other.is_symlink() and victim.read_text() == "precious"
+
+
+COUNT_JOBS = """
+    import sys
+    from cfbnn_cli.runtime.threads import JobRegistry
+    registry = JobRegistry(sys.argv[1])
+    registry.register()
+    print("JOBS", registry.count())
+    """
+
+
+def _odd_entries(jobs, tmp_path):
+    """A FIFO, a link, a directory and a socket among the registry's entries (another host's
+    FIFO, and a link to a FIFO, too): none of them is a job, none must block a count."""
+    host = socket.gethostname()
+    os.mkfifo(jobs / f"{host}-999999")
+    os.mkfifo(tmp_path / "elsewhere-fifo")
+    (jobs / f"{host}-999998").symlink_to(tmp_path / "elsewhere-fifo")
+    (jobs / f"{host}-999997").mkdir()
+    bound = socket.socket(socket.AF_UNIX)
+    bound.bind(str(jobs / f"{host}-999996"))
+    bound.close()
+
+
+def test_a_fifo_or_link_in_the_job_registry_is_ignored_and_never_blocks(tmp_path):
+    """The fault: a FIFO named like a job's file hung every run with runtime.threads=auto,
+    forever and silently (its open for reading waited for a writer)."""
+    jobs = tmp_path / "cache" / "jobs"
+    jobs.mkdir(parents=True, mode=0o700)
+    _odd_entries(jobs, tmp_path)
+    (jobs / f"{socket.gethostname()}-999995").write_text("")  # a finished job's file: removed
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(COUNT_JOBS), str(jobs)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "JOBS 1" in out.stdout
+    left = sorted(path.name.rsplit("-", 1)[1] for path in jobs.iterdir())
+    assert "999995" not in left and {"999999", "999998", "999997", "999996"} <= set(left)  # not removed
+
+
+def test_a_fifo_at_this_jobs_own_name_is_refused_not_waited_on(tmp_path):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir(mode=0o700)
+    os.mkfifo(jobs / f"{socket.gethostname()}-999999")
+    code = """
+        import os, sys
+        from cfbnn_cli.runtime.threads import JobRegistry
+        os.getpid = lambda: 999999  # this job's own name is taken by the FIFO
+        try:
+            JobRegistry(sys.argv[1]).register()
+        except OSError as error:
+            print("REFUSED", error)
+        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(jobs)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "REFUSED" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_run_with_threads_auto_finishes_despite_a_fifo_in_the_registry(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "jobs").mkdir(parents=True, mode=0o700)
+    _odd_entries(cache / "jobs", tmp_path)
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "cfbnn_cli.cli", "train", "regression", *REGRESSION, "runtime.threads=auto"]
+    out = subprocess.run(
+        [*command, f"hydra.run.dir={run}"],
+        env=dict(os.environ, CFBNN_CACHE_DIR=str(cache), CFBNN_FAST_MOMENTS="0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run / "done").exists()
 
 
 LINKS = [".cfbnn/lock", "train_regression.log", "checkpoints"]

@@ -13,16 +13,25 @@ shared library with the system C++ compiler (``$CXX``, else ``g++``/``c++``/``cl
   kernels are linked alone (``fast_path_info()["operators_error"]`` says why) and the ELBO
   takes the routes that do not need the operators.
 
-:mod:`cfbnn_cli.moments.fast` loads the library with :mod:`ctypes`; once it has passed its
-self-test, :mod:`cfbnn_cli.moments.kernel_library` calls ``cfbnn_register_cpu_kernels()``.
+:mod:`cfbnn_cli.moments.kernel_library` loads the library with :mod:`ctypes` (here, the only
+place a compiled library of cfbnn's is loaded); once it has passed its self-test, it calls
+``cfbnn_register_cpu_kernels()``.
 
 The cache (``$CFBNN_CACHE_DIR``, default ``$XDG_CACHE_HOME/cfbnn`` or ``~/.cache/cfbnn``):
 
 * one folder per build, named by a hash of the sources, the compiler and its version, the
   flags, the CPU (``-march=native``), torch's version and the kernels' ABI number;
-* the directory must be the user's own (mode 0700; :func:`~cfbnn_cli.runtime.safefs.private_directory`);
-  each library's SHA-256, recorded beside it at build time, is checked before the dynamic
-  loader ever sees it: a file planted by someone else, truncated or altered is rebuilt;
+* the directory must be the user's own (mode 0700; :func:`~cfbnn_cli.runtime.safefs.private_directory`),
+  and every directory above it owned by root or the user and writable by nobody else (a
+  sticky ``/tmp`` excepted; :func:`~cfbnn_cli.runtime.safefs.check_parents`); otherwise the
+  cache is refused and the torch path serves, with a warning;
+* each library is recorded beside it at build time (:func:`record_of`: an HMAC under the
+  cache's own secret key, ``.record-key``, of the folder's name and the library's SHA-256);
+  a library is opened once without following a link, its bytes are read from that open file
+  and checked against the record (:func:`read_verified`), and exactly those bytes are loaded,
+  from a sealed in-memory copy (:func:`load_bytes`), never the path again: a file planted
+  (with or without a plain hash beside it), truncated or altered is rebuilt, and a file
+  swapped after the check never reaches the loader;
 * one builder at a time across processes (an exclusive ``flock`` on ``.build.lock``): a
   second process with a cold cache waits and then loads what the first built;
 * a flag set that failed to compile records the compiler's message (``failed``) and is not
@@ -40,6 +49,7 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
+import hmac
 import logging
 import os
 import platform
@@ -54,12 +64,14 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ..runtime.safefs import (
+    PathLike,
     UnsafePathError,
     cache_root,
+    check_parents,
     open_no_follow,
-    owned_regular_file,
     private_directory,
-    sha256_of_file,
+    read_private_file,
+    sealed_copy,
 )
 
 log = logging.getLogger(__name__)
@@ -71,10 +83,15 @@ OPERATORS_PATH = SOURCE_FOLDER / "cfbnn_ops.cpp"  # the operators' CPU kernels (
 SOURCES = (SOURCE_PATH, HEADER_PATH, OPERATORS_PATH)
 LIBRARY_NAME = "cfbnn_moments.so"
 OPERATORS_FAILED_NAME = "operators-failed"  # why a library was linked without its operators
-HASH_SUFFIX = ".sha256"
+HASH_SUFFIX = ".record"  # the library's record (record_of): an HMAC under the cache's key
+KEY_NAME = ".record-key"  # the cache's secret key of those records (record_key)
+KEY_BYTES = 32
+LIBRARY_LIMIT = 256 << 20  # a library larger than this is not read (nor loaded)
+RECORD_FORMAT = 2  # how libraries are recorded: part of the cache key (an older cache's folders are not read)
 FAILED_NAME = "failed"  # a flag set that did not compile: its compiler message, kept beside its key
 LOCK_NAME = ".build.lock"
 COMPILE_TIMEOUT_SECONDS = 300
+_LOADED = []  # the sealed copies loaded: open for the process's life (see load_bytes)
 
 
 def read_sources() -> Dict[str, str]:
@@ -153,6 +170,7 @@ def flag_sets():
 
 def cache_key(source: str, compiler: str, version: str, flags, abi: int) -> str:
     parts = [source, compiler, version, " ".join(flags), cpu_signature(), str(abi), torch.__version__]
+    parts.append(f"record format {RECORD_FORMAT}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
@@ -203,17 +221,61 @@ def _run_all(commands) -> list:
     return results
 
 
+def record_key(root: PathLike, create: bool = False) -> bytes:
+    """The cache's secret key (``root/.record-key``, 32 random bytes, mode 0600), under which
+    each library's record is made (:func:`record_of`). ``create=True`` makes it where it is
+    missing, and replaces one that is damaged, a link, or not a private file of ours (every
+    record made under the old key then fails, and those libraries are rebuilt)."""
+    path = os.path.join(os.fspath(root), KEY_NAME)
+    try:
+        key = read_private_file(path, 4 * KEY_BYTES)
+        if len(key) == KEY_BYTES:
+            return key
+        problem = f"{path} is damaged"
+    except FileNotFoundError:
+        problem = f"{path} is missing"
+    except OSError as error:
+        problem = str(error)
+    if not create:
+        raise UnsafePathError(f"no usable record key: {problem}")
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)
+    descriptor = open_no_follow(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(os.urandom(KEY_BYTES))
+    os.replace(temporary, path)  # replaces a link or a damaged key itself, never what a link points to
+    return record_key(root)
+
+
+def record_of(key: bytes, folder: str, data: bytes) -> str:
+    """The record of a library's bytes ``data`` built into the cache folder named ``folder``:
+    HMAC-SHA256 under the cache's key of the folder's name and the bytes' SHA-256 (so a
+    library moved to another key's folder, or planted with a plain hash beside it, fails)."""
+    message = os.path.basename(folder).encode() + b"\0" + hashlib.sha256(data).digest()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
 def compile_library(compiler: str, flags, target: str, sources: Dict[str, str]) -> Tuple[Optional[str], Optional[str]]:
-    """Build ``sources`` (:func:`read_sources`) into ``target`` and record its content hash beside
-    it: ``(error, operators_error)``, the compiler's message where the kernels did not build
+    """Build ``sources`` (:func:`read_sources`) into ``target`` and record it beside it:
+    ``(error, operators_error)``, the compiler's message where the kernels did not build
     (else ``None``), and where only the operators' unit did not (the kernels then linked alone).
+    :func:`build` does the same and also returns the bytes built."""
+    error, operators_error, _ = build(compiler, flags, target, sources)
+    return error, operators_error
+
+
+def build(compiler: str, flags, target: str, sources: Dict[str, str]) -> Tuple[Optional[str], Optional[str], bytes]:
+    """:func:`compile_library`, returning also the library's bytes as this process read them
+    once from the linker's output: what it records, and what :func:`load_library` loads.
 
     The kernels' unit (``flags``) and the operators' unit (:func:`operator_flags`) compile side by
     side, then one link. Both files are written atomically (a temporary file, then a rename)
-    inside a private directory; the hash is what :func:`verified` checks before the library is
-    ever loaded.
+    inside a private directory; the record (:func:`record_of`, under the cache's key in the
+    folder above) is what :func:`read_verified` checks before a later process loads the library.
     """
     directory = str(private_directory(os.path.dirname(target)))
+    key = record_key(os.path.dirname(directory), create=True)
     with tempfile.TemporaryDirectory(dir=directory) as work:
         for name, text in sources.items():
             with open(os.path.join(work, name), "w") as handle:
@@ -229,7 +291,7 @@ def compile_library(compiler: str, flags, target: str, sources: Dict[str, str]) 
             ]
         )
         if kernels != 0:
-            return compiler_message(kernels_stderr), None
+            return compiler_message(kernels_stderr), None, b""
         operators_error = compiler_message(operators_stderr) if operators != 0 else None
         output = os.path.join(work, LIBRARY_NAME)
 
@@ -243,37 +305,85 @@ def compile_library(compiler: str, flags, target: str, sources: Dict[str, str]) 
         if operators_error is not None:
             returncode, stderr = link([kernels_object], [])
             if returncode != 0:
-                return compiler_message(stderr), None
+                return compiler_message(stderr), None, b""
         os.chmod(output, 0o700)
+        data = read_private_file(output, LIBRARY_LIMIT)
         record = os.path.join(work, LIBRARY_NAME + HASH_SUFFIX)
         with open(record, "w") as handle:
-            handle.write(sha256_of_file(output) + "\n")
-        # the library first: a reader that finds the new hash finds the new library too
+            handle.write(record_of(key, directory, data) + "\n")
+        # the library first: a reader that finds the new record finds the new library too
         os.replace(output, target)
         os.replace(record, target + HASH_SUFFIX)
-    return None, operators_error
+    return None, operators_error, data
+
+
+def read_verified(target: str, key: bytes) -> bytes:
+    """The bytes of the cached library ``target``, read from one open file and checked against
+    its record; :class:`OSError` (:class:`UnsafePathError` for a refusal) says why not.
+
+    The library and its record must be regular files of this user that nobody else can
+    write, opened without following a link; the library's bytes, as read from that open file,
+    must match the record made under the cache's key (:func:`record_of`): a file planted by
+    someone else, with or without a plain hash beside it, truncated (which would crash the
+    process with SIGBUS when loaded) or altered fails. Only these bytes are ever loaded
+    (:func:`load_bytes`), never the path again.
+    """
+    data = read_private_file(target, LIBRARY_LIMIT)
+    recorded = read_private_file(target + HASH_SUFFIX, 200).decode("ascii", errors="replace").strip()
+    if not hmac.compare_digest(recorded, record_of(key, os.path.dirname(target), data)):
+        raise UnsafePathError(
+            f"{target} does not match the content hash recorded when it was built (planted, truncated or altered)"
+        )
+    return data
 
 
 def verified(target: str) -> Optional[str]:
-    """Why the cached library ``target`` must not be loaded, or ``None`` if it may.
-
-    It must be a regular file of this user that nobody else can write, with a hash
-    record of the same kind, and its bytes must hash to the recorded value: a file
-    planted by someone else, or truncated (which would crash the process with SIGBUS
-    when loaded), or altered, is never handed to the dynamic loader.
-    """
-    record = target + HASH_SUFFIX
+    """Why the cached library ``target`` must not be loaded (:func:`read_verified`), or ``None``."""
     try:
-        owned_regular_file(target)
-        owned_regular_file(record)
-        with open(record) as handle:
-            expected = handle.read(200).strip()
-        actual = sha256_of_file(target)
+        read_verified(target, record_key(os.path.dirname(os.path.dirname(target))))
     except OSError as error:
         return str(error) if isinstance(error, UnsafePathError) else f"{type(error).__name__}: {error}"
-    if actual != expected:
-        return f"{target} does not match the content hash recorded when it was built (truncated or altered)"
     return None
+
+
+def _before_load(target: str) -> None:
+    """Called between a library's verification and its load (nothing here; a test swaps the
+    file on disk at this point to show that the swap does not reach the loader)."""
+
+
+def load_bytes(data: bytes, target: str) -> Tuple[ctypes.CDLL, str]:
+    """``(library, how)``: the verified bytes ``data`` (of ``target``) loaded, never the path again.
+
+    Where the system has them, from a sealed in-memory copy (:func:`~cfbnn_cli.runtime.safefs.sealed_copy`,
+    loaded as ``/proc/self/fd/N``): nobody, this user included, can change those bytes between
+    the check and the load. Elsewhere (not Linux, or ``vm.memfd_noexec=2``), from a private
+    copy written to a new 0700 directory beside ``target``, read back and compared first; a
+    process of this same user could change that copy between the comparison and the load.
+    """
+    try:
+        descriptor = sealed_copy(data, LIBRARY_NAME)
+    except OSError as error:
+        log.debug("no sealed in-memory copy of the kernels (%s); loading a private copy", error)
+    else:
+        try:
+            _before_load(target)
+            library = ctypes.CDLL(f"/proc/self/fd/{descriptor}")
+        except OSError as error:
+            os.close(descriptor)
+            log.debug("the sealed copy of the kernels did not load (%s); loading a private copy", error)
+        else:
+            _LOADED.append(descriptor)  # open for the process's life: its name is never reused for another library
+            return library, "a sealed in-memory copy"
+    digest = hashlib.sha256(data).hexdigest()
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as private:
+        copy = os.path.join(private, LIBRARY_NAME)
+        descriptor = open_no_follow(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+        if hashlib.sha256(read_private_file(copy, LIBRARY_LIMIT)).hexdigest() != digest:
+            raise UnsafePathError(f"the private copy of {target} changed before it was loaded")
+        _before_load(target)
+        return ctypes.CDLL(copy), "a private copy"
 
 
 def discard(target: str) -> None:
@@ -291,11 +401,10 @@ def _recorded_failure(folder: str, name: str = FAILED_NAME) -> Optional[str]:
     if not os.path.lexists(path):
         return None
     try:
-        owned_regular_file(path)
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read(4000).strip() or "failed earlier"
+        text = read_private_file(path, 64 * 1024)
     except OSError:
         return None  # not trustworthy: build again
+    return text.decode("utf-8", errors="replace")[:4000].strip() or "failed earlier"
 
 
 def _record_failure(folder: str, message: Optional[str], name: str = FAILED_NAME) -> None:
@@ -307,7 +416,7 @@ def _record_failure(folder: str, message: Optional[str], name: str = FAILED_NAME
                 os.unlink(path)
         return
     try:
-        descriptor = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        descriptor = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o600)
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             handle.write(message + "\n")
     except OSError:
@@ -318,6 +427,22 @@ def _summary(flags, message: str) -> str:
     return f"[{' '.join(flags)}] {message}"
 
 
+def _load_checked(data: bytes, target: str, abi: int, bind, self_test):
+    """``(library, problem, seconds, how)``: ``data`` loaded (:func:`load_bytes`), bound, its ABI
+    and its self-test checked; ``problem`` says why it must not be used."""
+    start = time.perf_counter()
+    library, how = None, None
+    try:
+        library, how = load_bytes(data, target)
+        bind(library)
+        if library.cfbnn_abi() != abi:
+            raise OSError("ABI mismatch")
+        problem = self_test(library)
+    except (OSError, AttributeError) as failure:
+        problem = str(failure) if isinstance(failure, UnsafePathError) else f"{type(failure).__name__}: {failure}"
+    return library, problem, time.perf_counter() - start, how
+
+
 def load_library(
     abi: int,
     bind: Callable[[ctypes.CDLL], None],
@@ -326,13 +451,20 @@ def load_library(
 ) -> Tuple[Optional[ctypes.CDLL], Dict[str, object]]:
     """``(library, info)``: the first flag set's library that is cached (and verified) or
     builds, loads, reports ``abi`` and passes ``self_test``; ``(None, {"error": ...})`` when
-    none does. ``rebuild=True`` ignores cached libraries and recorded failures."""
+    none does. ``rebuild=True`` ignores cached libraries and recorded failures.
+
+    The cache and every directory above it are checked first
+    (:func:`~cfbnn_cli.runtime.safefs.private_directory`, :func:`~cfbnn_cli.runtime.safefs.check_parents`);
+    what is loaded is the bytes verified (:func:`read_verified`) or built by this process, from a
+    sealed copy (:func:`load_bytes`). A cached library that fails to load or its self-test is
+    rebuilt, with a warning."""
     compiler = find_compiler()
     if compiler is None:
         return None, {"error": "no C++ compiler found (install g++ or set $CXX); the torch path serves"}
     try:
         root = private_directory(cache_root())
-    except OSError as error:  # someone else's directory, a link, or unwritable: never load from it
+        check_parents(root)
+    except OSError as error:  # someone else's directory, a link, an unsafe parent, or unwritable: never load from it
         return None, {"error": f"kernel cache refused: {error}"}
     try:
         sources = read_sources()
@@ -343,6 +475,10 @@ def load_library(
     errors = []
     compiling_since = None  # when this call began compiling (the first use with this cache): said before and after
     with build_lock(root):
+        try:
+            key = record_key(root, create=True)
+        except OSError as error:
+            return None, {"error": f"kernel cache refused: {error}"}
         for flags in flag_sets():
             folder = os.path.join(root, f"moments-{cache_key(text, compiler, version, flags, abi)}")
             target = os.path.join(folder, LIBRARY_NAME)
@@ -356,17 +492,24 @@ def load_library(
                 if failure is not None:
                     errors.append(_summary(flags, f"(recorded at an earlier start) {failure}"))
                     continue
-            cached = os.path.lexists(target) and not rebuild
-            if cached:
-                problem = verified(target)
-                if problem is not None:
+            library, cached, build_seconds = None, False, 0.0
+            if os.path.lexists(target) and not rebuild:
+                try:
+                    data = read_verified(target, key)
+                except OSError as error:
+                    problem = str(error) if isinstance(error, UnsafePathError) else f"{type(error).__name__}: {error}"
+                else:
+                    library, problem, load_seconds, how = _load_checked(data, target, abi, bind, self_test)
+                    problem = problem and f"it did not load or failed its self-test ({problem})"
+                if problem is None:
+                    cached = True
+                else:
+                    library = None
                     warnings.warn(
                         f"cfbnn: not loading the cached kernel library: {problem}; rebuilding it",
                         RuntimeWarning,
                         stacklevel=4,
                     )
-                    cached = False
-            build_seconds = 0.0
             if not cached:
                 if compiling_since is None:
                     log.warning("compiling the CPU kernels (first use, about 20 s; cached in %s afterwards)", root)
@@ -374,7 +517,7 @@ def load_library(
                 start = time.perf_counter()
                 try:
                     discard(target)
-                    error, operators_error = compile_library(compiler, flags, target, sources)
+                    error, operators_error, data = build(compiler, flags, target, sources)
                     _record_failure(folder, operators_error, OPERATORS_FAILED_NAME)
                 except OSError as failure:  # e.g. an unwritable or foreign cache directory
                     error = (
@@ -387,27 +530,16 @@ def load_library(
                     _record_failure(folder, error)
                     errors.append(_summary(flags, error))
                     continue
-                problem = verified(target)  # what was just built, as any later process will check it
+                library, problem, load_seconds, how = _load_checked(data, target, abi, bind, self_test)
                 if problem is not None:
                     errors.append(_summary(flags, problem))
                     continue
-            start = time.perf_counter()
-            try:
-                library = ctypes.CDLL(target)
-                bind(library)
-                if library.cfbnn_abi() != abi:
-                    raise OSError("ABI mismatch")
-                problem = self_test(library)
-            except (OSError, AttributeError) as failure:
-                problem = f"{type(failure).__name__}: {failure}"
-            if problem is not None:
-                errors.append(_summary(flags, problem))
-                continue
             info = {
                 "library": target,
+                "loaded_from": how,
                 "cached": cached,
                 "build_seconds": build_seconds,
-                "load_seconds": time.perf_counter() - start,
+                "load_seconds": load_seconds,
                 "flags": " ".join(flags),
                 "compiler": f"{compiler} ({version})",
                 "openmp": bool(library.cfbnn_openmp()),

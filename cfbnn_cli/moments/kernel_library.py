@@ -61,7 +61,9 @@ def fast_path(enabled: bool = True):
 def fast_path_info() -> Dict[str, object]:
     """Whether the kernels are available and how they were built (building them if needed).
 
-    Keys: ``enabled``, ``available``, ``library`` (path), ``cached`` (found on disk),
+    Keys: ``enabled``, ``available``, ``library`` (path of the cached file), ``loaded_from``
+    (what was loaded: a sealed in-memory copy of that file's verified bytes, or a private
+    copy where the system has no sealed files), ``cached`` (found on disk),
     ``build_seconds`` (compile time of this process's build, 0 if cached),
     ``load_seconds``, ``flags``, ``openmp``, ``error`` (why not available), ``operators``
     (the ``cfbnn::`` operators' C++ CPU kernels registered) and ``operators_error`` (why not).

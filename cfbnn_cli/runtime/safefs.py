@@ -1,7 +1,7 @@
 """Files cfbnn writes or loads that another user (or a link) must not be able to redirect.
 
-Three rules, used by the run dir (lock, log, temporary files), the job registry and
-the kernel cache:
+Rules used by the run dir (lock, log, temporary files), the job registry and the
+kernel cache:
 
 * :func:`open_no_follow` opens a file for writing without following a symbolic
   link in its last component (``O_NOFOLLOW``); a link is refused with
@@ -10,7 +10,16 @@ the kernel cache:
   write: not a link, owned by this user, mode ``0700`` (a directory of ours with a
   wider mode is narrowed; one owned by anybody else is refused).
 * :func:`owned_regular_file` checks that a file in such a directory is a regular
-  file of ours that nobody else can write, before it is read or loaded.
+  file of ours that nobody else can write, before it is read or loaded;
+  :func:`read_private_file` does the same checks on the file it opened (no link
+  followed, never blocking on a FIFO) and reads at most a given size from that one
+  open file.
+* :func:`check_parents` checks every directory above a path: owned by root or by
+  this user, and writable by nobody else (a sticky directory such as ``/tmp``
+  excepted), so that no other user can rename or replace what lies below it.
+* :func:`sealed_copy` puts bytes into an anonymous in-memory file that nobody,
+  this user included, can change afterwards (a sealed ``memfd``): a library loaded
+  from it is exactly the bytes that were checked.
 
 Only the standard library is used: :mod:`cfbnn_cli.moments` (the lowest floor) and
 the CLI import this module before torch.
@@ -18,10 +27,12 @@ the CLI import this module before torch.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Union
 
@@ -33,6 +44,9 @@ __all__ = [
     "open_no_follow",
     "private_directory",
     "owned_regular_file",
+    "read_private_file",
+    "check_parents",
+    "sealed_copy",
     "sha256_of_file",
     "NoFollowFileHandler",
 ]
@@ -110,6 +124,126 @@ def owned_regular_file(path: PathLike) -> os.stat_result:
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UnsafePathError(f"{path} is writable by other users")
     return info
+
+
+def read_private_file(path: PathLike, limit: int) -> bytes:
+    """The bytes of ``path`` (at most ``limit``), read from one open file that was checked first.
+
+    The file is opened once, without following a link and without blocking (a FIFO, a
+    device or a socket never hangs the caller); that open file must be a regular file of
+    this user that nobody else can write, no larger than ``limit``; the bytes returned
+    are read from it. :class:`UnsafePathError` names what is wrong otherwise.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as error:
+        if os.path.islink(path):
+            raise UnsafePathError(f"{path} is a symbolic link; cfbnn does not read through links") from None
+        if error.errno == errno.ENXIO:  # a socket
+            raise UnsafePathError(f"{path} is not a regular file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafePathError(f"{path} is not a regular file")
+        if info.st_uid != _this_user():
+            raise UnsafePathError(f"{path} is owned by uid {info.st_uid}, not by you (uid {_this_user()})")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UnsafePathError(f"{path} is writable by other users")
+        if info.st_size > limit:
+            raise UnsafePathError(f"{path} is {info.st_size} bytes, more than the {limit} expected")
+        chunks, size = [], 0
+        while size <= limit:
+            block = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not block:
+                break
+            chunks.append(block)
+            size += len(block)
+        if size > limit:  # grew while being read
+            raise UnsafePathError(f"{path} is more than the {limit} bytes expected")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _ancestors(path: str):
+    current = os.path.dirname(path)
+    while True:
+        yield current
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+
+
+def check_parents(path: PathLike) -> None:
+    """Raise :class:`UnsafePathError` unless every directory above ``path`` is safe.
+
+    Safe: owned by root or by this user, and not writable by group or others unless it
+    has the sticky bit (``/tmp``: others may add entries but not rename or remove ours).
+    Both the path as given (made absolute) and its resolved form are walked, so a link
+    among the parents is judged by the directory that holds it and by where it leads.
+    Whoever may write a parent could otherwise rename the directory below it and put
+    another in its place between a check and a use.
+    """
+    given = os.path.abspath(os.fspath(path))
+    resolved = os.path.realpath(given)
+    seen = set()
+    for directory in [*_ancestors(given), *_ancestors(resolved)]:
+        if directory in seen:
+            continue
+        seen.add(directory)
+        try:
+            info = os.lstat(directory)
+        except FileNotFoundError:
+            continue  # not made yet: checked where it exists (the cache is made before it is checked)
+        if stat.S_ISLNK(info.st_mode):
+            continue  # the directory holding the link is the next one up; its target is walked as `resolved`
+        if info.st_uid not in (0, _this_user()):
+            raise UnsafePathError(
+                f"{directory} (a parent of {given}) is owned by uid {info.st_uid}, neither root nor you "
+                f"(uid {_this_user()}); its owner could replace what is below it: set CFBNN_CACHE_DIR "
+                "to a directory under your home"
+            )
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            raise UnsafePathError(
+                f"{directory} (a parent of {given}) is writable by other users (mode "
+                f"{stat.S_IMODE(info.st_mode):o}); they could replace what is below it: set "
+                "CFBNN_CACHE_DIR to a directory under your home, or remove that write permission"
+            )
+
+
+_MFD_EXEC = 0x0010  # memfd_create(2): an executable memfd, where vm.memfd_noexec would refuse it
+
+
+def sealed_copy(data: bytes, name: str = "cfbnn") -> int:
+    """A file descriptor of an anonymous in-memory file holding ``data``, sealed so that
+    nobody (this user included) can write, grow or shrink it, or remove the seals.
+
+    Loading ``/proc/self/fd/<fd>`` then maps exactly ``data``. Raises :class:`OSError`
+    where the system has no sealed memfd (not Linux, or a kernel before 3.17)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        raise OSError("this system has no sealed in-memory files (memfd_create)")
+    import fcntl
+
+    base = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    try:
+        fd = os.memfd_create(name, base | _MFD_EXEC)
+    except OSError:  # a kernel before 6.3 does not know MFD_EXEC
+        fd = os.memfd_create(name, base)
+    try:
+        view, written = memoryview(data), 0
+        while written < len(data):
+            written += os.write(fd, view[written:])
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & seals != seals:
+            raise OSError("the in-memory copy could not be sealed")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def sha256_of_file(path: PathLike, chunk: int = 1 << 20) -> str:

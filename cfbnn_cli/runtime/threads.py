@@ -33,6 +33,7 @@ import ctypes
 import logging
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Optional
@@ -79,7 +80,14 @@ def _cgroup_quota() -> Optional[float]:
 class JobRegistry:
     """The cfbnn jobs running on this machine: each holds an ``flock`` on its own file in
     ``<cache>/jobs``; a file whose lock can be taken belongs to a finished process and is
-    removed."""
+    removed.
+
+    Only regular files are registry entries: a link, FIFO, socket, device or directory found
+    there is neither opened for reading, counted, nor removed (a FIFO once hung every run), and
+    every open is non-blocking. Nothing is read from an entry (its lock is the whole message),
+    and at most :attr:`MAX_ENTRIES` names are looked at per count."""
+
+    MAX_ENTRIES = 4096
 
     def __init__(self, folder: Optional[Path] = None):
         self.folder = Path(folder) if folder is not None else cache_root() / "jobs"
@@ -93,7 +101,17 @@ class JobRegistry:
         private_directory(self.folder.parent)
         private_directory(self.folder)
         path = self.folder / f"{socket.gethostname()}-{os.getpid()}"
-        handle = os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK  # a FIFO at our name must not block the open
+        descriptor = open_no_follow(path, flags, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+                raise UnsafePathError(f"{path} is not a regular file; remove it")
+            os.ftruncate(descriptor, 0)
+            os.set_blocking(descriptor, True)
+            handle = os.fdopen(descriptor, "w")
+        except BaseException:
+            os.close(descriptor)
+            raise
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._handle = handle
         self._name = path.name
@@ -102,23 +120,43 @@ class JobRegistry:
         """Live jobs, this one included (stale files are removed on the way)."""
         import fcntl
 
+        prefix = f"{socket.gethostname()}-"
         live = 0
-        for path in self.folder.glob(f"{socket.gethostname()}-*"):
-            if path.name == self._name:
-                live += 1
-                continue
-            if path.is_symlink():  # not a file this registry wrote: neither followed nor removed
-                continue
-            try:
-                with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as handle:
+        try:
+            entries = os.scandir(self.folder)
+        except OSError:
+            return 1
+        with entries:
+            for seen, entry in enumerate(entries):
+                if seen >= self.MAX_ENTRIES:
+                    break
+                if not entry.name.startswith(prefix):
+                    continue
+                if entry.name == self._name:
+                    live += 1
+                    continue
+                try:
+                    if not entry.is_file(follow_symlinks=False):  # a link, FIFO, socket, device or folder
+                        continue
+                    descriptor = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                try:
+                    if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # replaced since it was listed
+                        continue
                     try:
-                        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except BlockingIOError:
                         live += 1  # its owner is alive and holds the lock
                         continue
-                path.unlink(missing_ok=True)  # a finished or killed job's file
-            except OSError:
-                continue
+                    except OSError:
+                        continue
+                    if os.path.samestat(os.fstat(descriptor), os.lstat(entry.path)):
+                        os.unlink(entry.path)  # a finished or killed job's file (the one we locked)
+                except OSError:
+                    continue
+                finally:
+                    os.close(descriptor)
         return max(live, 1)
 
 

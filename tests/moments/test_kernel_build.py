@@ -4,6 +4,7 @@ the compiler's message, and a CLI that runs where no compiler exists."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -183,3 +184,84 @@ def test_the_cli_runs_on_the_reference_path_without_a_compiler(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "run" / "done").exists()
     assert "no C++ compiler found" in result.stderr
+
+
+def _tiny_library(folder: Path, name: str, value: int, marker: Path) -> Path:
+    """A shared library standing in for the kernels (``cfbnn_abi`` 15), whose ``value()`` returns
+    ``value``, and whose constructor creates ``marker`` when it is loaded."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = folder / f"{name}.c"
+    source.write_text(
+        "#include <stdio.h>\n"
+        f'__attribute__((constructor)) static void ran(void) {{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
+        f"int cfbnn_abi(void) {{ return 15; }}\nint cfbnn_openmp(void) {{ return 0; }}\n"
+        f"int value(void) {{ return {value}; }}\n"
+    )
+    library = folder / f"{name}.so"
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    return library
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed in-memory copy", "private copy"])
+def test_a_library_swapped_after_verification_is_never_the_one_that_runs(tmp_path, monkeypatch, sealed):
+    """The fault: the cache was checked by path, then loaded by path again; whoever swapped the
+    file in between (the same user racing, or another user who could write a parent) had their
+    library loaded. Here the swap is made at the worst moment, after the check and before the
+    load, with a record forged to match (as an attacker who read the cache's key would): the
+    library that runs is still the one verified, and the swapped one's code never runs."""
+    good = _tiny_library(tmp_path, "good", 1, tmp_path / "good-ran")
+    evil = _tiny_library(tmp_path, "evil", 2, tmp_path / "evil-ran")
+    compiler = _fake_compiler(
+        tmp_path,
+        'out=""; prev=""; for a in "$@"; do if [ "$prev" = "-o" ]; then out="$a"; fi; prev="$a"; done\n'
+        f'cp "{good}" "$out"',
+    )
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("CFBNN_CACHE_DIR", str(cache))
+    library, info = kernel_build.load_library(15, lambda lib: None, lambda lib: None)  # builds (copies `good`)
+    assert library is not None and library.value() == 1 and info["cached"] is False
+    target = Path(info["library"])
+
+    swaps = []
+
+    def swap(path):
+        """The attacker's move: their library at the verified path, with a matching record."""
+        assert path == str(target)
+        shutil.copy(evil, tmp_path / "evil-copy")
+        os.replace(tmp_path / "evil-copy", target)
+        key = kernel_build.record_key(cache)
+        record = kernel_build.record_of(key, str(target.parent), target.read_bytes())
+        Path(str(target) + kernel_build.HASH_SUFFIX).write_text(record + "\n")
+        swaps.append(path)
+
+    monkeypatch.setattr(kernel_build, "_before_load", swap)
+    if not sealed:  # a system without sealed in-memory files: the private copy is loaded instead
+        monkeypatch.setattr(kernel_build, "sealed_copy", lambda *args: (_ for _ in ()).throw(OSError("no memfd")))
+    library, info = kernel_build.load_library(15, lambda lib: None, lambda lib: None)
+    assert swaps == [str(target)] and target.read_bytes() == evil.read_bytes()  # the swap did happen
+    assert info["cached"] is True and library.value() == 1  # the verified library runs, not the swapped one
+    assert not (tmp_path / "evil-ran").exists()
+    assert info["loaded_from"] == ("a sealed in-memory copy" if sealed else "a private copy")
+
+
+def test_a_verified_cached_library_that_fails_its_self_test_is_rebuilt_with_a_warning(tmp_path, monkeypatch):
+    """The fault: a cached library that passed the check but failed to load or its self-test was
+    passed over for a plainer flag set without a word."""
+    good = _tiny_library(tmp_path, "good", 1, tmp_path / "good-ran")
+    compiler = _fake_compiler(
+        tmp_path,
+        'out=""; prev=""; for a in "$@"; do if [ "$prev" = "-o" ]; then out="$a"; fi; prev="$a"; done\n'
+        f'cp "{good}" "$out"',
+    )
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("CFBNN_CACHE_DIR", str(tmp_path / "cache"))
+    kernel_build.load_library(15, lambda lib: None, lambda lib: None)
+    builds = _kernel_compiles(tmp_path)
+    results = iter(["self-test failed (relative error 1e+00)"])
+    with pytest.warns(RuntimeWarning, match="not loading the cached kernel library: .*self-test failed"):
+        library, info = kernel_build.load_library(15, lambda lib: None, lambda lib: next(results, None))
+    assert library is not None and info["cached"] is False and info["flags"] == " ".join(kernel_build.flag_sets()[0])
+    assert _kernel_compiles(tmp_path) == builds + 1  # the same flag set, rebuilt
