@@ -63,8 +63,8 @@ def test_config_groups_and_keys_switch():
             "vae",
             [
                 "variant",
-                "data: digits, fashion_mnist, synthetic, year_prediction_msd",
-                "experiment: paper_table2, table2_fashion_mnist",
+                "data: digits, fashion_mnist, fashion_mnist_pca90, synthetic, year_prediction_msd",
+                "experiment: paper_table2, table2_fashion_mnist, table2_fashion_mnist_pca90",
                 "logger: csv, tensorboard",
             ],
             ["paper_table1", "head_small", "protocol", "computers"],

@@ -65,4 +65,7 @@ def test_a_wheel_installed_elsewhere_composes_every_command(tmp_path):
         text=True,
         timeout=300,
     )
-    assert helped.returncode == 0 and "data: digits, fashion_mnist, synthetic, year_prediction_msd" in helped.stdout
+    assert (
+        helped.returncode == 0
+        and "data: digits, fashion_mnist, fashion_mnist_pca90, synthetic, year_prediction_msd" in helped.stdout
+    )

@@ -57,10 +57,17 @@ def validate(cfg: DictConfig) -> List[str]:
             "data.latent_dim": 1,
             "data.teacher_hidden": 1,
             "data.expected_rows": 10,
+            "data.components": 1,
         },
         seeds=["data.seed"],
         nonnegative=["data.noise_std"],
     )
+    floor = OmegaConf.select(cfg, "data.std_floor", default=None)
+    if floor is not None and floor != "pooled":
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < math.inf:
+            raise ConfigError(
+                f"data.std_floor={floor!r} must be pooled, a positive number (in the data's units) or null (no floor)"
+            )
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_positive_float(cfg, "model.prior_scale")
     require_positive_float(cfg, "model.init_scale")
@@ -404,6 +411,8 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         variants,
         device,
     )
+    for key, value in data.details.items():
+        log.info("%s: %s = %.4f", data.name, key, value)
     history: List[dict] = []
     rows: List[dict] = []
     K, T = cfg.evaluation.inner_samples, cfg.evaluation.trials
@@ -475,7 +484,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         f"seed {cfg.seed}"
     )
     figures = {"training": _plot_training(history, run_dir / "training.png", data.log_scale, title)} if history else {}
-    metrics = {}
+    metrics = {f"data/{key}": value for key, value in data.details.items()}
     for row in rows:
         for key in RESULT_METRICS:
             if row[key] is not None or not key.startswith("test_ll_posterior_mean"):

@@ -110,6 +110,30 @@ def test_nan_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path, monkey
     assert kept["epoch"] == 1
 
 
+def test_the_principal_component_stand_in_trains_and_reports_the_variance_kept(tmp_path, vae_cfg):
+    import struct
+
+    import numpy as np
+
+    raw = tmp_path / "fashion" / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, count in (("train", 100), ("t10k", 20)):
+        images = rng.integers(0, 256, (count, 28, 28)).astype(np.uint8)
+        for kind, magic, array in (("images-idx3", 2051, images), ("labels-idx1", 2049, np.zeros(count, np.uint8))):
+            header = struct.pack(">I", magic) + b"".join(struct.pack(">I", n) for n in array.shape)
+            (raw / f"{name}-{kind}-ubyte").write_bytes(header + array.tobytes())
+    cfg = vae_cfg(
+        "data=fashion_mnist_pca90", f"data.root={tmp_path / 'fashion'}", "data.components=7", "trainer.epochs=1"
+    )
+    result = pipeline.run(cfg, tmp_path / "run")
+    kept = result["metrics"]["data/pca_variance_kept"]
+    # 7 of 784 directions of 84 rows of independent uniform pixels: a little more than 7/83 of the variance
+    assert 7 / 83 < kept < 0.2
+    assert math.isfinite(result["metrics"]["vae/v3/test_ll"])
+    assert "84 training rows, 24 test rows, 7 dims" in (tmp_path / "run" / "vae_results.md").read_text()
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -120,6 +144,9 @@ def test_nan_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path, monkey
         ("evaluation.inner_samples=0", "evaluation.inner_samples=0"),
         ("trainer.compile=maybe", "trainer.compile"),
         ("trainer.patience=0", "trainer.patience"),
+        ("+data.std_floor=wide", "data.std_floor='wide' must be pooled, a positive number"),
+        ("+data.std_floor=-0.1", "data.std_floor=-0.1 must be pooled, a positive number"),
+        ("+data.components=0", "data.components=0"),
     ],
 )
 def test_bad_config_is_rejected_before_training(tmp_path, override, message, vae_cfg):
