@@ -389,7 +389,9 @@ class BayesianNetwork(nn.Module):
         objective: Optional[str] = None,
     ):
         """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO
-        (:meth:`.Estimator.elbo`)."""
+        (:meth:`.Estimator.elbo`). ``num_data`` is the number of rows of the whole data set;
+        ``None`` means ``x`` *is* the whole data set, so a minibatch given without it is the ELBO of
+        those rows alone, its likelihood under-weighted against the KL by ``batch / N``."""
         x, y = self.checked_inputs(x, y)
         num_data = check_num_data(num_data, x.shape[-2])
         check_count(num_samples, "num_samples")
