@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .safefs import UnsafePathError, cache_root, open_no_follow, private_directory
+from .safefs import UnsafePathError, cache_root, open_in_place, private_directory
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class JobRegistry:
         private_directory(self.folder.parent)
         private_directory(self.folder)
         path = self.folder / f"{socket.gethostname()}-{os.getpid()}"
-        handle = os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
+        handle = os.fdopen(open_in_place(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._handle = handle
         self._name = path.name
