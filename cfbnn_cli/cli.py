@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from .runtime.errors import CfbnnError, NonFiniteResultError
+from .runtime.errors import CfbnnError, ConfigError, NonFiniteResultError
 
 log = logging.getLogger("cfbnn")
 
@@ -197,6 +197,64 @@ def _unknown_key_message(error, sub) -> Optional[str]:
     )
 
 
+def _config_groups(conf: Path, sub: Subcommand) -> set:
+    """The config groups a command's configs hold (``data``, ``hydra/launcher``, ...)."""
+    groups = set()
+    for base in (conf / sub.config_name, conf / "shared"):
+        for folder in base.rglob("*"):
+            if folder.is_dir():
+                groups.add(folder.relative_to(base).as_posix())
+    return groups
+
+
+def _unread_addition(sub: Subcommand, conf: Path, rest: Sequence[str]) -> Optional[str]:
+    """One line for a ``+key=value`` (or ``++key=value``) override that adds a key the command's
+    configs do not have: nothing reads it, so it would change nothing but the run's fingerprint.
+    ``+group=option`` (a config group) and Hydra's own ``+hydra.*`` keys pass; ``None`` where
+    every override is fine."""
+    additions = [a for a in rest if a.startswith("+") and "=" in a]
+    if not additions:
+        return None
+    groups = _config_groups(conf, sub)
+    composed = None
+    for argument in additions:
+        key = argument.lstrip("+").split("=", 1)[0].strip()
+        group = key.split("@", 1)[0]
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or group in groups:
+            continue
+        if argument.startswith("++"):  # sets the key where it exists: fine then
+            if composed is None:
+                composed = _composed_without_additions(sub, rest)
+            if composed is None or _has_key(composed, key):
+                continue
+        shown = argument if len(argument) <= 80 else f"{argument[:77]}... ({len(argument)} characters)"
+        return (
+            f"{shown!r} adds the key {key[:80]!r}, which `cfbnn {sub.name}` does not read (it is in none of its "
+            f"configs); drop it, or set an existing key without `+` (`cfbnn {sub.name} --help` lists them)"
+        )
+    return None
+
+
+def _composed_without_additions(sub: Subcommand, rest: Sequence[str]):
+    """The command's config with the plain ``key=value`` overrides of ``rest`` (``None`` where it
+    cannot be composed here, e.g. a sweep: Hydra then reports what is wrong)."""
+    plain = [a for a in rest if "=" in a and not a.startswith(("-", "+", "~")) and not a.startswith("hydra")]
+    try:
+        return compose_config(sub.config_name, plain)
+    except Exception:  # noqa: BLE001 - any composition problem is Hydra's to report, with its own message
+        return None
+
+
+def _has_key(cfg, key: str) -> bool:
+    from omegaconf import OmegaConf
+
+    missing = object()
+    try:
+        return OmegaConf.select(cfg, key, default=missing, throw_on_missing=False) is not missing
+    except Exception:  # noqa: BLE001 - a key Hydra cannot select is not one the config has
+        return False
+
+
 def _report_error(error: CfbnnError) -> None:
     """One line for the user on stderr, and the same line in the run's ``<job>.log`` when
     Hydra set logging up (the console handler writes to stdout, so it is left out)."""
@@ -284,6 +342,81 @@ def _run_worker(argv: Sequence[str]) -> int:
     return distributed.run_worker(run_with_logger, list(argv[1:]))
 
 
+def _unwritable_line(error: OSError, run_dir: Path) -> str:
+    """One line for a run's folder or file that cannot be made or written."""
+    from .runtime.safefs import unwritable_message
+
+    try:
+        inside = Path(os.path.abspath(error.filename)).is_relative_to(Path(os.path.abspath(run_dir)))
+    except (TypeError, ValueError):
+        inside = False
+    if inside:
+        return unwritable_message(
+            error,
+            "choose a hydra.run.dir you can write (hydra.sweep.dir for a sweep), or fix that folder's permissions",
+        )
+    return unwritable_message(error, "check that path's permissions, or point the key that names it elsewhere")
+
+
+OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
+
+
+def _empty_output_dir_message(key: str, where) -> str:
+    return (
+        f"{key} is empty: the run would be written into {where} itself; give it a folder, e.g. "
+        f"{key}={'outputs/my_run' if key != 'hydra.sweep.subdir' else '${hydra.job.num}'} (an unset shell variable?)"
+    )
+
+
+def _empty_output_dir_override(rest: Sequence[str]) -> Optional[str]:
+    """One line for an override that empties the run or sweep dir (``hydra.run.dir=``), before
+    Hydra makes or writes anything; ``None`` where there is none."""
+    for argument in rest:
+        key, equals, value = argument.lstrip("+").partition("=")
+        if equals and key.strip() in OUTPUT_DIR_KEYS and value.strip() in ("", "''", '""'):
+            return _empty_output_dir_message(
+                key.strip(), "the sweep dir" if key.strip() == "hydra.sweep.subdir" else "the working directory"
+            )
+    return None
+
+
+def _refuse_empty_output_dir(hydra_cfg, run_dir: Path) -> None:
+    """An empty ``hydra.run.dir`` (or ``hydra.sweep.dir``/``subdir``; an unset shell variable,
+    say) would make the working directory (or the sweep dir) itself the run dir: refused,
+    before anything is written, and the log Hydra opened there is removed if this run made it."""
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    def value(key):
+        return OmegaConf.select(hydra_cfg, key, default="unset")
+
+    if value("mode") == RunMode.MULTIRUN:
+        keys = ("hydra.sweep.dir", "hydra.sweep.subdir")
+    else:
+        keys = ("hydra.run.dir",)
+    empty = [key for key in keys if value(key.removeprefix("hydra.")) in (None, "")]
+    if not empty:
+        return
+    from .runtime.rundir import log_handlers_in
+    from .runtime.safefs import shown_path
+
+    root = logging.getLogger()
+    for handler in log_handlers_in(run_dir):
+        root.removeHandler(handler)
+        handler.close()
+        made = getattr(handler, "created", False)
+        try:
+            if made and os.path.getsize(handler.baseFilename) == 0:
+                os.unlink(handler.baseFilename)
+        except OSError:
+            pass
+    where = "the sweep dir" if empty[0] == "hydra.sweep.subdir" else "the working directory"
+    error = ConfigError(_empty_output_dir_message(empty[0], f"{where} ({shown_path(run_dir)})"))
+    print(f"cfbnn: error: {error}", file=sys.stderr, flush=True)
+    error.reported = True
+    raise error
+
+
 def make_task(sub: Subcommand):
     """The Hydra task function for one subcommand."""
 
@@ -296,13 +429,23 @@ def make_task(sub: Subcommand):
         from .runtime.errors import ConfigError
         from .runtime.made_dirs import made_by_this_run
         from .runtime.progress import progress_setting
-        from .runtime.rundir import RunDirLock, RunDirState, claim_run_dir, log_handlers_in, refuse_finished_run
-        from .runtime.safefs import UnsafePathError
+        from .runtime.rundir import (
+            LogsHeldBack,
+            RunDirBusyError,
+            RunDirLock,
+            RunDirState,
+            claim_run_dir,
+            log_handlers_in,
+            refuse_finished_run,
+        )
+        from .runtime.safefs import UnsafePathError, unwritable_reason, writing_under
         from .runtime.threads import configure_threads, flush_denormals, tune_allocator
 
         run_dir = Path(HydraConfig.get().runtime.output_dir)
+        _refuse_empty_output_dir(HydraConfig.get(), run_dir)
         # what the dir held before this run: a run that fails before writing any output leaves it so
         found = RunDirState(run_dir, made=made_by_this_run(run_dir), logs=log_handlers_in(run_dir))
+        held_logs = LogsHeldBack(found.logs)  # the log is written only once this run holds the dir
         lock = RunDirLock(run_dir)
         flushed_before = None
         recorded = False  # results.json written: the dir now says what happened
@@ -315,23 +458,28 @@ def make_task(sub: Subcommand):
                 importlib.import_module(sub.pipeline).validate(cfg)
                 values = parse_run_values(cfg)  # device, estimator, likelihood: objects from here on
                 refuse_finished_run(cfg, run_dir)  # read only; again under the lock in claim_run_dir
-                lock.acquire()
+                with writing_under(run_dir):
+                    lock.acquire()
+                held_logs.release()
                 # before any work: denormals flushed (inherited by the OpenMP threads created
                 # next), threads shared with the other cfbnn jobs, memory kept for reuse
                 flushed_before = flush_denormals(cfg.runtime.flush_denormals)
                 configure_threads(cfg.runtime.threads)
                 tune_allocator()
-                fingerprint, finished = claim_run_dir(cfg, run_dir)
+                with writing_under(run_dir):
+                    fingerprint, finished = claim_run_dir(cfg, run_dir)
                 if finished:
                     log.info(
                         "resume=true and %s/done exists for this configuration: this job already finished, skipping",
                         run_dir,
                     )
                     return
-                _save_hydra_record(run_dir, cfg)
+                with writing_under(run_dir):
+                    _save_hydra_record(run_dir, cfg)
                 started = time.perf_counter()
                 try:
-                    result = run_pipeline(sub, cfg, run_dir, values)
+                    with writing_under(run_dir):  # no folder below the run dir is written through a link
+                        result = run_pipeline(sub, cfg, run_dir, values)
                 except CfbnnError as error:
                     if found.wrote_no_output():  # e.g. a missing or malformed data file: nothing to keep
                         raise
@@ -373,8 +521,22 @@ def make_task(sub: Subcommand):
                     )
             except UnsafePathError as error:  # a link or a foreign folder met while writing
                 raise ConfigError(str(error)) from None
+            except OSError as error:  # a folder or file of the run that cannot be made or written
+                unwritable = unwritable_reason(error)
+                if unwritable is None:
+                    raise
+                raise ConfigError(_unwritable_line(unwritable, run_dir)) from None
         except CfbnnError as error:
-            if not recorded and found.wrote_no_output():
+            if not lock.held:
+                # refused before this run held the dir (another run may be writing there): stderr only,
+                # nothing in the dir touched; where nothing was written, the dir as it was
+                held_logs.drop()
+                if isinstance(error, RunDirBusyError):  # only the empty log this run made goes
+                    found.leave_as_found(lock, folders=False)
+                elif found.wrote_no_output():
+                    found.leave_as_found(lock)
+                print(f"cfbnn: error: {error}", file=sys.stderr, flush=True)
+            elif not recorded and found.wrote_no_output():
                 # refused before any output: the dir as it was (none where this run made it), the
                 # reason on stderr only
                 found.leave_as_found(lock)
@@ -384,6 +546,7 @@ def make_task(sub: Subcommand):
             error.reported = True
             raise
         finally:  # as it was (a multirun or a test runs more in this process)
+            held_logs.drop()
             lock.release()
             if flushed_before is not None:
                 flush_denormals(flushed_before)
@@ -419,9 +582,12 @@ def _predict(argv: List[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     _before_torch_loads()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # a usage error: the usage goes where errors go
+        print(usage(), end="", file=sys.stderr)
+        sys.exit(2)
+    if argv[0] in ("-h", "--help", "help"):
         print(usage(), end="")
-        sys.exit(0 if argv else 2)
+        sys.exit(0)
     if argv[0] == "report":
         from .report.aggregate import main as report_main
 
@@ -483,8 +649,13 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from .runtime.made_dirs import forget
+    from .runtime.safefs import shown_path, unwritable_message, unwritable_reason
 
     forget()  # what an earlier command in this process noted about its dirs
+    refused = _unread_addition(sub, conf, rest) or _empty_output_dir_override(rest)
+    if refused is not None:
+        print(f"cfbnn: error: {refused}", file=sys.stderr)
+        return 2
     user_wants_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
     # Hydra's own handler would print and exit 1 for every error; let them reach us instead
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -537,8 +708,20 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
             return 2
         if isinstance(error, (FileExistsError, NotADirectoryError)):  # Hydra making the run dir
             print(
-                f"cfbnn: error: cannot make the output folder {error.filename}: a file is in the way; choose "
-                "another hydra.run.dir (or move the file)",
+                f"cfbnn: error: cannot make the output folder {shown_path(error.filename)}: a file is in the way; "
+                "choose another hydra.run.dir (or move the file)",
+                file=sys.stderr,
+            )
+            return 2
+        unwritable = unwritable_reason(error)
+        if unwritable is not None:  # Hydra making the run dir or opening its log
+            print(
+                "cfbnn: error: "
+                + unwritable_message(
+                    unwritable,
+                    "choose a hydra.run.dir you can write (hydra.sweep.dir for a sweep), or fix that folder's "
+                    "permissions",
+                ),
                 file=sys.stderr,
             )
             return 2

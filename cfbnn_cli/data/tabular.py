@@ -23,6 +23,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..runtime.errors import ConfigError, DataError
+from ..runtime.safefs import describe_file, shown_path
 
 # what a blank or missing cell looks like in the files people have (pandas' to_csv writes ""; R writes NA)
 MISSING_TOKENS = frozenset({"", "na", "nan", "n/a", "null", "none", "?"})
@@ -281,8 +282,7 @@ class FeatureChunk:
 def open_text(path: Path):
     """A UTF-8 text handle on ``path`` (a byte-order mark dropped); binary files named as such."""
     if path.is_dir() or not path.is_file():
-        what = "a directory" if path.is_dir() else "no such file" if not path.exists() else "not a regular file"
-        raise DataError(f"{path}: {what} (the rows to predict: a CSV with a header row)")
+        raise DataError(f"{shown_path(path)}: {describe_file(path)} (the rows to predict: a CSV with a header row)")
     with open(path, "rb") as raw:
         refuse_binary(path, raw.read(8))
     return open(path, encoding="utf-8-sig", newline="")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -36,11 +37,15 @@ from ..bnn.predictive import describe
 from ..data.tabular import FeatureChunk, iter_feature_chunks
 from ..runtime.device import resolve_device
 from ..runtime.errors import CfbnnError, ConfigError, DataError
-from ..runtime.io import atomic_text_writer
+from ..runtime.io import atomic_text_writer, remove_stale_temporary_files
 from ..runtime.numerics import map_row_chunks, rows_per_chunk
+from ..runtime.safefs import describe_file, output_error, shown_path
 
 HELP = __doc__.split("\n\n", 1)[1]
 READ_ROWS = 8192  # rows read and written at a time
+# what a run dir holds before its results.json: a run started there (interrupted, or still running)
+UNFINISHED_SIGNS = (".cfbnn", "checkpoints", "metrics.csv", "uci_progress.json")
+OUT_FIX = "pass --out a file in a folder you can write (e.g. --out ~/predictions.csv)"
 
 
 def model_path(source) -> Path:
@@ -49,8 +54,15 @@ def model_path(source) -> Path:
     if source.is_file():
         return source
     if not source.is_dir():
-        raise DataError(f"{source}: no such run dir or model file")
+        what = describe_file(source)
+        what = "no such run dir or model file" if what == "no such file" else what
+        raise DataError(f"{shown_path(source)}: {what} (the model: a finished run dir, or a model file)")
     if not (source / "results.json").is_file():
+        if any(os.path.lexists(source / name) for name in UNFINISHED_SIGNS):
+            raise DataError(
+                f"{source} is a cfbnn run that has not finished (interrupted, or still running: no results.json); "
+                "resume it (the same command with resume=true and this hydra.run.dir), then predict"
+            )
         raise DataError(
             f"{source} is not a cfbnn run dir (no results.json); pass the dir a run printed, or a model file"
         )
@@ -172,13 +184,46 @@ def predict_run(
     if saved.task == "regression" and saved.network.output_dim != 1:
         raise DataError(f"{path}: predict supports one-output Normal regression models and classifiers")
     out = Path(out) if out is not None else path.parent / "predictions.csv"
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a directory; give a file path, e.g. --out {out / 'predictions.csv'}")
+    _check_out(out)
     generator = torch.Generator(device=torch_device).manual_seed(seed)
     predictor = _Predictor(saved, make_estimator(estimator), num_samples, level, generator, torch_device)
     passed, chunks = iter_feature_chunks(
         data_path, saved.columns, saved.input_dim, saved.target, keep=keep, chunk_rows=read_rows
     )
+    try:
+        rows, incomplete = _write_predictions(out, passed, chunks, predictor, saved, data_path, torch_device)
+    except OSError as error:  # the output's folder or file cannot be made or written
+        message = output_error(error, out.parent, OUT_FIX)
+        if message is None:
+            raise
+        raise ConfigError(message) from None
+    if incomplete:
+        print(
+            f"cfbnn: {incomplete} of {rows} rows have a blank feature: their prediction cells are empty",
+            file=sys.stderr,
+        )
+    return out
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output path that is a directory or anything but a regular file, or that cannot
+    even be looked at (a name too long), before any work."""
+    try:
+        if out.is_dir():
+            raise ConfigError(f"--out {out} is a directory; give a file path, e.g. --out {out / 'predictions.csv'}")
+        if os.path.lexists(out) and not out.is_symlink() and not out.is_file():
+            raise ConfigError(f"--out {shown_path(out)} is {describe_file(out)}; give a regular file's path")
+    except OSError as error:
+        message = output_error(error, out.parent, OUT_FIX)
+        if message is None:
+            raise
+        raise ConfigError(message) from None
+
+
+def _write_predictions(out: Path, passed, chunks, predictor, saved, data_path: Path, torch_device):
+    """Stream the predictions into ``out`` (atomically); ``(rows, incomplete rows)``. The temporary
+    files a killed predict left for ``out`` go first (cfbnn's own names only, none being written)."""
+    remove_stale_temporary_files(out.parent, out.name)
     names = ["row", *passed, *predictor.columns()]
     rows = incomplete = 0
     with atomic_text_writer(out) as handle:
@@ -202,12 +247,7 @@ def predict_run(
             incomplete += int((~chunk.complete).sum())
         if rows == 0:  # inside the block: whatever `out` held stays
             raise DataError(f"{data_path} has a header but no data rows")
-    if incomplete:
-        print(
-            f"cfbnn: {incomplete} of {rows} rows have a blank feature: their prediction cells are empty",
-            file=sys.stderr,
-        )
-    return out
+    return rows, incomplete
 
 
 def _refuse_non_finite(values: dict, chunk: FeatureChunk, path: Path) -> None:

@@ -34,6 +34,7 @@ skipped; a path with none is an error, and so is a table that would come out emp
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -42,6 +43,7 @@ import pandas as pd
 
 from ..runtime.errors import CfbnnError, DataError
 from ..runtime.io import atomic_write_text
+from ..runtime.safefs import describe_file, output_error, shown_path
 from .grouping import drop_duplicates, group_runs, run_seed, summarize
 from .records import collect, skip_file
 from .reproduction import paper_reproduction
@@ -52,9 +54,27 @@ from .tables import write_table
 def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, List[str]]:
     """Aggregate ``path``; returns ``{table key: [written files]}`` (the key is the pipeline,
     or ``pipeline/protocol`` where the pipeline has protocols)."""
-    out = Path(out) if out is not None else (Path(path) if Path(path).is_dir() else Path(path).parent)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"cfbnn report: --out {out} is a file, not a folder; name a folder (it is made if missing)")
+    out = report_folder(path, out)
+    try:
+        if os.path.lexists(out) and not out.is_dir():
+            what = "a file" if out.is_file() else describe_file(out)
+            raise DataError(
+                f"cfbnn report: --out {shown_path(out)} is {what}, not a folder; name a folder (it is made if missing)"
+            )
+        return _report(path, out, paper)
+    except OSError as error:  # the report's folder or a file in it cannot be made or written
+        message = output_error(error, out, "pass --out a folder you can write (it is made if missing)")
+        if message is None:
+            raise
+        raise DataError(f"cfbnn report: {message}") from None
+
+
+def report_folder(path, out: Optional[Path] = None) -> Path:
+    """Where the report of ``path`` goes: ``out``, else ``path`` (a folder) or its folder."""
+    return Path(out) if out is not None else (Path(path) if Path(path).is_dir() else Path(path).parent)
+
+
+def _report(path, out: Path, paper: bool) -> Dict[str, List[str]]:
     runs = collect(path)
     runs, duplicates = drop_duplicates(runs)
     for duplicate, kept in duplicates:

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .errors import CfbnnError, ConfigError
-from .io import atomic_write_json
+from .io import atomic_write_json, atomic_write_text
+from .safefs import output_folder, writing_under
 
 
 def world_size() -> int:
@@ -88,10 +89,9 @@ def launch(cfg, run_dir, nproc: int, worker: Sequence[str], device: torch.device
         )
     from omegaconf import OmegaConf
 
-    folder = Path(run_dir) / "distributed"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = output_folder(Path(run_dir) / "distributed")
     (folder / "result.json").unlink(missing_ok=True)  # never read an earlier launch's result
-    OmegaConf.save(cfg, folder / "config.yaml", resolve=True)
+    atomic_write_text(folder / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     command = [
         sys.executable,
         "-m",
@@ -147,11 +147,13 @@ def run_worker(run: Callable, argv=None) -> int:
             level=logging.INFO if is_main() else logging.WARNING,
             format=f"[rank {rank()}][%(name)s][%(levelname)s] - %(message)s",
         )
-        result = run(cfg, Path(args.run_dir))
+        with writing_under(args.run_dir):
+            result = run(cfg, Path(args.run_dir))
         if is_main():
             result = dict(result)
             result["device"] = str(result.get("device"))
-            atomic_write_json(Path(args.run_dir) / "distributed" / "result.json", result)
+            with writing_under(args.run_dir):
+                atomic_write_json(Path(args.run_dir) / "distributed" / "result.json", result)
         barrier()
     finally:
         dist.destroy_process_group()

@@ -1,10 +1,14 @@
 """Atomic file writes: a temporary file in the same directory, then ``os.replace``.
 
 A reader (or a killed run) sees either the old file or the complete new one,
-never a half-written file. The temporary file is named ``.<name>.cfbnn-<random>.tmp``:
-the marker lets :func:`remove_stale_temporary_files` delete only what a killed cfbnn
-write left behind, never a user's own ``.*.tmp`` files. ``os.replace`` swaps the
-directory entry: a link at the target is replaced, never written through.
+never a half-written file. The temporary file is named ``.<name>.cfbnn-<random>.tmp`` and
+its writer holds an ``flock`` on it: :func:`remove_stale_temporary_files` deletes only what a
+killed cfbnn write left behind (the kernel released its lock), never a write still going on,
+nor a user's own ``.*.tmp`` files. ``os.replace`` swaps the directory entry: a file with
+another name (a hard link) is replaced, never written through; a symbolic link at the
+target, or in a folder below the run dir, is refused (:func:`cfbnn_cli.runtime.safefs.output_file`).
+A file that was there keeps its permission bits (a ``0600`` file stays ``0600``); a new one
+gets the mode ``open()`` would give it.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, List, TextIO
+from typing import Any, Iterator, List, Optional, TextIO
+
+from .safefs import output_file
 
 TEMPORARY_SUFFIX = ".tmp"
 TEMPORARY_MARKER = ".cfbnn-"
@@ -33,12 +40,34 @@ def file_mode() -> int:
     return 0o666 & ~mask
 
 
+def _lock(fd: int) -> None:
+    """Mark a temporary file as being written (:func:`remove_stale_temporary_files` leaves it)."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):  # pragma: no cover - no flock here: nothing to mark
+        pass
+
+
+def _temporary_for(path: Path):
+    """``(fd, name)`` of a new temporary file beside ``path``, locked, with the mode ``path`` will have."""
+    found = output_file(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}", suffix=TEMPORARY_SUFFIX)
+    except OSError as error:  # named after the file being written, not its temporary name
+        error.filename = str(path)
+        raise
+    _lock(fd)
+    keep = found is not None and stat.S_ISREG(found.st_mode)
+    os.fchmod(fd, stat.S_IMODE(found.st_mode) if keep else file_mode())
+    return fd, tmp
+
+
 def atomic_write_bytes(path, data: bytes) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}", suffix=TEMPORARY_SUFFIX)
+    fd, tmp = _temporary_for(path)
     try:
-        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -57,10 +86,8 @@ def atomic_text_writer(path) -> Iterator[TextIO]:
     error (a file written in parts, e.g. a prediction streamed chunk by chunk); otherwise
     ``path`` is as it was and the temporary file is gone."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TEMPORARY_MARKER}", suffix=TEMPORARY_SUFFIX)
+    fd, tmp = _temporary_for(path)
     try:
-        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
             yield handle
             handle.flush()
@@ -107,20 +134,52 @@ def _json_default(value):
     raise TypeError(f"cannot write {type(value).__name__} to JSON")
 
 
-def remove_stale_temporary_files(folder) -> List[str]:
-    """Delete the temporary files of :func:`atomic_write_bytes` that a killed process left
-    directly in ``folder`` (``.<name>.cfbnn-<random>.tmp``; not in its subfolders, and no other
-    name); returns their names.
+def _left_by_a_killed_write(path: Path) -> bool:
+    """Is ``path`` a regular file whose writer is gone (no process holds its lock)?"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        try:
+            import fcntl
 
-    Call it only while no other process writes there (e.g. holding the run-dir lock),
-    and only on folders cfbnn itself writes into.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a write going on
+        except (ImportError, OSError):  # pragma: no cover - no flock: trust the caller's lock
+            pass
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporary_files(folder, name: Optional[str] = None) -> List[str]:
+    """Delete the temporary files of :func:`atomic_write_bytes` that a killed process left
+    directly in ``folder`` (``.<name>.cfbnn-<random>.tmp``, of ``name`` only where given; not in
+    its subfolders, and no other name); returns their names. A temporary file whose writer is
+    still running (it holds its lock) is left alone.
+
+    Call it only on folders cfbnn itself writes into.
     """
     folder = Path(folder)
     if folder.is_symlink() or not folder.is_dir():
         return []
     removed = []
-    for path in folder.glob(temporary_name_pattern()):
-        if path.is_file() and not path.is_symlink():
-            path.unlink(missing_ok=True)
+    for path in folder.glob(temporary_name_pattern("*" if name is None else glob_escape(name))):
+        if not path.is_symlink() and _left_by_a_killed_write(path):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:  # a folder this user cannot change: left, as anything else there
+                continue
             removed.append(path.name)
     return removed
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with the glob's special characters taken literally."""
+    import glob
+
+    return glob.escape(name)

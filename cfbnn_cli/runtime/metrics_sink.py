@@ -1,6 +1,7 @@
 """Where per-epoch metrics go besides ``metrics.csv``: TensorBoard, when ``logger=tensorboard``.
 
-The CLI opens the sink for a run (:func:`open_tensorboard`, events under ``<run dir>/tensorboard``)
+The CLI opens the sink for a run (:func:`open_tensorboard`, events under ``<run dir>/tensorboard``,
+a folder made or checked by :func:`cfbnn_cli.runtime.safefs.output_folder`: a link there is refused)
 and closes it when the run ends; the training loop hands it every row it appends to
 ``metrics.csv`` (:func:`emit`): each numeric column becomes a scalar ``<label>/<column>`` at
 step ``epoch`` (the label names the training: ``train``, ``v1``..``v3``, the head). With no sink
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from .errors import ConfigError
+from .safefs import output_folder
 
 _WRITER = None
 
@@ -29,6 +31,7 @@ def open_tensorboard(folder: Path) -> None:
             "(or drop logger=tensorboard: metrics.csv is written either way)"
         ) from None
     close()
+    output_folder(folder)  # made here, not through a link: the writer only adds its event file
     _WRITER = SummaryWriter(log_dir=str(folder))
 
 

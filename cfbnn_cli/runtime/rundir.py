@@ -43,7 +43,7 @@ from .io import (
     file_mode,
     remove_stale_temporary_files,
 )
-from .safefs import UnsafePathError, open_no_follow
+from .safefs import UnsafePathError, open_in_place, open_no_follow, output_folder
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,10 @@ def refuse_links_inside(run_dir, *names: str) -> None:
 # ----------------------------------------------------------------------------- the lock
 
 
+class RunDirBusyError(ConfigError):
+    """Another cfbnn run holds the run dir's lock (it is writing there)."""
+
+
 class RunDirLock:
     """An exclusive, advisory lock on a run dir (``<run dir>/.cfbnn/lock``), with the owner's pid.
 
@@ -199,26 +203,35 @@ class RunDirLock:
 
     def acquire(self) -> "RunDirLock":
         refuse_links_inside(self.path.parent.parent, STATE_FOLDER)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        existed = os.path.lexists(self.path)
-        # never through a link: the lock is truncated below, and its old content logged
-        try:
-            handle = os.fdopen(open_no_follow(self.path, os.O_RDWR | os.O_CREAT, file_mode()), "r+")
-        except UnsafePathError as error:
-            raise ConfigError(f"{error}, or choose another hydra.run.dir") from None
-        try:
-            import fcntl
-
+        output_folder(self.path.parent)
+        for _ in range(5):
+            existed = os.path.lexists(self.path)
+            # never through a link of either kind: the lock is truncated below, and its old content logged
             try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.close()
-                raise ConfigError(
-                    f"another cfbnn run ({self._owner()}) is writing to {self.path.parent.parent}; wait for it to "
-                    "finish, or choose another hydra.run.dir"
-                ) from None
-        except ImportError:  # pragma: no cover - no fcntl (Windows): pid liveness instead
-            self._acquire_by_pid()
+                handle = os.fdopen(open_in_place(self.path, os.O_RDWR | os.O_CREAT, file_mode()), "r+")
+            except UnsafePathError as error:
+                raise ConfigError(f"{error}, or choose another hydra.run.dir") from None
+            try:
+                import fcntl
+
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.close()
+                    raise RunDirBusyError(
+                        f"another cfbnn run ({self._owner()}) is writing to {self.path.parent.parent}; wait for it "
+                        "to finish, or choose another hydra.run.dir"
+                    ) from None
+            except ImportError:  # pragma: no cover - no fcntl (Windows): pid liveness instead
+                self._acquire_by_pid()
+            if self._names_this_file(handle.fileno()):
+                break
+            handle.close()  # the name was replaced meanwhile (a hard link broken by a run beside this one)
+        else:
+            raise ConfigError(
+                f"{self.path} keeps being replaced while cfbnn takes it; is another program writing to "
+                f"{self.path.parent.parent}? Choose another hydra.run.dir"
+            )
         handle.seek(0)
         found = handle.read()
         self._found = found if existed else None
@@ -236,6 +249,14 @@ class RunDirLock:
         self._handle = handle
         return self
 
+    def _names_this_file(self, fd: int) -> bool:
+        """Does the lock's name still lead to the file ``fd`` holds, and only its name?"""
+        try:
+            now, held = os.lstat(self.path), os.fstat(fd)
+        except OSError:
+            return False
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) and held.st_nlink == 1
+
     def _acquire_by_pid(self) -> None:  # pragma: no cover - exercised only without fcntl
         try:
             info = json.loads(self.path.read_text() or "{}")
@@ -247,7 +268,7 @@ class RunDirLock:
                 os.kill(int(pid), 0)
             except OSError:
                 return  # its owner is gone: take it over
-            raise ConfigError(
+            raise RunDirBusyError(
                 f"another cfbnn run ({self._owner()}) is writing to {self.path.parent.parent}; wait for it to "
                 "finish, or choose another hydra.run.dir"
             )
@@ -474,7 +495,7 @@ class RunDirState:
         """Whether every output is as the run found it (only bookkeeping and the log changed)."""
         return self.outputs is not None and self._outputs() == self.outputs
 
-    def leave_as_found(self, lock: Optional[RunDirLock] = None) -> None:
+    def leave_as_found(self, lock: Optional[RunDirLock] = None, folders: bool = True) -> None:
         """Put the dir back as the run found it; call it only where :meth:`wrote_no_output`.
 
         Holding ``lock`` (the run wrote its bookkeeping under it), each bookkeeping file gets
@@ -485,6 +506,7 @@ class RunDirState:
         left empty is removed. Then the bookkeeping folders and the folders the run's start
         made are removed where they are empty. The logs are closed first. No link is followed,
         no folder that holds anything is removed, nothing the run did not make is deleted.
+        ``folders=False``: no folder is removed (another run holds the dir).
         """
         held = lock is not None and lock.held
         if held:
@@ -514,13 +536,15 @@ class RunDirState:
             if made and (held or info.st_size == size):
                 path.unlink(missing_ok=True)
             elif not made and held and info.st_size > size:
-                fd = open_no_follow(path, os.O_WRONLY)
+                fd = open_in_place(path, os.O_WRONLY)
                 try:
                     os.ftruncate(fd, size)
                 finally:
                     os.close(fd)
         if held:
             lock.release_as_found()
+        if not folders:  # another run holds the dir: the folders may be its, made a moment ago
+            return
         for name in _BOOKKEEPING_FOLDERS:
             if not self.folders[name] and _real_dir(self.run_dir / name):
                 try:
@@ -554,3 +578,48 @@ def log_handlers_in(run_dir) -> List[logging.FileHandler]:
             except OSError:
                 continue
     return found
+
+
+class LogsHeldBack:
+    """The run dir's log handlers (:func:`log_handlers_in`), detached from the root logger until
+    this run holds the dir's lock: a run refused because another one writes there (or refused
+    before it takes the lock) adds nothing to that run's log. Records logged meanwhile wait in
+    memory and go to the log when :meth:`release` is called (the lock is held)."""
+
+    def __init__(self, handlers):
+        self.handlers = list(handlers)
+        self.records: List[logging.LogRecord] = []
+        self._catcher = _Catcher(self.records)
+        root = logging.getLogger()
+        for handler in self.handlers:
+            root.removeHandler(handler)
+        if self.handlers:
+            root.addHandler(self._catcher)
+
+    def release(self) -> None:
+        """The lock is held: the handlers back on the root logger, the waiting records written."""
+        root = logging.getLogger()
+        if self._catcher not in root.handlers:
+            return
+        root.removeHandler(self._catcher)
+        for handler in self.handlers:
+            root.addHandler(handler)
+            for record in self.records:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+        self.records.clear()
+
+    def drop(self) -> None:
+        """Stop holding records back (those held are dropped; the handlers stay detached)."""
+        logging.getLogger().removeHandler(self._catcher)
+        self.records.clear()
+
+
+class _Catcher(logging.Handler):
+    def __init__(self, records: list):
+        super().__init__()
+        self._records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self._records) < 10000:
+            self._records.append(record)

@@ -1,11 +1,21 @@
 """Files cfbnn writes or loads that another user (or a link) must not be able to redirect.
 
-Rules used by the run dir (lock, log, temporary files), the job registry and the
+The rules, used by every writer of a run dir (lock, log, checkpoints, tables, figures,
+TensorBoard, temporary files), by ``predict`` and ``report``, the job registry and the
 kernel cache:
 
-* :func:`open_no_follow` opens a file for writing without following a symbolic
-  link in its last component (``O_NOFOLLOW``); a link is refused with
-  :class:`UnsafePathError`, whose message names the path and the fix.
+* :func:`output_folder` and :func:`output_file` check a folder or file before anything is
+  written there. Below the folder a command writes under (:func:`writing_under`: the run
+  dir, or the folder given with ``--out``) every folder is made or checked one by one and
+  a symbolic link is refused; a link at the file itself is refused everywhere. The folder
+  named by the user (``hydra.run.dir``, ``--out``) is taken as given.
+* :func:`open_in_place` opens a file cfbnn writes in place (the log, the lock, a
+  registry entry) without following a link (``O_NOFOLLOW``; a link is refused with
+  :class:`UnsafePathError`, whose message names the path and the fix), and never writes
+  through a hard link: a file with another name (``st_nlink > 1``) is first replaced by a
+  copy of its own (same bytes and mode), so the other name keeps its content. Every other
+  file is written whole to a temporary file and renamed over its name
+  (:mod:`cfbnn_cli.runtime.io`), which replaces a hard link rather than writing through it.
 * :func:`private_directory` makes (or checks) a directory that only this user can
   write: not a link, owned by this user, mode ``0700`` (a directory of ours with a
   wider mode is narrowed; one owned by anybody else is refused).
@@ -27,20 +37,31 @@ the CLI import this module before torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Iterator, List, Optional, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 __all__ = [
     "UnsafePathError",
     "cache_root",
+    "writing_under",
+    "output_folder",
+    "output_file",
+    "open_in_place",
+    "describe_file",
+    "shown_path",
+    "unwritable_reason",
+    "unwritable_message",
+    "output_error",
     "open_no_follow",
     "private_directory",
     "owned_regular_file",
@@ -80,6 +101,238 @@ def open_no_follow(path: PathLike, flags: int, mode: int = 0o644) -> int:
                 "(or choose another directory)"
             ) from None
         raise
+
+
+# ----------------------------------------------------------------------------- outputs
+
+_ROOTS: List[Path] = []  # the folders commands write under, innermost last (see writing_under)
+SHOWN_PATH_LIMIT = 160  # characters of a path an error message shows
+
+
+def shown_path(path: PathLike) -> str:
+    """``path`` for an error message: cut to its first and last characters where it is long,
+    with its length named."""
+    text = os.fsdecode(path)
+    if len(text) <= SHOWN_PATH_LIMIT:
+        return text
+    half = SHOWN_PATH_LIMIT // 2
+    return f"{text[:half]}...{text[-half:]} (a path of {len(text)} characters)"
+
+
+@contextlib.contextmanager
+def writing_under(root: PathLike) -> Iterator[Path]:
+    """Within the block, :func:`output_folder` checks every folder below ``root`` (a run dir,
+    or the folder a command was told to write to): none may be a symbolic link. ``root``
+    itself is the user's choice and is taken as given."""
+    root = Path(os.path.abspath(root))
+    _ROOTS.append(root)
+    try:
+        yield root
+    finally:
+        del _ROOTS[len(_ROOTS) - 1 - _ROOTS[::-1].index(root)]
+
+
+def _root_of(folder: Path) -> Optional[Path]:
+    for root in reversed(_ROOTS):
+        if folder == root or root in folder.parents:
+            return root
+    return None
+
+
+def _link_error(path: PathLike) -> UnsafePathError:
+    return UnsafePathError(
+        f"{shown_path(path)} is a symbolic link; cfbnn does not write through links: remove the link "
+        "(or choose another directory)"
+    )
+
+
+def output_folder(folder: PathLike) -> Path:
+    """Make ``folder`` (and its missing parents) for writing, following no link below the
+    folder a command writes under (:func:`writing_under`): each folder there is made, or
+    checked to be a folder and not a symbolic link (:class:`UnsafePathError` otherwise).
+    Outside any such root it is ``mkdir -p``."""
+    folder = Path(os.path.abspath(folder))
+    root = _root_of(folder)
+    if root is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    current = root
+    for part in folder.relative_to(root).parts:
+        current = current / part
+        try:
+            os.mkdir(current)
+        except FileExistsError:
+            pass
+        info = os.lstat(current)
+        if stat.S_ISLNK(info.st_mode):
+            raise _link_error(current)
+        if not stat.S_ISDIR(info.st_mode):
+            raise UnsafePathError(
+                f"{shown_path(current)} is {describe_file(current)}, where cfbnn writes a folder: move it away "
+                "(or choose another directory)"
+            )
+    return folder
+
+
+def output_file(path: PathLike) -> Optional[os.stat_result]:
+    """Check ``path`` before a file is written there: its folder as :func:`output_folder`, and
+    no symbolic link at ``path`` itself (:class:`UnsafePathError`). Returns what is there now
+    (its ``lstat``), ``None`` where nothing is."""
+    path = Path(path)
+    output_folder(path.parent)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        raise _link_error(path)
+    return info
+
+
+def _break_hard_link(path: PathLike, fd: int, info: os.stat_result) -> None:
+    """Give ``path`` a file of its own with the bytes and mode of ``fd`` (a file with several
+    names): a temporary copy renamed over the name; the other names keep the old file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    copy, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.cfbnn-", suffix=".tmp")
+    try:
+        os.fchmod(copy, stat.S_IMODE(info.st_mode))
+        os.lseek(fd, 0, os.SEEK_SET)
+        while True:
+            block = os.read(fd, 1 << 20)
+            if not block:
+                break
+            os.write(copy, block)
+        os.fsync(copy)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    finally:
+        os.close(copy)
+
+
+def open_in_place(path: PathLike, flags: int, mode: int = 0o644) -> int:
+    """:func:`open_no_follow` for a file written in place (appended to, truncated, rewritten):
+    ``flags`` may hold ``O_TRUNC`` and ``O_APPEND``; the file must be a regular file. A file
+    with another name (a hard link, ``st_nlink > 1``) is never written through: it is first
+    replaced by a copy of its own (its bytes and mode; the other name keeps the old file;
+    refused with :class:`UnsafePathError` where that cannot be done)."""
+    truncate = flags & os.O_TRUNC
+    flags = (flags & ~os.O_TRUNC & ~os.O_ACCMODE) | os.O_RDWR
+    for _ in range(3):
+        fd = open_no_follow(path, flags, mode)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise UnsafePathError(
+                    f"{shown_path(path)} is {describe_file(path)}, not a regular file: cfbnn writes a file there; "
+                    "move it away (or choose another directory)"
+                )
+            if info.st_nlink <= 1:
+                if truncate:
+                    os.ftruncate(fd, 0)
+                return fd
+            if not truncate:
+                _break_hard_link(path, fd, info)
+            else:  # its bytes are not kept: a new empty file under this name only
+                os.unlink(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise UnsafePathError(
+        f"{shown_path(path)} has another name (a hard link) that keeps coming back; cfbnn does not write through "
+        "hard links: remove the other name (or choose another directory)"
+    )
+
+
+def describe_file(path: PathLike) -> str:
+    """What is at ``path``, in words: ``"a directory"``, ``"a FIFO, not a regular file"``,
+    ``"a symbolic link"``, ``"no such file"``, ...; ``"a regular file"`` for one."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "no such file"
+    except NotADirectoryError:
+        return "no such file (a part of its path is not a folder)"
+    except OSError as error:
+        return f"unreadable ({error.strerror or type(error).__name__})"
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO, not a regular file"),
+        (stat.S_ISSOCK, "a socket, not a regular file"),
+        (stat.S_ISCHR, "a character device, not a regular file"),
+        (stat.S_ISBLK, "a block device, not a regular file"),
+    )
+    for test, words in kinds:
+        if test(info.st_mode):
+            return words
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link to nothing" if not os.path.exists(path) else "a symbolic link"
+    return "not a regular file"
+
+
+_UNWRITABLE = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "the file system is read-only",
+    errno.ENAMETOOLONG: "a name in it is too long (most file systems allow 255 bytes per name)",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.ENOENT: "it cannot be made there (no such file or directory)",
+    errno.ENOTDIR: "a part of it is a file, not a folder",
+    errno.EEXIST: "a file is in the way of a folder",
+    errno.EISDIR: "it is a directory",
+    errno.EINVAL: "the file system does not take it",
+    errno.EXDEV: "it lies on another file system than its temporary file",
+    errno.EMLINK: "too many links",
+    errno.ELOOP: "too many symbolic links",
+}
+
+
+def unwritable_reason(error: BaseException) -> Optional[OSError]:
+    """The :class:`OSError` in ``error``'s chain (itself, its cause or context) that says a path
+    could not be made or written -- permission, a read-only or full file system, a name too
+    long, a missing or misplaced folder -- with the path it names; ``None`` where there is none."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if (
+            isinstance(error, OSError)
+            and not isinstance(error, UnsafePathError)
+            and error.errno in _UNWRITABLE
+            and error.filename is not None
+        ):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def unwritable_message(error: OSError, fix: str) -> str:
+    """One line for :func:`unwritable_reason`'s error: the path, the reason, and ``fix``."""
+    return f"cannot write {shown_path(error.filename)}: {_UNWRITABLE.get(error.errno, error.strerror)}; {fix}"
+
+
+def output_error(error: BaseException, folder: PathLike, fix: str) -> Optional[str]:
+    """One line for ``error`` where it says that ``folder`` (a command's output folder), a file in
+    it or a folder above it could not be made or written (:func:`unwritable_reason`), or that a
+    link was met there; ``None`` for any other error (e.g. an input file that cannot be read)."""
+    if isinstance(error, UnsafePathError):
+        return str(error)
+    found = unwritable_reason(error)
+    if found is None:
+        return None
+    folder = Path(os.path.abspath(folder))
+    try:
+        named = Path(os.path.abspath(os.fsdecode(found.filename)))
+    except (TypeError, ValueError):
+        return None
+    if named == folder or folder in named.parents or named in folder.parents:
+        return unwritable_message(found, fix)
+    return None
 
 
 def private_directory(path: PathLike) -> Path:
@@ -257,9 +510,10 @@ def sha256_of_file(path: PathLike, chunk: int = 1 << 20) -> str:
 
 
 class NoFollowFileHandler(logging.FileHandler):
-    """:class:`logging.FileHandler` that opens its file with :func:`open_no_follow`: a ``<job>.log``
-    planted as a link is refused (:class:`UnsafePathError`), not appended through. Hydra's
-    job logging uses it (``conf/shared/base.yaml``).
+    """:class:`logging.FileHandler` that opens its file with :func:`open_in_place`: a ``<job>.log``
+    planted as a link is refused (:class:`UnsafePathError`), not appended through, and one with
+    another name (a run dir copied with ``cp -al``) gets a copy of its own before anything is
+    appended. Hydra's job logging uses it (``conf/shared/base.yaml``).
 
     It remembers what it found at its first open -- ``created`` (the file was not there) and
     ``found_size`` (its length then) -- so that a run refused before any work can leave its
@@ -273,7 +527,8 @@ class NoFollowFileHandler(logging.FileHandler):
         os.umask(mask)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in self.mode else os.O_TRUNC)
         existed = os.path.lexists(self.baseFilename)
-        fd = open_no_follow(self.baseFilename, flags, 0o666 & ~mask)
+        output_file(self.baseFilename)  # no link in the folders below the run dir either
+        fd = open_in_place(self.baseFilename, flags, 0o666 & ~mask)
         if self.created is None:
             self.created, self.found_size = not existed, os.fstat(fd).st_size
         return os.fdopen(fd, self.mode.replace("b", ""), encoding=self.encoding, errors=self.errors)

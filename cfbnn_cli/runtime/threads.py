@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .safefs import UnsafePathError, cache_root, open_no_follow, private_directory
+from .safefs import UnsafePathError, cache_root, open_in_place, private_directory
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +101,10 @@ class JobRegistry:
         private_directory(self.folder.parent)
         private_directory(self.folder)
         path = self.folder / f"{socket.gethostname()}-{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK  # a FIFO at our name must not block the open
-        descriptor = open_no_follow(path, flags, 0o600)
-        try:
-            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-                raise UnsafePathError(f"{path} is not a regular file; remove it")
-            os.ftruncate(descriptor, 0)
-            os.set_blocking(descriptor, True)
-            handle = os.fdopen(descriptor, "w")
-        except BaseException:
-            os.close(descriptor)
-            raise
+        # O_NONBLOCK: a FIFO at our name must not block the open (open_in_place refuses a non-file)
+        descriptor = open_in_place(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o600)
+        os.set_blocking(descriptor, True)
+        handle = os.fdopen(descriptor, "w")
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._handle = handle
         self._name = path.name

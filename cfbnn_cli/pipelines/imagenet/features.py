@@ -26,6 +26,7 @@ from ...runtime.checkpoints import load_checkpoint
 from ...runtime.errors import CheckpointError, DataError
 from ...runtime.io import atomic_torch_save, atomic_write_json
 from ...runtime.progress import progress_bar
+from ...runtime.safefs import output_folder
 
 log = logging.getLogger(__name__)
 RANDOM_BACKBONE_SEED = 0
@@ -130,7 +131,7 @@ def extract(
 ):
     """``(features float16 (N, F), labels (N,), skipped)`` for ``dataset``, cached in ``folder``
     (every shard checked: one width, labels in ``0..num_classes-1``)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    output_folder(folder)  # below the run dir: made or checked without following a link
     manifest_path = folder / "manifest.json"
     if manifest_path.exists():
         try:

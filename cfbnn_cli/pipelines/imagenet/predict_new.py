@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +23,14 @@ import torch
 from ...bnn.classification import approximate_class_probabilities
 from ...data.regression import decoded_lines, parse_numeric_rows
 from ...runtime.errors import ConfigError, DataError
-from ...runtime.io import atomic_write_text
+from ...runtime.io import atomic_write_text, remove_stale_temporary_files
+from ...runtime.safefs import describe_file, output_error, shown_path
 from .pipeline import HEAD_FILE, load_saved_head
 
 
 def read_features(path: Path, feature_dim: int) -> np.ndarray:
     if not path.is_file():
-        raise DataError(f"{path}: no such file (the features to predict: .npy, .npz or .csv)")
+        raise DataError(f"{shown_path(path)}: {describe_file(path)} (the features to predict: .npy, .npz or .csv)")
     if path.suffix == ".npy":
         try:
             array = np.load(path, allow_pickle=False)
@@ -86,7 +88,16 @@ def predict_run(run_dir, data_path, out=None, top_k: int = 5) -> Path:
         pairs = [item for pair in zip(classes, (repr(v) for v in values)) for item in pair]
         writer.writerow([index, deterministic] + pairs)
     out = Path(out) if out is not None else run_dir / "predictions.csv"
-    return atomic_write_text(out, text.getvalue())
+    if out.is_dir() or (os.path.lexists(out) and not out.is_symlink() and not out.is_file()):
+        raise ConfigError(f"--out {shown_path(out)} is {describe_file(out)}; give a regular file's path")
+    try:
+        remove_stale_temporary_files(out.parent, out.name)  # what a killed predict left for this output
+        return atomic_write_text(out, text.getvalue())
+    except OSError as error:  # the output's folder or file cannot be made or written
+        message = output_error(error, out.parent, "pass --out a file in a folder you can write")
+        if message is None:
+            raise
+        raise ConfigError(message) from None
 
 
 def main(argv) -> int:
