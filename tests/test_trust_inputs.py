@@ -284,6 +284,11 @@ def _shard(rows=4, width=3, labels=None):
         ([{**_shard(), "ok": torch.ones(3, dtype=torch.bool)}], "have 4, 4 and 3 rows"),
         ([_shard(), _shard(width=5)], r"shards hold features of widths \[3, 5\]"),
         ([_shard(labels=torch.tensor([0, 1, 1000000, 0]))], "labels run from 0 to 1000000, outside the 2 classes"),
+        # a NaN in a cached shard is the cache's fault, not the learning rate's
+        (
+            [{**_shard(), "features": torch.tensor([[1.0, 2, 3], [1, float("nan"), 3], [1, 2, 3], [1, 2, 3]])}],
+            r"its features hold NaN or infinite values \(rows \[1\]\); delete",
+        ),
     ],
 )
 def test_a_feature_shard_of_the_wrong_structure_is_one_named_error(tmp_path, shards, message):

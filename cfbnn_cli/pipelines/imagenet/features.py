@@ -105,6 +105,10 @@ def load_feature_shard(path: Path) -> dict:
         problem = "its labels are not one integer per row"
     elif ok.dim() != 1 or not len(features) == len(labels) == len(ok):
         problem = f"its features, labels and ok have {len(features)}, {len(labels)} and {len(ok)} rows"
+    elif not bool(torch.isfinite(features[ok.bool()]).all()):
+        # named here: in training it would surface as a NaN loss, with a learning-rate hint
+        rows = (~torch.isfinite(features).all(1) & ok.bool()).nonzero().flatten()[:5].tolist()
+        problem = f"its features hold NaN or infinite values (rows {rows})"
     if problem is not None:
         raise CheckpointError(
             f"{path} is not a cfbnn feature shard ({problem}); delete {path.parent} to extract its features again"
