@@ -287,7 +287,7 @@ def _shard(rows=4, width=3, labels=None):
         # a NaN in a cached shard is the cache's fault, not the learning rate's
         (
             [{**_shard(), "features": torch.tensor([[1.0, 2, 3], [1, float("nan"), 3], [1, 2, 3], [1, 2, 3]])}],
-            r"its features hold NaN or infinite values \(rows \[1\]\); delete",
+            r"its features hold NaN or infinite values \(rows \[1\]\)\); delete",
         ),
     ],
 )
