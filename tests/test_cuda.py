@@ -305,3 +305,46 @@ def test_every_pipeline_trains_graphed_on_cuda_without_a_fallback(
         else:
             imagenet.run(imagenet_cfg("device=cuda"), tmp_path / "run")
     assert not _graph_failures(caplog)
+
+
+def test_own_data_fit_classification_and_predict_on_cuda_match_the_cpu(tmp_path):
+    """protocol=fit and train classification with device=cuda, and `cfbnn predict --device cuda`:
+    the CPU's numbers (float32 arithmetic on both; L-BFGS paths may part in late digits)."""
+    import csv
+
+    import numpy as np
+    import pandas as pd
+
+    from cfbnn_cli.cli import compose_config
+    from cfbnn_cli.pipelines import classification, regression
+    from cfbnn_cli.pipelines.predict import predict_run
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3))
+    frame = pd.DataFrame(
+        {"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "y": x[:, 0] - x[:, 1] + 0.3 * rng.normal(size=200)}
+    )
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    metrics = {}
+    for device in ("cpu", "cuda"):
+        cfg = compose_config(
+            "train_regression", ["data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=y", f"device={device}"]
+        )
+        (tmp_path / device).mkdir()
+        metrics[device] = regression.run(cfg, tmp_path / device)["metrics"]
+        (tmp_path / device / "results.json").write_text("{}")
+        (tmp_path / device / "done").write_text("")
+    assert metrics["cuda"]["fit/test_ll"] == pytest.approx(metrics["cpu"]["fit/test_ll"], abs=0.02)
+    frame.drop(columns="y").to_csv(tmp_path / "new.csv", index=False)
+    outputs = [
+        predict_run(tmp_path / "cpu", tmp_path / "new.csv", out=tmp_path / f"p_{device}.csv", device=device)
+        for device in ("cpu", "cuda")
+    ]
+    tables = [list(csv.DictReader(open(path))) for path in outputs]
+    for column in ("mean", "sd", "lower_90"):
+        np.testing.assert_allclose(
+            [float(r[column]) for r in tables[1]], [float(r[column]) for r in tables[0]], rtol=1e-4, atol=1e-5
+        )
+    cfg = compose_config("train_classification", ["data=iris", "fit.refit=false", "device=cuda"])
+    (tmp_path / "iris").mkdir()
+    assert classification.run(cfg, tmp_path / "iris")["metrics"]["fit/test_accuracy"] > 0.8
