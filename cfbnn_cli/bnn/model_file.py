@@ -41,6 +41,7 @@ from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, Heter
 from .likelihoods import NormalLikelihood as _Normal
 from .network import BayesianNetwork
 
+
 class NonFiniteWeightsError(NonFiniteResultError, ValueError):
     """A network with NaN or infinite weights was given to :func:`save_model`: a ``ValueError`` for
     the library, a failed run (exit 1, nothing written) for the CLI."""
