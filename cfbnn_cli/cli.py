@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from .runtime.errors import CfbnnError, ConfigError, NonFiniteResultError
+from .runtime.errors import CfbnnError, ConfigError, NonFiniteResultError, one_line
 
 log = logging.getLogger("cfbnn")
 
@@ -258,8 +258,9 @@ def _has_key(cfg, key: str) -> bool:
 def _report_error(error: CfbnnError) -> None:
     """One line for the user on stderr, and the same line in the run's ``<job>.log`` when
     Hydra set logging up (the console handler writes to stdout, so it is left out)."""
-    print(f"cfbnn: error: {error}", file=sys.stderr, flush=True)
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (error,), None)
+    message = one_line(error)
+    print(f"cfbnn: error: {message}", file=sys.stderr, flush=True)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
@@ -540,7 +541,7 @@ def make_task(sub: Subcommand):
                 # refused before any output: the dir as it was (none where this run made it), the
                 # reason on stderr only
                 found.leave_as_found(lock)
-                print(f"cfbnn: error: {error}", file=sys.stderr, flush=True)
+                print(f"cfbnn: error: {one_line(error)}", file=sys.stderr, flush=True)
             else:
                 _report_error(error)
             error.reported = True
@@ -631,7 +632,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         conf = config_dir()
     except CfbnnError as error:
-        print(f"cfbnn: error: {error}", file=sys.stderr)
+        print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
         sys.exit(error.exit_code)
 
     sys.exit(_run_hydra(sub, conf, rest))
@@ -678,7 +679,7 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
         if user_wants_traceback:
             raise
         if not getattr(error, "reported", False):
-            print(f"cfbnn: error: {error}", file=sys.stderr)
+            print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
         return error.exit_code
     except (CompactHydraException, OmegaConfBaseException) as error:
         if user_wants_traceback:
@@ -688,9 +689,8 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
             print(f"cfbnn: error: {unknown}", file=sys.stderr)
             return 2
         override = getattr(error, "override", None)  # an OverrideParseException knows the override
-        print(f"cfbnn: error{f' in the override {override!r}' if override else ''}: {error}", file=sys.stderr)
-        if isinstance(error.__cause__, OmegaConfBaseException):
-            print(str(error.__cause__), file=sys.stderr)
+        where = f" in the override {one_line(override, 200)!r}" if override else ""
+        print(f"cfbnn: error{where}: {_hydra_message(error)}", file=sys.stderr)
         if _mentions_launcher(rest):
             print(LAUNCHER_HINT, file=sys.stderr)
         return 2
@@ -734,6 +734,45 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
         if not user_wants_traceback:
             os.environ.pop("HYDRA_FULL_ERROR", None)
     return 0
+
+
+def _omegaconf_text(error) -> str:
+    """An OmegaConf error's own message and its key, without its ``object_type`` lines."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    message = " ".join(
+        line for line in lines if line and not line.startswith(("full_key:", "object_type=", "reference_type="))
+    )
+    key = getattr(error, "full_key", None)
+    return f"{message} (key {key})" if key and str(key) not in message else message
+
+
+def _hydra_message(error) -> str:
+    """A Hydra or OmegaConf error as one bounded line: the search path left out, lists of options
+    joined by commas (a long list cut, naming its length), the OmegaConf cause and its key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .runtime.errors import listing
+
+    if isinstance(error, OmegaConfBaseException):
+        text = _omegaconf_text(error)
+    else:
+        text = str(error).split("Config search path:", 1)[0]
+        blocks, options = [], []
+        for line in text.splitlines():
+            if line.startswith("\t") or line.startswith("    "):
+                options.append(line.strip())
+                continue
+            if options:
+                blocks[-1] += " " + listing(options, limit=12)
+                options = []
+            if line.strip():
+                blocks.append(line.strip())
+        if options and blocks:
+            blocks[-1] += " " + listing(options, limit=12)
+        text = "; ".join(blocks)
+        if isinstance(error.__cause__, OmegaConfBaseException):
+            text += f" ({_omegaconf_text(error.__cause__)})"
+    return one_line(text)
 
 
 class _WithoutHydraJobError:

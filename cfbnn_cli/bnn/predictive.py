@@ -53,7 +53,7 @@ class Predictive:
     def distribution(self) -> torch.distributions.Normal:
         """The moment-matched Normal (exactly the predictive where every layer is integrated
         and the likelihood is Normal given the output's moments)."""
-        return torch.distributions.Normal(self.mean, self.stddev)
+        return torch.distributions.Normal(self.mean, self.stddev, validate_args=False)  # NaN stays NaN: callers check
 
     def interval(self, coverage: float = 0.9) -> Tuple[torch.Tensor, torch.Tensor]:
         """The central ``coverage`` interval of :meth:`distribution`."""

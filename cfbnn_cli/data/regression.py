@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..runtime.errors import ConfigError, DataError
+from ..runtime.errors import ConfigError, DataError, clip
 from .standardize import check_finite_columns, column_statistics, standardize_columns
 from .tabular import read_table
 
@@ -56,6 +56,11 @@ class RegressionData:
         return self.x_train.shape[0]
 
 
+# the largest target s.d. whose predictions a float32 network can give in the target's units: a
+# predictive variance is written in squared units (float32 holds up to 3.4e38)
+MAX_TARGET_SCALE = 1e18
+
+
 def _standardize(
     name, x_train, y_train, x_test, y_test, columns: Optional[Sequence[str]] = None, target: str = "target"
 ) -> RegressionData:
@@ -66,6 +71,12 @@ def _standardize(
     y_mean, y_std = (float(v[0]) for v in column_statistics(np.asarray(y_train, dtype=np.float64)[:, None]))
     if not y_std > 0:
         raise DataError(f"the target of data `{name}` is constant on the training split; nothing to regress")
+    if y_std > MAX_TARGET_SCALE or abs(y_mean) > MAX_TARGET_SCALE * 1e6:
+        raise DataError(
+            f"the target `{clip(target, 60)}` of data `{clip(name, 60)}` has mean {y_mean:.3g} and s.d. {y_std:.3g}: "
+            f"predictions in its units (variances in squared units) would overflow float32 beyond an s.d. of "
+            f"{MAX_TARGET_SCALE:.0e}; rescale the column (other units, or its logarithm)"
+        )
 
     def tensor(a, what, names):
         check_finite_columns(a, f"data `{name}`", names, what)
@@ -461,7 +472,9 @@ def load_regression_data(cfg) -> RegressionData:
 def validate_data_config(cfg) -> None:
     """Check the ``data`` group's numbers before any work (sizes and counts positive, a
     fraction in (0, 1), a seed the generators take); each error names the key."""
-    from ..runtime.checks import require_choice, require_present_bounds
+    from omegaconf import OmegaConf
+
+    from ..runtime.checks import MAX_WIDTH, require_choice, require_int, require_present_bounds, require_table_size
 
     name = require_choice(cfg, "data.name", REGRESSION_DATA)
     counts = {
@@ -474,3 +487,8 @@ def validate_data_config(cfg) -> None:
     require_present_bounds(
         cfg, counts, fractions=["data.test_fraction"], seeds=["data.seed"], nonnegative=["data.noise_std"]
     )
+    if name == "synthetic":
+        for key in ("data.input_dim", "data.teacher_hidden"):
+            if OmegaConf.select(cfg, key, default=None) is not None:
+                require_int(cfg, key, minimum=1, maximum=MAX_WIDTH, why=" (the width of a layer)")
+        require_table_size(cfg, ["data.n_train", "data.n_test"], "data.input_dim")

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import csv
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..runtime.errors import ConfigError, DataError
+from ..runtime.errors import ConfigError, DataError, clip, listing
 from ..runtime.safefs import describe_file, shown_path
 
 # what a blank or missing cell looks like in the files people have (pandas' to_csv writes ""; R writes NA)
@@ -118,7 +119,7 @@ def _check_names(path: Path, header: List[str]) -> None:
         seen.add(name)
     if duplicates:
         raise DataError(
-            f"{path}: duplicate column name(s) {duplicates} in the header; every column needs its own "
+            f"{path}: duplicate column name(s) {listing(duplicates)} in the header; every column needs its own "
             "name (which one is the target otherwise?)"
         )
     blank = [i + 1 for i, name in enumerate(header) if not name]
@@ -161,30 +162,37 @@ def numeric_column(cells: np.ndarray, missing: np.ndarray, where: str, name: str
     infinite = present & ~np.isfinite(values)
     if infinite.any():
         index = int(np.argmax(infinite))
-        raise DataError(f"{where}, column `{name}`, row {first_row + index}: {cells[index]!r} is not a finite number")
+        raise DataError(
+            f"{where}, column `{clip(name, 60)}`, row {first_row + index}: {clip(repr(cells[index]), 40)} is not a "
+            "finite number"
+        )
     return values
 
 
 def _chosen_columns(path: Path, header: List[str], target: str, features, drop) -> List[str]:
     if target not in header:
-        raise DataError(f"{path}: no column named `{target}` (data.target); columns are {header}")
+        raise DataError(f"{path}: no column named `{clip(target, 60)}` (data.target); columns are {listing(header)}")
     features = [str(f) for f in features] if features else None
     drop = [str(d) for d in drop or ()]
-    unknown = [name for name in (features or []) + drop if name not in header]
+    present = set(header)
+    unknown = [name for name in (features or []) + drop if name not in present]
     if unknown:
         key = "data.features" if features and unknown[0] in features else "data.drop"
-        raise DataError(f"{path}: {key} names column(s) {unknown} that the file does not have; it has {header}")
+        raise DataError(
+            f"{path}: {key} names column(s) {listing(unknown)} that the file does not have; it has {listing(header)}"
+        )
     if features is not None:
         if target in features:
-            raise ConfigError(f"data.features={features} includes the target `{target}`; leave it out")
+            raise ConfigError(f"data.features={clip(features)} includes the target `{clip(target, 60)}`; leave it out")
         if drop:
             raise ConfigError(
                 "give data.features (the columns to keep) or data.drop (the columns to leave out), not both"
             )
         return features
     if target in drop:
-        raise ConfigError(f"data.drop={drop} includes the target `{target}`; the target is data.target")
-    return [name for name in header if name != target and name not in drop]
+        raise ConfigError(f"data.drop={clip(drop)} includes the target `{clip(target, 60)}`; the target is data.target")
+    dropped = set(drop)
+    return [name for name in header if name != target and name not in dropped]
 
 
 def read_table(
@@ -335,33 +343,39 @@ def _reading_problem(error: Exception) -> str:
 def _map_columns(path, header, columns, input_dim, target, keep):
     offset = 1 if index_column(header) else 0
     named = header[offset:]
-    duplicated = sorted({name for name in named if named.count(name) > 1})
+    counts = Counter(named)
+    duplicated = sorted(name for name, count in counts.items() if count > 1)
     if duplicated:
-        raise DataError(f"{path}: column names appear twice: {', '.join(duplicated)}")
-    unknown_keep = [name for name in keep if name not in named]
+        raise DataError(f"{path}: column names appear twice: {listing(duplicated)}")
+    unknown_keep = [name for name in keep if name not in counts]
     if unknown_keep:
-        raise DataError(f"{path}: --keep names column(s) {unknown_keep} that the file does not have; it has {named}")
+        raise DataError(
+            f"{path}: --keep names column(s) {listing(unknown_keep)} that the file does not have; it has {listing(named)}"
+        )
     if columns is None:  # generated training data: features by position
         used = [i for i in range(offset, len(header)) if header[i] != target and header[i] not in keep]
         if len(used) != input_dim:
             raise DataError(
-                f"{path} has {len(used)} feature columns; the model was trained on {input_dim} (generated data, "
+                f"{path} has {len(used):,} feature columns; the model was trained on {input_dim} (generated data, "
                 "read by position)"
             )
-        return used, [header.index(name) for name in keep]
-    missing = [name for name in columns if name not in named]
-    extra = [name for name in named if name not in columns and name != target and name not in keep]
+        position = {name: i for i, name in reversed(list(enumerate(header)))}
+        return used, [position[name] for name in keep]
+    wanted, kept = set(columns), set(keep)
+    missing = [name for name in columns if name not in counts]
+    extra = [name for name in named if name not in wanted and name != target and name not in kept]
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"missing {', '.join(missing)}")
+            parts.append(f"missing {listing(missing)}")
         if extra:
-            parts.append(f"not used by the model: {', '.join(extra)} (copy them to the output with --keep, e.g. an ID)")
+            parts.append(f"not used by the model: {listing(extra)} (copy them to the output with --keep, e.g. an ID)")
         raise DataError(
             f"{path}: the columns differ from the model's features ({'; '.join(parts)}); it needs "
-            f"{', '.join(columns)} (the target `{target}` may be there and is ignored)"
+            f"{listing(columns)} (the target `{clip(target, 60)}` may be there and is ignored)"
         )
-    return [header.index(name) for name in columns], [header.index(name) for name in keep]
+    position = {name: i for i, name in reversed(list(enumerate(header)))}
+    return [position[name] for name in columns], [position[name] for name in keep]
 
 
 def _chunks(path, handle, reader, width, positions, names, passed, chunk_rows) -> Iterator[FeatureChunk]:

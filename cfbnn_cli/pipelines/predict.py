@@ -36,7 +36,7 @@ from ..bnn.model_file import FILE_NAME, SavedModel, load_model
 from ..bnn.predictive import describe
 from ..data.tabular import FeatureChunk, iter_feature_chunks
 from ..runtime.device import resolve_device
-from ..runtime.errors import CfbnnError, ConfigError, DataError
+from ..runtime.errors import CfbnnError, ConfigError, DataError, listing, one_line
 from ..runtime.io import atomic_text_writer, remove_stale_temporary_files
 from ..runtime.numerics import map_row_chunks, rows_per_chunk
 from ..runtime.safefs import describe_file, output_error, shown_path
@@ -137,10 +137,10 @@ class _Predictor:
 
 def _standardized(saved: SavedModel, chunk: FeatureChunk, path: Path, device) -> torch.Tensor:
     x = chunk.x[chunk.complete]
-    if saved.feature_mean is not None:
-        with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # what overflows is named below, one line
+        if saved.feature_mean is not None:
             x = (x - saved.feature_mean.numpy()) / saved.feature_std.numpy()
-    x32 = x.astype(np.float32)
+        x32 = x.astype(np.float32)
     bad = ~np.isfinite(x32)
     if bad.any():
         row, column = np.argwhere(bad)[0]
@@ -258,7 +258,7 @@ def _refuse_non_finite(values: dict, chunk: FeatureChunk, path: Path) -> None:
     if bad.any():
         rows = chunk.rows[chunk.complete][bad]
         raise DataError(
-            f"{path}: the prediction of row(s) {', '.join(map(str, rows[:5]))}{' ...' if len(rows) > 5 else ''} is not "
+            f"{path}: the prediction of row(s) {listing(rows.tolist(), 5)} is not "
             "finite: their features lie too far outside the training rows' range; check those rows"
         )
 
@@ -300,7 +300,7 @@ def main(argv: Sequence[str]) -> int:
             keep=args.keep,
         )
     except CfbnnError as error:
-        print(f"cfbnn: error: {error}", file=sys.stderr)
+        print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         print("cfbnn: interrupted; no predictions were written", file=sys.stderr)

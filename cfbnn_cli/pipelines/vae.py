@@ -32,7 +32,16 @@ from ..report.metric_keys import vae_key
 from ..report.numbers import format_mean_se, format_value
 from ..report.tables import write_table
 from ..run_values import RunValues, parse_run_values
-from ..runtime.checks import require_choice, require_int, require_positive_float, require_present_bounds, require_widths
+from ..runtime.checks import (
+    MAX_WEIGHTS,
+    MAX_WIDTH,
+    require_choice,
+    require_int,
+    require_positive_float,
+    require_present_bounds,
+    require_table_size,
+    require_widths,
+)
 from ..runtime.cuda_graphs import GraphedCall
 from ..runtime.errors import ConfigError
 from ..runtime.progress import progress_bar
@@ -68,6 +77,19 @@ def validate(cfg: DictConfig) -> List[str]:
             raise ConfigError(
                 f"data.std_floor={floor!r} must be pooled, a positive number (in the data's units) or null (no floor)"
             )
+    for key in ("data.input_dim", "data.latent_dim", "data.teacher_hidden"):
+        if OmegaConf.select(cfg, key, default=None) is not None:
+            require_int(cfg, key, minimum=1, maximum=MAX_WIDTH, why=" (the width of a layer)")
+    require_table_size(cfg, ["data.rows"], "data.input_dim")
+    require_table_size(cfg, ["data.rows"], "data.latent_dim")
+    require_table_size(cfg, ["data.rows"], "data.teacher_hidden")
+    width = OmegaConf.select(cfg, "data.input_dim", default=None)
+    decoder = [cfg.model.latent_dim, cfg.model.decoder_hidden] + ([width] if isinstance(width, int) else [])
+    if sum(a * b for a, b in zip(decoder[:-1], decoder[1:])) > MAX_WEIGHTS:
+        raise ConfigError(
+            f"model.latent_dim={cfg.model.latent_dim}, model.decoder_hidden={cfg.model.decoder_hidden} ask for more "
+            f"than {MAX_WEIGHTS:,} decoder weights; lower them"
+        )
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_positive_float(cfg, "model.prior_scale")
     require_positive_float(cfg, "model.init_scale")

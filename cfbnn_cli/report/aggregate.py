@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 
-from ..runtime.errors import CfbnnError, DataError
+from ..runtime.errors import CfbnnError, DataError, one_line
 from ..runtime.io import atomic_write_text
 from ..runtime.safefs import describe_file, output_error, shown_path
 from .grouping import drop_duplicates, group_runs, run_seed, summarize
@@ -171,6 +171,11 @@ def main(argv: Sequence[str]) -> int:
     try:
         report(args.path, args.out, paper=args.paper)
     except CfbnnError as error:
-        print(f"cfbnn: error: {error}", file=sys.stderr)
+        print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
         return error.exit_code
+    except KeyboardInterrupt:  # each file is written whole (atomically) or not at all
+        print(
+            "cfbnn: interrupted; the report files written so far are whole, the rest were not written", file=sys.stderr
+        )
+        return 130
     return 0

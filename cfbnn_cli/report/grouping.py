@@ -7,10 +7,12 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 
+from ..runtime.errors import listing
 from .numbers import format_mean_se
 from .records import MISSING, flatten
 
@@ -130,31 +132,67 @@ def seeds_text(runs) -> str:
     return ",".join(str(s) for s in seeds)
 
 
+def run_label(run) -> str:
+    """A run as a report names it: its seed, else its folder's name."""
+    seed = run_seed(run)
+    return f"seed {seed}" if seed is not None else Path(str(run.get("_path", "?"))).name
+
+
 @dataclass
 class Stat:
     mean: float
     se: Optional[float]
     n: int
     values: List[float] = field(default_factory=list)
+    # the runs whose value was NaN or infinite, each as "seed 1: NaN": named in the cell, not averaged
+    left_out: List[str] = field(default_factory=list)
 
     def text(self, sig: int = 4, signed: bool = False, scientific: bool = True) -> str:
-        return format_mean_se(self.mean, self.se, sig=sig, signed=signed, scientific=scientific) if self.n else ""
+        number = format_mean_se(self.mean, self.se, sig=sig, signed=signed, scientific=scientific) if self.n else ""
+        return f"{number} {self.note()}".strip() if self.left_out else number
+
+    def note(self) -> str:
+        """``(1 of 2 runs; left out seed 1: NaN)`` where a run's value was not finite; else ``""``."""
+        if not self.left_out:
+            return ""
+        total = self.n + len(self.left_out)
+        return f"({self.n} of {total} runs; left out {listing(self.left_out, 3)})"
 
 
-def stat(values) -> Stat:
-    """Mean ± standard error (``sd / sqrt(n)``, none for one value) of the finite ``values``."""
-    values = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    n = len(values)
+def _why(value: float) -> str:
+    return "NaN" if math.isnan(value) else "infinite"
+
+
+def stat(values, labels: Optional[Sequence[str]] = None) -> Stat:
+    """Mean ± standard error (``sd / sqrt(n)``, none for one value) of the finite ``values``;
+    a NaN or infinite value is left out and named (``labels[i]``: the run it came from)."""
+    kept, left_out = [], []
+    values = list(values)
+    labels = list(labels) if labels is not None else [f"run {i + 1}" for i in range(len(values))]
+    for label, value in zip(labels, values):
+        if value is None:  # not applicable to this run
+            continue
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float's range
+            number = math.inf if value > 0 else -math.inf
+        if math.isfinite(number):
+            kept.append(number)
+        else:
+            left_out.append(f"{label}: {_why(number)}")
+    n = len(kept)
     if not n:
-        return Stat(math.nan, None, 0, [])
-    mean = sum(values) / n
+        return Stat(math.nan, None, 0, [], left_out)
+    mean = sum(kept) / n
     # d * d, not d ** 2: a float power raises OverflowError past 1e154 where a product gives inf
-    se = math.sqrt(sum((v - mean) * (v - mean) for v in values) / (n - 1) / n) if n > 1 else None
-    return Stat(mean, se, n, values)
+    se = math.sqrt(sum((v - mean) * (v - mean) for v in kept) / (n - 1) / n) if n > 1 else None
+    if se is not None and not math.isfinite(se):  # the spread of values near float's limit
+        se = None
+    return Stat(mean, se, n, kept, left_out)
 
 
 def metric_stat(runs, name) -> Stat:
-    return stat(run["metrics"].get(name) for run in runs)
+    return stat([run["metrics"].get(name) for run in runs], [run_label(run) for run in runs])
 
 
 def summarize(runs: Sequence[dict]) -> pd.DataFrame:
@@ -165,5 +203,6 @@ def summarize(runs: Sequence[dict]) -> pd.DataFrame:
         metrics = sorted({m for run in members for m in run["metrics"]})
         for metric in metrics:
             s = metric_stat(members, metric)
-            rows.append({**group, "metric": metric, "mean": s.mean, "se": s.se, "n": s.n})
-    return pd.DataFrame(rows, columns=[*keys, "metric", "mean", "se", "n"])
+            left_out = "; ".join(s.left_out)
+            rows.append({**group, "metric": metric, "mean": s.mean, "se": s.se, "n": s.n, "left_out": left_out})
+    return pd.DataFrame(rows, columns=[*keys, "metric", "mean", "se", "n", "left_out"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from typing import Optional, Tuple
 
 __all__ = ["format_mean_se", "format_value", "latex_cell", "se_decimals"]
@@ -78,8 +79,7 @@ def format_mean_se(mean, se=None, *, sig: int = 4, signed: bool = False, scienti
     magnitude = max(abs(mean), se)
     if scientific and (magnitude < _SMALL or magnitude >= _LARGE):
         exponent = math.floor(math.log10(magnitude))
-        scale = 10.0**exponent
-        inner = format_mean_se(mean / scale, se / scale, sig=sig, signed=signed)
+        inner = format_mean_se(_shifted(mean, -exponent), _shifted(se, -exponent), sig=sig, signed=signed)
         return f"({inner})e{exponent}"
     decimals = se_decimals(se)
     m, s = _plain(mean, decimals), _plain(se, decimals)
@@ -100,13 +100,18 @@ def format_value(value, *, sig: int = 3, signed: bool = False, scientific: bool 
     sign = "+" if signed and value > 0 else ""
     if value == 0:
         return "0"
-    rounded = float(f"{value:.{sig - 1}e}")  # the digits, e.g. 0.09996 -> 0.100 at sig 3
-    exponent = math.floor(math.log10(abs(rounded)))
+    digits = f"{value:.{sig - 1}e}"  # the digits, e.g. 0.09996 -> 1.00e-01 at sig 3
+    rounded = float(digits)
+    exponent = int(digits.rsplit("e", 1)[1])
     if scientific and (abs(rounded) < _SMALL or abs(rounded) >= _LARGE):
-        mantissa = f"{rounded / 10.0**exponent:.{sig - 1}f}"
-        return f"{sign}{mantissa}e{exponent}"
+        return f"{sign}{digits.rsplit('e', 1)[0]}e{exponent}"  # no division: 5e-324 has no 1e-324
     decimals = max(sig - 1 - exponent, 0)
     return f"{sign}{rounded:.{decimals}f}"
+
+
+def _shifted(value: float, places: int) -> float:
+    """``value * 10**places`` exactly where floats cannot hold ``10**places`` (a subnormal's scale)."""
+    return float(Decimal(value).scaleb(places))
 
 
 PM, TIMES = r"\pm", r"\times "

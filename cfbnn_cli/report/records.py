@@ -12,9 +12,9 @@ import re
 import stat as stat_module
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
-from ..runtime.errors import DataError
+from ..runtime.errors import DataError, clip
 
 log = logging.getLogger(__name__)
 MISSING = "—"
@@ -30,6 +30,17 @@ def flatten(tree, prefix: str = "") -> Dict[str, object]:
     return out
 
 
+def config_value(run, dotted: str, default=None):
+    """The run's config value at ``dotted`` (``"trainer.epochs"``), or ``default`` where a part of
+    the path is missing or is not an object (a damaged record's ``"data": "x"``)."""
+    node = run.get("config") if isinstance(run, dict) else None
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
 def safe_name(text) -> str:
     """``text`` as a plain file-name part: letters, digits, ``_`` and ``-`` only (a
     pipeline name read from a results.json must not lead a path anywhere)."""
@@ -40,15 +51,32 @@ def safe_name(text) -> str:
 # ----------------------------------------------------------------------------- collecting
 
 
+def _walk(root: Path) -> Iterator[Path]:
+    """The folders under ``root`` (itself first), without recursion (a tree 10^4 folders deep is
+    walked, not a RecursionError) and without following links to folders; a folder that cannot
+    be listed is named on stderr (its runs are not in the report)."""
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            with os.scandir(folder) as entries:
+                children = [Path(entry.path) for entry in entries if entry.is_dir(follow_symlinks=False)]
+        except OSError as error:
+            skip_file(folder, f"a folder that cannot be read ({type(error).__name__}: {error.strerror or error})")
+            continue
+        yield folder
+        stack.extend(sorted(children, reverse=True))
+
+
 def results_files(root: Path) -> List[Path]:
     """Every ``results.json`` under ``root``: symbolic links to folders are not followed,
     and a linked file is read only when it resolves inside ``root``."""
     inside = root.resolve()
     files = []
-    for folder, _, names in os.walk(root, followlinks=False):
-        if "results.json" not in names:
+    for folder in _walk(root):
+        file = folder / "results.json"
+        if not os.path.lexists(file):
             continue
-        file = Path(folder) / "results.json"
         if file.is_symlink():
             try:
                 target = file.resolve(strict=True)
@@ -64,7 +92,7 @@ def results_files(root: Path) -> List[Path]:
 
 def skip_file(file, reason) -> None:
     log.debug("skipping %s: %s", file, reason)
-    print(f"cfbnn report: skipping {file}: {reason}", file=sys.stderr)
+    print(f"cfbnn report: skipping {clip(file, 300)}: {clip(reason, 300)}", file=sys.stderr)
 
 
 MAX_RECORD_BYTES = 64 << 20  # a results.json is a few kB; anything near this is not one

@@ -10,9 +10,10 @@ import pandas as pd
 
 from . import paper as paper_values
 from . import table1_schema
-from .grouping import Stat, group_runs, metric_stat, run_seed, seeds_text, stat, swept_keys
+from .grouping import Stat, group_runs, metric_stat, run_label, run_seed, seeds_text, stat, swept_keys
 from .metric_keys import deterministic_key, monte_carlo_key, vae_key
 from .numbers import format_value
+from .records import config_value
 from .sections import (
     COMMAND_WORDS,
     Section,
@@ -76,7 +77,7 @@ def command_for(runs: Sequence[dict]) -> str:
 
 
 def runs_text(runs) -> str:
-    names = sorted({str(run.get("config", {}).get("data", {}).get("name", "?")) for run in runs})
+    names = sorted({str(config_value(run, "data.name", "?")) for run in runs})
     minutes = sum(float(run.get("timing", {}).get("wall_s") or 0.0) for run in runs) / 60
     return (
         f"{', '.join(names)}; {plural(len(runs), 'run')} (seeds {seeds_text(runs) or '?'}); {minutes:.1f} min of runs"
@@ -195,11 +196,12 @@ def _table2_group_rows(runs: List[dict], label: str) -> List[dict]:
 
 def seed_paired(runs_a, runs_b, metric_a, metric_b) -> Stat:
     b_by_seed = {run_seed(r): r["metrics"].get(metric_b) for r in runs_b}
-    return stat(
-        r["metrics"].get(metric_a) - b_by_seed[run_seed(r)]
+    paired = [
+        r
         for r in runs_a
         if run_seed(r) in b_by_seed and r["metrics"].get(metric_a) is not None and b_by_seed[run_seed(r)] is not None
-    )
+    ]
+    return stat([r["metrics"][metric_a] - b_by_seed[run_seed(r)] for r in paired], [run_label(r) for r in paired])
 
 
 def figure1_rows(section: Section) -> List[dict]:

@@ -15,7 +15,7 @@ from matplotlib.ticker import MaxNLocator
 from . import paper as paper_values
 from . import table1_schema
 from .figures import caption, legend_below, new_figure, save_figure
-from .grouping import Stat, group_runs, metric_stat, seeds_text, stat, swept_keys
+from .grouping import Stat, group_runs, metric_stat, run_label, seeds_text, stat, swept_keys
 from .metric_keys import (
     CLASSIFICATION_HEADLINES,
     CONVERGED_KEYS,
@@ -30,7 +30,7 @@ from .metric_keys import (
     vae_variants,
 )
 from .numbers import format_mean_se, format_value
-from .records import MISSING, safe_name
+from .records import MISSING, config_value, safe_name
 
 # a pipeline's protocols are separate tables
 VARIANT_KEYS = {"train_regression": "protocol"}
@@ -71,7 +71,7 @@ def gradvar_layout(runs) -> Tuple[List[int], List[str]]:
 def epoch_heading(epoch: int, runs) -> str:
     """Table 1's column group over runs: their last epoch where they agree on it, and the share
     of them whose training had converged."""
-    last = {run.get("config", {}).get("trainer", {}).get("epochs") for run in runs}
+    last = {config_value(run, "trainer.epochs") for run in runs}
     converged = metric_stat(runs, "train/converged")
     return table1_schema.epoch_heading(
         epoch, next(iter(last)) if len(last) == 1 else None, converged.mean if converged.n else None
@@ -144,7 +144,7 @@ HEADLINES = {"regression": REGRESSION_HEADLINES, "classification": CLASSIFICATIO
 
 def headline_stat(runs, keys) -> Stat:
     """Mean ± s.e. over ``runs`` of the metric the first of ``keys`` present in each run holds."""
-    return stat(headline_value(run["metrics"], keys) for run in runs)
+    return stat([headline_value(run["metrics"], keys) for run in runs], [run_label(run) for run in runs])
 
 
 def present_headlines(runs, kind: str) -> Dict[str, Tuple[str, ...]]:
@@ -240,11 +240,8 @@ def inner_samples_of(runs) -> List[int]:
 
 def paired_stat(runs, a: str, b: str) -> Stat:
     """Mean ± s.e. over runs of the per-run difference ``metric a - metric b``."""
-    return stat(
-        run["metrics"][a] - run["metrics"][b]
-        for run in runs
-        if run["metrics"].get(a) is not None and run["metrics"].get(b) is not None
-    )
+    paired = [run for run in runs if run["metrics"].get(a) is not None and run["metrics"].get(b) is not None]
+    return stat([run["metrics"][a] - run["metrics"][b] for run in paired], [run_label(run) for run in paired])
 
 
 def figure1_table(runs, keys) -> pd.DataFrame:
@@ -287,7 +284,7 @@ def plural(n: int, word: str) -> str:
 
 
 def describe_runs(runs) -> str:
-    names = sorted({str(run.get("config", {}).get("data", {}).get("name", "?")) for run in runs})
+    names = sorted({str(config_value(run, "data.name", "?")) for run in runs})
     return f"data {', '.join(names)}; {plural(len(runs), 'run')}, seeds {seeds_text(runs) or '?'}"
 
 

@@ -71,6 +71,8 @@ def training_state_problem(state: dict) -> Optional[str]:
             return f"its {key} is {'missing' if key not in state else 'a ' + type(state[key]).__name__}, not a dict"
     if not all(isinstance(value, torch.Tensor) for value in state["model"].values()):
         return "its model holds values that are not tensors"
+    if not all(torch.isfinite(value).all() for value in state["model"].values() if value.is_floating_point()):
+        return "its model holds NaN or infinite weights: a diverged state, which training never saves"
     if not all(
         isinstance(value, torch.Tensor) and value.dtype == torch.uint8 for value in state["generators"].values()
     ):

@@ -24,10 +24,21 @@ def _get(cfg: DictConfig, key: str):
 _MISSING = object()
 
 
+# upper bounds of every size and count key, checked before anything is allocated: a typo's
+# 10000000000000 rows or a width of 1e11 is one line naming the key, not a failed allocation
+MAX_COUNT = 100_000_000  # rows, samples, epochs, iterations, batch sizes: any count
+MAX_WIDTH = 1_000_000  # one layer's width, a table's columns
+MAX_WEIGHTS = 200_000_000  # the weights between a network's hidden layers (a few GB with their optimizer state)
+MAX_VALUES = 500_000_000  # the numbers of a generated table (rows x columns: 4 GB as float64)
+
+
 def require_int(cfg: DictConfig, key: str, minimum: int = None, maximum: int = None, why: str = "") -> int:
+    """An integer key in ``[minimum, maximum]``; without ``maximum``, at most :data:`MAX_COUNT`."""
     value = _get(cfg, key)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key}={_short(value)} must be an integer")
+    if maximum is None and value > MAX_COUNT:
+        raise ConfigError(f"{key}={_short(value)} must be <= {MAX_COUNT:,} (the bound on any count cfbnn takes)")
     if minimum is not None and value < minimum:
         raise ConfigError(f"{key}={_short(value)} must be >= {minimum}{why}")
     if maximum is not None and value > maximum:
@@ -63,7 +74,44 @@ def require_widths(cfg: DictConfig, key: str, minimum_length: int = 1, example: 
     ):
         least = "non-empty" if minimum_length == 1 else f"{minimum_length} or more long"
         raise ConfigError(f"{key}={_short(value)} must be a {least} list of positive integers, e.g. {example}")
+    if len(widths) > 1000 or max(widths) > MAX_WIDTH:
+        raise ConfigError(f"{key}={_short(value)}: at most 1,000 layers of at most {MAX_WIDTH:,} units each")
+    weights = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+    if weights > MAX_WEIGHTS:
+        raise ConfigError(
+            f"{key}={_short(value)} asks for {weights:,} weights between its layers; at most {MAX_WEIGHTS:,}"
+        )
     return widths
+
+
+def require_table_size(cfg: DictConfig, rows: Iterable[str], columns: str) -> None:
+    """A generated table's rows (the sum of the ``rows`` keys) x its ``columns`` key: at most
+    :data:`MAX_VALUES` numbers (keys that are absent or null are left out)."""
+    counts = [OmegaConf.select(cfg, key, default=None) for key in rows]
+    width = OmegaConf.select(cfg, columns, default=None)
+    if width is None or any(not isinstance(c, int) or isinstance(c, bool) for c in [*counts, width] if c is not None):
+        return
+    total = sum(c for c in counts if c is not None) * width
+    if total > MAX_VALUES:
+        named = " + ".join(f"{key}={c}" for key, c in zip(rows, counts) if c is not None)
+        raise ConfigError(f"({named}) x {columns}={width} is {total:,} numbers; at most {MAX_VALUES:,}: lower them")
+
+
+def refuse_huge_integers(cfg: DictConfig) -> None:
+    """Every integer of the config (not a seed) at most :data:`MAX_COUNT`: a key no check names is
+    bounded too, before any work."""
+    container = OmegaConf.to_container(cfg, resolve=False)  # an interpolation is checked where it is read
+    stack = [("", container, False)]
+    while stack:
+        key, node, in_list = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), v, False) for k, v in node.items() if k != "hydra")
+        elif isinstance(node, list):
+            stack.extend((key, v, True) for v in node)
+        elif isinstance(node, int) and not isinstance(node, bool) and abs(node) > MAX_COUNT:
+            if not key.rsplit(".", 1)[-1].endswith("seed"):
+                where = f"{key} contains {_short(node)}" if in_list else f"{key}={_short(node)}"
+                raise ConfigError(f"{where}: at most {MAX_COUNT:,} (the bound on any count or size cfbnn takes)")
 
 
 def require_present_bounds(
@@ -138,6 +186,7 @@ def validate_common(cfg: DictConfig) -> None:
             f"({max_threads()} at most); use auto or a smaller number"
         )
     require_bool(cfg, "runtime.flush_denormals")
+    refuse_huge_integers(cfg)
     if OmegaConf.select(cfg, "trainer", default=None) is not None:
         require_int(cfg, "trainer.epochs", minimum=0)
         require_int(cfg, "trainer.batch_size", minimum=1)

@@ -36,3 +36,29 @@ class NonFiniteResultError(CfbnnError):
     as failed (``status: "failed"``, no ``done``) and the command exits 1."""
 
     exit_code = 1
+
+
+# ----------------------------------------------------------------------------- bounded messages
+
+MESSAGE_LIMIT = 1000  # characters of one error line on stderr
+
+
+def clip(value, limit: int = 80) -> str:
+    """``str(value)`` on one line, cut to ``limit`` characters; a cut value names its size."""
+    text = " ".join(str(value).split())
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def listing(items, limit: int = 8, width: int = 60) -> str:
+    """``a, b, c, ...``: the first ``limit`` items (each cut to ``width``), and how many in all."""
+    items = list(items)
+    shown = ", ".join(clip(item, width) for item in items[:limit])
+    return shown + (f", ... ({len(items):,} in all)" if len(items) > limit else "")
+
+
+def one_line(message, limit: int = MESSAGE_LIMIT) -> str:
+    """An error message as one line of at most about ``limit`` characters (the CLI's every exit
+    point prints through it): line breaks become spaces, a long message is cut and names its size."""
+    return clip(message, limit)

@@ -38,7 +38,7 @@ import torch
 
 from ..runtime import distributed, metrics_sink, threads
 from ..runtime.checkpoints import load_model_weights, restore_training_state, save_training_state
-from ..runtime.errors import CheckpointError
+from ..runtime.errors import CheckpointError, clip
 from ..runtime.io import atomic_torch_save, atomic_write_text
 from ..runtime.numerics import ensure_finite
 from ..runtime.progress import progress_bar
@@ -163,11 +163,38 @@ class TrainingLoop:
                 f"epoch or epoch {state['epoch']} of {self.epochs} is malformed); delete it or start "
                 "a fresh run dir"
             )
+        problem = self._history_problem(history, int(state["epoch"]))
+        if problem is not None:
+            raise CheckpointError(
+                f"{self.last_path} does not hold this run's history ({problem}); it cannot be resumed as it "
+                "stands: delete it to train afresh, or start a fresh run dir"
+            )
         self.history, self.best, self.start_epoch = list(history), dict(best), int(state["epoch"])
         self.extra.clear()
         self.extra.update(state.get("extra", {}))
         log.info("%s: resumed from %s after epoch %d", self.label, self.last_path, self.start_epoch)
         return self.start_epoch
+
+    def _history_problem(self, history: List[dict], epoch: int) -> Optional[str]:
+        """Why ``history`` cannot be the record of epochs 1..``epoch`` this loop wrote, or ``None``:
+        one row per finished epoch, in order, each with its objective a finite number and only
+        plain values, the evaluated rows with the same fields."""
+        if len(history) != epoch:
+            return f"{len(history)} rows of history for {epoch} finished epochs"
+        evaluated = None
+        for number, row in enumerate(history, start=1):
+            if row.get("epoch") != number or isinstance(row.get("epoch"), bool):
+                return f"row {number} is epoch {clip(repr(row.get('epoch')), 40)}, not {number}"
+            value = row.get(self.objective_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                return f"epoch {number}'s {self.objective_name} is {clip(repr(value), 40)}, not a finite number"
+            if not all(isinstance(v, (int, float, str, bool, type(None))) for v in row.values()):
+                return f"epoch {number}'s row holds values that are not numbers or text"
+            if number % self.evaluate_every == 0 or number == self.epochs:
+                evaluated = set(row) if evaluated is None else evaluated
+                if set(row) != evaluated:
+                    return f"epoch {number}'s row has other fields than the other evaluated epochs'"
+        return None
 
     def _save(self, epoch: int) -> None:
         if self.last_path is None:

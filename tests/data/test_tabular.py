@@ -45,9 +45,12 @@ def test_a_text_column_is_named_with_its_row_and_data_drop_leaves_it_out(frame, 
         read_table(tmp_path / "t.csv", "y")
     assert read_table(tmp_path / "t.csv", "y", drop=["patient_id"]).columns == ["age", "bmi"]
     assert read_table(tmp_path / "t.csv", "y", features=["bmi"]).columns == ["bmi"]
-    with pytest.raises(DataError, match=r"data.features names column\(s\) \['weight'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"data.features names column\(s\) weight that the file does not have; it has patient_id, age, bmi, y",
+    ):
         read_table(tmp_path / "t.csv", "y", features=["weight"])
-    with pytest.raises(DataError, match=r"data.drop names column\(s\) \['id'\]"):
+    with pytest.raises(DataError, match=r"data.drop names column\(s\) id that"):
         read_table(tmp_path / "t.csv", "y", drop=["id"])
     with pytest.raises(ConfigError, match="not both"):
         read_table(tmp_path / "t.csv", "y", features=["bmi"], drop=["patient_id"])

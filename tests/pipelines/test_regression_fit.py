@@ -94,4 +94,6 @@ def test_fit_settings_are_checked_before_any_work(tmp_path, cfbnn):
     base = ["train", "regression", "data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target"]
     assert "fit.method='pyro' is not one of" in one_line_error(cfbnn(*base, "fit.method=pyro"))
     assert "likelihood=heteroscedastic with protocol=fit" in one_line_error(cfbnn(*base, "likelihood=heteroscedastic"))
-    assert "data.features names column(s) ['z']" in one_line_error(cfbnn(*base, "data.features=[z]"))
+    assert "data.features names column(s) z that the file does not have" in one_line_error(
+        cfbnn(*base, "data.features=[z]")
+    )

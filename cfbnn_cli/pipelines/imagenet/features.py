@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Subset
 
 from ...runtime import distributed
 from ...runtime.checkpoints import load_checkpoint
-from ...runtime.errors import CheckpointError, DataError
+from ...runtime.errors import CheckpointError, DataError, clip
 from ...runtime.io import atomic_torch_save, atomic_write_json
 from ...runtime.progress import progress_bar
 from ...runtime.safefs import output_folder
@@ -77,7 +77,10 @@ def build_backbone(name: str, weights, device) -> Tuple[Optional[nn.Module], dic
             state = torch.load(path, map_location="cpu", weights_only=True)
             model.load_state_dict(state.get("state_dict", state) if isinstance(state, dict) else state)
         except Exception as error:
-            raise DataError(f"backbone.weights={path} is not a torchvision ResNet50 state dict ({error})") from error
+            raise DataError(
+                f"backbone.weights={path} is not a torchvision ResNet50 state dict ({type(error).__name__}: "
+                f"{clip(error, 200)})"
+            ) from None
     model.fc = nn.Identity()
     model.eval().to(device)
     stat = path.stat() if path is not None else None

@@ -36,7 +36,7 @@ from ...data.images import load_image_datasets
 from ...moments import ACTIVATIONS, validate_args
 from ...run_values import RunValues, parse_run_values
 from ...runtime import distributed
-from ...runtime.checkpoints import load_checkpoint, load_model_weights
+from ...runtime.checkpoints import load_model_weights
 from ...runtime.checks import (
     require_bool,
     require_choice,
@@ -45,11 +45,11 @@ from ...runtime.checks import (
     require_present_bounds,
     require_widths,
 )
-from ...runtime.errors import CheckpointError, ConfigError, DataError
-from ...runtime.io import atomic_torch_save
+from ...runtime.errors import CheckpointError, ConfigError
 from ...runtime.seed import seed_everything
 from ...train import loop_from_config, optimizers
 from . import features as feature_cache
+from .head_file import HEAD_FILE, HEAD_FORMAT, load_saved_head, save_head  # noqa: F401 (their public home)
 from .prediction import batched, evaluate, top_k_correct
 
 log = logging.getLogger(__name__)
@@ -208,56 +208,6 @@ def load_head(cfg, data, run_dir: Path, device) -> BayesianNetwork:
         "and these features?",
     )
     return model.eval()
-
-
-HEAD_FORMAT = "cfbnn.classifier_head"
-HEAD_FILE = "head.pt"
-
-
-def save_head(run_dir: Path, model, cfg, feature_dim: int, num_classes: int, mean, std) -> Path:
-    """``head.pt``: the evaluated head's weights, the sizes and settings that rebuild it, and the
-    training features' mean and s.d. (the head sees standardized features); plain tensors and
-    numbers (``torch.load(weights_only=True)``)."""
-    record = {
-        "format": HEAD_FORMAT,
-        "version": 1,
-        "architecture": {
-            "feature_dim": int(feature_dim),
-            "hidden_sizes": [int(h) for h in cfg.model.hidden_sizes],
-            "num_classes": int(num_classes),
-            "activation": str(cfg.model.activation),
-            "prior_scale": float(cfg.model.prior_scale),
-            "init_scale": float(cfg.model.init_scale),
-            "objective": str(cfg.objective),
-        },
-        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "scaling": {"feature_mean": mean.detach().cpu().double(), "feature_std": std.detach().cpu().double()},
-        "data": str(cfg.data.name),
-        "backbone": str(cfg.backbone.name),
-    }
-    return atomic_torch_save(record, run_dir / HEAD_FILE)
-
-
-def load_saved_head(path) -> tuple:
-    """``(head in eval mode, the record without its weights)`` from :func:`save_head`'s file."""
-    record = load_checkpoint(path, what="head file")
-    if record.get("format") != HEAD_FORMAT or record.get("version") != 1:
-        raise DataError(f"{path} is not a cfbnn classifier head file (written by `cfbnn imagenet-predict`)")
-    a = record["architecture"]
-    model = bayesian_head(
-        a["feature_dim"],
-        a["hidden_sizes"],
-        a["num_classes"],
-        a["activation"],
-        a["prior_scale"],
-        a["init_scale"],
-        objective=a["objective"],
-    )
-    try:
-        model.load_state_dict(record["state_dict"])
-    except (RuntimeError, KeyError) as error:
-        raise DataError(f"{path}: the weights do not fit the recorded architecture ({error})") from None
-    return model.eval(), {k: v for k, v in record.items() if k != "state_dict"}
 
 
 # ----------------------------------------------------------------------------- run

@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from ...bnn.classification import approximate_class_probabilities
-from ...data.regression import decoded_lines, parse_numeric_rows
-from ...runtime.errors import ConfigError, DataError
+from ...data.regression import parse_numeric_rows
+from ...data.tabular import decoded_lines
+from ...runtime.errors import ConfigError, DataError, clip, listing
 from ...runtime.io import atomic_write_text, remove_stale_temporary_files
 from ...runtime.safefs import describe_file, output_error, shown_path
-from .pipeline import HEAD_FILE, load_saved_head
+from .head_file import HEAD_FILE, load_saved_head
 
 
 def read_features(path: Path, feature_dim: int) -> np.ndarray:
@@ -35,16 +36,16 @@ def read_features(path: Path, feature_dim: int) -> np.ndarray:
         try:
             array = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as error:
-            raise DataError(f"{path} is not a readable .npy array ({error})") from None
+            raise DataError(f"{path} is not a readable .npy array ({clip(error, 200)})") from None
     elif path.suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as archive:
                 names = list(archive.files)
                 if "features" not in names and len(names) != 1:
-                    raise DataError(f"{path} holds {', '.join(names)}: name the feature array `features`")
+                    raise DataError(f"{path} holds {listing(names)}: name the feature array `features`")
                 array = archive["features" if "features" in names else names[0]]
         except (OSError, ValueError) as error:
-            raise DataError(f"{path} is not a readable .npz archive ({error})") from None
+            raise DataError(f"{path} is not a readable .npz archive ({clip(error, 200)})") from None
     else:
         lines = decoded_lines(path)
         if len(lines) < 2:
@@ -56,10 +57,26 @@ def read_features(path: Path, feature_dim: int) -> np.ndarray:
             f"{path}: features of shape {tuple(array.shape)}; the head takes (N, {feature_dim}) numbers "
             "(the run's backbone's features)"
         )
+    if array.shape[0] == 0:
+        raise DataError(f"{path} holds no rows of features (shape {tuple(array.shape)}): nothing to predict")
     if not np.isfinite(array).all():
         row = int(np.argwhere(~np.isfinite(array))[0][0]) + 1
         raise DataError(f"{path}: row {row} holds a non-finite feature")
     return array.astype(np.float64)
+
+
+def _rows(mask: torch.Tensor) -> str:
+    """The 1-based numbers of the rows where ``mask`` holds, the first few and how many."""
+    rows = (torch.nonzero(mask).reshape(-1) + 1).tolist()
+    return f"{listing(rows, 5)}{f' ({len(rows):,} rows)' if len(rows) > 5 else ''}"
+
+
+def _refuse_rows(mask: torch.Tensor, path: Path, what: str) -> None:
+    if bool(mask.any()):
+        raise DataError(
+            f"{path}: row(s) {_rows(mask)} {what}: their features lie too far outside the training features' "
+            "range; check those rows (features of the run's own backbone)"
+        )
 
 
 def predict_run(run_dir, data_path, out=None, top_k: int = 5) -> Path:
@@ -73,10 +90,14 @@ def predict_run(run_dir, data_path, out=None, top_k: int = 5) -> Path:
     k = min(top_k, a["num_classes"])
     features = torch.as_tensor(read_features(data_path, a["feature_dim"]))
     scaling = info["scaling"]
-    x = ((features - scaling["feature_mean"]) / scaling["feature_std"]).float()
+    with np.errstate(over="ignore"):
+        x = ((features - scaling["feature_mean"]) / scaling["feature_std"]).float()
+    _refuse_rows(~torch.isfinite(x).all(-1), data_path, "cannot be standardized in float32")
     with torch.no_grad():
         mean, variance = model.output_moments(x, estimator="analytic", noise=())
         probabilities = approximate_class_probabilities(mean, variance)
+    finite = torch.isfinite(mean).all(-1) & torch.isfinite(variance.reshape(len(x), -1)).all(-1)
+    _refuse_rows(~(finite & torch.isfinite(probabilities).all(-1)), data_path, "give no finite class probabilities")
     top = probabilities.topk(k, dim=-1)
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
@@ -104,7 +125,7 @@ def main(argv) -> int:
     import argparse
     import sys
 
-    from ...runtime.errors import CfbnnError
+    from ...runtime.errors import CfbnnError, one_line
 
     parser = argparse.ArgumentParser(
         prog="cfbnn predict",
@@ -119,7 +140,10 @@ def main(argv) -> int:
     try:
         path = predict_run(args.run_dir, args.data, args.out, args.top_k)
     except CfbnnError as error:
-        print(f"cfbnn: error: {error}", file=sys.stderr)
+        print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
         return error.exit_code
+    except KeyboardInterrupt:  # the predictions file is written whole (atomically) or not at all
+        print("cfbnn: interrupted; no predictions were written", file=sys.stderr)
+        return 130
     print(f"cfbnn: predictions in {path}")
     return 0

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import pandas as pd
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
 from ...bnn.gradient_variance import gradient_variance
@@ -73,7 +73,13 @@ def gradient_variance_epochs(cfg) -> List[int]:
     """``gradient_variance.epochs`` with ``last`` resolved; each in 0..trainer.epochs."""
     epochs = cfg.trainer.epochs
     resolved = []
-    for value in cfg.gradient_variance.epochs or []:
+    chosen = cfg.gradient_variance.epochs
+    if chosen is not None and not isinstance(chosen, (list, ListConfig)):
+        raise ConfigError(
+            f"gradient_variance.epochs={str(chosen)[:40]!r} must be a list of epochs in 0..trainer.epochs ({epochs}) "
+            f"or 'last', e.g. gradient_variance.epochs=[{chosen if isinstance(chosen, int) else 0}]"
+        )
+    for value in chosen or []:
         epoch = epochs if value == "last" else value
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= epochs:
             raise ConfigError(

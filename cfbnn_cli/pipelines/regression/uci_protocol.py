@@ -170,10 +170,24 @@ def make_splits(num_rows: int, n_splits: int, test_fraction: float) -> List[Tupl
     return splits
 
 
-# what every finished (split, method) record holds: numbers (finite or not: a diverged fit is
-# a result), counts and flags; the summary averages these over splits, so none may be missing
+# what every finished (split, method) record holds: finite numbers in their ranges, counts and
+# flags; the summary averages these over splits, so none may be missing, NaN or out of range
+# (a record that is, was damaged: resuming from it would average the other splits only)
 _PROGRESS_NUMBERS = ("test_ll", "rmse", "train_seconds", "predict_seconds_per_1000", "noise_std")
+_NON_NEGATIVE = ("rmse", "train_seconds", "predict_seconds_per_1000", "noise_std")
 _PROGRESS_FLAGS = ("converged", "stopped_early")
+
+
+def _number_problem(value, key: str, low=-math.inf, high=math.inf) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{key} is {'missing' if value is None else repr(value)[:40]}, not a number"
+    if isinstance(value, int) and abs(value) > 1e300:
+        return f"{key} is an integer of {len(str(abs(value)))} digits, not a result"
+    if not math.isfinite(value):
+        return f"{key} is {value!r}, not a finite number"
+    if not low <= value <= high:
+        return f"{key} is {value!r:.40}, outside [{low:g}, {high:g}]"
+    return None
 
 
 def _progress_record_problem(record) -> Optional[str]:
@@ -186,13 +200,13 @@ def _progress_record_problem(record) -> Optional[str]:
     if not isinstance(method, str) or method not in METHODS:
         return f"method {method!r:.40} is not one of the protocol's methods"
     for key in _PROGRESS_NUMBERS:
-        value = record.get(key)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or (isinstance(value, int) and abs(value) > 1e300)
-        ):
-            return f"split {split} {method}: {key} is {'missing' if value is None else repr(value)[:40]}, not a number"
+        problem = _number_problem(record.get(key), key, 0.0 if key in _NON_NEGATIVE else -math.inf)
+        if problem is not None:
+            return f"split {split} {method}: {problem}"
+    for key in COVERAGE_COLUMNS:  # a share of the test rows (absent in records of older runs)
+        problem = _number_problem(record[key], key, 0.0, 1.0) if key in record else None
+        if problem is not None:
+            return f"split {split} {method}: {problem}"
     iterations = record.get("iterations")
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
         return f"split {split} {method}: iterations {iterations!r:.40} is not a count"
@@ -200,13 +214,8 @@ def _progress_record_problem(record) -> Optional[str]:
         if not isinstance(record.get(key), bool):
             return f"split {split} {method}: {key} is not true/false"
     equal = record.get("equal_time_test_ll")
-    if equal is not None and (
-        isinstance(equal, bool)
-        or not isinstance(equal, (int, float))
-        or (isinstance(equal, int) and abs(equal) > 1e300)
-    ):
-        return f"split {split} {method}: equal_time_test_ll is not a number"
-    return None
+    problem = _number_problem(equal, "equal_time_test_ll") if equal is not None else None
+    return f"split {split} {method}: {problem}" if problem is not None else None
 
 
 def read_progress(path: Path, fingerprint: str, n_splits: int, methods: List[str]) -> List[dict]:

@@ -19,7 +19,11 @@ from .uci_methods import METHODS
 
 
 def mean_and_standard_error(values: pd.Series) -> Tuple[float, Optional[float]]:
-    values = values.astype(float).dropna()
+    """Mean and s.e. over splits; a split's NaN makes both NaN (a diverged split is not left out
+    silently: the run's metric is not finite, so the run is failed)."""
+    values = values.astype(float)
+    if values.isna().any():
+        return math.nan, None
     se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None  # one split: no s.e.
     return float(values.mean()), se
 
