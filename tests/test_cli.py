@@ -307,6 +307,14 @@ def test_a_new_run_into_a_finished_runs_dir_is_refused_unless_resumed_or_overwri
         "(hydra.sweep.dir for a sweep)"
     ], text
     assert _contents(run_dir) == finished  # byte for byte, the log included
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_continued_with_resume_and_replaced_with_overwrite(tmp_path, cfbnn):
+    run_dir = tmp_path / "run"
+    args = ["train", "regression", f"hydra.run.dir={run_dir}", *TRUST_REGRESSION]
+    assert cfbnn(*args).returncode == 0
+    finished = _contents(run_dir)
     # a data error with overwrite=true: refused before any output, the finished run kept as it was
     missing = cfbnn(
         "train", "regression", f"hydra.run.dir={run_dir}", *CSV_RUN, "data=csv",
@@ -325,18 +333,21 @@ def test_a_new_run_into_a_finished_runs_dir_is_refused_unless_resumed_or_overwri
     assert (run_dir / "model.pt").read_bytes() != finished["model.pt"]
 
 
-def test_a_run_refused_before_any_output_leaves_no_dir_and_an_existing_dir_as_it_was(tmp_path, cfbnn):
+def test_a_run_refused_before_any_output_leaves_no_dir(tmp_path, cfbnn):
     refused = cfbnn("train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'deeper' / 'run'}", "estimator=foo")
     assert "estimator='foo'" in one_line_error(refused)
+    out = cfbnn(
+        "train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'missing'}", *CSV_RUN, "data=csv",
+        f"data.path={tmp_path / 'missing.csv'}", "data.target=y",
+    )  # fmt: skip
+    assert "data file not found" in one_line_error(out)
+    assert not list(tmp_path.iterdir())  # not even the folders above the run dir
+
+
+@pytest.mark.slow
+def test_a_refused_run_leaves_an_existing_dir_as_it_was_and_a_refused_sweep_no_job_dir(tmp_path, cfbnn):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,y\n1,2\nx,3\n")
-    for path, message in [(tmp_path / "missing.csv", "data file not found"), (bad, "is not a number")]:
-        out = cfbnn(
-            "train", "regression", f"hydra.run.dir={tmp_path / 'new' / path.stem}", *CSV_RUN, "data=csv",
-            f"data.path={path}", "data.target=y",
-        )  # fmt: skip
-        assert message in one_line_error(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csv"]  # not even the folders above the run dir
     # a dir that was there: what it held stays, nothing is added (no log, no lock)
     kept = tmp_path / "kept"
     kept.mkdir()
@@ -353,6 +364,7 @@ def test_a_run_refused_before_any_output_leaves_no_dir_and_an_existing_dir_as_it
     assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]
 
 
+@pytest.mark.slow
 def test_progress_bars_only_on_request_when_stderr_is_not_a_terminal(tmp_path, cfbnn):
     """CFBNN_PROGRESS=1 draws them into a file too (rate-limited); a bad value is one line."""
     args = ["train", "regression", f"hydra.run.dir={tmp_path / 'run'}", *TRUST_REGRESSION]
@@ -364,6 +376,7 @@ def test_progress_bars_only_on_request_when_stderr_is_not_a_terminal(tmp_path, c
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_the_first_kernel_build_says_what_it_does_and_how_long_it_took(tmp_path, cfbnn):
     """A fresh kernel cache: one line before the compiler runs, one after with the time it took (here
     a stand-in compiler that fails, so the torch path serves and the run finishes)."""

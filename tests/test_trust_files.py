@@ -342,6 +342,7 @@ def test_a_fifo_at_this_jobs_own_name_is_refused_not_waited_on(tmp_path):
     assert out.returncode == 0 and "REFUSED" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_a_run_with_threads_auto_finishes_despite_a_fifo_in_the_registry(tmp_path):
     cache = tmp_path / "cache"
     (cache / "jobs").mkdir(parents=True, mode=0o700)

@@ -79,6 +79,7 @@ def _new_rows(folder, name, text):
     return str(path)
 
 
+@pytest.mark.slow
 def test_predicts_bad_new_rows_are_each_one_bounded_line(model_file, tmp_path):
     cases = {
         # was: a NaN ValueError traceback from torch.distributions
@@ -163,6 +164,7 @@ def _nan_weights(state):
             value.fill_(math.nan)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_lies_is_refused_on_resume(finished_run, tmp_path):
     cases = {
         # was: "complete" with epoch-1 metrics while metrics.csv showed epoch 2

@@ -197,6 +197,7 @@ def test_a_run_dir_an_ordinary_user_cannot_write_is_one_line(tmp_path):
 
 
 @needs_root
+@pytest.mark.slow
 def test_a_folder_of_the_run_that_turns_unwritable_mid_run_is_one_line(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -207,6 +208,7 @@ def test_a_folder_of_the_run_that_turns_unwritable_mid_run_is_one_line(tmp_path)
 
 
 @needs_root
+@pytest.mark.slow
 def test_predict_into_a_read_only_run_dir_or_out_folder_is_one_line(finished_run, tmp_path):
     run, new = finished_run
     theirs = _copy(run, tmp_path / "theirs")
@@ -296,6 +298,7 @@ def test_predict_removes_the_temporary_file_a_killed_predict_left_and_only_that(
     assert not stale.exists() and all(path.read_text() == "not stale" for path in kept)
 
 
+@pytest.mark.slow
 def test_predict_after_a_kill_9_leaves_no_temporary_file_behind(finished_run, tmp_path):
     run, new = finished_run
     big = tmp_path / "big.csv"
@@ -352,6 +355,7 @@ def test_a_refused_second_writer_adds_nothing_to_the_owners_log(finished_run, tm
     assert (owned / "train_regression.log").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_fifo_a_directory_and_an_unfinished_run_are_named_as_such(finished_run, tmp_path):
     run, new = finished_run
     fifo, folder = tmp_path / "rows.csv", tmp_path / "folder.csv"

@@ -89,11 +89,21 @@ def test_above_the_full_batch_limit_it_trains_minibatches_that_fit_the_rows(tmp_
     assert np.isfinite(result["metrics"]["fit/test_ll"])
 
 
-def test_fit_settings_are_checked_before_any_work(tmp_path, cfbnn):
+def test_fit_settings_are_checked_before_any_work(tmp_path):
+    from cfbnn_cli.runtime.errors import ConfigError, DataError
+
     _table(rows=40).to_csv(tmp_path / "t.csv", index=False)
-    base = ["train", "regression", "data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target"]
-    assert "fit.method='pyro' is not one of" in one_line_error(cfbnn(*base, "fit.method=pyro"))
-    assert "likelihood=heteroscedastic with protocol=fit" in one_line_error(cfbnn(*base, "likelihood=heteroscedastic"))
-    assert "data.features names column(s) z that the file does not have" in one_line_error(
-        cfbnn(*base, "data.features=[z]")
-    )
+    base = ["data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target"]
+    with pytest.raises(ConfigError, match="fit.method='pyro' is not one of"):
+        regression.validate(compose_config("train_regression", base + ["fit.method=pyro"]))
+    with pytest.raises(ConfigError, match="likelihood=heteroscedastic with protocol=fit"):
+        regression.validate(compose_config("train_regression", base + ["likelihood=heteroscedastic"]))
+    (tmp_path / "run").mkdir()
+    with pytest.raises(DataError, match=r"data.features names column\(s\) z that the file does not have"):
+        regression.run(compose_config("train_regression", base + ["data.features=[z]"]), tmp_path / "run")
+
+
+def test_a_bad_fit_setting_is_one_line_through_the_cli(tmp_path, cfbnn):
+    _table(rows=40).to_csv(tmp_path / "t.csv", index=False)
+    out = cfbnn("train", "regression", "data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=t", "fit.rtol=-1")
+    assert "fit.rtol" in one_line_error(out)

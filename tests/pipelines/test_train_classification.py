@@ -34,6 +34,7 @@ def patients(tmp_path_factory):
     return folder, frame
 
 
+@pytest.mark.slow
 def test_a_real_table_trains_with_its_id_column_dropped_and_blank_rows_left_out(patients, cfbnn):
     folder, frame = patients
     base = ["train", "classification", "data=csv", f"data.path={folder / 'patients.csv'}", "data.target=diagnosis"]
@@ -56,6 +57,7 @@ def test_a_real_table_trains_with_its_id_column_dropped_and_blank_rows_left_out(
     assert saved.classes == ["benign", "malignant"] and "patient_id" not in saved.columns
 
 
+@pytest.mark.slow
 def test_predict_writes_labels_and_probabilities_with_the_id_kept(patients, cfbnn):
     folder, frame = patients
     run = folder / "run"
