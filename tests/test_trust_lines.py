@@ -263,6 +263,7 @@ def test_every_size_and_count_key_is_bounded_before_any_allocation(command, over
         importlib.import_module(module).validate(cfg)
 
 
+@pytest.mark.slow
 def test_a_size_key_past_its_bound_is_one_line_through_the_cli(tmp_path):
     processes = {
         o: _start("train", "regression", *SMALL, o, f"hydra.run.dir={tmp_path / str(i)}")
@@ -275,6 +276,7 @@ def test_a_size_key_past_its_bound_is_one_line_through_the_cli(tmp_path):
 # ----------------------------------------------------------------------------- Hydra's errors
 
 
+@pytest.mark.slow
 def test_hydra_and_omegaconf_errors_are_one_bounded_line(tmp_path):
     cases = {
         "data=nope": "Could not find 'data/nope'",  # was 16 lines: the options and the search path
@@ -405,6 +407,7 @@ def test_ctrl_c_in_predict_is_one_line_and_exit_130(model_file, tmp_path, monkey
     assert not (tmp_path / "p.csv").exists() and not list(tmp_path.glob(".p.csv*"))
 
 
+@pytest.mark.slow
 def test_a_long_data_error_is_cut_at_the_cli(tmp_path):
     header = ",".join(f"column_{i}" for i in range(20000))
     (tmp_path / "t.csv").write_text(header + "\n" + ",".join("1" for _ in range(20000)) + "\n")

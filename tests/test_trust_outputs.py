@@ -77,6 +77,7 @@ def _nobodys_folder(path):
 # ----------------------------------------------------------------------------- 2. no folder written through a symlink
 
 
+@pytest.mark.slow
 def test_a_symlinked_tensorboard_folder_is_refused_and_its_target_untouched(tmp_path):
     pytest.importorskip("torch.utils.tensorboard")
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
@@ -127,6 +128,7 @@ def test_a_symlink_at_a_file_written_whole_is_refused(tmp_path):
 # ----------------------------------------------------------------------------- 3. no write through a hard link
 
 
+@pytest.mark.slow
 def test_a_run_dir_copied_with_cp_al_and_reused_leaves_the_originals_log_and_lock_alone(finished_run, tmp_path):
     run, _ = finished_run
     original = _copy(run, tmp_path / "original")
@@ -226,6 +228,7 @@ def test_predict_into_a_read_only_run_dir_or_out_folder_is_one_line(finished_run
 
 
 @pytest.mark.parametrize("where", ["/proc/self/x", f"/tmp/{'b' * 300}/p.csv"], ids=["proc", "long_name"])
+@pytest.mark.slow
 def test_predict_and_report_outputs_that_cannot_be_made_are_one_line(finished_run, where):
     run, new = finished_run
     line = error_line(cfbnn("predict", str(run), str(new), "--out", where))
@@ -266,6 +269,7 @@ def test_a_bare_cfbnn_prints_its_usage_on_stderr_and_exits_2():
     assert "usage: cfbnn" in out.stderr
 
 
+@pytest.mark.slow
 def test_predict_over_a_0600_file_keeps_its_mode(finished_run, tmp_path):
     run, new = finished_run
     target = tmp_path / "private.csv"
@@ -276,6 +280,7 @@ def test_predict_over_a_0600_file_keeps_its_mode(finished_run, tmp_path):
     assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.read_text().startswith("row,")
 
 
+@pytest.mark.slow
 def test_predict_removes_the_temporary_file_a_killed_predict_left_and_only_that(finished_run, tmp_path):
     run, new = finished_run
     out_path = tmp_path / "predictions.csv"
@@ -329,6 +334,7 @@ def test_predict_after_a_kill_9_leaves_no_temporary_file_behind(finished_run, tm
     assert not list(tmp_path.glob(".predictions.csv.cfbnn-*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_refused_second_writer_adds_nothing_to_the_owners_log(finished_run, tmp_path):
     run, _ = finished_run
     owned = _copy(run, tmp_path / "owned")

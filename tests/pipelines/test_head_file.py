@@ -137,6 +137,7 @@ def test_head_file_reader_fuzz(tmp_path):
         assert torch.isfinite(mean).all(), trial
 
 
+@pytest.mark.slow
 def test_predict_refuses_features_that_give_no_finite_probabilities_naming_the_rows(tmp_path, cfbnn):
     folder = _run_dir(tmp_path)
     x = np.random.default_rng(0).normal(size=(4, FEATURES))
