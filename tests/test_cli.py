@@ -291,6 +291,26 @@ def _contents(folder: Path) -> dict:
 
 
 def test_a_new_run_into_a_finished_runs_dir_is_refused_unless_resumed_or_overwritten(tmp_path, cfbnn):
+    """A dir holding a finished run's records (made by hand here; the slow test below trains one) is
+    refused, one line naming both ways out, and nothing in it changes."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".cfbnn").mkdir(parents=True)
+    (run_dir / "results.json").write_text('{"status": "complete"}')
+    (run_dir / "done").write_text("")
+    (run_dir / "model.pt").write_bytes(b"the finished run's model")
+    finished = _contents(run_dir)
+    refused = cfbnn("train", "regression", f"hydra.run.dir={run_dir}", *TRUST_REGRESSION)
+    text = one_line_error(refused)
+    assert refused.stderr.strip().splitlines() == [
+        f"cfbnn: error: {run_dir} holds a finished run (done, results.json); add resume=true to continue it (a "
+        "finished job is skipped) or overwrite=true to replace its outputs, or choose another hydra.run.dir "
+        "(hydra.sweep.dir for a sweep)"
+    ], text
+    assert _contents(run_dir) == finished  # byte for byte
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_continued_with_resume_and_replaced_with_overwrite(tmp_path, cfbnn):
     run_dir = tmp_path / "run"
     args = ["train", "regression", f"hydra.run.dir={run_dir}", *TRUST_REGRESSION]
     first = cfbnn(*args)
@@ -299,22 +319,7 @@ def test_a_new_run_into_a_finished_runs_dir_is_refused_unless_resumed_or_overwri
     assert "\r" not in first.stderr and "it/s" not in first.stderr, first.stderr[-2000:]
     finished = _contents(run_dir)
     assert "done" in finished and "model.pt" in finished
-    refused = cfbnn(*args, "seed=1")
-    text = one_line_error(refused)
-    assert refused.stderr.strip().splitlines() == [
-        f"cfbnn: error: {run_dir} holds a finished run (done, results.json); add resume=true to continue it (a "
-        "finished job is skipped) or overwrite=true to replace its outputs, or choose another hydra.run.dir "
-        "(hydra.sweep.dir for a sweep)"
-    ], text
-    assert _contents(run_dir) == finished  # byte for byte, the log included
-
-
-@pytest.mark.slow
-def test_a_finished_run_is_continued_with_resume_and_replaced_with_overwrite(tmp_path, cfbnn):
-    run_dir = tmp_path / "run"
-    args = ["train", "regression", f"hydra.run.dir={run_dir}", *TRUST_REGRESSION]
-    assert cfbnn(*args).returncode == 0
-    finished = _contents(run_dir)
+    assert "holds a finished run" in one_line_error(cfbnn(*args, "seed=1")) and _contents(run_dir) == finished
     # a data error with overwrite=true: refused before any output, the finished run kept as it was
     missing = cfbnn(
         "train", "regression", f"hydra.run.dir={run_dir}", *CSV_RUN, "data=csv",

@@ -52,7 +52,7 @@ def _monte_carlo_loss(model, guide, *args, batches=40, particles=500):
     [
         ("diagonal", "diagonal", True, None),  # the defaults
         ("diagonal", "diagonal", False, None),  # a fixed precision
-        ("full", "full", True, None),
+        pytest.param("full", "full", True, None, marks=pytest.mark.slow),
         ("full", "diagonal", True, None),
         ("diagonal", "diagonal", True, 200),  # a minibatch of a larger data set
     ],
@@ -110,7 +110,7 @@ def test_svi_runs_with_both_losses_and_closed_form_has_no_noise():
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
 
 
-@pytest.mark.parametrize("start", [1.0, 100.0])
+@pytest.mark.parametrize("start", [pytest.param(1.0, marks=pytest.mark.slow), 100.0])
 def test_the_learned_precision_moves_to_the_data_noise(start):
     """y = sin(x) + noise of s.d. 0.5 (precision 4): from 1 or from 100 (far too sure), SVI with
     the closed form brings the precision near 4."""
