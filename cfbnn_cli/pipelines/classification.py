@@ -49,9 +49,15 @@ from ..report.metric_keys import fit_key
 from ..report.numbers import format_value
 from ..report.tables import write_table
 from ..run_values import RunValues, parse_run_values
-from ..runtime.checks import require_bool, require_choice, require_int, require_positive_float, require_widths
+from ..runtime.checks import (
+    require_bool,
+    require_choice,
+    require_fraction,
+    require_int,
+    require_positive_float,
+    require_widths,
+)
 from ..runtime.device import synchronize
-from ..runtime.errors import ConfigError
 from ..runtime.progress import progress_bar
 from ..train import TrainingLoop, optimizers
 from ..train.full_batch import minimize_full_batch
@@ -64,9 +70,7 @@ def validate(cfg: DictConfig) -> None:
     require_choice(cfg, "data.name", list(CLASSIFICATION_DATA))
     if OmegaConf.select(cfg, "data.missing", default=None) is not None:
         require_choice(cfg, "data.missing", list(MISSING_POLICIES))
-    fraction = OmegaConf.select(cfg, "data.test_fraction", default=None)
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        raise ConfigError(f"data.test_fraction={fraction!r} must be a number in (0, 1): the held-out share (e.g. 0.1)")
+    require_fraction(cfg, "data.test_fraction", 1.0, "the held-out share (e.g. 0.1)")
     require_int(cfg, "data.seed", minimum=0)
     require_widths(cfg, "model.hidden_sizes", example="[50]")
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
@@ -77,12 +81,12 @@ def validate(cfg: DictConfig) -> None:
     for key in ("full_batch_max_rows", "max_iterations", "evaluate_every", "patience"):
         require_int(cfg, f"fit.{key}", minimum=1)
     require_positive_float(cfg, "fit.rtol")
-    validation = OmegaConf.select(cfg, "fit.validation_fraction")
-    if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
-        raise ConfigError(
-            f"fit.validation_fraction={validation!r} must be a number in (0, 0.5): the share of the training rows "
-            "that decides when minibatch training stops (e.g. 0.1)"
-        )
+    require_fraction(
+        cfg,
+        "fit.validation_fraction",
+        0.5,
+        "the share of the training rows that decides when minibatch training stops (e.g. 0.1)",
+    )
     require_int(cfg, "trainer.epochs", minimum=1)
 
 

@@ -150,6 +150,14 @@ def require_positive_float(cfg: DictConfig, key: str) -> float:
     return float(value)
 
 
+def require_fraction(cfg: DictConfig, key: str, upper: float, meaning: str) -> float:
+    """A number strictly between 0 and ``upper``; the error says what the share is for (``meaning``)."""
+    value = _get(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < upper:
+        raise ConfigError(f"{key}={_short(value)} must be a number in (0, {upper:g}): {meaning}")
+    return float(value)
+
+
 def require_bool(cfg: DictConfig, key: str) -> bool:
     value = _get(cfg, key)
     if not isinstance(value, bool):

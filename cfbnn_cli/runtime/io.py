@@ -64,31 +64,15 @@ def _temporary_for(path: Path):
     return fd, tmp
 
 
-def atomic_write_bytes(path, data: bytes) -> Path:
-    path = Path(path)
-    fd, tmp = _temporary_for(path)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 @contextlib.contextmanager
-def atomic_text_writer(path) -> Iterator[TextIO]:
-    """A text handle whose contents become ``path`` only when the block ends without an
-    error (a file written in parts, e.g. a prediction streamed chunk by chunk); otherwise
+def _atomic_replacement(path, **open_options) -> Iterator:
+    """A handle on a locked temporary file beside ``path`` (``open_options`` as ``os.fdopen``'s)
+    that becomes ``path`` by ``os.replace`` when the block ends without an error; otherwise
     ``path`` is as it was and the temporary file is gone."""
     path = Path(path)
     fd, tmp = _temporary_for(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+        with os.fdopen(fd, **open_options) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
@@ -97,6 +81,19 @@ def atomic_text_writer(path) -> Iterator[TextIO]:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path, data: bytes) -> Path:
+    with _atomic_replacement(path, mode="wb") as handle:
+        handle.write(data)
+    return Path(path)
+
+
+def atomic_text_writer(path) -> "contextlib.AbstractContextManager[TextIO]":
+    """A text handle whose contents become ``path`` only when the block ends without an
+    error (a file written in parts, e.g. a prediction streamed chunk by chunk); otherwise
+    ``path`` is as it was and the temporary file is gone."""
+    return _atomic_replacement(path, mode="w", encoding="utf-8", newline="")
 
 
 def atomic_write_text(path, text: str) -> Path:

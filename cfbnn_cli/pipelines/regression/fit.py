@@ -40,7 +40,14 @@ from ...report.metric_keys import fit_key
 from ...report.numbers import format_value
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
-from ...runtime.checks import require_bool, require_choice, require_int, require_positive_float, require_widths
+from ...runtime.checks import (
+    require_bool,
+    require_choice,
+    require_fraction,
+    require_int,
+    require_positive_float,
+    require_widths,
+)
 from ...runtime.device import synchronize
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
@@ -61,12 +68,12 @@ def validate(cfg: DictConfig) -> str:
     require_int(cfg, "fit.evaluate_every", minimum=1)
     require_int(cfg, "fit.patience", minimum=1)
     require_positive_float(cfg, "fit.rtol")
-    validation = OmegaConf.select(cfg, "fit.validation_fraction")
-    if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
-        raise ConfigError(
-            f"fit.validation_fraction={validation!r} must be a number in (0, 0.5): the share of the training rows "
-            "that decides when minibatch training stops (e.g. 0.1)"
-        )
+    require_fraction(
+        cfg,
+        "fit.validation_fraction",
+        0.5,
+        "the share of the training rows that decides when minibatch training stops (e.g. 0.1)",
+    )
     require_widths(cfg, "fit.deep_hidden_sizes", minimum_length=2, example="[50,50]")
     require_widths(cfg, "model.hidden_sizes", example="[50]")
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
@@ -83,9 +90,7 @@ def validate(cfg: DictConfig) -> str:
             "experiment=uci 'uci.methods=[heteroscedastic]' measures the heteroscedastic one"
         )
     validate_data_config(cfg)
-    fraction = OmegaConf.select(cfg, "data.test_fraction", default=None)
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        raise ConfigError(f"data.test_fraction={fraction!r} must be a number in (0, 1): the held-out share (e.g. 0.1)")
+    require_fraction(cfg, "data.test_fraction", 1.0, "the held-out share (e.g. 0.1)")
     return method
 
 

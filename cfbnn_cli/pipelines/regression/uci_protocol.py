@@ -78,7 +78,7 @@ from ...moments import ACTIVATIONS, validate_args
 from ...report.metric_keys import uci_key
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
-from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
+from ...runtime.checks import require_choice, require_fraction, require_int, require_positive_float, require_widths
 from ...runtime.device import synchronize
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
@@ -112,12 +112,12 @@ def validate(cfg: DictConfig) -> List[str]:
     require_choice(cfg, "model.prior", list(PRIORS))
     # the deterministic methods' hidden layers
     require_widths(cfg, "uci.deep_hidden_sizes", minimum_length=2, example="[50,50]")
-    validation = OmegaConf.select(cfg, "uci.validation_fraction")
-    if isinstance(validation, bool) or not isinstance(validation, (int, float)) or not 0 < validation < 0.5:
-        raise ConfigError(
-            f"uci.validation_fraction={validation!r} must be a number in (0, 0.5): the share of each "
-            "split's training rows that decides when the minibatch methods stop (e.g. 0.1)"
-        )
+    require_fraction(
+        cfg,
+        "uci.validation_fraction",
+        0.5,
+        "the share of each split's training rows that decides when the minibatch methods stop (e.g. 0.1)",
+    )
     require_int(cfg, "model.rank", minimum=1)
     require_positive_float(cfg, "model.init_scale")
     require_positive_float(cfg, "uci.sampling_init_scale")
