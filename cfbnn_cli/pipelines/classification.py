@@ -60,6 +60,7 @@ from ..runtime.checks import (
 from ..runtime.device import synchronize
 from ..runtime.progress import progress_bar
 from ..train import TrainingLoop, optimizers
+from ..train.fit_settings import validate_fit_settings
 from ..train.full_batch import minimize_full_batch
 
 log = logging.getLogger(__name__)
@@ -76,17 +77,8 @@ def validate(cfg: DictConfig) -> None:
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_positive_float(cfg, "model.init_scale")
     require_positive_float(cfg, "model.prior_scale")
-    for key in ("refit", "baseline"):
-        require_bool(cfg, f"fit.{key}")
-    for key in ("full_batch_max_rows", "max_iterations", "evaluate_every", "patience"):
-        require_int(cfg, f"fit.{key}", minimum=1)
-    require_positive_float(cfg, "fit.rtol")
-    require_fraction(
-        cfg,
-        "fit.validation_fraction",
-        0.5,
-        "the share of the training rows that decides when minibatch training stops (e.g. 0.1)",
-    )
+    validate_fit_settings(cfg)
+    require_bool(cfg, "fit.baseline")
     require_int(cfg, "trainer.epochs", minimum=1)
 
 

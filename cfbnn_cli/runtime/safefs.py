@@ -369,7 +369,11 @@ def private_directory(path: PathLike) -> Path:
 
 def owned_regular_file(path: PathLike) -> os.stat_result:
     """``lstat`` of ``path`` after checking it is a regular file of this user that nobody else may write."""
-    info = os.lstat(path)
+    return _private_regular(path, os.lstat(path))
+
+
+def _private_regular(path: PathLike, info: os.stat_result) -> os.stat_result:
+    """``info`` (of ``path``) after checking it is a regular file of this user that nobody else may write."""
     if not stat.S_ISREG(info.st_mode):
         raise UnsafePathError(f"{path} is not a regular file")
     if info.st_uid != _this_user():
@@ -397,13 +401,7 @@ def read_private_file(path: PathLike, limit: int) -> bytes:
             raise UnsafePathError(f"{path} is not a regular file") from None
         raise
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsafePathError(f"{path} is not a regular file")
-        if info.st_uid != _this_user():
-            raise UnsafePathError(f"{path} is owned by uid {info.st_uid}, not by you (uid {_this_user()})")
-        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise UnsafePathError(f"{path} is writable by other users")
+        info = _private_regular(path, os.fstat(fd))  # the open file's, not the name's
         if info.st_size > limit:
             raise UnsafePathError(f"{path} is {info.st_size} bytes, more than the {limit} expected")
         chunks, size = [], 0

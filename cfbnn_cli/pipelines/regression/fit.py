@@ -41,7 +41,6 @@ from ...report.numbers import format_value
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
 from ...runtime.checks import (
-    require_bool,
     require_choice,
     require_fraction,
     require_int,
@@ -52,6 +51,7 @@ from ...runtime.device import synchronize
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.progress import progress_bar
+from ...train.fit_settings import validate_fit_settings
 from .model_file import save_regression_model
 from .uci_methods import Fitted, Split, fit_method, quiet, test_metrics
 
@@ -62,18 +62,7 @@ METHODS = ("closed_form_diagonal", "closed_form_full", "closed_form_lowrank", "d
 def validate(cfg: DictConfig) -> str:
     """Every check that needs no data; returns the method."""
     method = require_choice(cfg, "fit.method", list(METHODS))
-    require_bool(cfg, "fit.refit")
-    require_int(cfg, "fit.full_batch_max_rows", minimum=1)
-    require_int(cfg, "fit.max_iterations", minimum=1)
-    require_int(cfg, "fit.evaluate_every", minimum=1)
-    require_int(cfg, "fit.patience", minimum=1)
-    require_positive_float(cfg, "fit.rtol")
-    require_fraction(
-        cfg,
-        "fit.validation_fraction",
-        0.5,
-        "the share of the training rows that decides when minibatch training stops (e.g. 0.1)",
-    )
+    validate_fit_settings(cfg)
     require_widths(cfg, "fit.deep_hidden_sizes", minimum_length=2, example="[50,50]")
     require_widths(cfg, "model.hidden_sizes", example="[50]")
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
