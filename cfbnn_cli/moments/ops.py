@@ -602,13 +602,24 @@ def device_kernels(enabled: bool = True):
         set_device_kernels(previous)
 
 
+# the device types whose cfbnn:: operators run the Triton kernels: CUDA; the CPU as well inside
+# :func:`cfbnn_cli.moments.cuda_twin.cuda_twin` (the CUDA route on the CPU, for the tests)
+TRITON_DEVICE_TYPES = {"cuda"}
+
+
+def triton_device(device: torch.device) -> bool:
+    """Whether the ``cfbnn::`` operators take their Triton kernels on ``device`` (CUDA; see
+    :data:`TRITON_DEVICE_TYPES`): every route decision asks this, not the device type."""
+    return device.type in TRITON_DEVICE_TYPES
+
+
 def device_kernels_apply(mean: Tensor) -> bool:
     """Whether ``cfbnn::relu_moments`` has a compiled kernel for ``mean`` off the CPU (Triton on
     CUDA), the route is on, and the kernels' first run on that device and dtype succeeded."""
     return (
         _DEVICE_KERNELS["enabled"]
         and HAVE_TRITON
-        and mean.is_cuda
+        and triton_device(mean.device)
         and mean.dtype in _FLOATS
         and first_use_check("the Triton kernels of the cfbnn:: operators", mean.device, mean.dtype, _self_check)
     )
@@ -620,9 +631,9 @@ def operator_route(mean: Tensor) -> bool:
     (:func:`cfbnn_cli.moments.fast.usable`) and registered the operators' CPU kernels and their C++
     autograd (a library whose operators' unit did not build has not: the activations then call
     its kernels directly)."""
-    if mean.device.type == "cpu":
-        return fast.usable(mean) and fast.cpu_operators_registered()
-    return device_kernels_apply(mean)
+    if triton_device(mean.device):
+        return device_kernels_apply(mean)
+    return fast.usable(mean) and fast.cpu_operators_registered()  # (the CPU only)
 
 
 def checked_operator_route(mean: Tensor, what: str, check: Callable) -> bool:
@@ -630,7 +641,7 @@ def checked_operator_route(mean: Tensor, what: str, check: Callable) -> bool:
     their own on CUDA (``check(device, dtype)``, :func:`moments_kernels_check`)."""
     if not operator_route(mean):
         return False
-    return mean.device.type == "cpu" or first_use_check(what, mean.device, mean.dtype, check)
+    return not triton_device(mean.device) or first_use_check(what, mean.device, mean.dtype, check)
 
 
 def moments_kernels_check(forward: Callable, backward: Callable, *parameters) -> Callable:
@@ -675,7 +686,11 @@ def first_use_check(what: str, device: torch.device, dtype: torch.dtype, check: 
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return False  # nothing is tried inside a capture or a trace (the eager call before decides)
         try:
-            check(device, dtype)
+            # The first use may come inside torch.func transforms (the gradient draws'
+            # vmap(grad(...))), where even the check's fresh tensors would be functorch wrappers
+            # without storage, which no kernel launch can read: the check runs outside them.
+            with torch._C._DisableFuncTorch():
+                check(device, dtype)
             FIRST_USE[key] = True
         except Exception as error:  # noqa: BLE001 - any failure means: take the other route
             FIRST_USE[key] = False

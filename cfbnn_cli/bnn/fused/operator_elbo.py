@@ -67,7 +67,7 @@ def relu_operators_apply(*tensors: torch.Tensor, family=RELU) -> bool:
     first = tensors[0]
     if transforms_active() or any(t.device != first.device or t.dtype != first.dtype for t in tensors):
         return False
-    if first.device.type == "cpu":
+    if first.device.type == "cpu" and not ops.triton_device(first.device):
         return (
             first.dtype in _FLOATS
             and fast.fast_path_enabled()

@@ -1,0 +1,250 @@
+"""The network's CUDA route on the CPU (:func:`cfbnn_cli.moments.cuda_twin.cuda_twin`): every
+route decision a CUDA tensor takes, the dispatcher running each ``cfbnn::`` operator's CUDA kernel
+-- the Triton kernels, under Triton's interpreter -- against the reference torch path in float64:
+the closed-form ELBO and its gradients (one hidden layer, two with the first sampled, two
+propagated), ``vmap`` over draws as the gradient-variance measurement takes them (Table 1), the
+predictive moments, one Adam step, and NaN propagation through the moments (the hard sigmoid's
+too: on CUDA its reference ops). ``TRITON_INTERPRET=1`` must be set before Triton is imported, so
+the checks run in a subprocess (as tests/moments/triton_check.py's do).
+
+What the twin cannot show -- compilation for a GPU, streams, CUDA graphs, the GPU's arithmetic --
+is tests/test_cuda.py's, on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.func import grad, vmap
+
+from cfbnn_cli.moments import ops
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHECKS = r"""
+import contextlib, copy, json, sys, torch
+from torch.func import functional_call, grad, vmap
+from autograd_nodes import node_names
+from cfbnn_cli.bnn import BayesianNetwork
+from cfbnn_cli.bnn.gradient_variance import gradient_variance
+from cfbnn_cli.bnn.likelihoods import NormalLikelihood
+from cfbnn_cli.moments import fast, fast_path, get_activation, ops
+from cfbnn_cli.moments.cuda_twin import cuda_twin
+from cfbnn_cli.train.optimizers import adam
+
+WIDTH, ROWS = (int(n) for n in sys.argv[1:3])  # the last hidden layer's width, the batch's rows
+DTYPES = (torch.float64, torch.float32)
+
+def scaled(got, want):
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30))
+
+def network(hidden, dtype, activation="relu", **params):
+    torch.manual_seed(0)
+    net = BayesianNetwork(
+        4, hidden, likelihood=NormalLikelihood(2.0, True), prior_scale=0.9,
+        activation=get_activation(activation, **params),
+    )
+    with torch.no_grad():  # means and spreads that reach the moments' tails
+        for layer in net.layers:
+            layer.loc.normal_(0.0, 1.0)
+            layer.log_scale.uniform_(-4.0, 0.5)
+    return net.to(dtype)
+
+def data(dtype):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(ROWS, 4, generator=g, dtype=dtype) * 2, torch.randn(ROWS, generator=g, dtype=dtype)
+
+def reference(net):  # the reference torch path in float64 (no kernels at all)
+    return copy.deepcopy(net).double()
+
+def draws(net, x, y, noise):  # the per-draw gradients as gradient_variance takes them
+    params = {name: p.detach() for name, p in net.named_parameters()}
+    def negative_elbo(p, draw):
+        return -functional_call(net, p, (x, y), {"estimator": "analytic", "noise": draw})
+    return vmap(grad(negative_elbo), in_dims=(None, 0))(params, noise)
+
+def vmap_cases():
+    # first, before anything else has used the kernels: their first-use checks then run inside
+    # vmap(grad(...)), as a gradient-variance measurement's first chunk runs them on a GPU
+    out = {}
+    for activation, params in (("relu", {}), ("leaky_relu", {"negative_slope": -0.5}), ("relu_squared", {})):
+        for dtype in DTYPES:
+            net, (x, y) = network([6, WIDTH], dtype, activation, **params), data(dtype)
+            noise = net.sample_noise(ROWS, generator=torch.Generator().manual_seed(2), num_samples=3)
+            got = draws(net, x, y, noise)
+            with twin_off():
+                want = draws(reference(net), x.double(), y.double(), tuple(n.double() for n in noise))
+            out[f"vmap_{activation}_{dtype}"] = max(scaled(got[k], want[k]) for k in want)
+    net, (x, y) = network([6, WIDTH], torch.float64), data(torch.float64)
+    options = dict(estimator="analytic", num_samples=6, chunk_size=3, cuda_graphs=False)
+    got = gradient_variance(net, x, y, 100, generator=torch.Generator().manual_seed(3), **options)
+    with twin_off():
+        want = gradient_variance(reference(net), x, y, 100, generator=torch.Generator().manual_seed(3), **options)
+    out["gradient_variance"] = max(abs(got[k] - want[k]) / max(abs(want[k]), 1e-30) for k in want)
+    return out
+
+ROUTES = {"one": "NormalELBOBackward", "analytic": "NormalELLBackward", "deterministic": "DeepNormalELBOBackward"}
+
+def elbo_cases():
+    out = {}
+    cases = [([WIDTH], "analytic", "relu"), ([6, WIDTH], "analytic", "relu"), ([6, WIDTH], "deterministic", "relu")]
+    cases += [([6, WIDTH], "deterministic", "leaky_relu"), ([WIDTH], "analytic", "relu_squared")]
+    for hidden, estimator, activation in cases:
+        params = {"negative_slope": -0.5} if activation == "leaky_relu" else {}
+        for dtype in DTYPES:
+            net, (x, y) = network(hidden, dtype, activation, **params), data(dtype)
+            noise = net.sample_noise(ROWS, estimator=estimator, generator=torch.Generator().manual_seed(4))
+            value = net.elbo(x, y, num_data=100, noise=noise or None, estimator=estimator)
+            grads = torch.autograd.grad(value, list(net.parameters()))
+            base = reference(net)
+            with twin_off():
+                noise64 = tuple(n.double() for n in noise) or None
+                want = base.elbo(x.double(), y.double(), num_data=100, noise=noise64, estimator=estimator)
+            want_grads = torch.autograd.grad(want, list(base.parameters()))
+            route = ROUTES["one" if len(hidden) == 1 else estimator] in node_names(value)
+            out[f"elbo_{len(hidden)}_{estimator}_{activation}_{dtype}"] = {
+                "value": scaled(value.detach(), want.detach()),
+                "grads": max(scaled(g, w) for g, w in zip(grads, want_grads)),
+                "route": route,
+            }
+    return out
+
+def prediction_cases():
+    # the moments propagated through two hidden layers; the exact mean of one (cfbnn::relu_mean)
+    out = {}
+    for dtype in DTYPES:
+        deep, shallow, (x, _) = network([6, WIDTH], dtype), network([WIDTH], dtype), data(dtype)
+        with torch.no_grad():
+            got = [*deep.output_moments(x, estimator="deterministic"), shallow.output_mean(x)]
+            predictive = deep.predict(x, estimator="deterministic")
+            got += [predictive.mean, predictive.variance]
+            with twin_off():
+                deep, shallow, x = reference(deep), reference(shallow), x.double()
+                want = [*deep.output_moments(x, estimator="deterministic"), shallow.output_mean(x)]
+                predictive = deep.predict(x, estimator="deterministic")
+                want += [predictive.mean, predictive.variance]
+        out[f"prediction_{dtype}"] = max(scaled(g, w) for g, w in zip(got, want))
+    return out
+
+def adam_cases():
+    out = {}
+    for dtype in DTYPES:
+        net, (x, y) = network([WIDTH], dtype), data(dtype)
+        nets = [net, reference(net)]
+        for index, model in enumerate(nets):
+            with twin_off() if index else contextlib.nullcontext():
+                optimizer = adam(model.parameters(), lr=0.05)
+                xs, ys = (x, y) if index == 0 else (x.double(), y.double())
+                (-model.elbo(xs, ys, num_data=100)).backward()
+                optimizer.step()
+        out[f"adam_{dtype}"] = max(scaled(a.detach(), b.detach()) for a, b in zip(*(m.parameters() for m in nets)))
+    return out
+
+def nan_cases():
+    # each NaN input gives NaN moments where CUDA's route runs: the Triton kernels for the ReLU
+    # family, the reference ops for the hard sigmoid (a NaN std once read as std 0 there: Phi = 1)
+    out = {}
+    for name in ("relu", "leaky_relu", "relu_squared", "hard_sigmoid"):
+        activation = get_activation(name)
+        for dtype in DTYPES:
+            g = torch.Generator().manual_seed(0)
+            mean = torch.randn(6, 40, generator=g, dtype=dtype) * 3
+            std = torch.rand(6, 40, generator=g, dtype=dtype) + 0.1
+            mean[1, 3], std[4, 7] = float("nan"), float("nan")
+            mean[5, 0], std[5, 0] = 10.0, float("nan")  # a NaN std with a finite mean far right
+            bad = mean.isnan() | std.isnan()
+            clean = activation.moments(mean.masked_fill(bad, 0.0), std.masked_fill(bad, 1.0), return_variance=True)
+            nan_kept = exact_elsewhere = True
+            for grad_mode in (True, False):
+                with torch.set_grad_enabled(grad_mode):
+                    outputs = [*activation.moments(mean, std, return_variance=True), activation.mean(mean, std)]
+                for value, want in zip(outputs, (*clean, clean[0])):
+                    nan_kept &= bool(value[bad].isnan().all())
+                    exact_elsewhere &= torch.equal(value[~bad], want[~bad])
+            out[f"nan_{name}_{dtype}"] = {"nan": nan_kept, "exact": exact_elsewhere}
+    return out
+
+@contextlib.contextmanager
+def twin_off():  # the reference path: the twin's kernels and the C++ path both off
+    with ops.device_kernels(False), fast_path(False):
+        yield
+
+with cuda_twin() as calls:
+    out = vmap_cases()
+    out["vmap_calls"] = dict(calls)
+    out.update(elbo_cases())
+    out.update(prediction_cases())
+    out.update(adam_cases())
+    out.update(nan_cases())
+    out["first_use"] = {what: passed for (what, device, dtype), passed in ops.FIRST_USE.items()}
+out["calls"] = dict(calls)
+out["cpp_library_loaded"] = fast.cpu_operators_registered()
+print("RESULT", json.dumps(out))
+"""
+
+
+def _run(width: int, rows: int) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    paths = [str(REPO), str(REPO / "tests" / "bnn"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    command = [sys.executable, "-c", CHECKS, str(width), str(rows)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def _assert_the_twin_matches(out: dict) -> None:
+    assert not out.pop("cpp_library_loaded")  # the CPU's own kernels never stood in
+    first_use = out.pop("first_use")
+    assert first_use and all(first_use.values()), first_use  # every first-use check passed
+    vmap_calls = out.pop("vmap_calls")
+    for family in ("relu", "leaky_relu", "relu_squared"):  # vmap reached the kernels both ways
+        assert vmap_calls.get(f"{family}_moments", 0) > 0 and vmap_calls.get(f"{family}_moments_backward", 0) > 0
+    calls = out.pop("calls")
+    steps = {"augment_pair", "diagonal_kl_pass", "normal_elbo_rows", "normal_rows_backward", "relu_tail"}
+    steps |= {"relu_tail_backward", "output_layer_gradients", "finish_diagonal_gradients", "relu_mean"}
+    steps |= {"relu_moments_from_variance", "relu_moments_from_variance_backward"}
+    assert steps <= set(calls), sorted(steps - set(calls))
+    for case, error in out.items():
+        tolerance = 1e-10 if "float64" in case else 2e-5
+        if case.startswith("elbo_"):
+            assert error["route"], (case, "the operators' route was not taken")
+            assert error["value"] < tolerance and error["grads"] < tolerance, (case, error)
+        elif case.startswith("nan_"):
+            assert error["nan"] and error["exact"], (case, error)
+        elif case == "gradient_variance":
+            assert error < 1e-8, error  # (a variance of per-draw gradients: their errors, squared)
+        else:
+            assert error < tolerance, (case, error)
+
+
+def test_the_cuda_route_on_the_cpu_matches_the_reference_path():
+    _assert_the_twin_matches(_run(width=40, rows=21))
+
+
+@pytest.mark.slow
+def test_the_cuda_route_on_the_cpu_matches_the_reference_path_past_one_block():
+    """Widths and rows past one Triton block each way (the partial blocks too)."""
+    _assert_the_twin_matches(_run(width=150, rows=37))
+
+
+def test_a_first_use_check_inside_vmap_of_grad_runs_on_plain_tensors(monkeypatch):
+    """The gradient draws' first use of the kernels comes inside ``vmap(grad(...))``: the check's
+    own tensors must still have storage for a kernel launch to read (inside the transforms they
+    would be functorch wrappers, the check would fail, and the reference route would serve the
+    device from then on)."""
+    monkeypatch.setattr(ops, "FIRST_USE", {})
+
+    def launch_like(device, dtype):
+        torch.linspace(-1.0, 1.0, 4, dtype=dtype, device=device).data_ptr()  # what a launch reads
+
+    def loss(x):
+        assert ops.first_use_check("a launch's pointer", x.device, x.dtype, launch_like)
+        return x.square().sum()
+
+    vmap(grad(loss))(torch.randn(3, 2))
+    assert ops.FIRST_USE == {("a launch's pointer", torch.device("cpu"), torch.float32): True}
