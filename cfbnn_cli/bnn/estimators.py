@@ -303,10 +303,10 @@ class Estimator:
             if len(layers) == 2:
                 return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
             return fused.operator_deep_normal_elbo(x, y, log_precision, layers, network.prior_scale**2, scale, family)
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
             return None
         # on the CPU, the other activations with C++ kernels (the piecewise polynomials) as the C++
-        # single node
+        # single node (called through data pointers: not inside torch.compile)
         op = fused.activation_kernels(network.activation)
         target = y.unsqueeze(-1)
         if not fast_moments.layer_kernels_apply(op, x, target, log_precision, *parameters):

@@ -82,16 +82,16 @@ def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int
     estimator = make_estimator(estimator)
     h = model.point_features(x)
     sampled = bool(estimator.noise_shapes(model, h.shape[-2]))
-    noise = 1.0 / model.precision
+    noise = 1.0 / model.precision  # (a tensor, not read back as a number: torch.compile keeps one graph)
     moments = dict(estimator=estimator, after_point_layers=True, split_variance=True)
     if not sampled:
         mean, var_a, var_b = model.output_moments(h, noise=(), **moments)
-        return Predictive(mean, var_a, var_b, torch.full_like(mean, float(noise)), exact=True)
+        return Predictive(mean, var_a, var_b, torch.ones_like(mean).mul_(noise), exact=True)
     draws = estimator.sample_noise(model, h.shape[-2], generator=generator, num_samples=num_samples)
     means, var_a, var_b = model.output_moments(h, noise=draws, **moments)
     mean = means.mean(0)
     spread = means.var(0, unbiased=False)  # between the draws: from the sampled layers
-    return Predictive(mean, var_a.mean(0) + spread, var_b.mean(0), torch.full_like(mean, float(noise)), exact=False)
+    return Predictive(mean, var_a.mean(0) + spread, var_b.mean(0), torch.ones_like(mean).mul_(noise), exact=False)
 
 
 @torch.no_grad()

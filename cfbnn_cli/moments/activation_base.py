@@ -6,7 +6,6 @@ call. The activations themselves are in :mod:`.activations` (ReLU family, identi
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Tuple
 
@@ -17,6 +16,8 @@ from . import fast, ops
 from .gaussian import (
     check_mean_std,
 )
+
+_NOT_MADE = object()
 
 
 class Activation:
@@ -31,6 +32,7 @@ class Activation:
     # without autograd. None: the fused C++ kernels called directly, or the reference ops
     operator = None
     operator_applies = staticmethod(ops.operator_route)
+    _cpu_kernels = _NOT_MADE  # cpu_kernels, once made (None: this activation has none)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -43,11 +45,15 @@ class Activation:
         """This activation's fused CPU kernels (:mod:`cfbnn_cli.moments.fast`), or None."""
         return None
 
-    @functools.cached_property
+    @property
     def cpu_kernels(self):
         """This activation's CPU kernel object (:mod:`cfbnn_cli.moments.fast`: forward and
-        backward kernels, the ELBO kernels' ``tail_kind``), or ``None``; made once per activation."""
-        return self._kernels()
+        backward kernels, the ELBO kernels' ``tail_kind``), or ``None``; made once per activation.
+        (Kept in a plain attribute: ``functools.cached_property`` takes a lock on Python < 3.12,
+        which ``torch.compile`` cannot trace.)"""
+        if self._cpu_kernels is _NOT_MADE:
+            self._cpu_kernels = self._kernels()
+        return self._cpu_kernels
 
     def _reference_moments(self, mean: torch.Tensor, std: torch.Tensor):
         """``(Phi, Upsilon, Var)`` of broadcast tensors through the reference torch ops."""

@@ -94,6 +94,8 @@ from .kernel_library import (  # noqa: F401 - the fast path's switches and libra
     fast_path_info,
     gradient_pointer,
     kernel_function,
+    library_loaded,
+    library_takes,
     load_kernels,
     plain_tensors,
     set_fast_path,

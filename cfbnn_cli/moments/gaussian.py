@@ -136,6 +136,15 @@ def _any_negative(x: torch.Tensor) -> bool:
     return bool((x < 0).any())
 
 
+def _assert_none_negative_compiled(std: torch.Tensor, std_name: str) -> None:
+    """Inside ``torch.compile``, :func:`check_mean_std`'s sign check as a graph op: reading the
+    answer back (``bool(...)``) would break the graph. On the CPU an assertion in the graph (a
+    ``RuntimeError`` when it fails); on a GPU nothing (a device-side assertion would end the
+    process's CUDA context; the eager calls check)."""
+    if std.device.type == "cpu":
+        torch._assert_async(~(std < 0).any(), f"`{std_name}` must be >= 0 (a standard deviation)")
+
+
 def check_mean_std(mean, std, *, names: Tuple[str, str] = ("mean", "std")) -> Tuple[torch.Tensor, torch.Tensor]:
     """Convert ``mean`` and ``std`` to floating tensors of one dtype and device.
 
@@ -172,7 +181,9 @@ def check_mean_std(mean, std, *, names: Tuple[str, str] = ("mean", "std")) -> Tu
     # (not while a CUDA graph records: reading a value waits for the GPU, which a capture forbids;
     # the eager warm-up before every capture checked the same shapes)
     if _VALIDATE_ARGS and not is_transformed(std) and std.numel() > 0 and not _capturing(std):
-        if _any_negative(std):
+        if torch.compiler.is_compiling():
+            _assert_none_negative_compiled(std, std_name)
+        elif _any_negative(std):
             bad = float(std.detach().min())
             raise ValueError(f"`{std_name}` must be >= 0 (a standard deviation); got a value {bad!r}")
     return mean, std

@@ -226,11 +226,25 @@ def load_library(rebuild: bool):
 
 
 def usable(mean: torch.Tensor) -> bool:
-    """Whether ``mean`` (already checked and of one dtype/device with std) takes the fast path."""
+    """Whether ``mean`` (already checked and of one dtype/device with std) takes the fast path:
+    :func:`library_takes`, outside ``torch.compile`` (the direct kernel calls pass data pointers,
+    which a trace has not got; the ``cfbnn::`` operators are what a compiled graph calls)."""
+    return not torch.compiler.is_compiling() and library_takes(mean)
+
+
+def library_takes(mean: torch.Tensor) -> bool:
+    """Whether the C++ library is in use for ``mean``: a CPU float32/float64 tensor, the fast path
+    on and the library loaded (on first use)."""
     if not KernelState.enabled or mean.device.type != "cpu" or mean.dtype not in DTYPE_SUFFIX:
         return False
-    if torch.compiler.is_compiling():
-        return False
+    return library_loaded()
+
+
+@torch.compiler.assume_constant_result
+def library_loaded() -> bool:
+    """Whether the kernel library is loaded, loading it on first use. ``torch.compile`` runs this
+    eagerly and keeps the answer as a constant: the build, its lock and its self-test (ctypes
+    calls) stay out of the trace."""
     return (KernelState.library if KernelState.tried else load_kernels()) is not None
 
 

@@ -628,12 +628,12 @@ def device_kernels_apply(mean: Tensor) -> bool:
 def operator_route(mean: Tensor) -> bool:
     """Whether an activation's moments take its ``cfbnn::`` operator for ``mean``: on CUDA where
     :func:`device_kernels_apply`, and on the CPU where the C++ library is in use
-    (:func:`cfbnn_cli.moments.fast.usable`) and registered the operators' CPU kernels and their C++
-    autograd (a library whose operators' unit did not build has not: the activations then call
-    its kernels directly)."""
+    (:func:`cfbnn_cli.moments.fast.library_takes`) and registered the operators' CPU kernels and
+    their C++ autograd (a library whose operators' unit did not build has not: the activations then
+    call its kernels directly), inside ``torch.compile`` too (its graph calls the operators)."""
     if triton_device(mean.device):
         return device_kernels_apply(mean)
-    return fast.usable(mean) and fast.cpu_operators_registered()  # (the CPU only)
+    return fast.library_takes(mean) and fast.cpu_operators_registered()  # (the CPU only)
 
 
 def checked_operator_route(mean: Tensor, what: str, check: Callable) -> bool:

@@ -405,8 +405,9 @@ def test_float32_hard_sigmoid_on_a_dense_grid():
 
 
 @pytest.mark.slow
-def test_torch_compile_traces_the_reference_ops():
-    """Under torch.compile the fast kernels step aside (dynamo traces the reference ops)."""
+def test_torch_compile_gives_the_eager_moments():
+    """Under torch.compile (inductor) ReLU's moments are the eager ones (the graph calls
+    cfbnn::relu_moments; the direct kernel calls step aside)."""
     relu = get_activation("relu")
     mean = torch.randn(64, 32, generator=torch.Generator().manual_seed(10))
     std = torch.rand(64, 32, generator=torch.Generator().manual_seed(11)) + 0.1

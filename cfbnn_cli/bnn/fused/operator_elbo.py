@@ -31,10 +31,9 @@ from ...moments import fast, ops
 from ...moments.activations import LeakyReLU, ReLU, ReLUSquared
 from ...moments.gaussian import check_mean_std
 from ...moments.tail_ops import ACTIVATION_KINDS
-from .support import first_order_only, transforms_active
+from .support import first_order_only
 
 _cfbnn = torch.ops.cfbnn
-_FLOATS = (torch.float32, torch.float64)
 
 
 RELU = (ACTIVATION_KINDS["relu"], 0.0)  # a family: (cfbnn::relu_tail's activation, its negative slope)
@@ -63,17 +62,17 @@ def relu_operators_apply(*tensors: torch.Tensor, family=RELU) -> bool:
     device with kernels -- the CPU with the C++ library built with its operators and the fast path
     on, or CUDA with Triton, the operators switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`)
     and the kernels' first run on that device and dtype (and for that activation) passed -- outside
-    torch.func transforms and torch.compile."""
+    torch.func transforms, and inside ``torch.compile`` on the CPU (the graph calls the operators;
+    on CUDA a compiled call takes the reference route: the Triton steps are not checked there)."""
     first = tensors[0]
-    if transforms_active() or any(t.device != first.device or t.dtype != first.dtype for t in tensors):
+    if torch._C._are_functorch_transforms_active() or any(
+        t.device != first.device or t.dtype != first.dtype for t in tensors
+    ):
         return False
     if first.device.type == "cpu" and not ops.triton_device(first.device):
-        return (
-            first.dtype in _FLOATS
-            and fast.fast_path_enabled()
-            and fast.load_kernels() is not None
-            and fast.cpu_operators_registered()
-        )
+        return fast.library_takes(first) and fast.cpu_operators_registered()
+    if torch.compiler.is_compiling():
+        return False
     what = "the closed-form ELBO's Triton kernels" + ("" if family == RELU else f" (activation {family[0]})")
     return ops.device_kernels_apply(first) and ops.first_use_check(
         what, first.device, first.dtype, lambda device, dtype: _self_check(device, dtype, family)

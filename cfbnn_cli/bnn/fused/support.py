@@ -169,12 +169,15 @@ def classic_twin(function):
     """``function`` (an autograd.Function written with ``setup_context``, as torch.func needs) in
     the classic ``forward(ctx, ...)`` form, which autograd applies without binding a signature
     (~30 us per call on a CPU): the form used outside torch.func transforms."""
+    # the three steps as plain functions: dynamo (torch.compile) takes ``function.backward(ctx,
+    # ...)`` for a call of that node's backward and refuses a ``ctx`` that is not its own
+    forward_pass, setup_context, backward_pass = function.forward, function.setup_context, function.backward
 
     class Classic(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
-            output = function.forward(*inputs)
-            function.setup_context(ctx, inputs, output)
+            output = forward_pass(*inputs)
+            setup_context(ctx, inputs, output)
             # no zeros made for the outputs that get no gradient (the non-differentiable ones
             # above all): each was an allocation and a pass; the backward passes take ``None``
             ctx.set_materialize_grads(False)
@@ -182,15 +185,16 @@ def classic_twin(function):
 
         @staticmethod
         def backward(ctx, *grads):
-            return function.backward(ctx, *grads)
+            return backward_pass(ctx, *grads)
 
     Classic.__name__ = Classic.__qualname__ = function.__name__ + "Classic"
     return Classic
 
 
 def apply(function, classic, *inputs):
-    """``classic.apply`` outside torch.func transforms, ``function.apply`` inside."""
-    return (function if transforms_active() else classic).apply(*inputs)
+    """``classic.apply`` outside torch.func transforms (``torch.compile`` included: dynamo traces
+    the classic form, not ``setup_context``'s), ``function.apply`` inside."""
+    return (function if torch._C._are_functorch_transforms_active() else classic).apply(*inputs)
 
 
 def flat_sum(tensor: torch.Tensor) -> torch.Tensor:
