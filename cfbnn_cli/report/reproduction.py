@@ -3,6 +3,7 @@ whether the runs show the effect, and the command that produced them."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -185,13 +186,23 @@ def _table2_group_rows(runs: List[dict], label: str) -> List[dict]:
                 {
                     "Claim": f"Table 2, {claim}: test LL {a.upper()} − {b.upper()}{reading}",
                     "Paper": f"{difference:+.2f} (no s.e. given)",
-                    "cfbnn (stand-in data)": s.text(sig=3, signed=True),
+                    "cfbnn (stand-in data)": s.text(sig=3, signed=True) + median_and_signs(s),
                     "Shown?": verdict_text(s, expect),
                     "Runs": data,
                     "Command": command,
                 }
             )
     return rows
+
+
+def median_and_signs(s: Stat) -> str:
+    """`` (median +2.0; 7 of 10 > 0)`` for two or more paired differences: a mean over seeds can
+    be carried by one seed, so the cell also says where the middle seed lies and how many agree."""
+    if s.n < 2:
+        return ""
+    median = statistics.median(s.values)
+    above = sum(value > 0 for value in s.values)
+    return f" (median {format_value(median, sig=3, signed=True)}; {above} of {s.n} > 0)"
 
 
 def seed_paired(runs_a, runs_b, metric_a, metric_b) -> Stat:

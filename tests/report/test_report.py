@@ -268,10 +268,13 @@ def test_paper_reproduction_table_from_hand_made_runs(tmp_path, capsys):
     first_scale = frame.loc["Table 1, at initialization, first layer, log σ: gradient variance sampling / analytic ≈ 1"]
     assert first_scale["Shown?"].startswith("yes")
     v3_v1 = frame.loc["Table 2, V3 ≥ V1: a Bayesian decoder (integrated) beats a point estimate: test LL V3 − V1"]
-    assert v3_v1["Paper"].startswith("+0.06") and v3_v1["cfbnn (stand-in data)"] == "+1.00 ± 0"
+    assert (
+        v3_v1["Paper"].startswith("+0.06") and v3_v1["cfbnn (stand-in data)"] == "+1.00 ± 0 (median +1.00; 3 of 3 > 0)"
+    )
     assert v3_v1["Shown?"] == "yes"
     v3_v2 = frame.loc["Table 2, V3 ≥ V2: integrating the weights out beats sampling them: test LL V3 − V2"]
     assert v3_v2["Shown?"].startswith("not resolved")  # differences -0.1, 0, +0.1 ... mean 0
+    assert v3_v2["cfbnn (stand-in data)"].endswith("(median 0; 1 of 3 > 0)")
     top1 = frame.loc["Figure 1, top-1 accuracy: deterministic − Monte Carlo with N_inner = 512"]
     assert top1["Shown?"].startswith("not resolved") and top1["Paper"] == "deterministic ≥ MC-512 (qualitative)"
     top3 = frame.loc["Figure 1, top-3 accuracy: deterministic − Monte Carlo with N_inner = 512"]
@@ -346,14 +349,16 @@ def test_table2_claims_are_per_group_never_pooled_and_carry_the_second_reading(t
     ]
     by_group = dict(zip((r.split("; ")[-1] for r in v3_v1["Runs"]), v3_v1["cfbnn (stand-in data)"]))
     assert by_group == {
-        "data.components=—, data.name=digits, data.rows=—": "+1.00 ± 0",
-        "data.components=—, data.name=fashion_mnist, data.rows=10000": "-2.00 ± 0",
-        "data.components=—, data.name=fashion_mnist, data.rows=20000": "-2.00 ± 0",
+        "data.components=—, data.name=digits, data.rows=—": "+1.00 ± 0 (median +1.00; 3 of 3 > 0)",
+        "data.components=—, data.name=fashion_mnist, data.rows=10000": "-2.00 ± 0 (median -2.00; 0 of 3 > 0)",
+        "data.components=—, data.name=fashion_mnist, data.rows=20000": "-2.00 ± 0 (median -2.00; 0 of 3 > 0)",
         # the stand-in's own rows, beside the others, never pooled with them
-        "data.components=90, data.name=fashion_mnist_pca90, data.rows=—": "+0.500 ± 0",
+        "data.components=90, data.name=fashion_mnist_pca90, data.rows=—": "+0.500 ± 0 (median +0.500; 3 of 3 > 0)",
     }
     plug_in = frame[frame["Claim"].str.endswith("V3 − V1 [decoder weights at their posterior means]")]
-    assert list(plug_in["cfbnn (stand-in data)"]) == ["+3.00 ± 0", "+3.00 ± 0"]  # the Fashion-MNIST groups only
+    assert (
+        list(plug_in["cfbnn (stand-in data)"]) == ["+3.00 ± 0 (median +3.00; 3 of 3 > 0)"] * 2
+    )  # the Fashion-MNIST groups only
     assert all(plug_in["Shown?"] == "yes")
     table = pd.read_csv(tmp_path / "report_vae_table.csv")
     assert set(table["Test LL, weights at posterior mean"]) >= {"—"}
