@@ -186,7 +186,7 @@ def _table2_group_rows(runs: List[dict], label: str) -> List[dict]:
                 {
                     "Claim": f"Table 2, {claim}: test LL {a.upper()} − {b.upper()}{reading}",
                     "Paper": f"{difference:+.2f} (no s.e. given)",
-                    "cfbnn (stand-in data)": s.text(sig=3, signed=True) + median_and_signs(s),
+                    "cfbnn (stand-in data)": median_and_signs(s, s.text(sig=3, signed=True)),
                     "Shown?": verdict_text(s, expect),
                     "Runs": data,
                     "Command": command,
@@ -195,14 +195,21 @@ def _table2_group_rows(runs: List[dict], label: str) -> List[dict]:
     return rows
 
 
-def median_and_signs(s: Stat) -> str:
-    """`` (median +2.0; 7 of 10 > 0)`` for two or more paired differences: a mean over seeds can
-    be carried by one seed, so the cell also says where the middle seed lies and how many agree."""
+def median_and_signs(s: Stat, mean_text: str) -> str:
+    """``mean_text`` and, for two or more paired differences, `` (median +2.0; 7 of 10 > 0)``, the
+    median to the mean's decimals: a mean over seeds can be carried by one seed, so the cell also
+    says where the middle seed lies and how many seeds agree."""
     if s.n < 2:
-        return ""
+        return mean_text
     median = statistics.median(s.values)
+    mean_number = mean_text.split(" ")[0]
+    if "e" in mean_number:  # scientific: no decimals to match
+        shown = format_value(median, sig=3, signed=True)
+    else:
+        digits = f"{abs(median):.{len(mean_number.partition('.')[2])}f}"
+        shown = digits if float(digits) == 0 else ("+" if median > 0 else "-") + digits
     above = sum(value > 0 for value in s.values)
-    return f" (median {format_value(median, sig=3, signed=True)}; {above} of {s.n} > 0)"
+    return f"{mean_text} (median {shown}; {above} of {s.n} > 0)"
 
 
 def seed_paired(runs_a, runs_b, metric_a, metric_b) -> Stat:

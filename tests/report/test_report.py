@@ -274,7 +274,7 @@ def test_paper_reproduction_table_from_hand_made_runs(tmp_path, capsys):
     assert v3_v1["Shown?"] == "yes"
     v3_v2 = frame.loc["Table 2, V3 ≥ V2: integrating the weights out beats sampling them: test LL V3 − V2"]
     assert v3_v2["Shown?"].startswith("not resolved")  # differences -0.1, 0, +0.1 ... mean 0
-    assert v3_v2["cfbnn (stand-in data)"].endswith("(median 0; 1 of 3 > 0)")
+    assert v3_v2["cfbnn (stand-in data)"] == ("0.00 ± 0.06 (median 0.00; 1 of 3 > 0)")
     top1 = frame.loc["Figure 1, top-1 accuracy: deterministic − Monte Carlo with N_inner = 512"]
     assert top1["Shown?"].startswith("not resolved") and top1["Paper"] == "deterministic ≥ MC-512 (qualitative)"
     top3 = frame.loc["Figure 1, top-3 accuracy: deterministic − Monte Carlo with N_inner = 512"]
