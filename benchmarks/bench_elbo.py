@@ -41,6 +41,8 @@ from torch import nn
 from cfbnn_cli.bnn import ClosedFormBNN
 from cfbnn_cli.bnn.pyro_glue import PyroMLPRegression
 from cfbnn_cli.moments import fast_path, set_validate_args
+from cfbnn_cli.runtime.checks import MATMUL_PRECISIONS
+from cfbnn_cli.runtime.device import set_matmul_precision
 from cfbnn_cli.runtime.threads import flush_denormals, tune_allocator
 
 
@@ -69,12 +71,15 @@ def local_reparam_elbo(model, x, y, num_data, generator):
     return model.elbo(x, y, num_data=num_data, estimator="sampling", generator=generator)
 
 
-def configure_like_cli(keep_denormals: bool = False) -> str:
+def configure_like_cli(keep_denormals: bool = False, matmul_precision: str = "highest") -> str:
     """The process settings the CLI makes before any work (``runtime.flush_denormals``, the
-    allocator); call first thing, before torch starts its threads. Returns a phrase for the header."""
+    allocator, ``runtime.matmul_precision``); call first thing, before torch starts its threads.
+    Returns a phrase for the header."""
     flush_denormals(not keep_denormals)
     tune_allocator()
-    return "denormals kept (--keep-denormals)" if keep_denormals else "denormals flushed, as the CLI runs"
+    set_matmul_precision(matmul_precision)
+    denormals = "denormals kept (--keep-denormals)" if keep_denormals else "denormals flushed, as the CLI runs"
+    return f"{denormals}, matmul precision {matmul_precision}"
 
 
 def gradient_variance(loss_fn, params, draws):
@@ -96,8 +101,14 @@ def main(argv=None):
         "--compile", action="store_true", help="also time torch.compile'd closed form (diagonal) and plain MLP"
     )
     parser.add_argument("--keep-denormals", action="store_true", help="run with runtime.flush_denormals=false")
+    parser.add_argument(
+        "--matmul-precision",
+        default="highest",
+        choices=MATMUL_PRECISIONS,
+        help="runtime.matmul_precision: highest (full float32, the default) | high (TF32 on Ampere+ GPUs) | medium",
+    )
     args = parser.parse_args(argv)
-    settings = configure_like_cli(args.keep_denormals)
+    settings = configure_like_cli(args.keep_denormals, args.matmul_precision)
     set_validate_args(False)
     torch.manual_seed(0)
     device = torch.device(args.device)

@@ -4,7 +4,7 @@
 # last lines say which GPU targets are met.
 #   OUT=/tmp/gpu bash benchmarks/gpu_suite.sh          # everything
 #   OUT=/tmp/gpu bash benchmarks/gpu_suite.sh quick    # the CUDA tests and the operator targets (~2 min)
-# Logs go to $OUT (six files); CI never runs this (it has no GPU; the CUDA tests skip there).
+# Logs go to $OUT (seven files); CI never runs this (it has no GPU; the CUDA tests skip there).
 # On a machine with torch but without this project's other dependencies, put their wheels in
 # .whl/ (pyro-ppl, pyro-api, hydra-core, omegaconf, antlr4-python3-runtime): they are installed
 # into a scratch folder and the repository itself is put on PYTHONPATH.
@@ -48,6 +48,9 @@ step bench_operators.log 120 $PY benchmarks/bench_operators.py --device cuda --l
 if [ "$1" != quick ]; then
   step bench_cuda_graphs.log 150 $PY benchmarks/bench_cuda_graphs.py --repeats 3
   step bench_elbo.log 120 $PY benchmarks/bench_elbo.py --device cuda --variance-draws 20 --repeats 5
+  # TF32 or not (runtime.matmul_precision): closed-form and plain-MLP steps, eager and graphed, at
+  # D=90/H=200 and D=2048/H=1000, and a short Table 1 run's test LL, under highest and high (~1.5 min)
+  step bench_matmul_precision.log 150 $PY benchmarks/bench_matmul_precision.py --device cuda --precisions highest,high
   step bench_others.log 60 $PY benchmarks/bench_optimizer.py --device cuda
   step bench_others.log 60 $PY benchmarks/bench_moments.py --devices cuda
   step bench_others.log 90 $PY benchmarks/bench_gradvar.py --device cuda --loop-samples 300
@@ -58,4 +61,6 @@ echo
 echo "== summary ($(head -2 "$OUT/gpu.txt" | tail -1 | cut -c1-60)), $((SECONDS - START)) s"
 grep -E "passed|failed|error" "$OUT/cuda_tests.log" | tail -1
 [ -f "$OUT/bench_cuda_graphs.log" ] && sed -n '/^CUDA graph targets:/,$p' "$OUT/bench_cuda_graphs.log"
+[ -f "$OUT/bench_matmul_precision.log" ] && echo "runtime.matmul_precision (highest = the default; high = TF32):" \
+  && grep -E "speed-up|^   (highest|high) " "$OUT/bench_matmul_precision.log"
 sed -n '/^Operator targets:/,$p' "$OUT/bench_operators.log"

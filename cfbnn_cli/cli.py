@@ -427,6 +427,7 @@ def make_task(sub: Subcommand):
         from .report.results import write_results
         from .run_values import parse_run_values
         from .runtime.checks import validate_common
+        from .runtime.device import set_matmul_precision
         from .runtime.errors import ConfigError
         from .runtime.made_dirs import made_by_this_run
         from .runtime.progress import progress_setting
@@ -449,6 +450,7 @@ def make_task(sub: Subcommand):
         held_logs = LogsHeldBack(found.logs)  # the log is written only once this run holds the dir
         lock = RunDirLock(run_dir)
         flushed_before = None
+        precision_before = None
         recorded = False  # results.json written: the dir now says what happened
         try:
             try:
@@ -467,6 +469,8 @@ def make_task(sub: Subcommand):
                 flushed_before = flush_denormals(cfg.runtime.flush_denormals)
                 configure_threads(cfg.runtime.threads)
                 tune_allocator()
+                # float32 matrix products on the GPU: full float32 (highest) or TF32 (high)
+                precision_before = set_matmul_precision(cfg.runtime.matmul_precision)
                 with writing_under(run_dir):
                     fingerprint, finished = claim_run_dir(cfg, run_dir)
                 if finished:
@@ -551,6 +555,8 @@ def make_task(sub: Subcommand):
             lock.release()
             if flushed_before is not None:
                 flush_denormals(flushed_before)
+            if precision_before is not None:
+                set_matmul_precision(precision_before)
 
     task.__name__ = sub.config_name
     return task

@@ -52,6 +52,7 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
 
 
+MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
 SEED_MAXIMUM = 2**32 - 1  # numpy's and Python's random generators take seeds in [0, 2**32)
 THREADS_PER_CORE = 4  # more threads than this per core only oversubscribes (and OpenMP crashes at ~1e6)
 
@@ -174,7 +175,8 @@ def require_choice(cfg: DictConfig, key: str, choices: Iterable[Any]):
 
 
 def validate_common(cfg: DictConfig) -> None:
-    """Check ``seed``, ``resume``, ``overwrite``, ``runtime.threads``, ``runtime.flush_denormals``, ``trainer.epochs``, ``trainer.batch_size``,
+    """Check ``seed``, ``resume``, ``overwrite``, ``runtime.threads``, ``runtime.flush_denormals``,
+    ``runtime.matmul_precision``, ``trainer.epochs``, ``trainer.batch_size``,
     ``trainer.lr``, ``trainer.cuda_graphs``."""
     require_int(cfg, "seed", minimum=0, maximum=SEED_MAXIMUM, why=" (the random generators' range)")
     require_bool(cfg, "resume")
@@ -194,6 +196,12 @@ def validate_common(cfg: DictConfig) -> None:
             f"({max_threads()} at most); use auto or a smaller number"
         )
     require_bool(cfg, "runtime.flush_denormals")
+    precision = _get(cfg, "runtime.matmul_precision")
+    if precision not in MATMUL_PRECISIONS:
+        raise ConfigError(
+            f"runtime.matmul_precision={_short(precision)} is not one of {', '.join(MATMUL_PRECISIONS)} "
+            "(highest: full float32 matrix products, the default; high: TF32 on Ampere+ GPUs; medium: bfloat16)"
+        )
     refuse_huge_integers(cfg)
     if OmegaConf.select(cfg, "trainer", default=None) is not None:
         require_int(cfg, "trainer.epochs", minimum=0)

@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from .checks import MATMUL_PRECISIONS
 from .errors import ConfigError
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -40,3 +41,23 @@ def synchronize(device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def set_matmul_precision(precision: str = "highest") -> str:
+    """``runtime.matmul_precision``: how float32 matrix products may run on the GPU; returns the
+    previous setting (the CLI puts it back when a run ends, as a sweep or a test runs more in one
+    process).
+
+    ``highest`` (the default, the paper's tables) keeps full float32 products; ``high`` lets
+    Ampere and later GPUs use TF32 (a 10-bit mantissa, about 3 decimal digits, in the products'
+    inputs; float32 accumulation), ``medium`` bfloat16 where the GPU has it. The CPU's
+    products are float32 whatever the setting. ``benchmarks/gpu_suite.sh`` measures the trade
+    (step time and a short Table 1 run's test LL under each)."""
+    if precision not in MATMUL_PRECISIONS:
+        raise ConfigError(
+            f"runtime.matmul_precision={precision!r} is not one of {', '.join(MATMUL_PRECISIONS)} "
+            "(highest: full float32 matrix products, the default; high: TF32 on Ampere+ GPUs; medium: bfloat16)"
+        )
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    return previous

@@ -131,7 +131,9 @@ def run_worker(run: Callable, argv=None) -> int:
     from .threads import flush_denormals
 
     flush_denormals(OmegaConf.select(cfg, "runtime.flush_denormals", default=True))  # before any work, as the CLI
-    from .device import resolve_device
+    from .device import resolve_device, set_matmul_precision
+
+    set_matmul_precision(OmegaConf.select(cfg, "runtime.matmul_precision", default="highest"))
 
     first = first_gpu(resolve_device(OmegaConf.select(cfg, "device", default="auto")))  # this process's boundary
     use_cuda = first is not None

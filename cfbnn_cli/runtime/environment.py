@@ -37,6 +37,8 @@ def environment_record(device=None) -> dict:
         "cfbnn": cfbnn_cli.__version__,
         "device": str(device) if device is not None else None,
         "cuda_device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # in effect while the run went on (runtime.matmul_precision): "high" lets CUDA use TF32
+        "matmul_precision": torch.get_float32_matmul_precision(),
         "platform": platform.platform(),
         "git_commit": git_commit(),
     }

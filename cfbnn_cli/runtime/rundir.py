@@ -17,7 +17,8 @@ A finished run's dir (``done`` or ``results.json``) takes a new run only with ``
 it found it, and leaves no dir where it made one (:class:`RunDirState`).
 
 The fingerprint ignores the keys that do not change results (:data:`IGNORED_KEYS`:
-``resume``, ``overwrite``, ``device``, ``runtime.threads``), records a path inside the run dir relative to
+``resume``, ``overwrite``, ``device``, ``runtime.threads``; ``runtime.matmul_precision`` at its default,
+the value runs had before the key, :data:`SILENT_DEFAULTS`), records a path inside the run dir relative to
 it (a moved run dir still resumes), and covers every input file a key names by its size
 and SHA-256 (:func:`fingerprinted_config`).
 """
@@ -48,6 +49,9 @@ from .safefs import UnsafePathError, open_in_place, open_no_follow, output_folde
 log = logging.getLogger(__name__)
 
 IGNORED_KEYS = frozenset({"resume", "overwrite", "device", "runtime.threads"})
+# keys added after runs were made, at the value that every run before them had: left out of the
+# fingerprint there, so that a run made before the key existed still resumes
+SILENT_DEFAULTS = {"runtime.matmul_precision": "highest"}
 STATE_FOLDER = ".cfbnn"
 
 
@@ -100,7 +104,8 @@ def file_signature(path: Path) -> Optional[str]:
 def fingerprinted_config(cfg, run_dir=None) -> Dict[str, object]:
     """The flattened resolved config that the fingerprint covers.
 
-    The keys of :data:`IGNORED_KEYS` are left out. A value naming a path inside the run
+    The keys of :data:`IGNORED_KEYS` are left out, and those of :data:`SILENT_DEFAULTS` at that
+    value. A value naming a path inside the run
     dir is recorded relative to it (``<run dir>/x.csv``), so a run dir that was moved still
     resumes. A value naming an existing regular file adds ``<key>#content``, its size and
     SHA-256: a data file edited or swapped between a run and its resume changes the
@@ -113,7 +118,7 @@ def fingerprinted_config(cfg, run_dir=None) -> Dict[str, object]:
     container.pop("hydra", None)
     out: Dict[str, object] = {}
     for key, value in sorted(_flatten(container).items()):
-        if key in IGNORED_KEYS:
+        if key in IGNORED_KEYS or (key in SILENT_DEFAULTS and SILENT_DEFAULTS[key] == value):
             continue
         if isinstance(value, str) and _looks_like_path(value):
             path = Path(value).expanduser()
