@@ -50,12 +50,7 @@ import torch
 from torch import Tensor
 
 from . import fast
-from .ops import HAVE_TRITON, launch_diagonal_kl
-
-if HAVE_TRITON:
-    import triton
-
-    from . import triton_kernels, triton_tail_kernels
+from .ops import HAVE_TRITON, launch_diagonal_kl, triton, triton_kernels, triton_tail_kernels
 
 __all__ = ["TRITON_KERNELS", "STEPS"]
 

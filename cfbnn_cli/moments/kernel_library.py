@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import math
 import os
+import sys
 import threading
 import warnings
 from typing import Dict, Optional
@@ -240,7 +241,18 @@ def library_takes(mean: torch.Tensor) -> bool:
     return library_loaded()
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """:func:`torch.compiler.assume_constant_result` without its import of ``torch._dynamo`` (about
+    2 s on a small CPU, for a decorator that only sets an attribute, ``_dynamo_marked_constant``,
+    in torch 2.14): the mark set here where dynamo is not loaded yet, torch's decorator where it is
+    (``tests/moments/test_import_cost.py`` checks that the two agree)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def library_loaded() -> bool:
     """Whether the kernel library is loaded, loading it on first use. ``torch.compile`` runs this
     eagerly and keeps the answer as a constant: the build, its lock and its self-test (ctypes

@@ -39,6 +39,8 @@ call is one call on the batch.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import logging
 import math
 from typing import Callable, Dict, Tuple
@@ -50,15 +52,36 @@ from . import elbo_kernels, fast, kernel_handles
 from .gaussian import align_batched, is_transformed, standard_normal_cdf, standard_normal_pdf, standardize
 from .relu_reference import relu_forward
 
-try:  # Triton comes with torch's CUDA wheels; CPU-only installs may lack it
-    import triton  # noqa: F401
 
-    from . import triton_kernels
+class LazyModule:
+    """A module imported on its first attribute access: ``triton`` and the Triton kernel modules,
+    which importing :mod:`cfbnn_cli.moments` does not pull in (``import triton`` costs about 0.3 s
+    of a CPU-only start-up; ``tests/moments/test_import_cost.py``). They are imported by the first
+    Triton launch (a CUDA tensor, or a CPU tensor inside :func:`.cuda_twin.cuda_twin`, whose
+    ``TRITON_INTERPRET=1`` must be set before Triton is imported)."""
 
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton_kernels = None
-    HAVE_TRITON = False
+    _name = ""
+    _module = None
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attribute)
+
+    def __repr__(self) -> str:
+        return f"<LazyModule {self._name!r}{' (imported)' if self._module is not None else ''}>"
+
+
+# Triton comes with torch's CUDA wheels; CPU-only installs may lack it. Decided without importing it:
+# one installed that does not import fails the first-use check (first_use_check: the reference
+# route, with a warning), as a Triton that does not compile the kernels does.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+triton = LazyModule("triton")
+triton_kernels = LazyModule(f"{__package__}.triton_kernels")
+triton_tail_kernels = LazyModule(f"{__package__}.triton_tail_kernels")
 
 __all__ = [
     "ACTIVATION_KINDS",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fast, triton_kernels
+from . import fast
 from .ops import (
     HAVE_TRITON,
     _reference_forward,
@@ -27,6 +27,7 @@ from .ops import (
     checked_operator_route,
     elementwise_vmap,
     relu_moments_backward,
+    triton_kernels,
 )
 
 __all__ = ["relu_mean", "relu_mean_route", "triton_relu_mean"]

@@ -34,13 +34,11 @@ from .ops import (
     check_operands,
     differentiable_from_variance_backward,
     slope_tensor,
+    triton,
+    triton_kernels,
+    triton_tail_kernels,
     variance_floor,
 )
-
-if HAVE_TRITON:
-    import triton
-
-    from . import triton_kernels, triton_tail_kernels
 
 __all__ = [
     "ACTIVATION_KINDS",
