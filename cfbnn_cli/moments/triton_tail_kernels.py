@@ -14,8 +14,9 @@ Forward: one program per block of rows, looping over the columns (a row's sum ne
 the program: no atomics, the same result at every launch). Backward: one program per
 ``(row block, column block)`` tile; the tile's column sums go to a float64 buffer of one row
 per row block, summed afterwards (again no atomics). The moments' numerics are those of
-:mod:`.triton_kernels` (:func:`~.triton_kernels.family_moments`, float64 whatever the input
-dtype).
+:mod:`.triton_kernels` (:func:`~.triton_kernels.family_moments`, in the inputs' dtype); a
+tile's row or column sums too, the tiles' added in float64 whatever the input dtype (float32 tile
+sums over 128 columns or 32 rows: 1.3e-7 of the largest sum on a (256, 1000) pass).
 """
 
 import math
@@ -23,7 +24,7 @@ import math
 import triton
 import triton.language as tl
 
-from .triton_kernels import at_least, family_moments, fold_kl, relu_core
+from .triton_kernels import compute, family_moments, fold_kl, relu_core, std_from_variance
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
@@ -32,23 +33,26 @@ HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
 @triton.jit
-def load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR: tl.constexpr):
-    """An ``(rows, columns)`` tile's means (float64), standard deviations (the variance floored at
-    ``FLOOR``, the dtype's smallest normal number, before its square root: as the CPU kernel
-    ``tail_pass``), offsets and mask; masked lanes read mean 0, variance 1 (finite moments)."""
+def load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR: tl.constexpr, CF_DEPTH: tl.constexpr):
+    """An ``(rows, columns)`` tile's means (in the results' arithmetic:
+    :func:`~.triton_kernels.compute`), standard deviations and their relative errors
+    (:func:`~.triton_kernels.std_from_variance`: the variance floored at ``FLOOR``, the dtype's
+    smallest normal number, before its square root, as the CPU kernel ``tail_pass``), offsets and
+    mask; masked lanes read mean 0, variance 1 (finite moments)."""
     inside = r_in[:, None] & c_in[None, :]
     offsets = r[:, None] * width + c[None, :]
-    mean = tl.load(mean_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    variance = tl.load(variance_ptr + offsets, mask=inside, other=1.0).to(tl.float64)
-    return mean, tl.sqrt(at_least(variance, FLOOR)), offsets, inside  # (a NaN stays NaN)
+    mean = compute(tl.load(mean_ptr + offsets, mask=inside, other=0.0), CF_DEPTH)
+    variance = compute(tl.load(variance_ptr + offsets, mask=inside, other=1.0), CF_DEPTH)
+    std, std_error = std_from_variance(variance, FLOOR, CF_DEPTH)
+    return mean, std, std_error, offsets, inside
 
 
 @triton.jit
-def load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in):
-    """The three weight vectors at columns ``c`` (float64; 0 outside: they add nothing)."""
-    w_phi = tl.load(w_phi_ptr + c, mask=c_in, other=0.0).to(tl.float64)
-    w_var = tl.load(w_var_ptr + c, mask=c_in, other=0.0).to(tl.float64)
-    w_second = tl.load(w_second_ptr + c, mask=c_in, other=0.0).to(tl.float64)
+def load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH: tl.constexpr):
+    """The three weight vectors at columns ``c`` (as :func:`load_tile`; 0 outside: they add nothing)."""
+    w_phi = compute(tl.load(w_phi_ptr + c, mask=c_in, other=0.0), CF_DEPTH)
+    w_var = compute(tl.load(w_var_ptr + c, mask=c_in, other=0.0), CF_DEPTH)
+    w_second = compute(tl.load(w_second_ptr + c, mask=c_in, other=0.0), CF_DEPTH)
     return w_phi, w_var, w_second
 
 
@@ -75,21 +79,22 @@ def relu_tail_kernel(
     slope read as float64 from ``slope_ptr``)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = r < rows
-    eps = tl.load(slope_ptr).to(tl.float64)
+    eps = compute(tl.load(slope_ptr), CF_DEPTH)
     acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
     acc_spread = tl.zeros([BLOCK_R], dtype=tl.float64)
     for c0 in range(0, width, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         c_in = c < width
-        mean, std, _, _ = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR)
+        mean, std, std_error, _, _ = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
         if ACTIVATION == 0:
-            phi, ups, var = relu_core(mean, std, CF_DEPTH)
+            phi, ups, var = relu_core(mean, std, std_error, CF_DEPTH)
         else:
             zero = tl.zeros_like(mean)
-            phi, ups, var, _, _ = family_moments(mean, std, eps, zero, zero, zero, ACTIVATION, CF_DEPTH)
-        w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in)
-        acc_mean += tl.sum(phi * w_phi[None, :], axis=1)
-        acc_spread += tl.sum(var * w_var[None, :] + ups * w_second[None, :], axis=1)
+            phi, ups, var, _, _ = family_moments(mean, std, std_error, eps, zero, zero, zero, ACTIVATION, CF_DEPTH)
+        w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
+        # the tile's sums in the results' arithmetic, the tiles' in float64
+        acc_mean += tl.sum(phi * w_phi[None, :], axis=1).to(tl.float64)
+        acc_spread += tl.sum(var * w_var[None, :] + ups * w_second[None, :], axis=1).to(tl.float64)
     tl.store(mean_sum_ptr + r, acc_mean.to(mean_sum_ptr.dtype.element_ty), mask=r_in)
     tl.store(spread_sum_ptr + r, acc_spread.to(spread_sum_ptr.dtype.element_ty), mask=r_in)
 
@@ -124,22 +129,23 @@ def relu_tail_backward_kernel(
     c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     r_in = r < rows
     c_in = c < width
-    mean, std, offsets, inside = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR)
-    u = tl.load(row_u_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-    k = tl.load(row_k_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-    w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in)
+    mean, std, std_error, offsets, inside = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
+    u = compute(tl.load(row_u_ptr + r, mask=r_in, other=0.0), CF_DEPTH)
+    k = compute(tl.load(row_k_ptr + r, mask=r_in, other=0.0), CF_DEPTH)
+    w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
     g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
-    eps = tl.load(slope_ptr).to(tl.float64)
+    eps = compute(tl.load(slope_ptr), CF_DEPTH)
     # the small tail once, for the moments and the derivatives
-    phi, ups, var, g_mean, g_std = family_moments(mean, std, eps, g_phi, g_ups, g_var, ACTIVATION, CF_DEPTH)
+    phi, ups, var, g_mean, g_std = family_moments(mean, std, std_error, eps, g_phi, g_ups, g_var, ACTIVATION, CF_DEPTH)
     dtype = g_mean_ptr.dtype.element_ty
     tl.store(g_mean_ptr + offsets, g_mean.to(dtype), mask=inside)
     tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(dtype), mask=inside)
     # rows outside have u = k = 0: they add nothing to the column sums
     base = partial_ptr + row_block.to(tl.int64) * 3 * width
-    tl.store(base + c, tl.sum(u[:, None] * phi, axis=0), mask=c_in)
-    tl.store(base + width + c, tl.sum(k[:, None] * var, axis=0), mask=c_in)
-    tl.store(base + 2 * width + c, tl.sum(k[:, None] * ups, axis=0), mask=c_in)
+    # the tile's sums in the results' arithmetic, the row blocks' in float64 (``partial``)
+    tl.store(base + c, tl.sum(u[:, None] * phi, axis=0).to(tl.float64), mask=c_in)
+    tl.store(base + width + c, tl.sum(k[:, None] * var, axis=0).to(tl.float64), mask=c_in)
+    tl.store(base + 2 * width + c, tl.sum(k[:, None] * ups, axis=0).to(tl.float64), mask=c_in)
 
 
 @triton.jit
