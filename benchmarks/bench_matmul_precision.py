@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_operators import _eager_step as _eager  # the eager step every benchmark times
 
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.moments import validate_args
@@ -54,17 +55,6 @@ def _median_ms(step, steps, repeats, device):
         synchronize(device)
         times.append((time.perf_counter() - start) / steps * 1e3)
     return statistics.median(times)
-
-
-def _eager(model, optimizer, loss):
-    def step(rows):
-        optimizer.zero_grad(set_to_none=True)
-        value = loss(rows)
-        value.backward()
-        optimizer.step()
-        return value.detach()
-
-    return step
 
 
 def step_times(dim, hidden, device, args) -> dict:
