@@ -463,7 +463,7 @@ def test_ctrl_c_ends_with_one_line_and_exit_130_and_leaves_a_resumable_run(tmp_p
         "cfbnn: interrupted; the last checkpoint is kept: rerun with resume=true to continue"
     ]
     state = load_checkpoint(run / "checkpoints" / "last.pt")
-    assert 1 <= state["epoch"] < 150 and not (run / "done").exists()  # a finished epoch to resume from
+    assert 1 <= state["epoch"] < 3000 and not (run / "done").exists()  # a finished epoch to resume from
     assert (run / ".cfbnn" / "lock").read_text() == ""  # the lock was released
 
 
