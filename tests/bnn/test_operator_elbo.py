@@ -159,6 +159,7 @@ def test_the_cpu_kernels_match_the_reference_path():
     _assert_within_tolerance(namespace["errors"]())
 
 
+@pytest.mark.slow  # the default suite's twin (tests/test_cuda_twin.py) runs these steps on their kernels too
 def test_the_triton_kernels_match_the_reference_path_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
