@@ -17,13 +17,14 @@ from .numbers import format_mean_se
 from .records import MISSING, flatten
 
 # keys that differ between runs without being an experimental factor (seeds are the replicates)
+# (runtime.matmul_precision is a factor: TF32 changes the numbers, see docs/cli.md)
 IGNORED_KEYS = re.compile(
-    r"^(seed|resume|device|runtime\..*|logger\..*|distributed\.nproc|features\.(cache_dir|num_workers|batch_size|shard_size)"
+    r"^(seed|resume|device|runtime\.(?!matmul_precision$).*|logger\..*|distributed\.nproc|features\.(cache_dir|num_workers|batch_size|shard_size)"
     r"|data\.path|data\.root|evaluation\.(checkpoint|batch_size|timing_images))$"
 )
 # keys that do not change a run's results: two runs equal in everything else (seed included) are duplicates
 NOT_SETTINGS = re.compile(
-    r"^(resume|device|runtime\..*|logger\..*|distributed\.nproc|features\.(cache_dir|num_workers)"
+    r"^(resume|device|runtime\.(?!matmul_precision$).*|logger\..*|distributed\.nproc|features\.(cache_dir|num_workers)"
     r"|evaluation\.checkpoint)$"
 )
 
@@ -31,7 +32,10 @@ NOT_SETTINGS = re.compile(
 def run_config(run) -> Dict[str, object]:
     """The run's flattened configuration with its input files' content hashes
     (:func:`~.records.input_contents`): runs on different data files differ in them."""
-    return {**flatten(run.get("config", {})), **run.get("_inputs", {})}
+    flat = flatten(run.get("config", {}))
+    if flat:  # a run recorded before the key existed multiplied in torch's default precision
+        flat.setdefault("runtime.matmul_precision", "highest")
+    return {**flat, **run.get("_inputs", {})}
 
 
 def run_settings(run) -> str:

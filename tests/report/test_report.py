@@ -362,3 +362,21 @@ def test_table2_claims_are_per_group_never_pooled_and_carry_the_second_reading(t
     assert all(plug_in["Shown?"] == "yes")
     table = pd.read_csv(tmp_path / "report_vae_table.csv")
     assert set(table["Test LL, weights at posterior mean"]) >= {"—"}
+
+
+def test_the_matmul_precision_is_a_factor_and_an_unrecorded_one_is_highest():
+    """TF32 changes a run's numbers, so runs at runtime.matmul_precision=high are not replicates
+    of runs at highest; a run recorded before the key existed multiplied at torch's default."""
+    runs = [
+        {"pipeline": "train_regression", "config": {"seed": s, "runtime": {"threads": threads, **precision}}}
+        for s, threads, precision in (
+            (0, 1, {"matmul_precision": "highest"}),
+            (1, 2, {}),  # recorded before the key existed
+            (0, 1, {"matmul_precision": "high"}),
+        )
+    ]
+    assert swept_keys(runs) == ["runtime.matmul_precision"]  # the thread count is still no factor
+    assert swept_keys(runs[:2]) == []  # the unrecorded run is a replicate of the highest one
+    same_seed = [runs[0], runs[2]]
+    kept, duplicates = drop_duplicates([r | {"_path": str(i)} for i, r in enumerate(same_seed)])
+    assert len(kept) == 2 and not duplicates  # the same seed at another precision is no duplicate
