@@ -47,6 +47,15 @@ class NonFiniteWeightsError(NonFiniteResultError, ValueError):
     the library, a failed run (exit 1, nothing written) for the CLI."""
 
 
+def finite_weights(model, refusal: str) -> dict:
+    """``model``'s state dict on the CPU, detached, for a file; :class:`NonFiniteWeightsError`
+    (``refusal``) if a floating-point entry holds a NaN or an infinity: such a file could not predict."""
+    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
+        raise NonFiniteWeightsError(refusal)
+    return weights
+
+
 FORMAT = "cfbnn.model"
 VERSION = 2
 LEGACY_FORMAT = "cfbnn.regression_model"  # version 1: regression only, read as such
@@ -148,12 +157,11 @@ def save_model(
         )
     if estimator not in ESTIMATORS:
         raise ValueError(f"`estimator` must be one of {ESTIMATORS}; got {estimator!r}")
-    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
-        raise NonFiniteWeightsError(
-            "the model has non-finite weights (NaN or infinity); it cannot predict, so it is not saved "
-            "(check the data for extreme values, or lower the learning rate)"
-        )
+    weights = finite_weights(
+        model,
+        "the model has non-finite weights (NaN or infinity); it cannot predict, so it is not saved "
+        "(check the data for extreme values, or lower the learning rate)",
+    )
     record = {
         "format": FORMAT,
         "version": VERSION,

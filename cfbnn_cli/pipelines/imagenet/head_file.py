@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ...bnn.likelihoods import CLASSIFICATION_OBJECTIVES
-from ...bnn.model_file import MAX_PARAMETERS, MAX_WIDTH, NonFiniteWeightsError
+from ...bnn.model_file import MAX_PARAMETERS, MAX_WIDTH, finite_weights
 from ...bnn.network import bayesian_head
 from ...moments import ACTIVATIONS
 from ...runtime.checkpoints import load_checkpoint
@@ -32,12 +32,11 @@ HEAD_VERSION = 1
 def save_head(run_dir: Path, model, cfg, feature_dim: int, num_classes: int, mean, std) -> Path:
     """``run_dir/head.pt`` (atomically); a head with non-finite weights is refused
     (:class:`~cfbnn_cli.bnn.model_file.NonFiniteWeightsError`): it could not predict."""
-    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
-        raise NonFiniteWeightsError(
-            "the trained head has non-finite weights (NaN or infinity); it cannot predict, so head.pt is not "
-            "written (lower trainer.lr, or check the features)"
-        )
+    weights = finite_weights(
+        model,
+        "the trained head has non-finite weights (NaN or infinity); it cannot predict, so head.pt is not "
+        "written (lower trainer.lr, or check the features)",
+    )
     record = {
         "format": HEAD_FORMAT,
         "version": HEAD_VERSION,
