@@ -98,6 +98,19 @@ def one_line_error(out, code=2):
     return text
 
 
+def corrupt_record(record: dict, junk: list, rng) -> dict:
+    """``record`` with one or two of its fields (or a nested dict's fields) set to a random ``junk``
+    value, in place: the fuzz tests' mutation of a saved file's record."""
+    for _ in range(int(rng.integers(1, 3))):
+        holder = record
+        key = str(rng.choice(sorted(holder)))
+        if isinstance(holder[key], dict) and holder[key] and rng.random() < 0.7:
+            holder = holder[key]
+            key = str(rng.choice(sorted(holder)))
+        holder[key] = junk[int(rng.integers(len(junk)))]
+    return record
+
+
 def finish_all(processes, timeout=300):
     """``{name: CompletedProcess}`` of processes started at once (``{name: Popen}``, text pipes)."""
     finished = {}

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import corrupt_record
 
 from cfbnn_cli.bnn import BayesianNetwork, CategoricalLikelihood, ClosedFormBNN, load_model, save_model
 from cfbnn_cli.pipelines import predict as predict_pipeline
@@ -126,14 +127,7 @@ def test_model_file_reader_fuzz(tmp_path):
     rng = np.random.default_rng(0)
     junk = [None, "x", -1, 0, 1e300, float("nan"), [], {}, [1.5], torch.zeros(0), torch.full((3,), math.inf)]
     for trial in range(150):
-        record = _record(tmp_path)
-        for _ in range(int(rng.integers(1, 3))):
-            holder = record
-            key = str(rng.choice(sorted(holder)))
-            if isinstance(holder[key], dict) and holder[key] and rng.random() < 0.7:
-                holder = holder[key]
-                key = str(rng.choice(sorted(holder)))
-            holder[key] = junk[int(rng.integers(len(junk)))]
+        record = corrupt_record(_record(tmp_path), junk, rng)
         torch.save(record, tmp_path / "fuzz.pt")
         try:
             saved = load_model(tmp_path / "fuzz.pt")

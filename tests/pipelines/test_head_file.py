@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import corrupt_record
 
 from cfbnn_cli.bnn.network import bayesian_head
 from cfbnn_cli.pipelines.imagenet import predict_new
@@ -119,14 +120,7 @@ def test_head_file_reader_fuzz(tmp_path):
     ]
     good = _record(tmp_path)
     for trial in range(150):
-        record = {k: (dict(v) if isinstance(v, dict) else v) for k, v in good.items()}
-        for _ in range(int(rng.integers(1, 3))):
-            holder = record
-            key = str(rng.choice(sorted(holder)))
-            if isinstance(holder[key], dict) and holder[key] and rng.random() < 0.7:
-                holder = holder[key]
-                key = str(rng.choice(sorted(holder)))
-            holder[key] = junk[int(rng.integers(len(junk)))]
+        record = corrupt_record({k: (dict(v) if isinstance(v, dict) else v) for k, v in good.items()}, junk, rng)
         torch.save(record, tmp_path / "fuzz.pt")
         try:
             model, _ = load_saved_head(tmp_path / "fuzz.pt")
