@@ -15,6 +15,9 @@ Measured (medians of ``--repeats`` timings, each of ``--steps`` steps):
 3. the default ``cfbnn train regression`` wall time with ``trainer.cuda_graphs=true`` and ``false``;
 4. ``cfbnn imagenet-predict``'s own timing table: Monte Carlo with 512 samples against the
    deterministic prediction for the paper's 2048-1000-1000-1000 head at batch 256.
+
+Every target is also printed as one machine-readable line (benchmarks/targets.py),
+``TARGET <name> <value> <op> <threshold> <unit> met|MISSED``, which gpu_suite.sh collects.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from targets import print_targets, report_target
 
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.bnn.vae import BayesianDecoderVAE
@@ -36,8 +40,6 @@ from cfbnn_cli.moments import validate_args
 from cfbnn_cli.train import TrainingLoop
 from cfbnn_cli.train.graphs import GraphedTrainingStep
 from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
-
-TARGETS = []  # (name, value, target text, met)
 
 
 def _median_ms(step, steps, repeats, sync):
@@ -123,13 +125,14 @@ def training_steps(args, device):
             f"speed-up {speedup:5.1f}x   graphed plain MLP {mlp_ms:7.3f} ({results[True] / mlp_ms:4.2f}x)   "
             f"kernels per eager step {kernels}"
         )
-        TARGETS.append(
-            (
-                f"closed-form step graphed vs eager, D={dim}/H={hidden}",
-                f"{speedup:.1f}x",
-                f">= {target:g}x",
-                speedup >= target,
-            )
+        report_target(
+            f"graphed_step_speedup/D={dim}",
+            speedup,
+            ">=",
+            target,
+            "x",
+            device,
+            label=f"closed-form step graphed vs eager, D={dim}/H={hidden}",
         )
 
 
@@ -159,8 +162,14 @@ def vae_epoch(args, device):
             loop.run()
         seconds[graphs] = statistics.median(row["epoch_seconds"] for row in loop.history[1:])  # the first: warm-up
     print(f"   eager {seconds[False]:.3f}   graphed {seconds[True]:.3f}")
-    TARGETS.append(
-        ("VAE V3 epoch, 49k rows, batch 1000 (graphed)", f"{seconds[True]:.3f} s", "<= 0.1 s", seconds[True] <= 0.1)
+    report_target(
+        "vae_v3_epoch_graphed_s",
+        seconds[True],
+        "<=",
+        0.1,
+        "s",
+        device,
+        label="VAE V3 epoch, 49k rows, batch 1000 (graphed)",
     )
 
 
@@ -186,7 +195,15 @@ def default_command(args, folder: Path):
     }
     ratio = walls[True] / walls[False]
     print(f"   eager {walls[False]:.1f}   graphed {walls[True]:.1f}   ratio {ratio:.2f}")
-    TARGETS.append(("default train regression wall time, graphed / eager", f"{ratio:.2f}", "<= 0.5", ratio <= 0.5))
+    report_target(
+        "train_regression_graphed_over_eager",
+        ratio,
+        "<=",
+        0.5,
+        "x",
+        "cuda",
+        label="default train regression wall time, graphed / eager",
+    )
 
 
 def figure1_timing(args, folder: Path):
@@ -196,13 +213,14 @@ def figure1_timing(args, folder: Path):
     print("   " + (run / "timing.md").read_text().replace("\n", "\n   "))
     metrics = json.loads((run / "results.json").read_text())["metrics"]
     ratio = metrics["paper_head/monte_carlo/N512/speed_ratio_mc_over_deterministic"]
-    TARGETS.append(
-        (
-            "MC-512 / deterministic, paper-size head, batch 256 (imagenet-predict's table)",
-            f"{ratio:.0f}x",
-            ">= 100x",
-            ratio >= 100,
-        )
+    report_target(
+        "mc512_over_deterministic/paper_head",
+        ratio,
+        ">=",
+        100,
+        "x",
+        "cuda",
+        label="MC-512 / deterministic, paper-size head, batch 256 (imagenet-predict's table)",
     )
 
 
@@ -220,9 +238,7 @@ def main(argv=None):
             part(args, device)
         default_command(args, Path(folder))
         figure1_timing(args, Path(folder))
-    print("\nCUDA graph targets:")
-    for name, value, target, met in TARGETS:
-        print(f"  {'met   ' if met else 'MISSED'}  {name}: {value} (target {target})")
+    print_targets("CUDA graph targets:")
 
 
 if __name__ == "__main__":

@@ -7,17 +7,20 @@
 For each size (D inputs, H hidden units, one output, batch 500) it times one forward +
 backward pass of
 
-  (i)   the closed-form ELBO (the default path: fused C++ moments and the fused hot path of
-        bnn/fused/) with diagonal, full and low-rank (r=10) q(a_h); the diagonal one also
-        with the reference torch moments (``set_fast_path(False)``) and, with --compile,
-        under torch.compile;
+  (i)   the closed-form ELBO (the default path: the ``cfbnn::`` operators -- C++ kernels on
+        the CPU, Triton kernels on CUDA -- and the fused hot path of bnn/fused/) with diagonal,
+        full and low-rank (r=10) q(a_h); the diagonal one also on the reference torch ops
+        (``fast_path(False)`` and ``ops.device_kernels(False)``: no kernel of ours on either
+        device) and, with --compile, under torch.compile;
   (ii)  the 1-sample local-reparameterization ELBO (diagonal q);
   (iii) Pyro's Trace_ELBO on a PyroModule BNN with an AutoNormal guide (weight-space sampling);
   (iv)  a plain deterministic MLP of the same shape (MSE loss),
 
 each as the median of --repeats timings after two warm-ups, as a ratio to (iv) measured in
-the same run ((i) diagonal, (ii), (iii) and (iv) round-robin, one of each per round), and
-prints the targets met/missed. Beside them, in the same rounds, the diagonal closed form's
+the same run ((i) diagonal on both routes, (ii), (iii) and (iv) round-robin, one of each per
+round), and prints the targets met/missed; the operators' route against the reference ops
+(target on CUDA: not slower, issue #43) also as a machine-readable line (benchmarks/targets.py,
+``TARGET <name> <value> <op> <threshold> <unit> met|MISSED``) that gpu_suite.sh collects. Beside them, in the same rounds, the diagonal closed form's
 four matrix products alone (means and variances forward, their weights' gradients backward;
 the MLP has two of the same size): the part of (i) no kernel of ours can shorten. Both sides run with the glibc allocator tuned as the
 CLI tunes it (runtime.threads.tune_allocator). Full covariance
@@ -36,11 +39,12 @@ import pyro
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
+from targets import report_target
 from torch import nn
 
 from cfbnn_cli.bnn import ClosedFormBNN
 from cfbnn_cli.bnn.pyro_glue import PyroMLPRegression
-from cfbnn_cli.moments import fast_path, set_validate_args
+from cfbnn_cli.moments import fast_path, ops, set_validate_args
 from cfbnn_cli.runtime.checks import MATMUL_PRECISIONS
 from cfbnn_cli.runtime.device import set_matmul_precision
 from cfbnn_cli.runtime.threads import flush_denormals, tune_allocator
@@ -137,6 +141,14 @@ def main(argv=None):
         def closed_step(model):
             return lambda: (-model.elbo(x, y, num_data=num_data)).backward()
 
+        def reference_step(model):
+            # the reference torch ops on either device: no C++ kernel (CPU), no Triton kernel (CUDA)
+            def step():
+                with fast_path(False), ops.device_kernels(False):
+                    closed_step(model)()
+
+            return step
+
         model = ClosedFormBNN(D, H).to(device)
         sampler = torch.Generator(device=device).manual_seed(1)
 
@@ -169,6 +181,7 @@ def main(argv=None):
             {
                 "(iv) plain MLP": mlp_step,
                 "(i) closed form, diagonal": closed_step(models["diagonal"]),
+                "(i) closed form, diagonal, reference torch ops": reference_step(models["diagonal"]),
                 "(ii) local reparameterization, 1 sample": local_step,
                 "(iii) Pyro Trace_ELBO + AutoNormal": pyro_step,
                 "floor": four_products,
@@ -191,10 +204,9 @@ def main(argv=None):
                 core[name] if name in core else median_time(closed_step(models[covariance]), args.repeats, device)
             )
             if covariance == "diagonal":
-                with fast_path(False):
-                    rows["(i) closed form, diagonal, reference torch moments"] = median_time(
-                        closed_step(models["diagonal"]), args.repeats, device
-                    )
+                rows["(i) closed form, diagonal, reference torch ops"] = core[
+                    "(i) closed form, diagonal, reference torch ops"
+                ]
         rows["(ii) local reparameterization, 1 sample"] = core["(ii) local reparameterization, 1 sample"]
         if args.compile:
             compiled_mlp_loss = torch.compile(lambda: (mlp(x).squeeze(-1) - y).pow(2).mean())
@@ -229,6 +241,16 @@ def main(argv=None):
             f"  target: faster than local reparameterization ({closed / rows['(ii) local reparameterization, 1 sample']:.2f}x) "
             f"and than Pyro ({closed / rows['(iii) Pyro Trace_ELBO + AutoNormal']:.2f}x): "
             f"{'met' if closed < min(rows['(ii) local reparameterization, 1 sample'], rows['(iii) Pyro Trace_ELBO + AutoNormal']) else 'missed'}"
+        )
+        reference = rows["(i) closed form, diagonal, reference torch ops"]
+        report_target(
+            f"eager_elbo_operators_over_reference/D={D}",
+            closed / reference,
+            "<=",
+            1,
+            "x",
+            device,
+            label=f"eager closed-form ELBO fwd+bwd, operators' route / reference ops, D={D}/H={H}",
         )
         print(
             f"  target: low rank <= 2x the diagonal: {lowrank / closed:.2f}x ({'met' if lowrank <= 2 * closed else 'missed'}; "

@@ -19,20 +19,40 @@ head of the same shape (the Bayesian layers' mean weights), all under
 Monte Carlo under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs on a GPU;
 compiled Monte Carlo draws from the global generator). The last lines check the
 issue's targets, deterministic >= 100x MC-512 and within 2x of the plain head, eager
-against eager and compiled against compiled. Not a test.
+against eager and compiled against compiled.
+
+Two targets of issue #46 are also printed as machine-readable lines (benchmarks/targets.py,
+``TARGET <name> <value> <op> <threshold> <unit> met|MISSED``, the head and batch in the name),
+which gpu_suite.sh collects:
+
+* ``det_over_plain/<head>/b<batch>`` (<= 1.5x): the deterministic prediction's stream time
+  over the plain head's, on CUDA both as ``cfbnn imagenet-predict`` predicts -- each a CUDA
+  graph (:class:`cfbnn_cli.runtime.cuda_graphs.GraphedCall`), the weights cached
+  (:func:`cfbnn_cli.bnn.layers.cached_weights`) -- and eager elsewhere;
+* ``mc<N>_over_deterministic/<head>/b<batch>`` (>= 100x, N = the largest of ``--samples``): the
+  ratio of ``imagenet-predict``'s timing table, from the function that fills it
+  (:func:`cfbnn_cli.pipelines.imagenet.prediction.time_per_image`: one batch each, graphed on
+  CUDA), median of ``--repeats`` calls.
+
+Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
+from targets import report_target
 
 from cfbnn_cli.bnn.functional import augment
+from cfbnn_cli.bnn.layers import cached_weights
 from cfbnn_cli.bnn.network import bayesian_head
 from cfbnn_cli.moments import validate_args
+from cfbnn_cli.pipelines.imagenet.prediction import time_per_image
+from cfbnn_cli.runtime.cuda_graphs import GraphedCall
 
 
 def main(argv=None):
@@ -69,7 +89,7 @@ def main(argv=None):
     def monte_carlo(n):
         return lambda x: torch.softmax(head.sample_outputs(x, n, generator=generator), -1).mean(0).argmax(-1)
 
-    def timed(function):
+    def timed(function, grad_mode=torch.inference_mode):
         """(seconds for one synchronized batch, seconds per batch in a stream): best of repeats."""
 
         def call():
@@ -77,7 +97,7 @@ def main(argv=None):
                 torch.compiler.cudagraph_mark_step_begin()
             function(x)
 
-        with torch.inference_mode():
+        with grad_mode():
             for _ in range(3):  # warm-up; CUDA graphs are recorded on the second or third call
                 call()
             latency = float("inf")
@@ -127,6 +147,19 @@ def main(argv=None):
                 )
             except Exception as error:  # report, do not hide, a compiler failure
                 print(f"  Monte Carlo, N={n} could not be compiled: {type(error).__name__}: {str(error)[:200]}")
+        if device.type == "cuda":  # as imagenet-predict predicts: a CUDA graph each, the weights cached
+            graphed = {
+                "plain head, graphed": GraphedCall(plain, device, label="plain head"),
+                "deterministic, graphed": GraphedCall(deterministic, device, label="deterministic prediction"),
+            }
+            with cached_weights():
+                for name, function in graphed.items():
+                    times[name] = timed(function, torch.no_grad)  # no_grad, as the pipeline predicts
+                    if function.failure:
+                        print(f"  {name}: the capture failed ({function.failure}); timed eagerly")
+        # imagenet-predict's timing table, from the function that fills it (one batch each)
+        n = max(args.samples)
+        table = [time_per_image(head, x, [n], args.batch, generator, device) for _ in range(args.repeats)]
     reference = times["deterministic argmax y_hat"][1]
     print(f"  {'':<28} {'ms/batch':>9} {'images/s':>12}   stream: deterministic is")
     for name, (latency, stream) in times.items():
@@ -145,6 +178,37 @@ def main(argv=None):
                 f"({'met' if speedup >= 100 else 'missed'}, >= 100x) and {slowdown:.2f}x the plain head's time "
                 f"({'met' if slowdown <= 2 else 'missed'}, <= 2x)"
             )
+    head_name = f"{F}-{H1}-{H2}-{O}/b{args.batch}"
+    route = "graphed" if device.type == "cuda" else "eager"
+    det, plain_name = (
+        ("deterministic, graphed", "plain head, graphed")
+        if device.type == "cuda"
+        else ("deterministic argmax y_hat", "plain deterministic head")
+    )
+    report_target(
+        f"det_over_plain/{head_name}",
+        times[det][1] / times[plain_name][1],
+        "<=",
+        1.5,
+        "x",
+        device,
+        label=f"deterministic prediction / plain head, {head_name.replace('/b', ', batch ')} ({route} stream)",
+    )
+    deterministic_seconds = statistics.median(row[0] for row in table)
+    mc_seconds = statistics.median(row[1][n] for row in table)
+    print(
+        f"  imagenet-predict's timing table (time_per_image, median of {args.repeats}): deterministic "
+        f"{1e6 * deterministic_seconds:.2f} us/image, MC-{n} {1e6 * mc_seconds:.2f} us/image"
+    )
+    report_target(
+        f"mc{n}_over_deterministic/{head_name}",
+        mc_seconds / deterministic_seconds,
+        ">=",
+        100,
+        "x",
+        device,
+        label=f"MC-{n} / deterministic, {head_name.replace('/b', ', batch ')} (imagenet-predict's time_per_image)",
+    )
 
 
 if __name__ == "__main__":
