@@ -38,12 +38,10 @@ call (Table 1).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
 
-from ..moments import fast as fast_moments
 from ..moments.bivariate import activation_covariance
 from ..moments.gaussian import check_mean_std
 from . import functional as F
@@ -246,28 +244,20 @@ class Estimator:
         target = y.unsqueeze(-1) if network.output_dim == 1 else y
         log_precision = network.likelihood.log_precision
         # one output of a ReLU-family network (ReLU, leaky ReLU, ReLU^2): the last hidden layer and
-        # the output layer in one node on the cfbnn:: operators (C++ kernels on the CPU, Triton on
-        # CUDA), from the pre-activations' variances; other activations with C++ kernels (the
-        # piecewise polynomials): the same pass on the CPU's C++ tail
+        # the output layer in one node on the cfbnn:: operators, from the pre-activations' variances
         on_operators = output.loc.shape[0] == 1 and fused.operators_apply(
             network.activation, output.loc, output.log_scale, target, log_precision
         )
-        tail = None if on_operators else fused.normal_tail_op(network.activation, output.loc, output.log_scale, target)
-        kind, value = self.forward_to_tail(
-            network, h, noise, variance_form=tail is not None or on_operators, kl_sink=kl_sink
-        )
+        kind, value = self.forward_to_tail(network, h, noise, variance_form=on_operators, kl_sink=kl_sink)
         if kind in ("outputs", "full_moments"):
             return None
         if kind == "output_layer":
             phi, second_moment, variance = value, None, torch.zeros_like(value)
-        elif on_operators or tail is not None:
+        elif on_operators:
             gamma, xi2 = value
             prior_variance = None if kl_sink is None else network.prior_scale**2
             rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
-            if on_operators:
-                ell, kl = fused.operator_normal_ell(gamma, xi2, *rest, family=fused.tail_family(network.activation))
-            else:
-                ell, kl = fused.normal_ell_given_preactivation_and_kl(gamma, xi2, tail, *rest)
+            ell, kl = fused.operator_normal_ell(gamma, xi2, *rest, family=fused.tail_family(network.activation))
             if kl is not None:
                 kl_sink[len(network.layers) - 1] = kl
             return ell
@@ -278,9 +268,8 @@ class Estimator:
         )
 
     def _single_node_elbo(self, network, x, y, num_data: Optional[int], noise):
-        """The ELBO as one node where it applies, else ``None``: for the ReLU family on the
-        operators (:func:`.fused.operator_normal_elbo`, :func:`.fused.operator_deep_normal_elbo`),
-        where those are not registered on the CPU :func:`.fused.closed_form_normal_elbo`."""
+        """The ELBO as one node where it applies, else ``None``: the ReLU family on the operators
+        (:func:`.fused.operator_normal_elbo`, :func:`.fused.operator_deep_normal_elbo`)."""
         if noise or x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad:
             return None
         layers = network.layers
@@ -297,23 +286,13 @@ class Estimator:
         log_precision = network.likelihood.log_precision
         parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        if fused.operators_apply(network.activation, x, y, log_precision, *parameters):
-            # the ReLU family on the cfbnn:: operators, any device, as one node
-            family = fused.tail_family(network.activation)
-            if len(layers) == 2:
-                return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
-            return fused.operator_deep_normal_elbo(x, y, log_precision, layers, network.prior_scale**2, scale, family)
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
+        if not fused.operators_apply(network.activation, x, y, log_precision, *parameters):
             return None
-        # on the CPU, the other activations with C++ kernels (the piecewise polynomials) as the C++
-        # single node (called through data pointers: not inside torch.compile)
-        op = fused.activation_kernels(network.activation)
-        target = y.unsqueeze(-1)
-        if not fast_moments.layer_kernels_apply(op, x, target, log_precision, *parameters):
-            return None
-        return fused.closed_form_normal_elbo(
-            x, target, log_precision, op, parameters, [layer.bias for layer in layers], network.prior_scale**2, scale
-        )
+        # the ReLU family on the cfbnn:: operators, any device, as one node
+        family = fused.tail_family(network.activation)
+        if len(layers) == 2:
+            return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
+        return fused.operator_deep_normal_elbo(x, y, log_precision, layers, network.prior_scale**2, scale, family)
 
 
 class ClosedForm(Estimator):
@@ -440,24 +419,15 @@ def _propagated_moments(network, index: int, h, moments, kl_sink: Optional[dict]
     exact (``moments=None``) or propagated."""
     layer = network.layers[index]
     inputs = h if moments is None else moments[0]
-    from_variance = None  # the moments from the pre-activations' variances: no square root, either way
-    if layer.covariance == "diagonal":
-        if fused.tail_family(network.activation) == fused.operator_elbo.RELU and fused.operators_apply(
-            network.activation, inputs, layer.loc
-        ):
-            # ReLU: cfbnn::relu_moments_from_variance (C++ on the CPU, Triton on CUDA)
-            from_variance = torch.ops.cfbnn.relu_moments_from_variance
-        elif inputs.dtype == layer.loc.dtype and inputs.device.type == "cpu":
-            op = fused.layer_kernel_op(network.activation, layer.loc, layer.log_scale)
-            if op is not None:  # other activations with C++ kernels: the same pass on the CPU
-                from_variance = functools.partial(fast_moments.moments_from_variance, op)
-    if from_variance is not None:
-        gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
-        check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
-        phi, second_moment, variance = from_variance(gamma, xi2)
-    else:
-        pre = _preactivation(network, index, h, moments, False, kl_sink)
-        phi, second_moment, variance = network.activation.moments(*pre, return_variance=True)
+    if layer.covariance == "diagonal" and fused.tail_family(network.activation) == fused.operator_elbo.RELU:
+        if fused.operators_apply(network.activation, inputs, layer.loc):
+            # ReLU from the pre-activations' variances: no square root, either way
+            gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
+            check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
+            phi, second_moment, variance = torch.ops.cfbnn.relu_moments_from_variance(gamma, xi2)
+            return phi, variance, second_moment
+    pre = _preactivation(network, index, h, moments, False, kl_sink)
+    phi, second_moment, variance = network.activation.moments(*pre, return_variance=True)
     return phi, variance, second_moment
 
 

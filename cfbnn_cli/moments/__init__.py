@@ -10,7 +10,7 @@ kernels that are the default on CPU (``CFBNN_FAST_MOMENTS=0``,
 
 # register cfbnn::relu_tail, the ELBO steps and relu_mean before anything loads the C++ library
 # (the moments operators: via .activations)
-from . import elbo_ops, relu_mean_ops, tail_ops  # noqa: F401
+from . import elbo_ops, kl_ops, relu_mean_ops, tail_ops  # noqa: F401
 from .activations import (
     ACTIVATIONS,
     Activation,

@@ -40,9 +40,9 @@ have their own short closed forms (paper eqs. (20), (22), (29), with errata 1, 2
 rewritten through one small tail); ``hard_sigmoid`` (eq. (27), errata 3) is the
 piecewise-polynomial engine with the pieces ``-alpha, x, alpha``.
 
-Two implementations compute these same forms: the torch ops below (the reference
-path, also the CUDA path) and the fused CPU kernels of :mod:`cfbnn_cli.moments.fast`
-(the default on CPU). ``Activation.moments`` picks one per call.
+Three kernels compute these same forms, behind one ``cfbnn::`` operator per activation family,
+chosen by torch's dispatcher: the torch ops below (the reference kernels), C++ on the CPU and
+Triton on CUDA (:mod:`cfbnn_cli.moments.ops`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import fast, kernel_handles, leaky_ops, ops, relu_squared_ops
+from . import leaky_ops, ops, relu_squared_ops
 from .activation_base import Activation, check_real
 from .gaussian import (
     check_mean_std,
@@ -82,8 +82,8 @@ class ReLU(Activation):
 
     Computed through the small tail on the far side of 0 (the printed
     ``(gamma + Omega)/2`` cancels for gamma < 0) with an analytic backward pass:
-    fused kernels on CPU (:mod:`cfbnn_cli.moments.fast`), otherwise torch ops in
-    cache-sized blocks.
+    ``cfbnn::relu_moments`` (C++ on the CPU, Triton on CUDA), its reference kernel torch ops
+    in cache-sized blocks.
     """
 
     name = "relu"
@@ -91,9 +91,6 @@ class ReLU(Activation):
 
     def __call__(self, x):
         return torch.relu(x)
-
-    def _kernels(self):
-        return kernel_handles.ReLUOp(self._reference_moments)
 
     def _moments(self, mean, std):
         # float64 results are wanted to 1e-10 out to |t| = 40, beyond the reach of the
@@ -122,8 +119,6 @@ class ReLU(Activation):
         if relu_mean_route(mean):
             # cfbnn::relu_mean: C++ on the CPU, Triton on CUDA, one output written
             return torch.ops.cfbnn.relu_mean(*torch.broadcast_tensors(mean, std))
-        if fast.usable(mean):  # (the library's operators' unit did not build: its kernel directly)
-            return fast.relu_mean(*torch.broadcast_tensors(mean, std))
         if ops.device_kernels_apply(mean):
             return ops.relu_moments_function(mean, std)[0]
         if mean.dtype == torch.float64:
@@ -151,9 +146,6 @@ class LeakyReLU(Activation):
     def __call__(self, x):
         return torch.where(x >= 0, x, self.negative_slope * x)
 
-    def _kernels(self):
-        return kernel_handles.LeakyReLUOp(self._reference_moments, self.negative_slope)
-
     def _moments(self, mean, std):
         return leaky_ops.reference_leaky_moments(mean, std, self.negative_slope)
 
@@ -178,9 +170,6 @@ class ReLUSquared(Activation):
     def __call__(self, x):
         return torch.relu(x) ** 2
 
-    def _kernels(self):
-        return kernel_handles.ReLUSquaredOp(self._reference_moments)
-
     def _moments(self, mean, std):
         return relu_squared_ops.reference_relu_squared_moments(mean, std)
 
@@ -198,9 +187,6 @@ class Identity(Activation):
 
     def __call__(self, x):
         return x
-
-    def _kernels(self):
-        return kernel_handles.IdentityOp(self._reference_moments)
 
     def _moments(self, mean, std):
         return mean, std * std

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator
 
 import torch
 
-from . import elbo_ops, fast, leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
+from . import elbo_ops, fast, kl_ops, leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
 
 __all__ = ["cuda_kernels", "cuda_twin"]
 
@@ -30,8 +30,8 @@ CUSTOM_OPERATORS = (
     ops.relu_moments_backward,
     ops.relu_moments_from_variance,
     ops.relu_moments_from_variance_backward,
-    ops.diagonal_kl,
-    ops.diagonal_kl_backward,
+    kl_ops.diagonal_kl,
+    kl_ops.diagonal_kl_backward,
     relu_mean_ops.relu_mean,
     leaky_ops.leaky_relu_moments,
     leaky_ops.leaky_relu_moments_backward,

@@ -39,7 +39,7 @@ backward passes call the backward steps. They are registered through :class:`tor
 for ``torch.compile`` and ``opcheck`` (``tests/moments/test_elbo_ops.py``). Their CPU kernels are
 C++ registered with the dispatcher by the kernel library itself (``csrc/cfbnn_ops.cpp``, a few
 microseconds a call); the Python CPU kernels below only load that library, and where it did not
-build the callers take the reference route and a direct call raises.
+build they run the reference kernels (:mod:`.elbo_reference`), so a caller never asks which.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ from typing import Callable, Dict
 import torch
 from torch import Tensor
 
-from . import fast
-from .ops import HAVE_TRITON, launch_diagonal_kl, triton, triton_kernels, triton_tail_kernels
+from . import elbo_reference, kernel_library
+from .kl_ops import launch_diagonal_kl
+from .ops import HAVE_TRITON, triton, triton_kernels, triton_tail_kernels
 
 __all__ = ["TRITON_KERNELS", "STEPS"]
 
@@ -98,21 +99,17 @@ def _check_in_place(*tensors: Tensor) -> None:
 
 
 def _cpu_kernel(name: str) -> Callable:
-    """The CPU kernel registered in Python: it builds or loads the C++ library, whose own CPU
-    kernels (``csrc/cfbnn_ops.cpp``) then replace this one in the dispatcher, and calls the
-    operator again; where they are unavailable, a clear error (the callers take the reference
-    route first: :func:`cfbnn_cli.bnn.fused.operator_elbo.relu_operators_apply`)."""
+    """The CPU kernel registered in Python: it loads the C++ library (built on first use), whose
+    own CPU kernels (``csrc/cfbnn_ops.cpp``) then replace this one in the dispatcher, and calls the
+    operator again; where the library did not build (no compiler), or with the reference path
+    chosen (:func:`cfbnn_cli.moments.fast_path`), the reference kernel of :mod:`.elbo_reference`."""
+    reference = elbo_reference.KERNELS[name]
 
     def load_then_dispatch(*args):
-        if fast.load_kernels() is None or not fast.cpu_operators_registered():
-            info = fast.fast_path_info()
-            reason = info.get("operators_error") or info.get("error")
-            raise RuntimeError(
-                f"cfbnn::{name}: its CPU kernel is part of the C++ library, which is unavailable here "
-                f"(cfbnn_cli.moments.fast_path_info() says why: {str(reason).splitlines()[0]}); "
-                "the ELBO's other routes do not need it"
-            )
-        return getattr(torch.ops.cfbnn, name)(*args)
+        library = kernel_library.fast_path_enabled() and kernel_library.library_loaded()
+        if library and kernel_library.cpu_operators_registered():
+            return getattr(torch.ops.cfbnn, name)(*args)
+        return reference(*args)
 
     load_then_dispatch.__name__ = f"{name}_cpu"
     return load_then_dispatch
@@ -304,6 +301,8 @@ _FAKES: Dict[str, Callable] = {
 for _name, _schema in SCHEMAS.items():
     _LIB.define(_schema)
     _LIB.impl(_name, CPU_KERNELS[_name], "CPU")
+    # any other device (and CUDA without Triton): the reference kernel
+    _LIB.impl(_name, elbo_reference.KERNELS[_name], "CompositeExplicitAutograd")
     if _name in TRITON_KERNELS:
         _LIB.impl(_name, TRITON_KERNELS[_name], "CUDA")
     torch.library.register_fake(f"cfbnn::{_name}", _FAKES[_name], lib=_LIB)

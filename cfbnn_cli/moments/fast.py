@@ -15,8 +15,8 @@ CPU, where fresh pages from the allocator (glibc returns freed blocks of this si
 to the system) cost ~1 us per 4 kB. The general engine, whose forward pass is
 expensive, saves the four partial derivatives instead.
 
-The closed-form ELBO's own kernels are in :mod:`cfbnn_cli.moments.elbo_kernels`; the library's
-loading and bindings in :mod:`cfbnn_cli.moments.kernel_library`.
+The closed-form ELBO's steps are ``cfbnn::`` operators (:mod:`cfbnn_cli.moments.elbo_ops`); the
+library's loading and bindings are in :mod:`cfbnn_cli.moments.kernel_library`.
 
 Build. The kernels (``moments/csrc/cfbnn_moments.cpp``) are plain C++ built once per
 machine and cached per user: :mod:`cfbnn_cli.moments.kernel_build` says how (the cache
@@ -67,21 +67,6 @@ __all__ = [
     "piecewise_supported",
 ]
 
-from .elbo_kernels import (  # noqa: F401 - the ELBO kernels, re-exported for bnn.fused and bnn.network
-    MomentsFromVariance,
-    augment_pair,
-    diagonal_kl_gradients,
-    diagonal_kl_sums,
-    finish_diagonal_gradients,
-    kl_from_sums,
-    kl_gradients,
-    layer_kernels_apply,
-    moments_from_variance,
-    normal_output_gradients,
-    normal_row_gradients,
-    normal_rows,
-    normal_tail,
-)
 from .kernel_handles import KernelHandle
 from .kernel_library import (  # noqa: F401 - the fast path's switches and library, re-exported
     DTYPE_SUFFIX,

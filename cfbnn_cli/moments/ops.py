@@ -15,11 +15,7 @@ picks the kernel by device, and ``torch.compile``, CUDA graphs, ``torch.func`` a
     dtype's smallest normal number), and
 ``cfbnn::relu_moments_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_variance)``
     its vector-Jacobian product.
-``cfbnn::diagonal_kl(Tensor loc, Tensor log_scale, float prior_variance) -> Tensor``
-    ``KL(N(loc, diag exp(2 log_scale)) || N(0, prior_variance I))`` of a mean-field weight matrix
-    (the KL terms of paper eq. (4)), one pass over the matrix with float64 sums, and
-``cfbnn::diagonal_kl_backward(loc, log_scale, grad, prior_variance) -> (grad_loc, grad_log_scale)``
-    its gradients, one pass.
+(The KL of a mean-field matrix: :mod:`.kl_ops`.)
 
 Kernels:
 
@@ -42,13 +38,12 @@ import contextlib
 import importlib
 import importlib.util
 import logging
-import math
 from typing import Callable, Dict, Tuple
 
 import torch
 from torch import Tensor
 
-from . import elbo_kernels, fast, kernel_handles
+from . import fast, kernel_handles
 from .gaussian import align_batched, is_transformed, standard_normal_cdf, standard_normal_pdf, standardize
 from .relu_reference import relu_forward
 
@@ -101,10 +96,6 @@ __all__ = [
     "relu_moments_from_variance_backward",
     "triton_relu_moments_from_variance",
     "triton_relu_moments_from_variance_backward",
-    "diagonal_kl",
-    "diagonal_kl_backward",
-    "triton_diagonal_kl",
-    "triton_diagonal_kl_backward",
 ]
 
 _FLOATS = (torch.float32, torch.float64)
@@ -294,23 +285,28 @@ def relu_moments_backward(
     return _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
 
 
+def library_kernels() -> bool:
+    """Asked only by the operators' Python CPU kernels, which run until the C++ library is loaded:
+    whether it loaded with its operators (on first use; its C++ CPU kernels then replace these in
+    the dispatcher, and the next call goes straight to them), else the reference kernels run (no
+    compiler, or the reference path chosen with :func:`cfbnn_cli.moments.fast_path`)."""
+    return fast.fast_path_enabled() and fast.library_loaded() and fast.cpu_operators_registered()
+
+
 @relu_moments.register_kernel("cpu")
 def _relu_moments_cpu(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     check_operands("relu_moments", mean, std)
-    mean, std = mean.contiguous(), std.contiguous()
-    if fast.load_kernels() is None:  # no compiler: the reference ops (fresh tensors, as an op must return)
-        return tuple(value.clone() for value in _reference_forward(mean, std))
-    phi, ups, var = kernel_handles.ReLUOp(None).forward(mean, std, True, False)
-    return phi, ups, var
+    if library_kernels():
+        return torch.ops.cfbnn.relu_moments(mean, std)
+    return tuple(value.clone() for value in _reference_forward(mean, std))  # fresh tensors, as an op returns
 
 
 @relu_moments_backward.register_kernel("cpu")
 def _relu_moments_backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> Tuple[Tensor, Tensor]:
     check_operands("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-    if fast.load_kernels() is None:
-        return _differentiable_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-    contiguous = [t.contiguous() for t in (mean, std, phi)]
-    return kernel_handles.ReLUOp(None).backward(*contiguous, (), (grad_phi, grad_upsilon, grad_variance), plain=True)
+    if library_kernels():
+        return torch.ops.cfbnn.relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+    return _differentiable_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
 
 
 @relu_moments.register_fake
@@ -339,14 +335,14 @@ def register_cpu_fallbacks(forward, backward, reference_forward: Callable, formu
 
     def forward_cpu(mean, std, *parameters):
         check_operands(name, mean, std)
-        if fast.load_kernels() is not None and fast.cpu_operators_registered():
+        if library_kernels():
             return forward(mean, std, *parameters)
         return tuple(value.clone() for value in reference_forward(mean, std, *parameters))
 
     def backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters):
         grads = (grad_phi, grad_upsilon, grad_variance)
         check_operands(name + "_backward", mean, std, phi, *grads)
-        if fast.load_kernels() is not None and fast.cpu_operators_registered():
+        if library_kernels():
             return backward(mean, std, phi, *grads, *parameters)
         with torch.no_grad():
             return tuple(formula(mean, std, phi, *grads, *parameters))
@@ -458,20 +454,19 @@ def relu_moments_from_variance_backward(
 @relu_moments_from_variance.register_kernel("cpu")
 def _relu_moments_from_variance_cpu(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     check_operands("relu_moments_from_variance", mean, variance)
-    if fast.load_kernels() is None:  # no compiler: the reference ops
-        return tuple(value.clone() for value in reference_from_variance(mean, variance))
-    return elbo_kernels.hidden_pass_forward(kernel_handles.ReLUOp(None), mean.contiguous(), variance.contiguous())
+    if library_kernels():
+        return torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
+    return tuple(value.clone() for value in reference_from_variance(mean, variance))
 
 
 @relu_moments_from_variance_backward.register_kernel("cpu")
 def _relu_moments_from_variance_backward_cpu(mean, variance, grad_phi, grad_upsilon, grad_variance):
     check_operands("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
-    if fast.load_kernels() is None:
-        return differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
-    grads = (grad_phi, grad_upsilon, grad_variance)
-    return elbo_kernels.hidden_pass_backward(
-        kernel_handles.ReLUOp(None), mean.contiguous(), variance.contiguous(), grads
-    )
+    if library_kernels():
+        return torch.ops.cfbnn.relu_moments_from_variance_backward(
+            mean, variance, grad_phi, grad_upsilon, grad_variance
+        )
+    return differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
 
 
 @relu_moments_from_variance.register_fake
@@ -650,13 +645,13 @@ def device_kernels_apply(mean: Tensor) -> bool:
 
 def operator_route(mean: Tensor) -> bool:
     """Whether an activation's moments take its ``cfbnn::`` operator for ``mean``: on CUDA where
-    :func:`device_kernels_apply`, and on the CPU where the C++ library is in use
-    (:func:`cfbnn_cli.moments.fast.library_takes`) and registered the operators' CPU kernels and
-    their C++ autograd (a library whose operators' unit did not build has not: the activations then
-    call its kernels directly), inside ``torch.compile`` too (its graph calls the operators)."""
+    :func:`device_kernels_apply`; on the CPU for float32/float64 unless the reference path is chosen
+    (:func:`cfbnn_cli.moments.fast_path`): the dispatcher then runs the C++ kernels, or the
+    reference kernels where the library did not build; inside ``torch.compile`` too (its graph
+    calls the operators)."""
     if triton_device(mean.device):
         return device_kernels_apply(mean)
-    return fast.library_takes(mean) and fast.cpu_operators_registered()  # (the CPU only)
+    return mean.device.type == "cpu" and mean.dtype in _FLOATS and fast.fast_path_enabled()
 
 
 def checked_operator_route(mean: Tensor, what: str, check: Callable) -> bool:
@@ -736,8 +731,6 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
         *triton_relu_moments_backward(values, spread, values, spread, spread, spread),
         *triton_relu_moments_from_variance(values, spread),
         *triton_relu_moments_from_variance_backward(values, spread, spread, spread, spread),
-        triton_diagonal_kl(values, -spread, 1.5),
-        *triton_diagonal_kl_backward(values, -spread, spread[0], 1.5),
     ]
     if not all(bool(torch.isfinite(t).all()) for t in outputs):
         raise FloatingPointError("non-finite values on a well-conditioned problem")
@@ -747,149 +740,3 @@ def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Te
     """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through the operators (autograd
     and ``torch.func`` included)."""
     return moments_function(relu_moments, relu_moments_backward, _differentiable_backward, mean, std)
-
-
-# ----------------------------------------------------------------------------- the KL of a mean-field matrix
-
-
-def _check_kl(name: str, loc: Tensor, log_scale: Tensor, prior_variance: float) -> None:
-    check_operands(name, loc, log_scale)
-    if not prior_variance > 0:
-        raise ValueError(f"cfbnn::{name}: `prior_variance` must be > 0; got {prior_variance!r}")
-
-
-def _reference_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
-    sums = (torch.exp(2.0 * log_scale.double()).sum(), loc.double().square().sum(), log_scale.double().sum())
-    return elbo_kernels.kl_from_sums(*sums, loc.numel(), prior_variance).to(loc.dtype)
-
-
-def triton_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
-    """The Triton forward: one launch for the blocks' float64 sums, then their sum in block order."""
-    loc, log_scale = loc.contiguous(), log_scale.contiguous()
-    kl = loc.new_empty(())
-    launch_diagonal_kl(loc, log_scale, prior_variance, kl)
-    return kl
-
-
-def launch_diagonal_kl(
-    loc: Tensor, log_scale: Tensor, prior_variance: float, out: Tensor, variance=None, loc_square=None
-) -> None:
-    """The KL of contiguous ``loc``, ``log_scale`` into the one-element ``out`` (two launches: the
-    blocks' float64 sums, then their sum and the formula); ``variance`` and ``loc_square`` (like
-    ``loc``), if given, receive ``exp(2 log_scale)`` and ``loc^2`` in the first pass."""
-    n = loc.numel()
-    blocks = triton_kernels.grid(n)[0]
-    partial = torch.empty(blocks * 3, dtype=torch.float64, device=loc.device)
-    triton_kernels.diagonal_kl_sums_kernel[(blocks,)](
-        loc,
-        log_scale,
-        partial,
-        log_scale if variance is None else variance,
-        loc if loc_square is None else loc_square,
-        n,
-        variance is not None,
-        loc_square is not None,
-        BLOCK=triton_kernels.BLOCK,
-    )
-    triton_kernels.diagonal_kl_finish_kernel[(1,)](
-        partial, out, blocks, float(n), float(prior_variance), math.log(prior_variance), BLOCK=256
-    )
-
-
-def triton_diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float):
-    """The Triton gradients of :func:`triton_diagonal_kl` for ``grad = dL/dKL`` (a 0-d tensor)."""
-    loc, log_scale, grad = loc.contiguous(), log_scale.contiguous(), grad.reshape(1).contiguous()
-    grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(loc)
-    n = loc.numel()
-    triton_kernels.diagonal_kl_backward_kernel[triton_kernels.grid(n)](
-        loc, log_scale, grad, grad_loc, grad_log_scale, n, float(prior_variance), BLOCK=triton_kernels.BLOCK
-    )
-    return grad_loc, grad_log_scale
-
-
-@_define("cfbnn::diagonal_kl", mutates_args=())
-def diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
-    _check_kl("diagonal_kl", loc, log_scale, prior_variance)
-    if not HAVE_TRITON:  # pragma: no cover
-        return _reference_kl(loc, log_scale, prior_variance)
-    return triton_diagonal_kl(loc, log_scale, prior_variance)
-
-
-@_define("cfbnn::diagonal_kl_backward", mutates_args=())
-def diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float) -> Tuple[Tensor, Tensor]:
-    _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
-    if not HAVE_TRITON:  # pragma: no cover
-        return elbo_kernels.kl_gradients(loc, log_scale, grad, prior_variance)
-    return triton_diagonal_kl_backward(loc, log_scale, grad, prior_variance)
-
-
-@diagonal_kl.register_kernel("cpu")
-def _diagonal_kl_cpu(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
-    _check_kl("diagonal_kl", loc, log_scale, prior_variance)
-    loc, log_scale = loc.contiguous(), log_scale.contiguous()
-    sums = elbo_kernels.diagonal_kl_sums(loc, log_scale) if fast.load_kernels() is not None else None
-    if sums is None:  # no kernels here: the same sums in torch ops
-        return _reference_kl(loc, log_scale, prior_variance)
-    return loc.new_tensor(elbo_kernels.kl_from_sums(*sums, loc.numel(), prior_variance))
-
-
-@diagonal_kl_backward.register_kernel("cpu")
-def _diagonal_kl_backward_cpu(loc, log_scale, grad, prior_variance) -> Tuple[Tensor, Tensor]:
-    _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
-    loc, log_scale = loc.contiguous(), log_scale.contiguous()
-    value = float(grad)
-    gradients = None
-    if fast.load_kernels() is not None:
-        gradients = elbo_kernels.diagonal_kl_gradients(loc, log_scale, value / prior_variance, value)
-    return gradients if gradients is not None else elbo_kernels.kl_gradients(loc, log_scale, grad, prior_variance)
-
-
-@diagonal_kl.register_fake
-def _(loc, log_scale, prior_variance):
-    return loc.new_empty(())
-
-
-@diagonal_kl_backward.register_fake
-def _(loc, log_scale, grad, prior_variance):
-    return torch.empty_like(loc), torch.empty_like(loc)
-
-
-def _kl_setup_context(ctx, inputs, output):
-    loc, log_scale, prior_variance = inputs
-    ctx.prior_variance = prior_variance
-    ctx.save_for_backward(loc, log_scale)
-
-
-def _kl_backward(ctx, grad):
-    loc, log_scale = ctx.saved_tensors
-    if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
-        return (*elbo_kernels.kl_gradients(loc, log_scale, grad, ctx.prior_variance), None)
-    return (*diagonal_kl_backward(loc, log_scale, grad, ctx.prior_variance), None)
-
-
-diagonal_kl.register_autograd(_kl_backward, setup_context=_kl_setup_context)
-
-
-def _batch_first(info, in_dims, *tensors):
-    return [
-        t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(info.batch_size, *t.shape)
-        for t, d in zip(tensors, in_dims)
-    ]
-
-
-def _kl_vmap(info, in_dims, loc, log_scale, prior_variance):
-    # one KL per batch entry, in batched torch ops (the same float64 sums)
-    loc, log_scale = _batch_first(info, in_dims[:2], loc, log_scale)
-    rows = [t.reshape(t.shape[0], -1).double() for t in (loc, log_scale)]
-    sums = (torch.exp(2.0 * rows[1]).sum(1), rows[0].square().sum(1), rows[1].sum(1))
-    return elbo_kernels.kl_from_sums(*sums, rows[0].shape[1], prior_variance).to(loc.dtype), 0
-
-
-def _kl_backward_vmap(info, in_dims, loc, log_scale, grad, prior_variance):
-    loc, log_scale, grad = _batch_first(info, in_dims[:3], loc, log_scale, grad)
-    grad = grad.reshape(grad.shape[0], *([1] * (loc.dim() - 1)))
-    return elbo_kernels.kl_gradients(loc, log_scale, grad, prior_variance), (0, 0)
-
-
-diagonal_kl.register_vmap(_kl_vmap)
-diagonal_kl_backward.register_vmap(_kl_backward_vmap)

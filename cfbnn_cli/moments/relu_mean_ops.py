@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import fast
+from . import ops
 from .ops import (
     HAVE_TRITON,
     _reference_forward,
@@ -58,7 +58,7 @@ def _relu_mean_cpu(mean: Tensor, std: Tensor) -> Tensor:
     # before the C++ library has loaded (it loads here and its C++ kernel takes over), and without
     # a compiler (the reference ops; a fresh tensor, as an operator must return)
     check_operands("relu_mean", mean, std)
-    if fast.load_kernels() is not None and fast.cpu_operators_registered():
+    if ops.library_kernels():
         return relu_mean(mean, std)
     return _reference_forward(mean, std)[0].clone()
 

@@ -15,7 +15,7 @@
     its vector-Jacobian product: ``dL/d mean``, ``dL/d variance`` and ``columns`` ``(3, H)``,
     float64, the weights' gradients ``(sum_r u_r Phi_rc, sum_r k_r Var_rc, sum_r k_r Upsilon_rc)``.
 
-Kernels: on the CPU the C++ ``tail_pass`` (:func:`cfbnn_cli.moments.elbo_kernels.normal_tail`),
+Kernels: on the CPU the C++ ``tail_pass`` (registered by ``csrc/cfbnn_ops.cpp``),
 elsewhere the Triton kernels of :mod:`.triton_tail_kernels` (one launch forward, one backward
 and the column sums' addition); the reference torch ops where neither is at hand. Autograd
 (differentiable torch ops where a graph of the backward is wanted), fake and vmap
@@ -27,7 +27,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import elbo_kernels, fast, kernel_handles, leaky_ops, relu_squared_ops
+from . import kernel_library, leaky_ops, relu_squared_ops
 from .ops import (
     ACTIVATION_KINDS,
     HAVE_TRITON,
@@ -229,11 +229,12 @@ def _check_rows(name: str, mean: Tensor, *row_grads: Tensor) -> None:
             )
 
 
-def _kernel_handle(activation: int, negative_slope: float):
-    """The activation's kernels in the library called directly (``tail_pass`` with its kind)."""
-    if activation == 1:
-        return kernel_handles.LeakyReLUOp(None, negative_slope)
-    return kernel_handles.ReLUSquaredOp(None) if activation == 2 else kernel_handles.ReLUOp(None)
+def _cpu_operators() -> bool:
+    """Whether the C++ library's kernels serve the CPU (loading it on first use); otherwise the
+    reference ops (no compiler, or the reference path chosen: :func:`cfbnn_cli.moments.fast_path`)."""
+    if not (kernel_library.fast_path_enabled() and kernel_library.library_loaded()):
+        return False
+    return kernel_library.cpu_operators_registered()
 
 
 @relu_tail.register_kernel("cpu")
@@ -242,11 +243,8 @@ def _relu_tail_cpu(mean, variance, weight_phi, weight_variance, weight_second, a
     # compiler, the reference ops (fresh tensors, as an operator must return)
     weights = (weight_phi, weight_variance, weight_second)
     _check_tail("relu_tail", mean, variance, *weights, activation=activation)
-    if fast.load_kernels() is not None and fast.cpu_operators_registered():
+    if _cpu_operators():
         return torch.ops.cfbnn.relu_tail(mean, variance, *weights, activation, negative_slope)
-    if fast.load_kernels() is not None:  # the library without its operators' unit
-        contiguous = [t.contiguous() for t in (mean, variance, *weights)]
-        return elbo_kernels.normal_tail(_kernel_handle(activation, negative_slope), *contiguous)
     return tuple(t.clone() for t in reference_relu_tail(mean, variance, *weights, activation, negative_slope))
 
 
@@ -257,13 +255,10 @@ def _relu_tail_backward_cpu(
     weights = (weight_phi, weight_variance, weight_second)
     _check_tail("relu_tail_backward", mean, variance, *weights, activation=activation)
     _check_rows("relu_tail_backward", mean, grad_mean_sum, grad_spread_sum)
-    if fast.load_kernels() is not None and fast.cpu_operators_registered():
+    if _cpu_operators():
         return torch.ops.cfbnn.relu_tail_backward(
             mean, variance, *weights, grad_mean_sum, grad_spread_sum, activation, slope
         )
-    if fast.load_kernels() is not None:  # the library without its operators' unit
-        contiguous = [t.contiguous() for t in (mean, variance, *weights, grad_mean_sum, grad_spread_sum)]
-        return elbo_kernels.normal_tail(_kernel_handle(activation, slope), *contiguous)
     with torch.no_grad():
         grads = _differentiable_tail_backward(
             mean, variance, *weights, grad_mean_sum, grad_spread_sum, activation, slope

@@ -552,7 +552,7 @@ def diagonal_kl_finish_kernel(
     BLOCK: tl.constexpr,
 ):
     """One program: the blocks' sums added in a fixed order, then the KL from its three sums
-    (:func:`cfbnn_cli.moments.elbo_kernels.kl_from_sums`) into ``out[0]``."""
+    (:func:`cfbnn_cli.moments.elbo_reference.kl_from_sums`) into ``out[0]``."""
     variance_sum = tl.zeros([BLOCK], dtype=tl.float64)
     loc_sum = tl.zeros([BLOCK], dtype=tl.float64)
     log_scale_sum = tl.zeros([BLOCK], dtype=tl.float64)

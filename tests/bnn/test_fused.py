@@ -54,15 +54,16 @@ def test_propagated_preactivation_matches_the_unfused_moments_and_gradcheck(bias
 
 
 @pytest.mark.parametrize("prior_variance", [1.0, 0.3])
-def test_diagonal_kl_matches_torch_distributions_and_gradcheck(prior_variance):
+def test_diagonal_kl_matches_the_torch_formula_and_gradcheck(prior_variance):
+    """cfbnn::diagonal_kl (a layer's KL under a fixed prior) against bnn.functional's formula."""
     g = _generator(1)
     loc = torch.randn(4, 3, generator=g, dtype=DT, requires_grad=True)
     log_scale = (0.5 * torch.randn(4, 3, generator=g, dtype=DT)).requires_grad_()
-    prior = torch.tensor(prior_variance, dtype=DT, requires_grad=True)
     torch.testing.assert_close(
-        fused.diagonal_kl(loc, log_scale, prior), kl_normal_rows(loc, log_scale.exp(), prior.sqrt())
+        torch.ops.cfbnn.diagonal_kl(loc, log_scale, prior_variance),
+        kl_normal_rows(loc, log_scale.exp(), prior_variance**0.5),
     )
-    torch.autograd.gradcheck(fused.diagonal_kl, (loc, log_scale, prior))
+    torch.autograd.gradcheck(lambda m, s: torch.ops.cfbnn.diagonal_kl(m, s, prior_variance), (loc, log_scale))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -106,7 +107,7 @@ def test_the_fused_functions_work_under_vmap_of_grad():
         ell = fused.normal_ell_given_hidden(
             z, torch.zeros_like(z), out_loc, out_log_scale, y, torch.tensor(0.0, dtype=DT)
         )
-        return ell.sum() - fused.diagonal_kl(loc, log_scale, 1.0)
+        return ell.sum() - kl_normal_rows(loc, log_scale.exp(), 1.0)
 
     batched = vmap(grad(loss), in_dims=(None, 0))(loc, noise)
     one_by_one = torch.stack([grad(loss)(loc, noise[i]) for i in range(8)])
@@ -127,20 +128,25 @@ def _tail_case(dtype, bias, lead=(), rows=23, width=37, seed=4):
     return gamma, xi2, loc, log_scale, y, log_precision
 
 
+def _tail_ell(activation, gamma, xi2, loc, log_scale, y, log_precision, bias=True):
+    """The ELL per point through the tail node of the ReLU family (fused.operator_normal_ell)."""
+    family = fused.tail_family(activation)
+    return fused.operator_normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias, family=family)[0]
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("activation", ["relu", "leaky_relu", "relu_squared"])
 @pytest.mark.parametrize("bias, lead", [(True, ()), (False, ()), (True, (3,))])
 def test_the_fused_tail_matches_the_reference_moments_and_output_layer(dtype, tolerance, activation, bias, lead):
-    """The one-pass kernel (moments of g, output layer, Normal ELL) against the reference torch
-    moments (fast path off) fed to the unfused output layer: values and every gradient."""
+    """The tail node (cfbnn::relu_tail: moments of g, output layer, Normal ELL in one pass) against
+    the reference torch moments (fast path off) fed to the unfused output layer: values and every
+    gradient."""
     from cfbnn_cli.moments import fast_path, get_activation
 
     g_act = get_activation(activation)
     inputs = _tail_case(dtype, bias, lead)
     gamma, xi2, loc, log_scale, y, log_precision = inputs
-    op = fused.normal_tail_op(g_act, loc, log_scale, y)
-    assert op is not None, "the kernel should apply to plain CPU tensors"
-    ell = fused.normal_ell_given_preactivation(gamma, xi2, op, loc, log_scale, y, log_precision, bias)
+    ell = _tail_ell(g_act, gamma, xi2, loc, log_scale, y, log_precision, bias)
     loss = ell.sum() + 0.01 * ell.square().sum()  # a non-uniform upstream gradient
     grads = torch.autograd.grad(loss, [gamma, xi2, loc, log_scale, log_precision])
     with fast_path(False):
@@ -159,9 +165,9 @@ def test_the_fused_tail_passes_gradcheck():
     from cfbnn_cli.moments import get_activation
 
     gamma, xi2, loc, log_scale, y, log_precision = _tail_case(DT, True, rows=5, width=4)
-    op = fused.normal_tail_op(get_activation("relu"), loc, log_scale, y)
+    relu = get_activation("relu")
     torch.autograd.gradcheck(
-        lambda *a: fused.normal_ell_given_preactivation(a[0], a[1], op, a[2], a[3], y, a[4]),
+        lambda *a: _tail_ell(relu, a[0], a[1], a[2], a[3], y, a[4]),
         (gamma, xi2, loc, log_scale, log_precision),
     )
 
@@ -174,8 +180,7 @@ def test_the_fused_tail_is_finite_at_the_extremes_in_float32():
     with torch.no_grad():
         gamma.copy_(torch.tensor([-1e3, -30.0, 0.0, 1e-3, 30.0, 1e3]).expand(4, 6))
         xi2.copy_(torch.tensor([0.0, 1e-30, 1e-6, 1.0, 1e6]).repeat(5)[:24].reshape(4, 6))
-    op = fused.normal_tail_op(get_activation("relu"), loc, log_scale, y)
-    ell = fused.normal_ell_given_preactivation(gamma, xi2, op, loc, log_scale, y, log_precision)
+    ell = _tail_ell(get_activation("relu"), gamma, xi2, loc, log_scale, y, log_precision)
     grads = torch.autograd.grad(ell.sum(), [gamma, xi2, loc, log_scale, log_precision])
     assert torch.isfinite(ell).all()
     assert all(torch.isfinite(grad).all() for grad in grads)
@@ -191,24 +196,12 @@ def test_the_fused_tail_takes_a_precision_beyond_float64_as_the_reference_path_d
     gamma, xi2, loc, log_scale, y, _ = _tail_case(DT, True, rows=5, width=4)
     for log_beta in (700.0, 800.0, 1e6):
         log_precision = torch.tensor(log_beta, dtype=DT)
-        op = fused.normal_tail_op(g_act, loc, log_scale, y)
-        ell = fused.normal_ell_given_preactivation(gamma, xi2, op, loc, log_scale, y, log_precision)
+        ell = _tail_ell(g_act, gamma, xi2, loc, log_scale, y, log_precision)
         with fast_path(False):
             phi, _, variance = g_act.moments(gamma, xi2.sqrt(), return_variance=True)
             reference = fused.normal_ell_given_hidden(phi, variance, loc, log_scale, y, log_precision)
         torch.testing.assert_close(ell, reference)
         assert (ell < -1e100).all()
-
-
-def test_the_fused_tail_declines_what_it_does_not_cover():
-    from cfbnn_cli.moments import fast_path, get_activation
-
-    gamma, xi2, loc, log_scale, y, _ = _tail_case(DT, True)
-    assert fused.normal_tail_op(get_activation("relu"), torch.zeros(2, 38, dtype=DT), log_scale, y) is None  # 2 outputs
-    assert fused.normal_tail_op(get_activation("identity"), loc, log_scale, y) is None  # no tail kernel
-    assert fused.normal_tail_op(get_activation("relu"), loc, log_scale.float(), y) is None  # mixed dtypes
-    with fast_path(False):
-        assert fused.normal_tail_op(get_activation("relu"), loc, log_scale, y) is None
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -263,34 +256,19 @@ def test_normal_ell_given_hidden_takes_the_second_moment(outputs):
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("learned_prior", [False, True])
-def test_the_kl_kernel_matches_the_torch_path(dtype, tolerance, learned_prior):
-    """One pass for the KL's three sums and one for its gradients, against the torch ops
-    (fast path off); a learned prior variance (empirical Bayes) gets its gradient too."""
-    from cfbnn_cli.moments import fast_path
-
+def test_the_kl_operator_matches_the_torch_formula_on_a_wide_layer(dtype, tolerance):
+    """One pass for the KL's three sums and one for its gradients (the C++ kernels, more than one
+    16k chunk) against bnn.functional's formula through autograd."""
     g = _generator(7)
-    loc = torch.randn(300, 70, generator=g, dtype=dtype, requires_grad=True)  # > one 16k chunk
+    loc = torch.randn(300, 70, generator=g, dtype=dtype, requires_grad=True)
     log_scale = (0.5 * torch.randn(300, 70, generator=g, dtype=dtype) - 2.0).requires_grad_()
-    prior = torch.tensor(0.7, dtype=dtype, requires_grad=learned_prior)
-    results = []
-    for enabled in (True, False):
-        with fast_path(enabled):
-            kl = fused.diagonal_kl(loc, log_scale, prior)
-            inputs = [loc, log_scale] + ([prior] if learned_prior else [])
-            results.append((kl, torch.autograd.grad(3.0 * kl, inputs)))
-    (kl, grads), (reference, reference_grads) = results
-    torch.testing.assert_close(kl, reference, rtol=tolerance, atol=0.0)
+    kl = torch.ops.cfbnn.diagonal_kl(loc, log_scale, 0.7)
+    grads = torch.autograd.grad(3.0 * kl, [loc, log_scale])
+    reference = kl_normal_rows(loc.double(), log_scale.double().exp(), 0.7**0.5)
+    reference_grads = torch.autograd.grad(3.0 * reference, [loc, log_scale])
+    torch.testing.assert_close(kl, reference.to(dtype), rtol=tolerance, atol=0.0)
     for found, expected in zip(grads, reference_grads):
         torch.testing.assert_close(found, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
-    torch.autograd.gradcheck(
-        fused.diagonal_kl,
-        (
-            loc[:3, :4].detach().double().requires_grad_(),
-            log_scale[:3, :4].detach().double().requires_grad_(),
-            torch.tensor(0.7, dtype=DT, requires_grad=True),
-        ),
-    )
 
 
 @pytest.mark.parametrize(
@@ -298,9 +276,9 @@ def test_the_kl_kernel_matches_the_torch_path(dtype, tolerance, learned_prior):
     [("analytic", 1.0), ("deterministic", 1.0), ("deterministic", 0.3), ("integrate_output_layer", 0.3)],
 )
 def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator, prior_scale):
-    """The fused route (variance-form pre-activations, the tail kernel, the KLs folded into the
-    layers' functions, sampled layers included) against the reference torch route, through the
-    whole network, float64."""
+    """The operators' route (variance-form pre-activations, the tail node, the KLs folded into the
+    layers' functions, sampled layers included) against the layer-by-layer route of the reference
+    moments, through the whole network, float64."""
     from cfbnn_cli.bnn.network import BayesianNetwork
     from cfbnn_cli.moments import fast_path
 
@@ -309,8 +287,6 @@ def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator, 
     g = _generator(8)
     x, y = torch.randn(40, 5, generator=g, dtype=DT), torch.randn(40, generator=g, dtype=DT)
     noise = network.sample_noise(40, estimator=estimator, generator=g)
-    output = network.layers[-1]
-    assert fused.normal_tail_op(network.activation, output.loc, output.log_scale, y.unsqueeze(-1)) is not None
     values = []
     for enabled in (True, False):
         with fast_path(enabled):
@@ -322,17 +298,17 @@ def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator, 
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
-@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "relu_squared"])
-def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolerance, activation):
-    """The deterministic estimator's hidden-layer kernel (square root inside, d/d variance out)
-    against the reference torch moments of (mean, sqrt(variance)) with the fast path off."""
-    from cfbnn_cli.moments import fast, fast_path, get_activation
+def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolerance):
+    """The deterministic estimator's hidden-layer operator (cfbnn::relu_moments_from_variance:
+    square root inside, d/d variance out) against the reference torch moments of (mean,
+    sqrt(variance)) with the fast path off."""
+    from cfbnn_cli.moments import fast_path, get_activation
 
-    g_act = get_activation(activation)
+    g_act = get_activation("relu")
+    from_variance = torch.ops.cfbnn.relu_moments_from_variance
     gamma, xi2, *_ = _tail_case(dtype, True, lead=(2,), rows=9, width=41)
     weights = [torch.randn(gamma.shape, generator=_generator(9), dtype=dtype) for _ in range(3)]
-    found = fast.moments_from_variance(g_act.cpu_kernels, gamma, xi2)
-    assert found is not None
+    found = from_variance(gamma, xi2)
     with fast_path(False):
         reference = g_act.moments(gamma, xi2.sqrt(), return_variance=True)
     for value, expected in zip(found, reference):
@@ -342,9 +318,7 @@ def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolera
     for found_grad, expected in zip(grads, expected_grads):
         torch.testing.assert_close(found_grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
     # a gradient for one output only (the others None) is the same as zeros for them
-    only_phi = torch.autograd.grad(
-        (weights[0] * fast.moments_from_variance(g_act.cpu_kernels, gamma, xi2)[0]).sum(), [gamma, xi2]
-    )
+    only_phi = torch.autograd.grad((weights[0] * from_variance(gamma, xi2)[0]).sum(), [gamma, xi2])
     with fast_path(False):
         expected_phi = torch.autograd.grad((weights[0] * g_act.moments(gamma, xi2.sqrt())[0]).sum(), [gamma, xi2])
     for found_grad, expected in zip(only_phi, expected_phi):
@@ -352,54 +326,20 @@ def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolera
 
 
 def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradcheck():
-    from cfbnn_cli.moments import fast, get_activation
-
-    op = get_activation("relu").cpu_kernels
+    from_variance = torch.ops.cfbnn.relu_moments_from_variance
     mean = torch.tensor([-1e3, -30.0, 0.0, 1e-3, 30.0, 1e3]).repeat(4).requires_grad_()
     variance = torch.tensor([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e-38]).repeat_interleave(4).requires_grad_()
-    outputs = fast.moments_from_variance(op, mean, variance)
+    outputs = from_variance(mean, variance)
     grads = torch.autograd.grad(sum(o.sum() for o in outputs), [mean, variance])
     assert all(torch.isfinite(t).all() for t in (*outputs, *grads))
     g = _generator(10)
     mean64 = torch.randn(3, 5, generator=g, dtype=DT, requires_grad=True)
     variance64 = (torch.rand(3, 5, generator=g, dtype=DT) + 0.1).requires_grad_()
-    torch.autograd.gradcheck(lambda m, v: fast.moments_from_variance(op, m, v), (mean64, variance64))
+    torch.autograd.gradcheck(from_variance, (mean64, variance64))
 
 
-def _without_operators(monkeypatch) -> None:
-    """As where the C++ library built but its operators' unit did not: the library's kernels
-    called directly, the deeper ReLU-family ELBO as the C++ single node."""
-    from cfbnn_cli.moments import fast
-
-    monkeypatch.setattr(fast, "cpu_operators_registered", lambda: False)
-
-
-# the ELBO as one autograd node: on the operators (one hidden layer, two or more), or without them
-# the C++ single node (fused.closed_form_normal_elbo)
-ONE_NODE = ("NormalELBOBackward", "DeepNormalELBOBackward", "_ClosedFormNormalELBOBackward")
-
-
-def test_the_deterministic_network_takes_the_variance_kernels(monkeypatch):
-    """Without the operators, on the CPU the two-hidden-layer deterministic ELBO runs its first
-    hidden layer through the variance kernel, the last through the fused tail, folds every layer's
-    KL, and is one autograd node (else the speed-up is silently lost)."""
-    from cfbnn_cli.bnn.network import BayesianNetwork
-    from cfbnn_cli.moments import elbo_kernels
-
-    _without_operators(monkeypatch)
-    calls = []
-    original = elbo_kernels.kernel_function
-    monkeypatch.setattr(
-        elbo_kernels, "kernel_function", lambda name, dtype: calls.append(name) or original(name, dtype)
-    )
-    network = BayesianNetwork(5, [12, 9], 1)
-    x, y = torch.randn(40, 5), torch.randn(40)
-    elbo = network.elbo(x, y, num_data=400, estimator="deterministic")
-    assert type(elbo.grad_fn).__name__ == "_ClosedFormNormalELBOBackward"
-    elbo.backward()
-    assert calls.count("hidden_pass") == 2 and calls.count("tail_pass") == 2  # forward + backward
-    # every layer's KL folded into its own function, and computed once (not again by layer.kl)
-    assert calls.count("diag_gradient_finish") == 3 and calls.count("diag_kl_sums") == 3
+# the ELBO as one autograd node on the operators (one hidden layer, two or more)
+ONE_NODE = ("NormalELBOBackward", "DeepNormalELBOBackward")
 
 
 def _node_by_node_elbo(network, x, y, num_data, estimator, noise=None):
@@ -421,19 +361,13 @@ def _node_by_node_elbo(network, x, y, num_data, estimator, noise=None):
         ([3], "deterministic", True),
     ],
 )
-@pytest.mark.parametrize("operators", [True, False], ids=["operators", "single_node"])
-def test_the_single_node_elbo_matches_the_node_by_node_route(
-    dtype, tolerance, hidden, estimator, output_bias, operators, monkeypatch
-):
-    """The closed-form ELBO as one autograd node -- on the operators (NormalELBO for one hidden
-    layer, DeepNormalELBO for more) or, without them, fused.closed_form_normal_elbo -- against the
-    same functions as separate nodes, value and every gradient (the learned noise precision's
-    too); the node-by-node route is itself checked against the torch formulas above and against
-    Monte Carlo in tests/bnn/test_deterministic.py."""
+def test_the_single_node_elbo_matches_the_node_by_node_route(dtype, tolerance, hidden, estimator, output_bias):
+    """The closed-form ELBO as one autograd node on the operators (NormalELBO for one hidden layer,
+    DeepNormalELBO for more) against the same layers as separate nodes, value and every gradient
+    (the learned noise precision's too); the node-by-node route is itself checked against the
+    torch formulas above and against Monte Carlo in tests/bnn/test_deterministic.py."""
     from cfbnn_cli.bnn.network import BayesianNetwork
 
-    if not operators:
-        _without_operators(monkeypatch)
     torch.manual_seed(3)
     # (a ReLU network takes the operators' route, tests/bnn/test_operator_elbo.py)
     network = BayesianNetwork(5, hidden, 1, activation="leaky_relu", prior_scale=0.7, output_bias=output_bias)
@@ -445,8 +379,7 @@ def test_the_single_node_elbo_matches_the_node_by_node_route(
     x, y = torch.randn(30, 5, generator=g, dtype=dtype), torch.randn(30, generator=g, dtype=dtype)
     parameters = list(network.parameters())
     single = network.elbo(x, y, num_data=300, estimator=estimator)
-    one_node = ONE_NODE[min(len(hidden), 2) - 1] if operators else ONE_NODE[2]
-    assert type(single.grad_fn).__name__ == one_node
+    assert type(single.grad_fn).__name__ == ONE_NODE[min(len(hidden), 2) - 1]
     reference = _node_by_node_elbo(network, x, y, 300, estimator)
     assert type(reference.grad_fn).__name__ not in ONE_NODE
     torch.testing.assert_close(single, reference, rtol=tolerance, atol=0.0)
@@ -457,38 +390,28 @@ def test_the_single_node_elbo_matches_the_node_by_node_route(
 
 
 def test_the_single_node_elbo_passes_gradcheck():
-    from cfbnn_cli.moments import get_activation
+    """Finite differences through the network's one-node ELBO (two hidden layers, float64)."""
+    from cfbnn_cli.bnn.network import BayesianNetwork
 
+    torch.manual_seed(12)
+    network = BayesianNetwork(3, [3, 4], 1, prior_scale=0.8).double()
     g = _generator(12)
-    x, y = torch.randn(6, 3, generator=g, dtype=DT), torch.randn(6, 1, generator=g, dtype=DT)
-    parameters = []
-    for rows, columns in [(4, 4), (5, 5), (1, 6)]:  # (outputs, inputs + the bias column) per layer
-        parameters += [
-            torch.randn(rows, columns, generator=g, dtype=DT).requires_grad_(),
-            (0.3 * torch.randn(rows, columns, generator=g, dtype=DT) - 1.0).requires_grad_(),
-        ]
-    log_precision = torch.tensor(0.2, dtype=DT, requires_grad=True)
-    op = fused.layer_kernel_op(get_activation("relu"), x, y, log_precision, *parameters)
-    assert op is not None
-
-    def elbo(log_precision, *p):
-        return fused.closed_form_normal_elbo(x, y, log_precision, op, p, [True, True, True], 0.64, 10.0)
-
-    torch.autograd.gradcheck(elbo, (log_precision, *parameters))
+    x, y = torch.randn(6, 3, generator=g, dtype=DT), torch.randn(6, generator=g, dtype=DT)
+    parameters = tuple(network.parameters())
+    assert type(network.elbo(x, y, num_data=60, estimator="deterministic").grad_fn).__name__ in ONE_NODE
+    # gradcheck perturbs the parameters in place: the ELBO reads them through the network
+    torch.autograd.gradcheck(lambda *p: network.elbo(x, y, num_data=60, estimator="deterministic"), parameters)
 
 
-@pytest.mark.parametrize("operators", [True, False], ids=["operators", "single_node"])
-def test_the_single_node_elbo_keeps_autograd_semantics(operators, monkeypatch):
+def test_the_single_node_elbo_keeps_autograd_semantics():
     """retain_graph gives the same gradients twice; without it a second backward pass is refused;
     a parameter changed in place between the passes is caught (the saved tensors' versions)."""
     from cfbnn_cli.bnn.network import BayesianNetwork
 
-    if not operators:
-        _without_operators(monkeypatch)
     network = BayesianNetwork(4, [6, 5], 1)
     x, y = torch.randn(10, 4), torch.randn(10)
     elbo = network.elbo(x, y, num_data=None, estimator="deterministic")
-    assert type(elbo.grad_fn).__name__ == ONE_NODE[1 if operators else 2]
+    assert type(elbo.grad_fn).__name__ == ONE_NODE[1]
     first = torch.autograd.grad(elbo, list(network.parameters()), retain_graph=True)
     second = torch.autograd.grad(elbo, list(network.parameters()))
     for a, b in zip(first, second):
@@ -545,34 +468,13 @@ def test_the_single_node_elbo_declines_what_it_does_not_cover(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("rows, width", [(3, 5), (40, 301)])  # rows shorter and longer than the kernel's block
-def test_the_hidden_kernel_writes_the_next_layers_bias_column(dtype, rows, width):
-    """hidden_pass's augmented form (the single-node ELBO's [Phi, 1], [Ups, 1]) against its plain form."""
-    from cfbnn_cli.moments import fast, get_activation
-
-    op = get_activation("relu").cpu_kernels
-    g = _generator(13)
-    mean = torch.randn(rows, width, generator=g, dtype=dtype)
-    variance = torch.rand(rows, width, generator=g, dtype=dtype)
-    plain = fast.moments_from_variance(op, mean, variance)
-    augmented = fast.MomentsFromVariance.forward(fused.Tape(()), mean, variance, op, True)
-    for found, expected in zip(augmented[:2], plain[:2]):
-        assert found.shape == (rows, width + 1)
-        torch.testing.assert_close(found[:, :width], expected, rtol=0.0, atol=0.0)
-        assert (found[:, width] == 1).all()
-    torch.testing.assert_close(augmented[2], plain[2], rtol=0.0, atol=0.0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(7, 3), (2, 40, 91)])
+@pytest.mark.parametrize("shape", [(7, 3), (80, 91)])
 def test_the_first_layers_augmented_inputs_come_from_one_kernel_pass(dtype, shape):
-    """augment_pair's [x, 1] and [x^2, 1] against torch's pad and square."""
-    from cfbnn_cli.moments import fast
-
+    """cfbnn::augment_pair's [x, 1] and [x^2, 1] against torch's pad and square, exactly; a
+    transposed (non-contiguous) input too."""
     x = torch.randn(*shape, generator=_generator(14), dtype=dtype)
-    pair = fast.augment_pair(x)
-    assert pair is not None
-    expected = torch.nn.functional.pad(x, (0, 1), value=1.0)
-    torch.testing.assert_close(pair[0], expected, rtol=0.0, atol=0.0)
-    torch.testing.assert_close(pair[1], expected * expected, rtol=0.0, atol=0.0)
-    assert fast.augment_pair(x.mT if x.dim() == 2 else x[..., ::2]) is None  # not contiguous: the torch route
+    for given in (x, x.mT.contiguous().mT):
+        inputs, squares = torch.ops.cfbnn.augment_pair(given, True)
+        expected = torch.nn.functional.pad(x, (0, 1), value=1.0)
+        torch.testing.assert_close(inputs, expected, rtol=0.0, atol=0.0)
+        torch.testing.assert_close(squares, expected * expected, rtol=0.0, atol=0.0)

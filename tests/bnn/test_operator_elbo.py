@@ -177,6 +177,33 @@ def test_the_triton_kernels_match_the_reference_path_under_the_interpreter():
     _assert_within_tolerance(errors)
 
 
+WITHOUT_LIBRARY = """
+from cfbnn_cli.moments import fast
+out = errors()
+out["available"] = fast.fast_path_info()["available"]
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_without_the_cpp_library_the_nodes_run_the_reference_kernels(tmp_path):
+    """No compiler: the same nodes, their every step's CPU kernel the reference torch formula
+    (:mod:`cfbnn_cli.moments.elbo_reference`), against the reference path layer by layer."""
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), CFBNN_CACHE_DIR=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", CHECK + WITHOUT_LIBRARY],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    errors = json.loads(line[len("RESULT ") :])
+    assert errors.pop("available") is False  # (no library: nothing but the reference kernels ran)
+    _assert_within_tolerance(errors)
+
+
 def test_which_networks_take_the_operators():
     """Networks of the ReLU family (ReLU, leaky ReLU, ReLU^2) on either device, one hidden layer
     or more; other activations (the piecewise polynomials) and subclasses do not, and with the

@@ -1,4 +1,5 @@
-"""The ELBO's step operators (:mod:`cfbnn_cli.moments.elbo_ops`): each one's C++ CPU kernel against
+"""The ELBO's step operators (:mod:`cfbnn_cli.moments.elbo_ops`): each one's C++ CPU kernel (and its
+reference kernel, :mod:`cfbnn_cli.moments.elbo_reference`) against
 torch's own distributions and autograd in float64 (the definitions, not the kernels' formulas
 re-typed), and ``torch.library.opcheck`` on the CPU and, where there is one, on CUDA. Their Triton
 kernels run under the interpreter in tests/bnn/test_operator_elbo.py, where the whole ELBO they
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import cfbnn_cli.moments  # noqa: F401 - registers the operators
-from cfbnn_cli.moments import elbo_ops
+from cfbnn_cli.moments import elbo_ops, elbo_reference
 
 C = torch.ops.cfbnn
 ROWS, WIDTH = 37, 11
@@ -54,18 +55,31 @@ def _ell(t, bias: bool):
     return normal.log_prob(t["y"]) - 0.5 * tau * spread
 
 
+class _ReferenceKernels:
+    """The reference kernels (:mod:`cfbnn_cli.moments.elbo_reference`) under the operators' names: the
+    torch formulas that run where the C++ library did not build, held to the same definitions."""
+
+    def __getattr__(self, name):
+        return elbo_reference.KERNELS[name]
+
+
+@pytest.fixture(params=["operator", "reference"])
+def kernels(request):
+    return C if request.param == "operator" else _ReferenceKernels()
+
+
 @pytest.mark.parametrize("bias", [True, False])
-def test_augment_pair(bias):
+def test_augment_pair(bias, kernels):
     x = _tensors(0)["x"]
-    inputs, squares = C.augment_pair(x, bias)
+    inputs, squares = kernels.augment_pair(x, bias)
     want = torch.cat([x, torch.ones(ROWS, 1, dtype=x.dtype)], 1) if bias else x
     assert torch.equal(inputs, want) and torch.equal(squares, want * want)
 
 
 @pytest.mark.parametrize("loc_square", [True, False])
-def test_diagonal_kl_pass(loc_square):
+def test_diagonal_kl_pass(loc_square, kernels):
     t = _tensors(1)
-    kl, variance, square = C.diagonal_kl_pass(t["matrix_loc"], t["matrix_log_scale"], 0.7, loc_square)
+    kl, variance, square = kernels.diagonal_kl_pass(t["matrix_loc"], t["matrix_log_scale"], 0.7, loc_square)
     torch.testing.assert_close(kl, _kl(t["matrix_loc"], t["matrix_log_scale"], 0.7), rtol=1e-13, atol=0)
     torch.testing.assert_close(variance, torch.exp(2 * t["matrix_log_scale"]), rtol=1e-15, atol=0)
     assert square.shape == ((6, 4) if loc_square else (0,))
@@ -74,33 +88,33 @@ def test_diagonal_kl_pass(loc_square):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_rows_and_the_elbo(bias):
+def test_rows_and_the_elbo(bias, kernels):
     t = _tensors(2)
     loc, log_scale = (t[k][:, : WIDTH + int(bias)] for k in ("loc", "log_scale"))
     common = (t["mean_sum"], t["spread_sum"], t["y"], loc, log_scale, t["log_precision"])
-    residual, squares, ell = C.normal_ell_rows(*common, bias)
+    residual, squares, ell = kernels.normal_ell_rows(*common, bias)
     case = dict(t, loc=loc, log_scale=log_scale)
     torch.testing.assert_close(ell, _ell(case, bias), rtol=1e-13, atol=1e-13)
     b = loc[0, WIDTH] if bias else 0.0
     torch.testing.assert_close(residual, t["y"] - t["mean_sum"] - b)
     hidden_kl, output_kl = torch.tensor(1.25, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)
-    _, _, elbo = C.normal_elbo_rows(*common, hidden_kl, output_kl, 3.0, bias)
+    _, _, elbo = kernels.normal_elbo_rows(*common, hidden_kl, output_kl, 3.0, bias)
     torch.testing.assert_close(elbo, 3.0 * _ell(case, bias).sum() - 1.75, rtol=1e-13, atol=0)
-    assert torch.equal(squares, C.normal_elbo_rows(*common, hidden_kl, output_kl, 3.0, bias)[1])
+    assert torch.equal(squares, kernels.normal_elbo_rows(*common, hidden_kl, output_kl, 3.0, bias)[1])
 
 
 @pytest.mark.parametrize("row_grads", [True, False])
-def test_rows_backward_is_the_gradient_of_the_rows(row_grads):
+def test_rows_backward_is_the_gradient_of_the_rows(row_grads, kernels):
     t = _tensors(3)
     leaves = {k: t[k].clone().requires_grad_() for k in ("mean_sum", "spread_sum", "log_precision")}
     ell = _ell(dict(t, **leaves), True)
     grad = t["row_grad"] if row_grads else torch.tensor(0.8, dtype=torch.float64)
     weights = 2.5 * (grad if row_grads else grad.expand(ROWS))
     want = torch.autograd.grad((weights * ell).sum(), list(leaves.values()))
-    residual, squares, _ = C.normal_ell_rows(
+    residual, squares, _ = kernels.normal_ell_rows(
         t["mean_sum"], t["spread_sum"], t["y"], t["loc"], t["log_scale"], t["log_precision"], True
     )
-    row_u, row_k, sums, grad_log_precision = C.normal_rows_backward(
+    row_u, row_k, sums, grad_log_precision = kernels.normal_rows_backward(
         grad, residual, squares, t["log_precision"], 2.5, row_grads
     )
     # dL/d mean_sum and dL/d spread_sum per row; their sums are the bias column's (d b = u, d Var b = k)
@@ -112,7 +126,7 @@ def test_rows_backward_is_the_gradient_of_the_rows(row_grads):
 
 
 @pytest.mark.parametrize("bias, kl_sign", [(True, -1.0), (False, 1.0), (True, 0.0)])
-def test_output_layer_gradients_fold_the_kl(bias, kl_sign):
+def test_output_layer_gradients_fold_the_kl(bias, kl_sign, kernels):
     t = _tensors(4)
     width = WIDTH
     loc, log_scale = (t[k][:, : width + int(bias)].clone().requires_grad_() for k in ("loc", "log_scale"))
@@ -126,12 +140,12 @@ def test_output_layer_gradients_fold_the_kl(bias, kl_sign):
         data = data + sums[0] * loc[0, width] + sums[1] * variance[0, width]
     objective = data + kl_sign * kl_grad * _kl(loc, log_scale, 0.6)
     want = torch.autograd.grad(objective, [loc, log_scale])
-    got = C.output_layer_gradients(columns, sums, loc.detach(), log_scale.detach(), kl_grad, kl_sign, 0.6, bias)
+    got = kernels.output_layer_gradients(columns, sums, loc.detach(), log_scale.detach(), kl_grad, kl_sign, 0.6, bias)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-14)
 
 
-def test_finish_diagonal_gradients_in_place():
+def test_finish_diagonal_gradients_in_place(kernels):
     t = _tensors(5)
     loc, log_scale = (t[k].clone().requires_grad_() for k in ("matrix_loc", "matrix_log_scale"))
     grad_loc, grad_variance = (g.clone() for g in t["gradients"])
@@ -139,12 +153,14 @@ def test_finish_diagonal_gradients_in_place():
     objective = (grad_loc * loc).sum() + (grad_variance * torch.exp(2 * log_scale)).sum()
     want = torch.autograd.grad(objective - kl_grad * _kl(loc, log_scale, 1.3), [loc, log_scale])
     variance = torch.exp(2 * t["matrix_log_scale"])
-    result = C.finish_diagonal_gradients(grad_loc, grad_variance, t["matrix_loc"], variance, kl_grad, -1.0, 1.3)
+    result = kernels.finish_diagonal_gradients(grad_loc, grad_variance, t["matrix_loc"], variance, kl_grad, -1.0, 1.3)
     assert result is None  # (in place: the two gradients are now d/d loc and d/d log_scale)
     torch.testing.assert_close(grad_loc, want[0], rtol=1e-13, atol=1e-14)
     torch.testing.assert_close(grad_variance, want[1], rtol=1e-13, atol=1e-14)
     with pytest.raises(ValueError, match="contiguous"):
-        C.finish_diagonal_gradients(grad_loc.t(), grad_variance.t(), loc.detach().t(), variance.t(), kl_grad, -1.0, 1.3)
+        kernels.finish_diagonal_gradients(
+            grad_loc.t(), grad_variance.t(), loc.detach().t(), variance.t(), kl_grad, -1.0, 1.3
+        )
 
 
 def _opcheck_arguments(t):

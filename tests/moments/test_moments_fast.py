@@ -293,27 +293,6 @@ def test_switches_select_the_path(monkeypatch, name):
     assert calls == [1, 1]
 
 
-@pytest.mark.parametrize("name, params", [("relu", {}), ("leaky_relu", {"negative_slope": -0.5}), ("relu_squared", {})])
-def test_without_the_operators_unit_the_activations_call_their_kernels_directly(monkeypatch, name, params):
-    """A library whose operators' unit did not build registers no operators: each activation with
-    an operator then calls the same C++ kernels directly (``fast.moments``), with the operator's
-    values and gradients (float64)."""
-    activation = get_activation(name, **params)
-    g = torch.Generator().manual_seed(8)
-    mean = torch.randn(20, 7, generator=g, dtype=torch.float64) * 3
-    std = torch.rand(20, 7, generator=g, dtype=torch.float64) + 0.05
-    results = []
-    for registered in (True, False):
-        monkeypatch.setattr(fast, "cpu_operators_registered", lambda registered=registered: registered)
-        m, s = mean.clone().requires_grad_(), std.clone().requires_grad_()
-        outputs = activation.moments(m, s, return_variance=True)
-        assert ("MomentsAutograd" in outputs[0].grad_fn.name()) == registered
-        (outputs[0].sum() + 0.5 * outputs[1].sum() - outputs[2].sum()).backward()
-        results.append([t.detach() for t in outputs] + [m.grad, s.grad])
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
-
-
 def test_info_reports_the_build():
     info = fast.fast_path_info()
     assert info["available"] and info["enabled"]

@@ -14,7 +14,7 @@ import math
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
+from cfbnn_cli.moments import kl_ops, leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 
@@ -161,8 +161,8 @@ def triton_errors(device: str) -> dict:
         p = torch.distributions.Normal(torch.zeros((), dtype=torch.float64), 0.8**0.5)
         reference = torch.distributions.kl_divergence(q, p).sum()
         reference.backward()
-        kl = ops.triton_diagonal_kl(on(loc), on(log_scale), 0.8)
-        gl, gs = ops.triton_diagonal_kl_backward(on(loc), on(log_scale), on(torch.tensor(1.0, dtype=dtype)), 0.8)
+        kl = kl_ops.triton_diagonal_kl(on(loc), on(log_scale), 0.8)
+        gl, gs = kl_ops.triton_diagonal_kl_backward(on(loc), on(log_scale), on(torch.tensor(1.0, dtype=dtype)), 0.8)
         out[name + "_kl"] = {
             "value": abs(float(kl) - float(reference.detach())) / abs(float(reference.detach())),
             "grads": max(_relative(gl, l64.grad), _relative(gs, s64.grad)),

@@ -58,19 +58,20 @@ def operators_apply(activation, *tensors: torch.Tensor) -> bool:
 
 
 def relu_operators_apply(*tensors: torch.Tensor, family=RELU) -> bool:
-    """Whether the ReLU family's operators' kernels take these tensors: one float dtype on one
-    device with kernels -- the CPU with the C++ library built with its operators and the fast path
-    on, or CUDA with Triton, the operators switched on (:func:`cfbnn_cli.moments.ops.set_device_kernels`)
-    and the kernels' first run on that device and dtype (and for that activation) passed -- outside
-    torch.func transforms, and inside ``torch.compile`` on the CPU (the graph calls the operators;
-    on CUDA a compiled call takes the reference route: the Triton steps are not checked there)."""
+    """Whether the nodes of this module take these tensors: one float dtype on one device, outside
+    torch.func transforms (the nodes have no batching rule; the estimator's layer-by-layer route
+    serves ``vmap``). On the CPU that is all: the dispatcher runs the C++ kernels, or the reference
+    kernels where the library did not build (the reference path chosen with
+    :func:`cfbnn_cli.moments.fast_path` takes the layer-by-layer route instead). On CUDA the
+    Triton kernels' first run on that device and dtype must have passed
+    (:func:`cfbnn_cli.moments.ops.first_use_check`), outside ``torch.compile``."""
     first = tensors[0]
-    if torch._C._are_functorch_transforms_active() or any(
-        t.device != first.device or t.dtype != first.dtype for t in tensors
-    ):
+    if first.dtype not in (torch.float32, torch.float64) or torch._C._are_functorch_transforms_active():
+        return False
+    if any(t.device != first.device or t.dtype != first.dtype for t in tensors):
         return False
     if first.device.type == "cpu" and not ops.triton_device(first.device):
-        return fast.library_takes(first) and fast.cpu_operators_registered()
+        return fast.fast_path_enabled()
     if torch.compiler.is_compiling():
         return False
     what = "the closed-form ELBO's Triton kernels" + ("" if family == RELU else f" (activation {family[0]})")

@@ -9,7 +9,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...moments import fast as fast_moments
 from . import support
 
 
@@ -29,12 +28,9 @@ class DiagonalPreactivation(torch.autograd.Function):
             # the inputs narrower than the outputs: [h, 1] built once is cheaper than the bias
             # broadcast into each (N, rows) result, and the products then give the bias column's
             # gradient too (no sums, no slices)
-            pair = fast_moments.augment_pair(h)  # [h, 1] and [h^2, 1] in one pass where the kernels run
-            if pair is None:
-                augmented = torch.nn.functional.pad(h, (0, 1), value=1.0)
-                squared = augmented * augmented
-            else:
-                augmented, squared = pair
+            # [h, 1] and [h^2, 1] in one pass
+            augmented, squared = torch.ops.cfbnn.augment_pair(h.reshape(-1, width), True)
+            augmented, squared = (t.reshape(*h.shape[:-1], width + 1) for t in (augmented, squared))
             gamma = support.affine(augmented, loc, None)
             xi2 = support.affine(squared, variance, None)
         else:
@@ -83,9 +79,9 @@ class DiagonalPreactivation(torch.autograd.Function):
             grad_h = torch.addcmul(grad_gamma @ loc[:, :width], h, ratio @ variance[:, :width], value=scale)
         grad_loc = support.weight_gradient(grad_gamma, inputs, bias)
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
-            grad_log_scale = support.weight_gradient(ratio, squared, bias)
+            grad_log_scale = support.weight_gradient(ratio, squared, bias, 0.5 * scale)
             grad_loc, grad_log_scale = support.folded_kl_backward(
-                loc, variance, grad_loc, grad_log_scale, scale, ctx.prior_variance, grad_kl
+                loc, variance, grad_loc, grad_log_scale, ctx.prior_variance, grad_kl
             )
             return grad_h, grad_loc, grad_log_scale, None, None, None
         grad_log_scale = support.weight_gradient(ratio, squared, bias, scale)
@@ -241,9 +237,9 @@ class PropagatedPreactivation(torch.autograd.Function):
         # ([E h^2, 1] augmented: the bias column's from the product)
         bias_column = ctx.bias and not ctx.augmented
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
-            grad_log_scale = support.weight_gradient(ratio, second, bias_column)
+            grad_log_scale = support.weight_gradient(ratio, second, bias_column, 0.5 * scale)
             grad_loc, grad_log_scale = support.folded_kl_backward(
-                loc, weight_variance, grad_loc, grad_log_scale, scale, ctx.prior_variance, grad_kl
+                loc, weight_variance, grad_loc, grad_log_scale, ctx.prior_variance, grad_kl
             )
         else:
             grad_log_scale = support.weight_gradient(ratio, second, bias_column, scale)

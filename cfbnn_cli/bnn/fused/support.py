@@ -1,20 +1,14 @@
 """What the fused functions share: flat views, affine products with a bias column, weight
 gradients, the KL folded into a layer's pass, classic (non-functorch) twins of autograd
-functions, and :class:`Tape`, the context the single-node ELBO runs them on."""
+functions."""
 
 from __future__ import annotations
 
 import functools
 import math
-import sys
 from typing import Optional
 
 import torch
-
-from ...moments import fast as fast_moments
-
-LOG_MAX_DOUBLE = math.log(sys.float_info.max)
-
 
 LOG_2PI = math.log(2.0 * math.pi)
 
@@ -116,27 +110,27 @@ def weight_gradient(left: torch.Tensor, right: torch.Tensor, bias: bool, scale: 
 
 
 def folded_kl_forward(loc: torch.Tensor, log_scale: torch.Tensor, prior_variance: Optional[float]):
-    """``(exp(2 log_scale), KL)`` from one kernel pass (the KL of the layer folded into its
-    pre-activation function), or ``None`` where that does not apply (no prior given, torch.func
-    transforms, the kernels unavailable for these tensors)."""
+    """``(exp(2 log_scale), KL)`` from one pass (``cfbnn::diagonal_kl_pass``: the KL of the layer
+    folded into its pre-activation function), or ``None`` where that does not apply (no prior
+    given, or torch.func transforms: the layer's KL is then computed on its own)."""
     if prior_variance is None or transforms_active():
         return None
-    variance = torch.empty_like(log_scale)
-    sums = fast_moments.diagonal_kl_sums(loc, log_scale, variance)
-    if sums is None:
-        return None
-    return variance, loc.new_tensor(fast_moments.kl_from_sums(*sums, loc.numel(), prior_variance))
+    kl, variance, _ = torch.ops.cfbnn.diagonal_kl_pass(loc, log_scale, float(prior_variance), False)
+    return variance, kl
 
 
-def folded_kl_backward(loc, variance, grad_loc, grad_variance, scale: float, prior_variance: float, grad_kl):
-    """The layer's gradients finished in place with its KL's folded in: ``grad_variance`` (``dL/d
-    Var / scale``) becomes ``dL/d log_scale`` (one kernel pass over the matrix, no second pair of
-    gradient buffers for autograd to add)."""
-    kl_grad = 0.0 if grad_kl is None else float(grad_kl)
-    fast_moments.finish_diagonal_gradients(
-        loc, variance, grad_loc, grad_variance, scale, kl_grad / prior_variance, kl_grad
+def folded_kl_backward(loc, variance, grad_loc, half_grad_variance, prior_variance: float, grad_kl):
+    """The layer's gradients finished in place with its KL's folded in
+    (``cfbnn::finish_diagonal_gradients``): ``half_grad_variance`` (``dL/d Var / 2``) becomes ``dL/d
+    log_scale`` in one pass over the matrix, and no second pair of gradient buffers reaches autograd."""
+    if grad_kl is None:  # the KL unused: its gradient is not read (kl_sign 0)
+        grad_kl, sign = constant(0.0, loc.dtype, loc.device), 0.0
+    else:
+        sign = 1.0
+    torch.ops.cfbnn.finish_diagonal_gradients(
+        grad_loc, half_grad_variance, loc, variance, grad_kl, sign, float(prior_variance)
     )
-    return grad_loc, grad_variance
+    return grad_loc, half_grad_variance
 
 
 def gradient_pair(first, second, zeros):
@@ -205,28 +199,3 @@ def with_folded_kl(outputs):
     """``(gamma, xi, KL or None)`` from the pre-activation functions' outputs (the KL is the fifth)."""
     kl = outputs[4]
     return outputs[0], outputs[1], (kl if kl.numel() == 1 else None)
-
-
-class Tape:
-    """Stands in for autograd's ``ctx`` where the functions above run inside another function
-    (:class:`_ClosedFormNormalELBO`): what their forward and backward passes use of it."""
-
-    def __init__(self, needs_input_grad):
-        self.needs_input_grad = needs_input_grad
-        self.saved_tensors = ()
-
-    def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
-
-    def mark_non_differentiable(self, *tensors):
-        pass
-
-    def set_materialize_grads(self, value: bool):
-        pass
-
-
-def record(function, tape: Tape, *inputs):
-    """``function``'s forward pass (a ``setup_context`` function) with its context on ``tape``."""
-    outputs = function.forward(*inputs)
-    function.setup_context(tape, inputs, outputs)
-    return outputs

@@ -1,0 +1,130 @@
+"""The reference kernels of the closed-form ELBO's steps (:mod:`.elbo_ops`): the torch formulas
+that run where neither the C++ library nor Triton does (a CPU without a compiler, any other
+device), and the oracle the C++ and Triton kernels are tested against
+(``tests/moments/test_elbo_ops.py``). Same arguments and results as the operators; sums in
+float64, as the kernels add them.
+
+Paper eq. (4) (the ELBO and its KL terms), eq. (7) (the Normal likelihood's rows), eq. (12) (the
+first layer's inputs and their squares).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+LOG_2PI = math.log(2.0 * math.pi)
+
+
+def augment_pair(x: Tensor, bias: bool):
+    """``([x, 1], [x^2, 1])`` (``(x, x^2)`` without ``bias``)."""
+    inputs = torch.nn.functional.pad(x, (0, 1), value=1.0) if bias else x.clone()
+    return inputs, inputs * inputs
+
+
+def kl_from_sums(second_moment: Tensor, log_scale_sum: Tensor, count: int, prior_variance: float) -> Tensor:
+    """``KL(N(loc, diag Var) || N(0, s^2 I))`` from ``sum (Var + loc^2)`` and ``sum log_scale``."""
+    return 0.5 * (second_moment / prior_variance - count + count * math.log(prior_variance)) - log_scale_sum
+
+
+def diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
+    """``KL(N(loc, diag exp(2 log_scale)) || N(0, prior_variance I))`` summed over the matrix (0-d)."""
+    return diagonal_kl_pass(loc, log_scale, prior_variance, False)[0]
+
+
+def kl_gradients(loc: Tensor, log_scale: Tensor, grad, prior_variance: float):
+    """The KL's gradients for ``grad = dL/dKL``: ``(grad / s^2 loc, grad / s^2 exp(2 log_scale) -
+    grad)``; differentiable, and batched where ``grad`` broadcasts against ``loc``."""
+    scaled = grad / prior_variance
+    return scaled * loc, scaled * torch.exp(2.0 * log_scale) - grad
+
+
+def diagonal_kl_pass(loc: Tensor, log_scale: Tensor, prior_variance: float, loc_square: bool):
+    """``(KL, exp(2 log_scale), loc^2 or an empty tensor)``."""
+    variance = torch.exp(2.0 * log_scale)
+    second_moment = variance.sum(dtype=torch.float64) + loc.square().sum(dtype=torch.float64)
+    kl = kl_from_sums(second_moment, log_scale.sum(dtype=torch.float64), loc.numel(), prior_variance)
+    return kl.to(loc.dtype), variance, (loc * loc if loc_square else loc.new_empty(0))
+
+
+def _rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
+    """``(residual, squares, ELL)`` per row (eq. (7)), the one-output layer's bias column included."""
+    width = loc.shape[-1] - int(bias)
+    mean, spread = mean_sum, spread_sum
+    if bias:
+        mean = mean + loc.reshape(-1)[width]
+        spread = spread + torch.exp(2.0 * log_scale.reshape(-1)[width])
+    residual = y.reshape(mean_sum.shape) - mean
+    squares = spread + residual * residual
+    log_beta = log_precision.reshape(())
+    ell = squares * (-0.5 * torch.exp(log_beta)) + 0.5 * (log_beta - LOG_2PI)
+    return residual, squares, ell
+
+
+def normal_ell_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
+    return _rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
+
+
+def normal_elbo_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
+    """The rows and ``scale sum_r ELL_r - hidden_kl - output_kl`` (eq. (4))."""
+    residual, squares, ell = _rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
+    elbo = scale * ell.sum(dtype=torch.float64) - hidden_kl.double() - output_kl.double()
+    return residual, squares, elbo.to(mean_sum.dtype).reshape(())
+
+
+def normal_rows_backward(grad, residual, squares, log_precision, scale: float, row_grads: bool):
+    """``(u, k, sums, d log_precision)``: ``u = g beta residual``, ``k = -g beta / 2`` per row and
+    ``sums = (sum u, sum k, sum g (1/2 - beta/2 squares))`` (float64)."""
+    per_row = grad * scale if row_grads else (grad.reshape(()) * scale).expand_as(residual)
+    beta = torch.exp(log_precision.reshape(()))
+    row_u = residual * per_row * beta
+    row_k = per_row * (-0.5 * beta)
+    log_term = per_row.double() * (0.5 - 0.5 * beta.double() * squares.double())
+    sums = torch.stack([row_u.sum(dtype=torch.float64), row_k.sum(dtype=torch.float64), log_term.sum()])
+    return row_u, row_k, sums, sums[2].to(log_precision.dtype).reshape(log_precision.shape)
+
+
+def _finish(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign: float, prior_variance: float):
+    """``dL/d Var`` of the data term into ``dL/d log_scale`` (``d Var / d log_scale = 2 Var``), the
+    KL's gradient folded in with ``dL/dKL = kl_sign kl_grad``: returns the finished pair."""
+    kl = kl_sign * kl_grad.reshape(()) if kl_sign != 0.0 else torch.zeros((), dtype=loc.dtype, device=loc.device)
+    scaled = kl / prior_variance
+    return grad_loc + scaled * loc, variance * (2.0 * grad_variance + scaled) - kl
+
+
+def output_layer_gradients(columns, sums, loc, log_scale, kl_grad, kl_sign: float, prior_variance: float, bias: bool):
+    """The one-output layer's ``(d loc, d log_scale)`` from the tail pass's column sums (float64 ``(3,
+    H)``: ``sum u Phi``, ``sum k Var``, ``sum k Upsilon``) and the rows' ``sums``."""
+    width = columns.shape[1]
+    w_phi = loc.reshape(-1)[:width].double()
+    grad_loc = columns[0] + 2.0 * w_phi * columns[1]
+    grad_variance = columns[2]
+    if bias:
+        grad_loc = torch.cat([grad_loc, sums[:1]])
+        grad_variance = torch.cat([grad_variance, sums[1:2]])
+    grad_loc = grad_loc.to(loc.dtype).reshape(loc.shape)
+    grad_variance = grad_variance.to(loc.dtype).reshape(loc.shape)
+    return _finish(grad_loc, grad_variance, loc, torch.exp(2.0 * log_scale), kl_grad, kl_sign, prior_variance)
+
+
+def finish_diagonal_gradients(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign: float, prior_variance: float):
+    """In place: ``grad_loc += dL/dKL loc / s^2``, ``grad_variance <- 2 Var grad_variance + dL/dKL
+    (Var / s^2 - 1)``."""
+    if not (grad_loc.is_contiguous() and grad_variance.is_contiguous()):  # as the kernels refuse them
+        raise ValueError("cfbnn::finish_diagonal_gradients: the gradients it finishes in place must be contiguous")
+    finished_loc, finished_variance = _finish(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance)
+    grad_loc.copy_(finished_loc)
+    grad_variance.copy_(finished_variance)
+
+
+KERNELS = {
+    "augment_pair": augment_pair,
+    "diagonal_kl_pass": diagonal_kl_pass,
+    "normal_ell_rows": normal_ell_rows,
+    "normal_elbo_rows": normal_elbo_rows,
+    "normal_rows_backward": normal_rows_backward,
+    "output_layer_gradients": output_layer_gradients,
+    "finish_diagonal_gradients": finish_diagonal_gradients,
+}
