@@ -13,7 +13,7 @@ Kernels, as for ``cfbnn::relu_moments`` (:mod:`.ops`): on the CPU the C++ ``leak
 (``csrc/cfbnn_ops.cpp``, registered when the library loads; before that, and without a
 compiler, :func:`reference_leaky_moments`); on CUDA the Triton kernels of
 :mod:`.triton_kernels`, one launch each way. Autograd (the backward kernel; under
-``create_graph`` inside :class:`.ops.KernelVJP`, whose own derivative is that of the
+``create_graph`` inside :class:`.operator_registration.KernelVJP`, whose own derivative is that of the
 reference ops), fake and vmap registrations; ``opcheck`` in ``tests/moments/test_leaky_ops.py``.
 """
 
@@ -25,16 +25,18 @@ import torch
 from torch import Tensor
 
 from .kernel_handles import slope_for
+from .operator_registration import (
+    check_operands,
+    moments_function,
+    register_moments_operators,
+)
 from .ops import (
     ACTIVATION_KINDS,
     HAVE_TRITON,
-    check_operands,
     checked_operator_route,
     launch_family_moments,
     launch_family_moments_backward,
-    moments_function,
     moments_kernels_check,
-    register_moments_operators,
 )
 from .relu_reference import small_tail
 

@@ -44,7 +44,16 @@ import torch
 from torch import Tensor
 
 from . import fast, kernel_handles
-from .gaussian import align_batched, is_transformed, standard_normal_cdf, standard_normal_pdf, standardize
+from .gaussian import standard_normal_cdf, standard_normal_pdf, standardize
+from .operator_registration import (
+    _FLOATS,
+    check_operands,
+    differentiable_by_formula,
+    elementwise_vmap,
+    library_kernels,
+    moments_function,
+    register_moments_autograd,
+)
 from .relu_reference import relu_forward
 
 
@@ -83,10 +92,6 @@ __all__ = [
     "relu_moments",
     "relu_moments_backward",
     "relu_moments_function",
-    "OperatorMoments",
-    "moments_function",
-    "register_moments_autograd",
-    "register_moments_operators",
     "HAVE_TRITON",
     "device_kernels",
     "set_device_kernels",
@@ -98,18 +103,7 @@ __all__ = [
     "triton_relu_moments_from_variance_backward",
 ]
 
-_FLOATS = (torch.float32, torch.float64)
 log = logging.getLogger(__name__)
-
-
-def check_operands(name: str, *tensors: Tensor) -> None:
-    first = tensors[0]
-    for tensor in tensors:
-        if tensor.shape != first.shape:
-            raise ValueError(f"cfbnn::{name}: every tensor must have the shape of `mean` {tuple(first.shape)}")
-        if tensor.dtype != first.dtype or tensor.dtype not in _FLOATS:
-            raise ValueError(f"cfbnn::{name}: tensors must share one dtype, float32 or float64; got {tensor.dtype}")
-
 
 # ----------------------------------------------------------------------------- Triton launches
 
@@ -285,14 +279,6 @@ def relu_moments_backward(
     return _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
 
 
-def library_kernels() -> bool:
-    """Asked only by the operators' Python CPU kernels, which run until the C++ library is loaded:
-    whether it loaded with its operators (on first use; its C++ CPU kernels then replace these in
-    the dispatcher, and the next call goes straight to them), else the reference kernels run (no
-    compiler, or the reference path chosen with :func:`cfbnn_cli.moments.fast_path`)."""
-    return fast.fast_path_enabled() and fast.library_loaded() and fast.cpu_operators_registered()
-
-
 @relu_moments.register_kernel("cpu")
 def _relu_moments_cpu(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     check_operands("relu_moments", mean, std)
@@ -319,100 +305,11 @@ def _(mean, std, phi, grad_phi, grad_upsilon, grad_variance):
     return torch.empty_like(mean), torch.empty_like(mean)
 
 
-def absent_gradient(like: Tensor) -> Tensor:
-    """The gradient of an output nothing used: one zero expanded to ``like``'s shape, which the
-    kernels read as a scalar (the C++ one as no gradient at all) instead of a block of zeros."""
-    return like.new_zeros(()).expand(like.shape)
-
-
-def register_cpu_fallbacks(forward, backward, reference_forward: Callable, formula: Callable) -> None:
-    """The Python CPU kernels of a moments operator pair (arguments as
-    :func:`register_moments_autograd`'s; ``reference_forward(mean, std, *parameters)`` the
-    reference ops' ``(Phi, Upsilon, Var)``). They serve before the C++ library has loaded -- they
-    load it, and its C++ kernels, registered then, take over -- and, without a compiler, run the
-    reference ops (fresh tensors, as an operator must return)."""
-    name = forward._name.split("::")[-1]
-
-    def forward_cpu(mean, std, *parameters):
-        check_operands(name, mean, std)
-        if library_kernels():
-            return forward(mean, std, *parameters)
-        return tuple(value.clone() for value in reference_forward(mean, std, *parameters))
-
-    def backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters):
-        grads = (grad_phi, grad_upsilon, grad_variance)
-        check_operands(name + "_backward", mean, std, phi, *grads)
-        if library_kernels():
-            return backward(mean, std, phi, *grads, *parameters)
-        with torch.no_grad():
-            return tuple(formula(mean, std, phi, *grads, *parameters))
-
-    forward.register_kernel("cpu")(forward_cpu)
-    backward.register_kernel("cpu")(backward_cpu)
-
-
-def register_moments_autograd(forward, backward, formula: Callable) -> None:
-    """The autograd registration of a moments operator ``forward(mean, std, *parameters) -> (Phi,
-    Upsilon, Var)`` (the Python one: CUDA's; the CPU's is C++) through its backward operator
-    ``backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters)``; where a graph
-    of the backward is wanted, inside :class:`KernelVJP` with ``formula``'s derivative. An unused
-    output's gradient is :func:`absent_gradient`, not a block of zeros."""
-
-    def setup_context(ctx, inputs, output):
-        mean, std, *parameters = inputs
-        ctx.parameters = tuple(parameters)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(mean, std, output[0])
-
-    def backward_pass(ctx, grad_phi, grad_upsilon, grad_variance):
-        mean, std, phi = ctx.saved_tensors
-        grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
-        if torch.is_grad_enabled():  # a graph of the backward is wanted: the kernel, differentiable again
-            result = KernelVJP.apply(backward, formula, mean, std, phi, *grads, *ctx.parameters)
-        else:
-            result = backward(mean, std, phi, *grads, *ctx.parameters)
-        return (*result, *(None,) * len(ctx.parameters))
-
-    forward.register_autograd(backward_pass, setup_context=setup_context)
-
-
 register_moments_autograd(relu_moments, relu_moments_backward, _differentiable_backward)
-
-
-def elementwise_vmap(op, count: int):
-    """The vmap rule of an elementwise operator with ``count`` outputs: each tensor argument with
-    the vmap dimension first (an unbatched one expanded to the batch), one call on the batch; the
-    other arguments (a slope, say) passed as they are."""
-
-    def rule(info, in_dims, *arguments):
-        moved = []
-        for argument, dim in zip(arguments, in_dims):
-            if isinstance(argument, Tensor):
-                if dim is None:
-                    argument = argument.unsqueeze(0).expand(info.batch_size, *argument.shape)
-                else:
-                    argument = argument.movedim(dim, 0)
-                argument = argument.contiguous()
-            moved.append(argument)
-        return op(*moved), 0 if count == 1 else (0,) * count
-
-    return rule
 
 
 relu_moments.register_vmap(elementwise_vmap(relu_moments, 3))
 relu_moments_backward.register_vmap(elementwise_vmap(relu_moments_backward, 2))
-
-
-def register_moments_operators(forward, backward, reference_forward: Callable, formula: Callable) -> None:
-    """Everything of a moments operator pair but its device kernels and fake implementations:
-    the Python CPU kernels (:func:`register_cpu_fallbacks`), autograd
-    (:func:`register_moments_autograd`), the backward operator's own derivative
-    (:func:`differentiable_by_formula`) and both vmap rules."""
-    register_cpu_fallbacks(forward, backward, reference_forward, formula)
-    register_moments_autograd(forward, backward, formula)
-    differentiable_by_formula(backward, formula, 6)
-    forward.register_vmap(elementwise_vmap(forward, 3))
-    backward.register_vmap(elementwise_vmap(backward, 2))
 
 
 # ----------------------------------------------------------------------------- from the variances
@@ -494,106 +391,6 @@ def _from_variance_backward(ctx, grad_phi, grad_upsilon, grad_variance):
 relu_moments_from_variance.register_autograd(_from_variance_backward, setup_context=_from_variance_setup_context)
 relu_moments_from_variance.register_vmap(elementwise_vmap(relu_moments_from_variance, 3))
 relu_moments_from_variance_backward.register_vmap(elementwise_vmap(relu_moments_from_variance_backward, 2))
-
-
-class OperatorMoments(torch.autograd.Function):
-    """``(Phi, Upsilon, Var)`` through a moments operator and its backward operator (arguments as
-    :func:`register_moments_autograd`'s), as an autograd.Function so that ``torch.func``
-    transforms (``grad``, ``vmap``, ``jacrev``) work as well as autograd: the operators' own
-    autograd registrations serve autograd alone."""
-
-    @staticmethod
-    def forward(forward, backward, formula, mean, std, *parameters):
-        return tuple(forward(mean, std, *parameters))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, backward, formula, mean, std, *parameters = inputs
-        ctx.backward, ctx.formula, ctx.parameters = backward, formula, tuple(parameters)
-        ctx.set_materialize_grads(False)  # an unused output's gradient: absent_gradient, not a block of zeros
-        ctx.save_for_backward(mean, std, output[0])
-
-    @staticmethod
-    def backward(ctx, grad_phi, grad_upsilon, grad_variance):
-        mean, std, phi = ctx.saved_tensors
-        grads = [g if g is not None else absent_gradient(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
-        if torch.is_grad_enabled() or any(is_transformed(t) for t in (mean, std, phi, *grads)):
-            result = KernelVJP.apply(ctx.backward, ctx.formula, mean, std, phi, *grads, *ctx.parameters)
-        else:
-            result = tuple(ctx.backward(mean, std, phi, *grads, *ctx.parameters))
-        return (None, None, None, *result, *(None,) * len(ctx.parameters))
-
-    @staticmethod
-    def vmap(info, in_dims, forward, backward, formula, mean, std, *parameters):
-        mean, std = align_batched(mean, std, in_dims[3:5])
-        broadcast = torch.broadcast_tensors(mean, std)
-        return OperatorMoments.apply(forward, backward, formula, *broadcast, *parameters), (0, 0, 0)
-
-
-def moments_function(forward, backward, formula: Callable, mean: Tensor, std: Tensor, *parameters):
-    """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through a moments operator
-    (arguments as :func:`register_moments_autograd`'s), autograd and ``torch.func`` included."""
-    mean, std = torch.broadcast_tensors(mean, std)
-    if is_transformed(mean) or is_transformed(std):
-        return OperatorMoments.apply(forward, backward, formula, mean, std, *parameters)
-    # outside torch.func the operator's own autograd registration serves: about 25 µs a call less
-    # than the autograd.Function on the CPU
-    return tuple(forward(mean, std, *parameters))
-
-
-class KernelVJP(torch.autograd.Function):
-    """The vector-Jacobian product of an activation's moments where a graph of it is wanted
-    (``create_graph=True``, and always under ``torch.func.grad``: every per-draw gradient of the
-    gradient-variance measurement): ``kernel(mean, std, phi, grad_phi, grad_upsilon,
-    grad_variance, *parameters)``, the backward operator (one pass), computes it; a derivative of
-    it, when one is taken, is that of ``formula`` (same arguments) in differentiable torch ops,
-    so it is differentiable to any order. ``phi`` counts as an input of its own, as it does there."""
-
-    @staticmethod
-    def forward(kernel, formula, mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters):
-        return tuple(kernel(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.formula, ctx.parameters = inputs[1], inputs[8:]
-        ctx.save_for_backward(*inputs[2:8])
-
-    @staticmethod
-    def backward(ctx, grad_grad_mean, grad_grad_std):
-        inputs = ctx.saved_tensors
-        cotangents = tuple(absent_gradient(inputs[0]) if g is None else g for g in (grad_grad_mean, grad_grad_std))
-        _, vjp = torch.func.vjp(lambda *tensors: ctx.formula(*tensors, *ctx.parameters), *inputs)
-        return (None, None, *vjp(cotangents), *(None,) * len(ctx.parameters))
-
-    @staticmethod
-    def vmap(info, in_dims, kernel, formula, *arguments):
-        # elementwise: every operand with the vmap dimension first, all expanded to one shape (the
-        # operator takes one shape; a broadcast gradient stays a stride-0 view the kernel reads once)
-        aligned = align_batched(*arguments[:6], in_dims[2:8])
-        shape = torch.broadcast_shapes(*(t.shape for t in aligned))
-        shape = (info.batch_size,) + shape[1:]
-        return KernelVJP.apply(kernel, formula, *(t.expand(shape) for t in aligned), *arguments[6:]), (0, 0)
-
-
-def differentiable_by_formula(backward_operator, formula: Callable, tensor_count: int) -> None:
-    """Give a moments backward operator a derivative of its own: that of ``formula`` (the same
-    arguments, differentiable torch ops) through ``torch.func.vjp``, as :class:`KernelVJP`'s. The
-    CPU's C++ autograd of the moments operators (``csrc/cfbnn_ops.cpp``: MomentsAutograd) calls the
-    backward operator through autograd when a graph of the backward is wanted (``create_graph``,
-    ``torch.func.grad``): this makes that graph. The first ``tensor_count`` arguments are tensors,
-    the rest numbers."""
-
-    def setup_context(ctx, inputs, output):
-        ctx.parameters = inputs[tensor_count:]
-        ctx.save_for_backward(*inputs[:tensor_count])
-
-    def backward(ctx, grad_grad_mean, grad_grad_spread):
-        inputs = ctx.saved_tensors
-        cotangents = tuple(absent_gradient(inputs[0]) if g is None else g for g in (grad_grad_mean, grad_grad_spread))
-        _, vjp = torch.func.vjp(lambda *tensors: formula(*tensors, *ctx.parameters), *inputs)
-        return (*vjp(cotangents), *(None,) * len(ctx.parameters))
-
-    backward_operator.register_autograd(backward, setup_context=setup_context)
 
 
 differentiable_by_formula(relu_moments_backward, _differentiable_backward, 6)

@@ -18,14 +18,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ops
+from .operator_registration import (
+    absent_gradient,
+    check_operands,
+    elementwise_vmap,
+    library_kernels,
+)
 from .ops import (
     HAVE_TRITON,
     _reference_forward,
-    absent_gradient,
-    check_operands,
     checked_operator_route,
-    elementwise_vmap,
     relu_moments_backward,
     triton_kernels,
 )
@@ -58,7 +60,7 @@ def _relu_mean_cpu(mean: Tensor, std: Tensor) -> Tensor:
     # before the C++ library has loaded (it loads here and its C++ kernel takes over), and without
     # a compiler (the reference ops; a fresh tensor, as an operator must return)
     check_operands("relu_mean", mean, std)
-    if ops.library_kernels():
+    if library_kernels():
         return relu_mean(mean, std)
     return _reference_forward(mean, std)[0].clone()
 

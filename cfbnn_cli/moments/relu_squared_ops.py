@@ -23,16 +23,18 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from .operator_registration import (
+    check_operands,
+    moments_function,
+    register_moments_operators,
+)
 from .ops import (
     ACTIVATION_KINDS,
     HAVE_TRITON,
-    check_operands,
     checked_operator_route,
     launch_family_moments,
     launch_family_moments_backward,
-    moments_function,
     moments_kernels_check,
-    register_moments_operators,
 )
 from .relu_reference import small_tail
 

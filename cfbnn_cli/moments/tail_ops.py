@@ -28,10 +28,12 @@ import torch
 from torch import Tensor
 
 from . import kernel_library, leaky_ops, relu_squared_ops
+from .operator_registration import (
+    check_operands,
+)
 from .ops import (
     ACTIVATION_KINDS,
     HAVE_TRITON,
-    check_operands,
     differentiable_from_variance_backward,
     slope_tensor,
     triton,

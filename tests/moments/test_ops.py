@@ -160,7 +160,7 @@ def test_gradients_match_finite_differences_and_double_backward():
     assert torch.autograd.gradcheck(torch.ops.cfbnn.relu_moments, (mean, std))
     assert torch.autograd.gradgradcheck(torch.ops.cfbnn.relu_moments, (mean, std))
     assert torch.autograd.gradcheck(ops.relu_moments_function, (mean, std))
-    # the function's backward under create_graph is the kernel (ops.KernelVJP), differentiable again
+    # the function's backward under create_graph is the kernel (operator_registration.KernelVJP), differentiable again
     assert torch.autograd.gradgradcheck(ops.relu_moments_function, (mean, std))
 
 
