@@ -41,8 +41,10 @@ rewritten through one small tail); ``hard_sigmoid`` (eq. (27), errata 3) is the
 piecewise-polynomial engine with the pieces ``-alpha, x, alpha``.
 
 Two implementations compute these same forms: the torch ops below (the reference
-path, also the CUDA path) and the fused CPU kernels of :mod:`cfbnn_cli.moments.fast`
-(the default on CPU). ``Activation.moments`` picks one per call.
+path, also the CUDA path of the piecewise polynomials) and the fused CPU kernels, reached
+through each activation's ``cfbnn::`` operator (:mod:`.ops`, :mod:`.leaky_ops`,
+:mod:`.relu_squared_ops`, :mod:`.piecewise_ops`; the default on CPU). ``Activation.moments``
+picks one per call.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -252,3 +256,49 @@ def test_the_table_holds_the_polynomial():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="table"):
         torch.ops.cfbnn.piecewise_moments(torch.zeros(3), torch.ones(3), table[:-1], breakpoints, degree, math.nan)
+
+
+WITHOUT_THE_LIBRARY = """
+    import math, warnings, torch
+    warnings.simplefilter("ignore")
+    from cfbnn_cli.moments import fast, get_activation, piecewise_ops
+    hard = get_activation("hard_sigmoid", alpha=1.5)
+    for dtype in (torch.float32, torch.float64):
+        table, b, d = hard._operator_arguments(dtype)
+        mean = torch.linspace(-3, 3, 13, dtype=dtype)
+        std = torch.linspace(0.1, 2, 13, dtype=dtype)
+        arguments = (table, b, d, hard._operator_alpha)
+        torch.library.opcheck(torch.ops.cfbnn.piecewise_moments.default, (mean.requires_grad_(), std, *arguments))
+        values = torch.ops.cfbnn.piecewise_moments(mean.detach(), std, *arguments)
+        reference = hard._reference_moments(mean.detach(), std)
+        assert all(torch.equal(a, b) for a, b in zip(values, reference))
+        grads = [torch.ones_like(std)] * 3
+        found = torch.ops.cfbnn.piecewise_moments_backward(mean.detach(), std, values[0], *grads, *arguments)
+        assert all(torch.isfinite(g).all() for g in found)
+        phi, ups, var, partials = torch.ops.cfbnn.piecewise_moments_partials(mean.detach(), std, *arguments)
+        assert partials.numel() == (4 * 13 if piecewise_ops.saves_partials(dtype, arguments[3]) else 0)
+        if partials.numel():
+            saved = torch.ops.cfbnn.piecewise_moments_backward(mean.detach(), std, phi, *grads, *arguments, partials)
+            for a, b in zip(saved, found):
+                torch.testing.assert_close(a, b)
+    print("AVAILABLE", fast.fast_path_info()["available"], "OK")
+    """
+
+
+def test_without_the_library_the_python_kernels_run_the_reference_ops(tmp_path):
+    """No compiler: the operators' Python CPU kernels run the reference ops (opcheck passes), the
+    partials operator's partial derivatives give the backward's gradients."""
+    env = dict(os.environ)
+    env.update({"CXX": str(tmp_path / "no-such-compiler"), "CFBNN_CACHE_DIR": str(tmp_path)})
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), env.get("PYTHONPATH", "")]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(WITHOUT_THE_LIBRARY)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "AVAILABLE False OK" in result.stdout
