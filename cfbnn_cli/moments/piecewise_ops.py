@@ -25,7 +25,7 @@ Kernels: on the CPU the C++ kernels of ``csrc/cfbnn_ops.cpp``, registered with t
 torch ops of :meth:`.PiecewisePolynomial._reference_moments` on the polynomial read back from the
 table (:func:`polynomial_from_table`). Every other device (CUDA) has the reference ops too: there
 is no Triton kernel for this family, and :func:`piecewise_operator_route` keeps the activations on
-their reference route there.
+their reference route there (and inside ``torch.compile``, as before).
 
 What the backward reads. Where a gradient will be taken, the C++ autograd calls a third operator,
 
@@ -260,5 +260,7 @@ def piecewise_moments_function(
 def piecewise_operator_route(mean: Tensor) -> bool:
     """Whether a piecewise polynomial's ``moments`` take ``cfbnn::piecewise_moments`` for ``mean``:
     on the CPU where :func:`.ops.operator_route` (the C++ library's operators registered); never
-    on CUDA (no Triton kernel: the reference route, as before)."""
-    return not triton_device(mean.device) and operator_route(mean)
+    on CUDA (no Triton kernel: the reference route, as before), nor inside ``torch.compile`` (the
+    tables are made by numpy on first use, which dynamo cannot trace: the reference ops, which
+    inductor fuses, as before)."""
+    return not triton_device(mean.device) and not torch.compiler.is_compiling() and operator_route(mean)

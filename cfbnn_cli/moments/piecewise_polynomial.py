@@ -16,6 +16,7 @@ from .gaussian import (
     standard_normal_pdf,
     standardize,
 )
+from .piecewise_tables import piecewise_supported
 
 _GL_NODES, _GL_WEIGHTS = (tuple(float(v) for v in a) for a in np.polynomial.legendre.leggauss(16))
 # A piece whose standardized width w and largest |distance| lam satisfy
@@ -121,7 +122,7 @@ class PiecewisePolynomial(Activation):
                 if 0 <= j < len(breakpoints):
                     self._expansions[(i, j)] = _taylor_coefficients(p, breakpoints[j])
         self._derivatives = [[_derivative_over_factorial(p, k) for k in range(len(p))] for p in polynomials]
-        self._operator_supported = fast.piecewise_supported(breakpoints, polynomials)
+        self._operator_supported = piecewise_supported(breakpoints, polynomials)
 
     def __repr__(self):
         coefficients = [p.tolist() for p in self.polynomials]

@@ -2,7 +2,8 @@
  * dispatcher in C++.
  *
  * The operators' schemas, their CUDA (Triton) kernels and their fake implementations are
- * defined in Python (cfbnn_cli/moments/elbo_ops.py, tail_ops.py); this unit gives each its CPU
+ * defined in Python (cfbnn_cli/moments/elbo_ops.py, tail_ops.py, ops.py, leaky_ops.py,
+ * relu_squared_ops.py, piecewise_ops.py); this unit gives each its CPU
  * kernel: argument checks with typed tensors (a wrong dtype or shape raises, it never reaches a
  * kernel as a raw pointer), output allocation, and a call into the kernels of
  * cfbnn_moments.cpp (declared in cfbnn_kernels.h). A call costs a few microseconds of dispatch,
@@ -810,9 +811,11 @@ Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& 
    expanded, which the kernels read as no gradient (gradient_operand), not as a block of zeros. A
    backward that builds a graph (create_graph, torch.func.grad) calls the backward operator
    through autograd, whose own derivative is registered in Python (cfbnn_cli/moments/ops.py:
-   differentiable_by_formula); otherwise straight to its kernel. One class for the four
-   operators (the kind and the slope ride in the context): each torch::autograd::Function
-   instantiation costs seconds of compile time. */
+   differentiable_by_formula); otherwise straight to its kernel. One class for the five
+   operators (the kind, the slope -- a piecewise polynomial's alpha -- and a piecewise polynomial's
+   table ride in the context): each torch::autograd::Function instantiation costs seconds of
+   compile time. A piecewise polynomial whose gradient will be taken runs
+   cfbnn::piecewise_moments_partials instead, and its backward reads the saved partials. */
 class MomentsAutograd : public torch::autograd::Function<MomentsAutograd> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& mean,
