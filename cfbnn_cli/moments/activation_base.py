@@ -1,7 +1,8 @@
 """The activation interface: ``g(x)``, and ``g.moments(mean, std)`` -> ``(Phi, Upsilon[, Var])``
 through its ``cfbnn::`` operator (:mod:`.ops`: ReLU, leaky ReLU and ReLU^2, on the CPU and
-CUDA), the fused CPU kernels (:mod:`.fast`: the others) or the reference torch ops, picked per
-call. The activations themselves are in :mod:`.activations` (ReLU family, identity) and
+CUDA; :mod:`.piecewise_ops`: the piecewise polynomials and the hard sigmoid, on the CPU), the
+fused CPU kernels called directly (:mod:`.fast`: the identity, and an activation whose operator
+is not registered) or the reference torch ops, picked per call. The activations themselves are in :mod:`.activations` (ReLU family, identity) and
 :mod:`.piecewise_polynomial` (the general engine, the hard sigmoid)."""
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ class Activation:
         """``(E[g(z)], E[g(z)^2])`` (and ``Var[g(z)]`` if asked) for ``z ~ N(mean, std^2)``.
 
         Paper eq. (9) (``Phi``, ``Upsilon``). An activation with a ``cfbnn::`` operator (ReLU, leaky
-        ReLU, ReLU^2) runs it on CPU float32/float64 tensors (C++) and on CUDA (Triton); the others run the
-        fused C++ kernels of :mod:`cfbnn_cli.moments.fast` on the CPU; with the fast path switched
-        off, or elsewhere, the reference torch ops. All compute the same cancellation-free forms.
+        ReLU, ReLU^2; the piecewise polynomials and the hard sigmoid on the CPU only) runs it on CPU
+        float32/float64 tensors (C++) and on CUDA (Triton); the others run the fused C++ kernels of
+        :mod:`cfbnn_cli.moments.fast` on the CPU; with the fast path switched off, or elsewhere, the
+        reference torch ops. All compute the same cancellation-free forms.
         """
         mean, std = check_mean_std(mean, std)
         mean, std = torch.broadcast_tensors(mean, std)

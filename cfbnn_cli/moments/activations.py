@@ -40,9 +40,10 @@ have their own short closed forms (paper eqs. (20), (22), (29), with errata 1, 2
 rewritten through one small tail); ``hard_sigmoid`` (eq. (27), errata 3) is the
 piecewise-polynomial engine with the pieces ``-alpha, x, alpha``.
 
-Three kernels compute these same forms, behind one ``cfbnn::`` operator per activation family,
-chosen by torch's dispatcher: the torch ops below (the reference kernels), C++ on the CPU and
-Triton on CUDA (:mod:`cfbnn_cli.moments.ops`).
+Three kernels compute these same forms, behind one ``cfbnn::`` operator per activation family
+(:mod:`.ops`, :mod:`.leaky_ops`, :mod:`.relu_squared_ops`, :mod:`.piecewise_ops`), chosen by torch's
+dispatcher: the torch ops below (the reference kernels), C++ on the CPU and Triton on CUDA (the
+piecewise polynomials: the reference formula there).
 """
 
 from __future__ import annotations

@@ -9,13 +9,14 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import fast, kernel_handles
+from . import fast, kernel_handles, piecewise_ops
 from .activation_base import Activation, check_real
 from .gaussian import (
     positive_part_moments,
     standard_normal_pdf,
     standardize,
 )
+from .piecewise_tables import piecewise_supported
 
 _GL_NODES, _GL_WEIGHTS = (tuple(float(v) for v in a) for a in np.polynomial.legendre.leggauss(16))
 # A piece whose standardized width w and largest |distance| lam satisfy
@@ -121,6 +122,7 @@ class PiecewisePolynomial(Activation):
                 if 0 <= j < len(breakpoints):
                     self._expansions[(i, j)] = _taylor_coefficients(p, breakpoints[j])
         self._derivatives = [[_derivative_over_factorial(p, k) for k in range(len(p))] for p in polynomials]
+        self._operator_supported = piecewise_supported(breakpoints, polynomials)
 
     def __repr__(self):
         coefficients = [p.tolist() for p in self.polynomials]
@@ -139,6 +141,30 @@ class PiecewisePolynomial(Activation):
         for i, b in enumerate(self.breakpoints):
             result = torch.where(x >= b, _horner(self.polynomials[i + 1], x), result)
         return result
+
+    # -- the operator ---------------------------------------------------------------
+    # cfbnn::piecewise_moments (:mod:`.piecewise_ops`): the C++ engine on the CPU, one operator
+    # each way; alpha nan selects the general engine (the hard sigmoid's own float32 kernels: its
+    # alpha). A polynomial the engine does not take (fast.piecewise_supported) keeps the reference ops.
+    _operator_alpha = piecewise_ops.GENERAL_ENGINE
+    _operator_tables = None  # dtype -> (table, B, D), made on first use
+
+    def _operator_arguments(self, dtype):
+        if self._operator_tables is None:
+            self._operator_tables = {}
+        if dtype not in self._operator_tables:
+            self._operator_tables[dtype] = piecewise_ops.piecewise_table(self.breakpoints, self.polynomials, dtype)
+        return self._operator_tables[dtype]
+
+    def operator(self, mean, std):
+        """``(Phi, Upsilon, Var)`` through ``cfbnn::piecewise_moments``."""
+        table, breakpoints, degree = self._operator_arguments(mean.dtype)
+        return piecewise_ops.piecewise_moments_function(mean, std, table, breakpoints, degree, self._operator_alpha)
+
+    def operator_applies(self, mean):
+        """Whether :meth:`moments` takes the operator for ``mean`` (the CPU, with the C++ library's
+        operators; a polynomial the engine takes)."""
+        return self._operator_supported and piecewise_ops.piecewise_operator_route(mean)
 
     # -- the engine -----------------------------------------------------------------
     def _kernels(self):
@@ -281,6 +307,7 @@ class HardSigmoid(PiecewisePolynomial):
         self.alpha = alpha
         a = abs(alpha)
         sign = 1.0 if alpha >= 0 else -1.0
+        self._operator_alpha = alpha if a != 0.0 else piecewise_ops.GENERAL_ENGINE  # its float32 kernels
         if a == 0.0:
             super().__init__([], [[0.0]], name="hard_sigmoid")
         else:

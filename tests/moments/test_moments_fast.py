@@ -262,22 +262,18 @@ def test_threads_and_block_positions_give_identical_results():
 
 @pytest.mark.parametrize("name", ["relu", "hard_sigmoid"])
 def test_switches_select_the_path(monkeypatch, name):
-    """ReLU takes its operator (C++ kernels and autograd), the hard sigmoid (a piecewise polynomial,
-    no operator) the kernels called directly; the
-    fast-path switches and the other dtypes send both to the reference ops."""
+    """ReLU and the hard sigmoid (a piecewise polynomial: cfbnn::piecewise_moments) take their
+    operators (C++ kernels and autograd); the fast-path switches and the other dtypes send both
+    to the reference ops."""
     activation = get_activation(name)
     calls = []
-    if activation.operator is not None:
-        original = activation.operator
-        monkeypatch.setattr(activation, "operator", lambda *a, **k: calls.append(1) or original(*a, **k))
-    else:
-        original = fast.moments
-        monkeypatch.setattr(fast, "moments", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = activation.operator
+    monkeypatch.setattr(activation, "operator", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(fast, "moments", lambda *a, **k: pytest.fail("the kernels called directly"))
     mean, std = torch.randn(10, requires_grad=True), torch.rand(10)
     phi, _ = activation.moments(mean, std)
     assert calls == [1]
-    if activation.operator is not None:
-        assert "MomentsAutograd" in phi.grad_fn.name()  # the operator's C++ autograd node (csrc/cfbnn_ops.cpp)
+    assert "MomentsAutograd" in phi.grad_fn.name()  # the operator's C++ autograd node (csrc/cfbnn_ops.cpp)
     with fast_path(False):
         assert not fast.fast_path_enabled()
         activation.moments(mean, std)

@@ -36,7 +36,14 @@
                                      double sk, T* gl, T* gv);                                                 \
   void tail_pass_##SUF(int kind, int backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,    \
                        const T* wp, const T* wv, const T* wu, const T* ru, const T* rk, T* om, T* osp, T* ogm,  \
-                       T* ogs, double* ocols, int nt);
+                       T* ogs, double* ocols, int nt);                                                   \
+  void pw_forward_##SUF(int64_t n, const T* m, const T* s, int B, int D, const double* bp, const double* coef,   \
+                        const double* deriv, const double* side, const double* tails, const double* jumps,      \
+                        const double* gl, const float* coef32, const float* bp32, T* phi, T* ups, T* var,       \
+                        T* pm, T* ps, T* vm, T* vs, int nt);                                                    \
+  void partials_backward_##SUF(int64_t n, const T* phi, const T* pm, const T* ps, const T* vm, const T* vs,     \
+                               const T* gp, int gps, const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs,  \
+                               int nt);
 
 extern "C" {
 CFBNN_KERNEL_DECLARATIONS(float, f32)
@@ -44,5 +51,18 @@ CFBNN_KERNEL_DECLARATIONS(double, f64)
 }
 
 #undef CFBNN_KERNEL_DECLARATIONS
+
+/* The hard sigmoid's unrolled float32 kernels (the general engine's tables, a = |alpha|, sign). */
+extern "C" {
+void hs_forward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp, const double* coef,
+                    const double* deriv, const double* side, const double* tails, const double* jumps,
+                    const double* gl, const float* coef32, const float* bp32, double a, double sign, float* phi,
+                    float* ups, float* var, float* pm, float* ps, float* vm, float* vs, int nt);
+void hs_backward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp, const double* coef,
+                     const double* deriv, const double* side, const double* tails, const double* jumps,
+                     const double* gl, const float* coef32, const float* bp32, double a, double sign,
+                     const float* phi, const float* gp, int gps, const float* gu, int gus, const float* gv, int gvs,
+                     float* gm, float* gs, int nt);
+}
 
 #endif

@@ -2,7 +2,8 @@
  * dispatcher in C++.
  *
  * The operators' schemas, their CUDA (Triton) kernels and their fake implementations are
- * defined in Python (cfbnn_cli/moments/elbo_ops.py, tail_ops.py); this unit gives each its CPU
+ * defined in Python (cfbnn_cli/moments/elbo_ops.py, tail_ops.py, ops.py, leaky_ops.py,
+ * relu_squared_ops.py, piecewise_ops.py); this unit gives each its CPU
  * kernel: argument checks with typed tensors (a wrong dtype or shape raises, it never reaches a
  * kernel as a raw pointer), output allocation, and a call into the kernels of
  * cfbnn_moments.cpp (declared in cfbnn_kernels.h). A call costs a few microseconds of dispatch,
@@ -33,7 +34,10 @@
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <optional>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "cfbnn_kernels.h"
 
@@ -63,6 +67,8 @@ struct Kernels;
     static constexpr auto normal_row_gradients = &normal_row_gradients_##SUF; \
     static constexpr auto normal_output_gradients = &normal_output_gradients_##SUF; \
     static constexpr auto tail_pass = &tail_pass_##SUF;                  \
+    static constexpr auto pw_forward = &pw_forward_##SUF;                \
+    static constexpr auto partials_backward = &partials_backward_##SUF;  \
   };
 CFBNN_KERNEL_TABLE(float, f32)
 CFBNN_KERNEL_TABLE(double, f64)
@@ -251,6 +257,153 @@ std::tuple<Tensor, Tensor> relu_squared_moments_backward(const Tensor& mean, con
                             Kernels<decltype(zero)>::relusq_backward(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs,
                                                                      threads());
                           });
+}
+
+// ------------------------------------------------------------------------- piecewise polynomials
+
+const int64_t PW_MAX_BREAKPOINTS = 64, PW_MAX_DEGREE = 16;  // cfbnn_moments.cpp: MAX_B, MAX_K / 2
+
+/* The general engine's tables (cfbnn_cli/moments/piecewise_tables.py: coefficient_tables), read from
+   the one float64 tensor cfbnn_cli/moments/piecewise_ops.py packs (bp, coef, deriv, side, tails,
+   jumps, gl concatenated); coef32 and bp32 are coef and bp rounded to float32, made here. */
+struct PiecewiseTable {
+  int B = 0, D = 0;
+  const double *bp = nullptr, *coef = nullptr, *deriv = nullptr, *side = nullptr, *tails = nullptr,
+               *jumps = nullptr, *gl = nullptr;
+  std::vector<float> coef32, bp32;
+};
+
+PiecewiseTable piecewise_table(const char* op, const Tensor& table, int64_t breakpoints, int64_t degree) {
+  TORCH_CHECK_VALUE(breakpoints >= 0 && breakpoints <= PW_MAX_BREAKPOINTS && degree >= 0 && degree <= PW_MAX_DEGREE,
+                    "cfbnn::", op, ": at most ", PW_MAX_BREAKPOINTS, " breakpoints and degree ", PW_MAX_DEGREE,
+                    "; got ", breakpoints, " and ", degree);
+  TORCH_CHECK_VALUE(table.scalar_type() == at::kDouble && table.dim() == 1 && table.device().is_cpu(), "cfbnn::", op,
+                    ": `table` must be a one-dimensional float64 CPU tensor; got ", table.scalar_type(), " ",
+                    table.sizes(), " on ", table.device());
+  const int64_t B = breakpoints, D = degree, P = B + 1, K = 2 * D, rows = std::max<int64_t>(B, 1);
+  const int64_t sizes[7] = {rows, P * (D + 1), P * (D + 1) * (D + 1), P * 2, P * 2 * 6 * (K + 1), rows * 4, 32};
+  int64_t total = 0;
+  for (int64_t size : sizes) total += size;
+  check_numel(op, "table", table, total);
+  PiecewiseTable out;
+  out.B = static_cast<int>(B);
+  out.D = static_cast<int>(D);
+  const double* base = table.data_ptr<double>();  // (contiguous: checked by the caller's .contiguous())
+  const double** fields[7] = {&out.bp, &out.coef, &out.deriv, &out.side, &out.tails, &out.jumps, &out.gl};
+  for (int k = 0; k < 7; k++) {
+    *fields[k] = base;
+    base += sizes[k];
+  }
+  out.bp32.assign(out.bp, out.bp + sizes[0]);
+  out.coef32.assign(out.coef, out.coef + sizes[1]);
+  return out;
+}
+
+/* alpha: the hard sigmoid's (its unrolled float32 kernels) where finite and non-zero; nan: the engine. */
+bool hard_sigmoid_kernels(double alpha) { return std::isfinite(alpha) && alpha != 0.0; }
+
+/* Whether the kernel for these tensors saves the four partial derivatives when asked: the engine
+   does; the float32 hard sigmoid recomputes them in its backward (cheaper than writing them). */
+bool saves_partials(const Tensor& mean, double alpha) {
+  return !(mean.scalar_type() == at::kFloat && hard_sigmoid_kernels(alpha));
+}
+
+/* (Phi, Upsilon, Var, partials): partials (4, *mean.shape) = d(Phi, Var)/d(mean, std) where
+   `partials` is asked and the kernel saves them (saves_partials), else an empty (0,) tensor. */
+std::tuple<Tensor, Tensor, Tensor, Tensor> piecewise_forward(const char* op, const Tensor& mean_in,
+                                                             const Tensor& std_in, const Tensor& table_in,
+                                                             int64_t breakpoints, int64_t degree, double alpha,
+                                                             bool partials) {
+  check_operands(op, mean_in, {&std_in});
+  const Tensor table_tensor = table_in.contiguous();
+  const PiecewiseTable t = piecewise_table(op, table_tensor, breakpoints, degree);
+  const Tensor mean = mean_in.contiguous(), std_dev = std_in.contiguous();
+  Tensor phi = at::empty_like(mean), ups = at::empty_like(mean), var = at::empty_like(mean);
+  const bool save = partials && saves_partials(mean, alpha);
+  std::vector<int64_t> shape{save ? 4 : 0};
+  if (save) shape.insert(shape.end(), mean.sizes().begin(), mean.sizes().end());
+  Tensor saved = at::empty(shape, mean.options());
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t n = mean.numel();
+    const T *m = mean.data_ptr<T>(), *s = std_dev.data_ptr<T>();
+    T *f = phi.data_ptr<T>(), *u = ups.data_ptr<T>(), *v = var.data_ptr<T>();
+    if constexpr (std::is_same_v<T, float>) {
+      if (hard_sigmoid_kernels(alpha)) {
+        hs_forward_f32(n, m, s, t.B, t.D, t.bp, t.coef, t.deriv, t.side, t.tails, t.jumps, t.gl, t.coef32.data(),
+                       t.bp32.data(), std::fabs(alpha), alpha >= 0 ? 1.0 : -1.0, f, u, v, nullptr, nullptr, nullptr,
+                       nullptr, threads());
+        return 0;
+      }
+    }
+    T* p = save ? saved.data_ptr<T>() : nullptr;
+    Kernels<T>::pw_forward(n, m, s, t.B, t.D, t.bp, t.coef, t.deriv, t.side, t.tails, t.jumps, t.gl, t.coef32.data(),
+                           t.bp32.data(), f, u, v, p, save ? p + n : nullptr, save ? p + 2 * n : nullptr,
+                           save ? p + 3 * n : nullptr, threads());
+    return 0;
+  });
+  return {phi, ups, var, saved};
+}
+
+std::tuple<Tensor, Tensor, Tensor> piecewise_moments(const Tensor& mean, const Tensor& std_dev, const Tensor& table,
+                                                     int64_t breakpoints, int64_t degree, double alpha) {
+  auto [phi, ups, var, saved] =
+      piecewise_forward("piecewise_moments", mean, std_dev, table, breakpoints, degree, alpha, false);
+  return {phi, ups, var};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> piecewise_moments_partials(const Tensor& mean, const Tensor& std_dev,
+                                                                      const Tensor& table, int64_t breakpoints,
+                                                                      int64_t degree, double alpha) {
+  return piecewise_forward("piecewise_moments_partials", mean, std_dev, table, breakpoints, degree, alpha, true);
+}
+
+/* From the saved partials where given (piecewise_moments_partials'), else recomputed: the float32
+   hard sigmoid's kernel block by block, the engine in one forward pass writing them; then combined
+   with the gradients. */
+std::tuple<Tensor, Tensor> piecewise_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
+                                                      const Tensor& grad_phi, const Tensor& grad_upsilon,
+                                                      const Tensor& grad_variance, const Tensor& table_in,
+                                                      int64_t breakpoints, int64_t degree, double alpha,
+                                                      const std::optional<Tensor>& partials_in) {
+  const char* op = "piecewise_moments_backward";
+  const Tensor table_tensor = table_in.contiguous();
+  const PiecewiseTable t = piecewise_table(op, table_tensor, breakpoints, degree);
+  const bool given = partials_in.has_value() && partials_in->defined() && partials_in->numel() > 0;
+  Tensor partials;
+  if (given) {
+    check_floats(op, mean, {&*partials_in});
+    check_numel(op, "partials", *partials_in, 4 * mean.numel());
+    partials = partials_in->contiguous();
+  }
+  return moments_backward(
+      op, mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
+      [&](auto zero, int64_t n, const auto* m, const auto* s, const auto* f, const auto* gp, int gps, const auto* gu,
+          int gus, const auto* gv, int gvs, auto* gm, auto* gs) {
+        using T = decltype(zero);
+        const T* p = nullptr;
+        Tensor buffers;
+        if (given) {
+          p = partials.data_ptr<T>();
+        } else {
+          if constexpr (std::is_same_v<T, float>) {
+            if (hard_sigmoid_kernels(alpha)) {
+              hs_backward_f32(n, m, s, t.B, t.D, t.bp, t.coef, t.deriv, t.side, t.tails, t.jumps, t.gl,
+                              t.coef32.data(), t.bp32.data(), std::fabs(alpha), alpha >= 0 ? 1.0 : -1.0, f, gp, gps,
+                              gu, gus, gv, gvs, gm, gs, threads());
+              return;
+            }
+          }
+          buffers = at::empty({6, n}, mean.options());
+          T* b = buffers.data_ptr<T>();
+          Kernels<T>::pw_forward(n, m, s, t.B, t.D, t.bp, t.coef, t.deriv, t.side, t.tails, t.jumps, t.gl,
+                                 t.coef32.data(), t.bp32.data(), b + 4 * n, b + 5 * n, nullptr, b, b + n, b + 2 * n,
+                                 b + 3 * n, threads());
+          p = b;
+        }
+        Kernels<T>::partials_backward(n, f, p, p + n, p + 2 * n, p + 3 * n, gp, gps, gu, gus, gv, gvs, gm, gs,
+                                      threads());
+      });
 }
 
 std::tuple<Tensor, Tensor, Tensor> relu_moments_from_variance(const Tensor& mean, const Tensor& variance) {
@@ -567,7 +720,24 @@ std::tuple<Tensor, Tensor, Tensor> relu_tail_backward(const Tensor& mean_in, con
 /* The activations' moments operators and their backward operators, through the dispatcher (not
    the functions above: under torch.compile or opcheck the tensors are fake, and the dispatcher
    sends them to the fake implementations). */
-enum MomentsKind : int64_t { RELU_MOMENTS = 0, RELU_FROM_VARIANCE = 1, LEAKY_MOMENTS = 2, RELU_SQUARED_MOMENTS = 3 };
+enum MomentsKind : int64_t {
+  RELU_MOMENTS = 0,
+  RELU_FROM_VARIANCE = 1,
+  LEAKY_MOMENTS = 2,
+  RELU_SQUARED_MOMENTS = 3,
+  PIECEWISE_MOMENTS = 4,  // the partials recomputed by the backward
+  PIECEWISE_SAVING = 5    // the partials saved (cfbnn::piecewise_moments_partials): a gradient is wanted
+};
+
+/* A piecewise polynomial's operator arguments beyond (mean, spread): its table, its breakpoint count
+   and degree, and alpha (the slope's slot: cfbnn::piecewise_moments). Empty for the others. */
+struct PiecewiseArguments {
+  Tensor table;
+  int64_t breakpoints = 0, degree = 0;
+  Tensor partials;  // the saved partial derivatives (PIECEWISE_SAVING), else empty
+};
+
+bool piecewise_kind(int64_t kind) { return kind == PIECEWISE_MOMENTS || kind == PIECEWISE_SAVING; }
 
 using MomentsOutputs = std::tuple<Tensor, Tensor, Tensor>;
 using Gradients = std::tuple<Tensor, Tensor>;
@@ -576,7 +746,8 @@ c10::OperatorHandle operator_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-MomentsOutputs call_moments(int64_t kind, const Tensor& mean, const Tensor& spread, double slope) {
+MomentsOutputs call_moments(int64_t kind, const Tensor& mean, const Tensor& spread, double slope,
+                            PiecewiseArguments& piecewise) {
   static const auto relu = operator_handle("cfbnn::relu_moments").typed<MomentsOutputs(const Tensor&, const Tensor&)>();
   static const auto from_variance =
       operator_handle("cfbnn::relu_moments_from_variance").typed<MomentsOutputs(const Tensor&, const Tensor&)>();
@@ -584,13 +755,32 @@ MomentsOutputs call_moments(int64_t kind, const Tensor& mean, const Tensor& spre
       operator_handle("cfbnn::leaky_relu_moments").typed<MomentsOutputs(const Tensor&, const Tensor&, double)>();
   static const auto squared =
       operator_handle("cfbnn::relu_squared_moments").typed<MomentsOutputs(const Tensor&, const Tensor&)>();
+  if (kind == PIECEWISE_MOMENTS) {
+    static const auto engine =
+        operator_handle("cfbnn::piecewise_moments")
+            .typed<MomentsOutputs(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, double)>();
+    return engine.call(mean, spread, piecewise.table, piecewise.breakpoints, piecewise.degree, slope);
+  }
+  if (kind == PIECEWISE_SAVING) {
+    static const auto saving =
+        operator_handle("cfbnn::piecewise_moments_partials")
+            .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t,
+                                                              int64_t, double)>();
+    auto [phi, ups, var, partials] =
+        saving.call(mean, spread, piecewise.table, piecewise.breakpoints, piecewise.degree, slope);
+    // (undefined where the kernel saves none: decided by dtype and alpha, never by a size, which a
+    // traced tensor may not have)
+    if (saves_partials(mean, slope)) piecewise.partials = partials;
+    return {phi, ups, var};
+  }
   if (kind == LEAKY_MOMENTS) return leaky.call(mean, spread, slope);
   if (kind == RELU_SQUARED_MOMENTS) return squared.call(mean, spread);
   return (kind == RELU_FROM_VARIANCE ? from_variance : relu).call(mean, spread);
 }
 
 Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& spread, const Tensor& phi,
-                                const Tensor& gp, const Tensor& gu, const Tensor& gv, double slope) {
+                                const Tensor& gp, const Tensor& gu, const Tensor& gv, double slope,
+                                const PiecewiseArguments& piecewise) {
   using Six = Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   static const auto relu = operator_handle("cfbnn::relu_moments_backward").typed<Six>();
   static const auto from_variance =
@@ -601,6 +791,15 @@ Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& 
           .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                            double)>();
   static const auto squared = operator_handle("cfbnn::relu_squared_moments_backward").typed<Six>();
+  if (piecewise_kind(kind)) {
+    static const auto engine =
+        operator_handle("cfbnn::piecewise_moments_backward")
+            .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                             const Tensor&, int64_t, int64_t, double, const std::optional<Tensor>&)>();
+    const bool saved = piecewise.partials.defined();
+    return engine.call(mean, spread, phi, gp, gu, gv, piecewise.table, piecewise.breakpoints, piecewise.degree, slope,
+                       saved ? std::optional<Tensor>(piecewise.partials) : std::nullopt);
+  }
   if (kind == LEAKY_MOMENTS) return leaky.call(mean, spread, phi, gp, gu, gv, slope);
   if (kind == RELU_SQUARED_MOMENTS) return squared.call(mean, spread, phi, gp, gu, gv);
   if (kind == RELU_FROM_VARIANCE) return from_variance.call(mean, spread, gp, gu, gv);
@@ -612,23 +811,36 @@ Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& 
    expanded, which the kernels read as no gradient (gradient_operand), not as a block of zeros. A
    backward that builds a graph (create_graph, torch.func.grad) calls the backward operator
    through autograd, whose own derivative is registered in Python (cfbnn_cli/moments/ops.py:
-   differentiable_by_formula); otherwise straight to its kernel. One class for the four
-   operators (the kind and the slope ride in the context): each torch::autograd::Function
-   instantiation costs seconds of compile time. */
+   differentiable_by_formula); otherwise straight to its kernel. One class for the five
+   operators (the kind, the slope -- a piecewise polynomial's alpha -- and a piecewise polynomial's
+   table ride in the context): each torch::autograd::Function instantiation costs seconds of
+   compile time. A piecewise polynomial whose gradient will be taken runs
+   cfbnn::piecewise_moments_partials instead, and its backward reads the saved partials. */
 class MomentsAutograd : public torch::autograd::Function<MomentsAutograd> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& mean,
-                                                const Tensor& spread, int64_t kind, double slope) {
+                                                const Tensor& spread, int64_t kind, double slope,
+                                                const std::optional<Tensor>& table, int64_t breakpoints,
+                                                int64_t degree) {
     MomentsOutputs outputs;
+    PiecewiseArguments piecewise{table.value_or(Tensor()), breakpoints, degree, Tensor()};
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      outputs = call_moments(kind, mean, spread, slope);
+      outputs = call_moments(kind, mean, spread, slope, piecewise);
     }
     auto& [phi, upsilon, variance] = outputs;
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({mean, spread, phi});
     ctx->saved_data["kind"] = kind;
     ctx->saved_data["slope"] = slope;
+    if (piecewise_kind(kind)) {
+      ctx->saved_data["table"] = piecewise.table;
+      ctx->saved_data["breakpoints"] = breakpoints;
+      ctx->saved_data["degree"] = degree;
+      // (none where nothing was saved: the backward operator then recomputes them)
+      ctx->saved_data["saved_partials"] = piecewise.partials.defined();
+      if (piecewise.partials.defined()) ctx->saved_data["partials"] = piecewise.partials;
+    }
     return {phi, upsilon, variance};
   }
 
@@ -638,38 +850,58 @@ class MomentsAutograd : public torch::autograd::Function<MomentsAutograd> {
     const Tensor &mean = saved[0], &spread = saved[1], &phi = saved[2];
     const int64_t kind = ctx->saved_data["kind"].toInt();
     const double slope = ctx->saved_data["slope"].toDouble();
+    PiecewiseArguments piecewise;
+    if (piecewise_kind(kind)) {
+      piecewise.table = ctx->saved_data["table"].toTensor();
+      piecewise.breakpoints = ctx->saved_data["breakpoints"].toInt();
+      piecewise.degree = ctx->saved_data["degree"].toInt();
+      if (ctx->saved_data["saved_partials"].toBool()) piecewise.partials = ctx->saved_data["partials"].toTensor();
+    }
     for (Tensor& grad : grads) {
       if (!grad.defined()) grad = at::zeros({}, mean.options()).expand(mean.sizes());
     }
     Gradients result;
     if (at::GradMode::is_enabled()) {
-      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope);
+      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope, piecewise);
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope);
+      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope, piecewise);
     }
-    return {std::get<0>(result), std::get<1>(result), Tensor(), Tensor()};
+    return {std::get<0>(result), std::get<1>(result), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
+
+// (an optional: an undefined tensor among a Function's inputs has no device, which apply reads)
+const std::optional<Tensor> NO_TABLE = std::nullopt;
 
 MomentsOutputs as_outputs(const torch::autograd::variable_list& outputs) {
   return {outputs[0], outputs[1], outputs[2]};
 }
 
 MomentsOutputs relu_moments_autograd(const Tensor& mean, const Tensor& std_dev) {
-  return as_outputs(MomentsAutograd::apply(mean, std_dev, RELU_MOMENTS, 0.0));
+  return as_outputs(MomentsAutograd::apply(mean, std_dev, RELU_MOMENTS, 0.0, NO_TABLE, 0, 0));
 }
 
 MomentsOutputs relu_moments_from_variance_autograd(const Tensor& mean, const Tensor& variance) {
-  return as_outputs(MomentsAutograd::apply(mean, variance, RELU_FROM_VARIANCE, 0.0));
+  return as_outputs(MomentsAutograd::apply(mean, variance, RELU_FROM_VARIANCE, 0.0, NO_TABLE, 0, 0));
 }
 
 MomentsOutputs relu_squared_moments_autograd(const Tensor& mean, const Tensor& std_dev) {
-  return as_outputs(MomentsAutograd::apply(mean, std_dev, RELU_SQUARED_MOMENTS, 0.0));
+  return as_outputs(MomentsAutograd::apply(mean, std_dev, RELU_SQUARED_MOMENTS, 0.0, NO_TABLE, 0, 0));
+}
+
+MomentsOutputs piecewise_moments_autograd(const Tensor& mean, const Tensor& std_dev, const Tensor& table,
+                                         int64_t breakpoints, int64_t degree, double alpha) {
+  // the partials saved where a gradient will be taken (the engine's forward is the expensive pass:
+  // saving them spares the backward a second one); cfbnn::piecewise_moments alone otherwise
+  const bool wanted = at::GradMode::is_enabled() && (mean.requires_grad() || std_dev.requires_grad());
+  const int64_t kind = wanted ? PIECEWISE_SAVING : PIECEWISE_MOMENTS;
+  return as_outputs(
+      MomentsAutograd::apply(mean, std_dev, kind, alpha, std::optional<Tensor>(table), breakpoints, degree));
 }
 
 MomentsOutputs leaky_relu_moments_autograd(const Tensor& mean, const Tensor& std_dev, double negative_slope) {
-  return as_outputs(MomentsAutograd::apply(mean, std_dev, LEAKY_MOMENTS, negative_slope));
+  return as_outputs(MomentsAutograd::apply(mean, std_dev, LEAKY_MOMENTS, negative_slope, NO_TABLE, 0, 0));
 }
 
 }  // namespace
@@ -688,6 +920,9 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   library->impl("leaky_relu_moments_backward", TORCH_FN(leaky_relu_moments_backward));
   library->impl("relu_squared_moments", TORCH_FN(relu_squared_moments));
   library->impl("relu_squared_moments_backward", TORCH_FN(relu_squared_moments_backward));
+  library->impl("piecewise_moments", TORCH_FN(piecewise_moments));
+  library->impl("piecewise_moments_partials", TORCH_FN(piecewise_moments_partials));
+  library->impl("piecewise_moments_backward", TORCH_FN(piecewise_moments_backward));
   library->impl("relu_moments_from_variance", TORCH_FN(relu_moments_from_variance));
   library->impl("relu_moments_from_variance_backward", TORCH_FN(relu_moments_from_variance_backward));
   library->impl("diagonal_kl", TORCH_FN(diagonal_kl));
@@ -709,5 +944,6 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   autograd->impl("relu_moments_from_variance", TORCH_FN(relu_moments_from_variance_autograd));
   autograd->impl("leaky_relu_moments", TORCH_FN(leaky_relu_moments_autograd));
   autograd->impl("relu_squared_moments", TORCH_FN(relu_squared_moments_autograd));
+  autograd->impl("piecewise_moments", TORCH_FN(piecewise_moments_autograd));
   return 1;
 }
