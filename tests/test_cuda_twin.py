@@ -31,7 +31,7 @@ from autograd_nodes import node_names
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
 from cfbnn_cli.bnn.likelihoods import NormalLikelihood
-from cfbnn_cli.moments import fast, fast_path, get_activation, ops
+from cfbnn_cli.moments import fast_path, get_activation, kernel_library, ops
 from cfbnn_cli.moments.cuda_twin import cuda_twin
 from cfbnn_cli.train.optimizers import adam
 
@@ -181,7 +181,7 @@ with cuda_twin() as calls:
     out.update(nan_cases())
     out["first_use"] = {what: passed for (what, device, dtype), passed in ops.FIRST_USE.items()}
 out["calls"] = dict(calls)
-out["cpp_library_loaded"] = fast.cpu_operators_registered()
+out["cpp_library_loaded"] = kernel_library.cpu_operators_registered()
 print("RESULT", json.dumps(out))
 """
 

@@ -19,7 +19,7 @@ from conftest import finish_all, one_line_error
 from omegaconf import open_dict
 
 from cfbnn_cli.cli import compose_config
-from cfbnn_cli.moments import fast, kernel_build, kernel_library
+from cfbnn_cli.moments import kernel_build, kernel_library
 from cfbnn_cli.runtime import safefs
 from cfbnn_cli.runtime.errors import ConfigError
 from cfbnn_cli.runtime.io import atomic_write_text, remove_stale_temporary_files
@@ -32,14 +32,14 @@ AS_ROOT = os.geteuid() == 0
 # ----------------------------------------------------------------------------- the kernel cache
 
 needs_kernels = pytest.mark.skipif(
-    fast.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)"
+    kernel_library.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)"
 )
 
 LOAD_KERNELS = """
     import warnings
     warnings.simplefilter("always")
-    from cfbnn_cli.moments import fast
-    info = fast.fast_path_info()
+    from cfbnn_cli.moments import kernel_library
+    info = kernel_library.fast_path_info()
     print("AVAILABLE", info["available"], "CACHED", info.get("cached"))
     print("ERROR", info.get("error"))
     """
@@ -59,7 +59,7 @@ def built_cache(tmp_path_factory):
     """A cache as a first run leaves it (built by the copying compiler), copied by each test."""
     folder = tmp_path_factory.mktemp("built")
     compiler = folder / "copying-c++"
-    good = fast.fast_path_info()["library"]
+    good = kernel_library.fast_path_info()["library"]
     compiler.write_text(COPYING_COMPILER.format(good=good))
     compiler.chmod(0o755)
     out = _load_in_subprocess(folder / "cache", compiler)
@@ -196,7 +196,7 @@ def test_a_planted_library_is_never_loaded(cache_outcomes, scenario):
     reason = "owned by uid 12345" if "forged" in scenario else "does not match the content hash"
     assert reason in out.stderr and "rebuilding it" in out.stderr
     assert "AVAILABLE True" in out.stdout  # rebuilt, and the fast path still serves
-    assert safefs.sha256_of_file(library) == safefs.sha256_of_file(fast.fast_path_info()["library"])
+    assert safefs.sha256_of_file(library) == safefs.sha256_of_file(kernel_library.fast_path_info()["library"])
 
 
 @needs_kernels

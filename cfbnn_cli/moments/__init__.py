@@ -2,10 +2,11 @@
 
 No modules, no configuration. This is the paper's appendix (with the errata's
 corrections); see :mod:`cfbnn_cli.moments.gaussian` for the half-line moments,
-:mod:`cfbnn_cli.moments.activations` for the activations (torch ops: the reference
-path, and the path on CUDA) and :mod:`cfbnn_cli.moments.fast` for the fused CPU
-kernels that are the default on CPU (``CFBNN_FAST_MOMENTS=0``,
-:func:`set_fast_path` or ``with fast_path(False)`` select the reference path).
+:mod:`cfbnn_cli.moments.activations` for the activations. Every kernel is a ``cfbnn::``
+operator whose kernel torch's dispatcher picks by device: C++ on the CPU
+(:mod:`cfbnn_cli.moments.kernel_library`), Triton on CUDA, the reference torch ops where
+neither is at hand (``CFBNN_FAST_MOMENTS=0``, :func:`set_fast_path` or ``with
+fast_path(False)`` select the reference path).
 """
 
 # register cfbnn::relu_tail, the ELBO steps and relu_mean before anything loads the C++ library
@@ -23,7 +24,6 @@ from .activations import (
     get_activation,
     piecewise_polynomial,
 )
-from .fast import fast_path, fast_path_enabled, fast_path_info, set_fast_path
 from .gaussian import (
     abs_moment,
     normal_raw_moment,
@@ -35,6 +35,7 @@ from .gaussian import (
     validate_args,
     validating_args,
 )
+from .kernel_library import fast_path, fast_path_enabled, fast_path_info, set_fast_path
 
 __all__ = [
     "ACTIVATIONS",

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator
 
 import torch
 
-from . import elbo_ops, fast, kl_ops, leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
+from . import elbo_ops, kernel_library, kl_ops, leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
 
 __all__ = ["cuda_kernels", "cuda_twin"]
 
@@ -73,7 +73,7 @@ def cuda_twin() -> Iterator[collections.Counter]:
     autograd the CUDA route runs."""
     if os.environ.get("TRITON_INTERPRET") != "1" or not ops.HAVE_TRITON:
         raise RuntimeError("cuda_twin needs Triton and TRITON_INTERPRET=1 set before Triton is imported")
-    if fast.cpu_operators_registered():
+    if kernel_library.cpu_operators_registered():
         raise RuntimeError("cuda_twin needs a process where the C++ library has not registered its CPU kernels")
     calls = collections.Counter()
     library = torch.library.Library("cfbnn", "IMPL")
@@ -86,7 +86,7 @@ def cuda_twin() -> Iterator[collections.Counter]:
             for name, kernel in cuda_kernels().items():
                 library.impl(name, _counted(name, kernel, calls), "CPU")
         ops.TRITON_DEVICE_TYPES.add("cpu")
-        with fast.fast_path(False):
+        with kernel_library.fast_path(False):
             yield calls
     finally:
         ops.TRITON_DEVICE_TYPES.discard("cpu")

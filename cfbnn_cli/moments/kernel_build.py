@@ -9,13 +9,13 @@ shared library with the system C++ compiler (``$CXX``, else ``g++``/``c++``/``cl
   torch's core tensor and library headers only (a few seconds, beside the kernels), linked with
   ``libc10`` and ``libtorch_cpu``. Not torch's ``cpp_extension``: its ``torch/extension.h``
   includes the whole C++ API and Python bindings (about a minute per unit), and its build
-  directory has no per-user ownership checks. If this unit does not compile or link, the
-  kernels are linked alone (``fast_path_info()["operators_error"]`` says why) and the ELBO
-  takes the routes that do not need the operators.
+  directory has no per-user ownership checks. The kernels are reached only through these
+  operators: if this unit does not compile or link, there is no library, and the operators run
+  their reference kernels (``fast_path_info()["error"]`` says why).
 
-:mod:`cfbnn_cli.moments.kernel_library` loads the library with :mod:`ctypes` (here, the only
-place a compiled library of cfbnn's is loaded); once it has passed its self-test, it calls
-``cfbnn_register_cpu_kernels()``.
+:mod:`cfbnn_cli.moments.kernel_library` loads the library (here, the only place a compiled library
+of cfbnn's is loaded: a ``dlopen`` through :mod:`ctypes`, as ``torch.ops.load_library`` does); once
+it has passed its self-test (``cfbnn_self_test()``), it calls ``cfbnn_register_cpu_kernels()``.
 
 The cache (``$CFBNN_CACHE_DIR``, default ``$XDG_CACHE_HOME/cfbnn`` or ``~/.cache/cfbnn``):
 
@@ -82,7 +82,6 @@ HEADER_PATH = SOURCE_FOLDER / "cfbnn_kernels.h"  # their entry points, included 
 OPERATORS_PATH = SOURCE_FOLDER / "cfbnn_ops.cpp"  # the operators' CPU kernels (torch headers)
 SOURCES = (SOURCE_PATH, HEADER_PATH, OPERATORS_PATH)
 LIBRARY_NAME = "cfbnn_moments.so"
-OPERATORS_FAILED_NAME = "operators-failed"  # why a library was linked without its operators
 HASH_SUFFIX = ".record"  # the library's record (record_of): an HMAC under the cache's key
 KEY_NAME = ".record-key"  # the cache's secret key of those records (record_key)
 KEY_BYTES = 32
@@ -256,16 +255,14 @@ def record_of(key: bytes, folder: str, data: bytes) -> str:
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
-def compile_library(compiler: str, flags, target: str, sources: Dict[str, str]) -> Tuple[Optional[str], Optional[str]]:
-    """Build ``sources`` (:func:`read_sources`) into ``target`` and record it beside it:
-    ``(error, operators_error)``, the compiler's message where the kernels did not build
-    (else ``None``), and where only the operators' unit did not (the kernels then linked alone).
+def compile_library(compiler: str, flags, target: str, sources: Dict[str, str]) -> Optional[str]:
+    """Build ``sources`` (:func:`read_sources`) into ``target`` and record it beside it: the
+    compiler's message where either unit did not build or the link failed, else ``None``.
     :func:`build` does the same and also returns the bytes built."""
-    error, operators_error, _ = build(compiler, flags, target, sources)
-    return error, operators_error
+    return build(compiler, flags, target, sources)[0]
 
 
-def build(compiler: str, flags, target: str, sources: Dict[str, str]) -> Tuple[Optional[str], Optional[str], bytes]:
+def build(compiler: str, flags, target: str, sources: Dict[str, str]) -> Tuple[Optional[str], bytes]:
     """:func:`compile_library`, returning also the library's bytes as this process read them
     once from the linker's output: what it records, and what :func:`load_library` loads.
 
@@ -291,21 +288,18 @@ def build(compiler: str, flags, target: str, sources: Dict[str, str]) -> Tuple[O
             ]
         )
         if kernels != 0:
-            return compiler_message(kernels_stderr), None, b""
-        operators_error = compiler_message(operators_stderr) if operators != 0 else None
+            return compiler_message(kernels_stderr), b""
+        if operators != 0:  # (the kernels are reached only through the operators this unit registers)
+            return compiler_message(operators_stderr), b""
         output = os.path.join(work, LIBRARY_NAME)
-
-        def link(objects, extra):
-            return _run_all([[compiler, "-shared", *objects, "-o", output, *compile_only, *libraries, *extra]])[0]
-
-        if operators_error is None:
-            returncode, stderr = link([kernels_object, operators_object], operators_link)
-            if returncode != 0:
-                operators_error = compiler_message(stderr)
-        if operators_error is not None:
-            returncode, stderr = link([kernels_object], [])
-            if returncode != 0:
-                return compiler_message(stderr), None, b""
+        returncode, stderr = _run_all(
+            [
+                [compiler, "-shared", kernels_object, operators_object, "-o", output, *compile_only, *libraries]
+                + operators_link
+            ]
+        )[0]
+        if returncode != 0:
+            return compiler_message(stderr), b""
         os.chmod(output, 0o700)
         data = read_private_file(output, LIBRARY_LIMIT)
         record = os.path.join(work, LIBRARY_NAME + HASH_SUFFIX)
@@ -314,7 +308,7 @@ def build(compiler: str, flags, target: str, sources: Dict[str, str]) -> Tuple[O
         # the library first: a reader that finds the new record finds the new library too
         os.replace(output, target)
         os.replace(record, target + HASH_SUFFIX)
-    return None, operators_error, data
+    return None, data
 
 
 def read_verified(target: str, key: bytes) -> bytes:
@@ -517,8 +511,7 @@ def load_library(
                 start = time.perf_counter()
                 try:
                     discard(target)
-                    error, operators_error, data = build(compiler, flags, target, sources)
-                    _record_failure(folder, operators_error, OPERATORS_FAILED_NAME)
+                    error, data = build(compiler, flags, target, sources)
                 except OSError as failure:  # e.g. an unwritable or foreign cache directory
                     error = (
                         f"{type(failure).__name__}: {failure}"
@@ -544,7 +537,6 @@ def load_library(
                 "compiler": f"{compiler} ({version})",
                 "openmp": bool(library.cfbnn_openmp()),
                 "error": None,
-                "operators_error": _recorded_failure(folder, OPERATORS_FAILED_NAME),
             }
             if compiling_since is not None:
                 log.info("compiled the CPU kernels in %.1f s", time.perf_counter() - compiling_since)

@@ -24,7 +24,6 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .kernel_handles import slope_for
 from .operator_registration import (
     check_operands,
     moments_function,
@@ -37,6 +36,7 @@ from .ops import (
     launch_family_moments,
     launch_family_moments_backward,
     moments_kernels_check,
+    slope_for,
 )
 from .relu_reference import small_tail
 

@@ -40,10 +40,11 @@ import importlib.util
 import logging
 from typing import Callable, Dict, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from . import fast, kernel_handles
+from . import kernel_library
 from .gaussian import standard_normal_cdf, standard_normal_pdf, standardize
 from .operator_registration import (
     _FLOATS,
@@ -448,7 +449,7 @@ def operator_route(mean: Tensor) -> bool:
     calls the operators)."""
     if triton_device(mean.device):
         return device_kernels_apply(mean)
-    return mean.device.type == "cpu" and mean.dtype in _FLOATS and fast.fast_path_enabled()
+    return mean.device.type == "cpu" and mean.dtype in _FLOATS and kernel_library.fast_path_enabled()
 
 
 def checked_operator_route(mean: Tensor, what: str, check: Callable) -> bool:
@@ -477,14 +478,18 @@ def moments_kernels_check(forward: Callable, backward: Callable, *parameters) ->
     return check
 
 
+def slope_for(negative_slope: float, dtype: torch.dtype) -> float:
+    """Leaky ReLU's slope as its kernels take it: for float32 tensors the float32 number float32
+    torch arithmetic multiplies by."""
+    return float(np.float32(negative_slope)) if dtype == torch.float32 else float(negative_slope)
+
+
 def slope_tensor(mean: Tensor, negative_slope: float) -> Tensor:
     """Leaky ReLU's slope for the Triton kernels, as its kernels take it for ``mean``'s dtype
-    (:func:`~.kernel_handles.slope_for`): read by them as float64 (a Triton float argument would
+    (:func:`slope_for`): read by them as float64 (a Triton float argument would
     be float32); filled on the device, so a launch inside a CUDA graph capture needs no copy from
     the host."""
-    return torch.full(
-        (1,), kernel_handles.slope_for(negative_slope, mean.dtype), dtype=torch.float64, device=mean.device
-    )
+    return torch.full((1,), slope_for(negative_slope, mean.dtype), dtype=torch.float64, device=mean.device)
 
 
 # (what, device, dtype) -> whether a first-use check passed there: a visible cache, filled once per

@@ -57,15 +57,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .ops import (
+from .operator_registration import (
     check_operands,
     differentiable_by_formula,
     moments_function,
-    operator_route,
     register_cpu_fallbacks,
     register_moments_autograd,
-    triton_device,
 )
+from .ops import operator_route, triton_device
 from .piecewise_tables import coefficient_tables
 
 __all__ = [
@@ -114,13 +113,21 @@ def polynomial_from_table(table: Tensor, breakpoints: int, degree: int):
     return _polynomial(tuple(table.detach()[:head].cpu().double().tolist()), breakpoints, degree)
 
 
+# the class whose reference formula the reference kernels run: :class:`.PiecewisePolynomial`, which
+# imports this module and hands itself over (:func:`use_polynomial_class`)
+_POLYNOMIAL_CLASS = []
+
+
+def use_polynomial_class(polynomial_class) -> None:
+    """Called once by :mod:`.piecewise_polynomial`: the class the reference kernels build from a table."""
+    _POLYNOMIAL_CLASS[:] = [polynomial_class]
+
+
 @functools.lru_cache(maxsize=64)
 def _polynomial(values: Tuple[float, ...], breakpoints: int, degree: int):
-    from .piecewise_polynomial import PiecewisePolynomial  # (that module imports this one)
-
     bp = list(values[:breakpoints])
     coef = np.asarray(values[max(breakpoints, 1) :]).reshape(breakpoints + 1, degree + 1)
-    return PiecewisePolynomial(bp, [row.tolist() for row in coef])
+    return _POLYNOMIAL_CLASS[0](bp, [row.tolist() for row in coef])
 
 
 def _reference_forward(mean, std, table, breakpoints, degree, alpha):

@@ -9,7 +9,7 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import fast, kernel_handles, piecewise_ops
+from . import piecewise_ops
 from .activation_base import Activation, check_real
 from .gaussian import (
     positive_part_moments,
@@ -145,7 +145,7 @@ class PiecewisePolynomial(Activation):
     # -- the operator ---------------------------------------------------------------
     # cfbnn::piecewise_moments (:mod:`.piecewise_ops`): the C++ engine on the CPU, one operator
     # each way; alpha nan selects the general engine (the hard sigmoid's own float32 kernels: its
-    # alpha). A polynomial the engine does not take (fast.piecewise_supported) keeps the reference ops.
+    # alpha). A polynomial the engine does not take (piecewise_tables.piecewise_supported) keeps the reference ops.
     _operator_alpha = piecewise_ops.GENERAL_ENGINE
     _operator_tables = None  # dtype -> (table, B, D), made on first use
 
@@ -167,11 +167,6 @@ class PiecewisePolynomial(Activation):
         return self._operator_supported and piecewise_ops.piecewise_operator_route(mean)
 
     # -- the engine -----------------------------------------------------------------
-    def _kernels(self):
-        if not fast.piecewise_supported(self.breakpoints, self.polynomials):
-            return None
-        return kernel_handles.PiecewiseOp(self._reference_moments, self.breakpoints, self.polynomials)
-
     def _moments(self, mean, std):
         positive = std > 0
         std_safe = torch.where(positive, std, torch.ones_like(std))
@@ -292,6 +287,9 @@ class PiecewisePolynomial(Activation):
         return half * first, half * second
 
 
+piecewise_ops.use_polynomial_class(PiecewisePolynomial)
+
+
 class HardSigmoid(PiecewisePolynomial):
     """``g(x) = (|x + alpha| - |x - alpha|) / 2``: ``clamp(x, -alpha, alpha)`` for ``alpha > 0``.
 
@@ -312,11 +310,6 @@ class HardSigmoid(PiecewisePolynomial):
             super().__init__([], [[0.0]], name="hard_sigmoid")
         else:
             super().__init__([-a, a], [[-sign * a], [0.0, sign], [sign * a]], name="hard_sigmoid")
-
-    def _kernels(self):
-        if self.alpha == 0.0:
-            return super()._kernels()
-        return kernel_handles.HardSigmoidOp(self._reference_moments, self.alpha, self.breakpoints, self.polynomials)
 
     def __call__(self, x):
         # (|x + alpha| - |x - alpha|) / 2 rounds; the clamp it equals is exact.

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cfbnn_cli.bnn import BayesianNetwork, ClosedForm, ClosedFormBNN, DeterministicPropagation, NormalLikelihood
-from cfbnn_cli.moments import fast, get_activation
+from cfbnn_cli.moments import get_activation, kernel_library
 
-assert fast.load_kernels() is not None and fast.cpu_operators_registered()
+assert kernel_library.load_kernels() is not None and kernel_library.cpu_operators_registered()
 
 DTYPES = [torch.float32, torch.float64]
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}

@@ -112,8 +112,8 @@ def counted(name, kernel):  # each Triton step counts its calls: the test assert
     return run
 
 # the C++ library registers its CPU kernels when it loads: load it first, so that these come later and win
-from cfbnn_cli.moments import fast
-assert fast.load_kernels() is not None and fast.cpu_operators_registered()
+from cfbnn_cli.moments import kernel_library
+assert kernel_library.load_kernels() is not None and kernel_library.cpu_operators_registered()
 library = torch.library.Library("cfbnn", "IMPL")
 for name, kernel in elbo_ops.TRITON_KERNELS.items():
     library.impl(name, counted(name, kernel), "CPU")
@@ -178,9 +178,9 @@ def test_the_triton_kernels_match_the_reference_path_under_the_interpreter():
 
 
 WITHOUT_LIBRARY = """
-from cfbnn_cli.moments import fast
+from cfbnn_cli.moments import kernel_library
 out = errors()
-out["available"] = fast.fast_path_info()["available"]
+out["available"] = kernel_library.fast_path_info()["available"]
 print("RESULT", json.dumps(out))
 """
 

@@ -231,11 +231,11 @@ def test_opcheck_cuda_and_the_cpu_agree(dtype):
 def test_the_cpu_kernels_are_the_cpp_librarys():
     """The CPU kernels of every cfbnn:: operator (moments, KL, tail pass, the steps) are registered in C++ by the kernel
     library (csrc/cfbnn_ops.cpp): the dispatcher's active CPU kernel comes from that file."""
-    from cfbnn_cli.moments import fast
+    from cfbnn_cli.moments import kernel_library
 
-    if fast.load_kernels() is None:
+    if kernel_library.load_kernels() is None:
         pytest.skip("the C++ kernels did not build here")
-    assert fast.cpu_operators_registered() and fast.fast_path_info()["operators"]
+    assert kernel_library.cpu_operators_registered() and kernel_library.fast_path_info()["operators"]
     registered = ("relu_moments", "relu_moments_from_variance", "diagonal_kl", "relu_tail", *elbo_ops.STEPS)
     for name in (*registered, *(f"{name}_backward" for name in registered[:4])):
         active = [line for line in torch._C._dispatch_dump(f"cfbnn::{name}").splitlines() if line.startswith("CPU:")]

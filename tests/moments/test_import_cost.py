@@ -28,7 +28,7 @@ IMPORT_THEN_USE = r"""
 import importlib.util, json, sys
 import torch
 from cfbnn_cli.bnn import BayesianNetwork, ClosedFormBNN
-from cfbnn_cli.moments import fast, ops, relu_mean_ops
+from cfbnn_cli.moments import kernel_library, ops, relu_mean_ops
 from cfbnn_cli.moments.relu_reference import relu_forward
 
 torch.manual_seed(0)
@@ -40,7 +40,7 @@ for model in (ClosedFormBNN(4, 8), BayesianNetwork(4, [8, 8])):
     assert torch.isfinite(model.predict(x).mean).all()
 # with the C++ kernels registered (they load first), the CPU route never enters a custom_op's
 # Python kernel, whose first call would import torch._dynamo (torch's _disable_dynamo)
-assert not (fast.cpu_operators_registered() and "torch._dynamo" in sys.modules)
+assert not (kernel_library.cpu_operators_registered() and "torch._dynamo" in sys.modules)
 mean = torch.randn(7, 5, dtype=torch.float64)
 std = torch.rand(7, 5, dtype=torch.float64) + 0.1
 phi, ups, var = torch.ops.cfbnn.relu_moments(mean, std)

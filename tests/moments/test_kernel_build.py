@@ -56,9 +56,10 @@ def test_the_source_is_a_real_file_shipped_with_the_package():
     assert set(kernel_build.read_sources()) == {"cfbnn_moments.cpp", "cfbnn_kernels.h", "cfbnn_ops.cpp"}
 
 
-def test_an_operators_unit_that_does_not_build_leaves_the_kernels_linked_alone(tmp_path):
-    """The two units compile side by side; where the operators' unit fails, the kernels are linked
-    without it or torch's libraries, and its compiler message comes back."""
+def test_an_operators_unit_that_does_not_build_leaves_no_library(tmp_path):
+    """The two units compile side by side; the kernels are reached only through the operators
+    that unit registers, so where it fails nothing is linked and its compiler message comes back
+    (the operators then run their reference kernels)."""
     compiler = _fake_compiler(
         tmp_path,
         'case "$*" in *cfbnn_ops.cpp*) echo "cfbnn_ops.cpp:3:10: fatal error: torch/library.h: No such file" >&2; '
@@ -68,15 +69,11 @@ def test_an_operators_unit_that_does_not_build_leaves_the_kernels_linked_alone(t
     target = tmp_path / "cache" / "build" / kernel_build.LIBRARY_NAME
     target.parent.mkdir(parents=True, mode=0o700)
     flags = kernel_build.flag_sets()[-1]
-    error, operators_error = kernel_build.compile_library(
-        str(compiler), flags, str(target), kernel_build.read_sources()
-    )
-    assert error is None and "torch/library.h: No such file" in operators_error
-    link = [line for line in (tmp_path / "calls").read_text().splitlines() if " -shared " in f" {line} "]
-    link = [line for line in link if " -c " not in f" {line} "]
-    assert len(link) == 1 and "kernels.o" in link[0]
-    assert "operators.o" not in link[0] and "-ltorch_cpu" not in link[0]
-    assert target.read_text() == "built\n" and kernel_build.verified(str(target)) is None
+    error = kernel_build.compile_library(str(compiler), flags, str(target), kernel_build.read_sources())
+    assert "torch/library.h: No such file" in error
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert not [line for line in calls if " -c " not in f" {line} "]  # nothing linked
+    assert not target.exists()
 
 
 def test_the_cache_key_follows_source_compiler_flags_and_torch(monkeypatch):
@@ -138,9 +135,9 @@ def test_one_builder_at_a_time_the_second_process_loads_what_the_first_built(tmp
     real = kernel_build.find_compiler()
     if real is None:
         pytest.skip("no C++ compiler")
-    from cfbnn_cli.moments import fast
+    from cfbnn_cli.moments import kernel_library
 
-    built = fast.fast_path_info().get("library")
+    built = kernel_library.fast_path_info().get("library")
     if not built:
         pytest.skip("the kernels did not build here")
     compiler = _fake_compiler(
@@ -150,8 +147,8 @@ def test_one_builder_at_a_time_the_second_process_loads_what_the_first_built(tmp
     )
     env = {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(tmp_path / "cache")}
     code = """
-        from cfbnn_cli.moments import fast
-        info = fast.fast_path_info()
+        from cfbnn_cli.moments import kernel_library
+        info = kernel_library.fast_path_info()
         print("AVAILABLE", info["available"], "CACHED", info.get("cached"))
     """
     processes = [_python(code, env) for _ in range(2)]

@@ -10,12 +10,12 @@ import torch
 from relu_grid import POINTS, _quadrature, worst_error
 from triton_check import LEAKY_SLOPES
 
-from cfbnn_cli.moments import fast, get_activation, leaky_ops
+from cfbnn_cli.moments import get_activation, kernel_library, leaky_ops
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _library():
-    if fast.load_kernels() is None or not fast.cpu_operators_registered():
+    if kernel_library.load_kernels() is None or not kernel_library.cpu_operators_registered():
         pytest.skip("the C++ library did not build here")
 
 

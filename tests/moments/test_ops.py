@@ -19,7 +19,7 @@ import torch
 from relu_grid import POINTS, _quadrature, worst_error
 from triton_check import assert_within_tolerances, triton_errors
 
-from cfbnn_cli.moments import fast, get_activation, ops
+from cfbnn_cli.moments import get_activation, kernel_library, ops
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -213,7 +213,7 @@ def test_cpu_autograd_is_one_cpp_node_with_the_reference_gradients(name):
     MomentsAutograd, registered for AutogradCPU): one node, whose gradients -- every output used
     or one, far tails included -- and second derivatives (create_graph through the backward
     operator's own derivative) are the reference path's autograd's, float64."""
-    assert fast.load_kernels() is not None and fast.cpu_operators_registered()
+    assert kernel_library.load_kernels() is not None and kernel_library.cpu_operators_registered()
     operator = getattr(torch.ops.cfbnn, name)
     extra, reference = MOMENTS_OPERATORS[name]
     g = torch.Generator().manual_seed(5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import fast, get_activation
+from cfbnn_cli.moments import get_activation, kernel_library
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 relu_mean = torch.ops.cfbnn.relu_mean
@@ -59,7 +59,7 @@ def test_relu_mean_without_autograd_takes_the_operator_and_matches_the_moments()
     relu = get_activation("relu")
     g = torch.Generator().manual_seed(2)
     mean, std = torch.randn(200, 30, generator=g) * 3, torch.rand(1, 30, generator=g) + 0.01
-    assert fast.load_kernels() is not None and fast.cpu_operators_registered()
+    assert kernel_library.load_kernels() is not None and kernel_library.cpu_operators_registered()
     with torch.no_grad(), torch.profiler.profile() as profile:
         phi = relu.mean(mean, std)
     names = [event.key for event in profile.key_averages()]

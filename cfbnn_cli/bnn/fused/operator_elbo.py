@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ...moments import fast, ops
+from ...moments import kernel_library, ops
 from ...moments.activations import LeakyReLU, ReLU, ReLUSquared
 from ...moments.gaussian import check_mean_std
 from ...moments.tail_ops import ACTIVATION_KINDS
@@ -71,7 +71,7 @@ def relu_operators_apply(*tensors: torch.Tensor, family=RELU) -> bool:
     if any(t.device != first.device or t.dtype != first.dtype for t in tensors):
         return False
     if first.device.type == "cpu" and not ops.triton_device(first.device):
-        return fast.fast_path_enabled()
+        return kernel_library.fast_path_enabled()
     if torch.compiler.is_compiling():
         return False
     what = "the closed-form ELBO's Triton kernels" + ("" if family == RELU else f" (activation {family[0]})")

@@ -11,6 +11,7 @@
 #define CFBNN_KERNEL_DECLARATIONS(T, SUF)                                                                        \
   void relu_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, T* u0, T* pdf, int nt);     \
   void relu_mean_##SUF(int64_t n, const T* m, const T* s, T* phi, int nt);                                       \
+  int64_t count_negative_##SUF(int64_t n, const T* s, int nt);                                                   \
   void relu_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps, const T* gu,    \
                            int gus, const T* gv, int gvs, T* gm, T* gs, int nt);                                 \
   void leaky_forward_##SUF(int64_t n, const T* m, const T* s, double eps, T* phi, T* ups, T* var, T* pm, T* ps,  \

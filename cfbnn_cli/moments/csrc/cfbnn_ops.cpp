@@ -53,6 +53,7 @@ struct Kernels;
   struct Kernels<T> {                                                    \
     static constexpr auto relu_forward = &relu_forward_##SUF;            \
     static constexpr auto relu_mean = &relu_mean_##SUF;                  \
+    static constexpr auto count_negative = &count_negative_##SUF;        \
     static constexpr auto relu_backward = &relu_backward_##SUF;          \
     static constexpr auto leaky_forward = &leaky_forward_##SUF;          \
     static constexpr auto leaky_backward = &leaky_backward_##SUF;        \
@@ -107,6 +108,17 @@ template <typename F>
 auto by_dtype(const Tensor& like, F&& body) {
   if (like.scalar_type() == at::kDouble) return body(double{});
   return body(float{});
+}
+
+/* The number of entries < 0 of a float tensor, one pass (the argument checks' sign test:
+   cfbnn_cli/moments/gaussian.py, check_mean_std). */
+int64_t count_negative(const Tensor& x_in) {
+  check_floats("count_negative", x_in, {});
+  const Tensor x = x_in.contiguous();
+  return by_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    return static_cast<int64_t>(Kernels<T>::count_negative(x.numel(), x.data_ptr<T>(), threads()));
+  });
 }
 
 // ------------------------------------------------------------------------- ReLU moments and the KL
@@ -906,6 +918,33 @@ MomentsOutputs leaky_relu_moments_autograd(const Tensor& mean, const Tensor& std
 
 }  // namespace
 
+/* A wrong build (a broken vector math library, say) must not be used: the ReLU kernel at known
+   points (more than one block of them, so the padded path too) against the closed forms of paper
+   eq. (20) computed here with std::erfc. Returns the largest relative error of Phi and Upsilon;
+   cfbnn_cli/moments/kernel_library.py refuses a library whose error exceeds 1e-12. */
+extern "C" double cfbnn_self_test(void) {
+  const double cases[3][2] = {{-3.0, 1.0}, {0.0, 0.5}, {1.5, 2.0}};
+  const int repeats = 40;
+  const int64_t n = 3 * repeats;
+  std::vector<double> mean(n), spread(n), phi(n), ups(n);
+  for (int64_t i = 0; i < n; i++) {
+    mean[i] = cases[i % 3][0];
+    spread[i] = cases[i % 3][1];
+  }
+  relu_forward_f64(n, mean.data(), spread.data(), phi.data(), ups.data(), nullptr, nullptr, nullptr, 1);
+  double worst = 0.0;
+  for (int64_t i = 0; i < n; i++) {
+    const double m = mean[i], s = spread[i], t = m / s;
+    const double cdf = 0.5 * std::erfc(-t / std::sqrt(2.0));
+    const double pdf = std::exp(-0.5 * t * t) / std::sqrt(2.0 * M_PI);
+    const double want_phi = m * cdf + s * pdf, want_ups = (m * m + s * s) * cdf + m * s * pdf;
+    const double error = std::max(std::abs(phi[i] - want_phi) / std::abs(want_phi),
+                                  std::abs(ups[i] - want_ups) / std::abs(want_ups));
+    worst = std::isnan(error) ? INFINITY : std::max(worst, error);
+  }
+  return worst;
+}
+
 /* Registers the CPU kernels above for the cfbnn:: operators (defined in Python). A later
    registration for the same operator and key replaces an earlier one, so these take over from
    the Python CPU kernels that only load this library. Called once per process. */
@@ -916,6 +955,7 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   library->impl("relu_moments", TORCH_FN(relu_moments));
   library->impl("relu_moments_backward", TORCH_FN(relu_moments_backward));
   library->impl("relu_mean", TORCH_FN(relu_mean));
+  library->impl("count_negative", TORCH_FN(count_negative));
   library->impl("leaky_relu_moments", TORCH_FN(leaky_relu_moments));
   library->impl("leaky_relu_moments_backward", TORCH_FN(leaky_relu_moments_backward));
   library->impl("relu_squared_moments", TORCH_FN(relu_squared_moments));
