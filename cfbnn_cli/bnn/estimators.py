@@ -212,14 +212,9 @@ class Estimator:
         num_samples: int = 1,
         objective: Optional[str] = None,
     ):
-        """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO. Where every
-        layer is a diagonal Gaussian integrated here, with one Normal output, a fixed prior and
-        tensors the kernels take, as one autograd node (:meth:`_single_node_elbo`: same value and
-        gradients, less autograd bookkeeping; ``tests/bnn/test_operator_elbo.py``,
-        ``tests/bnn/test_fused.py``)."""
-        single = self._single_node_elbo(network, x, y, num_data, noise)
-        if single is not None:
-            return single
+        """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO, layer by layer
+        (the estimators that integrate every layer first try the whole ELBO as one node:
+        :meth:`ClosedForm.elbo`, :meth:`DeterministicPropagation.elbo`)."""
         # a fixed prior: the layers' functions hand their KL over on the way (one pass for both)
         sink = {} if network.prior != "empirical_bayes" else None
         ell = self.expected_log_likelihood_per_point(
@@ -267,33 +262,6 @@ class Estimator:
             phi, variance, output.loc, output.log_scale, target, log_precision, output.bias, second_moment
         )
 
-    def _single_node_elbo(self, network, x, y, num_data: Optional[int], noise):
-        """The ELBO as one node where it applies, else ``None``: the ReLU family on the operators
-        (:func:`.fused.operator_normal_elbo`, :func:`.fused.operator_deep_normal_elbo`)."""
-        if noise or x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad:
-            return None
-        layers = network.layers
-        if (
-            network.point_layers
-            or network.prior == "empirical_bayes"
-            or network.output_dim != 1
-            or len(layers) < 2
-            or self.treatments(network)[0] != "closed_form"
-            or type(network.likelihood) is not NormalLikelihood
-            or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers)
-        ):
-            return None
-        log_precision = network.likelihood.log_precision
-        parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
-        scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        if not fused.operators_apply(network.activation, x, y, log_precision, *parameters):
-            return None
-        # the ReLU family on the cfbnn:: operators, any device, as one node
-        family = fused.tail_family(network.activation)
-        if len(layers) == 2:
-            return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
-        return fused.operator_deep_normal_elbo(x, y, log_precision, layers, network.prior_scale**2, scale, family)
-
 
 class ClosedForm(Estimator):
     """The paper's estimator: the last two Gaussian layers integrated, earlier ones sampled."""
@@ -302,6 +270,14 @@ class ClosedForm(Estimator):
     closed_form_layers = 2
     integrates = "the last hidden layer and the output layer (eqs. (7)-(9))"
     samples = "every earlier Gaussian layer (none for one hidden layer)"
+
+    def elbo(self, network, x, y, *, num_data=None, noise=None, **kwargs):
+        """:meth:`Estimator.elbo`; with one hidden layer (nothing sampled) the whole ELBO as one
+        node where :func:`one_node_elbo` takes the network."""
+        whole = one_node_elbo(network, x, y, num_data, noise) if len(network.layers) == 2 else None
+        if whole is not None:
+            return whole
+        return super().elbo(network, x, y, num_data=num_data, noise=noise, **kwargs)
 
 
 class IntegrateOutputLayer(Estimator):
@@ -350,9 +326,43 @@ class DeterministicPropagation(Estimator):
             return super().forward_to_tail(network, h, noise, variance_form=variance_form, kl_sink=kl_sink)
         return "full_moments", _full_covariance_hidden(network, h)
 
-    def _single_node_elbo(self, network, x, y, num_data, noise):
-        # the covariance across units is not what the single node propagates
-        return None if self.full_covariance else super()._single_node_elbo(network, x, y, num_data, noise)
+    def elbo(self, network, x, y, *, num_data=None, noise=None, **kwargs):
+        """:meth:`Estimator.elbo`; the whole ELBO as one node where :func:`one_node_elbo` takes the
+        network (not with ``full_covariance``: the covariance across units is not what it propagates)."""
+        whole = None if self.full_covariance else one_node_elbo(network, x, y, num_data, noise)
+        if whole is not None:
+            return whole
+        return super().elbo(network, x, y, num_data=num_data, noise=noise, **kwargs)
+
+
+def one_node_elbo(network, x, y, num_data: Optional[int], noise):
+    """The whole ELBO as one node where every layer is integrated in closed form, else ``None``:
+    a ReLU-family network (ReLU, leaky ReLU, ReLU^2) whose layers are all mean-field Gaussians,
+    one Normal output, a fixed prior and one batch of plain inputs, on the ``cfbnn::`` operators
+    (:class:`.fused.operator_elbo.NormalELBO` for one hidden layer, :class:`.fused.operator_deep_elbo.DeepNormalELBO`
+    for more): same value and gradients as layer by layer, less autograd bookkeeping
+    (``tests/bnn/test_operator_elbo.py``, ``tests/bnn/test_fused.py``)."""
+    if noise or x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad:
+        return None
+    layers = network.layers
+    if (
+        network.point_layers
+        or network.prior == "empirical_bayes"
+        or network.output_dim != 1
+        or len(layers) < 2
+        or type(network.likelihood) is not NormalLikelihood
+        or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers)
+    ):
+        return None
+    log_precision = network.likelihood.log_precision
+    parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
+    if not fused.operators_apply(network.activation, x, y, log_precision, *parameters):
+        return None
+    family = fused.tail_family(network.activation)
+    scale = 1.0 if num_data is None else num_data / x.shape[-2]
+    if len(layers) == 2:
+        return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
+    return fused.operator_deep_normal_elbo(x, y, log_precision, layers, network.prior_scale**2, scale, family)
 
 
 _BY_NAME = {

@@ -148,27 +148,9 @@ class PropagatedPreactivation(torch.autograd.Function):
         bias: bool,
         variance_output: bool,
         prior_variance: Optional[float] = None,
-        augmented: bool = False,
     ):
         folded = support.folded_kl_forward(loc, log_scale, prior_variance)
         weight_variance, kl = folded if folded is not None else (torch.exp(2.0 * log_scale), support.placeholder(loc))
-        # augmented: phi and second_moment are [phi, 1] and [E h^2, 1] from the moments kernel. Only
-        # the single-node ELBO passes them (its backward returns the (..., H) moments' gradients,
-        # which autograd would refuse for (..., H + 1) inputs)
-        if augmented:
-            width = variance.shape[-1]
-            loc_square = loc[:, :width] * loc[:, :width]
-            gamma = torch.mm(phi, loc.mT)  # the bias in the product: no pass to add it, none to sum it
-            xi2 = torch.mm(second_moment, weight_variance.mT)
-            xi2.addmm_(variance, loc_square.mT)
-            return (
-                gamma,
-                (xi2 if variance_output else support.sqrt_floored(xi2)),
-                weight_variance,
-                phi.new_empty(0),
-                kl,
-                loc_square,
-            )
         width = phi.shape[-1]
         loc_h, loc_b = support.columns(loc, width, bias)
         variance_h, variance_b = support.columns(weight_variance, width, bias)
@@ -194,7 +176,6 @@ class PropagatedPreactivation(torch.autograd.Function):
         _, xi, weight_variance, formed, kl, loc_square = output
         second = second_moment if second_moment is not None else formed
         ctx.bias, ctx.variance_output = bias, variance_output
-        ctx.augmented = len(prior) > 1 and prior[1]
         ctx.prior_variance = prior[0] if prior and kl.numel() == 1 else None
         ctx.given_second_moment = second_moment is not None
         ctx.mark_non_differentiable(weight_variance, formed, loc_square)
@@ -217,10 +198,7 @@ class PropagatedPreactivation(torch.autograd.Function):
             ratio, scale = grad_xi / xi, 1.0
             variance_h, loc_square = 0.5 * variance_h, 0.5 * loc_square
         # d/d loc = grad_gamma^T phi + 2 loc (grad_xi2^T Var h) = ... + loc (ratio^T Var h)
-        if ctx.augmented:  # [phi, 1] gives the bias column's gradient from the product itself
-            grad_loc = torch.mm(grad_gamma.mT, phi)
-            grad_loc[:, :width].addcmul_(loc_h, torch.mm(ratio.mT, variance), value=scale)
-        elif support.transforms_active():
+        if support.transforms_active():
             grad_loc_h = torch.addcmul(
                 support.flat_product(grad_gamma, phi), loc_h, support.flat_product(ratio, variance), value=scale
             )
@@ -234,8 +212,7 @@ class PropagatedPreactivation(torch.autograd.Function):
             if ctx.bias:
                 torch.sum(flat_gamma, 0, out=grad_loc[:, width])
         # d/d log_scale = 2 Var W (grad_xi2^T E[h^2]) = Var W (ratio^T E[h^2])
-        # ([E h^2, 1] augmented: the bias column's from the product)
-        bias_column = ctx.bias and not ctx.augmented
+        bias_column = ctx.bias
         if ctx.prior_variance is not None:  # the KL's gradient folded in, one pass for both
             grad_log_scale = support.weight_gradient(ratio, second, bias_column, 0.5 * scale)
             grad_loc, grad_log_scale = support.folded_kl_backward(
