@@ -175,7 +175,7 @@ def test_saved_partials_and_recomputed_ones_give_one_gradient(case, dtype):
         torch.testing.assert_close(a, b, **tolerance)
 
 
-@pytest.mark.parametrize("case", ["hard_sigmoid_1", "cubic"])
+@pytest.mark.parametrize("case", ["hard_sigmoid_1", pytest.param("cubic", marks=pytest.mark.slow)])
 def test_gradients_match_finite_differences_to_the_second_order(case):
     activation = CASES[case][0]()
     arguments = _operator_arguments(activation, torch.float64)
