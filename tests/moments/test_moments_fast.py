@@ -356,6 +356,22 @@ def test_validation_counts_negative_std_on_the_fast_path():
     assert kernel_library.count_negative(torch.tensor([1.0, -0.0, -2.0, float("nan")])) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_sign_count_operator_matches_torch(dtype):
+    """cfbnn::count_negative (the argument checks' one pass, the library's C++ kernel) against
+    torch's comparison, on blocks that take one thread and several, a transposed view, -0.0,
+    NaN and an empty tensor."""
+    g = torch.Generator().manual_seed(3)
+    for shape in ((7,), (300, 301)):
+        x = torch.randn(*shape, generator=g, dtype=dtype)
+        x.view(-1)[:3] = torch.tensor([-0.0, float("nan"), float("-inf")], dtype=dtype)
+        for given in (x, x.mT if x.dim() == 2 else x):
+            assert torch.ops.cfbnn.count_negative(given) == int((given < 0).sum())
+    assert torch.ops.cfbnn.count_negative(torch.empty(0, dtype=dtype)) == 0
+    with pytest.raises(ValueError, match="count_negative"):
+        torch.ops.cfbnn.count_negative(torch.zeros(3, dtype=torch.int64))
+
+
 def test_float32_hard_sigmoid_on_a_dense_grid():
     """The unrolled float32 hard-sigmoid kernel: every position of the mean relative to both
     kinks, widths from far below std (Gauss-Legendre hand-over) to far above, std up to 1e30.
