@@ -272,7 +272,8 @@ class GaussianMatrix(nn.Module):
         if self.covariance == "diagonal" and not isinstance(prior_scale, torch.Tensor):
             if not prior_scale > 0:
                 raise ValueError(f"`prior_scale` must be > 0; got {prior_scale!r}")
-            if torch._C._are_functorch_transforms_active():  # (vmap of grad: Table 1's draws)
+            if torch._C._are_functorch_transforms_active() or not fused.support.kernels_apply(self.loc):
+                # (vmap of grad: Table 1's draws; the reference path; a device without the kernels)
                 return kl_reference.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)
             # a fixed prior: one pass over the matrix each way (cfbnn::diagonal_kl)
             return torch.ops.cfbnn.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)

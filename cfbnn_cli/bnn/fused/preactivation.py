@@ -28,9 +28,12 @@ class DiagonalPreactivation(torch.autograd.Function):
             # the inputs narrower than the outputs: [h, 1] built once is cheaper than the bias
             # broadcast into each (N, rows) result, and the products then give the bias column's
             # gradient too (no sums, no slices)
-            # [h, 1] and [h^2, 1] in one pass
-            augmented, squared = torch.ops.cfbnn.augment_pair(h.reshape(-1, width), True)
-            augmented, squared = (t.reshape(*h.shape[:-1], width + 1) for t in (augmented, squared))
+            if support.kernels_apply(h):  # [h, 1] and [h^2, 1] in one pass
+                augmented, squared = torch.ops.cfbnn.augment_pair(h.reshape(-1, width), True)
+                augmented, squared = (t.reshape(*h.shape[:-1], width + 1) for t in (augmented, squared))
+            else:
+                augmented = torch.nn.functional.pad(h, (0, 1), value=1.0)
+                squared = augmented * augmented
             gamma = support.affine(augmented, loc, None)
             xi2 = support.affine(squared, variance, None)
         else:

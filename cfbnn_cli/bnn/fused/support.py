@@ -10,7 +10,17 @@ from typing import Optional
 
 import torch
 
+from ...moments import ops
+
 LOG_2PI = math.log(2.0 * math.pi)
+
+
+def kernels_apply(tensor: torch.Tensor) -> bool:
+    """Whether the ``cfbnn::`` operators' kernels serve the layers' passes on ``tensor``'s device
+    (:func:`cfbnn_cli.moments.ops.operator_route`: the C++ kernels on the CPU unless the reference
+    path is chosen; on CUDA the Triton kernels once their first run there passed); else the
+    layers run the torch formulas."""
+    return ops.operator_route(tensor)
 
 
 def transforms_active() -> bool:
@@ -113,7 +123,7 @@ def folded_kl_forward(loc: torch.Tensor, log_scale: torch.Tensor, prior_variance
     """``(exp(2 log_scale), KL)`` from one pass (``cfbnn::diagonal_kl_pass``: the KL of the layer
     folded into its pre-activation function), or ``None`` where that does not apply (no prior
     given, or torch.func transforms: the layer's KL is then computed on its own)."""
-    if prior_variance is None or transforms_active():
+    if prior_variance is None or transforms_active() or not kernels_apply(loc):
         return None
     kl, variance, _ = torch.ops.cfbnn.diagonal_kl_pass(loc, log_scale, float(prior_variance), False)
     return variance, kl
