@@ -269,15 +269,17 @@ class GaussianMatrix(nn.Module):
         empirical-Bayes optimum (:meth:`empirical_bayes_prior_scale`)."""
         if prior_scale is None:
             prior_scale = self.empirical_bayes_prior_scale()
-        if self.covariance == "diagonal" and not isinstance(prior_scale, torch.Tensor):
-            if not prior_scale > 0:
-                raise ValueError(f"`prior_scale` must be > 0; got {prior_scale!r}")
-            if torch._C._are_functorch_transforms_active() or not fused.support.kernels_apply(self.loc):
-                # (vmap of grad: Table 1's draws; the reference path; a device without the kernels)
-                return kl_reference.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)
-            # a fixed prior: one pass over the matrix each way (cfbnn::diagonal_kl)
-            return torch.ops.cfbnn.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)
-        return F.kl_normal_rows(self.loc, self.scale(), prior_scale)
+        if self.covariance != "diagonal":
+            return F.kl_normal_rows(self.loc, self.scale(), prior_scale)
+        if isinstance(prior_scale, torch.Tensor):  # empirical Bayes: differentiable in the prior too
+            return kl_reference.diagonal_kl(self.loc, self.log_scale, prior_scale * prior_scale)
+        if not prior_scale > 0:
+            raise ValueError(f"`prior_scale` must be > 0; got {prior_scale!r}")
+        if torch._C._are_functorch_transforms_active() or not fused.support.kernels_apply(self.loc):
+            # (vmap of grad: Table 1's draws; the reference path; a device without the kernels)
+            return kl_reference.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)
+        # a fixed prior: one pass over the matrix each way (cfbnn::diagonal_kl)
+        return torch.ops.cfbnn.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)
 
 
 class PointLinear(nn.Linear):

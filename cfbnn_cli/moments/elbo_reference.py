@@ -24,13 +24,19 @@ def augment_pair(x: Tensor, bias: bool):
     return inputs, inputs * inputs
 
 
-def kl_from_sums(second_moment: Tensor, log_scale_sum: Tensor, count: int, prior_variance: float) -> Tensor:
-    """``KL(N(loc, diag Var) || N(0, s^2 I))`` from ``sum (Var + loc^2)`` and ``sum log_scale``."""
-    return 0.5 * (second_moment / prior_variance - count + count * math.log(prior_variance)) - log_scale_sum
+def kl_from_sums(second_moment: Tensor, log_scale_sum: Tensor, count: int, prior_variance) -> Tensor:
+    """``KL(N(loc, diag Var) || N(0, s^2 I))`` from ``sum (Var + loc^2)`` and ``sum log_scale``;
+    ``prior_variance`` a number, or a tensor the KL is differentiable in (an empirical-Bayes prior)."""
+    if isinstance(prior_variance, Tensor):
+        log_prior = torch.log(prior_variance)
+    else:
+        log_prior = math.log(prior_variance)
+    return 0.5 * (second_moment / prior_variance - count + count * log_prior) - log_scale_sum
 
 
-def diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
-    """``KL(N(loc, diag exp(2 log_scale)) || N(0, prior_variance I))`` summed over the matrix (0-d)."""
+def diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance) -> Tensor:
+    """``KL(N(loc, diag exp(2 log_scale)) || N(0, prior_variance I))`` summed over the matrix (0-d),
+    straight from ``log_scale``; differentiable, in ``prior_variance`` too where it is a tensor."""
     return diagonal_kl_pass(loc, log_scale, prior_variance, False)[0]
 
 

@@ -255,6 +255,24 @@ def test_normal_ell_given_hidden_takes_the_second_moment(outputs):
     )
 
 
+def test_a_layers_kl_under_a_learned_prior_is_differentiable_in_it():
+    """Empirical Bayes: a mean-field layer's KL at a prior scale that is a tensor (the reference
+    formula from log_scale) against bnn.functional's formula, value and gradients, the prior's too."""
+    from cfbnn_cli.bnn.layers import GaussianMatrix
+
+    torch.manual_seed(4)
+    layer = GaussianMatrix(6, 5, "diagonal").double()
+    with torch.no_grad():
+        layer.log_scale.uniform_(-3.0, 0.5)
+    prior = torch.tensor(0.7, dtype=DT, requires_grad=True)
+    found = layer.kl(prior)
+    expected = kl_normal_rows(layer.loc, layer.log_scale.exp(), prior)
+    torch.testing.assert_close(found, expected)
+    inputs = [prior, layer.loc, layer.log_scale]
+    for got, want in zip(torch.autograd.grad(found, inputs), torch.autograd.grad(expected, inputs)):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_the_kl_operator_matches_the_torch_formula_on_a_wide_layer(dtype, tolerance):
     """One pass for the KL's three sums and one for its gradients (the C++ kernels, more than one
