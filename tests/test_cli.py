@@ -171,6 +171,8 @@ def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path, cfbnn
     assert {name: (run_dir / name).read_bytes() for name in records} == records
 
 
+@pytest.mark.slow  # in process: test_invalid_typed_values_are_named[device]; the CLI's one line and exit 2 for a
+# bad value: tests/runtime/test_matmul_precision.py::test_a_bad_value_is_one_line_exit_2_and_nothing_written
 def test_invalid_value_exits_2_before_work(tmp_path, cfbnn):
     out = cfbnn("vae", f"hydra.run.dir={tmp_path / 'r'}", "device=tpu")
     assert out.returncode == 2
@@ -338,13 +340,18 @@ def test_a_finished_run_is_continued_with_resume_and_replaced_with_overwrite(tmp
     assert (run_dir / "model.pt").read_bytes() != finished["model.pt"]
 
 
-def test_a_run_refused_before_any_output_leaves_no_dir(tmp_path, cfbnn):
-    refused = cfbnn("train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'deeper' / 'run'}", "estimator=foo")
-    assert "estimator='foo'" in one_line_error(refused)
-    out = cfbnn(
-        "train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'missing'}", *CSV_RUN, "data=csv",
-        f"data.path={tmp_path / 'missing.csv'}", "data.target=y",
+def test_a_run_refused_before_any_output_leaves_no_dir(tmp_path, cfbnn_all):
+    runs = cfbnn_all(  # at once, so under two folders (each run removes only the folders it made)
+        {
+            "refused": ["train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'deeper' / 'run'}", "estimator=foo"],
+            "missing": [
+                "train", "regression", f"hydra.run.dir={tmp_path / 'other' / 'missing'}", *CSV_RUN, "data=csv",
+                f"data.path={tmp_path / 'missing.csv'}", "data.target=y",
+            ],
+        }
     )  # fmt: skip
+    refused, out = runs["refused"], runs["missing"]
+    assert "estimator='foo'" in one_line_error(refused)
     assert "data file not found" in one_line_error(out)
     assert not list(tmp_path.iterdir())  # not even the folders above the run dir
 
