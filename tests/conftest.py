@@ -189,6 +189,28 @@ def cfbnn():
 
 
 @pytest.fixture
+def cfbnn_all():
+    """``cfbnn_all({name: args}, env=...)``: independent CLI runs started at once (the 2 cores
+    share their imports), ``{name: CompletedProcess}`` as ``cfbnn`` gives each."""
+
+    def run(commands, timeout=600, env=None):
+        environment = dict(os.environ, HYDRA_FULL_ERROR="0", **(env or {}))
+        processes = {
+            name: subprocess.Popen(
+                [sys.executable, "-m", "cfbnn_cli.cli", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=environment,
+            )
+            for name, args in commands.items()
+        }
+        return finish_all(processes, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture
 def interrupt_on_call(monkeypatch):
     """``interrupt_on_call(owner, name, call)``: replace ``owner.name`` so that its ``call``-th
     call raises KeyboardInterrupt (a run stopped mid-way, as Ctrl-C would); returns a function

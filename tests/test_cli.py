@@ -1,12 +1,14 @@
 """cli.py: dispatch, config composition and each command's help, run directories, errors."""
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TRUST_REGRESSION, one_line_error
+from conftest import TRUST_REGRESSION, finish_all, one_line_error
 from omegaconf import OmegaConf, open_dict
 
 from cfbnn_cli.cli import SUBCOMMANDS, compose_config, find_subcommand
@@ -138,12 +140,11 @@ def test_cfg_job_prints_composed_config(cfbnn):
     assert cfg["variant"] == "v2" and "trainer" in cfg
 
 
-def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path, cfbnn):
-    run_dir = tmp_path / "run"
-    args = [
+def _imagenet_run_args(folder):
+    return [
         "imagenet-predict",
-        f"hydra.run.dir={run_dir}",
-        f"features.cache_dir={tmp_path / 'cache'}",
+        f"hydra.run.dir={folder / 'run'}",
+        f"features.cache_dir={folder / 'cache'}",
         "device=cpu",
         "trainer.batch_size=64",
         "trainer.epochs=1",
@@ -151,7 +152,44 @@ def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path, cfbnn
         "evaluation.total_samples=16",
         "evaluation.inner_samples=[1,16]",
     ]
-    out = cfbnn(*args)
+
+
+def _imagenet_sweep_args(folder):
+    return [
+        "imagenet-predict",
+        "-m",
+        "seed=0,1",
+        f"hydra.sweep.dir={folder / 'sweep'}",
+        "stage=features",
+        "device=cpu",
+        f"features.cache_dir={folder / 'cache'}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def imagenet_runs(tmp_path_factory):
+    """The first CLI run of each of the two tests below (a run, a two-job sweep), each in its own
+    folder, started at once: ``{name: (folder, Popen)}``."""
+    started = {}
+    for name, arguments in (("run", _imagenet_run_args), ("sweep", _imagenet_sweep_args)):
+        folder = tmp_path_factory.mktemp(f"imagenet_{name}")
+        started[name] = (
+            folder,
+            subprocess.Popen(
+                [sys.executable, "-m", "cfbnn_cli.cli", *arguments(folder)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, HYDRA_FULL_ERROR="0"),
+            ),
+        )
+    return started
+
+
+def test_run_writes_results_last_and_resume_skips_a_finished_job(imagenet_runs, cfbnn):
+    folder, process = imagenet_runs["run"]
+    run_dir, args = folder / "run", _imagenet_run_args(folder)
+    out = finish_all({"run": process})["run"]
     assert out.returncode == 0, out.stderr[-2000:]
     # the command ends by saying where its outputs went and printing its main table
     tail = out.stdout[out.stdout.index(f"cfbnn: outputs in {run_dir}") :]
@@ -171,6 +209,8 @@ def test_run_writes_results_last_and_resume_skips_a_finished_job(tmp_path, cfbnn
     assert {name: (run_dir / name).read_bytes() for name in records} == records
 
 
+@pytest.mark.slow  # in process: test_invalid_typed_values_are_named[device]; the CLI's one line and exit 2 for a
+# bad value: tests/runtime/test_matmul_precision.py::test_a_bad_value_is_one_line_exit_2_and_nothing_written
 def test_invalid_value_exits_2_before_work(tmp_path, cfbnn):
     out = cfbnn("vae", f"hydra.run.dir={tmp_path / 'r'}", "device=tpu")
     assert out.returncode == 2
@@ -178,17 +218,10 @@ def test_invalid_value_exits_2_before_work(tmp_path, cfbnn):
     assert "device='tpu'" in text and "Traceback" not in text
 
 
-def test_multirun_makes_one_dir_per_job(tmp_path, cfbnn):
-    sweep = tmp_path / "sweep"
-    out = cfbnn(
-        "imagenet-predict",
-        "-m",
-        "seed=0,1",
-        f"hydra.sweep.dir={sweep}",
-        "stage=features",
-        "device=cpu",
-        f"features.cache_dir={tmp_path / 'cache'}",
-    )
+def test_multirun_makes_one_dir_per_job(imagenet_runs):
+    folder, process = imagenet_runs["sweep"]
+    sweep = folder / "sweep"
+    out = finish_all({"sweep": process})["sweep"]
     assert out.returncode == 0, out.stderr[-2000:]
     assert (sweep / "multirun.yaml").exists()
     for job in (0, 1):
@@ -338,13 +371,18 @@ def test_a_finished_run_is_continued_with_resume_and_replaced_with_overwrite(tmp
     assert (run_dir / "model.pt").read_bytes() != finished["model.pt"]
 
 
-def test_a_run_refused_before_any_output_leaves_no_dir(tmp_path, cfbnn):
-    refused = cfbnn("train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'deeper' / 'run'}", "estimator=foo")
-    assert "estimator='foo'" in one_line_error(refused)
-    out = cfbnn(
-        "train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'missing'}", *CSV_RUN, "data=csv",
-        f"data.path={tmp_path / 'missing.csv'}", "data.target=y",
+def test_a_run_refused_before_any_output_leaves_no_dir(tmp_path, cfbnn_all):
+    runs = cfbnn_all(  # at once, so under two folders (each run removes only the folders it made)
+        {
+            "refused": ["train", "regression", f"hydra.run.dir={tmp_path / 'new' / 'deeper' / 'run'}", "estimator=foo"],
+            "missing": [
+                "train", "regression", f"hydra.run.dir={tmp_path / 'other' / 'missing'}", *CSV_RUN, "data=csv",
+                f"data.path={tmp_path / 'missing.csv'}", "data.target=y",
+            ],
+        }
     )  # fmt: skip
+    refused, out = runs["refused"], runs["missing"]
+    assert "estimator='foo'" in one_line_error(refused)
     assert "data file not found" in one_line_error(out)
     assert not list(tmp_path.iterdir())  # not even the folders above the run dir
 

@@ -156,6 +156,8 @@ def test_a_damaged_checkpoint_is_one_named_error(tmp_path, damage):
         load_checkpoint(path)
 
 
+@pytest.mark.slow  # by default: the CLI's one-line refusal of a checkpoint it cannot load (the same message),
+# test_a_crafted_checkpoint_is_refused_and_runs_nothing; a truncated file, test_a_damaged_checkpoint_is_one_named_error
 def test_a_truncated_checkpoint_via_the_cli_exits_2_without_a_traceback(finished_run, tmp_path):
     run = _copy_run(finished_run, tmp_path / "run")
     (run / "done").unlink()
@@ -172,7 +174,7 @@ def _record(pipeline, metrics, config=None, status="complete"):
     return {"pipeline": pipeline, "schema": 1, "status": status, "config": config or {"seed": 0}, "metrics": metrics}
 
 
-@pytest.mark.slow  # (slow: the truncated-checkpoint test covers the CLI's one-line refusal by default)
+@pytest.mark.slow  # (slow: the crafted-checkpoint test covers the CLI's one-line refusal by default)
 def test_a_checkpoint_of_the_wrong_structure_via_the_cli_is_one_line(finished_run, tmp_path):
     """It loads safely (tensors and plain containers only) but is no training state."""
     run = _copy_run(finished_run, tmp_path / "run")
@@ -232,14 +234,27 @@ def test_report_names_and_skips_a_non_numeric_metric_and_failed_runs(tmp_path, c
 # ----------------------------------------------------------------------------- 3. resume is bound to its config
 
 
-def test_resume_into_a_finished_run_with_another_config_is_refused(finished_run, tmp_path):
-    run = _copy_run(finished_run, tmp_path / "run")
+def test_resume_into_a_finished_run_with_another_config_is_refused(finished_run, tmp_path, cfbnn_all):
+    run, twin = _copy_run(finished_run, tmp_path / "run"), _copy_run(finished_run, tmp_path / "twin")
     results = (run / "results.json").read_bytes()
-    out = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION, "seed=1", "trainer.lr=0.5")
-    text = one_line_error(out)
+    runs = cfbnn_all(  # each into its own copy of the finished run, started at once
+        {
+            "other": [
+                "train",
+                "regression",
+                f"hydra.run.dir={run}",
+                "resume=true",
+                *REGRESSION,
+                "seed=1",
+                "trainer.lr=0.5",
+            ],
+            "same": ["train", "regression", f"hydra.run.dir={twin}", "resume=true", "device=auto", *REGRESSION],
+        }
+    )
+    text = one_line_error(runs["other"])
     assert "seed: 0 -> 1" in text and "trainer.lr: 0.001 -> 0.5" in text
     assert (run / "results.json").read_bytes() == results and (run / "done").exists()  # nothing lost
-    same = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", "device=auto", *REGRESSION)
+    same = runs["same"]
     assert same.returncode == 0 and "already finished, skipping" in same.stdout + same.stderr  # device is ignored
 
 

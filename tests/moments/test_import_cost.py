@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,24 +56,35 @@ print(json.dumps("ok"))
 """
 
 
-def _run(code: str):
+def _start(code: str):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    command = [sys.executable, "-c", code]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_importing_the_package_pulls_in_neither_triton_nor_the_compiler_stack():
-    added = _run(IMPORT_ONLY)
+def _result(process):
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def fresh_processes():
+    """Both fresh processes below, started at once: ``{name: Popen}``."""
+    return {"import_only": _start(IMPORT_ONLY), "import_then_use": _start(IMPORT_THEN_USE)}
+
+
+def test_importing_the_package_pulls_in_neither_triton_nor_the_compiler_stack(fresh_processes):
+    added = _result(fresh_processes["import_only"])
     assert "cfbnn_cli.moments.ops" in added and "cfbnn_cli.bnn" in added
     heavy = [name for name in added if any(name == h or name.startswith(h + ".") for h in HEAVY)]
     assert not heavy, heavy
     assert not any(name.startswith("cfbnn_cli.moments.triton_") for name in added)
 
 
-def test_the_operators_work_on_the_cpu_after_the_cheap_import():
-    assert _run(IMPORT_THEN_USE) == "ok"
+def test_the_operators_work_on_the_cpu_after_the_cheap_import(fresh_processes):
+    assert _result(fresh_processes["import_then_use"]) == "ok"
 
 
 def test_the_constant_mark_is_the_one_torch_sets():

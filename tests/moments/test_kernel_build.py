@@ -110,18 +110,46 @@ def test_a_failing_flag_set_is_recorded_with_the_compilers_message_and_not_retri
     assert _kernel_compiles(tmp_path) == 2 * calls
 
 
-def test_the_warning_names_the_compilers_message(tmp_path):
-    compiler = _fake_compiler(tmp_path, 'echo "kernels.cpp:7:3: error: unknown type name float16x" >&2\nexit 1')
-    code = """
-        import warnings, torch
-        warnings.simplefilter("always")
-        with warnings.catch_warnings(record=True) as caught:
-            from cfbnn_cli.moments import get_activation
-            phi, _ = get_activation("relu").moments(torch.zeros(3), torch.ones(3))
-        print("WARNING", [str(w.message) for w in caught if "unavailable" in str(w.message)])
-        print("PHI", float(phi[0]))
-    """
-    process = _python(code, {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(tmp_path / "cache")})
+WARNING_CHECK = """
+    import warnings, torch
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        from cfbnn_cli.moments import get_activation
+        phi, _ = get_activation("relu").moments(torch.zeros(3), torch.ones(3))
+    print("WARNING", [str(w.message) for w in caught if "unavailable" in str(w.message)])
+    print("PHI", float(phi[0]))
+"""
+
+
+@pytest.fixture(scope="module")
+def without_kernels(tmp_path_factory):
+    """The two processes that run without the kernels, started at once: a compiler that fails
+    with a message (``warning``), and the CLI where no compiler exists (``cli``, its run dir)."""
+    failing, missing = tmp_path_factory.mktemp("failing"), tmp_path_factory.mktemp("missing")
+    compiler = _fake_compiler(failing, 'echo "kernels.cpp:7:3: error: unknown type name float16x" >&2\nexit 1')
+    warning = _python(WARNING_CHECK, {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(failing / "cache")})
+    env = dict(os.environ, CXX=str(missing / "no-such-compiler"), CFBNN_CACHE_DIR=str(missing / "cache"))
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cfbnn_cli.cli",
+            "train",
+            "regression",
+            *TRUST_REGRESSION,
+            f"hydra.run.dir={missing / 'run'}",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return {"warning": warning, "cli": cli}, missing / "run"
+
+
+def test_the_warning_names_the_compilers_message(without_kernels):
+    process = without_kernels[0]["warning"]
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err
     assert "error: unknown type name float16x" in out
@@ -160,27 +188,12 @@ def test_one_builder_at_a_time_the_second_process_loads_what_the_first_built(tmp
     assert sorted("CACHED True" in out for out, _ in outputs) == [False, True]
 
 
-def test_the_cli_runs_on_the_reference_path_without_a_compiler(tmp_path):
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), CFBNN_CACHE_DIR=str(tmp_path / "cache"))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cfbnn_cli.cli",
-            "train",
-            "regression",
-            *TRUST_REGRESSION,
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert (tmp_path / "run" / "done").exists()
-    assert "no C++ compiler found" in result.stderr
+def test_the_cli_runs_on_the_reference_path_without_a_compiler(without_kernels):
+    processes, run = without_kernels
+    stdout, stderr = processes["cli"].communicate(timeout=600)
+    assert processes["cli"].returncode == 0, stderr[-2000:]
+    assert (run / "done").exists()
+    assert "no C++ compiler found" in stderr
 
 
 def _tiny_library(folder: Path, name: str, value: int, marker: Path) -> Path:

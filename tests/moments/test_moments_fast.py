@@ -297,15 +297,25 @@ def test_info_reports_the_build():
     assert info["build_seconds"] >= 0.0
 
 
-def _run_python(code, env_update):
+class _Started:
+    """A ``python -c`` process started by ``_start_python``; ``result()`` waits for it."""
+
+    def __init__(self, process):
+        self.process = process
+
+    def result(self, timeout=300):
+        stdout, stderr = self.process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout, stderr)
+
+
+def _start_python(code, env_update):
     env = dict(os.environ)
     env.update(env_update)
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] + [env.get("PYTHONPATH", "")]
     )
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300
-    )
+    command = [sys.executable, "-c", textwrap.dedent(code)]
+    return _Started(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
 CHECK_REFERENCE = """
@@ -324,27 +334,44 @@ CHECK_REFERENCE = """
     """
 
 
-def test_environment_switch_turns_the_fast_path_off(tmp_path):
-    result = _run_python(CHECK_REFERENCE, {"CFBNN_FAST_MOMENTS": "0", "CFBNN_CACHE_DIR": str(tmp_path)})
+@pytest.fixture(scope="module")
+def fallback_outcomes(tmp_path_factory):
+    """The three fallback cases below, each in its own process and cache, started at once."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("switched_off", "no_compiler", "failing_build")}
+    compiler = folders["failing_build"] / "broken-c++"  # a compiler that fails every build: a script that exits 1
+    compiler.write_text("#!/bin/sh\necho broken >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    environments = {
+        "switched_off": {"CFBNN_FAST_MOMENTS": "0", "CFBNN_CACHE_DIR": str(folders["switched_off"])},
+        "no_compiler": {
+            "CXX": str(folders["no_compiler"] / "no-such-compiler"),
+            "CFBNN_CACHE_DIR": str(folders["no_compiler"]),
+        },
+        "failing_build": {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(folders["failing_build"] / "cache")},
+    }
+    processes = {name: _start_python(CHECK_REFERENCE, env) for name, env in environments.items()}
+    return {name: process.result() for name, process in processes.items()}, folders
+
+
+def test_environment_switch_turns_the_fast_path_off(fallback_outcomes):
+    outcomes, folders = fallback_outcomes
+    result = outcomes["switched_off"]
     assert result.returncode == 0, result.stderr
     assert "ENABLED False" in result.stdout
     assert "PHI_OK True" in result.stdout
-    assert not any(tmp_path.iterdir())  # nothing was built
+    assert not any(folders["switched_off"].iterdir())  # nothing was built
 
 
-def test_missing_compiler_falls_back_to_the_reference(tmp_path):
-    result = _run_python(CHECK_REFERENCE, {"CXX": str(tmp_path / "no-such-compiler"), "CFBNN_CACHE_DIR": str(tmp_path)})
+def test_missing_compiler_falls_back_to_the_reference(fallback_outcomes):
+    result = fallback_outcomes[0]["no_compiler"]
     assert result.returncode == 0, result.stderr
     assert "AVAILABLE False" in result.stdout and "WARNED True" in result.stdout
     assert "PHI_OK True" in result.stdout
 
 
-def test_failing_build_falls_back_to_the_reference(tmp_path):
+def test_failing_build_falls_back_to_the_reference(fallback_outcomes):
     """A compiler that fails every build (here: a script that exits 1) -- the reference path runs."""
-    compiler = tmp_path / "broken-c++"
-    compiler.write_text("#!/bin/sh\necho broken >&2\nexit 1\n")
-    compiler.chmod(0o755)
-    result = _run_python(CHECK_REFERENCE, {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(tmp_path / "cache")})
+    result = fallback_outcomes[0]["failing_build"]
     assert result.returncode == 0, result.stderr
     assert "AVAILABLE False" in result.stdout and "WARNED True" in result.stdout
 

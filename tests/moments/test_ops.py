@@ -291,7 +291,7 @@ TRITON_CHECK = """
 import json, sys
 sys.path.insert(0, {here!r})
 from triton_check import triton_errors
-print("RESULT", json.dumps(triton_errors("cpu")))
+print("RESULT", json.dumps(triton_errors("cpu", sys.argv[1:])))
 """
 
 
@@ -299,10 +299,20 @@ def test_triton_kernels_match_quadrature_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     code = TRITON_CHECK.format(here=str(HERE))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    assert_within_tolerances(json.loads(line[len("RESULT ") :]))
+    # each dtype's checks in a process of its own, both started at once
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, dtype], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for dtype in ("float64", "float32")
+    ]
+    errors = {}
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+        line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
+        errors.update(json.loads(line[len("RESULT ") :]))
+    assert_within_tolerances(errors)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

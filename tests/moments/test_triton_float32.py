@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -193,12 +194,28 @@ print("RESULT", json.dumps(errors()))
 """
 
 
-def test_float32_kernels_match_float64_references_on_extremes():
+def _interpreted(code: str):
+    """``python -c code`` started under Triton's interpreter; ``_finished`` waits for it."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-c", CHECK.format(here=str(HERE))], env=env, capture_output=True, text=True, timeout=600
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def _finished(process):
+    stdout, stderr = process.communicate(timeout=600)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Both interpreter checks of this module (``extremes``, ``opcheck``), started at once."""
+    return {"extremes": _interpreted(CHECK.format(here=str(HERE))), "opcheck": _interpreted(OPCHECK)}
+
+
+def test_float32_kernels_match_float64_references_on_extremes(interpreted):
+    result = _finished(interpreted["extremes"])
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     out = json.loads(line[len("RESULT ") :])
@@ -252,12 +269,10 @@ print("RESULT", json.dumps(dict(calls)))
 """
 
 
-def test_opcheck_float32_under_the_twin():
+def test_opcheck_float32_under_the_twin(interpreted):
     """``torch.library.opcheck`` of the affected operators for float32 inputs, their CUDA kernels
     (the float32 Triton kernels, interpreted) standing in for the CPU's (:mod:`.cuda_twin`)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", OPCHECK], env=env, capture_output=True, text=True, timeout=600)
+    result = _finished(interpreted["opcheck"])
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     calls = json.loads(line[len("RESULT ") :])

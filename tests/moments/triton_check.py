@@ -114,11 +114,13 @@ def relu_squared_errors(device: str, dtype, generator) -> dict:
     return {"values": values, "grads": grads_worst}
 
 
-def triton_errors(device: str) -> dict:
-    """Errors of every Triton kernel launched on ``device``, in the units the tolerances use."""
+def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
+    """Errors of every Triton kernel launched on ``device``, in the units the tolerances use
+    (of the ``dtypes`` named: each one's checks are independent of the other's)."""
     references = _quadrature(POINTS)
     out = {}
-    for name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
+    for name in dtypes:
+        dtype = getattr(torch, name)
         mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
         std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
         on = lambda t: t.to(device)  # noqa: E731

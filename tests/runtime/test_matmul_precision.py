@@ -70,6 +70,7 @@ def test_the_key_reaches_torch_at_the_run_start_and_is_put_back_after(tmp_path, 
     assert recorded["environment"]["matmul_precision"] == "high"  # in effect while results.json was written
 
 
+@pytest.mark.slow  # its in-process twin runs by default: test_the_key_reaches_torch_at_the_run_start_and_is_put_back_after
 def test_a_real_table1_run_records_the_precision_in_effect(tmp_path, cfbnn):
     run_dir = tmp_path / "run"
     out = cfbnn(

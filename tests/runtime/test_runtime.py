@@ -64,15 +64,31 @@ print(int((squares != 0).sum()), denormals_flushed())
 """
 
 
-@pytest.mark.parametrize("mode", ["flush", "keep"])
-def test_flushing_denormals_before_any_work_reaches_every_thread(mode):
-    """Set first, the mode is inherited by the OpenMP threads torch creates afterwards:
-    no element of a 2-thread product comes back denormal (kept, all of them do)."""
+@pytest.fixture(scope="module")
+def denormal_probes():
+    """The probe's output in each mode, both processes started at once."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _DENORMAL_PROBE, mode], capture_output=True, text=True, check=True)
-    nonzero, flushed = out.stdout.split()
+    started = {
+        mode: subprocess.Popen(
+            [sys.executable, "-c", _DENORMAL_PROBE, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for mode in ("flush", "keep")
+    }
+    outputs = {}
+    for mode, process in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-3000:]
+        outputs[mode] = stdout
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["flush", "keep"])
+def test_flushing_denormals_before_any_work_reaches_every_thread(mode, denormal_probes):
+    """Set first, the mode is inherited by the OpenMP threads torch creates afterwards:
+    no element of a 2-thread product comes back denormal (kept, all of them do)."""
+    nonzero, flushed = denormal_probes[mode].split()
     if mode == "flush":
         assert (int(nonzero), flushed) == (0, "True")
     else:
