@@ -508,8 +508,10 @@ def first_use_check(what: str, device: torch.device, dtype: torch.dtype, check: 
         try:
             # The first use may come inside torch.func transforms (the gradient draws'
             # vmap(grad(...))), where even the check's fresh tensors would be functorch wrappers
-            # without storage, which no kernel launch can read: the check runs outside them.
-            with torch._C._DisableFuncTorch():
+            # without storage, which no kernel launch can read: the check runs outside them. It
+            # may also come inside a prediction (no_grad, inference_mode), where a check that
+            # takes gradients would fail and rule the kernels out for the whole process.
+            with torch._C._DisableFuncTorch(), torch.inference_mode(False), torch.enable_grad():
                 check(device, dtype)
             FIRST_USE[key] = True
         except Exception as error:  # noqa: BLE001 - any failure means: take the other route

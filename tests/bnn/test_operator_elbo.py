@@ -236,6 +236,24 @@ def test_which_networks_take_the_operators():
         assert "NormalELBO" not in type(net.elbo(x, y).grad_fn).__name__
 
 
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_a_first_use_inside_a_prediction_still_checks_with_gradients(monkeypatch, context):
+    """The first use of the ELBO's kernels may come from a prediction (the deterministic
+    estimator's propagated layers ask the same question under no_grad / inference_mode): the
+    check, which takes gradients, must still pass there, not rule the kernels out for good."""
+    from cfbnn_cli.moments import ops
+
+    monkeypatch.setattr(ops, "FIRST_USE", {})
+
+    def check(device, dtype):
+        value = torch.ones(3, dtype=dtype, device=device, requires_grad=True)
+        (grad,) = torch.autograd.grad((value * value).sum(), [value])
+        assert torch.equal(grad, 2 * value.detach())
+
+    with torch.no_grad() if context == "no_grad" else torch.inference_mode():
+        assert ops.first_use_check("the test kernels", torch.device("cpu"), torch.float32, check) is True
+
+
 def test_kernels_that_fail_on_first_use_leave_one_warning_and_the_other_route(monkeypatch, caplog):
     from cfbnn_cli.moments import ops
 
