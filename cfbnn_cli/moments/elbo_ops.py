@@ -49,8 +49,9 @@ from typing import Callable, Dict
 import torch
 from torch import Tensor
 
-from . import elbo_reference, kernel_library
+from . import elbo_reference
 from .kl_ops import launch_diagonal_kl
+from .operator_registration import library_kernels
 from .ops import HAVE_TRITON, triton, triton_kernels, triton_tail_kernels
 
 __all__ = ["TRITON_KERNELS", "STEPS"]
@@ -106,8 +107,7 @@ def _cpu_kernel(name: str) -> Callable:
     reference = elbo_reference.KERNELS[name]
 
     def load_then_dispatch(*args):
-        library = kernel_library.fast_path_enabled() and kernel_library.library_loaded()
-        if library and kernel_library.cpu_operators_registered():
+        if library_kernels():
             return getattr(torch.ops.cfbnn, name)(*args)
         return reference(*args)
 
@@ -272,7 +272,7 @@ def _finish_diagonal_gradients_fake(grad_loc, grad_variance, loc, variance, kl_g
     return None
 
 
-# the C++ kernels replace these at load (kernel_library.register_cpu_operators)
+# the C++ kernels replace these at load (kernel_library.load_kernels: cfbnn_register_cpu_kernels)
 CPU_KERNELS: Dict[str, Callable] = {name: _cpu_kernel(name) for name in SCHEMAS}
 # the CUDA kernels; on the CPU under TRITON_INTERPRET=1 the tests register these for the CPU too
 TRITON_KERNELS: Dict[str, Callable] = (

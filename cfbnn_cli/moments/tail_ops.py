@@ -27,9 +27,10 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import kernel_library, leaky_ops, relu_squared_ops
+from . import leaky_ops, relu_squared_ops
 from .operator_registration import (
     check_operands,
+    library_kernels,
 )
 from .ops import (
     ACTIVATION_KINDS,
@@ -231,21 +232,13 @@ def _check_rows(name: str, mean: Tensor, *row_grads: Tensor) -> None:
             )
 
 
-def _cpu_operators() -> bool:
-    """Whether the C++ library's kernels serve the CPU (loading it on first use); otherwise the
-    reference ops (no compiler, or the reference path chosen: :func:`cfbnn_cli.moments.fast_path`)."""
-    if not (kernel_library.fast_path_enabled() and kernel_library.library_loaded()):
-        return False
-    return kernel_library.cpu_operators_registered()
-
-
 @relu_tail.register_kernel("cpu")
 def _relu_tail_cpu(mean, variance, weight_phi, weight_variance, weight_second, activation=0, negative_slope=0.0):
     # before the library has loaded: load it (its C++ kernel then takes over) or, without a
     # compiler, the reference ops (fresh tensors, as an operator must return)
     weights = (weight_phi, weight_variance, weight_second)
     _check_tail("relu_tail", mean, variance, *weights, activation=activation)
-    if _cpu_operators():
+    if library_kernels():
         return torch.ops.cfbnn.relu_tail(mean, variance, *weights, activation, negative_slope)
     return tuple(t.clone() for t in reference_relu_tail(mean, variance, *weights, activation, negative_slope))
 
@@ -257,7 +250,7 @@ def _relu_tail_backward_cpu(
     weights = (weight_phi, weight_variance, weight_second)
     _check_tail("relu_tail_backward", mean, variance, *weights, activation=activation)
     _check_rows("relu_tail_backward", mean, grad_mean_sum, grad_spread_sum)
-    if _cpu_operators():
+    if library_kernels():
         return torch.ops.cfbnn.relu_tail_backward(
             mean, variance, *weights, grad_mean_sum, grad_spread_sum, activation, slope
         )
