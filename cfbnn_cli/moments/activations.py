@@ -41,7 +41,7 @@ rewritten through one small tail); ``hard_sigmoid`` (eq. (27), errata 3) is the
 piecewise-polynomial engine with the pieces ``-alpha, x, alpha``.
 
 Three kernels compute these same forms, behind one ``cfbnn::`` operator per activation family
-(:mod:`.ops`, :mod:`.leaky_ops`, :mod:`.relu_squared_ops`, :mod:`.piecewise_ops`), chosen by torch's
+(:mod:`.ops`, :mod:`.family_ops`, :mod:`.piecewise_ops`), chosen by torch's
 dispatcher: the torch ops below (the reference kernels), C++ on the CPU and Triton on CUDA (the
 piecewise polynomials: the reference formula there).
 """
@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import leaky_ops, ops, relu_squared_ops
+from . import family_ops, ops
 from .activation_base import Activation, check_real
 from .gaussian import (
     check_mean_std,
@@ -148,13 +148,13 @@ class LeakyReLU(Activation):
         return torch.where(x >= 0, x, self.negative_slope * x)
 
     def _moments(self, mean, std):
-        return leaky_ops.reference_leaky_moments(mean, std, self.negative_slope)
+        return family_ops.reference_leaky_moments(mean, std, self.negative_slope)
 
     def operator(self, mean, std):
         """``(Phi, Upsilon, Var)`` through ``cfbnn::leaky_relu_moments``."""
-        return leaky_ops.leaky_relu_moments_function(mean, std, self.negative_slope)
+        return family_ops.leaky_relu_moments_function(mean, std, self.negative_slope)
 
-    operator_applies = staticmethod(leaky_ops.leaky_operator_route)
+    operator_applies = staticmethod(family_ops.leaky_operator_route)
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0, self.negative_slope], [0.0, 1.0]], name="leaky_relu")
@@ -172,10 +172,10 @@ class ReLUSquared(Activation):
         return torch.relu(x) ** 2
 
     def _moments(self, mean, std):
-        return relu_squared_ops.reference_relu_squared_moments(mean, std)
+        return family_ops.reference_relu_squared_moments(mean, std)
 
-    operator = staticmethod(relu_squared_ops.relu_squared_moments_function)
-    operator_applies = staticmethod(relu_squared_ops.relu_squared_operator_route)
+    operator = staticmethod(family_ops.relu_squared_moments_function)
+    operator_applies = staticmethod(family_ops.relu_squared_operator_route)
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 0.0, 1.0]], name="relu_squared")

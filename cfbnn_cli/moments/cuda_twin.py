@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator
 
 import torch
 
-from . import elbo_ops, kernel_library, kl_ops, leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
+from . import elbo_ops, family_ops, kernel_library, kl_ops, ops, relu_mean_ops, tail_ops
 
 __all__ = ["cuda_kernels", "cuda_twin"]
 
@@ -33,10 +33,10 @@ CUSTOM_OPERATORS = (
     kl_ops.diagonal_kl,
     kl_ops.diagonal_kl_backward,
     relu_mean_ops.relu_mean,
-    leaky_ops.leaky_relu_moments,
-    leaky_ops.leaky_relu_moments_backward,
-    relu_squared_ops.relu_squared_moments,
-    relu_squared_ops.relu_squared_moments_backward,
+    family_ops.leaky_relu_moments,
+    family_ops.leaky_relu_moments_backward,
+    family_ops.relu_squared_moments,
+    family_ops.relu_squared_moments_backward,
     tail_ops.relu_tail,
     tail_ops.relu_tail_backward,
 )

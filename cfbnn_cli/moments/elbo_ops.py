@@ -1,6 +1,6 @@
 """The closed-form Normal ELBO's kernel steps as torch operators: ``torch.ops.cfbnn.*``, one
 kernel per device -- C++ on the CPU (``csrc/cfbnn_ops.cpp`` around ``csrc/cfbnn_moments.cpp``), Triton
-(:mod:`.triton_kernels`, :mod:`.triton_tail_kernels`) on CUDA -- so that one autograd node,
+(:mod:`.triton_kernels`, :mod:`.triton_tail_kernels`, :mod:`.triton_kl_kernels`) on CUDA -- so that one autograd node,
 :mod:`cfbnn_cli.bnn.fused.operator_elbo`, serves both devices and the dispatcher picks the kernels.
 
 Forward (paper eqs. (4), (7)-(9), (12), one Normal output):
@@ -52,7 +52,7 @@ from torch import Tensor
 from . import elbo_reference
 from .kl_ops import launch_diagonal_kl
 from .operator_registration import library_kernels
-from .ops import HAVE_TRITON, triton, triton_kernels, triton_tail_kernels
+from .ops import HAVE_TRITON, triton, triton_kernels, triton_kl_kernels, triton_tail_kernels
 
 __all__ = ["TRITON_KERNELS", "STEPS"]
 
@@ -225,7 +225,7 @@ def _output_layer_gradients_triton(columns, sums, loc, log_scale, kl_grad, kl_si
 def _finish_diagonal_gradients_triton(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance):
     _check_in_place(grad_loc, grad_variance)
     count = loc.numel()
-    triton_kernels.diagonal_gradients_kernel[triton_kernels.grid(count)](
+    triton_kl_kernels.diagonal_gradients_kernel[triton_kernels.grid(count)](
         loc.contiguous(),
         variance.contiguous(),
         grad_loc,

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import elbo_reference
-from .ops import HAVE_TRITON, _define, check_operands, library_kernels, triton_kernels
+from .ops import HAVE_TRITON, _define, check_operands, library_kernels, triton_kernels, triton_kl_kernels
 
 __all__ = [
     "diagonal_kl",
@@ -57,7 +57,7 @@ def launch_diagonal_kl(
     n = loc.numel()
     blocks = triton_kernels.grid(n)[0]
     partial = torch.empty(blocks * 3, dtype=torch.float64, device=loc.device)
-    triton_kernels.diagonal_kl_sums_kernel[(blocks,)](
+    triton_kl_kernels.diagonal_kl_sums_kernel[(blocks,)](
         loc,
         log_scale,
         partial,
@@ -68,7 +68,7 @@ def launch_diagonal_kl(
         loc_square is not None,
         BLOCK=triton_kernels.BLOCK,
     )
-    triton_kernels.diagonal_kl_finish_kernel[(1,)](
+    triton_kl_kernels.diagonal_kl_finish_kernel[(1,)](
         partial, out, blocks, float(n), float(prior_variance), math.log(prior_variance), BLOCK=256
     )
 
@@ -78,7 +78,7 @@ def triton_diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, pr
     loc, log_scale, grad = loc.contiguous(), log_scale.contiguous(), grad.reshape(1).contiguous()
     grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(loc)
     n = loc.numel()
-    triton_kernels.diagonal_kl_backward_kernel[triton_kernels.grid(n)](
+    triton_kl_kernels.diagonal_kl_backward_kernel[triton_kernels.grid(n)](
         loc, log_scale, grad, grad_loc, grad_log_scale, n, float(prior_variance), BLOCK=triton_kernels.BLOCK
     )
     return grad_loc, grad_log_scale

@@ -7,6 +7,7 @@ autograd.Function through which ``torch.func`` transforms reach an operator pair
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 import torch
@@ -16,6 +17,11 @@ from . import kernel_library
 from .gaussian import align_batched, is_transformed
 
 _FLOATS = (torch.float32, torch.float64)
+
+# Triton comes with torch's CUDA wheels; CPU-only installs may lack it. Decided without importing it:
+# one installed that does not import fails the first-use check (ops.first_use_check: the reference
+# route, with a warning), as a Triton that does not compile the kernels does.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def check_operands(name: str, *tensors: Tensor) -> None:
@@ -124,6 +130,49 @@ def register_moments_operators(forward, backward, reference_forward: Callable, f
     differentiable_by_formula(backward, formula, 6)
     forward.register_vmap(elementwise_vmap(forward, 3))
     backward.register_vmap(elementwise_vmap(backward, 2))
+
+
+_BACKWARD_TENSORS = "Tensor mean, Tensor std, Tensor phi, Tensor grad_phi, Tensor grad_upsilon, Tensor grad_variance"
+
+
+def define_moments_operators(
+    name: str, parameters: str, device_forward: Callable, device_backward: Callable, reference_forward, formula
+):
+    """Declare a moments operator pair once and register all of it: ``cfbnn::<name>(Tensor mean,
+    Tensor std<parameters>) -> (Phi, Upsilon, Var)`` and ``cfbnn::<name>_backward(mean, std, phi,
+    grad_phi, grad_upsilon, grad_variance<parameters>) -> (grad_mean, grad_std)``, ``parameters``
+    the schema of the numbers after the tensors (``", float negative_slope"``, or ``""``).
+
+    Kernels: ``device_forward`` / ``device_backward`` (the Triton launches) for every device but the
+    CPU, where Triton is installed, else the reference ops; the CPU's
+    (:func:`register_cpu_fallbacks`: the C++ kernels, or ``reference_forward`` and ``formula``
+    without a compiler). Fake implementations, autograd, the backward's own derivative and vmap:
+    :func:`register_moments_operators`. Returns ``(forward, backward)``."""
+    if not HAVE_TRITON:  # pragma: no cover - depends on the install
+
+        def device_forward(mean, std, *numbers):
+            return tuple(value.clone() for value in reference_forward(mean, std, *numbers))
+
+        device_backward = formula
+
+    def forward_kernel(mean, std, *numbers):
+        check_operands(name, mean, std)
+        return device_forward(mean, std, *numbers)
+
+    def backward_kernel(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *numbers):
+        check_operands(name + "_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
+        return device_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *numbers)
+
+    forward_schema = f"(Tensor mean, Tensor std{parameters}) -> (Tensor, Tensor, Tensor)"
+    backward_schema = f"({_BACKWARD_TENSORS}{parameters}) -> (Tensor, Tensor)"
+    forward = torch.library.custom_op(f"cfbnn::{name}", forward_kernel, mutates_args=(), schema=forward_schema)
+    backward = torch.library.custom_op(
+        f"cfbnn::{name}_backward", backward_kernel, mutates_args=(), schema=backward_schema
+    )
+    forward.register_fake(lambda mean, *_: (torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)))
+    backward.register_fake(lambda mean, *_: (torch.empty_like(mean), torch.empty_like(mean)))
+    register_moments_operators(forward, backward, reference_forward, formula)
+    return forward, backward
 
 
 class OperatorMoments(torch.autograd.Function):

@@ -48,12 +48,13 @@ from . import kernel_library
 from .gaussian import standard_normal_cdf, standard_normal_pdf, standardize
 from .operator_registration import (
     _FLOATS,
+    HAVE_TRITON,
     check_operands,
+    define_moments_operators,
     differentiable_by_formula,
     elementwise_vmap,
     library_kernels,
     moments_function,
-    register_moments_autograd,
 )
 from .relu_reference import relu_forward
 
@@ -80,13 +81,10 @@ class LazyModule:
         return f"<LazyModule {self._name!r}{' (imported)' if self._module is not None else ''}>"
 
 
-# Triton comes with torch's CUDA wheels; CPU-only installs may lack it. Decided without importing it:
-# one installed that does not import fails the first-use check (first_use_check: the reference
-# route, with a warning), as a Triton that does not compile the kernels does.
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 triton = LazyModule("triton")
 triton_kernels = LazyModule(f"{__package__}.triton_kernels")
 triton_tail_kernels = LazyModule(f"{__package__}.triton_tail_kernels")
+triton_kl_kernels = LazyModule(f"{__package__}.triton_kl_kernels")
 
 __all__ = [
     "ACTIVATION_KINDS",
@@ -114,111 +112,71 @@ def variance_floor(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).tiny)
 
 
-def _launch_forward(mean: Tensor, spread: Tensor, from_variance: bool) -> Tuple[Tensor, Tensor, Tensor]:
+# the ReLU family's activations by their ``activation`` argument: the C++ tail_pass's kind, the
+# Triton kernels' ACTIVATION and cfbnn::relu_tail's activation
+ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
+
+
+def _slope_operand(mean: Tensor, activation: int, negative_slope: float) -> Tensor:
+    # only leaky ReLU reads a slope: the others pass ``mean`` (unread), not one more fill kernel
+    return slope_tensor(mean, negative_slope) if activation == ACTIVATION_KINDS["leaky_relu"] else mean
+
+
+def _constants(mean: Tensor, activation: int, from_variance: bool) -> tuple:
+    # the moments kernels' compile-time arguments, after their operands
+    floor, depth = variance_floor(mean.dtype), triton_kernels.cf_depth(mean.dtype)
+    return activation, from_variance, floor, triton_kernels.BLOCK, depth
+
+
+def launch_moments(mean: Tensor, spread: Tensor, activation: int, negative_slope: float = 0.0, from_variance=False):
+    """``(Phi, Upsilon, Var)`` of the ReLU family's ``activation`` (:data:`ACTIVATION_KINDS`) by the
+    Triton :func:`~.triton_kernels.moments_kernel` on ``mean``'s device (CUDA; the CPU under
+    ``TRITON_INTERPRET=1``); ``spread`` the standard deviation, or with ``from_variance`` the variance."""
     mean, spread = mean.contiguous(), spread.contiguous()
     phi, ups, var = (torch.empty_like(mean) for _ in range(3))
     n = mean.numel()
-    triton_kernels.relu_moments_kernel[triton_kernels.grid(n)](
-        mean,
-        spread,
-        phi,
-        ups,
-        var,
-        n,
-        from_variance,
-        variance_floor(mean.dtype),
-        triton_kernels.BLOCK,
-        triton_kernels.cf_depth(mean.dtype),
-    )
+    slope = _slope_operand(mean, activation, negative_slope)
+    operands = (mean, spread, slope, phi, ups, var, n)
+    triton_kernels.moments_kernel[triton_kernels.grid(n)](*operands, *_constants(mean, activation, from_variance))
     return phi, ups, var
 
 
-def _launch_backward(mean: Tensor, spread: Tensor, phi: Tensor, grads, from_variance: bool) -> Tuple[Tensor, Tensor]:
+def launch_moments_backward(mean, spread, phi, grads, activation: int, negative_slope=0.0, from_variance=False):
+    """The Triton vector-Jacobian product of :func:`launch_moments` for ``grads = (grad_phi,
+    grad_upsilon, grad_variance)`` (``phi`` unread with ``from_variance``: recomputed)."""
     tensors = [t.contiguous() for t in (mean, spread, phi, *grads)]
-    grad_mean, grad_spread = torch.empty_like(mean), torch.empty_like(mean)
+    grad_mean, grad_spread = torch.empty_like(tensors[0]), torch.empty_like(tensors[0])
     n = mean.numel()
-    triton_kernels.relu_moments_backward_kernel[triton_kernels.grid(n)](
-        *tensors,
-        grad_mean,
-        grad_spread,
-        n,
-        from_variance,
-        variance_floor(mean.dtype),
-        triton_kernels.BLOCK,
-        triton_kernels.cf_depth(mean.dtype),
+    slope = _slope_operand(tensors[0], activation, negative_slope)
+    operands = (*tensors[:2], slope, *tensors[2:], grad_mean, grad_spread, n)
+    triton_kernels.moments_backward_kernel[triton_kernels.grid(n)](
+        *operands, *_constants(mean, activation, from_variance)
     )
     return grad_mean, grad_spread
 
 
-# the ReLU family's activations by their ``activation`` argument: the C++ tail_pass's kind, the
-# Triton family kernels' ACTIVATION and cfbnn::relu_tail's activation
-ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
-
-
-def launch_family_moments(mean: Tensor, std: Tensor, activation: int, negative_slope: float = 0.0):
-    """``(Phi, Upsilon, Var)`` of leaky ReLU (``activation`` 1) or ReLU^2 (2) by the Triton kernel
-    :func:`~.triton_kernels.family_moments_kernel` on ``mean``'s device (CUDA; the CPU under
-    ``TRITON_INTERPRET=1``)."""
-    mean, std = mean.contiguous(), std.contiguous()
-    phi, ups, var = (torch.empty_like(mean) for _ in range(3))
-    n = mean.numel()
-    triton_kernels.family_moments_kernel[triton_kernels.grid(n)](
-        mean,
-        std,
-        slope_tensor(mean, negative_slope),
-        phi,
-        ups,
-        var,
-        n,
-        triton_kernels.BLOCK,
-        triton_kernels.cf_depth(mean.dtype),
-        activation,
-    )
-    return phi, ups, var
-
-
-def launch_family_moments_backward(mean, std, phi, grad_phi, grad_ups, grad_var, activation: int, negative_slope=0.0):
-    """The Triton vector-Jacobian product of :func:`launch_family_moments`."""
-    tensors = [t.contiguous() for t in (mean, std)]
-    rest = [t.contiguous() for t in (phi, grad_phi, grad_ups, grad_var)]
-    grad_mean, grad_std = torch.empty_like(tensors[0]), torch.empty_like(tensors[0])
-    n = mean.numel()
-    triton_kernels.family_moments_backward_kernel[triton_kernels.grid(n)](
-        *tensors,
-        slope_tensor(tensors[0], negative_slope),
-        *rest,
-        grad_mean,
-        grad_std,
-        n,
-        triton_kernels.BLOCK,
-        triton_kernels.cf_depth(mean.dtype),
-        activation,
-    )
-    return grad_mean, grad_std
-
-
 def triton_relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
-    return _launch_forward(mean, std, False)
+    return launch_moments(mean, std, 0)
 
 
 def triton_relu_moments_backward(
     mean: Tensor, std: Tensor, phi: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
 ) -> Tuple[Tensor, Tensor]:
     """The Triton vector-Jacobian product (see :func:`triton_relu_moments`)."""
-    return _launch_backward(mean, std, phi, (grad_phi, grad_ups, grad_var), False)
+    return launch_moments_backward(mean, std, phi, (grad_phi, grad_ups, grad_var), 0)
 
 
 def triton_relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """The Triton forward of ``cfbnn::relu_moments_from_variance`` (see :func:`triton_relu_moments`)."""
-    return _launch_forward(mean, variance, True)
+    return launch_moments(mean, variance, 0, from_variance=True)
 
 
 def triton_relu_moments_from_variance_backward(
     mean: Tensor, variance: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
 ) -> Tuple[Tensor, Tensor]:
     """The Triton vector-Jacobian product of :func:`triton_relu_moments_from_variance`."""
-    return _launch_backward(mean, variance, mean, (grad_phi, grad_ups, grad_var), True)  # (Phi recomputed)
+    return launch_moments_backward(mean, variance, mean, (grad_phi, grad_ups, grad_var), 0, from_variance=True)
 
 
 # ----------------------------------------------------------------------------- reference (torch ops)
@@ -242,75 +200,14 @@ def _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var) -> Tu
 # ----------------------------------------------------------------------------- the operators
 
 
-def _forward_on_device(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    # the default kernel (every device but the CPU, which has its own below): Triton
-    check_operands("relu_moments", mean, std)
-    return triton_relu_moments(mean, std)
-
-
-def _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> Tuple[Tensor, Tensor]:
-    check_operands("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-    return triton_relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-
-
-if not HAVE_TRITON:  # pragma: no cover - without Triton the device kernels are the reference ops
-
-    def _forward_on_device(mean, std):  # noqa: F811
-        return tuple(value.clone() for value in _reference_forward(mean, std))
-
-    def _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance):  # noqa: F811
-        return _differentiable_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-
+relu_moments, relu_moments_backward = define_moments_operators(
+    "relu_moments", "", triton_relu_moments, triton_relu_moments_backward, _reference_forward, _differentiable_backward
+)
 
 # One operator with a kernel per device (torch.library.custom_op), not torch.library.triton_op:
 # a triton_op has one implementation for every device and is decomposed into its Triton launch
 # under torch.compile whatever the tensors' device, so it cannot hold the C++ CPU kernel beside it.
 _define = torch.library.custom_op
-
-
-@_define("cfbnn::relu_moments", mutates_args=())
-def relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    return _forward_on_device(mean, std)
-
-
-@_define("cfbnn::relu_moments_backward", mutates_args=())
-def relu_moments_backward(
-    mean: Tensor, std: Tensor, phi: Tensor, grad_phi: Tensor, grad_upsilon: Tensor, grad_variance: Tensor
-) -> Tuple[Tensor, Tensor]:
-    return _backward_on_device(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-
-
-@relu_moments.register_kernel("cpu")
-def _relu_moments_cpu(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    check_operands("relu_moments", mean, std)
-    if library_kernels():
-        return torch.ops.cfbnn.relu_moments(mean, std)
-    return tuple(value.clone() for value in _reference_forward(mean, std))  # fresh tensors, as an op returns
-
-
-@relu_moments_backward.register_kernel("cpu")
-def _relu_moments_backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> Tuple[Tensor, Tensor]:
-    check_operands("relu_moments_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-    if library_kernels():
-        return torch.ops.cfbnn.relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-    return _differentiable_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-
-
-@relu_moments.register_fake
-def _(mean, std):
-    return torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)
-
-
-@relu_moments_backward.register_fake
-def _(mean, std, phi, grad_phi, grad_upsilon, grad_variance):
-    return torch.empty_like(mean), torch.empty_like(mean)
-
-
-register_moments_autograd(relu_moments, relu_moments_backward, _differentiable_backward)
-
-
-relu_moments.register_vmap(elementwise_vmap(relu_moments, 3))
-relu_moments_backward.register_vmap(elementwise_vmap(relu_moments_backward, 2))
 
 
 # ----------------------------------------------------------------------------- from the variances
@@ -394,7 +291,6 @@ relu_moments_from_variance.register_vmap(elementwise_vmap(relu_moments_from_vari
 relu_moments_from_variance_backward.register_vmap(elementwise_vmap(relu_moments_from_variance_backward, 2))
 
 
-differentiable_by_formula(relu_moments_backward, _differentiable_backward, 6)
 differentiable_by_formula(relu_moments_from_variance_backward, differentiable_from_variance_backward, 5)
 
 

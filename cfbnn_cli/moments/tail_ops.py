@@ -27,7 +27,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import leaky_ops, relu_squared_ops
+from . import family_ops
 from .operator_registration import (
     check_operands,
     library_kernels,
@@ -83,8 +83,8 @@ def _family_moments(mean, variance, activation: int, negative_slope: float):
     floored = variance + (variance.clamp(min=variance_floor(variance.dtype)) - variance).detach()
     std = floored.sqrt()
     if activation == 1:
-        return leaky_ops._reference_forward(mean, std, negative_slope)
-    return relu_squared_ops._reference_forward(mean, std)
+        return family_ops.leaky_reference_forward(mean, std, negative_slope)
+    return family_ops.relu_squared_reference_forward(mean, std)
 
 
 def reference_relu_tail(

@@ -236,13 +236,6 @@ def relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var):
 
 
 @triton.jit
-def relu_vjp(mean, std, std_error, phi, g_phi, g_ups, g_var, CF_DEPTH: tl.constexpr):
-    """:func:`relu_vjp_from_tail` with the Gaussian factors recomputed here."""
-    x, pdf, s0, s1, s2 = small_tail(mean, std, std_error, CF_DEPTH)
-    return relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
-
-
-@triton.jit
 def block_operands(mean_ptr, spread_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr):
     """This program's block of an elementwise kernel: ``(offsets, inside, mean as stored, mean and
     spread in the arithmetic of the results`` (:func:`compute`)``)``; lanes past ``n`` read a mean of
@@ -264,74 +257,12 @@ def output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside, CF_DEPTH:
 
 
 @triton.jit
-def relu_moments_kernel(
-    mean_ptr,
-    spread_ptr,
-    phi_ptr,
-    ups_ptr,
-    var_ptr,
-    n,
-    FROM_VARIANCE: tl.constexpr,
-    FLOOR: tl.constexpr,
-    BLOCK: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-):
-    """``(Phi, Upsilon, Var)`` of ``relu(z)`` elementwise (:func:`relu_core`); ``spread`` is the
-    standard deviation, or with ``FROM_VARIANCE`` the variance (the square root taken here, the
-    variance kept at or above ``FLOOR``, the dtype's smallest normal number, as the CPU kernel
-    ``hidden_pass`` does)."""
-    offsets, inside, m_in, mean, std = block_operands(mean_ptr, spread_ptr, n, BLOCK, CF_DEPTH)
-    std_error = 0.0
-    if FROM_VARIANCE:
-        std, std_error = std_from_variance(std, FLOOR, CF_DEPTH)
-    phi, ups, var = relu_core(mean, std, std_error, CF_DEPTH)
-    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
-    tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
-    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
-
-
-@triton.jit
 def relu_mean_kernel(mean_ptr, std_ptr, phi_ptr, n, BLOCK: tl.constexpr, CF_DEPTH: tl.constexpr):
     """``E[relu(z)]`` elementwise alone (:func:`relu_core`'s Phi; what a prediction needs): one
     output written instead of three."""
     offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK, CF_DEPTH)
     phi, _, _ = relu_core(mean, std, 0.0, CF_DEPTH)
     tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
-
-
-@triton.jit
-def relu_moments_backward_kernel(
-    mean_ptr,
-    spread_ptr,
-    phi_ptr,
-    g_phi_ptr,
-    g_ups_ptr,
-    g_var_ptr,
-    g_mean_ptr,
-    g_spread_ptr,
-    n,
-    FROM_VARIANCE: tl.constexpr,
-    FLOOR: tl.constexpr,
-    BLOCK: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-):
-    """Vector-Jacobian product of :func:`relu_moments_kernel` (:func:`relu_vjp`); with
-    ``FROM_VARIANCE`` Phi is recomputed (``phi_ptr`` unused) and ``d variance = d std / (2 std)``."""
-    offsets, inside, m_in, mean, std = block_operands(mean_ptr, spread_ptr, n, BLOCK, CF_DEPTH)
-    std_error = 0.0
-    if FROM_VARIANCE:
-        std, std_error = std_from_variance(std, FLOOR, CF_DEPTH)
-    x, pdf, s0, s1, s2 = small_tail(mean, std, std_error, CF_DEPTH)  # once, for Phi and the derivatives
-    if FROM_VARIANCE:
-        phi, _, _ = relu_from_tail(mean, std, x, s1, s2)
-    else:
-        phi = compute(tl.load(phi_ptr + offsets, mask=inside, other=0.0), CF_DEPTH)
-    g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside, CF_DEPTH)
-    g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
-    if FROM_VARIANCE:
-        g_std = 0.5 * g_std / std
-    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
-    tl.store(g_spread_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
 
 
 @triton.jit
@@ -426,59 +357,6 @@ def partials_vjp(phi, raw_var, pm, ps, vm, vs, g_phi, g_ups, g_var):
 
 
 @triton.jit
-def family_moments_kernel(
-    mean_ptr,
-    std_ptr,
-    slope_ptr,
-    phi_ptr,
-    ups_ptr,
-    var_ptr,
-    n,
-    BLOCK: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-):
-    """``(Phi, Upsilon, Var)`` of leaky ReLU (``ACTIVATION`` 1) or ReLU^2 (2) elementwise
-    (:func:`family_partials`), Var clamped at 0; the slope read from ``slope_ptr`` (float64) in the inputs' dtype (one
-    launch for any slope; unused by ReLU^2)."""
-    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK, CF_DEPTH)
-    eps = compute(tl.load(slope_ptr), CF_DEPTH)
-    phi, var, _, _, _, _ = family_partials(mean, std, 0.0, eps, ACTIVATION, CF_DEPTH)
-    var = at_least(var, 0.0)
-    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
-    tl.store(ups_ptr + offsets, (var + phi * phi).to(m_in.dtype), mask=inside)
-    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
-
-
-@triton.jit
-def family_moments_backward_kernel(
-    mean_ptr,
-    std_ptr,
-    slope_ptr,
-    phi_ptr,
-    g_phi_ptr,
-    g_ups_ptr,
-    g_var_ptr,
-    g_mean_ptr,
-    g_std_ptr,
-    n,
-    BLOCK: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-):
-    """Vector-Jacobian product of :func:`family_moments_kernel` (:func:`partials_vjp` with the
-    saved Phi)."""
-    offsets, inside, m_in, mean, std = block_operands(mean_ptr, std_ptr, n, BLOCK, CF_DEPTH)
-    eps = compute(tl.load(slope_ptr), CF_DEPTH)
-    _, var, pm, ps, vm, vs = family_partials(mean, std, 0.0, eps, ACTIVATION, CF_DEPTH)
-    phi = compute(tl.load(phi_ptr + offsets, mask=inside, other=0.0), CF_DEPTH)
-    g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside, CF_DEPTH)
-    g_mean, g_std = partials_vjp(phi, var, pm, ps, vm, vs, g_phi, g_ups, g_var)
-    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
-    tl.store(g_std_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
-
-
-@triton.jit
 def family_moments(mean, std, std_error, eps, g_phi, g_ups, g_var, ACTIVATION: tl.constexpr, CF_DEPTH: tl.constexpr):
     """``(Phi, Upsilon, Var, d mean, d std)`` of the ReLU family's ``ACTIVATION`` (0 ReLU, 1 leaky
     ReLU of slope ``eps``, 2 ReLU^2), in their dtype, and the vector-Jacobian product for the output
@@ -497,6 +375,90 @@ def family_moments(mean, std, std_error, eps, g_phi, g_ups, g_var, ACTIVATION: t
     return phi, ups, var, g_mean, g_std
 
 
+@triton.jit
+def moments_kernel(
+    mean_ptr,
+    spread_ptr,
+    slope_ptr,
+    phi_ptr,
+    ups_ptr,
+    var_ptr,
+    n,
+    ACTIVATION: tl.constexpr,
+    FROM_VARIANCE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """``(Phi, Upsilon, Var)`` of the ReLU family's ``ACTIVATION`` elementwise (:func:`family_moments`;
+    the leaky slope read as float64 from ``slope_ptr``: one launch for any slope). ``spread`` is the
+    standard deviation, or with ``FROM_VARIANCE`` the variance (the square root taken here, the
+    variance kept at or above ``FLOOR``, the dtype's smallest normal number, as the CPU kernel
+    ``hidden_pass`` does)."""
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, spread_ptr, n, BLOCK, CF_DEPTH)
+    std_error = tl.zeros_like(std)
+    if FROM_VARIANCE:
+        std, std_error = std_from_variance(std, FLOOR, CF_DEPTH)
+    eps = 0.0
+    if ACTIVATION == 1:  # (the other kinds have no slope: their launch passes any pointer)
+        eps = compute(tl.load(slope_ptr), CF_DEPTH)
+    zero = tl.zeros_like(mean)  # no output gradients: the compiler drops the product they feed
+    phi, ups, var, _, _ = family_moments(mean, std, std_error, eps, zero, zero, zero, ACTIVATION, CF_DEPTH)
+    tl.store(phi_ptr + offsets, phi.to(m_in.dtype), mask=inside)
+    tl.store(ups_ptr + offsets, ups.to(m_in.dtype), mask=inside)
+    tl.store(var_ptr + offsets, var.to(m_in.dtype), mask=inside)
+
+
+@triton.jit
+def moments_backward_kernel(
+    mean_ptr,
+    spread_ptr,
+    slope_ptr,
+    phi_ptr,
+    g_phi_ptr,
+    g_ups_ptr,
+    g_var_ptr,
+    g_mean_ptr,
+    g_spread_ptr,
+    n,
+    ACTIVATION: tl.constexpr,
+    FROM_VARIANCE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+):
+    """Vector-Jacobian product of :func:`moments_kernel`, the small tail computed once for Phi and
+    the derivatives. It takes the saved Phi at ``phi_ptr`` as the operators' backward does (an
+    input of its own there); with ``FROM_VARIANCE`` Phi is recomputed (``phi_ptr`` unused) and ``d
+    variance = d std / (2 std)``."""
+    offsets, inside, m_in, mean, std = block_operands(mean_ptr, spread_ptr, n, BLOCK, CF_DEPTH)
+    std_error = tl.zeros_like(std)
+    if FROM_VARIANCE:
+        std, std_error = std_from_variance(std, FLOOR, CF_DEPTH)
+    g_phi, g_ups, g_var = output_gradients(g_phi_ptr, g_ups_ptr, g_var_ptr, offsets, inside, CF_DEPTH)
+    if ACTIVATION == 0:
+        x, pdf, s0, s1, s2 = small_tail(mean, std, std_error, CF_DEPTH)
+        if FROM_VARIANCE:
+            phi, _, _ = relu_from_tail(mean, std, x, s1, s2)
+        else:
+            phi = compute(tl.load(phi_ptr + offsets, mask=inside, other=0.0), CF_DEPTH)
+        g_mean, g_std = relu_vjp_from_tail(mean, std, phi, pdf, s0, g_phi, g_ups, g_var)
+    else:
+        eps = 0.0
+        if ACTIVATION == 1:
+            eps = compute(tl.load(slope_ptr), CF_DEPTH)
+        phi_now, raw_var, pm, ps, vm, vs = family_partials(mean, std, std_error, eps, ACTIVATION, CF_DEPTH)
+        if FROM_VARIANCE:
+            phi = phi_now
+        else:
+            phi = compute(tl.load(phi_ptr + offsets, mask=inside, other=0.0), CF_DEPTH)
+        g_mean, g_std = partials_vjp(phi, raw_var, pm, ps, vm, vs, g_phi, g_ups, g_var)
+    if FROM_VARIANCE:
+        g_std = 0.5 * g_std / std
+    tl.store(g_mean_ptr + offsets, g_mean.to(m_in.dtype), mask=inside)
+    tl.store(g_spread_ptr + offsets, g_std.to(m_in.dtype), mask=inside)
+
+
 def cf_depth(dtype) -> int:
     """The continued fraction's depth for results of ``dtype`` (float32 or float64): also what tells
     the kernels to compute in float32 (:data:`F32_DEPTH`) or float64."""
@@ -505,119 +467,3 @@ def cf_depth(dtype) -> int:
 
 def grid(n: int):
     return (triton.cdiv(max(n, 1), BLOCK),)
-
-
-@triton.jit
-def diagonal_kl_sums_kernel(
-    loc_ptr,
-    log_scale_ptr,
-    partial_ptr,
-    variance_ptr,
-    loc_square_ptr,
-    n,
-    WRITE_VARIANCE: tl.constexpr,
-    WRITE_LOC_SQUARE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Per block of ``BLOCK`` elements, the float64 sums ``(sum exp(2 log_scale), sum loc^2, sum
-    log_scale)`` that ``KL(N(loc, diag exp(2 log_scale)) || N(0, s^2 I))`` needs, into
-    ``partial[3 * block + k]`` (summed in block order afterwards: the result does not depend on
-    the launch's scheduling); with ``WRITE_VARIANCE``, ``exp(2 log_scale)`` into ``variance`` too,
-    and with ``WRITE_LOC_SQUARE`` ``loc^2`` into ``loc_square`` (an output layer's tail-pass weight)."""
-    block = tl.program_id(0)
-    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
-    loc = l_in.to(tl.float64)
-    if WRITE_LOC_SQUARE:
-        tl.store(loc_square_ptr + offsets, l_in * l_in, mask=inside)
-    s_in = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0)
-    log_scale = s_in.to(tl.float64)
-    variance = tl.where(inside, tl.exp(2.0 * log_scale), 0.0)
-    if WRITE_VARIANCE:
-        tl.store(variance_ptr + offsets, variance.to(s_in.dtype), mask=inside)
-    tl.store(partial_ptr + 3 * block, tl.sum(variance, axis=0))
-    tl.store(partial_ptr + 3 * block + 1, tl.sum(loc * loc, axis=0))
-    tl.store(partial_ptr + 3 * block + 2, tl.sum(log_scale, axis=0))
-
-
-@triton.jit
-def diagonal_kl_finish_kernel(
-    partial_ptr,
-    out_ptr,
-    blocks,
-    count: tl.float64,
-    prior_variance: tl.float64,
-    log_prior_variance: tl.float64,
-    BLOCK: tl.constexpr,
-):
-    """One program: the blocks' sums added in a fixed order, then the KL from its three sums
-    (:func:`cfbnn_cli.moments.elbo_reference.kl_from_sums`) into ``out[0]``."""
-    variance_sum = tl.zeros([BLOCK], dtype=tl.float64)
-    loc_sum = tl.zeros([BLOCK], dtype=tl.float64)
-    log_scale_sum = tl.zeros([BLOCK], dtype=tl.float64)
-    for b0 in range(0, blocks, BLOCK):
-        b = b0 + tl.arange(0, BLOCK)
-        inside = b < blocks
-        variance_sum += tl.load(partial_ptr + 3 * b, mask=inside, other=0.0)
-        loc_sum += tl.load(partial_ptr + 3 * b + 1, mask=inside, other=0.0)
-        log_scale_sum += tl.load(partial_ptr + 3 * b + 2, mask=inside, other=0.0)
-    sums = tl.sum(variance_sum, axis=0) + tl.sum(loc_sum, axis=0)
-    kl = 0.5 * (sums / prior_variance - count + count * log_prior_variance)
-    tl.store(out_ptr, (kl - tl.sum(log_scale_sum, axis=0)).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def fold_kl(loc, variance, d_loc, d_variance, kl_grad, prior_variance):
-    """A mean-field layer's ``(dL/d loc, dL/d log_scale)`` (float64) from the data term's ``dL/d
-    loc`` and ``dL/d Var`` and ``dL/dKL = kl_grad``: ``d_loc + kl_grad loc / s^2`` and ``2 Var
-    d_variance + kl_grad (Var / s^2 - 1)`` (``Var = exp(2 log_scale)``)."""
-    kl_grad = kl_grad.to(tl.float64)
-    scaled = kl_grad / prior_variance
-    return d_loc + scaled * loc, 2.0 * variance * d_variance + scaled * variance - kl_grad
-
-
-@triton.jit
-def diagonal_gradients_kernel(
-    loc_ptr,
-    variance_ptr,
-    g_loc_ptr,
-    g_variance_ptr,
-    g_log_scale_ptr,
-    kl_grad_ptr,
-    kl_sign: tl.float64,
-    n,
-    prior_variance: tl.float64,
-    BLOCK: tl.constexpr,
-):
-    """A mean-field layer's gradients finished in one pass: from ``dL/d loc`` (``g_loc``, updated in
-    place) and ``dL/d Var`` (``g_variance``) of the data term, and ``dL/dKL = kl_sign *
-    kl_grad[0]``: ``g_loc += dL/dKL loc / s^2`` and ``g_log_scale = 2 Var dL/dVar + dL/dKL (Var /
-    s^2 - 1)``."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
-    loc = l_in.to(tl.float64)
-    variance = tl.load(variance_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_loc = tl.load(g_loc_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_variance = tl.load(g_variance_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    g_loc, g_log_scale = fold_kl(loc, variance, g_loc, g_variance, kl_sign * tl.load(kl_grad_ptr), prior_variance)
-    tl.store(g_loc_ptr + offsets, g_loc.to(l_in.dtype), mask=inside)
-    tl.store(g_log_scale_ptr + offsets, g_log_scale.to(l_in.dtype), mask=inside)
-
-
-@triton.jit
-def diagonal_kl_backward_kernel(
-    loc_ptr, log_scale_ptr, grad_ptr, g_loc_ptr, g_log_scale_ptr, n, prior_variance: tl.float64, BLOCK: tl.constexpr
-):
-    """The KL's gradients for ``grad = dL/dKL`` (a one-element tensor): ``grad / s^2 * loc`` and
-    ``grad / s^2 * exp(2 log_scale) - grad``."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
-    loc = l_in.to(tl.float64)
-    log_scale = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
-    grad = tl.load(grad_ptr).to(tl.float64)
-    scaled = grad / prior_variance
-    tl.store(g_loc_ptr + offsets, (scaled * loc).to(l_in.dtype), mask=inside)
-    tl.store(g_log_scale_ptr + offsets, (scaled * tl.exp(2.0 * log_scale) - grad).to(l_in.dtype), mask=inside)

@@ -24,7 +24,8 @@ import math
 import triton
 import triton.language as tl
 
-from .triton_kernels import compute, family_moments, fold_kl, relu_core, std_from_variance
+from .triton_kernels import compute, family_moments, relu_core, std_from_variance
+from .triton_kl_kernels import fold_kl
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
@@ -121,7 +122,7 @@ def relu_tail_backward_kernel(
     ACTIVATION: tl.constexpr,
 ):
     """For row gradients ``u = dL/d mean_sum``, ``k = dL/d spread_sum``: ``dL/d mean`` and
-    ``dL/d variance`` of the tile (:func:`~.triton_kernels.relu_vjp` with ``dL/dPhi = u w_phi``,
+    ``dL/d variance`` of the tile (:func:`~.triton_kernels.family_moments` with ``dL/dPhi = u w_phi``,
     ``dL/dVar = k w_var``, ``dL/dUps = k w_second``), and the tile's column sums ``(sum_r u Phi,
     sum_r k Var, sum_r k Ups)`` into ``partial[row_block, 0:3, columns]`` (float64)."""
     row_block = tl.program_id(0)

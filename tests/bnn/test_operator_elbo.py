@@ -129,10 +129,10 @@ library.impl(
     counted("relu_moments_from_variance_backward", ops.triton_relu_moments_from_variance_backward),
     "CPU",
 )
-from cfbnn_cli.moments import leaky_ops, relu_squared_ops
-for module, name in ((leaky_ops, "leaky_relu_moments"), (relu_squared_ops, "relu_squared_moments")):
+from cfbnn_cli.moments import family_ops
+for name in ("leaky_relu_moments", "relu_squared_moments"):
     for op in (name, name + "_backward"):  # the propagated hidden layers' moments (DeepNormalELBO)
-        library.impl(op, counted(op, getattr(module, "triton_" + op)), "CPU")
+        library.impl(op, counted(op, getattr(family_ops, "triton_" + op)), "CPU")
 out = errors()
 out["calls"] = calls
 for dtype in (torch.float32, torch.float64):  # the first-use checks that guard the CUDA route

@@ -10,7 +10,7 @@ import torch
 from relu_grid import POINTS, _quadrature, worst_error
 from triton_check import LEAKY_SLOPES
 
-from cfbnn_cli.moments import get_activation, kernel_library, leaky_ops
+from cfbnn_cli.moments import family_ops, get_activation, kernel_library
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,7 +57,7 @@ def test_gradients_match_finite_differences_to_the_second_order():
     std = (torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05).requires_grad_()
     for slope in LEAKY_SLOPES:
         assert torch.autograd.gradcheck(lambda m, s: torch.ops.cfbnn.leaky_relu_moments(m, s, slope), (mean, std))
-        function = lambda m, s: leaky_ops.leaky_relu_moments_function(m, s, slope)  # noqa: E731
+        function = lambda m, s: family_ops.leaky_relu_moments_function(m, s, slope)  # noqa: E731
         assert torch.autograd.gradcheck(function, (mean, std))
         assert torch.autograd.gradgradcheck(function, (mean, std))
 
@@ -88,7 +88,7 @@ def test_per_draw_gradients_under_vmap_match_the_reference_path():
     activation = get_activation("leaky_relu", negative_slope=-0.5)
 
     def total(m, s):
-        phi, ups, var = leaky_ops.leaky_relu_moments_function(m, s, -0.5)
+        phi, ups, var = family_ops.leaky_relu_moments_function(m, s, -0.5)
         return (phi + 0.5 * ups - var).sum()
 
     batched = torch.func.vmap(torch.func.grad(total, argnums=(0, 1)))(mean, std)
@@ -113,8 +113,8 @@ def test_cuda_moments_take_the_operator_and_match_the_cpu(dtype, rtol, monkeypat
     values and gradients."""
     activation = get_activation("leaky_relu", negative_slope=-0.5)
     calls = []
-    original = leaky_ops.leaky_relu_moments_function
-    monkeypatch.setattr(leaky_ops, "leaky_relu_moments_function", lambda *a: calls.append(1) or original(*a))
+    original = family_ops.leaky_relu_moments_function
+    monkeypatch.setattr(family_ops, "leaky_relu_moments_function", lambda *a: calls.append(1) or original(*a))
     g = torch.Generator().manual_seed(5)
     mean = torch.randn(300, 9, generator=g, dtype=dtype) * 3
     std = torch.rand(300, 9, generator=g, dtype=dtype) + 0.05

@@ -10,7 +10,7 @@ import pytest
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import fast_path, get_activation, kernel_library, relu_squared_ops
+from cfbnn_cli.moments import family_ops, fast_path, get_activation, kernel_library
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,7 +53,7 @@ def test_gradients_match_finite_differences_to_the_second_order():
     g = torch.Generator().manual_seed(1)
     mean = (torch.randn(6, 5, generator=g, dtype=torch.float64) * 3).requires_grad_()
     std = (torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05).requires_grad_()
-    for function in (torch.ops.cfbnn.relu_squared_moments, relu_squared_ops.relu_squared_moments_function):
+    for function in (torch.ops.cfbnn.relu_squared_moments, family_ops.relu_squared_moments_function):
         assert torch.autograd.gradcheck(function, (mean, std))
         assert torch.autograd.gradgradcheck(function, (mean, std))
 

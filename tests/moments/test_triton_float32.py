@@ -68,15 +68,15 @@ def leaf(t):
 def small_tail_reference(mean, std):
     """ReLU's ``(Phi, Upsilon, Var)`` in float64 from the small tail (leaky ReLU's reference ops at
     slope 0), without autograd."""
-    from cfbnn_cli.moments import leaky_ops
+    from cfbnn_cli.moments import family_ops
 
     with torch.no_grad():
-        return leaky_ops._reference_forward(mean.detach().double(), std.detach().double(), 0.0)
+        return family_ops.leaky_reference_forward(mean.detach().double(), std.detach().double(), 0.0)
 
 
 def elementwise_errors(dtype) -> dict:
     """Each elementwise kernel's worst value and gradient errors on the grid, in tolerances."""
-    from cfbnn_cli.moments import leaky_ops, ops, relu_mean_ops, relu_squared_ops
+    from cfbnn_cli.moments import family_ops, ops, relu_mean_ops
     from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
     mean, std = grid(dtype)
@@ -122,9 +122,9 @@ def elementwise_errors(dtype) -> dict:
     for slope in SLOPES:
         m64, s64 = (leaf(t) for t in (mean, std))
         # the reference's slope as the kernels read it (float32 inputs: the float32 slope)
-        want = leaky_ops._reference_forward(m64, s64, float(torch.tensor(slope, dtype=dtype)))
-        got = leaky_ops.triton_leaky_relu_moments(mean, std, slope)
-        backward = leaky_ops.triton_leaky_relu_moments_backward(mean, std, got[0], *grads, slope)
+        want = family_ops.leaky_reference_forward(m64, s64, float(torch.tensor(slope, dtype=dtype)))
+        got = family_ops.triton_leaky_relu_moments(mean, std, slope)
+        backward = family_ops.triton_leaky_relu_moments_backward(mean, std, got[0], *grads, slope)
         m, s = mean.double(), std.double()
         e_abs = (
             small_tail_reference(m, s)[0]
@@ -133,9 +133,9 @@ def elementwise_errors(dtype) -> dict:
         record(f"leaky_{slope}", got, want, backward, (m64, s64), None, [e_abs, want[1].detach(), want[2].detach()])
 
     m64, s64 = (leaf(t) for t in (mean, std))
-    want = relu_squared_ops._reference_forward(m64, s64)
-    got = relu_squared_ops.triton_relu_squared_moments(mean, std)
-    backward = relu_squared_ops.triton_relu_squared_moments_backward(mean, std, got[0], *grads)
+    want = family_ops.relu_squared_reference_forward(m64, s64)
+    got = family_ops.triton_relu_squared_moments(mean, std)
+    backward = family_ops.triton_relu_squared_moments_backward(mean, std, got[0], *grads)
     record("relu_squared", got, want, backward, (m64, s64))
     return out
 

@@ -14,7 +14,7 @@ import math
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import kl_ops, leaky_ops, ops, relu_mean_ops, relu_squared_ops, tail_ops
+from cfbnn_cli.moments import family_ops, kl_ops, ops, relu_mean_ops, tail_ops
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 
@@ -78,12 +78,14 @@ def leaky_errors(device: str, dtype, generator) -> dict:
     positive = std > 0  # (the reference's autograd has no gradient at std = 0)
     for slope in LEAKY_SLOPES:
         references = _quadrature(POINTS, "leaky_relu", negative_slope=slope)
-        phi, ups, var = leaky_ops.triton_leaky_relu_moments(mean.to(device), std.to(device), slope)
+        phi, ups, var = family_ops.triton_leaky_relu_moments(mean.to(device), std.to(device), slope)
         values_worst = max(values_worst, worst_error([t.cpu() for t in (phi, ups, var)], references, POINTS, dtype))
         m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))
-        want = leaky_ops._reference_forward(m64, s64, slope if dtype == torch.float64 else float(torch.tensor(slope)))
+        want = family_ops.leaky_reference_forward(
+            m64, s64, slope if dtype == torch.float64 else float(torch.tensor(slope))
+        )
         torch.autograd.backward(list(want), [t.double() for t in grads])
-        gm, gs = leaky_ops.triton_leaky_relu_moments_backward(
+        gm, gs = family_ops.triton_leaky_relu_moments_backward(
             mean.to(device), std.to(device), phi, *(t.to(device) for t in grads), slope
         )
         grads_worst = max(
@@ -101,11 +103,11 @@ def relu_squared_errors(device: str, dtype, generator) -> dict:
     std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
     grads = [torch.randn(len(POINTS), generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)]
     positive = std > 0  # (the reference's autograd has no gradient at std = 0)
-    phi, ups, var = relu_squared_ops.triton_relu_squared_moments(mean.to(device), std.to(device))
+    phi, ups, var = family_ops.triton_relu_squared_moments(mean.to(device), std.to(device))
     values = worst_error([t.cpu() for t in (phi, ups, var)], _quadrature(POINTS, "relu_squared"), POINTS, dtype)
     m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))
-    torch.autograd.backward(list(relu_squared_ops._reference_forward(m64, s64)), [t.double() for t in grads])
-    gm, gs = relu_squared_ops.triton_relu_squared_moments_backward(
+    torch.autograd.backward(list(family_ops.relu_squared_reference_forward(m64, s64)), [t.double() for t in grads])
+    gm, gs = family_ops.triton_relu_squared_moments_backward(
         mean.to(device), std.to(device), phi, *(t.to(device) for t in grads)
     )
     grads_worst = max(

@@ -1,0 +1,123 @@
+"""Triton kernels of the mean-field KL and of a layer's gradients with the KL folded in: the CUDA
+side of ``cfbnn::diagonal_kl`` (:mod:`.kl_ops`) and of ``cfbnn::finish_diagonal_gradients``
+(:mod:`.elbo_ops`). Sums in float64 in a fixed order, whatever the inputs' dtype (the result does
+not depend on the launch's scheduling)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def diagonal_kl_sums_kernel(
+    loc_ptr,
+    log_scale_ptr,
+    partial_ptr,
+    variance_ptr,
+    loc_square_ptr,
+    n,
+    WRITE_VARIANCE: tl.constexpr,
+    WRITE_LOC_SQUARE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Per block of ``BLOCK`` elements, the float64 sums ``(sum exp(2 log_scale), sum loc^2, sum
+    log_scale)`` that ``KL(N(loc, diag exp(2 log_scale)) || N(0, s^2 I))`` needs, into
+    ``partial[3 * block + k]`` (summed in block order afterwards: the result does not depend on
+    the launch's scheduling); with ``WRITE_VARIANCE``, ``exp(2 log_scale)`` into ``variance`` too,
+    and with ``WRITE_LOC_SQUARE`` ``loc^2`` into ``loc_square`` (an output layer's tail-pass weight)."""
+    block = tl.program_id(0)
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
+    loc = l_in.to(tl.float64)
+    if WRITE_LOC_SQUARE:
+        tl.store(loc_square_ptr + offsets, l_in * l_in, mask=inside)
+    s_in = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0)
+    log_scale = s_in.to(tl.float64)
+    variance = tl.where(inside, tl.exp(2.0 * log_scale), 0.0)
+    if WRITE_VARIANCE:
+        tl.store(variance_ptr + offsets, variance.to(s_in.dtype), mask=inside)
+    tl.store(partial_ptr + 3 * block, tl.sum(variance, axis=0))
+    tl.store(partial_ptr + 3 * block + 1, tl.sum(loc * loc, axis=0))
+    tl.store(partial_ptr + 3 * block + 2, tl.sum(log_scale, axis=0))
+
+
+@triton.jit
+def diagonal_kl_finish_kernel(
+    partial_ptr,
+    out_ptr,
+    blocks,
+    count: tl.float64,
+    prior_variance: tl.float64,
+    log_prior_variance: tl.float64,
+    BLOCK: tl.constexpr,
+):
+    """One program: the blocks' sums added in a fixed order, then the KL from its three sums
+    (:func:`cfbnn_cli.moments.elbo_reference.kl_from_sums`) into ``out[0]``."""
+    variance_sum = tl.zeros([BLOCK], dtype=tl.float64)
+    loc_sum = tl.zeros([BLOCK], dtype=tl.float64)
+    log_scale_sum = tl.zeros([BLOCK], dtype=tl.float64)
+    for b0 in range(0, blocks, BLOCK):
+        b = b0 + tl.arange(0, BLOCK)
+        inside = b < blocks
+        variance_sum += tl.load(partial_ptr + 3 * b, mask=inside, other=0.0)
+        loc_sum += tl.load(partial_ptr + 3 * b + 1, mask=inside, other=0.0)
+        log_scale_sum += tl.load(partial_ptr + 3 * b + 2, mask=inside, other=0.0)
+    sums = tl.sum(variance_sum, axis=0) + tl.sum(loc_sum, axis=0)
+    kl = 0.5 * (sums / prior_variance - count + count * log_prior_variance)
+    tl.store(out_ptr, (kl - tl.sum(log_scale_sum, axis=0)).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def fold_kl(loc, variance, d_loc, d_variance, kl_grad, prior_variance):
+    """A mean-field layer's ``(dL/d loc, dL/d log_scale)`` (float64) from the data term's ``dL/d
+    loc`` and ``dL/d Var`` and ``dL/dKL = kl_grad``: ``d_loc + kl_grad loc / s^2`` and ``2 Var
+    d_variance + kl_grad (Var / s^2 - 1)`` (``Var = exp(2 log_scale)``)."""
+    kl_grad = kl_grad.to(tl.float64)
+    scaled = kl_grad / prior_variance
+    return d_loc + scaled * loc, 2.0 * variance * d_variance + scaled * variance - kl_grad
+
+
+@triton.jit
+def diagonal_gradients_kernel(
+    loc_ptr,
+    variance_ptr,
+    g_loc_ptr,
+    g_variance_ptr,
+    g_log_scale_ptr,
+    kl_grad_ptr,
+    kl_sign: tl.float64,
+    n,
+    prior_variance: tl.float64,
+    BLOCK: tl.constexpr,
+):
+    """A mean-field layer's gradients finished in one pass: from ``dL/d loc`` (``g_loc``, updated in
+    place) and ``dL/d Var`` (``g_variance``) of the data term, and ``dL/dKL = kl_sign *
+    kl_grad[0]``: ``g_loc += dL/dKL loc / s^2`` and ``g_log_scale = 2 Var dL/dVar + dL/dKL (Var /
+    s^2 - 1)``."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
+    loc = l_in.to(tl.float64)
+    variance = tl.load(variance_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_loc = tl.load(g_loc_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_variance = tl.load(g_variance_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    g_loc, g_log_scale = fold_kl(loc, variance, g_loc, g_variance, kl_sign * tl.load(kl_grad_ptr), prior_variance)
+    tl.store(g_loc_ptr + offsets, g_loc.to(l_in.dtype), mask=inside)
+    tl.store(g_log_scale_ptr + offsets, g_log_scale.to(l_in.dtype), mask=inside)
+
+
+@triton.jit
+def diagonal_kl_backward_kernel(
+    loc_ptr, log_scale_ptr, grad_ptr, g_loc_ptr, g_log_scale_ptr, n, prior_variance: tl.float64, BLOCK: tl.constexpr
+):
+    """The KL's gradients for ``grad = dL/dKL`` (a one-element tensor): ``grad / s^2 * loc`` and
+    ``grad / s^2 * exp(2 log_scale) - grad``."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
+    loc = l_in.to(tl.float64)
+    log_scale = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    grad = tl.load(grad_ptr).to(tl.float64)
+    scaled = grad / prior_variance
+    tl.store(g_loc_ptr + offsets, (scaled * loc).to(l_in.dtype), mask=inside)
+    tl.store(g_log_scale_ptr + offsets, (scaled * tl.exp(2.0 * log_scale) - grad).to(l_in.dtype), mask=inside)
