@@ -137,47 +137,31 @@ def _diagonal_kl_pass_triton(loc: Tensor, log_scale: Tensor, prior_variance: flo
     return kl, variance, square
 
 
-def _row_inputs(mean_sum, spread_sum, y, loc, log_scale):
-    """The rows kernels' first five arguments, contiguous."""
-    return tuple(t.contiguous() for t in (mean_sum, spread_sum, y, loc, log_scale))
+def _normal_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias, elbo_terms=None):
+    """:func:`~.triton_tail_kernels.normal_rows_kernel`: ``(residual, squares, ELL per row)``, or with
+    ``elbo_terms = (hidden_kl, output_kl, scale)`` ``(residual, squares, ELBO)``."""
+    rows = mean_sum.shape[0]
+    residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
+    per_row = elbo_terms is None
+    if per_row:  # one program per block of rows; the KL operands unread
+        grid, out = (triton.cdiv(max(rows, 1), _ROWS_BLOCK),), torch.empty_like(mean_sum)
+        elbo_terms = (log_precision, log_precision, 1.0)
+    else:
+        grid, out = (1,), mean_sum.new_empty(())
+    hidden_kl, output_kl, scale = elbo_terms
+    inputs = [t.contiguous() for t in (mean_sum, spread_sum, y, loc, log_scale)] + [log_precision, hidden_kl, output_kl]
+    sizes = (rows, loc.shape[-1] - int(bias), float(scale))
+    triton_tail_kernels.normal_rows_kernel[grid](*inputs, residual, squares, out, *sizes, per_row, bias, _ROWS_BLOCK)
+    return residual, squares, out
 
 
 def _normal_ell_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
-    rows = mean_sum.shape[0]
-    residual, squares, ell = (torch.empty_like(mean_sum) for _ in range(3))
-    triton_tail_kernels.normal_ell_rows_kernel[(triton.cdiv(max(rows, 1), _ROWS_BLOCK),)](
-        *_row_inputs(mean_sum, spread_sum, y, loc, log_scale),
-        log_precision,
-        residual,
-        squares,
-        ell,
-        rows,
-        loc.shape[-1] - int(bias),
-        bias,
-        _ROWS_BLOCK,
-    )
-    return residual, squares, ell
+    return _normal_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
 
 
 def _normal_elbo_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
-    rows = mean_sum.shape[0]
-    residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
-    elbo = mean_sum.new_empty(())
-    triton_tail_kernels.normal_elbo_rows_kernel[(1,)](
-        *_row_inputs(mean_sum, spread_sum, y, loc, log_scale),
-        log_precision,
-        hidden_kl,
-        output_kl,
-        residual,
-        squares,
-        elbo,
-        rows,
-        loc.shape[-1] - int(bias),
-        float(scale),
-        bias,
-        _ROWS_BLOCK,
-    )
-    return residual, squares, elbo
+    elbo_terms = (hidden_kl, output_kl, scale)
+    return _normal_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias, elbo_terms)
 
 
 def _normal_rows_backward_triton(grad, residual, squares, log_precision, scale: float, row_grads: bool):

@@ -165,76 +165,7 @@ def augment_pair_kernel(x_ptr, augmented_ptr, squared_ptr, rows, columns, BIAS: 
 
 
 @triton.jit
-def normal_row_terms(
-    mean_sum_ptr,
-    spread_sum_ptr,
-    y_ptr,
-    output_loc_ptr,
-    output_log_scale_ptr,
-    residual_ptr,
-    squares_ptr,
-    r,
-    r_in,
-    width,
-    BIAS: tl.constexpr,
-):
-    """Rows ``r``: ``residual = y - mean_sum - b`` and ``squares = spread_sum + Var b + residual^2``
-    (``b`` the one-output layer's bias weight, column ``width`` of its ``loc`` / ``log_scale``, when
-    ``BIAS``), float64, stored too for the backward pass."""
-    mean_sum = tl.load(mean_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-    spread_sum = tl.load(spread_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-    y = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-    residual = y - mean_sum
-    squares = spread_sum
-    if BIAS:
-        residual -= tl.load(output_loc_ptr + width).to(tl.float64)
-        squares += tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
-    squares += residual * residual
-    tl.store(residual_ptr + r, residual.to(residual_ptr.dtype.element_ty), mask=r_in)
-    tl.store(squares_ptr + r, squares.to(squares_ptr.dtype.element_ty), mask=r_in)
-    return residual, squares
-
-
-@triton.jit
-def normal_ell_rows_kernel(
-    mean_sum_ptr,
-    spread_sum_ptr,
-    y_ptr,
-    output_loc_ptr,
-    output_log_scale_ptr,
-    log_precision_ptr,
-    residual_ptr,
-    squares_ptr,
-    ell_ptr,
-    rows,
-    width,
-    BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """The Normal likelihood per row (paper eq. (7), one output): ``ELL_r = log(tau)/2 -
-    log(2 pi)/2 - tau/2 squares_r`` (:func:`normal_row_terms`), one program per block of rows."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    r_in = r < rows
-    log_precision = tl.load(log_precision_ptr).to(tl.float64)
-    _, squares = normal_row_terms(
-        mean_sum_ptr,
-        spread_sum_ptr,
-        y_ptr,
-        output_loc_ptr,
-        output_log_scale_ptr,
-        residual_ptr,
-        squares_ptr,
-        r,
-        r_in,
-        width,
-        BIAS,
-    )
-    ell = 0.5 * log_precision - 0.9189385332046727 - 0.5 * tl.exp(log_precision) * squares
-    tl.store(ell_ptr + r, ell.to(ell_ptr.dtype.element_ty), mask=r_in)
-
-
-@triton.jit
-def normal_elbo_rows_kernel(
+def normal_rows_kernel(
     mean_sum_ptr,
     spread_sum_ptr,
     y_ptr,
@@ -245,38 +176,50 @@ def normal_elbo_rows_kernel(
     output_kl_ptr,
     residual_ptr,
     squares_ptr,
-    elbo_ptr,
+    out_ptr,
     rows,
     width,
     scale: tl.float64,
+    PER_ROW: tl.constexpr,
     BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program: the Normal likelihood's rows (:func:`normal_row_terms`) and the ELBO (paper
-    eqs. (4), (7), one output): ``elbo = scale sum_r (log(tau)/2 - log(2 pi)/2 - tau/2 squares_r)
-    - KL(hidden) - KL(output)``, the rows summed in float64 in a fixed order."""
+    """The Normal likelihood's rows (paper eq. (7), one output): ``residual = y - mean_sum - b`` and
+    ``squares = spread_sum + Var b + residual^2`` (``b`` the one-output layer's bias weight, column
+    ``width`` of its ``loc`` / ``log_scale``, when ``BIAS``), float64, stored for the backward pass.
+
+    With ``PER_ROW`` (one program per block of rows) ``out_r = ELL_r = log(tau)/2 - log(2 pi)/2 -
+    tau/2 squares_r``; else (one program, the rows summed in float64 in a fixed order) the ELBO
+    (eq. (4)) ``out = scale sum_r ELL_r - KL(hidden) - KL(output)``."""
     log_precision = tl.load(log_precision_ptr).to(tl.float64)
+    if PER_ROW:
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        stop = start + BLOCK
+    else:
+        start = 0
+        stop = rows
     total = tl.zeros([BLOCK], dtype=tl.float64)
-    for r0 in range(0, rows, BLOCK):
+    for r0 in range(start, stop, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         r_in = r < rows
-        _, squares = normal_row_terms(
-            mean_sum_ptr,
-            spread_sum_ptr,
-            y_ptr,
-            output_loc_ptr,
-            output_log_scale_ptr,
-            residual_ptr,
-            squares_ptr,
-            r,
-            r_in,
-            width,
-            BIAS,
-        )
-        total += tl.where(r_in, squares, 0.0)
-    kl = tl.load(hidden_kl_ptr).to(tl.float64) + tl.load(output_kl_ptr).to(tl.float64)
-    ell = rows * (0.5 * log_precision - 0.9189385332046727) - 0.5 * tl.exp(log_precision) * tl.sum(total, axis=0)
-    tl.store(elbo_ptr, (scale * ell - kl).to(elbo_ptr.dtype.element_ty))
+        residual = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        residual -= tl.load(mean_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        squares = tl.load(spread_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        if BIAS:
+            residual -= tl.load(output_loc_ptr + width).to(tl.float64)
+            squares += tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
+        squares += residual * residual
+        tl.store(residual_ptr + r, residual.to(residual_ptr.dtype.element_ty), mask=r_in)
+        tl.store(squares_ptr + r, squares.to(squares_ptr.dtype.element_ty), mask=r_in)
+        if PER_ROW:
+            ell = 0.5 * log_precision - HALF_LOG_2PI - 0.5 * tl.exp(log_precision) * squares
+            tl.store(out_ptr + r, ell.to(out_ptr.dtype.element_ty), mask=r_in)
+        else:
+            total += tl.where(r_in, squares, 0.0)
+    if not PER_ROW:
+        kl = tl.load(hidden_kl_ptr).to(tl.float64) + tl.load(output_kl_ptr).to(tl.float64)
+        ell = rows * (0.5 * log_precision - HALF_LOG_2PI) - 0.5 * tl.exp(log_precision) * tl.sum(total, axis=0)
+        tl.store(out_ptr, (scale * ell - kl).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
