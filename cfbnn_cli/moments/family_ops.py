@@ -33,9 +33,9 @@ from .operator_registration import define_moments_operators, moments_function
 from .ops import (
     ACTIVATION_KINDS,
     checked_operator_route,
+    family_kernels_check,
     launch_moments,
     launch_moments_backward,
-    moments_kernels_check,
     slope_for,
 )
 from .relu_reference import small_tail
@@ -152,8 +152,8 @@ relu_squared_moments, relu_squared_moments_backward = define_moments_operators(
     _relu_squared_formula,
 )
 
-_LEAKY_CHECK = moments_kernels_check(triton_leaky_relu_moments, triton_leaky_relu_moments_backward, 0.1)
-_RELU_SQUARED_CHECK = moments_kernels_check(triton_relu_squared_moments, triton_relu_squared_moments_backward)
+_LEAKY_CHECK = family_kernels_check(LEAKY, 0.1)
+_RELU_SQUARED_CHECK = family_kernels_check(RELU_SQUARED)
 
 
 def leaky_relu_moments_function(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:

@@ -350,26 +350,39 @@ def operator_route(mean: Tensor) -> bool:
 
 def checked_operator_route(mean: Tensor, what: str, check: Callable) -> bool:
     """:func:`operator_route` for an operator whose Triton kernels have a first-use ``check`` of
-    their own on CUDA (``check(device, dtype)``, :func:`moments_kernels_check`)."""
+    their own on CUDA (``check(device, dtype)``, :func:`family_kernels_check`)."""
     if not operator_route(mean):
         return False
     return not triton_device(mean.device) or first_use_check(what, mean.device, mean.dtype, check)
 
 
-def moments_kernels_check(forward: Callable, backward: Callable, *parameters) -> Callable:
-    """A first-use check of a moments operator's two Triton launches (``forward(mean, std,
-    *parameters)``, ``backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance,
-    *parameters)``) on a few elements, compiling them; non-finite results raise."""
+def check_samples(device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """A first-use check's operands: eight well-conditioned means and spreads."""
+    values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
+    return values, torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device)
+
+
+def require_finite(*outputs: Tensor) -> None:
+    """What a first-use check asks of its kernels' results (on :func:`check_samples`)."""
+    if not all(bool(torch.isfinite(t).all()) for t in outputs):
+        raise FloatingPointError("non-finite values on a well-conditioned problem")
+
+
+def family_kernels_check(activation: int, negative_slope: float = 0.0) -> Callable:
+    """A first-use check of the ReLU family's Triton moments kernels for ``activation``, forward
+    and backward on :func:`check_samples` (compiling them); for ReLU the from-variance pair too."""
 
     def check(device: torch.device, dtype: torch.dtype) -> None:
-        values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
-        spread = torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device)
+        values, spread = check_samples(device, dtype)
+        grads = (spread, spread, spread)
         outputs = [
-            *forward(values, spread, *parameters),
-            *backward(values, spread, values, spread, spread, spread, *parameters),
+            *launch_moments(values, spread, activation, negative_slope),
+            *launch_moments_backward(values, spread, values, grads, activation, negative_slope),
         ]
-        if not all(bool(torch.isfinite(t).all()) for t in outputs):
-            raise FloatingPointError("non-finite values on a well-conditioned problem")
+        if activation == ACTIVATION_KINDS["relu"]:
+            outputs += launch_moments(values, spread, activation, from_variance=True)
+            outputs += launch_moments_backward(values, spread, values, grads, activation, from_variance=True)
+        require_finite(*outputs)
 
     return check
 
@@ -422,18 +435,8 @@ def first_use_check(what: str, device: torch.device, dtype: torch.dtype, check: 
     return FIRST_USE[key]
 
 
-def _self_check(device: torch.device, dtype: torch.dtype) -> None:
-    """Every operator's device kernels forward and backward on a few elements (compiling them)."""
-    values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
-    spread = torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device)
-    outputs = [
-        *triton_relu_moments(values, spread),
-        *triton_relu_moments_backward(values, spread, values, spread, spread, spread),
-        *triton_relu_moments_from_variance(values, spread),
-        *triton_relu_moments_from_variance_backward(values, spread, spread, spread, spread),
-    ]
-    if not all(bool(torch.isfinite(t).all()) for t in outputs):
-        raise FloatingPointError("non-finite values on a well-conditioned problem")
+# the first-use check of the cfbnn:: operators' device kernels (ReLU's: the ones every network has)
+_self_check = family_kernels_check(ACTIVATION_KINDS["relu"])
 
 
 def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

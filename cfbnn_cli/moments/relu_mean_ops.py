@@ -27,8 +27,10 @@ from .operator_registration import (
 from .ops import (
     HAVE_TRITON,
     _reference_forward,
+    check_samples,
     checked_operator_route,
     relu_moments_backward,
+    require_finite,
     triton_kernels,
 )
 
@@ -88,11 +90,7 @@ relu_mean.register_vmap(elementwise_vmap(relu_mean, 1))
 
 def _kernel_check(device: torch.device, dtype: torch.dtype) -> None:
     """The Triton kernel on a few elements (compiling it); non-finite results raise."""
-    values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
-    if not bool(
-        torch.isfinite(triton_relu_mean(values, torch.linspace(0.5, 2.0, 8, dtype=dtype, device=device))).all()
-    ):
-        raise FloatingPointError("non-finite values on a well-conditioned problem")
+    require_finite(triton_relu_mean(*check_samples(device, dtype)))
 
 
 def relu_mean_route(mean: Tensor) -> bool:
