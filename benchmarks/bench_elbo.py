@@ -10,7 +10,7 @@ backward pass of
   (i)   the closed-form ELBO (the default path: the ``cfbnn::`` operators -- C++ kernels on
         the CPU, Triton kernels on CUDA -- and the fused hot path of bnn/fused/) with diagonal,
         full and low-rank (r=10) q(a_h); the diagonal one also on the reference torch ops
-        (``fast_path(False)`` and ``ops.device_kernels(False)``: no kernel of ours on either
+        (``fast_path(False)``: no kernel of ours on either
         device) and, with --compile, under torch.compile;
   (ii)  the 1-sample local-reparameterization ELBO (diagonal q);
   (iii) Pyro's Trace_ELBO on a PyroModule BNN with an AutoNormal guide (weight-space sampling);
@@ -44,7 +44,7 @@ from torch import nn
 
 from cfbnn_cli.bnn import ClosedFormBNN
 from cfbnn_cli.bnn.pyro_glue import PyroMLPRegression
-from cfbnn_cli.moments import fast_path, ops, set_validate_args
+from cfbnn_cli.moments import fast_path, set_validate_args
 from cfbnn_cli.runtime.checks import MATMUL_PRECISIONS
 from cfbnn_cli.runtime.device import set_matmul_precision
 from cfbnn_cli.runtime.threads import flush_denormals, tune_allocator
@@ -144,7 +144,7 @@ def main(argv=None):
         def reference_step(model):
             # the reference torch ops on either device: no C++ kernel (CPU), no Triton kernel (CUDA)
             def step():
-                with fast_path(False), ops.device_kernels(False):
+                with fast_path(False):
                     closed_step(model)()
 
             return step

@@ -16,7 +16,7 @@ Measured (medians of ``--repeats`` timings of ``--steps`` calls each):
    (``cfbnn::relu_moments`` and ``cfbnn::relu_moments_backward`` without autograd);
 2. CUDA: the kernels one eager closed-form training step launches (forward, backward, Adam;
    batch 500, torch profiler), with the operators and with the reference torch ops
-   (``ops.device_kernels(False)``) (targets <= 18, issue #46, and <= 27, issue #43's "no worse");
+   (``fast_path(False)``) (targets <= 18, issue #46, and <= 27, issue #43's "no worse");
 3. CUDA: the graphed closed-form step (the CLI's CUDA path) against the graphed plain MLP
    (targets <= 1.4x, issue #46, and no worse than issue #43's 1.66x at D=90 and 1.85x at D=2048)
    and the graphed local-reparameterization step (``sampling``; target: the closed form faster),
@@ -43,7 +43,7 @@ from bench_cuda_graphs import (  # the timing and kernel-count helpers of the gr
 from targets import print_targets, report_target
 
 from cfbnn_cli.bnn import BayesianNetwork
-from cfbnn_cli.moments import get_activation, ops, validate_args
+from cfbnn_cli.moments import fast_path, get_activation, ops, validate_args
 from cfbnn_cli.runtime.cuda_graphs import capture, on_side_stream
 from cfbnn_cli.train.graphs import GraphedTrainingStep
 from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
@@ -143,7 +143,7 @@ def cuda_steps(args):
         kernels = {}
         with validate_args(False):
             for enabled in (True, False):
-                with ops.device_kernels(enabled):
+                with fast_path(enabled):
                     step = _eager_step(*network("analytic"))
                     times = {}
                     names = _kernel_names(lambda step=step: step(rows), times)

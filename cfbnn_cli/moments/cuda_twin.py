@@ -1,7 +1,7 @@
 """The CUDA route on the CPU, for tests without a GPU: inside :func:`cuda_twin` a CPU tensor takes
 every decision a CUDA tensor takes -- the ``cfbnn::`` operators where CUDA takes them, after the
-same first-use checks, the reference torch ops where CUDA has no kernel (the C++ fast path is off,
-as it is for CUDA tensors) -- and the dispatcher runs each operator's CUDA kernel for it: the
+same first-use checks, the reference torch ops where CUDA has no kernel (the C++ library stays
+unloaded, as it is for CUDA tensors) -- and the dispatcher runs each operator's CUDA kernel for it: the
 Triton kernels, under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported,
 so in a process of its own: tests/test_cuda_twin.py).
 
@@ -63,10 +63,24 @@ def _counted(name: str, kernel: Callable, calls: collections.Counter) -> Callabl
 
 
 @contextlib.contextmanager
+def _library_unloaded() -> Iterator[None]:
+    # the process as one without a compiler: an operator the twin does not replace (the piecewise
+    # family's, say) runs its reference kernel instead of loading the C++ library, whose CPU kernels
+    # would then stand in for the twin's
+    state = kernel_library.KernelState
+    saved = (state.tried, state.library)
+    state.tried, state.library = True, None
+    try:
+        yield
+    finally:
+        state.tried, state.library = saved
+
+
+@contextlib.contextmanager
 def cuda_twin() -> Iterator[collections.Counter]:
     """``with cuda_twin() as calls: ...``: CPU tensors take the CUDA route (see the module's
     docstring); ``calls`` counts each operator's kernel calls, so a test can see that the Triton
-    kernels ran. Restored on exit: the CPU kernels, the fast path, the first-use decisions.
+    kernels ran. Restored on exit: the CPU kernels, the library's state, the first-use decisions.
 
     It needs a process where the C++ library has not registered its CPU kernels: they come with
     an autograd of their own for the CPU (``AutogradCPU``), which would stand in for the Python
@@ -86,7 +100,7 @@ def cuda_twin() -> Iterator[collections.Counter]:
             for name, kernel in cuda_kernels().items():
                 library.impl(name, _counted(name, kernel, calls), "CPU")
         ops.TRITON_DEVICE_TYPES.add("cpu")
-        with kernel_library.fast_path(False):
+        with _library_unloaded():
             yield calls
     finally:
         ops.TRITON_DEVICE_TYPES.discard("cpu")

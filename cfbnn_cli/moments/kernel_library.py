@@ -39,7 +39,9 @@ class KernelState:
 
 
 def set_fast_path(enabled: bool) -> None:
-    """Turn the fast CPU kernels on (the default) or off (the reference torch path) globally."""
+    """Turn our kernels on (the default) or off globally, on every device: off, every ``cfbnn::``
+    route takes the reference torch formulas (the C++ kernels on the CPU and the Triton kernels on
+    CUDA both unused), for comparisons or to rule the kernels out."""
     KernelState.enabled = bool(enabled)
 
 
@@ -50,7 +52,8 @@ def fast_path_enabled() -> bool:
 
 @contextlib.contextmanager
 def fast_path(enabled: bool = True):
-    """``with fast_path(False): ...`` runs the reference path in a block (restored after)."""
+    """``with fast_path(False): ...`` runs the reference path on every device in a block (restored
+    after)."""
     previous = KernelState.enabled
     set_fast_path(enabled)
     try:

@@ -34,7 +34,6 @@ call is one call on the batch.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import logging
@@ -92,8 +91,6 @@ __all__ = [
     "relu_moments_backward",
     "relu_moments_function",
     "HAVE_TRITON",
-    "device_kernels",
-    "set_device_kernels",
     "triton_relu_moments",
     "triton_relu_moments_backward",
     "relu_moments_from_variance",
@@ -294,26 +291,6 @@ relu_moments_from_variance_backward.register_vmap(elementwise_vmap(relu_moments_
 differentiable_by_formula(relu_moments_from_variance_backward, differentiable_from_variance_backward, 5)
 
 
-_DEVICE_KERNELS = {"enabled": True}
-
-
-def set_device_kernels(enabled: bool) -> None:
-    """Route the activation moments off the CPU through the operators (the default) or through
-    the reference torch ops (``False``: for comparisons, or to rule the kernels out)."""
-    _DEVICE_KERNELS["enabled"] = bool(enabled)
-
-
-@contextlib.contextmanager
-def device_kernels(enabled: bool = True):
-    """``with device_kernels(False): ...``: :func:`set_device_kernels` for a block, restored after."""
-    previous = _DEVICE_KERNELS["enabled"]
-    set_device_kernels(enabled)
-    try:
-        yield
-    finally:
-        set_device_kernels(previous)
-
-
 # the device types whose cfbnn:: operators run the Triton kernels: CUDA; the CPU as well inside
 # :func:`cfbnn_cli.moments.cuda_twin.cuda_twin` (the CUDA route on the CPU, for the tests)
 TRITON_DEVICE_TYPES = {"cuda"}
@@ -327,9 +304,10 @@ def triton_device(device: torch.device) -> bool:
 
 def device_kernels_apply(mean: Tensor) -> bool:
     """Whether ``cfbnn::relu_moments`` has a compiled kernel for ``mean`` off the CPU (Triton on
-    CUDA), the route is on, and the kernels' first run on that device and dtype succeeded."""
+    CUDA), the kernels are not switched off (:func:`cfbnn_cli.moments.fast_path`: one switch for
+    every device), and their first run on that device and dtype succeeded."""
     return (
-        _DEVICE_KERNELS["enabled"]
+        kernel_library.fast_path_enabled()
         and HAVE_TRITON
         and triton_device(mean.device)
         and mean.dtype in _FLOATS
