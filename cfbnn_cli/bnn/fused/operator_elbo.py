@@ -34,6 +34,7 @@ from ...moments.tail_ops import ACTIVATION_KINDS
 from .support import first_order_only
 
 _cfbnn = torch.ops.cfbnn
+_linear = torch.nn.functional.linear
 
 
 RELU = (ACTIVATION_KINDS["relu"], 0.0)  # a family: (cfbnn::relu_tail's activation, its negative slope)
@@ -103,7 +104,13 @@ def _output_layer_pass(loc, log_scale, width: int, prior_variance: float):
     """The one-output layer's KL pass: ``(KL, (w_phi, w_var, w_second))``, the tail pass's weights
     ``(loc, loc^2, Var W)`` of the first ``width`` columns written by the same pass."""
     kl, variance, loc_square = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, True)
-    return kl, (loc.reshape(-1)[:width], loc_square.reshape(-1)[:width], variance.reshape(-1)[:width])
+    return kl, (_columns(loc, width), _columns(loc_square, width), _columns(variance, width))
+
+
+def _columns(row: torch.Tensor, width: int) -> torch.Tensor:
+    """The first ``width`` entries of a one-output layer's ``(1, width [+ 1])`` row as a 1-D view: one
+    indexing call (where ``reshape(-1)[:width]`` is two; this runs a few times a step)."""
+    return row[0, :width]
 
 
 def _tail_backward(
@@ -119,7 +126,7 @@ def _tail_backward(
     row_u, row_k, sums, grad_log_precision = _cfbnn.normal_rows_backward(
         grad, residual, squares, log_precision, scale, row_grads
     )
-    w_phi = loc.reshape(-1)[:width]
+    w_phi = _columns(loc, width)
     grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_backward(gamma, xi2, w_phi, w_var, w_second, row_u, row_k, *family)
     grad_loc, grad_log_scale = _cfbnn.output_layer_gradients(
         columns, sums, loc, log_scale, kl_grad, kl_sign, prior_variance, bias
@@ -133,7 +140,8 @@ def _first_layer(x, loc, log_scale, bias: bool, prior_variance: float):
     pre-activations' means and variances as two matrix products."""
     inputs, squares_in = _cfbnn.augment_pair(x, bias)
     kl, variance, _ = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, False)
-    return inputs, squares_in, kl, variance, torch.mm(inputs, loc.t()), torch.mm(squares_in, variance.t())
+    # linear(a, w) is mm(a, w^T) with the transpose taken in C++: one Python call a product, not two
+    return inputs, squares_in, kl, variance, _linear(inputs, loc), _linear(squares_in, variance)
 
 
 def _first_layer_gradients(grad_gamma, grad_xi2, inputs, squares_in, loc, variance, kl_grad, prior_variance):
@@ -297,15 +305,7 @@ def normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, 
     gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
     lead, width = gamma.shape[:-1], gamma.shape[-1]
     targets = torch.broadcast_to(y, lead + (1,)).reshape(-1)
-    ell, kl = NormalELL.apply(
-        gamma.reshape(-1, width),
-        xi2.reshape(-1, width),
-        loc,
-        log_scale,
-        targets,
-        log_precision,
-        bool(bias),
-        None if prior_variance is None else float(prior_variance),
-        family,
-    )
+    rows = (gamma.reshape(-1, width), xi2.reshape(-1, width))
+    folded_prior = None if prior_variance is None else float(prior_variance)
+    ell, kl = NormalELL.apply(*rows, loc, log_scale, targets, log_precision, bool(bias), folded_prior, family)
     return ell.reshape(lead), (kl if prior_variance is not None else None)

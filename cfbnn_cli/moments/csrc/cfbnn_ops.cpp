@@ -210,15 +210,27 @@ std::tuple<Tensor, Tensor> moments_backward(const char* op, const Tensor& mean_i
   return {grad_mean, grad_std};
 }
 
+/* moments_backward of an activation without parameters (ReLU, ReLU^2): kernel_of(T{}) is its
+   backward kernel in Kernels<T>, called with every operand as moments_backward hands them over. */
+template <typename KernelOf>
+std::tuple<Tensor, Tensor> parameterless_moments_backward(const char* op, const Tensor& mean, const Tensor& std_dev,
+                                                          const Tensor& phi, const Tensor& grad_phi,
+                                                          const Tensor& grad_upsilon, const Tensor& grad_variance,
+                                                          KernelOf kernel_of) {
+  return moments_backward(op, mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
+                          [kernel_of](auto zero, int64_t n, const auto* m, const auto* s, const auto* f,
+                                      const auto* gp, int gps, const auto* gu, int gus, const auto* gv, int gvs,
+                                      auto* gm, auto* gs) {
+                            kernel_of(zero)(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs, threads());
+                          });
+}
+
 std::tuple<Tensor, Tensor> relu_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
                                                  const Tensor& grad_phi, const Tensor& grad_upsilon,
                                                  const Tensor& grad_variance) {
-  return moments_backward("relu_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
-                          [](auto zero, int64_t n, const auto* m, const auto* s, const auto* f, const auto* gp,
-                             int gps, const auto* gu, int gus, const auto* gv, int gvs, auto* gm, auto* gs) {
-                            Kernels<decltype(zero)>::relu_backward(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs,
-                                                                   threads());
-                          });
+  return parameterless_moments_backward(
+      "relu_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
+      [](auto zero) { return Kernels<decltype(zero)>::relu_backward; });
 }
 
 /* The slope as the kernels take it: for float32 tensors the float32 number torch's float32
@@ -263,12 +275,9 @@ std::tuple<Tensor, Tensor, Tensor> relu_squared_moments(const Tensor& mean, cons
 std::tuple<Tensor, Tensor> relu_squared_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
                                                          const Tensor& grad_phi, const Tensor& grad_upsilon,
                                                          const Tensor& grad_variance) {
-  return moments_backward("relu_squared_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
-                          [](auto zero, int64_t n, const auto* m, const auto* s, const auto* f, const auto* gp,
-                             int gps, const auto* gu, int gus, const auto* gv, int gvs, auto* gm, auto* gs) {
-                            Kernels<decltype(zero)>::relusq_backward(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs,
-                                                                     threads());
-                          });
+  return parameterless_moments_backward(
+      "relu_squared_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
+      [](auto zero) { return Kernels<decltype(zero)>::relusq_backward; });
 }
 
 // ------------------------------------------------------------------------- piecewise polynomials
