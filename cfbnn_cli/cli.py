@@ -506,7 +506,7 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     from .runtime.safefs import shown_path, unwritable_message, unwritable_reason
 
     forget()  # what an earlier command in this process noted about its dirs
-    refused = unread_addition(sub, conf, rest) or empty_output_dir_override(rest)
+    refused = unread_addition(sub, conf, rest, compose_config) or empty_output_dir_override(rest)
     if refused is not None:
         print(f"cfbnn: error: {refused}", file=sys.stderr)
         return 2

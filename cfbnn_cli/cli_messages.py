@@ -8,12 +8,9 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .runtime.errors import ConfigError, one_line
-
-if TYPE_CHECKING:  # (cli imports this module)
-    from .cli import Subcommand
 
 
 def unknown_key_message(error, sub) -> Optional[str]:
@@ -38,7 +35,7 @@ def unknown_key_message(error, sub) -> Optional[str]:
     )
 
 
-def config_groups(conf: Path, sub: Subcommand) -> set:
+def config_groups(conf: Path, sub) -> set:
     """The config groups a command's configs hold (``data``, ``hydra/launcher``, ...)."""
     groups = set()
     for base in (conf / sub.config_name, conf / "shared"):
@@ -48,11 +45,13 @@ def config_groups(conf: Path, sub: Subcommand) -> set:
     return groups
 
 
-def unread_addition(sub: Subcommand, conf: Path, rest: Sequence[str]) -> Optional[str]:
+def unread_addition(sub, conf: Path, rest: Sequence[str], compose: Callable) -> Optional[str]:
     """One line for a ``+key=value`` (or ``++key=value``) override that adds a key the command's
     configs do not have: nothing reads it, so it would change nothing but the run's fingerprint.
     ``+group=option`` (a config group) and Hydra's own ``+hydra.*`` keys pass; ``None`` where
-    every override is fine."""
+    every override is fine. ``sub`` is the command (``cli.Subcommand``), ``compose(config_name,
+    overrides)`` composes its config (``cli.compose_config``: passed in, as ``cli`` imports this
+    module)."""
     additions = [a for a in rest if a.startswith("+") and "=" in a]
     if not additions:
         return None
@@ -65,7 +64,7 @@ def unread_addition(sub: Subcommand, conf: Path, rest: Sequence[str]) -> Optiona
             continue
         if argument.startswith("++"):  # sets the key where it exists: fine then
             if composed is None:
-                composed = composed_without_additions(sub, rest)
+                composed = composed_without_additions(sub, rest, compose)
             if composed is None or has_key(composed, key):
                 continue
         shown = argument if len(argument) <= 80 else f"{argument[:77]}... ({len(argument)} characters)"
@@ -76,14 +75,12 @@ def unread_addition(sub: Subcommand, conf: Path, rest: Sequence[str]) -> Optiona
     return None
 
 
-def composed_without_additions(sub: Subcommand, rest: Sequence[str]):
+def composed_without_additions(sub, rest: Sequence[str], compose: Callable):
     """The command's config with the plain ``key=value`` overrides of ``rest`` (``None`` where it
     cannot be composed here, e.g. a sweep: Hydra then reports what is wrong)."""
     plain = [a for a in rest if "=" in a and not a.startswith(("-", "+", "~")) and not a.startswith("hydra")]
     try:
-        from .cli import compose_config  # (cli imports this module)
-
-        return compose_config(sub.config_name, plain)
+        return compose(sub.config_name, plain)
     except Exception:  # noqa: BLE001 - any composition problem is Hydra's to report, with its own message
         return None
 

@@ -17,6 +17,7 @@ FLOORS = {
     "run_values": 2,  # the config's values as objects (device, estimator, likelihood), for the pipelines
     "pipelines": 3,
     "cli": 4,
+    "cli_messages": 4,  # the CLI's one-line refusals
     "completion": 4,  # the CLI's shell-completion script
 }
 

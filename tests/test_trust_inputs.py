@@ -645,13 +645,13 @@ def test_fuzz_the_progress_record_reader(tmp_path):
 def test_fuzz_the_results_and_run_dir_records(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from cfbnn_cli.report import sections
+    from cfbnn_cli.report import section_figures
 
     def drawn_not_encoded(fig, path, layout=True):  # the records are fuzzed, not the PNG encoder (~0.1 s a figure)
         plt.close(fig)
         return Path(path).name
 
-    monkeypatch.setattr(sections, "save_figure", drawn_not_encoded)
+    monkeypatch.setattr(section_figures, "save_figure", drawn_not_encoded)
     rng = random.Random(5)
     root = tmp_path / "runs"
     valid = {

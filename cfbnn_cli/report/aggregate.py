@@ -47,7 +47,8 @@ from ..runtime.safefs import describe_file, output_error, shown_path
 from .grouping import drop_duplicates, group_runs, run_seed, summarize
 from .records import collect, skip_file
 from .reproduction import paper_reproduction
-from .sections import FIGURES, TITLES, Section, plural, section_table, sections
+from .section_tables import plural
+from .sections import FIGURES, TITLES, Section, section_table, sections
 from .tables import write_table
 
 

@@ -15,15 +15,8 @@ from .grouping import Stat, group_runs, metric_stat, run_label, run_seed, seeds_
 from .metric_keys import deterministic_key, monte_carlo_key, vae_key
 from .numbers import format_value
 from .records import config_value
-from .sections import (
-    COMMAND_WORDS,
-    Section,
-    inner_samples_of,
-    paired_stat,
-    plural,
-    top_k_of,
-    vae_variants_of,
-)
+from .section_tables import inner_samples_of, paired_stat, plural, top_k_of, vae_variants_of
+from .sections import COMMAND_WORDS, Section
 
 # ----------------------------------------------------------------------------- --paper
 
