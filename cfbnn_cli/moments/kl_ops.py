@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from . import elbo_reference
-from .ops import HAVE_TRITON, _define, check_operands, library_kernels, triton_kernels, triton_kl_kernels
+from .operator_registration import check_operands, library_kernels
+from .ops import HAVE_TRITON, _define, triton_kernels, triton_kl_kernels
 
 __all__ = [
     "diagonal_kl",

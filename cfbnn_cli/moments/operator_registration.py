@@ -132,16 +132,23 @@ def register_moments_operators(forward, backward, reference_forward: Callable, f
     backward.register_vmap(elementwise_vmap(backward, 2))
 
 
-_BACKWARD_TENSORS = "Tensor mean, Tensor std, Tensor phi, Tensor grad_phi, Tensor grad_upsilon, Tensor grad_variance"
+_GRADIENTS = "Tensor phi, Tensor grad_phi, Tensor grad_upsilon, Tensor grad_variance"
 
 
 def define_moments_operators(
-    name: str, parameters: str, device_forward: Callable, device_backward: Callable, reference_forward, formula
+    name: str,
+    parameters: str,
+    device_forward: Callable,
+    device_backward: Callable,
+    reference_forward,
+    formula,
+    spread: str = "std",
 ):
     """Declare a moments operator pair once and register all of it: ``cfbnn::<name>(Tensor mean,
     Tensor std<parameters>) -> (Phi, Upsilon, Var)`` and ``cfbnn::<name>_backward(mean, std, phi,
     grad_phi, grad_upsilon, grad_variance<parameters>) -> (grad_mean, grad_std)``, ``parameters``
-    the schema of the numbers after the tensors (``", float negative_slope"``, or ``""``).
+    the schema of the numbers after the tensors (``", float negative_slope"``, or ``""``), ``spread``
+    the second tensor's name (``"variance"`` for an operator that takes the variances).
 
     Kernels: ``device_forward`` / ``device_backward`` (the Triton launches) for every device but the
     CPU, where Triton is installed, else the reference ops; the CPU's
@@ -163,8 +170,8 @@ def define_moments_operators(
         check_operands(name + "_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
         return device_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *numbers)
 
-    forward_schema = f"(Tensor mean, Tensor std{parameters}) -> (Tensor, Tensor, Tensor)"
-    backward_schema = f"({_BACKWARD_TENSORS}{parameters}) -> (Tensor, Tensor)"
+    forward_schema = f"(Tensor mean, Tensor {spread}{parameters}) -> (Tensor, Tensor, Tensor)"
+    backward_schema = f"(Tensor mean, Tensor {spread}, {_GRADIENTS}{parameters}) -> (Tensor, Tensor)"
     forward = torch.library.custom_op(f"cfbnn::{name}", forward_kernel, mutates_args=(), schema=forward_schema)
     backward = torch.library.custom_op(
         f"cfbnn::{name}_backward", backward_kernel, mutates_args=(), schema=backward_schema

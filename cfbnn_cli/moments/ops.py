@@ -13,7 +13,7 @@ picks the kernel by device, and ``torch.compile``, CUDA graphs, ``torch.func`` a
     the same moments from the pre-activations' *variances* (the propagated hidden pass of the
     deterministic estimator: the square root inside the kernel, the variance floored at the
     dtype's smallest normal number), and
-``cfbnn::relu_moments_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_variance)``
+``cfbnn::relu_moments_from_variance_backward(mean, variance, phi, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_variance)``
     its vector-Jacobian product.
 (The KL of a mean-field matrix: :mod:`.kl_ops`.)
 
@@ -48,11 +48,7 @@ from .gaussian import standard_normal_cdf, standard_normal_pdf, standardize
 from .operator_registration import (
     _FLOATS,
     HAVE_TRITON,
-    check_operands,
     define_moments_operators,
-    differentiable_by_formula,
-    elementwise_vmap,
-    library_kernels,
     moments_function,
 )
 from .relu_reference import relu_forward
@@ -170,10 +166,11 @@ def triton_relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[T
 
 
 def triton_relu_moments_from_variance_backward(
-    mean: Tensor, variance: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
+    mean: Tensor, variance: Tensor, phi: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
 ) -> Tuple[Tensor, Tensor]:
-    """The Triton vector-Jacobian product of :func:`triton_relu_moments_from_variance`."""
-    return launch_moments_backward(mean, variance, mean, (grad_phi, grad_ups, grad_var), 0, from_variance=True)
+    """The Triton vector-Jacobian product of :func:`triton_relu_moments_from_variance` (``phi``
+    unread: recomputed from the variance)."""
+    return launch_moments_backward(mean, variance, phi, (grad_phi, grad_ups, grad_var), 0, from_variance=True)
 
 
 # ----------------------------------------------------------------------------- reference (torch ops)
@@ -218,77 +215,24 @@ def reference_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Ten
     return _reference_forward(mean, _std_from_variance(variance))
 
 
-def differentiable_from_variance_backward(mean, variance, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
+def differentiable_from_variance_backward(mean, variance, phi, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
+    """The from-variance vector-Jacobian product in differentiable torch ops (``phi`` unused:
+    recomputed from the variance, as the kernels do)."""
     std = _std_from_variance(variance)
     phi = _reference_forward(mean, std)[0]
     grad_mean, grad_std = _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var)
     return grad_mean, 0.5 * grad_std / std
 
 
-@_define("cfbnn::relu_moments_from_variance", mutates_args=())
-def relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    check_operands("relu_moments_from_variance", mean, variance)
-    if not HAVE_TRITON:  # pragma: no cover - without Triton the device kernels are the reference ops
-        return tuple(value.clone() for value in reference_from_variance(mean, variance))
-    return triton_relu_moments_from_variance(mean, variance)
-
-
-@_define("cfbnn::relu_moments_from_variance_backward", mutates_args=())
-def relu_moments_from_variance_backward(
-    mean: Tensor, variance: Tensor, grad_phi: Tensor, grad_upsilon: Tensor, grad_variance: Tensor
-) -> Tuple[Tensor, Tensor]:
-    check_operands("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
-    if not HAVE_TRITON:  # pragma: no cover
-        return differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
-    return triton_relu_moments_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
-
-
-@relu_moments_from_variance.register_kernel("cpu")
-def _relu_moments_from_variance_cpu(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    check_operands("relu_moments_from_variance", mean, variance)
-    if library_kernels():
-        return torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
-    return tuple(value.clone() for value in reference_from_variance(mean, variance))
-
-
-@relu_moments_from_variance_backward.register_kernel("cpu")
-def _relu_moments_from_variance_backward_cpu(mean, variance, grad_phi, grad_upsilon, grad_variance):
-    check_operands("relu_moments_from_variance_backward", mean, variance, grad_phi, grad_upsilon, grad_variance)
-    if library_kernels():
-        return torch.ops.cfbnn.relu_moments_from_variance_backward(
-            mean, variance, grad_phi, grad_upsilon, grad_variance
-        )
-    return differentiable_from_variance_backward(mean, variance, grad_phi, grad_upsilon, grad_variance)
-
-
-@relu_moments_from_variance.register_fake
-def _(mean, variance):
-    return torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)
-
-
-@relu_moments_from_variance_backward.register_fake
-def _(mean, variance, grad_phi, grad_upsilon, grad_variance):
-    return torch.empty_like(mean), torch.empty_like(mean)
-
-
-def _from_variance_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _from_variance_backward(ctx, grad_phi, grad_upsilon, grad_variance):
-    mean, variance = ctx.saved_tensors
-    grads = [g if g is not None else torch.zeros_like(mean) for g in (grad_phi, grad_upsilon, grad_variance)]
-    if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
-        return differentiable_from_variance_backward(mean, variance, *grads)
-    return relu_moments_from_variance_backward(mean, variance, *grads)
-
-
-relu_moments_from_variance.register_autograd(_from_variance_backward, setup_context=_from_variance_setup_context)
-relu_moments_from_variance.register_vmap(elementwise_vmap(relu_moments_from_variance, 3))
-relu_moments_from_variance_backward.register_vmap(elementwise_vmap(relu_moments_from_variance_backward, 2))
-
-
-differentiable_by_formula(relu_moments_from_variance_backward, differentiable_from_variance_backward, 5)
+relu_moments_from_variance, relu_moments_from_variance_backward = define_moments_operators(
+    "relu_moments_from_variance",
+    "",
+    triton_relu_moments_from_variance,
+    triton_relu_moments_from_variance_backward,
+    reference_from_variance,
+    differentiable_from_variance_backward,
+    spread="variance",
+)
 
 
 # the device types whose cfbnn:: operators run the Triton kernels: CUDA; the CPU as well inside

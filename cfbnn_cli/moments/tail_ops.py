@@ -104,7 +104,7 @@ def _differentiable_tail_backward(
     grads = (u * weight_phi, k * weight_second, k * weight_variance)
     if activation == 0:
         phi, ups, var = torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
-        grad_mean, grad_variance = differentiable_from_variance_backward(mean, variance, *grads)
+        grad_mean, grad_variance = differentiable_from_variance_backward(mean, variance, phi, *grads)
     else:
         (phi, ups, var), vjp = torch.func.vjp(
             lambda m, v: _family_moments(m, v, activation, negative_slope), mean, variance

@@ -71,7 +71,7 @@ def test_the_variance_operators_and_the_tail_pass_keep_a_nan(dtype, device):
     bad = mean.isnan() | std.isnan()
     for value in torch.ops.cfbnn.relu_moments_from_variance(mean, variance):
         assert value[bad].isnan().all() and value[~bad].isfinite().all()
-    grads = torch.ops.cfbnn.relu_moments_from_variance_backward(mean, variance, *(torch.ones_like(mean),) * 3)
+    grads = torch.ops.cfbnn.relu_moments_from_variance_backward(mean, variance, *(torch.ones_like(mean),) * 4)
     for value in grads:
         assert value[bad].isnan().all() and value[~bad].isfinite().all()
     weights = torch.ones(40, dtype=dtype, device=device)

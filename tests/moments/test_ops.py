@@ -80,7 +80,13 @@ def test_opcheck_cpu_from_variance(dtype):
     torch.library.opcheck(torch.ops.cfbnn.relu_moments_from_variance.default, (mean, variance))
     grads = [torch.randn(40, 7, generator=g, dtype=dtype) for _ in range(3)]
     torch.library.opcheck(
-        torch.ops.cfbnn.relu_moments_from_variance_backward.default, (mean.detach(), variance.detach(), *grads)
+        torch.ops.cfbnn.relu_moments_from_variance_backward.default,
+        (
+            mean.detach(),
+            variance.detach(),
+            torch.ops.cfbnn.relu_moments_from_variance(mean, variance)[0].detach(),
+            *grads,
+        ),
     )
 
 
@@ -339,7 +345,13 @@ def test_opcheck_cuda_from_variance(dtype):
     torch.library.opcheck(torch.ops.cfbnn.relu_moments_from_variance.default, (mean, variance))
     grads = [torch.randn(40, 7, generator=g, dtype=dtype).cuda() for _ in range(3)]
     torch.library.opcheck(
-        torch.ops.cfbnn.relu_moments_from_variance_backward.default, (mean.detach(), variance.detach(), *grads)
+        torch.ops.cfbnn.relu_moments_from_variance_backward.default,
+        (
+            mean.detach(),
+            variance.detach(),
+            torch.ops.cfbnn.relu_moments_from_variance(mean, variance)[0].detach(),
+            *grads,
+        ),
     )
 
 

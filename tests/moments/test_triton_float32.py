@@ -113,7 +113,7 @@ def elementwise_errors(dtype) -> dict:
     variance = std.double().square().to(dtype)
     m64, v64 = (leaf(t) for t in (mean, variance))
     got = ops.triton_relu_moments_from_variance(mean, variance)
-    backward = ops.triton_relu_moments_from_variance_backward(mean, variance, *grads)
+    backward = ops.triton_relu_moments_from_variance_backward(mean, variance, got[0], *grads)
     want = ReLUMomentsReference.apply(m64, v64.sqrt())[:3]
     values = small_tail_reference(m64, v64.sqrt())
     positive = variance > 0  # (a variance of 0 is floored)
@@ -255,7 +255,7 @@ phi, rows = mean.clamp_min(0.0) + std, [torch.randn(3, generator=g), torch.randn
 grads = [torch.randn(3, 70, generator=g) for _ in range(3)]
 cases += [
     (cfbnn.relu_moments_backward.default, (mean, std, phi, *grads)),
-    (cfbnn.relu_moments_from_variance_backward.default, (mean, std.square(), *grads)),
+    (cfbnn.relu_moments_from_variance_backward.default, (mean, std.square(), phi, *grads)),
     (cfbnn.leaky_relu_moments_backward.default, (mean, std, phi, *grads, -0.5)),
     (cfbnn.relu_squared_moments_backward.default, (mean, std, phi, *grads)),
 ]

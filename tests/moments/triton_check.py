@@ -147,7 +147,7 @@ def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
         v64, m64 = (t.double().clone().requires_grad_() for t in (variance, mean))
         rphi, rups, rvar, *_ = ReLUMomentsReference.apply(m64, v64.sqrt())
         torch.autograd.backward([rphi, rups, rvar], [t.double() for t in grads])
-        gm, gv = ops.triton_relu_moments_from_variance_backward(on(mean), on(variance), *map(on, grads))
+        gm, gv = ops.triton_relu_moments_from_variance_backward(on(mean), on(variance), on(values[0]), *map(on, grads))
         keep = [i for i, p in enumerate(POINTS) if p[1] > 0]  # (a variance of 0 is floored)
         out[name + "_from_variance"] = {
             "values": worst_error(

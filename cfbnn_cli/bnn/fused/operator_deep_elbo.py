@@ -54,7 +54,7 @@ def hidden_moments_backward(mean, variance, std, phi, grad_phi, grad_ups, grad_v
     """``(d mean, d variance)`` of :func:`hidden_moments` for the gradients of its outputs."""
     activation, slope = family
     if activation == RELU[0]:
-        return _cfbnn.relu_moments_from_variance_backward(mean, variance, grad_phi, grad_ups, grad_var)
+        return _cfbnn.relu_moments_from_variance_backward(mean, variance, phi, grad_phi, grad_ups, grad_var)
     if activation == 1:
         grad_mean, grad_std = _cfbnn.leaky_relu_moments_backward(mean, std, phi, grad_phi, grad_ups, grad_var, slope)
     else:

@@ -435,12 +435,14 @@ std::tuple<Tensor, Tensor, Tensor> relu_moments_from_variance(const Tensor& mean
                          });
 }
 
+/* (phi is unread: Phi is recomputed from the variance; it is an operand so that every moments
+   operator's backward has one schema) */
 std::tuple<Tensor, Tensor> relu_moments_from_variance_backward(const Tensor& mean_in, const Tensor& variance_in,
-                                                               const Tensor& grad_phi_in,
+                                                               const Tensor& phi_in, const Tensor& grad_phi_in,
                                                                const Tensor& grad_upsilon_in,
                                                                const Tensor& grad_variance_in) {
   check_operands("relu_moments_from_variance_backward", mean_in,
-                 {&variance_in, &grad_phi_in, &grad_upsilon_in, &grad_variance_in});
+                 {&variance_in, &phi_in, &grad_phi_in, &grad_upsilon_in, &grad_variance_in});
   const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous();
   const Tensor gp = grad_phi_in.contiguous(), gu = grad_upsilon_in.contiguous(), gv = grad_variance_in.contiguous();
   Tensor grad_mean = at::empty_like(mean), grad_var = at::empty_like(mean);
@@ -804,9 +806,7 @@ Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& 
                                 const PiecewiseArguments& piecewise) {
   using Six = Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
   static const auto relu = operator_handle("cfbnn::relu_moments_backward").typed<Six>();
-  static const auto from_variance =
-      operator_handle("cfbnn::relu_moments_from_variance_backward")
-          .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>();
+  static const auto from_variance = operator_handle("cfbnn::relu_moments_from_variance_backward").typed<Six>();
   static const auto leaky =
       operator_handle("cfbnn::leaky_relu_moments_backward")
           .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -823,7 +823,7 @@ Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& 
   }
   if (kind == LEAKY_MOMENTS) return leaky.call(mean, spread, phi, gp, gu, gv, slope);
   if (kind == RELU_SQUARED_MOMENTS) return squared.call(mean, spread, phi, gp, gu, gv);
-  if (kind == RELU_FROM_VARIANCE) return from_variance.call(mean, spread, gp, gu, gv);
+  if (kind == RELU_FROM_VARIANCE) return from_variance.call(mean, spread, phi, gp, gu, gv);
   return relu.call(mean, spread, phi, gp, gu, gv);
 }
 
