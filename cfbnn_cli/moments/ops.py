@@ -35,7 +35,6 @@ call is one call on the batch.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 from typing import Callable, Dict, Tuple
 
