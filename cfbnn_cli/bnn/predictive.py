@@ -71,6 +71,14 @@ class Predictive:
         )
 
 
+def _prepared(model, x: torch.Tensor, estimator):
+    """``(estimator, h, sampled)``: the estimator as an object, ``x`` through the model's point
+    layers, and whether the estimator samples any layer (else one exact prediction)."""
+    estimator = make_estimator(estimator)
+    h = model.point_features(x)
+    return estimator, h, bool(estimator.noise_shapes(model, h.shape[-2]))
+
+
 @torch.no_grad()
 def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int = 64, generator=None) -> Predictive:
     """``p(y | x)`` of ``model`` (see the module docstring); ``x`` is ``(N, D)``."""
@@ -79,9 +87,7 @@ def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int
             "predictive() is for one-output Normal likelihoods; a heteroscedastic model predicts through "
             "predictive_components(), a categorical one through class_distribution() (model.predict(x) picks)"
         )
-    estimator = make_estimator(estimator)
-    h = model.point_features(x)
-    sampled = bool(estimator.noise_shapes(model, h.shape[-2]))
+    estimator, h, sampled = _prepared(model, x, estimator)
     noise = 1.0 / model.precision  # (a tensor, not read back as a number: torch.compile keeps one graph)
     moments = dict(estimator=estimator, after_point_layers=True, split_variance=True)
     if not sampled:
@@ -114,9 +120,7 @@ def class_distribution(
         raise ValueError(
             "class_distribution() is for categorical networks; a regression network predicts with predict()"
         )
-    estimator = make_estimator(estimator)
-    h = model.point_features(x)
-    sampled = bool(estimator.noise_shapes(model, h.shape[-2]))
+    estimator, h, sampled = _prepared(model, x, estimator)
     noise = estimator.sample_noise(model, h.shape[-2], generator=generator, num_samples=num_samples) if sampled else ()
     mean, variance = model.output_moments(h, estimator=estimator, noise=noise, after_point_layers=True)
     if model.likelihood.logistic:
@@ -145,9 +149,7 @@ def predictive_components(
             "predictive_components() is for one-output Normal and heteroscedastic likelihoods; a categorical "
             "model predicts through output_mean() (its argmax, eq. (42)) or sample_outputs()"
         )
-    estimator = make_estimator(estimator)
-    h = model.point_features(x)
-    sampled = bool(estimator.noise_shapes(model, h.shape[-2]))
+    estimator, h, sampled = _prepared(model, x, estimator)
     num_draws = num_samples if sampled else 1  # each draw's components share 1 / num_draws
     draws = (
         [()]
