@@ -9,9 +9,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from cfbnn_cli.cli import compose_config
+from cfbnn_cli.cli import _before_torch_loads, compose_config
+
+# the CLI's OpenMP setting for this process too, before torch loads: idle torch threads spin only
+# briefly, so that the tests' in-process work does not fight whatever else runs on the 2 cores (the
+# suite's own CLI subprocesses, another job): on a busy 2-core machine OpenMP's default spin made a
+# tiny `train regression` in process take 5-8x its time (test_table1's four runs: 68 s -> 10 s)
+_before_torch_loads()
+
+import torch  # noqa: E402  (after the OpenMP setting above)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

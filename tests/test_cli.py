@@ -186,7 +186,7 @@ def imagenet_runs(tmp_path_factory):
     return started
 
 
-def test_run_writes_results_last_and_resume_skips_a_finished_job(imagenet_runs, cfbnn):
+def test_run_writes_results_last_and_resume_skips_a_finished_job(imagenet_runs, cfbnn_all):
     folder, process = imagenet_runs["run"]
     run_dir, args = folder / "run", _imagenet_run_args(folder)
     out = finish_all({"run": process})["run"]
@@ -199,12 +199,13 @@ def test_run_writes_results_last_and_resume_skips_a_finished_job(imagenet_runs, 
     assert (run_dir / "imagenet_predict.log").exists() and (run_dir / "done").exists()
     results = yaml.safe_load((run_dir / "results.json").read_text())
     assert results["pipeline"] == "imagenet_predict" and results["status"] == "complete"
-    again = cfbnn(*args, "resume=true")
+    records = {name: (run_dir / name).read_bytes() for name in ("done", "results.json", ".hydra/config.yaml")}
+    # both into the finished run's dir, started at once (the skip writes none of these records)
+    runs = cfbnn_all({"again": [*args, "resume=true"], "typo": [*args, "model.activation=tanh"]})
+    again, typo = runs["again"], runs["typo"]
     assert again.returncode == 0 and "already finished, skipping" in again.stdout + again.stderr
     # a mistyped value sent to the finished run's dir: one line and exit 2, the finished run's
     # records untouched (its checks ran before the dir was claimed)
-    records = {name: (run_dir / name).read_bytes() for name in ("done", "results.json", ".hydra/config.yaml")}
-    typo = cfbnn(*args, "model.activation=tanh")
     assert typo.returncode == 2 and "model.activation" in typo.stderr and "Traceback" not in typo.stderr
     assert {name: (run_dir / name).read_bytes() for name in records} == records
 

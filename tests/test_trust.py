@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import TRUST_REGRESSION as REGRESSION
-from conftest import one_line_error
+from conftest import finish_all, one_line_error
 from omegaconf import OmegaConf, open_dict
 
 from cfbnn_cli.cli import compose_config
@@ -57,6 +57,13 @@ def cfbnn(*args, timeout=300):
     )
 
 
+def _start(*args):
+    """``cfbnn(*args)`` started, not waited for (``finish_all`` collects it)."""
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    command = [sys.executable, "-m", "cfbnn_cli.cli", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
 def _config(*overrides, base=REGRESSION):
     return compose_config("train_regression", list(base) + list(overrides))
 
@@ -90,19 +97,36 @@ def _copy_run(source, target):
 # ----------------------------------------------------------------------------- 1. no code from a checkpoint
 
 
-def test_a_crafted_checkpoint_is_refused_and_runs_nothing(finished_run, tmp_path):
-    run = _copy_run(finished_run, tmp_path / "run")
-    (run / "done").unlink()  # as if killed: resume will load the checkpoint
-    marker = tmp_path / "PWNED"
-    torch.save({"model": RunsCode(marker)}, run / "checkpoints" / "last.pt")
-    torch.load(run / "checkpoints" / "last.pt", weights_only=False)  # the attack works where pickle is trusted...
-    assert marker.exists()
-    marker.unlink()
-    out = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION)
-    text = one_line_error(out)  # ...and is refused here, naming the file and the way out
+@pytest.fixture(scope="module")
+def resumed_runs(finished_run, tmp_path_factory):
+    """The three CLI runs into copies of the finished run, started at once: one whose last.pt is a
+    crafted pickle (``crafted``, with ``done`` removed as if killed, so resume loads it), one resumed
+    with another config (``other``), one with the same config (``same``). ``{name: (run dir,
+    CompletedProcess)}``; the crafted one also gives its marker file."""
+    folder = tmp_path_factory.mktemp("resumed")
+    crafted, run, twin = (_copy_run(finished_run, folder / name) for name in ("crafted", "run", "twin"))
+    (crafted / "done").unlink()  # as if killed: resume will load the checkpoint
+    marker = folder / "PWNED"
+    torch.save({"model": RunsCode(marker)}, crafted / "checkpoints" / "last.pt")
+    processes = {
+        "crafted": _start("train", "regression", f"hydra.run.dir={crafted}", "resume=true", *REGRESSION),
+        "other": _start(
+            "train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION, "seed=1", "trainer.lr=0.5"
+        ),
+        "same": _start("train", "regression", f"hydra.run.dir={twin}", "resume=true", "device=auto", *REGRESSION),
+    }
+    outs = finish_all(processes)
+    return {"crafted": (crafted, outs["crafted"], marker), "other": (run, outs["other"]), "same": (twin, outs["same"])}
+
+
+def test_a_crafted_checkpoint_is_refused_and_runs_nothing(resumed_runs):
+    run, out, marker = resumed_runs["crafted"]
+    text = one_line_error(out)  # refused, naming the file and the way out...
     assert not marker.exists()
     assert "cannot load the training checkpoint" in text and str(run / "checkpoints" / "last.pt") in text
     assert "start a fresh run dir" in text
+    torch.load(run / "checkpoints" / "last.pt", weights_only=False)  # ...where the attack works if pickle is trusted
+    assert marker.exists()
 
 
 @pytest.mark.slow  # the crafted-checkpoint refusal of the training commands (above) runs by default
@@ -234,27 +258,13 @@ def test_report_names_and_skips_a_non_numeric_metric_and_failed_runs(tmp_path, c
 # ----------------------------------------------------------------------------- 3. resume is bound to its config
 
 
-def test_resume_into_a_finished_run_with_another_config_is_refused(finished_run, tmp_path, cfbnn_all):
-    run, twin = _copy_run(finished_run, tmp_path / "run"), _copy_run(finished_run, tmp_path / "twin")
-    results = (run / "results.json").read_bytes()
-    runs = cfbnn_all(  # each into its own copy of the finished run, started at once
-        {
-            "other": [
-                "train",
-                "regression",
-                f"hydra.run.dir={run}",
-                "resume=true",
-                *REGRESSION,
-                "seed=1",
-                "trainer.lr=0.5",
-            ],
-            "same": ["train", "regression", f"hydra.run.dir={twin}", "resume=true", "device=auto", *REGRESSION],
-        }
-    )
-    text = one_line_error(runs["other"])
+def test_resume_into_a_finished_run_with_another_config_is_refused(finished_run, resumed_runs):
+    run, other = resumed_runs["other"]  # each into its own copy of the finished run (started at once)
+    text = one_line_error(other)
     assert "seed: 0 -> 1" in text and "trainer.lr: 0.001 -> 0.5" in text
-    assert (run / "results.json").read_bytes() == results and (run / "done").exists()  # nothing lost
-    same = runs["same"]
+    assert (run / "done").exists()  # nothing lost
+    assert (run / "results.json").read_bytes() == (finished_run / "results.json").read_bytes()
+    _, same = resumed_runs["same"]
     assert same.returncode == 0 and "already finished, skipping" in same.stdout + same.stderr  # device is ignored
 
 
