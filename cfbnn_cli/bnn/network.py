@@ -299,8 +299,10 @@ class BayesianNetwork(nn.Module):
             return self.output_moments(x, estimator=ClosedForm(), noise=())[0]
         check_inputs(self, x)
         hidden, output = self.layers[hidden_index], self.layers[-1]
-        if prediction_route(hidden.loc) and not torch._C._are_functorch_transforms_active():
-            mean = self._operator_output_mean(x, hidden, output)
+        family = prediction_family(self.activation)
+        activation = family[0] if family else NO_ACTIVATION
+        if prediction_route(hidden.loc, activation) and not torch._C._are_functorch_transforms_active():
+            mean = self._operator_output_mean(x, hidden, output, family)
         else:  # the reference path chosen, no kernel for this device, torch.func: the same in torch ops
             h = self.point_features(x)
             gamma, xi = F.diagonal_preactivation_moments(augment(h) if hidden.bias else h, hidden.loc_and_variance())
@@ -308,9 +310,9 @@ class BayesianNetwork(nn.Module):
             mean = (augment(phi) if output.bias else phi) @ output.loc.transpose(-1, -2)
         return mean[..., 0] if self.output_dim == 1 else mean
 
-    def _operator_output_mean(self, x, hidden: GaussianMatrix, output: GaussianMatrix):
-        """:meth:`output_mean` through the prediction operators: the products and two passes."""
-        family = prediction_family(self.activation)
+    def _operator_output_mean(self, x, hidden: GaussianMatrix, output: GaussianMatrix, family):
+        """:meth:`output_mean` through the prediction operators: the products and two passes
+        (``family``: :func:`~cfbnn_cli.moments.predict_ops.prediction_family`)."""
         slope = family[1] if family else 0.0
         folded, inputs = NO_ACTIVATION, x  # folded: the activation the operand's pass applies
         if self.point_layers:

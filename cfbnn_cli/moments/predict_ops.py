@@ -315,21 +315,30 @@ _prediction_only(prediction_hidden_mean)
 # ----------------------------------------------------------------------------- the route
 
 
-def _kernel_check(device: torch.device, dtype: torch.dtype) -> None:
-    """Both Triton kernels for each member of the family on a few elements (compiling them);
-    non-finite results raise."""
-    values, spread = check_samples(device, dtype)
-    inputs = values.reshape(2, 4)
-    moments = torch.stack([values, spread]).reshape(2, 2, 4)
-    outputs = [triton_prediction_operand(inputs, NO_ACTIVATION)]
-    for activation in _FAMILY:
-        outputs.append(triton_prediction_operand(inputs, activation, 0.1))
-        outputs.append(triton_prediction_hidden_mean(moments, activation, 0.1))
-    require_finite(*outputs)
+def _kernel_check(activation: int):
+    """A first-use check of the kernels a prediction with ``activation`` launches (the operand's
+    pass with it, or with none for an activation outside the family, and the mean's pass), on a few
+    elements (compiling them); non-finite results raise."""
+
+    def check(device: torch.device, dtype: torch.dtype) -> None:
+        values, spread = check_samples(device, dtype)
+        outputs = [triton_prediction_operand(values.reshape(2, 4), activation, 0.1)]
+        if activation != NO_ACTIVATION:
+            outputs.append(
+                triton_prediction_hidden_mean(torch.stack([values, spread]).reshape(2, 2, 4), activation, 0.1)
+            )
+        require_finite(*outputs)
+
+    return check
 
 
-def prediction_route(like: Tensor) -> bool:
-    """Whether a prediction on ``like``'s device and dtype takes these operators
-    (:func:`.ops.checked_operator_route`: on the CPU unless the reference path is chosen; on CUDA once
-    the Triton kernels' first run there passed)."""
-    return checked_operator_route(like, "the Triton kernels of the cfbnn:: prediction operators", _kernel_check)
+_CHECKS = {activation: _kernel_check(activation) for activation in (NO_ACTIVATION, *_FAMILY)}
+
+
+def prediction_route(like: Tensor, activation: int = NO_ACTIVATION) -> bool:
+    """Whether a prediction on ``like``'s device and dtype takes these operators with ``activation``
+    (:data:`NO_ACTIVATION`: the operand's pass alone, for an activation outside the family;
+    :func:`.ops.checked_operator_route`: on the CPU unless the reference path is chosen; on CUDA
+    once the Triton kernels' first run there passed)."""
+    what = f"the Triton kernels of the cfbnn:: prediction operators (activation {activation})"
+    return checked_operator_route(like, what, _CHECKS[activation])

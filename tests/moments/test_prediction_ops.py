@@ -71,3 +71,47 @@ def test_the_route_follows_the_fast_path_switch():
     assert prediction_route(like) and not prediction_route(like.to(torch.float16))
     with fast_path(False):
         assert not prediction_route(like)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_operators_match_the_references_and_opcheck(dtype):
+    def on_cuda(operator):
+        return lambda tensor, *numbers: operator(tensor.cuda(), *numbers)
+
+    errors = prediction_errors(on_cuda(operand), on_cuda(hidden_mean), dtype, torch.Generator().manual_seed(0))
+    assert_prediction_tolerances(errors, dtype)
+    g = torch.Generator().manual_seed(1)
+    inputs = torch.randn(3, 4, 9, generator=g, dtype=dtype).cuda()
+    moments = torch.stack([torch.randn(12, 9, generator=g), torch.rand(12, 9, generator=g)]).to("cuda", dtype)
+    for _, code, params in FAMILY:
+        torch.library.opcheck(operand.default, (inputs, code, params.get("negative_slope", 0.0), True))
+        torch.library.opcheck(hidden_mean.default, (moments, code, params.get("negative_slope", 0.0), True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "relu_squared"])
+def test_cuda_prediction_is_captured_in_a_cuda_graph(activation):
+    """The head's deterministic prediction as imagenet-predict runs it: a CUDA graph (no host
+    synchronization, no capture-breaking allocation), the weights cached; replays equal the eager
+    call and the CPU's float64 prediction."""
+    from cfbnn_cli.bnn import bayesian_head, cached_weights
+    from cfbnn_cli.runtime.cuda_graphs import GraphedCall
+
+    torch.manual_seed(0)
+    head = bayesian_head(64, [128, 96], 10, activation=activation, init_scale=0.3).double()
+    x = torch.randn(256, 64, dtype=torch.float64)
+    with torch.no_grad():
+        reference = head.output_mean(x)
+        for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+            on_gpu = head.to("cuda", dtype)
+            graphed = GraphedCall(on_gpu.output_mean, "cuda", label="deterministic prediction")
+            features = x.to("cuda", dtype)
+            with cached_weights():
+                eager = on_gpu.output_mean(features)
+                replays = [graphed(features) for _ in range(3)]  # eager warm-up, capture, replay
+            assert graphed.failure is None and graphed.graphs, graphed.failure
+            for logits in replays:
+                torch.testing.assert_close(logits, eager, rtol=0, atol=0)
+            torch.testing.assert_close(eager.cpu().double(), reference, rtol=tolerance, atol=tolerance)
+            head = head.to("cpu", torch.float64)
