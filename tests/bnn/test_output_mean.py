@@ -109,3 +109,24 @@ def test_the_heads_prediction_is_three_products_and_two_passes(name):
         "aten::matmul",
     ], operations
     assert "cfbnn::prediction_operand" not in reference and "aten::stack" in reference
+
+
+def test_the_heads_prediction_compiles_to_one_graph_on_the_operators():
+    """torch.compile(fullgraph=True) sees the two operators (their fake kernels) and the batched
+    product; the compiled logits are the eager ones."""
+    targets, graphs = set(), []
+
+    def recorder(graph_module, example_inputs):
+        graphs.append(graph_module)
+        targets.update(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    head = bayesian_head(16, [12, 10], 5, activation=get_activation("leaky_relu", negative_slope=0.2))
+    x = torch.randn(7, 16)
+    try:
+        got = torch.compile(head.output_mean, fullgraph=True, backend=recorder)(x)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1 and {"cfbnn.prediction_operand", "cfbnn.prediction_hidden_mean"} <= targets, targets
+    torch.testing.assert_close(got, head.output_mean(x), rtol=0, atol=0)
