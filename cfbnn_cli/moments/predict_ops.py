@@ -206,6 +206,8 @@ def triton_prediction_operand(
     rows = _rows(inputs).contiguous()
     count, width = rows.shape
     out = rows.new_empty(2, count, width + int(bias))
+    if not out.numel():  # (no rows: nothing to launch)
+        return out
     grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
     triton_predict_kernels.prediction_operand_kernel[grid](
         rows,
@@ -213,6 +215,7 @@ def triton_prediction_operand(
         out,
         count,
         width,
+        out[0].numel(),  # (the squares' offset: an int64 argument where it must be)
         activation,
         bool(bias),
         block_r,
@@ -228,6 +231,8 @@ def triton_prediction_hidden_mean(
     moments = moments.contiguous()
     _, count, width = moments.shape
     out = moments.new_empty(count, width + int(bias))
+    if not out.numel():
+        return out
     grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
     triton_predict_kernels.prediction_hidden_mean_kernel[grid](
         moments,
@@ -235,6 +240,7 @@ def triton_prediction_hidden_mean(
         out,
         count,
         width,
+        moments[0].numel(),  # (the variances' offset)
         activation,
         bool(bias),
         variance_floor(moments.dtype),

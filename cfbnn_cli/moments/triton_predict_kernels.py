@@ -50,14 +50,16 @@ def prediction_operand_kernel(
     out_ptr,
     rows,
     width,
+    half,
     ACTIVATION: tl.constexpr,
     BIAS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """``out (2, rows, width + BIAS)``: ``[h, 1]`` and ``[h^2, 1]`` for ``h = g(inputs)`` (``(rows,
-    width)`` contiguous), ``g`` ReLU (0), leaky ReLU of the float64 slope at ``slope_ptr`` (1),
-    ReLU^2 (2) or none (-1). A NaN input stays NaN in both halves (selects, not max)."""
+    """``out (2, rows, width + BIAS)``: ``[h, 1]`` and ``[h^2, 1]`` (from ``half``, the first half's
+    size: an int64 where it must be) for ``h = g(inputs)`` (``(rows, width)`` contiguous), ``g`` ReLU
+    (0), leaky ReLU of the float64 slope at ``slope_ptr`` (1), ReLU^2 (2) or none (-1). A NaN input
+    stays NaN in both halves (selects, not max)."""
     r, c = tile_offsets(BLOCK_R, BLOCK_C)
     inside = (r < rows) & (c < width)
     z = tl.load(inputs_ptr + r * width + c, mask=inside, other=0.0)
@@ -75,7 +77,7 @@ def prediction_operand_kernel(
     written = (r < rows) & (c < stride)
     offsets = r * stride + c
     tl.store(out_ptr + offsets, h, mask=written)
-    tl.store(out_ptr + rows * stride + offsets, (h * h).to(z.dtype), mask=written)
+    tl.store(out_ptr + half + offsets, (h * h).to(z.dtype), mask=written)
 
 
 @triton.jit
@@ -85,6 +87,7 @@ def prediction_hidden_mean_kernel(
     out_ptr,
     rows,
     width,
+    half,
     ACTIVATION: tl.constexpr,
     BIAS: tl.constexpr,
     FLOOR: tl.constexpr,
@@ -93,9 +96,9 @@ def prediction_hidden_mean_kernel(
     CF_DEPTH: tl.constexpr,
 ):
     """``out (rows, width + BIAS)``: ``[E g(z), 1]``, ``z ~ N(gamma, xi^2)``, from ``moments (2,
-    rows, width)`` contiguous (``gamma``, then ``xi^2``): the variance floored at ``FLOOR`` and its
-    root taken (:func:`~.triton_kernels.std_from_variance`, with float32's rounding of the root
-    taken out of the Gaussian factor), then ReLU's ``max(gamma, 0) + xi s_1`` (0; paper eq. (20))
+    rows, width)`` contiguous (``gamma``, then ``xi^2`` from ``half``): the variance floored at
+    ``FLOOR`` and its root taken (:func:`~.triton_kernels.std_from_variance`, with float32's
+    rounding of the root taken out of the Gaussian factor), then ReLU's ``max(gamma, 0) + xi s_1`` (0; paper eq. (20))
     or the mean of leaky ReLU (1, slope at ``slope_ptr``) or ReLU^2 (2); arithmetic in the
     dtype's (:func:`~.triton_kernels.compute`)."""
     r, c = tile_offsets(BLOCK_R, BLOCK_C)
@@ -103,7 +106,7 @@ def prediction_hidden_mean_kernel(
     offsets = r * width + c
     m_in = tl.load(moments_ptr + offsets, mask=inside, other=0.0)
     mean = compute(m_in, CF_DEPTH)
-    variance = compute(tl.load(moments_ptr + rows * width + offsets, mask=inside, other=1.0), CF_DEPTH)
+    variance = compute(tl.load(moments_ptr + half + offsets, mask=inside, other=1.0), CF_DEPTH)
     std, std_error = std_from_variance(variance, FLOOR, CF_DEPTH)
     if ACTIVATION == 0:
         x, pdf, s0, s1, s2 = small_tail(mean, std, std_error, CF_DEPTH)

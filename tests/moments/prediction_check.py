@@ -41,7 +41,7 @@ def operand_errors(operand, dtype, generator) -> dict:
     """``operand(inputs, activation, negative_slope, bias)`` (a kernel of cfbnn::prediction_operand)
     against ``stack([[g(z), 1], [g(z)^2, 1]])`` from the activation objects and augment: whether
     every value is the same (NaN where the reference is NaN), for every member, no activation, and
-    with and without the bias column."""
+    with and without the bias column; no rows, no values."""
     z = operand_inputs(dtype, generator)
     rows = z.reshape(-1, z.shape[-1])
     same = True
@@ -53,6 +53,7 @@ def operand_errors(operand, dtype, generator) -> dict:
             got = operand(z, code, params.get("negative_slope", 0.0), bias).cpu()
             same &= got.shape == want.shape and got.dtype == dtype
             same &= bool(torch.equal(got.isnan(), want.isnan()) and (got == want)[~want.isnan()].all())
+    same &= operand(z[:0], 0, 0.0, True).shape == (2, 0, z.shape[-1] + 1)  # no rows: nothing launched
     return {"same": same}
 
 
@@ -77,7 +78,7 @@ def hidden_mean_errors(hidden_mean, dtype, generator) -> dict:
     cfbnn::prediction_hidden_mean): ``values`` against quadrature on the ReLU grid (the variance
     the squared grid std; worst_error's units), ``extremes`` against the float64 reference ops on
     :func:`mean_inputs` (relative to ``max(|want|, 1)``), ``ones`` whether the bias column is
-    exactly 1 and absent without bias, ``nan`` whether a NaN mean or variance gives NaN."""
+    exactly 1 and absent without bias (no rows: none), ``nan`` whether a NaN mean or variance gives NaN."""
     keep = [p for p in POINTS if p[1] > 0]  # (a zero variance is floored: the extremes check it)
     mean = torch.tensor([p[0] for p in keep], dtype=dtype)
     variance = torch.tensor([p[1] for p in keep], dtype=torch.float64).square().to(dtype)
@@ -94,6 +95,7 @@ def hidden_mean_errors(hidden_mean, dtype, generator) -> dict:
         extremes = max(extremes, _relative(got, want))
         ones &= got.shape == (37, 151) and bool((got[:, -1] == 1).all())
         ones &= hidden_mean(moments, code, slope, False).shape == (37, 150)
+        ones &= hidden_mean(moments[:, :0], code, slope, True).shape == (0, 151)
         poisoned = moments.clone()
         poisoned[0, 3, 4], poisoned[1, 5, 6] = math.nan, math.nan
         out = hidden_mean(poisoned, code, slope, True).cpu()
