@@ -217,7 +217,7 @@ def triton_prediction_operand(
         width,
         out[0].numel(),  # (the squares' offset: an int64 argument where it must be)
         activation,
-        bool(bias),
+        int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
         block_r,
         block_c,
     )
@@ -242,7 +242,7 @@ def triton_prediction_hidden_mean(
         width,
         moments[0].numel(),  # (the variances' offset)
         activation,
-        bool(bias),
+        int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
         variance_floor(moments.dtype),
         block_r,
         block_c,
