@@ -21,6 +21,10 @@ compiled Monte Carlo draws from the global generator). The last lines check the
 issue's targets, deterministic >= 100x MC-512 and within 2x of the plain head, eager
 against eager and compiled against compiled.
 
+A line also counts what one eager call launches (torch profiler, the weights cached): the CUDA
+kernels of the plain head and of the deterministic prediction, each of the latter with its GPU time,
+on a GPU; the top-level operations elsewhere.
+
 Two targets of issue #46 are also printed as machine-readable lines (benchmarks/targets.py,
 ``TARGET <name> <value> <op> <threshold> <unit> met|MISSED``, the head and batch in the name),
 which gpu_suite.sh collects:
@@ -53,6 +57,48 @@ from cfbnn_cli.bnn.network import bayesian_head
 from cfbnn_cli.moments import validate_args
 from cfbnn_cli.pipelines.imagenet.prediction import time_per_image
 from cfbnn_cli.runtime.cuda_graphs import GraphedCall
+
+
+def kernels_of(function, x, device) -> dict:
+    """What one eager call of ``function(x)`` launches, ``{name: GPU microseconds}`` (a name launched
+    twice appears as ``name #2``): the CUDA kernels on a GPU (torch profiler); elsewhere the top-level
+    operations that compute (views left out; their time 0)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        function(x)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as prof:
+            function(x)
+            sync()
+    launched = {}
+    for event in prof.events():
+        if device.type == "cuda":
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            microseconds = event.time_range.elapsed_us()
+        elif event.cpu_parent is None and event.name.startswith(("aten::", "cfbnn::")) and event.name not in _VIEWS:
+            microseconds = 0.0
+        else:
+            continue
+        name, copy = event.name[:60], 1
+        while name in launched:
+            copy += 1
+            name = f"{event.name[:60]} #{copy}"
+        launched[name] = microseconds
+    return launched
+
+
+_VIEWS = {
+    "aten::transpose",
+    "aten::t",
+    "aten::reshape",
+    "aten::view",
+    "aten::select",
+    "aten::unsqueeze",
+    "aten::numpy_T",
+}
 
 
 def main(argv=None):
@@ -160,6 +206,15 @@ def main(argv=None):
         # imagenet-predict's timing table, from the function that fills it (one batch each)
         n = max(args.samples)
         table = [time_per_image(head, x, [n], args.batch, generator, device) for _ in range(args.repeats)]
+        with cached_weights():  # as the pipeline predicts: the stacked means and variances kept
+            counts = {
+                name: kernels_of(function, x, device) for name, function in (("plain", plain), ("det", deterministic))
+            }
+    print(
+        f"  kernels per call ({'CUDA kernels' if device.type == 'cuda' else 'operations'}, torch profiler, eager, "
+        f"weights cached): plain head {len(counts['plain'])}, deterministic {len(counts['det'])}: "
+        + ", ".join(f"{name} {us:.1f} us" if device.type == "cuda" else name for name, us in counts["det"].items())
+    )
     reference = times["deterministic argmax y_hat"][1]
     print(f"  {'':<28} {'ms/batch':>9} {'images/s':>12}   stream: deterministic is")
     for name, (latency, stream) in times.items():

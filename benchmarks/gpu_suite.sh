@@ -140,6 +140,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
   | tee -a "$OUT/gpu.txt"
 step cuda_tests.log 240 $PY -m pytest tests/test_cuda.py tests/moments/test_moments_properties.py tests/moments/test_ops.py \
   tests/moments/test_tail_ops.py tests/moments/test_elbo_ops.py tests/moments/test_leaky_ops.py tests/moments/test_relu_squared_ops.py tests/moments/test_relu_mean_ops.py tests/moments/test_nan_propagation.py \
+  tests/moments/test_prediction_ops.py \
   tests/bnn/test_operator_elbo.py \
   -k "cuda or test_cuda" -q -p no:cacheprovider -rs
 step bench_operators.log 120 $PY benchmarks/bench_operators.py --device cuda --list-kernels --repeats 3

@@ -3,7 +3,8 @@ route decision a CUDA tensor takes, the dispatcher running each ``cfbnn::`` oper
 -- the Triton kernels, under Triton's interpreter -- against the reference torch path in float64:
 the closed-form ELBO and its gradients (one hidden layer, two with the first sampled, two
 propagated), ``vmap`` over draws as the gradient-variance measurement takes them (Table 1), the
-predictive moments, one Adam step, and NaN propagation through the moments (the hard sigmoid's
+predictive moments, the Figure 1 head's deterministic prediction for the ReLU family (one launch of each
+prediction operator), one Adam step, and NaN propagation through the moments (the hard sigmoid's
 too: on CUDA its reference ops). ``TRITON_INTERPRET=1`` must be set before Triton is imported, so
 the checks run in a subprocess (as tests/moments/triton_check.py's do).
 
@@ -28,7 +29,7 @@ CHECKS = r"""
 import contextlib, copy, json, sys, torch
 from torch.func import functional_call, grad, vmap
 from autograd_nodes import node_names
-from cfbnn_cli.bnn import BayesianNetwork
+from cfbnn_cli.bnn import BayesianNetwork, bayesian_head
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
 from cfbnn_cli.bnn.likelihoods import NormalLikelihood
 from cfbnn_cli.moments import fast_path, get_activation, kernel_library, ops
@@ -129,6 +130,25 @@ def prediction_cases():
         out[f"prediction_{dtype}"] = max(scaled(g, w) for g, w in zip(got, want))
     return out
 
+def head_cases():
+    # the Figure 1 head's deterministic prediction (cfbnn::prediction_operand, one batched product,
+    # cfbnn::prediction_hidden_mean) for the ReLU family, against the reference path in float64
+    out = {}
+    for activation, params in (("relu", {}), ("leaky_relu", {"negative_slope": -0.5}), ("relu_squared", {})):
+        for dtype in DTYPES:
+            torch.manual_seed(0)
+            head = bayesian_head(4, [6, WIDTH], 3, activation=get_activation(activation, **params), init_scale=0.5)
+            head, x = head.to(dtype), data(dtype)[0]
+            with torch.no_grad():
+                before = dict(calls)
+                got = head.output_mean(x)
+                launches = {k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)}
+                with twin_off():
+                    want = reference(head).output_mean(x.double())
+            out[f"head_{activation}_{dtype}"] = scaled(got, want)
+            out[f"head_launches_{activation}_{dtype}"] = launches
+    return out
+
 def adam_cases():
     out = {}
     for dtype in DTYPES:
@@ -177,6 +197,7 @@ with cuda_twin() as calls:
     out["vmap_calls"] = dict(calls)
     out.update(elbo_cases())
     out.update(prediction_cases())
+    out.update(head_cases())
     out.update(adam_cases())
     out.update(nan_cases())
     out["first_use"] = {what: passed for (what, device, dtype), passed in ops.FIRST_USE.items()}
@@ -208,6 +229,7 @@ def _assert_the_twin_matches(out: dict) -> None:
     steps = {"augment_pair", "diagonal_kl_pass", "normal_elbo_rows", "normal_rows_backward", "relu_tail"}
     steps |= {"relu_tail_backward", "output_layer_gradients", "finish_diagonal_gradients", "relu_mean"}
     steps |= {"relu_moments_from_variance", "relu_moments_from_variance_backward"}
+    steps |= {"prediction_operand", "prediction_hidden_mean"}
     assert steps <= set(calls), sorted(steps - set(calls))
     for case, error in out.items():
         tolerance = 1e-10 if "float64" in case else 2e-5
@@ -216,6 +238,8 @@ def _assert_the_twin_matches(out: dict) -> None:
             assert error["value"] < tolerance and error["grads"] < tolerance, (case, error)
         elif case.startswith("nan_"):
             assert error["nan"] and error["exact"], (case, error)
+        elif case.startswith("head_launches_"):  # one prediction: one launch of each pass, nothing else
+            assert error == {"prediction_operand": 1, "prediction_hidden_mean": 1}, (case, error)
         elif case == "gradient_variance":
             assert error < 1e-8, error  # (a variance of per-draw gradients: their errors, squared)
         else:

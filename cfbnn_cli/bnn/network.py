@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..moments import get_activation
+from ..moments.predict_ops import NO_ACTIVATION, prediction_family, prediction_route
 from . import functional as F
 from .estimators import ESTIMATORS, ClosedForm, Estimator, LocalReparameterization, make_estimator
 from .functional import augment
@@ -273,9 +274,13 @@ class BayesianNetwork(nn.Module):
         """The exact mean of the outputs ``y_hat`` under ``analytic`` (no variance; the
         deterministic prediction ``argmax y_hat``, eq. (42), needs nothing more).
 
-        For a diagonal last hidden layer it takes a leaner path: the stacked means and
-        variances of that layer (kept between calls inside :func:`~.layers.cached_weights`) in one product, and
-        the mean-only moments of the activation.
+        For a diagonal last hidden layer it takes a leaner path: the stacked means and variances
+        of that layer (kept between calls inside :func:`~.layers.cached_weights`) in one batched
+        product, and the mean-only moments of the activation. For the ReLU family that is the
+        point layers' products, ``cfbnn::prediction_operand`` (the last point layer's activation,
+        ``[h, 1]`` and ``[h^2, 1]`` in one pass), the batched product, ``cfbnn::prediction_hidden_mean``
+        (``[E g, 1]`` from its means and variances in one pass) and the output layer's product
+        (:mod:`cfbnn_cli.moments.predict_ops`).
         """
         treatments = ClosedForm().treatments(self)
         if "sampled" in treatments:
@@ -294,11 +299,39 @@ class BayesianNetwork(nn.Module):
             return self.output_moments(x, estimator=ClosedForm(), noise=())[0]
         check_inputs(self, x)
         hidden, output = self.layers[hidden_index], self.layers[-1]
-        h = self.point_features(x)
-        gamma, xi = F.diagonal_preactivation_moments(augment(h) if hidden.bias else h, hidden.loc_and_variance())
-        phi = self.activation.mean(gamma, xi)
-        mean = (augment(phi) if output.bias else phi) @ output.loc.transpose(-1, -2)
+        family = prediction_family(self.activation)
+        activation = family[0] if family else NO_ACTIVATION
+        if prediction_route(hidden.loc, activation) and not torch._C._are_functorch_transforms_active():
+            mean = self._operator_output_mean(x, hidden, output, family)
+        else:  # the reference path chosen, no kernel for this device, torch.func: the same in torch ops
+            h = self.point_features(x)
+            gamma, xi = F.diagonal_preactivation_moments(augment(h) if hidden.bias else h, hidden.loc_and_variance())
+            phi = self.activation.mean(gamma, xi)
+            mean = (augment(phi) if output.bias else phi) @ output.loc.transpose(-1, -2)
         return mean[..., 0] if self.output_dim == 1 else mean
+
+    def _operator_output_mean(self, x, hidden: GaussianMatrix, output: GaussianMatrix, family):
+        """:meth:`output_mean` through the prediction operators: the products and two passes
+        (``family``: :func:`~cfbnn_cli.moments.predict_ops.prediction_family`)."""
+        slope = family[1] if family else 0.0
+        folded, inputs = NO_ACTIVATION, x  # folded: the activation the operand's pass applies
+        if self.point_layers:
+            for index in range(self.point_layers - 1):
+                inputs = self.activation(self.layers[index](inputs))
+            inputs = self.layers[self.point_layers - 1](inputs)
+            if family is None:
+                inputs = self.activation(inputs)
+            else:
+                folded = family[0]
+        operand = torch.ops.cfbnn.prediction_operand(inputs, folded, slope, hidden.bias)
+        moments = torch.bmm(operand, hidden.loc_and_variance().transpose(-1, -2))  # (gamma, xi^2): one product
+        if family is not None:
+            phi = torch.ops.cfbnn.prediction_hidden_mean(moments, family[0], slope, output.bias)
+        else:
+            gamma, variance = moments.unbind(0)
+            phi = self.activation.mean(gamma, variance.clamp(min=torch.finfo(variance.dtype).tiny).sqrt())
+            phi = augment(phi) if output.bias else phi
+        return (phi @ output.loc.transpose(-1, -2)).reshape(*x.shape[:-1], self.output_dim)
 
     def sample_outputs(self, x, num_samples: int, *, generator=None, after_point_layers: bool = False):
         """``(S, ..., N[, O])`` outputs with every Gaussian layer sampled (local

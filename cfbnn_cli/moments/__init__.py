@@ -10,8 +10,8 @@ fast_path(False)`` select the reference path).
 """
 
 # register cfbnn::relu_tail, the ELBO steps and relu_mean before anything loads the C++ library
-# (the moments operators: via .activations)
-from . import elbo_ops, kl_ops, relu_mean_ops, tail_ops  # noqa: F401
+# (the moments operators: via .activations), and the prediction's operators
+from . import elbo_ops, kl_ops, predict_ops, relu_mean_ops, tail_ops  # noqa: F401
 from .activations import (
     ACTIVATIONS,
     Activation,

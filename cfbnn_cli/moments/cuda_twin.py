@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator
 
 import torch
 
-from . import elbo_ops, family_ops, kernel_library, kl_ops, ops, relu_mean_ops, tail_ops
+from . import elbo_ops, family_ops, kernel_library, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
 
 __all__ = ["cuda_kernels", "cuda_twin"]
 
@@ -39,6 +39,8 @@ CUSTOM_OPERATORS = (
     family_ops.relu_squared_moments_backward,
     tail_ops.relu_tail,
     tail_ops.relu_tail_backward,
+    predict_ops.prediction_operand,
+    predict_ops.prediction_hidden_mean,
 )
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
+from prediction_check import assert_prediction_tolerances, prediction_errors
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import family_ops, kl_ops, ops, relu_mean_ops, tail_ops
+from cfbnn_cli.moments import family_ops, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 
@@ -116,6 +117,11 @@ def relu_squared_errors(device: str, dtype, generator) -> dict:
     return {"values": values, "grads": grads_worst}
 
 
+def _on(kernel, device: str):
+    """``kernel`` taking its tensor, the first argument, to ``device``."""
+    return lambda tensor, *numbers: kernel(tensor.to(device), *numbers)
+
+
 def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
     """Errors of every Triton kernel launched on ``device``, in the units the tolerances use
     (of the ``dtypes`` named: each one's checks are independent of the other's)."""
@@ -177,6 +183,9 @@ def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
         out[name + "_tail"] = tail_errors(device, dtype, g)
         out[name + "_leaky"] = leaky_errors(device, dtype, g)
         out[name + "_relu_squared"] = relu_squared_errors(device, dtype, g)
+        # the prediction's two passes (cfbnn::prediction_operand, cfbnn::prediction_hidden_mean)
+        kernels = (predict_ops.triton_prediction_operand, predict_ops.triton_prediction_hidden_mean)
+        out[name + "_prediction"] = prediction_errors(*(_on(kernel, device) for kernel in kernels), dtype, g)
     return out
 
 
@@ -202,4 +211,6 @@ def assert_within_tolerances(errors: dict) -> None:
     for kind in ("leaky", "relu_squared"):
         for name, tolerance in ((f"float64_{kind}", 1e-10), (f"float32_{kind}", 1e-5)):
             assert errors[name]["values"] <= 1.0 and errors[name]["grads"] < tolerance, (name, errors)
+    for name in ("float64", "float32"):
+        assert_prediction_tolerances(errors[name + "_prediction"], getattr(torch, name))
     assert all(math.isfinite(v) for d in errors.values() for v in d.values()), errors

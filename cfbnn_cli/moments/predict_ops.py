@@ -1,0 +1,350 @@
+"""The deterministic prediction's elementwise passes as torch operators: ``torch.ops.cfbnn.prediction_*``.
+
+A mean-field hidden layer's exact output mean (the logits' ``y_hat`` of the deterministic
+prediction ``argmax y_hat``, paper eq. (42)) is two matrix products and, besides them, these two
+passes (``activation`` numbers the ReLU family as :data:`.ops.ACTIVATION_KINDS`: 0 ReLU, 1 leaky
+ReLU of slope ``negative_slope``, 2 ReLU^2; ``bias``: a column of ones appended, paper footnote 1):
+
+``cfbnn::prediction_operand(Tensor inputs, int activation=-1, float negative_slope=0.0, bool bias=True) -> Tensor``
+    ``(2, rows, D + bias)``: ``[h, 1]`` and ``[h^2, 1]`` for ``h = g(inputs)`` (``-1``: no
+    activation, ``h = inputs``), ``inputs`` ``(..., D)`` with its leading dimensions flattened to
+    the rows: the operand of the layer's one batched product with its stacked means and variances
+    (``stack([M, V])``, :meth:`~cfbnn_cli.bnn.layers.GaussianMatrix.loc_and_variance`), which gives
+    ``gamma = [h, 1] M^T`` and ``xi^2 = [h^2, 1] V^T`` (eqs. (11), (12)). The point layer's
+    activation is folded in: it reads the point layer's pre-activations.
+``cfbnn::prediction_hidden_mean(Tensor moments, int activation=0, float negative_slope=0.0, bool bias=True) -> Tensor``
+    ``(rows, H + bias)``: ``[E g(z), 1]``, ``z ~ N(gamma, xi^2)``, from ``moments = stack([gamma,
+    xi^2])`` ``(2, rows, H)`` (that product's result): the variance floored at the dtype's smallest
+    normal number and its square root taken inside (as ``cfbnn::relu_moments_from_variance``), the
+    mean alone computed (eq. (20) for ReLU), written as the output layer's product reads it.
+
+float32 or float64. Kernels: on CUDA the Triton kernels of :mod:`.triton_predict_kernels` (one launch
+each); on the CPU torch ops (the activation's mean through its ``cfbnn::`` operator, C++ once the
+library has loaded); the reference torch ops (:func:`reference_prediction_operand`,
+:func:`reference_prediction_hidden_mean`, the tests' oracle) without Triton. Prediction only: a call
+that needs a gradient raises (differentiate ``BayesianNetwork.output_moments`` instead). Fake
+implementations for ``torch.compile``; no host synchronization and only ``torch.empty`` allocations,
+so the launches are captured in CUDA graphs. Tested in ``tests/moments/test_prediction_ops.py`` and,
+the Triton kernels under the interpreter, ``tests/moments/prediction_check.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .activations import LeakyReLU, ReLU, ReLUSquared
+from .family_ops import reference_leaky_moments, reference_relu_squared_moments
+from .operator_registration import _FLOATS, HAVE_TRITON, library_kernels
+from .ops import (
+    ACTIVATION_KINDS,
+    LazyModule,
+    check_samples,
+    checked_operator_route,
+    require_finite,
+    slope_for,
+    slope_tensor,
+    triton_kernels,
+    variance_floor,
+)
+from .relu_reference import relu_forward
+
+__all__ = [
+    "NO_ACTIVATION",
+    "prediction_family",
+    "prediction_hidden_mean",
+    "prediction_operand",
+    "prediction_route",
+    "reference_prediction_hidden_mean",
+    "reference_prediction_operand",
+    "triton_prediction_hidden_mean",
+    "triton_prediction_operand",
+]
+
+triton_predict_kernels = LazyModule(f"{__package__}.triton_predict_kernels")
+
+NO_ACTIVATION = -1  # prediction_operand's inputs taken as they are
+LEAKY = ACTIVATION_KINDS["leaky_relu"]
+_FAMILY = tuple(ACTIVATION_KINDS.values())
+
+
+def prediction_family(activation) -> Optional[Tuple[int, float]]:
+    """``(activation, negative_slope)`` of the operators for a ReLU, leaky ReLU or ReLU^2 activation
+    object; ``None`` for any other (a subclass too: it may change the function)."""
+    kind = type(activation)
+    if kind is ReLU or kind is ReLUSquared:
+        return ACTIVATION_KINDS[activation.name], 0.0
+    if kind is LeakyReLU:
+        return LEAKY, float(activation.negative_slope)
+    return None
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_float(name: str, tensor: Tensor, what: str) -> None:
+    if tensor.dtype not in _FLOATS:
+        raise ValueError(f"cfbnn::{name}: `{what}` must be float32 or float64; got {tensor.dtype}")
+
+
+def _check_operand(inputs: Tensor, activation: int) -> None:
+    name = "prediction_operand"
+    _check_float(name, inputs, "inputs")
+    if activation != NO_ACTIVATION and activation not in _FAMILY:
+        raise ValueError(
+            f"cfbnn::{name}: `activation` must be -1 (none), 0 (ReLU), 1 (leaky ReLU) or 2 (ReLU^2); got {activation}"
+        )
+    if inputs.dim() < 1 or inputs.shape[-1] < 1:
+        raise ValueError(f"cfbnn::{name}: `inputs` must be (..., D) with D >= 1; got shape {tuple(inputs.shape)}")
+
+
+def _check_moments(moments: Tensor, activation: int) -> None:
+    name = "prediction_hidden_mean"
+    _check_float(name, moments, "moments")
+    if activation not in _FAMILY:
+        raise ValueError(
+            f"cfbnn::{name}: `activation` must be 0 (ReLU), 1 (leaky ReLU) or 2 (ReLU^2); got {activation}"
+        )
+    if moments.dim() != 3 or moments.shape[0] != 2 or moments.shape[-1] < 1:
+        raise ValueError(
+            f"cfbnn::{name}: `moments` must be (2, rows, H), the means then the variances; got shape "
+            f"{tuple(moments.shape)}"
+        )
+
+
+def _rows(inputs: Tensor) -> Tensor:
+    """``inputs`` ``(..., D)`` as ``(rows, D)``."""
+    return inputs.reshape(math.prod(inputs.shape[:-1]), inputs.shape[-1])
+
+
+# ----------------------------------------------------------------------------- reference (torch ops)
+
+
+def activated(inputs: Tensor, activation: int, negative_slope: float) -> Tensor:
+    """``g(inputs)`` of :func:`prediction_operand` in torch ops (a NaN stays NaN); the slope as the
+    kernels take it (:func:`.ops.slope_for`)."""
+    if activation == 0:
+        return torch.relu(inputs)
+    if activation == LEAKY:
+        return torch.where(inputs >= 0, inputs, slope_for(negative_slope, inputs.dtype) * inputs)
+    if activation == ACTIVATION_KINDS["relu_squared"]:
+        return torch.relu(inputs).square()
+    return inputs
+
+
+def reference_prediction_operand(
+    inputs: Tensor, activation: int = NO_ACTIVATION, negative_slope: float = 0.0, bias: bool = True
+) -> Tensor:
+    """:func:`prediction_operand` in torch ops (the CPU's kernel: each value written once into the
+    stacked result)."""
+    rows = _rows(inputs)
+    width = rows.shape[-1]
+    out = rows.new_empty(2, rows.shape[0], width + int(bias))
+    values, squares = out[0, :, :width], out[1, :, :width]
+    if activation == 0:
+        torch.clamp_min(rows, 0.0, out=values)  # (ReLU written in place: one pass fewer)
+    else:
+        values.copy_(activated(rows, activation, negative_slope))
+    torch.mul(values, values, out=squares)
+    if bias:
+        out[:, :, width] = 1.0
+    return out
+
+
+def _reference_mean(mean: Tensor, std: Tensor, activation: int, negative_slope: float) -> Tensor:
+    """``E g(z)`` in the reference torch ops (the small tail on the far side of 0)."""
+    if activation == 0:
+        return relu_forward(mean, std)[0]
+    if activation == LEAKY:
+        return reference_leaky_moments(mean, std, slope_for(negative_slope, mean.dtype))[0]
+    return reference_relu_squared_moments(mean, std)[0]
+
+
+def _operator_mean(mean: Tensor, std: Tensor, activation: int, negative_slope: float) -> Tensor:
+    """``E g(z)`` through the activation's ``cfbnn::`` operator (C++ on the CPU): ReLU's mean alone,
+    the others' first output."""
+    if activation == 0:
+        return torch.ops.cfbnn.relu_mean(mean, std)
+    if activation == LEAKY:
+        return torch.ops.cfbnn.leaky_relu_moments(mean, std, float(negative_slope))[0]
+    return torch.ops.cfbnn.relu_squared_moments(mean, std)[0]
+
+
+def _hidden_mean(moments: Tensor, activation: int, negative_slope: float, bias: bool, mean_of) -> Tensor:
+    gamma, variance = moments.unbind(0)
+    std = variance.clamp(min=variance_floor(variance.dtype)).sqrt()
+    rows, width = gamma.shape
+    out = moments.new_empty(rows, width + int(bias))
+    out[:, :width] = mean_of(gamma, std, activation, negative_slope)
+    if bias:
+        out[:, width] = 1.0
+    return out
+
+
+def reference_prediction_hidden_mean(
+    moments: Tensor, activation: int = 0, negative_slope: float = 0.0, bias: bool = True
+) -> Tensor:
+    """:func:`prediction_hidden_mean` in the reference torch ops (the oracle of the tests in float64)."""
+    return _hidden_mean(moments, activation, negative_slope, bias, _reference_mean)
+
+
+# ----------------------------------------------------------------------------- Triton launches
+
+
+def _slope_operand(like: Tensor, activation: int, negative_slope: float) -> Tensor:
+    # only leaky ReLU reads a slope: the others pass any tensor (unread), not one more fill kernel
+    return slope_tensor(like, negative_slope) if activation == LEAKY else like
+
+
+def triton_prediction_operand(
+    inputs: Tensor, activation: int = NO_ACTIVATION, negative_slope: float = 0.0, bias: bool = True
+) -> Tensor:
+    """The Triton kernel on ``inputs``' device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
+    rows = _rows(inputs).contiguous()
+    count, width = rows.shape
+    out = rows.new_empty(2, count, width + int(bias))
+    if not out.numel():  # (no rows: nothing to launch)
+        return out
+    grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
+    triton_predict_kernels.prediction_operand_kernel[grid](
+        rows,
+        _slope_operand(rows, activation, negative_slope),
+        out,
+        count,
+        width,
+        out[0].numel(),  # (the squares' offset: an int64 argument where it must be)
+        activation,
+        int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
+        block_r,
+        block_c,
+    )
+    return out
+
+
+def triton_prediction_hidden_mean(
+    moments: Tensor, activation: int = 0, negative_slope: float = 0.0, bias: bool = True
+) -> Tensor:
+    """The Triton kernel on ``moments``' device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
+    moments = moments.contiguous()
+    _, count, width = moments.shape
+    out = moments.new_empty(count, width + int(bias))
+    if not out.numel():
+        return out
+    grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
+    triton_predict_kernels.prediction_hidden_mean_kernel[grid](
+        moments,
+        _slope_operand(moments, activation, negative_slope),
+        out,
+        count,
+        width,
+        moments[0].numel(),  # (the variances' offset)
+        activation,
+        int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
+        variance_floor(moments.dtype),
+        block_r,
+        block_c,
+        triton_kernels.cf_depth(moments.dtype),
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- the operators
+
+
+@torch.library.custom_op("cfbnn::prediction_operand", mutates_args=())
+def prediction_operand(
+    inputs: Tensor, activation: int = NO_ACTIVATION, negative_slope: float = 0.0, bias: bool = True
+) -> Tensor:
+    # the default kernel (every device but the CPU, which has its own below): Triton
+    _check_operand(inputs, activation)
+    if not HAVE_TRITON:  # pragma: no cover - depends on the install
+        return reference_prediction_operand(inputs, activation, negative_slope, bias)
+    return triton_prediction_operand(inputs, activation, negative_slope, bias)
+
+
+@prediction_operand.register_kernel("cpu")
+def _prediction_operand_cpu(inputs, activation=NO_ACTIVATION, negative_slope=0.0, bias=True):
+    _check_operand(inputs, activation)
+    return reference_prediction_operand(inputs, activation, negative_slope, bias)
+
+
+@prediction_operand.register_fake
+def _(inputs, activation=NO_ACTIVATION, negative_slope=0.0, bias=True):
+    return inputs.new_empty(2, math.prod(inputs.shape[:-1]), inputs.shape[-1] + int(bias))
+
+
+@torch.library.custom_op("cfbnn::prediction_hidden_mean", mutates_args=())
+def prediction_hidden_mean(
+    moments: Tensor, activation: int = 0, negative_slope: float = 0.0, bias: bool = True
+) -> Tensor:
+    _check_moments(moments, activation)
+    if not HAVE_TRITON:  # pragma: no cover - depends on the install
+        return reference_prediction_hidden_mean(moments, activation, negative_slope, bias)
+    return triton_prediction_hidden_mean(moments, activation, negative_slope, bias)
+
+
+@prediction_hidden_mean.register_kernel("cpu")
+def _prediction_hidden_mean_cpu(moments, activation=0, negative_slope=0.0, bias=True):
+    # the activation's own operator where the C++ library serves it (it loads here), else the
+    # reference ops
+    _check_moments(moments, activation)
+    mean_of = _operator_mean if library_kernels() else _reference_mean
+    return _hidden_mean(moments, activation, negative_slope, bias, mean_of)
+
+
+@prediction_hidden_mean.register_fake
+def _(moments, activation=0, negative_slope=0.0, bias=True):
+    return moments.new_empty(moments.shape[1], moments.shape[2] + int(bias))
+
+
+def _prediction_only(operator):
+    """An autograd registration that refuses: the operators serve prediction (``torch.no_grad``),
+    and a call that needs a gradient raises at once rather than at the backward pass."""
+    name = operator._name
+
+    def setup_context(ctx, inputs, output):
+        raise RuntimeError(
+            f"{name} has no derivative: it serves prediction under torch.no_grad() (BayesianNetwork.output_mean); "
+            "for gradients differentiate BayesianNetwork.output_moments(x) instead"
+        )
+
+    operator.register_autograd(lambda ctx, *grads: None, setup_context=setup_context)
+
+
+_prediction_only(prediction_operand)
+_prediction_only(prediction_hidden_mean)
+
+
+# ----------------------------------------------------------------------------- the route
+
+
+def _kernel_check(activation: int):
+    """A first-use check of the kernels a prediction with ``activation`` launches (the operand's
+    pass with it, or with none for an activation outside the family, and the mean's pass), on a few
+    elements (compiling them); non-finite results raise."""
+
+    def check(device: torch.device, dtype: torch.dtype) -> None:
+        values, spread = check_samples(device, dtype)
+        outputs = [triton_prediction_operand(values.reshape(2, 4), activation, 0.1)]
+        if activation != NO_ACTIVATION:
+            outputs.append(
+                triton_prediction_hidden_mean(torch.stack([values, spread]).reshape(2, 2, 4), activation, 0.1)
+            )
+        require_finite(*outputs)
+
+    return check
+
+
+_CHECKS = {activation: _kernel_check(activation) for activation in (NO_ACTIVATION, *_FAMILY)}
+
+
+def prediction_route(like: Tensor, activation: int = NO_ACTIVATION) -> bool:
+    """Whether a prediction on ``like``'s device and dtype takes these operators with ``activation``
+    (:data:`NO_ACTIVATION`: the operand's pass alone, for an activation outside the family;
+    :func:`.ops.checked_operator_route`: on the CPU unless the reference path is chosen; on CUDA
+    once the Triton kernels' first run there passed)."""
+    what = f"the Triton kernels of the cfbnn:: prediction operators (activation {activation})"
+    return checked_operator_route(like, what, _CHECKS[activation])
