@@ -51,7 +51,6 @@ import time
 import torch
 from targets import report_target
 
-from cfbnn_cli.bnn.functional import augment
 from cfbnn_cli.bnn.layers import cached_weights
 from cfbnn_cli.bnn.network import bayesian_head
 from cfbnn_cli.moments import validate_args
@@ -101,6 +100,14 @@ _VIEWS = {
 }
 
 
+def split_bias(layer):
+    """``(weight, bias)`` of a layer's mean weights: the matrix without its bias column, and that
+    column (``None`` for a layer without a bias), each contiguous."""
+    if not layer.bias:
+        return layer.loc.detach().contiguous(), None
+    return layer.loc[:, :-1].detach().contiguous(), layer.loc[:, -1].detach().contiguous()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="2048,1000,1000,1000")
@@ -124,10 +131,14 @@ def main(argv=None):
     generator = torch.Generator(device=device).manual_seed(0)
     _, middle, last = head.layers
 
+    # the plain head as a user writes it (nn.Linear's product with its bias, no ones column): the
+    # Bayesian layers' mean weights split once into a weight matrix and a bias vector
+    (middle_weight, middle_bias), (last_weight, last_bias) = (split_bias(layer) for layer in (middle, last))
+
     def plain(x):
         h = head.point_features(x)
-        h = torch.relu(augment(h) @ middle.loc.T)
-        return (augment(h) @ last.loc.T).argmax(-1)
+        h = torch.relu(torch.nn.functional.linear(h, middle_weight, middle_bias))
+        return torch.nn.functional.linear(h, last_weight, last_bias).argmax(-1)
 
     def deterministic(x):
         return head.output_mean(x).argmax(-1)
