@@ -77,10 +77,12 @@ def relu_tail_kernel(
 ):
     """The two row sums of a block of ``BLOCK_R`` rows (the variance floored: :func:`load_tile`)
     for the ReLU family's ``ACTIVATION`` (:func:`~.triton_kernels.family_moments`; the leaky
-    slope read as float64 from ``slope_ptr``)."""
+    slope read as float64 from ``slope_ptr``, which the other kinds do not read)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = r < rows
-    eps = compute(tl.load(slope_ptr), CF_DEPTH)
+    eps = 0.0
+    if ACTIVATION == 1:  # (the other kinds have no slope: their launch passes any pointer)
+        eps = compute(tl.load(slope_ptr), CF_DEPTH)
     acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
     acc_spread = tl.zeros([BLOCK_R], dtype=tl.float64)
     for c0 in range(0, width, BLOCK_C):
@@ -135,7 +137,9 @@ def relu_tail_backward_kernel(
     k = compute(tl.load(row_k_ptr + r, mask=r_in, other=0.0), CF_DEPTH)
     w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
     g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
-    eps = compute(tl.load(slope_ptr), CF_DEPTH)
+    eps = 0.0
+    if ACTIVATION == 1:  # (as in the forward)
+        eps = compute(tl.load(slope_ptr), CF_DEPTH)
     # the small tail once, for the moments and the derivatives
     phi, ups, var, g_mean, g_std = family_moments(mean, std, std_error, eps, g_phi, g_ups, g_var, ACTIVATION, CF_DEPTH)
     dtype = g_mean_ptr.dtype.element_ty
