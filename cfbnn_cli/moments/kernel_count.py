@@ -11,8 +11,10 @@ Triton launches, through the launcher's ``run``, and any torch operation the lau
 makes). The torch operations inside a Triton launch (the interpreter's copies) are not counted.
 
 What it cannot see: how many kernels one torch operation makes on CUDA. It counts one a call,
-which is what the profiler shows for the operations of a training step (a matrix product is one
-GEMM; fused Adam over a few parameters, one ``multi_tensor_apply`` launch; a fill, one kernel).
+which is what the profiler shows for most (fused Adam over a few parameters is one
+``multi_tensor_apply`` launch, a fill one kernel), but cuBLAS may add a split-K reduction kernel
+to a matrix product. And it counts the CUDA route only where the CUDA route runs (on CUDA, or in
+the twin): a ``cfbnn::`` operator's C++ CPU kernel makes torch calls of its own.
 """
 
 from __future__ import annotations
