@@ -262,6 +262,8 @@ def test_opcheck_cpu(dtype):
     assert set(arguments) == set(elbo_ops.STEPS)
     for name, args in arguments.items():
         torch.library.opcheck(getattr(C, name).default, args, test_utils=_UTILS)
+    rows = arguments["normal_elbo_rows"]  # (and without a further layer's KL)
+    torch.library.opcheck(C.normal_elbo_rows.default, (*rows[:7], None, *rows[8:]), test_utils=_UTILS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
