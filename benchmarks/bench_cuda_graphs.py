@@ -38,7 +38,7 @@ from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.bnn.vae import BayesianDecoderVAE
 from cfbnn_cli.moments import validate_args
 from cfbnn_cli.train import TrainingLoop
-from cfbnn_cli.train.graphs import GraphedTrainingStep
+from cfbnn_cli.train.graphs import BatchLoss, GraphedTrainingStep
 from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
 
 
@@ -91,7 +91,10 @@ def training_steps(args, device):
             torch.manual_seed(0)
             model = BayesianNetwork(dim, [hidden]).to(device)
             optimizer = adam(model.parameters(), lr=1e-3)
-            loss = lambda r, model=model: -model.elbo(x[r], y[r], num_data=10_000, estimator="analytic")  # noqa: E731
+            # the batch's rows gathered outside the graph, before each replay, as the CLI's losses do
+            loss = BatchLoss(
+                (x, y), lambda xb, yb, model=model: -model.elbo(xb, yb, num_data=10_000, estimator="analytic")
+            )
             if graphs:
                 step = GraphedTrainingStep(model, optimizer, loss, device, label=f"D={dim}")
             else:  # the eager step as the loop ran it before graphs (plain Adam)
@@ -113,9 +116,8 @@ def training_steps(args, device):
                 raise SystemExit(f"capture of the D={dim} step failed: {step.failure}")
         mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)).to(device)
         mlp_optimizer = adam(mlp.parameters(), lr=1e-3)
-        mlp_step = GraphedTrainingStep(
-            mlp, mlp_optimizer, lambda r: (mlp(x[r]).squeeze(-1) - y[r]).square().mean(), device, label="MLP"
-        )
+        mlp_loss = BatchLoss((x, y), lambda xb, yb: (mlp(xb).squeeze(-1) - yb).square().mean())
+        mlp_step = GraphedTrainingStep(mlp, mlp_optimizer, mlp_loss, device, label="MLP")
         for _ in range(3):
             mlp_step(rows)
         mlp_ms = _median_ms(lambda: mlp_step(rows), args.steps, args.repeats, sync)

@@ -39,7 +39,7 @@ from cfbnn_cli.moments import validate_args
 from cfbnn_cli.runtime.checks import MATMUL_PRECISIONS
 from cfbnn_cli.runtime.device import set_matmul_precision, synchronize
 from cfbnn_cli.runtime.threads import flush_denormals, tune_allocator
-from cfbnn_cli.train.graphs import GraphedTrainingStep
+from cfbnn_cli.train.graphs import BatchLoss, GraphedTrainingStep
 from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
 
 ROWS, BATCH = 10_000, 500
@@ -73,18 +73,19 @@ def step_times(dim, hidden, device, args) -> dict:
             if network == "closed form":
                 model = BayesianNetwork(dim, [hidden]).to(device)
 
-                def loss(r, model=model):
-                    return -model.elbo(x[r], y[r], num_data=ROWS, estimator="analytic")
+                def loss(xb, yb, model=model):
+                    return -model.elbo(xb, yb, num_data=ROWS, estimator="analytic")
 
             else:
                 model = torch.nn.Sequential(
                     torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)
                 ).to(device)
 
-                def loss(r, model=model):
-                    return (model(x[r]).squeeze(-1) - y[r]).square().mean()
+                def loss(xb, yb, model=model):
+                    return (model(xb).squeeze(-1) - yb).square().mean()
 
             optimizer = adam(model.parameters(), lr=1e-3)
+            loss = BatchLoss((x, y), loss)  # the batch's gather outside the graph, as the CLI's losses
             if mode == "graphed":
                 step = GraphedTrainingStep(model, optimizer, loss, device, label=f"{network} D={dim}")
             else:

@@ -14,9 +14,11 @@ Measured (medians of ``--repeats`` timings of ``--steps`` calls each):
    ``std.grad``) around torch's own autograd ops in place of the moments -- an identity
    (``mean * 1``, ``std * 1``) and ``exp`` + ``erfc`` themselves -- and the two kernels alone
    (``cfbnn::relu_moments`` and ``cfbnn::relu_moments_backward`` without autograd);
-2. CUDA: the kernels one eager closed-form training step launches (forward, backward, Adam;
-   batch 500, torch profiler), with the operators and with the reference torch ops
-   (``fast_path(False)``) (targets <= 18, issue #46, and <= 27, issue #43's "no worse");
+2. CUDA: the kernels one closed-form training step launches (batch 500, torch profiler): the
+   work its CUDA graph holds (forward, backward, Adam; ``GraphedTrainingStep.captured_step``, run
+   eagerly under the profiler), with the operators and with the reference torch ops
+   (``fast_path(False)``) (targets <= 18, issue #46, and <= 27, issue #43's "no worse"), and
+   beside it what runs before each replay, outside the graph (the batch's gather);
 3. CUDA: the graphed closed-form step (the CLI's CUDA path) against the graphed plain MLP
    (targets <= 1.4x, issue #46, and no worse than issue #43's 1.66x at D=90 and 1.85x at D=2048)
    and the graphed local-reparameterization step (``sampling``; target: the closed form faster),
@@ -45,7 +47,7 @@ from targets import print_targets, report_target
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.moments import fast_path, get_activation, ops, validate_args
 from cfbnn_cli.runtime.cuda_graphs import capture, on_side_stream
-from cfbnn_cli.train.graphs import GraphedTrainingStep
+from cfbnn_cli.train.graphs import BatchLoss, GraphedTrainingStep, make_capturable
 from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
 
 # issue #43's "no worse than" bounds of the graphed closed-form step / graphed MLP, by D
@@ -125,6 +127,23 @@ def _eager_step(model, optimizer, loss):
     return step
 
 
+def _graph_kernels(model, optimizer, loss, rows, device, times):
+    """``(in the graph, before each replay)``: the kernels (by name, a ``Counter``) of the work a
+    CUDA graph of the training step holds and of the fill before its replay (the batch's gather),
+    each run eagerly under the profiler after an eager step (Adam's state, the first-use checks);
+    ``times`` receives the first one's GPU time by name."""
+    graphed = GraphedTrainingStep(model, optimizer, loss, device)
+    make_capturable(optimizer)
+    value = _eager_step(model, optimizer, loss)(rows)
+    fill, step = graphed.captured_step(rows, value)
+
+    def graph_work():
+        optimizer.zero_grad(set_to_none=True)  # as before a capture: backward() writes the gradients
+        return step()
+
+    return _kernel_names(graph_work, times), _kernel_names(lambda: fill(rows))
+
+
 def cuda_steps(args):
     device = torch.device("cuda")
     sync = torch.cuda.synchronize
@@ -138,20 +157,27 @@ def cuda_steps(args):
             torch.manual_seed(0)
             model = BayesianNetwork(dim, [hidden]).to(device)
             optimizer = adam(model.parameters(), lr=1e-3)
-            return model, optimizer, lambda r: -model.elbo(x[r], y[r], num_data=10_000, estimator=estimator)
+            # the batch's rows gathered before each replay, outside the graph (BatchLoss)
+            loss = BatchLoss((x, y), lambda xb, yb: -model.elbo(xb, yb, num_data=10_000, estimator=estimator))
+            return model, optimizer, loss
 
-        kernels = {}
+        kernels, gathers = {}, 0
         with validate_args(False):
             for enabled in (True, False):
                 with fast_path(enabled):
-                    step = _eager_step(*network("analytic"))
                     times = {}
-                    names = _kernel_names(lambda step=step: step(rows), times)
+                    names, filled = _graph_kernels(*network("analytic"), rows, device, times)
                     kernels[enabled] = sum(names.values())
+                    if enabled:
+                        gathers = sum(filled.values())
                     if enabled and args.list_kernels:
-                        print(f"   D={dim} H={hidden}: the eager closed-form step's kernels (count, GPU us), by time")
+                        print(
+                            f"   D={dim} H={hidden}: the closed-form step's kernels in its CUDA graph "
+                            "(count, GPU us), by time"
+                        )
                         for name in sorted(names, key=lambda n: -times[n]):
                             print(f"     {names[name]:3d} {times[name]:8.1f}  {name[:100]}")
+                        print(f"     before each replay (the batch's gather): {dict(filled)}")
             timings = {}
             for name, estimator in (("closed form", "analytic"), ("local reparameterization", "sampling")):
                 model, optimizer, loss = network(estimator)
@@ -163,16 +189,15 @@ def cuda_steps(args):
                 timings[name] = _median_ms(lambda step=step: step(rows), args.steps, args.repeats, sync)
         mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)).to(device)
         mlp_optimizer = adam(mlp.parameters(), lr=1e-3)
-        mlp_step = GraphedTrainingStep(
-            mlp, mlp_optimizer, lambda r: (mlp(x[r]).squeeze(-1) - y[r]).square().mean(), device, label="MLP"
-        )
+        mlp_loss = BatchLoss((x, y), lambda xb, yb: (mlp(xb).squeeze(-1) - yb).square().mean())
+        mlp_step = GraphedTrainingStep(mlp, mlp_optimizer, mlp_loss, device, label="MLP")
         for _ in range(3):
             mlp_step(rows)
         mlp_ms = _median_ms(lambda: mlp_step(rows), args.steps, args.repeats, sync)
         closed, sampled = timings["closed form"], timings["local reparameterization"]
         print(
-            f"   D={dim:<5} H={hidden:<5} kernels per eager step: {kernels[True]} with the operators, "
-            f"{kernels[False]} with the reference ops"
+            f"   D={dim:<5} H={hidden:<5} kernels per step in its CUDA graph: {kernels[True]} with the operators, "
+            f"{kernels[False]} with the reference ops; before each replay (the batch's gather): {gathers}"
         )
         print(
             f"   graphed (ms): closed form {closed:7.3f}   local reparameterization {sampled:7.3f}   "

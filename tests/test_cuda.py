@@ -182,10 +182,14 @@ def _graph_failures(caplog):
     return [r.getMessage() for r in caplog.records if "CUDA graph capture" in r.getMessage()]
 
 
-def _train_on_cuda(cuda_graphs, loss_hook=None, estimator="sampling", epochs=3, optimizer_factory=None):
+def _train_on_cuda(
+    cuda_graphs, loss_hook=None, estimator="sampling", epochs=3, optimizer_factory=None, batch_loss=False
+):
     """The Table 1 step on CUDA through the loop: 29 rows in batches of 8 (a last batch of 5),
-    with the pipelines' Adam (fused) unless ``optimizer_factory`` says otherwise."""
+    with the pipelines' Adam (fused) unless ``optimizer_factory`` says otherwise; with
+    ``batch_loss`` a :class:`~cfbnn_cli.train.graphs.BatchLoss` (the gather outside the graph)."""
     from cfbnn_cli.train import TrainingLoop, optimizers
+    from cfbnn_cli.train.graphs import BatchLoss
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(29, 5, generator=g).cuda()
@@ -194,15 +198,15 @@ def _train_on_cuda(cuda_graphs, loss_hook=None, estimator="sampling", epochs=3, 
     optimizer = (optimizer_factory or optimizers.adam)(model.parameters(), lr=0.01)
     sampler = torch.Generator(device="cuda").manual_seed(3)
 
-    def loss(rows):
-        noise = model.sample_noise(rows.numel(), estimator=estimator, generator=sampler)
-        value = -model.elbo(x[rows], y[rows], num_data=len(y), estimator=estimator, noise=noise)
+    def on_batch(xb, yb):
+        noise = model.sample_noise(xb.shape[0], estimator=estimator, generator=sampler)
+        value = -model.elbo(xb, yb, num_data=len(y), estimator=estimator, noise=noise)
         return loss_hook(value) if loss_hook is not None else value
 
     loop = TrainingLoop(
         model,
         optimizer,
-        loss,
+        BatchLoss((x, y), on_batch) if batch_loss else (lambda rows: on_batch(x[rows], y[rows])),
         len(y),
         8,
         torch.device("cuda"),
@@ -223,6 +227,52 @@ def test_graphed_training_gives_the_eager_parameters_after_k_steps(caplog, estim
     assert set(loop.graphed.graphs) == {8, 5}  # the last partial batch has a graph of its own
     for name in eager:
         torch.testing.assert_close(graphed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("estimator", ["sampling", "analytic"])
+def test_a_graphed_batch_loss_gathers_outside_the_graph_and_gives_the_eager_parameters(caplog, estimator):
+    """The static batch buffers filled before each replay: the parameters of eager training."""
+    eager, _ = _train_on_cuda(False, estimator=estimator)
+    graphed, loop = _train_on_cuda(True, estimator=estimator, batch_loss=True)
+    assert loop.graphed is not None and loop.graphed.enabled, _graph_failures(caplog)
+    assert set(loop.graphed.graphs) == {8, 5}
+    for name in eager:
+        torch.testing.assert_close(graphed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dim, hidden", [(90, 200), (2048, 1000)])
+def test_a_graphed_closed_form_step_launches_at_most_eighteen_kernels(dim, hidden):
+    """The profiler's count of the work a step's CUDA graph holds (batch 500): the twin's count
+    (tests/test_kernel_count.py, 16) plus room for cuBLAS's split-K reductions; the gather before
+    each replay two kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cfbnn_cli.train.graphs import BatchLoss, GraphedTrainingStep, make_capturable
+    from cfbnn_cli.train.optimizers import adam
+
+    torch.manual_seed(0)
+    x, y = torch.randn(2000, dim, device="cuda"), torch.randn(2000, device="cuda")
+    model = BayesianNetwork(dim, [hidden]).cuda()
+    optimizer = adam(model.parameters(), lr=1e-3)
+    loss = BatchLoss((x, y), lambda xb, yb: -model.elbo(xb, yb, num_data=2000))
+    step = GraphedTrainingStep(model, optimizer, loss, "cuda")
+    make_capturable(optimizer)
+    rows = torch.randperm(2000, device="cuda")[:500]
+    value = loss(rows)
+    value.backward()
+    optimizer.step()
+    fill, work = step.captured_step(rows, value.detach())
+    counts = []
+    for call in (lambda: fill(rows), work):
+        optimizer.zero_grad(set_to_none=True)
+        call()
+        torch.cuda.synchronize()
+        optimizer.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        counts.append(sum(event.device_type == torch.autograd.DeviceType.CUDA for event in prof.events()))
+    assert counts[0] == 2 and counts[1] <= 18, counts
 
 
 def test_graphed_fused_adam_gives_the_parameters_of_eager_default_adam(caplog):

@@ -8,6 +8,11 @@ Forward (paper eqs. (4), (7)-(9), (12), one Normal output):
 ``cfbnn::augment_pair(Tensor x, bool bias) -> (Tensor inputs, Tensor squares)``
     ``([x, 1], [x^2, 1])`` (``(x, x^2)`` without ``bias``) of an ``(N, D)`` input, one pass: what
     the pre-activations' means and variances multiply (eq. (12)).
+``cfbnn::outer_layers_pass(Tensor x, Tensor loc, Tensor log_scale, Tensor output_loc, Tensor output_log_scale, bool bias) -> (Tensor inputs, Tensor squares, Tensor variance, Tensor output_variance, Tensor output_loc_square, Tensor kl_sums)``
+    one pass over the first layer and the one-output layer of a network: ``augment_pair``'s two
+    results, both layers' ``exp(2 log_scale)``, the output layer's ``loc^2`` (the tail pass's
+    weights) and both layers' KL sums table (float64 ``(blocks, 3)``, the first layer's rows first:
+    :func:`~.elbo_reference.kl_block_sums`), which ``normal_elbo_rows`` finishes into the KL.
 ``cfbnn::diagonal_kl_pass(Tensor loc, Tensor log_scale, float prior_variance, bool loc_square) -> (Tensor kl, Tensor variance, Tensor loc_square)``
     ``KL(N(loc, diag exp(2 log_scale)) || N(0, prior_variance I))`` (0-d) with ``exp(2 log_scale)``
     and, with ``loc_square``, ``loc^2`` (else an empty tensor) from the same pass.
@@ -15,9 +20,10 @@ Forward (paper eqs. (4), (7)-(9), (12), one Normal output):
     after ``cfbnn::relu_tail``: per row ``residual = y - mean_sum - b``, ``squares = spread_sum +
     Var b + residual^2`` and ``ELL = log(tau)/2 - log(2 pi)/2 - tau/2 squares`` (eq. (7); ``b``
     the one-output layer's bias column of ``loc`` / ``log_scale``, with ``bias``).
-``cfbnn::normal_elbo_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, Tensor hidden_kl, Tensor output_kl, float scale, bool bias) -> (Tensor residual, Tensor squares, Tensor elbo)``
-    the same rows and ``elbo = scale sum_r ELL_r - hidden_kl - output_kl`` (eq. (4)), the rows
-    summed in float64.
+``cfbnn::normal_elbo_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, Tensor kl_sums, Tensor? kl, float prior_variance, float scale, bool bias) -> (Tensor residual, Tensor squares, Tensor elbo)``
+    the same rows and ``elbo = scale sum_r ELL_r - KL`` (eq. (4)), the rows summed in float64; the
+    KL that of the KL sums table ``kl_sums`` (finished here: :func:`~.elbo_reference.kl_from_table`)
+    plus ``kl`` where given (a deeper network's other layers).
 
 Backward:
 
@@ -44,6 +50,7 @@ build they run the reference kernels (:mod:`.elbo_reference`), so a caller never
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict
 
 import torch
@@ -58,9 +65,14 @@ __all__ = ["TRITON_KERNELS", "STEPS"]
 
 _LIB = torch.library.Library("cfbnn", "FRAGMENT")
 _ROWS_BLOCK = 1024
+KL_BLOCK = elbo_reference.KL_BLOCK  # the blocks of a KL sums table: one program each
 
 SCHEMAS = {
     "augment_pair": "augment_pair(Tensor x, bool bias) -> (Tensor, Tensor)",
+    "outer_layers_pass": (
+        "outer_layers_pass(Tensor x, Tensor loc, Tensor log_scale, Tensor output_loc, Tensor output_log_scale,"
+        " bool bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
     "diagonal_kl_pass": (
         "diagonal_kl_pass(Tensor loc, Tensor log_scale, float prior_variance, bool loc_square)"
         " -> (Tensor, Tensor, Tensor)"
@@ -71,7 +83,7 @@ SCHEMAS = {
     ),
     "normal_elbo_rows": (
         "normal_elbo_rows(Tensor mean_sum, Tensor spread_sum, Tensor y, Tensor loc, Tensor log_scale,"
-        " Tensor log_precision, Tensor hidden_kl, Tensor output_kl, float scale, bool bias)"
+        " Tensor log_precision, Tensor kl_sums, Tensor? kl, float prior_variance, float scale, bool bias)"
         " -> (Tensor, Tensor, Tensor)"
     ),
     "normal_rows_backward": (
@@ -129,6 +141,41 @@ def _augment_pair_triton(x: Tensor, bias: bool):
     return inputs, squares
 
 
+def _outer_layers_pass_triton(x, loc, log_scale, output_loc, output_log_scale, bias: bool):
+    x, loc, log_scale = x.contiguous(), loc.contiguous(), log_scale.contiguous()
+    output_loc, output_log_scale = output_loc.contiguous(), output_log_scale.contiguous()
+    rows, columns = x.shape
+    inputs = x.new_empty(rows, columns + int(bias))
+    squares = torch.empty_like(inputs)
+    variance, output_variance = torch.empty_like(log_scale), torch.empty_like(output_log_scale)
+    output_loc_square = torch.empty_like(output_loc)
+    blocks, output_blocks = (triton.cdiv(t.numel(), KL_BLOCK) for t in (loc, output_loc))
+    kl_sums = torch.empty(blocks + output_blocks, 3, dtype=torch.float64, device=x.device)
+    augment_blocks = triton.cdiv(inputs.numel(), KL_BLOCK)
+    triton_tail_kernels.outer_layers_kernel[(blocks + output_blocks + augment_blocks,)](
+        x,
+        inputs,
+        squares,
+        loc,
+        log_scale,
+        variance,
+        output_loc,
+        output_log_scale,
+        output_variance,
+        output_loc_square,
+        kl_sums,
+        rows,
+        columns,
+        loc.numel(),
+        output_loc.numel(),
+        blocks,
+        output_blocks,
+        int(bias),
+        KL_BLOCK,
+    )
+    return inputs, squares, variance, output_variance, output_loc_square, kl_sums
+
+
 def _diagonal_kl_pass_triton(loc: Tensor, log_scale: Tensor, prior_variance: float, loc_square: bool):
     loc, log_scale = loc.contiguous(), log_scale.contiguous()
     kl, variance = loc.new_empty(()), torch.empty_like(log_scale)
@@ -139,19 +186,23 @@ def _diagonal_kl_pass_triton(loc: Tensor, log_scale: Tensor, prior_variance: flo
 
 def _normal_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias, elbo_terms=None):
     """:func:`~.triton_tail_kernels.normal_rows_kernel`: ``(residual, squares, ELL per row)``, or with
-    ``elbo_terms = (hidden_kl, output_kl, scale)`` ``(residual, squares, ELBO)``."""
+    ``elbo_terms = (kl_sums, kl, prior_variance, scale)`` ``(residual, squares, ELBO)``."""
     rows = mean_sum.shape[0]
     residual, squares = torch.empty_like(mean_sum), torch.empty_like(mean_sum)
     per_row = elbo_terms is None
     if per_row:  # one program per block of rows; the KL operands unread
         grid, out = (triton.cdiv(max(rows, 1), _ROWS_BLOCK),), torch.empty_like(mean_sum)
-        elbo_terms = (log_precision, log_precision, 1.0)
+        elbo_terms = (log_precision, None, 1.0, 1.0)
     else:
         grid, out = (1,), mean_sum.new_empty(())
-    hidden_kl, output_kl, scale = elbo_terms
-    inputs = [t.contiguous() for t in (mean_sum, spread_sum, y, loc, log_scale)] + [log_precision, hidden_kl, output_kl]
-    sizes = (rows, loc.shape[-1] - int(bias), float(scale))
-    triton_tail_kernels.normal_rows_kernel[grid](*inputs, residual, squares, out, *sizes, per_row, bias, _ROWS_BLOCK)
+    kl_sums, kl, prior_variance, scale = elbo_terms
+    inputs = [t.contiguous() for t in (mean_sum, spread_sum, y, loc, log_scale)]
+    inputs += [log_precision, kl_sums.contiguous(), log_precision if kl is None else kl]
+    parts = kl_sums.shape[0] if not per_row else 0
+    sizes = (rows, loc.shape[-1] - int(bias), parts, float(prior_variance), math.log(prior_variance), float(scale))
+    triton_tail_kernels.normal_rows_kernel[grid](
+        *inputs, residual, squares, out, *sizes, per_row, kl is not None, bias, _ROWS_BLOCK
+    )
     return residual, squares, out
 
 
@@ -159,8 +210,10 @@ def _normal_ell_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precisi
     return _normal_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
 
 
-def _normal_elbo_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
-    elbo_terms = (hidden_kl, output_kl, scale)
+def _normal_elbo_rows_triton(
+    mean_sum, spread_sum, y, loc, log_scale, log_precision, kl_sums, kl, prior_variance, scale, bias
+):
+    elbo_terms = (kl_sums, kl, prior_variance, scale)
     return _normal_rows_triton(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias, elbo_terms)
 
 
@@ -231,6 +284,20 @@ def _augment_pair_fake(x, bias):
     return x.new_empty(shape), x.new_empty(shape)
 
 
+def _outer_layers_pass_fake(x, loc, log_scale, output_loc, output_log_scale, bias):
+    inputs, squares = _augment_pair_fake(x, bias)
+    parts = sum(-(-t.numel() // KL_BLOCK) for t in (loc, output_loc))
+    kl_sums = x.new_empty((parts, 3), dtype=torch.float64)
+    return (
+        inputs,
+        squares,
+        torch.empty_like(log_scale),
+        torch.empty_like(output_log_scale),
+        torch.empty_like(output_loc),
+        kl_sums,
+    )
+
+
 def _diagonal_kl_pass_fake(loc, log_scale, prior_variance, loc_square):
     return loc.new_empty(()), torch.empty_like(log_scale), (torch.empty_like(loc) if loc_square else loc.new_empty(0))
 
@@ -239,7 +306,9 @@ def _normal_ell_rows_fake(mean_sum, spread_sum, y, loc, log_scale, log_precision
     return tuple(torch.empty_like(mean_sum) for _ in range(3))
 
 
-def _normal_elbo_rows_fake(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
+def _normal_elbo_rows_fake(
+    mean_sum, spread_sum, y, loc, log_scale, log_precision, kl_sums, kl, prior_variance, scale, bias
+):
     return torch.empty_like(mean_sum), torch.empty_like(mean_sum), mean_sum.new_empty(())
 
 
@@ -262,6 +331,7 @@ CPU_KERNELS: Dict[str, Callable] = {name: _cpu_kernel(name) for name in SCHEMAS}
 TRITON_KERNELS: Dict[str, Callable] = (
     {
         "augment_pair": _augment_pair_triton,
+        "outer_layers_pass": _outer_layers_pass_triton,
         "diagonal_kl_pass": _diagonal_kl_pass_triton,
         "normal_ell_rows": _normal_ell_rows_triton,
         "normal_elbo_rows": _normal_elbo_rows_triton,
@@ -274,6 +344,7 @@ TRITON_KERNELS: Dict[str, Callable] = (
 )
 _FAKES: Dict[str, Callable] = {
     "augment_pair": _augment_pair_fake,
+    "outer_layers_pass": _outer_layers_pass_fake,
     "diagonal_kl_pass": _diagonal_kl_pass_fake,
     "normal_ell_rows": _normal_ell_rows_fake,
     "normal_elbo_rows": _normal_elbo_rows_fake,

@@ -4,6 +4,11 @@ device), and the oracle the C++ and Triton kernels are tested against
 (``tests/moments/test_elbo_ops.py``). Same arguments and results as the operators; sums in
 float64, as the kernels add them.
 
+A KL sums table (:func:`kl_block_sums`) holds a layer's KL as float64 rows, one per block of
+:data:`KL_BLOCK` elements, that add up to what the KL needs: ``(sum (Var + loc^2), sum log_scale,
+count)``; several layers' rows (one prior) add up to the sum of their KLs (:func:`kl_from_table`).
+The device kernels write the blocks' rows in parallel, and the step that reads the KL finishes it.
+
 Paper eq. (4) (the ELBO and its KL terms), eq. (7) (the Normal likelihood's rows), eq. (12) (the
 first layer's inputs and their squares).
 """
@@ -16,6 +21,7 @@ import torch
 from torch import Tensor
 
 LOG_2PI = math.log(2.0 * math.pi)
+KL_BLOCK = 1024  # the elements of a layer whose KL sums make one row of a KL sums table
 
 
 def augment_pair(x: Tensor, bias: bool):
@@ -47,6 +53,35 @@ def kl_gradients(loc: Tensor, log_scale: Tensor, grad, prior_variance: float):
     return scaled * loc, scaled * torch.exp(2.0 * log_scale) - grad
 
 
+def kl_block_sums(loc: Tensor, log_scale: Tensor) -> Tensor:
+    """A layer's rows of a KL sums table (float64 ``(blocks, 3)``): per block of :data:`KL_BLOCK`
+    elements (in memory order, the last one partial) ``(sum (Var + loc^2), sum log_scale, count)``."""
+    count = loc.numel()
+    pad = -count % KL_BLOCK
+    blocks = [torch.nn.functional.pad(t.reshape(-1).double(), (0, pad)).reshape(-1, KL_BLOCK) for t in (loc, log_scale)]
+    inside = torch.nn.functional.pad(torch.ones(count, dtype=torch.float64, device=loc.device), (0, pad))
+    inside = inside.reshape(-1, KL_BLOCK)
+    second = ((torch.exp(2.0 * blocks[1]) + blocks[0].square()) * inside).sum(1)
+    return torch.stack([second, blocks[1].sum(1), inside.sum(1)], 1)
+
+
+def kl_from_table(kl_sums: Tensor, prior_variance: float) -> Tensor:
+    """The KL (float64, 0-d) of the layers whose rows make the KL sums table ``kl_sums``
+    (:func:`kl_block_sums`; one prior for all)."""
+    second, log_scale_sum, count = kl_sums.sum(0).unbind()
+    return kl_from_sums(second, log_scale_sum, count, prior_variance)
+
+
+def outer_layers_pass(x: Tensor, loc: Tensor, log_scale: Tensor, output_loc: Tensor, output_log_scale: Tensor, bias):
+    """``([x, 1], [x^2, 1], exp(2 log_scale), exp(2 output_log_scale), output_loc^2, kl_sums)``: what
+    the first layer and the one-output layer give the ELBO before the matrix products, the KL
+    sums table both layers' rows (the first layer's first)."""
+    inputs, squares = augment_pair(x, bias)
+    kl_sums = torch.cat([kl_block_sums(loc, log_scale), kl_block_sums(output_loc, output_log_scale)])
+    variances = (torch.exp(2.0 * log_scale), torch.exp(2.0 * output_log_scale))
+    return inputs, squares, *variances, output_loc * output_loc, kl_sums
+
+
 def diagonal_kl_pass(loc: Tensor, log_scale: Tensor, prior_variance: float, loc_square: bool):
     """``(KL, exp(2 log_scale), loc^2 or an empty tensor)``."""
     variance = torch.exp(2.0 * log_scale)
@@ -73,10 +108,16 @@ def normal_ell_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias
     return _rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
 
 
-def normal_elbo_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias):
-    """The rows and ``scale sum_r ELL_r - hidden_kl - output_kl`` (eq. (4))."""
+def normal_elbo_rows(
+    mean_sum, spread_sum, y, loc, log_scale, log_precision, kl_sums, kl, prior_variance: float, scale: float, bias
+):
+    """The rows and ``scale sum_r ELL_r - KL`` (eq. (4)), the KL that of the KL sums table
+    ``kl_sums`` (:func:`kl_from_table`) plus ``kl`` where given."""
     residual, squares, ell = _rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
-    elbo = scale * ell.sum(dtype=torch.float64) - hidden_kl.double() - output_kl.double()
+    total_kl = kl_from_table(kl_sums, prior_variance)
+    if kl is not None:
+        total_kl = total_kl + kl.double().reshape(())
+    elbo = scale * ell.sum(dtype=torch.float64) - total_kl
     return residual, squares, elbo.to(mean_sum.dtype).reshape(())
 
 
@@ -127,6 +168,7 @@ def finish_diagonal_gradients(grad_loc, grad_variance, loc, variance, kl_grad, k
 
 KERNELS = {
     "augment_pair": augment_pair,
+    "outer_layers_pass": outer_layers_pass,
     "diagonal_kl_pass": diagonal_kl_pass,
     "normal_ell_rows": normal_ell_rows,
     "normal_elbo_rows": normal_elbo_rows,

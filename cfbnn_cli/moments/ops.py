@@ -109,8 +109,9 @@ def variance_floor(dtype: torch.dtype) -> float:
 ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
 
 
-def _slope_operand(mean: Tensor, activation: int, negative_slope: float) -> Tensor:
-    # only leaky ReLU reads a slope: the others pass ``mean`` (unread), not one more fill kernel
+def slope_operand(mean: Tensor, activation: int, negative_slope: float) -> Tensor:
+    """The Triton kernels' slope operand for ``activation``: leaky ReLU's :func:`slope_tensor`; the
+    others read no slope and get ``mean`` (unread), not one more fill kernel."""
     return slope_tensor(mean, negative_slope) if activation == ACTIVATION_KINDS["leaky_relu"] else mean
 
 
@@ -127,7 +128,7 @@ def launch_moments(mean: Tensor, spread: Tensor, activation: int, negative_slope
     mean, spread = mean.contiguous(), spread.contiguous()
     phi, ups, var = (torch.empty_like(mean) for _ in range(3))
     n = mean.numel()
-    slope = _slope_operand(mean, activation, negative_slope)
+    slope = slope_operand(mean, activation, negative_slope)
     operands = (mean, spread, slope, phi, ups, var, n)
     triton_kernels.moments_kernel[triton_kernels.grid(n)](*operands, *_constants(mean, activation, from_variance))
     return phi, ups, var
@@ -139,7 +140,7 @@ def launch_moments_backward(mean, spread, phi, grads, activation: int, negative_
     tensors = [t.contiguous() for t in (mean, spread, phi, *grads)]
     grad_mean, grad_spread = torch.empty_like(tensors[0]), torch.empty_like(tensors[0])
     n = mean.numel()
-    slope = _slope_operand(tensors[0], activation, negative_slope)
+    slope = slope_operand(tensors[0], activation, negative_slope)
     operands = (*tensors[:2], slope, *tensors[2:], grad_mean, grad_spread, n)
     triton_kernels.moments_backward_kernel[triton_kernels.grid(n)](
         *operands, *_constants(mean, activation, from_variance)

@@ -1,7 +1,9 @@
 """Triton kernels of the mean-field KL and of a layer's gradients with the KL folded in: the CUDA
 side of ``cfbnn::diagonal_kl`` (:mod:`.kl_ops`) and of ``cfbnn::finish_diagonal_gradients``
 (:mod:`.elbo_ops`). Sums in float64 in a fixed order, whatever the inputs' dtype (the result does
-not depend on the launch's scheduling)."""
+not depend on the launch's scheduling). :func:`kl_block` and :func:`kl_from_table` write and read
+a KL sums table (:mod:`cfbnn_cli.moments.elbo_reference`) from inside other kernels: one launch
+writes the sums of both layers of a one-hidden-layer network, and the ELBO's rows finish the KL."""
 
 import triton
 import triton.language as tl
@@ -39,6 +41,56 @@ def diagonal_kl_sums_kernel(
     tl.store(partial_ptr + 3 * block, tl.sum(variance, axis=0))
     tl.store(partial_ptr + 3 * block + 1, tl.sum(loc * loc, axis=0))
     tl.store(partial_ptr + 3 * block + 2, tl.sum(log_scale, axis=0))
+
+
+@triton.jit
+def kl_block(
+    loc_ptr,
+    log_scale_ptr,
+    variance_ptr,
+    loc_square_ptr,
+    row_ptr,
+    block,
+    n,
+    LOC_SQUARE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Block ``block`` of ``BLOCK`` elements of a mean-field layer: ``exp(2 log_scale)`` into
+    ``variance`` (with ``LOC_SQUARE``, ``loc^2`` into ``loc_square``) and the block's row of a KL
+    sums table (:func:`cfbnn_cli.moments.elbo_reference.kl_block_sums`), float64, into ``row[0:3]``:
+    ``(sum (Var + loc^2), sum log_scale, count)``."""
+    start = block.to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    inside = offsets < n
+    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
+    loc = l_in.to(tl.float64)
+    if LOC_SQUARE:
+        tl.store(loc_square_ptr + offsets, l_in * l_in, mask=inside)
+    s_in = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0)
+    log_scale = s_in.to(tl.float64)
+    variance = tl.where(inside, tl.exp(2.0 * log_scale), 0.0)
+    tl.store(variance_ptr + offsets, variance.to(s_in.dtype), mask=inside)
+    tl.store(row_ptr, tl.sum(variance + loc * loc, axis=0))
+    tl.store(row_ptr + 1, tl.sum(log_scale, axis=0))
+    tl.store(row_ptr + 2, tl.minimum(n - start, BLOCK).to(tl.float64))
+
+
+@triton.jit
+def kl_from_table(sums_ptr, parts, prior_variance, log_prior_variance, BLOCK: tl.constexpr):
+    """The KL (float64) of the layers whose rows make the KL sums table at ``sums`` (``parts`` rows
+    of three: :func:`kl_block`), the rows added in a fixed order."""
+    second = tl.zeros([BLOCK], dtype=tl.float64)
+    log_scale_sum = tl.zeros([BLOCK], dtype=tl.float64)
+    count = tl.zeros([BLOCK], dtype=tl.float64)
+    for p0 in range(0, parts, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        inside = p < parts
+        second += tl.load(sums_ptr + 3 * p, mask=inside, other=0.0)
+        log_scale_sum += tl.load(sums_ptr + 3 * p + 1, mask=inside, other=0.0)
+        count += tl.load(sums_ptr + 3 * p + 2, mask=inside, other=0.0)
+    n = tl.sum(count, axis=0)
+    kl = 0.5 * (tl.sum(second, axis=0) / prior_variance - n + n * log_prior_variance)
+    return kl - tl.sum(log_scale_sum, axis=0)
 
 
 @triton.jit

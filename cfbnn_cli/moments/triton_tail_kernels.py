@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .triton_kernels import compute, family_moments, relu_core, std_from_variance
-from .triton_kl_kernels import fold_kl
+from .triton_kl_kernels import fold_kl, kl_block, kl_from_table
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
@@ -77,10 +77,12 @@ def relu_tail_kernel(
 ):
     """The two row sums of a block of ``BLOCK_R`` rows (the variance floored: :func:`load_tile`)
     for the ReLU family's ``ACTIVATION`` (:func:`~.triton_kernels.family_moments`; the leaky
-    slope read as float64 from ``slope_ptr``)."""
+    slope read as float64 from ``slope_ptr``, which the other kinds do not read)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = r < rows
-    eps = compute(tl.load(slope_ptr), CF_DEPTH)
+    eps = 0.0
+    if ACTIVATION == 1:  # (the other kinds have no slope: their launch passes any pointer)
+        eps = compute(tl.load(slope_ptr), CF_DEPTH)
     acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
     acc_spread = tl.zeros([BLOCK_R], dtype=tl.float64)
     for c0 in range(0, width, BLOCK_C):
@@ -135,7 +137,9 @@ def relu_tail_backward_kernel(
     k = compute(tl.load(row_k_ptr + r, mask=r_in, other=0.0), CF_DEPTH)
     w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
     g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
-    eps = compute(tl.load(slope_ptr), CF_DEPTH)
+    eps = 0.0
+    if ACTIVATION == 1:  # (as in the forward)
+        eps = compute(tl.load(slope_ptr), CF_DEPTH)
     # the small tail once, for the moments and the derivatives
     phi, ups, var, g_mean, g_std = family_moments(mean, std, std_error, eps, g_phi, g_ups, g_var, ACTIVATION, CF_DEPTH)
     dtype = g_mean_ptr.dtype.element_ty
@@ -150,11 +154,12 @@ def relu_tail_backward_kernel(
 
 
 @triton.jit
-def augment_pair_kernel(x_ptr, augmented_ptr, squared_ptr, rows, columns, BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """``([x, 1], [x^2, 1])`` (with ``BIAS``; else ``(x, x^2)``) of an ``(rows, columns)`` input in
-    one pass: a layer's input with its bias column and its square (the bias's 1 stays 1)."""
+def augment_block(x_ptr, augmented_ptr, squared_ptr, block, rows, columns, BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``block`` of ``BLOCK`` elements of ``([x, 1], [x^2, 1])`` (with ``BIAS``; else ``(x,
+    x^2)``) of an ``(rows, columns)`` input: a layer's input with its bias column and its square
+    (the bias's 1 stays 1)."""
     width = columns + BIAS
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < rows * width
     row = offsets // width
     column = offsets - row * width
@@ -165,6 +170,57 @@ def augment_pair_kernel(x_ptr, augmented_ptr, squared_ptr, rows, columns, BIAS: 
 
 
 @triton.jit
+def augment_pair_kernel(x_ptr, augmented_ptr, squared_ptr, rows, columns, BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``([x, 1], [x^2, 1])`` of an ``(rows, columns)`` input in one pass (:func:`augment_block`)."""
+    augment_block(x_ptr, augmented_ptr, squared_ptr, tl.program_id(0), rows, columns, BIAS, BLOCK)
+
+
+@triton.jit
+def outer_layers_kernel(
+    x_ptr,
+    augmented_ptr,
+    squared_ptr,
+    loc_ptr,
+    log_scale_ptr,
+    variance_ptr,
+    output_loc_ptr,
+    output_log_scale_ptr,
+    output_variance_ptr,
+    output_loc_square_ptr,
+    sums_ptr,
+    rows,
+    columns,
+    count,
+    output_count,
+    blocks,
+    output_blocks,
+    BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Three independent passes in one launch, by program: the first layer's KL blocks
+    (:func:`~.triton_kl_kernels.kl_block`, ``exp(2 log_scale)`` written), then the one-output
+    layer's (``loc^2`` too), their rows of the KL sums table in that order, then the blocks of
+    ``([x, 1], [x^2, 1])`` (:func:`augment_block`)."""
+    block = tl.program_id(0)
+    if block < blocks:
+        kl_block(loc_ptr, log_scale_ptr, variance_ptr, variance_ptr, sums_ptr + 3 * block, block, count, False, BLOCK)
+    elif block < blocks + output_blocks:
+        kl_block(
+            output_loc_ptr,
+            output_log_scale_ptr,
+            output_variance_ptr,
+            output_loc_square_ptr,
+            sums_ptr + 3 * block,
+            block - blocks,
+            output_count,
+            True,
+            BLOCK,
+        )
+    else:
+        augment_block(x_ptr, augmented_ptr, squared_ptr, block - blocks - output_blocks, rows, columns, BIAS, BLOCK)
+
+
+@triton.jit
 def normal_rows_kernel(
     mean_sum_ptr,
     spread_sum_ptr,
@@ -172,15 +228,19 @@ def normal_rows_kernel(
     output_loc_ptr,
     output_log_scale_ptr,
     log_precision_ptr,
-    hidden_kl_ptr,
-    output_kl_ptr,
+    kl_sums_ptr,
+    kl_ptr,
     residual_ptr,
     squares_ptr,
     out_ptr,
     rows,
     width,
+    parts,
+    prior_variance: tl.float64,
+    log_prior_variance: tl.float64,
     scale: tl.float64,
     PER_ROW: tl.constexpr,
+    HAS_KL: tl.constexpr,
     BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -190,7 +250,9 @@ def normal_rows_kernel(
 
     With ``PER_ROW`` (one program per block of rows) ``out_r = ELL_r = log(tau)/2 - log(2 pi)/2 -
     tau/2 squares_r``; else (one program, the rows summed in float64 in a fixed order) the ELBO
-    (eq. (4)) ``out = scale sum_r ELL_r - KL(hidden) - KL(output)``."""
+    (eq. (4)) ``out = scale sum_r ELL_r - KL``, the KL finished here from the ``parts`` rows of the
+    KL sums table ``kl_sums`` (:func:`~.triton_kl_kernels.kl_from_table`), plus ``kl[0]`` with
+    ``HAS_KL``."""
     log_precision = tl.load(log_precision_ptr).to(tl.float64)
     if PER_ROW:
         start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -217,7 +279,9 @@ def normal_rows_kernel(
         else:
             total += tl.where(r_in, squares, 0.0)
     if not PER_ROW:
-        kl = tl.load(hidden_kl_ptr).to(tl.float64) + tl.load(output_kl_ptr).to(tl.float64)
+        kl = kl_from_table(kl_sums_ptr, parts, prior_variance, log_prior_variance, BLOCK)
+        if HAS_KL:
+            kl += tl.load(kl_ptr).to(tl.float64)
         ell = rows * (0.5 * log_precision - HALF_LOG_2PI) - 0.5 * tl.exp(log_precision) * tl.sum(total, axis=0)
         tl.store(out_ptr, (scale * ell - kl).to(out_ptr.dtype.element_ty))
 

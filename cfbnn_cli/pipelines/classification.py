@@ -62,6 +62,7 @@ from ..runtime.progress import progress_bar
 from ..train import TrainingLoop, optimizers
 from ..train.fit_settings import validate_fit_settings
 from ..train.full_batch import minimize_full_batch
+from ..train.graphs import BatchLoss
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ class _Fit:
         loop = TrainingLoop(
             model,
             optimizers.adam(model.parameters(), lr=cfg.trainer.lr),
-            lambda rows: -model.elbo(x[fit_rows[rows]], y[fit_rows[rows]], num_data=len(fit_rows)),
+            # the fit rows, a minibatch gathered from them (outside a CUDA graph)
+            BatchLoss((x[fit_rows], y[fit_rows]), lambda xb, yb: -model.elbo(xb, yb, num_data=len(fit_rows))),
             len(fit_rows),
             min(int(cfg.trainer.batch_size), len(fit_rows)),
             device,

@@ -6,10 +6,14 @@ CUDA (``trainer.cuda_graphs=true``, the default). For each batch size it meets:
 1. the first step runs eagerly, on a side stream: it is a real training step (the same
    kernels, data and random draws as without graphs), and it makes the optimizer's
    lazily created state and every workspace before the capture;
-2. the step is then captured (not run) with a static buffer of row indices: the loss,
-   ``backward()`` into gradient buffers of the graph's own and ``optimizer.step()``
-   (Adam with ``capturable=True``: its step count lives on the GPU);
-3. every later step of that size copies its row indices into the buffer and replays.
+2. the step is then captured (not run) on static inputs: the loss, ``backward()`` (from a
+   static seed) into gradient buffers of the graph's own and ``optimizer.step()`` (Adam with
+   ``capturable=True``: its step count lives on the GPU);
+3. every later step of that size fills the static inputs and replays.
+
+The static inputs are a :class:`BatchLoss`'s batch buffers -- its rows of the data, gathered
+before each replay (``index_select`` into the buffers), so the graph holds the step alone -- or,
+for any other ``loss(rows)``, a buffer of row indices (the gather then inside the graph).
 
 A last, smaller batch gets a graph of its own the same way, so every batch trains as
 without graphs: nothing is dropped or padded, and the parameters after k steps equal
@@ -52,10 +56,31 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+class BatchLoss:
+    """A minibatch loss on rows of fixed data tensors: ``loss(rows) = on_batch(*(t[rows] for t in
+    data))``. :class:`GraphedTrainingStep` gathers its rows into static batch buffers before each
+    replay, outside the graph (``loss(rows)`` is the same number as with the gather inside)."""
+
+    def __init__(self, data: Sequence[torch.Tensor], on_batch: Callable[..., torch.Tensor]):
+        self.data, self.on_batch = tuple(data), on_batch
+
+    def gather(self, rows: torch.Tensor, out: Optional[Sequence[torch.Tensor]] = None):
+        """Each data tensor's ``rows``, into ``out`` where given (buffers of the batch's shapes)."""
+        if out is None:
+            return tuple(t.index_select(0, rows) for t in self.data)
+        for tensor, buffer in zip(self.data, out):
+            torch.index_select(tensor, 0, rows, out=buffer)
+        return out
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.on_batch(*self.gather(rows))
+
+
 class GraphedTrainingStep:
     """``step(rows) -> loss`` (a 0-d tensor on the device; see the module doc).
 
-    ``loss(rows)`` is the pipeline's minibatch loss; ``generators`` the CUDA generators
+    ``loss(rows)`` is the pipeline's minibatch loss (a :class:`BatchLoss` keeps its gather out of
+    the graph); ``generators`` the CUDA generators
     it draws from. ``capture`` replaces :func:`~cfbnn_cli.runtime.cuda_graphs.capture`
     (tests). ``enabled`` is False off CUDA, for an optimizer without a capturable
     form, or after a failed capture.
@@ -103,21 +128,48 @@ class GraphedTrainingStep:
                 return self._eager(rows)
             with validate_args(False):
                 loss = on_side_stream(lambda: self._eager(rows), self.device)
-                self._record(rows)
+                self._record(rows, loss)
             return loss
-        static_rows, replay = entry
-        static_rows.copy_(rows)
+        fill, replay = entry
+        fill(rows)
         return replay()
 
-    def _record(self, rows: torch.Tensor) -> None:
-        static_rows = rows.detach().clone()
+    def captured_step(self, rows: torch.Tensor, loss: torch.Tensor):
+        """``(fill, step)`` for batches of ``rows``' size, ``loss`` an eager step's loss (its shape
+        and dtype): ``step()`` is the work the graph holds -- the loss on static inputs,
+        ``backward()`` from a static seed, ``optimizer.step()`` -- and ``fill(rows)`` what runs
+        before each replay, outside the graph: the batch's gather into those inputs (a
+        :class:`BatchLoss`), else the rows' copy into a static buffer. The benchmarks count each
+        one's kernels (benchmarks/bench_operators.py)."""
+        seed = torch.ones_like(loss)  # backward()'s own seed would be a fill kernel inside the graph
+        if isinstance(self.loss, BatchLoss):
+            batch = self.loss.gather(rows)
+
+            def fill(rows):
+                self.loss.gather(rows, out=batch)
+
+            def value():
+                return self.loss.on_batch(*batch)
+
+        else:
+            static_rows = rows.detach().clone()
+
+            def fill(rows):
+                static_rows.copy_(rows)
+
+            def value():
+                return self.loss(static_rows)
 
         def step():
-            loss = self.loss(static_rows)
-            loss.backward()
+            loss = value()
+            loss.backward(seed)
             self.optimizer.step()
             return loss.detach()
 
+        return fill, step
+
+    def _record(self, rows: torch.Tensor, loss: torch.Tensor) -> None:
+        fill, step = self.captured_step(rows, loss)
         # gradients of the graph's own: backward() inside the capture writes (not adds) them
         self.optimizer.zero_grad(set_to_none=True)
         try:
@@ -133,5 +185,5 @@ class GraphedTrainingStep:
                 self.failure,
             )
             return
-        self.graphs[rows.numel()] = (static_rows, replay)
+        self.graphs[rows.numel()] = (fill, replay)
         log.debug("%s: training step of %d rows captured as a CUDA graph", self.label, rows.numel())

@@ -14,8 +14,7 @@ DTYPES = [torch.float32, torch.float64]
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 # the one-hidden-layer ELBO's node (bnn/fused/operator_elbo.py: NormalELBO), forward and backward
 ELBO_OPERATORS = {
-    "augment_pair",
-    "diagonal_kl_pass",
+    "outer_layers_pass",
     "relu_tail",
     "normal_elbo_rows",
     "normal_rows_backward",

@@ -88,6 +88,47 @@ def test_diagonal_kl_pass(loc_square, kernels):
 
 
 @pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("hidden_shape", [(6, 4), (40, 77)], ids=["one_block", "four_blocks"])
+def test_outer_layers_pass(bias, hidden_shape, kernels):
+    """Both layers' variances, the output layer's loc^2, [x, 1] and [x^2, 1], and a KL sums table
+    whose rows add up to both layers' KL (torch.distributions) and, block by block, to each block's
+    own sums (the first layer's blocks first, the last one partial)."""
+    t = _tensors(9)
+    g = torch.Generator().manual_seed(9)
+    loc = torch.randn(*hidden_shape, generator=g, dtype=torch.float64)
+    log_scale = torch.randn(*hidden_shape, generator=g, dtype=torch.float64) * 0.5 - 1.0
+    result = kernels.outer_layers_pass(t["x"], loc, log_scale, t["loc"], t["log_scale"], bias)
+    inputs, squares, variance, output_variance, output_loc_square, kl_sums = result
+    want = torch.cat([t["x"], torch.ones(ROWS, 1, dtype=torch.float64)], 1) if bias else t["x"]
+    assert torch.equal(inputs, want) and torch.equal(squares, want * want)
+    torch.testing.assert_close(variance, torch.exp(2 * log_scale), rtol=1e-15, atol=0)
+    torch.testing.assert_close(output_variance, torch.exp(2 * t["log_scale"]), rtol=1e-15, atol=0)
+    torch.testing.assert_close(output_loc_square, t["loc"] ** 2)
+    blocks = -(-loc.numel() // 1024)
+    assert kl_sums.dtype == torch.float64 and kl_sums.shape == (blocks + 1, 3)
+    for index, start in enumerate(range(0, loc.numel(), 1024)):  # the first layer's blocks, in memory order
+        part = slice(start, start + 1024)
+        l, s = loc.reshape(-1)[part], log_scale.reshape(-1)[part]
+        row = torch.stack([(torch.exp(2 * s) + l * l).sum(), s.sum(), torch.tensor(float(l.numel()))])
+        torch.testing.assert_close(kl_sums[index], row.double(), rtol=1e-13, atol=1e-13)
+    total = _kl(loc, log_scale, 0.7) + _kl(t["loc"], t["log_scale"], 0.7)
+    torch.testing.assert_close(elbo_reference.kl_from_table(kl_sums, 0.7), total, rtol=1e-13, atol=0)
+
+
+def test_outer_layers_pass_float32_against_float64():
+    """float32 inputs: float32 outputs, the KL sums table in float64 from the float32 values."""
+    t = _tensors(10)
+    g = torch.Generator().manual_seed(10)
+    loc, log_scale = torch.randn(30, 50, generator=g), torch.randn(30, 50, generator=g) * 0.5 - 1.0
+    args = [t["x"].float(), loc, log_scale, t["loc"].float(), t["log_scale"].float(), True]
+    got = C.outer_layers_pass(*args)
+    want = elbo_reference.outer_layers_pass(*[a.double() if torch.is_tensor(a) else a for a in args])
+    assert [g.dtype for g in got] == [torch.float32] * 5 + [torch.float64]
+    for g_, w in zip(got, want):
+        torch.testing.assert_close(g_.double(), w, rtol=2e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("bias", [True, False])
 def test_rows_and_the_elbo(bias, kernels):
     t = _tensors(2)
     loc, log_scale = (t[k][:, : WIDTH + int(bias)] for k in ("loc", "log_scale"))
@@ -97,10 +138,16 @@ def test_rows_and_the_elbo(bias, kernels):
     torch.testing.assert_close(ell, _ell(case, bias), rtol=1e-13, atol=1e-13)
     b = loc[0, WIDTH] if bias else 0.0
     torch.testing.assert_close(residual, t["y"] - t["mean_sum"] - b)
-    hidden_kl, output_kl = torch.tensor(1.25, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)
-    _, _, elbo = kernels.normal_elbo_rows(*common, hidden_kl, output_kl, 3.0, bias)
-    torch.testing.assert_close(elbo, 3.0 * _ell(case, bias).sum() - 1.75, rtol=1e-13, atol=0)
-    assert torch.equal(squares, kernels.normal_elbo_rows(*common, hidden_kl, output_kl, 3.0, bias)[1])
+    # the KL of two layers from their KL sums table (finished by the rows), and another layer's KL
+    layers = [(t["matrix_loc"], t["matrix_log_scale"]), (loc, log_scale)]
+    kl_sums = torch.cat([elbo_reference.kl_block_sums(*layer) for layer in layers])
+    kl = _kl(*layers[0], 0.7) + _kl(*layers[1], 0.7)
+    other = torch.tensor(0.5, dtype=torch.float64)
+    for extra in (None, other):
+        _, got_squares, elbo = kernels.normal_elbo_rows(*common, kl_sums, extra, 0.7, 3.0, bias)
+        want = 3.0 * _ell(case, bias).sum() - kl - (0.0 if extra is None else 0.5)
+        torch.testing.assert_close(elbo, want, rtol=1e-13, atol=0)
+        assert torch.equal(squares, got_squares)
 
 
 @pytest.mark.parametrize("row_grads", [True, False])
@@ -168,14 +215,17 @@ def _opcheck_arguments(t):
         t["mean_sum"], t["spread_sum"], t["y"], t["loc"], t["log_scale"], t["log_precision"], True
     )
     kl = t["log_precision"] * 0 + 0.25
+    kl_sums = elbo_reference.kl_block_sums(t["matrix_loc"], t["matrix_log_scale"])
     return {
         "augment_pair": (t["x"], True),
+        "outer_layers_pass": (t["x"], t["matrix_loc"], t["matrix_log_scale"], t["loc"], t["log_scale"], True),
         "diagonal_kl_pass": (t["matrix_loc"], t["matrix_log_scale"], 0.8, True),
         "normal_ell_rows": (t["mean_sum"], t["spread_sum"], t["y"], t["loc"], t["log_scale"], t["log_precision"], True),
         "normal_elbo_rows": (
             *(t[k] for k in ("mean_sum", "spread_sum", "y", "loc", "log_scale", "log_precision")),
+            kl_sums,
             kl,
-            kl,
+            0.8,
             2.0,
             True,
         ),
@@ -212,6 +262,8 @@ def test_opcheck_cpu(dtype):
     assert set(arguments) == set(elbo_ops.STEPS)
     for name, args in arguments.items():
         torch.library.opcheck(getattr(C, name).default, args, test_utils=_UTILS)
+    rows = arguments["normal_elbo_rows"]  # (and without a further layer's KL)
+    torch.library.opcheck(C.normal_elbo_rows.default, (*rows[:7], None, *rows[8:]), test_utils=_UTILS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

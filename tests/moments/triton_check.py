@@ -15,7 +15,7 @@ import torch
 from prediction_check import assert_prediction_tolerances, prediction_errors
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import family_ops, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
+from cfbnn_cli.moments import elbo_ops, elbo_reference, family_ops, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 
@@ -62,6 +62,45 @@ def tail_errors(device: str, dtype, generator) -> dict:
             _scaled(grads[1], reference[1].grad),
             *(_scaled(columns[i], reference[2 + i].grad) for i in range(3)),
         )
+    return worst
+
+
+def _kl64(loc, log_scale, prior_variance):
+    q = torch.distributions.Normal(loc.double(), log_scale.double().exp())
+    p = torch.distributions.Normal(torch.zeros((), dtype=torch.float64), prior_variance**0.5)
+    return torch.distributions.kl_divergence(q, p).sum()
+
+
+def elbo_step_errors(device: str, dtype, generator) -> dict:
+    """The ELBO's first step and its rows on their Triton kernels (``cfbnn::outer_layers_pass``,
+    ``cfbnn::normal_elbo_rows``) against float64: every output of the first step against the
+    reference kernel's on the same numbers in float64 (``values``; the KL sums table against the
+    blocks' own sums), and the ELBO, whose KL the rows finish from that table, with and without a
+    further layer's KL, against its definition with ``torch.distributions``' KL (``elbo``). A first
+    layer of three blocks (the last one partial), an input of two augmented blocks."""
+    x = torch.randn(37, 40, generator=generator, dtype=torch.float64).to(dtype)
+    layers = []
+    for shape in ((60, 41), (1, 61)):
+        loc = torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+        log_scale = (torch.randn(*shape, generator=generator, dtype=torch.float64) * 0.5 - 1.5).to(dtype)
+        layers.append((loc, log_scale))
+    on = lambda t: t.to(device)  # noqa: E731
+    got = elbo_ops.TRITON_KERNELS["outer_layers_pass"](*map(on, (x, *layers[0], *layers[1])), True)
+    want = elbo_reference.outer_layers_pass(x.double(), *(t.double() for layer in layers for t in layer), True)
+    assert [t.dtype for t in got] == [dtype] * 5 + [torch.float64]
+    worst = {"values": max(_scaled(g, w) for g, w in zip(got, want)), "elbo": 0.0}
+    rows = [torch.randn(37, generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)]
+    rows[1] = rows[1].abs()
+    output_loc, output_log_scale = layers[1]
+    log_precision = torch.tensor(0.4, dtype=dtype)
+    operands = (*rows, output_loc, output_log_scale, log_precision)
+    kl = _kl64(*layers[0], 0.8) + _kl64(*layers[1], 0.8)
+    _, _, ell = elbo_reference.normal_ell_rows(*(t.double() for t in operands), True)
+    for extra in (None, torch.tensor(0.75, dtype=dtype)):
+        elbo_terms = (got[5], None if extra is None else on(extra), 0.8, 3.0)
+        _, _, elbo = elbo_ops.TRITON_KERNELS["normal_elbo_rows"](*map(on, operands), *elbo_terms, True)
+        reference = 3.0 * ell.sum() - kl - (0.0 if extra is None else 0.75)
+        worst["elbo"] = max(worst["elbo"], abs(float(elbo) - float(reference)) / abs(float(reference)))
     return worst
 
 
@@ -181,6 +220,7 @@ def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
         phi_alone = relu_mean_ops.triton_relu_mean(on(mean), on(std)).cpu()
         out[name + "_mean"] = {"values": worst_error([phi_alone], references, POINTS, dtype)}
         out[name + "_tail"] = tail_errors(device, dtype, g)
+        out[name + "_elbo_steps"] = elbo_step_errors(device, dtype, g)
         out[name + "_leaky"] = leaky_errors(device, dtype, g)
         out[name + "_relu_squared"] = relu_squared_errors(device, dtype, g)
         # the prediction's two passes (cfbnn::prediction_operand, cfbnn::prediction_hidden_mean)
@@ -208,6 +248,8 @@ def assert_within_tolerances(errors: dict) -> None:
     assert errors["float32_kl"]["value"] < 1e-5 and errors["float32_kl"]["grads"] < 1e-5, errors
     for name, tolerance in (("float64_tail", 1e-10), ("float32_tail", 1e-5)):
         assert errors[name]["values"] < tolerance and errors[name]["grads"] < tolerance, (name, errors)
+    for name, tolerance in (("float64_elbo_steps", 1e-12), ("float32_elbo_steps", 1e-6)):
+        assert errors[name]["values"] < tolerance and errors[name]["elbo"] < tolerance, (name, errors)
     for kind in ("leaky", "relu_squared"):
         for name, tolerance in ((f"float64_{kind}", 1e-10), (f"float32_{kind}", 1e-5)):
             assert errors[name]["values"] <= 1.0 and errors[name]["grads"] < tolerance, (name, errors)

@@ -18,7 +18,7 @@ from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.runtime.cuda_graphs import GraphedCall
 from cfbnn_cli.runtime.numerics import NonFiniteLossError
 from cfbnn_cli.train import TrainingLoop
-from cfbnn_cli.train.graphs import GraphedTrainingStep
+from cfbnn_cli.train.graphs import BatchLoss, GraphedTrainingStep
 
 
 class StandIn:
@@ -50,19 +50,22 @@ def _problem(seed=0, rows=29):
     return x, y, model
 
 
-def _train(graphed: bool, epochs=3, fail=None, nan_at=None, label="toy"):
+def _train(graphed: bool, epochs=3, fail=None, nan_at=None, label="toy", batch_loss=False):
     """The Table 1 step (sampling estimator: random draws in every step), 29 rows in batches of 8
-    (a last batch of 5), through the loop; returns the parameters, the history and the stand-in."""
+    (a last batch of 5), through the loop; returns the parameters, the history and the stand-in.
+    With ``batch_loss`` the loss is a :class:`BatchLoss` (the rows gathered outside the graph)."""
     x, y, model = _problem()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     sampler = torch.Generator().manual_seed(3)
     calls = {"n": 0}
 
-    def loss(rows):
+    def on_batch(xb, yb):
         calls["n"] += 1
-        noise = model.sample_noise(rows.numel(), estimator="sampling", generator=sampler)
-        value = -model.elbo(x[rows], y[rows], num_data=len(y), estimator="sampling", noise=noise)
+        noise = model.sample_noise(xb.shape[0], estimator="sampling", generator=sampler)
+        value = -model.elbo(xb, yb, num_data=len(y), estimator="sampling", noise=noise)
         return value * float("nan") if nan_at is not None and calls["n"] == nan_at else value
+
+    loss = BatchLoss((x, y), on_batch) if batch_loss else (lambda rows: on_batch(x[rows], y[rows]))
 
     loop = TrainingLoop(
         model,
@@ -94,6 +97,43 @@ def test_graphed_training_equals_eager_training_including_the_last_partial_batch
     # the epoch's objective, summed on the device and read once, is the eager one
     for a, b in zip(eager_loop.history, graphed_loop.history):
         assert a["train_elbo_per_point"] == pytest.approx(b["train_elbo_per_point"], rel=1e-12)
+
+
+def test_a_batch_loss_trains_as_the_gather_inside_with_its_gather_outside_the_graph():
+    """A :class:`BatchLoss`: the same parameters as the eager loop and as a loss that gathers its
+    rows itself; the captured work gathers nothing, the fill before each replay gathers the batch
+    into the static buffers (one gather a data tensor) and nothing else."""
+    from cfbnn_cli.moments.kernel_count import count_kernels
+
+    eager, _, _ = _train(graphed=False)
+    graphed, loop, stand_in = _train(graphed=True, batch_loss=True)
+    assert stand_in.captures == 2 and stand_in.replays == 10
+    for name in eager:
+        torch.testing.assert_close(graphed[name], eager[name], rtol=0, atol=0, msg=name)
+    step = loop.graphed
+    rows = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    value = step.loss(rows)
+    fill, work = step.captured_step(rows, value.detach())
+    other = rows.flip(0)
+    with count_kernels() as filled:
+        fill(other)
+    step.optimizer.zero_grad(set_to_none=True)
+    with count_kernels() as captured:
+        work()
+    assert dict(filled) == {"aten::index_select": 2}, filled
+    assert not {"aten::index", "aten::index_select", "aten::ones_like"} & set(captured), captured
+
+
+def test_each_replay_reads_the_rows_its_fill_gathered():
+    """The static batch buffers hold the rows of the step that replays: the captured loss of the
+    batch filled last, whatever rows the capture saw."""
+    g = torch.Generator().manual_seed(5)
+    x, y, weight = torch.randn(20, 3, generator=g), torch.randn(20, generator=g), torch.randn(3, requires_grad=True)
+    loss = BatchLoss((x, y), lambda xb, yb: (xb @ weight - yb).square().sum())
+    step = GraphedTrainingStep(torch.nn.Module(), torch.optim.SGD([weight], lr=0.0), loss, "cpu", capture=StandIn())
+    seen = [step(torch.tensor(rows)) for rows in ([0, 1, 2], [0, 1, 2], [7, 3, 19], [5, 5, 6])]
+    for rows, value in zip(([0, 1, 2], [0, 1, 2], [7, 3, 19], [5, 5, 6]), seen):
+        torch.testing.assert_close(value, (x[rows] @ weight - y[rows]).square().sum().detach(), rtol=0, atol=0)
 
 
 def test_a_failed_capture_says_why_once_and_training_goes_on_eagerly(caplog):

@@ -11,7 +11,7 @@ propagates them through its weights ``W ~ N(M, S)`` (mean field, bias column las
 (``Var(w^T h) = sum_j S_j E[h_j^2] + M_j^2 Var h_j`` for independent ``w`` and ``h``); the first
 layer is :class:`~.operator_elbo.NormalELBO`'s (``[x, 1] M^T`` and ``[x^2, 1] S^T``) and the last
 hidden layer and the output layer its tail pass. Every elementwise step is an operator
-(``cfbnn::augment_pair``, ``cfbnn::diagonal_kl_pass``, the moments operators, ``cfbnn::relu_tail``,
+(``cfbnn::outer_layers_pass``, ``cfbnn::diagonal_kl_pass``, the moments operators, ``cfbnn::relu_tail``,
 ``cfbnn::normal_elbo_rows`` and their backward passes, ``cfbnn::finish_diagonal_gradients``),
 the rest matrix products, so the dispatcher picks C++ on the CPU and Triton on CUDA, and the
 backward pass runs them in reverse without autograd's per-operation bookkeeping.
@@ -75,10 +75,11 @@ class DeepNormalELBO(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, log_precision, biases, prior_variance, scale, family, *parameters):
         locs, log_scales = parameters[0::2], parameters[1::2]
-        inputs, squares_in, hidden_kl, variance, gamma, xi2 = _first_layer(
-            x, locs[0], log_scales[0], biases[0], prior_variance
+        inputs, squares_in, variance, gamma, xi2, output_rows, kl_sums = _first_layer(
+            x, locs[0], log_scales[0], biases[0], locs[-1], log_scales[-1]
         )
         propagated = []  # per later hidden layer: its inputs' pre-activations, moments and weights
+        hidden_kl = None  # the KL of the layers between the first and the output layer
         for loc, log_scale, bias in zip(locs[1:-1], log_scales[1:-1], biases[1:-1]):
             phi, ups, var_h, std = hidden_moments(gamma, xi2, family)
             kl, layer_variance, loc_square = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, True)
@@ -87,10 +88,21 @@ class DeepNormalELBO(torch.autograd.Function):
             next_gamma = torch.mm(phi_in, loc.t())
             next_xi2 = torch.mm(ups_in, layer_variance.t()).addmm_(var_h, loc_square[:, :width].t())
             propagated.append((gamma, xi2, std, phi, phi_in, ups_in, var_h, layer_variance, loc_square))
-            hidden_kl = hidden_kl + kl
+            hidden_kl = kl if hidden_kl is None else hidden_kl + kl
             gamma, xi2 = next_gamma, next_xi2
         elbo, tail = _tail_and_rows(
-            gamma, xi2, locs[-1], log_scales[-1], y, log_precision, hidden_kl, prior_variance, scale, biases[-1], family
+            gamma,
+            xi2,
+            output_rows,
+            locs[-1],
+            log_scales[-1],
+            y,
+            log_precision,
+            (kl_sums, hidden_kl),
+            prior_variance,
+            scale,
+            biases[-1],
+            family,
         )
         # (std is None for ReLU, whose operator takes the variance: save_for_backward keeps a None)
         ctx.save_for_backward(inputs, squares_in, variance, *(t for layer in propagated for t in layer), *tail, *locs)

@@ -7,16 +7,17 @@ earlier layers sampled or propagated by the estimator).
 
 Every step is an operator (:mod:`cfbnn_cli.moments.elbo_ops`, ``cfbnn::relu_tail``) or a matrix
 product, and the dispatcher picks each step's kernel by device: C++ on the CPU, Triton on CUDA.
-The forward pass is: the input with its bias column and its square (``cfbnn::augment_pair``),
-each layer's KL with ``exp(2 log_scale)`` in the same pass (``cfbnn::diagonal_kl_pass``), the
-pre-activations' means and variances (2 matrix products), the tail pass (``cfbnn::relu_tail``)
-and the likelihood's rows with the ELBO's sum (``cfbnn::normal_elbo_rows``); the backward pass:
+The forward pass is: one pass for the input with its bias column and its square, both layers'
+``exp(2 log_scale)`` (and the output layer's ``loc^2``) and both layers' KL sums
+(``cfbnn::outer_layers_pass``), the pre-activations' means and variances (2 matrix products), the
+tail pass (``cfbnn::relu_tail``) and the likelihood's rows with the ELBO's sum, the KL finished
+there (``cfbnn::normal_elbo_rows``); the backward pass:
 the rows (``cfbnn::normal_rows_backward``), the tail pass (``cfbnn::relu_tail_backward``), the
 output layer's gradients (``cfbnn::output_layer_gradients``), two matrix products and one pass
 that finishes the hidden layer's gradients with its KL's folded in
-(``cfbnn::finish_diagonal_gradients``). On CUDA that is about twenty kernels a step, where the
-same mathematics written as ordinary torch code launches some 130; on the CPU, as many calls
-into the C++ kernels.
+(``cfbnn::finish_diagonal_gradients``). On CUDA that is twelve kernels (four of them matrix
+products; tests/test_kernel_count.py counts them), where the same mathematics written as ordinary
+torch code launches some 130; on the CPU, as many calls into the C++ kernels.
 
 Used by :meth:`cfbnn_cli.bnn.estimators.Estimator.elbo` where :func:`operators_apply`; the
 values and gradients are tested against the reference torch path on the CPU kernels, on the
@@ -134,14 +135,19 @@ def _tail_backward(
     return grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision
 
 
-def _first_layer(x, loc, log_scale, bias: bool, prior_variance: float):
-    """A first layer's forward pass: ``(inputs, squares_in, KL, variance, gamma, xi2)`` with
-    ``[x, 1]`` and ``[x^2, 1]`` in one pass, its KL and ``exp(2 log_scale)`` in another, and the
-    pre-activations' means and variances as two matrix products."""
-    inputs, squares_in = _cfbnn.augment_pair(x, bias)
-    kl, variance, _ = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, False)
+def _first_layer(x, loc, log_scale, bias: bool, output_loc, output_log_scale):
+    """A first layer's forward pass beside the one-output layer's:
+    ``(inputs, squares_in, variance, gamma, xi2, output_rows, kl_sums)`` with ``[x, 1]`` and
+    ``[x^2, 1]``, both layers' ``exp(2 log_scale)``, the output layer's ``loc^2`` (``output_rows =
+    (Var, loc^2)`` of that layer) and both layers' KL sums table in one pass
+    (``cfbnn::outer_layers_pass``: the KL is finished by the rows), and the pre-activations' means
+    and variances as two matrix products."""
+    inputs, squares_in, variance, output_variance, output_loc_square, kl_sums = _cfbnn.outer_layers_pass(
+        x, loc, log_scale, output_loc, output_log_scale, bias
+    )
     # linear(a, w) is mm(a, w^T) with the transpose taken in C++: one Python call a product, not two
-    return inputs, squares_in, kl, variance, _linear(inputs, loc), _linear(squares_in, variance)
+    gamma, xi2 = _linear(inputs, loc), _linear(squares_in, variance)
+    return inputs, squares_in, variance, gamma, xi2, (output_variance, output_loc_square), kl_sums
 
 
 def _first_layer_gradients(grad_gamma, grad_xi2, inputs, squares_in, loc, variance, kl_grad, prior_variance):
@@ -152,14 +158,18 @@ def _first_layer_gradients(grad_gamma, grad_xi2, inputs, squares_in, loc, varian
     return grad_loc, grad_log_scale
 
 
-def _tail_and_rows(gamma, xi2, loc, log_scale, y, log_precision, hidden_kl, prior_variance, scale, bias, family):
-    """The ELBO from the last hidden layer's pre-activations: the one-output layer's KL pass, the tail
-    pass and the rows with the ELBO's sum; ``(elbo, saved)``, ``saved`` what :func:`_tail_backward`
-    takes."""
-    output_kl, (w_phi, w_var, w_second) = _output_layer_pass(loc, log_scale, gamma.shape[1], prior_variance)
+def _tail_and_rows(
+    gamma, xi2, output_rows, loc, log_scale, y, log_precision, kl_terms, prior_variance, scale, bias, family
+):
+    """The ELBO from the last hidden layer's pre-activations, the one-output layer's ``(Var, loc^2)``
+    (``output_rows``, from :func:`_first_layer`) and ``kl_terms = (kl_sums, kl or None)``, the KL
+    (``cfbnn::normal_elbo_rows``): the tail pass and the rows with the ELBO's sum; ``(elbo, saved)``,
+    ``saved`` what :func:`_tail_backward` takes."""
+    width = gamma.shape[1]
+    w_phi, w_var, w_second = (_columns(row, width) for row in (loc, output_rows[1], output_rows[0]))
     mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
     residual, squares, elbo = _cfbnn.normal_elbo_rows(
-        mean_sum, spread_sum, y, loc, log_scale, log_precision, hidden_kl, output_kl, scale, bias
+        mean_sum, spread_sum, y, loc, log_scale, log_precision, *kl_terms, prior_variance, scale, bias
     )
     return elbo, (gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)
 
@@ -183,17 +193,18 @@ class NormalELBO(torch.autograd.Function):
         family=RELU,
     ):
         hidden_bias, output_bias = biases
-        inputs, squares_in, hidden_kl, hidden_variance, gamma, xi2 = _first_layer(
-            x, hidden_loc, hidden_log_scale, hidden_bias, prior_variance
+        inputs, squares_in, hidden_variance, gamma, xi2, output_rows, kl_sums = _first_layer(
+            x, hidden_loc, hidden_log_scale, hidden_bias, output_loc, output_log_scale
         )
         elbo, tail = _tail_and_rows(
             gamma,
             xi2,
+            output_rows,
             output_loc,
             output_log_scale,
             y,
             log_precision,
-            hidden_kl,
+            (kl_sums, None),
             prior_variance,
             scale,
             output_bias,

@@ -27,6 +27,8 @@
   void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl, T* gs, int nt);   \
   void augment_pair_##SUF(int64_t rows, int64_t D, const T* x, T* aug, T* sq, int nt);                         \
   void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt);                  \
+  void diag_kl_table_##SUF(int64_t n, const T* loc, const T* ls, int64_t block, double* rows, T* var, T* lsq,   \
+                           int nt);                                                                            \
   void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double a, double c, double b, T* gl,  \
                                   T* gv, int nt);                                                              \
   double normal_rows_##SUF(int64_t rows, const T* mean, const T* spread, const T* y, double mb, double sb,     \

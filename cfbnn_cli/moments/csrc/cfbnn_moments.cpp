@@ -62,7 +62,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 15
+#define CFBNN_ABI 16
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -965,6 +965,40 @@ static void diag_kl_sums(int64_t n, const T* loc, const T* ls, double* out, T* v
   for (int64_t c = 0; c < nchunks; c++) { a += partial[3 * c]; b += partial[3 * c + 1]; d += partial[3 * c + 2]; }
   free(partial);
   out[0] = a; out[1] = b; out[2] = d;
+}
+
+/* A layer's rows of a KL sums table (cfbnn_cli/moments/elbo_reference.py, kl_block_sums): per
+   block of `block` elements, in memory order, (sum (Var + loc^2), sum log_scale, count) in
+   float64, with Var = exp(2 log_scale) written into var_out and, where given, loc^2 into
+   lsq_out. Blocks in parallel, each one's sums in order (no dependence on the thread count). */
+template <typename T>
+static void diag_kl_table(int64_t n, const T* loc, const T* ls, int64_t block, double* rows, T* var_out, T* lsq_out,
+                          int nthreads) {
+  const int64_t nblocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
+  for (int64_t b = 0; b < nblocks; b++) {
+    const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+    const T* RS l = loc + lo;
+    const T* RS g = ls + lo;
+    T* RS v = var_out + lo;
+    const int len = (int)(hi - lo);
+    double second = 0.0, log_scales = 0.0;
+#pragma omp simd reduction(+ : second, log_scales)
+    for (int i = 0; i < len; i++) {
+      const T value = kl_exp((T)2 * g[i]);
+      v[i] = value;
+      second += (double)value + (double)l[i] * (double)l[i];
+      log_scales += (double)g[i];
+    }
+    if (lsq_out) {
+      T* RS q = lsq_out + lo;
+#pragma omp simd
+      for (int i = 0; i < len; i++) q[i] = l[i] * l[i];
+    }
+    rows[3 * b] = second;
+    rows[3 * b + 1] = log_scales;
+    rows[3 * b + 2] = (double)len;
+  }
 }
 
 /* A layer's gradient finished in place, the KL's own gradient folded in: from the matrix
@@ -1870,6 +1904,10 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
   }                                                                                                              \
   extern "C" void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt) {       \
     diag_kl_sums<T>(n, loc, ls, out, var, nt);                                                                   \
+  }                                                                                                              \
+  extern "C" void diag_kl_table_##SUF(int64_t n, const T* loc, const T* ls, int64_t block, double* rows, T* var, \
+                                      T* lsq, int nt) {                                                          \
+    diag_kl_table<T>(n, loc, ls, block, rows, var, lsq, nt);                                                     \
   }                                                                                                              \
   extern "C" void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double a, double c, double b, \
                                              T* gl, T* gv, int nt) {                                             \

@@ -63,6 +63,7 @@ struct Kernels;
     static constexpr auto diag_kl_backward = &diag_kl_backward_##SUF;    \
     static constexpr auto augment_pair = &augment_pair_##SUF;            \
     static constexpr auto diag_kl_sums = &diag_kl_sums_##SUF;            \
+    static constexpr auto diag_kl_table = &diag_kl_table_##SUF;          \
     static constexpr auto diag_gradient_finish = &diag_gradient_finish_##SUF; \
     static constexpr auto normal_rows = &normal_rows_##SUF;              \
     static constexpr auto normal_row_gradients = &normal_row_gradients_##SUF; \
@@ -501,9 +502,10 @@ std::tuple<Tensor, Tensor> diagonal_kl_backward(const Tensor& loc_in, const Tens
 
 // ------------------------------------------------------------------------- forward steps
 
-std::tuple<Tensor, Tensor> augment_pair(const Tensor& x_in, bool bias) {
-  check_floats("augment_pair", x_in, {});
-  TORCH_CHECK_VALUE(x_in.dim() == 2, "cfbnn::augment_pair: `x` must be (N, D); got shape ", x_in.sizes());
+/* [x, 1] and [x^2, 1] (x and x^2 without bias) of an (N, D) input, for `op`. */
+std::tuple<Tensor, Tensor> augmented(const char* op, const Tensor& x_in, bool bias) {
+  check_floats(op, x_in, {});
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "cfbnn::", op, ": `x` must be (N, D); got shape ", x_in.sizes());
   const Tensor x = x_in.contiguous();
   if (!bias) return {x.clone(), at::mul(x, x)};
   const int64_t rows = x.size(0), columns = x.size(1);
@@ -515,6 +517,46 @@ std::tuple<Tensor, Tensor> augment_pair(const Tensor& x_in, bool bias) {
     return 0;
   });
   return {inputs, squares};
+}
+
+std::tuple<Tensor, Tensor> augment_pair(const Tensor& x_in, bool bias) { return augmented("augment_pair", x_in, bias); }
+
+const int64_t KL_BLOCK = 1024;  // a KL sums table's block (elbo_reference.KL_BLOCK)
+
+int64_t kl_blocks(const Tensor& loc) { return (loc.numel() + KL_BLOCK - 1) / KL_BLOCK; }
+
+/* A layer's rows of a KL sums table, from row `first` of `table`: exp(2 log_scale) into `variance`,
+   loc^2 into `loc_square` where given. */
+void kl_table(const Tensor& loc, const Tensor& log_scale, Tensor& table, int64_t first, Tensor& variance,
+              Tensor* loc_square) {
+  by_dtype(loc, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::diag_kl_table(loc.numel(), loc.data_ptr<T>(), log_scale.data_ptr<T>(), KL_BLOCK,
+                              table.data_ptr<double>() + 3 * first, variance.data_ptr<T>(),
+                              loc_square != nullptr ? loc_square->data_ptr<T>() : nullptr, threads());
+    return 0;
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> outer_layers_pass(const Tensor& x_in, const Tensor& loc_in,
+                                                                             const Tensor& log_scale_in,
+                                                                             const Tensor& output_loc_in,
+                                                                             const Tensor& output_log_scale_in,
+                                                                             bool bias) {
+  const char* op = "outer_layers_pass";
+  check_floats(op, x_in, {&loc_in, &log_scale_in, &output_loc_in, &output_log_scale_in});
+  check_numel(op, "log_scale", log_scale_in, loc_in.numel());
+  check_numel(op, "output_log_scale", output_log_scale_in, output_loc_in.numel());
+  auto [inputs, squares] = augmented(op, x_in, bias);
+  const Tensor loc = loc_in.contiguous(), log_scale = log_scale_in.contiguous();
+  const Tensor output_loc = output_loc_in.contiguous(), output_log_scale = output_log_scale_in.contiguous();
+  const int64_t blocks = kl_blocks(loc);
+  Tensor table = at::empty({blocks + kl_blocks(output_loc), 3}, loc.options().dtype(at::kDouble));
+  Tensor variance = at::empty_like(log_scale), output_variance = at::empty_like(output_log_scale);
+  Tensor output_loc_square = at::empty_like(output_loc);
+  kl_table(loc, log_scale, table, 0, variance, nullptr);
+  kl_table(output_loc, output_log_scale, table, blocks, output_variance, &output_loc_square);
+  return {inputs, squares, variance, output_variance, output_loc_square, table};
 }
 
 std::tuple<Tensor, Tensor, Tensor> diagonal_kl_pass(const Tensor& loc_in, const Tensor& log_scale_in,
@@ -569,15 +611,31 @@ std::tuple<Tensor, Tensor, Tensor> normal_ell_rows(const Tensor& mean_sum, const
   return {residual, squares, ell};
 }
 
+/* The KL of the layers whose rows make a KL sums table (float64 (parts, 3)), the rows added in order. */
+double kl_from_table(const char* op, const Tensor& kl_sums, double prior_variance) {
+  TORCH_CHECK_VALUE(kl_sums.scalar_type() == at::kDouble && kl_sums.dim() == 2 && kl_sums.size(1) == 3, "cfbnn::", op,
+                    ": `kl_sums` must be float64 (parts, 3); got ", kl_sums.scalar_type(), " ", kl_sums.sizes());
+  TORCH_CHECK_VALUE(prior_variance > 0, "cfbnn::", op, ": `prior_variance` must be > 0; got ", prior_variance);
+  const Tensor table = kl_sums.contiguous();
+  const double* row = table.data_ptr<double>();
+  double sums[3] = {0.0, 0.0, 0.0};
+  for (int64_t part = 0; part < table.size(0); part++, row += 3) {
+    for (int k = 0; k < 3; k++) sums[k] += row[k];
+  }
+  return 0.5 * (sums[0] / prior_variance - sums[2] + sums[2] * std::log(prior_variance)) - sums[1];
+}
+
 std::tuple<Tensor, Tensor, Tensor> normal_elbo_rows(const Tensor& mean_sum, const Tensor& spread_sum,
                                                     const Tensor& y, const Tensor& loc, const Tensor& log_scale,
-                                                    const Tensor& log_precision, const Tensor& hidden_kl,
-                                                    const Tensor& output_kl, double scale, bool bias) {
+                                                    const Tensor& log_precision, const Tensor& kl_sums,
+                                                    const std::optional<Tensor>& kl, double prior_variance,
+                                                    double scale, bool bias) {
+  const double total_kl = kl_from_table("normal_elbo_rows", kl_sums, prior_variance) +
+                          (kl.has_value() ? kl->item<double>() : 0.0);
   auto [residual, squares, ell, total] =
       rows("normal_elbo_rows", mean_sum, spread_sum, y, loc, log_scale, log_precision, bias);
   (void)ell;
-  const double elbo = scale * total - hidden_kl.item<double>() - output_kl.item<double>();
-  return {residual, squares, at::scalar_tensor(elbo, mean_sum.options())};
+  return {residual, squares, at::scalar_tensor(scale * total - total_kl, mean_sum.options())};
 }
 
 // ------------------------------------------------------------------------- backward steps
@@ -977,6 +1035,7 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   library->impl("diagonal_kl", TORCH_FN(diagonal_kl));
   library->impl("diagonal_kl_backward", TORCH_FN(diagonal_kl_backward));
   library->impl("augment_pair", TORCH_FN(augment_pair));
+  library->impl("outer_layers_pass", TORCH_FN(outer_layers_pass));
   library->impl("diagonal_kl_pass", TORCH_FN(diagonal_kl_pass));
   library->impl("normal_ell_rows", TORCH_FN(normal_ell_rows));
   library->impl("normal_elbo_rows", TORCH_FN(normal_elbo_rows));

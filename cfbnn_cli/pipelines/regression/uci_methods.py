@@ -23,6 +23,7 @@ from ...data.regression import RegressionData
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...train import TrainingLoop, optimizers
 from ...train.full_batch import minimize_full_batch
+from ...train.graphs import BatchLoss
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def _fit_by_validation(
     name,
     module,
     parameters,
-    loss_on_rows,
+    loss_on_batch,
     predict,
     validation_predict,
     split: Split,
@@ -155,7 +156,8 @@ def _fit_by_validation(
     noise_std: Callable[[], float],
     generators: Sequence[torch.Generator] = (),
 ) -> Fitted:
-    """Adam on minibatches of the training rows less a validation part; the best validation
+    """Adam on minibatches of the training rows less a validation part (``loss_on_batch(x, y,
+    count)``: a minibatch's loss, ``count`` the number of fit rows); the best validation
     log-likelihood kept, stop ``uci.patience`` epochs after it (``trainer.epochs`` caps it).
     Leaves ``module`` at its best epoch; ``equal_time`` holds the test metrics of its
     parameters at ``split.equal_time_seconds`` of training, if it trained that long."""
@@ -166,7 +168,8 @@ def _fit_by_validation(
     loop = TrainingLoop(
         module,
         optimizers.adam(parameters, lr=cfg.trainer.lr),
-        lambda rows: loss_on_rows(fit_rows[rows], len(fit_rows)),
+        # the fit rows' inputs and targets, a minibatch gathered from them (outside a CUDA graph)
+        BatchLoss((data.x_train[fit_rows], data.y_train[fit_rows]), lambda x, y: loss_on_batch(x, y, len(fit_rows))),
         len(fit_rows),
         min(cfg.trainer.batch_size, len(fit_rows)),
         device,
@@ -258,9 +261,7 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
             name,
             model,
             model.parameters(),
-            lambda rows, count: (
-                -model.elbo(data.x_train[rows], data.y_train[rows], num_data=count, estimator=estimator)
-            ),
+            lambda x, y, count: -model.elbo(x, y, num_data=count, estimator=estimator),
             predict,
             predict,
             Split(data, split.index),
@@ -307,9 +308,7 @@ def _fit_local_reparameterization(split: Split, cfg, device, generator):
         "local_reparameterization",
         model,
         model.parameters(),
-        lambda rows, count: (
-            -model.elbo(data.x_train[rows], data.y_train[rows], num_data=count, estimator="sampling", generator=sampler)
-        ),
+        lambda x, y, count: -model.elbo(x, y, num_data=count, estimator="sampling", generator=sampler),
         predictor(cfg.uci.predictive_samples),
         predictor(cfg.uci.validation_samples),
         split,
@@ -396,8 +395,6 @@ def _fit_svi(name, module, model, guide, elbo, noise_scale, split: Split, cfg, d
     parameter), predicting through Pyro's ``Predictive`` with the learned noise ``noise_scale()``."""
     from pyro.infer import Predictive
 
-    data = split.data
-
     def predictor(samples):
         @torch.no_grad()
         def predict(x):
@@ -410,7 +407,7 @@ def _fit_svi(name, module, model, guide, elbo, noise_scale, split: Split, cfg, d
         name,
         module,
         list(module.parameters()),
-        lambda rows, count: elbo.differentiable_loss(model, guide, data.x_train[rows], data.y_train[rows], count),
+        lambda x, y, count: elbo.differentiable_loss(model, guide, x, y, count),
         predictor(cfg.uci.predictive_samples),
         predictor(cfg.uci.validation_samples),
         split,
@@ -435,8 +432,8 @@ def _fit_plain_mlp(split: Split, cfg, device, generator):
         mean = model.output_mean(x).unsqueeze(0)
         return mean, torch.full_like(mean, 1.0 / float(model.precision))
 
-    def loss(rows, count):  # maximum likelihood with a learned noise: the mean negative log-likelihood
-        return -model.expected_log_likelihood(data.x_train[rows], data.y_train[rows]) / rows.numel()
+    def loss(x, y, count):  # maximum likelihood with a learned noise: the mean negative log-likelihood
+        return -model.expected_log_likelihood(x, y) / x.shape[0]
 
     return _fit_by_validation(
         "plain_mlp",

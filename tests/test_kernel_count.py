@@ -1,0 +1,100 @@
+"""The kernels of one closed-form training step on the CUDA route, counted on the CPU: inside the
+CUDA twin (:func:`cfbnn_cli.moments.cuda_twin.cuda_twin`, the Triton kernels under Triton's
+interpreter, so in a subprocess) :func:`cfbnn_cli.moments.kernel_count.count_kernels` counts each
+Triton launch and each torch operation that is a kernel on CUDA, in the work a CUDA graph of the
+step holds (:meth:`~cfbnn_cli.train.graphs.GraphedTrainingStep.captured_step`: forward,
+backward, fused Adam) and in what runs before each replay (the batch's gather), at the two sizes
+the GPU benchmark measures (D=90/H=200 and D=2048/H=1000; a batch of 8 rows here, which launches
+what 500 do). A step that launches more fails here, in CI; ``benchmarks/bench_operators.py
+--list-kernels`` counts the real launches on a GPU with the profiler (where cuBLAS may add a
+split-K reduction to a matrix product: the GPU target, 18, leaves room for that)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STEP_BOUND = 16  # kernels in the graph of one step (see WANT)
+# one step's kernels on the CUDA route, by name: the ELBO's five forward launches around its two
+# matrix products, the loss's negation and its backward, the backward's launches around its two
+# matrix products, and fused Adam with its step count
+WANT = {
+    "triton::outer_layers_kernel": 1,  # [x, 1], [x^2, 1], both layers' Var and KL sums
+    "aten::mm": 4,
+    "triton::relu_tail_kernel": 1,
+    "triton::normal_rows_kernel": 1,  # the rows, the ELBO's sum, the KL finished
+    "aten::neg": 2,  # loss = -elbo, and its backward
+    "triton::normal_rows_backward_kernel": 1,
+    "triton::relu_tail_backward_kernel": 1,
+    "aten::sum": 1,  # the tail backward's column sums over its row blocks
+    "triton::output_gradients_kernel": 1,
+    "triton::diagonal_gradients_kernel": 1,
+    "aten::_fused_adam_": 1,
+    "aten::_foreach_add_": 1,
+}
+
+COUNT = r"""
+import json, torch
+from cfbnn_cli.bnn import BayesianNetwork, fused
+from cfbnn_cli.moments import fast_path, validate_args
+from cfbnn_cli.moments.cuda_twin import cuda_twin
+from cfbnn_cli.moments.kernel_count import count_kernels
+from cfbnn_cli.train.graphs import BatchLoss, GraphedTrainingStep
+from cfbnn_cli.train.optimizers import adam
+
+def counts(dim, hidden, rows=8, n=40):
+    torch.manual_seed(0)
+    model = BayesianNetwork(dim, [hidden])
+    optimizer = adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(n, dim), torch.randn(n)
+    loss = BatchLoss((x, y), lambda xb, yb: -model.elbo(xb, yb, num_data=n, estimator="analytic"))
+    step = GraphedTrainingStep(model, optimizer, loss, "cpu")
+    batch = torch.randperm(n)[:rows]
+    with fast_path(False):  # the warm-up step (Adam's state), quickly: the reference ops
+        value = step(batch)
+    assert fused.operators_apply(model.activation, x, *model.parameters())  # (the first-use checks)
+    fill, graphed = step.captured_step(batch, value)
+    optimizer.zero_grad(set_to_none=True)  # as before a capture: backward() writes the gradients
+    with count_kernels() as before_replay:
+        fill(batch)
+    with count_kernels() as in_graph:
+        graphed()
+    return {"fill": dict(before_replay), "step": dict(in_graph)}
+
+with cuda_twin(), validate_args(False):
+    out = {f"{dim}x{hidden}": counts(dim, hidden) for dim, hidden in ((90, 200), (2048, 1000))}
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_a_closed_form_step_launches_at_most_sixteen_kernels_on_the_cuda_route():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    for size, counted in json.loads(line[len("RESULT ") :]).items():
+        assert sum(counted["step"].values()) <= STEP_BOUND, (size, counted)
+        assert counted["step"] == WANT, (size, counted)
+        # the batch's gather outside the graph: one gather each for x and y, nothing else
+        assert counted["fill"] == {"aten::index_select": 2}, (size, counted)
+
+
+def test_the_counter_counts_kernels_not_views_or_allocations():
+    """The counter itself on torch operations: a view, an allocation or a detach launches nothing on
+    CUDA; a product, a copy and an in-place update launch one each, each call counted."""
+    import torch
+
+    from cfbnn_cli.moments.kernel_count import count_kernels
+
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with count_kernels() as kernels:
+        product = a @ b  # one GEMM
+        product.t().reshape(-1)  # a view, then a copy (not contiguous)
+        torch.empty(7)
+        product.detach()
+        product.add_(1.0)
+        (a @ b).sum()
+    assert kernels == {"aten::mm": 2, "aten::clone": 1, "aten::add_": 1, "aten::sum": 1}, kernels
