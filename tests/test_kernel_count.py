@@ -23,7 +23,8 @@ STEP_BOUND = 16  # kernels in the graph of one step (see WANT)
 # matrix products, and fused Adam with its step count
 WANT = {
     "triton::outer_layers_kernel": 1,  # [x, 1], [x^2, 1], both layers' Var and KL sums
-    "aten::mm": 4,
+    "aten::linear": 2,  # the forward's two products (one GEMM each on CUDA)
+    "aten::mm": 2,  # the backward's two
     "triton::relu_tail_kernel": 1,
     "triton::normal_rows_kernel": 1,  # the rows, the ELBO's sum, the KL finished
     "aten::neg": 2,  # loss = -elbo, and its backward

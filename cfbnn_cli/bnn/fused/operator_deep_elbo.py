@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ...moments import ops
 from .operator_elbo import RELU, _first_layer, _first_layer_gradients, _tail_and_rows, _tail_backward
-from .support import first_order_only
+from .support import below_autograd, first_order_only
 
 _cfbnn = torch.ops.cfbnn
 
@@ -73,6 +73,7 @@ class DeepNormalELBO(torch.autograd.Function):
     log_scale)`` in order, the output layer's (one row) last; ``biases`` each layer's bias flag."""
 
     @staticmethod
+    @below_autograd
     def forward(ctx, x, y, log_precision, biases, prior_variance, scale, family, *parameters):
         locs, log_scales = parameters[0::2], parameters[1::2]
         inputs, squares_in, variance, gamma, xi2, output_rows, kl_sums = _first_layer(
@@ -112,6 +113,7 @@ class DeepNormalELBO(torch.autograd.Function):
 
     @staticmethod
     @first_order_only  # its kernels build no graph: a second order raises
+    @below_autograd
     def backward(ctx, grad):
         saved = ctx.saved_tensors
         inputs, squares_in, first_variance = saved[:3]

@@ -32,7 +32,7 @@ from ...moments import kernel_library, ops
 from ...moments.activations import LeakyReLU, ReLU, ReLUSquared
 from ...moments.gaussian import check_mean_std
 from ...moments.tail_ops import ACTIVATION_KINDS
-from .support import first_order_only
+from .support import below_autograd, first_order_only
 
 _cfbnn = torch.ops.cfbnn
 _linear = torch.nn.functional.linear
@@ -178,6 +178,7 @@ class NormalELBO(torch.autograd.Function):
     """``scale * sum_n ELL_n - KL(hidden) - KL(output)`` (see the module doc) as one node."""
 
     @staticmethod
+    @below_autograd
     def forward(
         ctx,
         x,
@@ -217,6 +218,7 @@ class NormalELBO(torch.autograd.Function):
 
     @staticmethod
     @first_order_only  # its kernels build no graph: a second order raises
+    @below_autograd
     def backward(ctx, grad):
         inputs, squares_in, hidden_loc, hidden_variance, *tail = ctx.saved_tensors
         grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
@@ -267,6 +269,7 @@ class NormalELL(torch.autograd.Function):
     tail pass and the layer's gradients."""
 
     @staticmethod
+    @below_autograd
     def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance, family=RELU):
         folded = prior_variance is not None
         width = gamma.shape[1]
@@ -281,6 +284,7 @@ class NormalELL(torch.autograd.Function):
 
     @staticmethod
     @first_order_only  # its kernels build no graph: a second order raises
+    @below_autograd
     def backward(ctx, grad_ell, grad_kl):
         saved = ctx.saved_tensors
         grad_ell = torch.zeros_like(saved[-1]) if grad_ell is None else grad_ell
