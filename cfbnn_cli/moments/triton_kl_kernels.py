@@ -76,21 +76,28 @@ def kl_block(
 
 
 @triton.jit
+def column_sums(table_ptr, rows, BLOCK: tl.constexpr):
+    """The three column sums (float64) of a ``(rows, 3)`` float64 table of the blocks' sums, added
+    in a fixed order (the result does not depend on the launch)."""
+    first = tl.zeros([BLOCK], dtype=tl.float64)
+    second = tl.zeros([BLOCK], dtype=tl.float64)
+    third = tl.zeros([BLOCK], dtype=tl.float64)
+    for r0 in range(0, rows, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        inside = r < rows
+        first += tl.load(table_ptr + 3 * r, mask=inside, other=0.0)
+        second += tl.load(table_ptr + 3 * r + 1, mask=inside, other=0.0)
+        third += tl.load(table_ptr + 3 * r + 2, mask=inside, other=0.0)
+    return tl.sum(first, axis=0), tl.sum(second, axis=0), tl.sum(third, axis=0)
+
+
+@triton.jit
 def kl_from_table(sums_ptr, parts, prior_variance, log_prior_variance, BLOCK: tl.constexpr):
     """The KL (float64) of the layers whose rows make the KL sums table at ``sums`` (``parts`` rows
     of three: :func:`kl_block`), the rows added in a fixed order."""
-    second = tl.zeros([BLOCK], dtype=tl.float64)
-    log_scale_sum = tl.zeros([BLOCK], dtype=tl.float64)
-    count = tl.zeros([BLOCK], dtype=tl.float64)
-    for p0 in range(0, parts, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        inside = p < parts
-        second += tl.load(sums_ptr + 3 * p, mask=inside, other=0.0)
-        log_scale_sum += tl.load(sums_ptr + 3 * p + 1, mask=inside, other=0.0)
-        count += tl.load(sums_ptr + 3 * p + 2, mask=inside, other=0.0)
-    n = tl.sum(count, axis=0)
-    kl = 0.5 * (tl.sum(second, axis=0) / prior_variance - n + n * log_prior_variance)
-    return kl - tl.sum(log_scale_sum, axis=0)
+    second, log_scale_sum, n = column_sums(sums_ptr, parts, BLOCK)
+    kl = 0.5 * (second / prior_variance - n + n * log_prior_variance)
+    return kl - log_scale_sum
 
 
 @triton.jit
@@ -105,18 +112,9 @@ def diagonal_kl_finish_kernel(
 ):
     """One program: the blocks' sums added in a fixed order, then the KL from its three sums
     (:func:`cfbnn_cli.moments.elbo_reference.kl_from_sums`) into ``out[0]``."""
-    variance_sum = tl.zeros([BLOCK], dtype=tl.float64)
-    loc_sum = tl.zeros([BLOCK], dtype=tl.float64)
-    log_scale_sum = tl.zeros([BLOCK], dtype=tl.float64)
-    for b0 in range(0, blocks, BLOCK):
-        b = b0 + tl.arange(0, BLOCK)
-        inside = b < blocks
-        variance_sum += tl.load(partial_ptr + 3 * b, mask=inside, other=0.0)
-        loc_sum += tl.load(partial_ptr + 3 * b + 1, mask=inside, other=0.0)
-        log_scale_sum += tl.load(partial_ptr + 3 * b + 2, mask=inside, other=0.0)
-    sums = tl.sum(variance_sum, axis=0) + tl.sum(loc_sum, axis=0)
-    kl = 0.5 * (sums / prior_variance - count + count * log_prior_variance)
-    tl.store(out_ptr, (kl - tl.sum(log_scale_sum, axis=0)).to(out_ptr.dtype.element_ty))
+    variance_sum, loc_sum, log_scale_sum = column_sums(partial_ptr, blocks, BLOCK)
+    kl = 0.5 * ((variance_sum + loc_sum) / prior_variance - count + count * log_prior_variance)
+    tl.store(out_ptr, (kl - log_scale_sum).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
