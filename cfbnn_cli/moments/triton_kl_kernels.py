@@ -10,6 +10,31 @@ import triton.language as tl
 
 
 @triton.jit
+def load_layer_block(
+    loc_ptr,
+    log_scale_ptr,
+    variance_ptr,
+    loc_square_ptr,
+    offsets,
+    inside,
+    WRITE_VARIANCE: tl.constexpr,
+    WRITE_LOC_SQUARE: tl.constexpr,
+):
+    """A block of a mean-field layer as its KL sums read it: ``(loc, log_scale, exp(2 log_scale))``
+    in float64 (zero outside ``inside``); with ``WRITE_VARIANCE``, ``exp(2 log_scale)`` stored into
+    ``variance`` in the layer's dtype, and with ``WRITE_LOC_SQUARE`` ``loc^2`` into ``loc_square``."""
+    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
+    if WRITE_LOC_SQUARE:
+        tl.store(loc_square_ptr + offsets, l_in * l_in, mask=inside)
+    s_in = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0)
+    log_scale = s_in.to(tl.float64)
+    variance = tl.where(inside, tl.exp(2.0 * log_scale), 0.0)
+    if WRITE_VARIANCE:
+        tl.store(variance_ptr + offsets, variance.to(s_in.dtype), mask=inside)
+    return l_in.to(tl.float64), log_scale, variance
+
+
+@triton.jit
 def diagonal_kl_sums_kernel(
     loc_ptr,
     log_scale_ptr,
@@ -28,16 +53,9 @@ def diagonal_kl_sums_kernel(
     and with ``WRITE_LOC_SQUARE`` ``loc^2`` into ``loc_square`` (an output layer's tail-pass weight)."""
     block = tl.program_id(0)
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < n
-    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
-    loc = l_in.to(tl.float64)
-    if WRITE_LOC_SQUARE:
-        tl.store(loc_square_ptr + offsets, l_in * l_in, mask=inside)
-    s_in = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0)
-    log_scale = s_in.to(tl.float64)
-    variance = tl.where(inside, tl.exp(2.0 * log_scale), 0.0)
-    if WRITE_VARIANCE:
-        tl.store(variance_ptr + offsets, variance.to(s_in.dtype), mask=inside)
+    loc, log_scale, variance = load_layer_block(
+        loc_ptr, log_scale_ptr, variance_ptr, loc_square_ptr, offsets, offsets < n, WRITE_VARIANCE, WRITE_LOC_SQUARE
+    )
     tl.store(partial_ptr + 3 * block, tl.sum(variance, axis=0))
     tl.store(partial_ptr + 3 * block + 1, tl.sum(loc * loc, axis=0))
     tl.store(partial_ptr + 3 * block + 2, tl.sum(log_scale, axis=0))
@@ -61,15 +79,9 @@ def kl_block(
     ``(sum (Var + loc^2), sum log_scale, count)``."""
     start = block.to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
-    inside = offsets < n
-    l_in = tl.load(loc_ptr + offsets, mask=inside, other=0.0)
-    loc = l_in.to(tl.float64)
-    if LOC_SQUARE:
-        tl.store(loc_square_ptr + offsets, l_in * l_in, mask=inside)
-    s_in = tl.load(log_scale_ptr + offsets, mask=inside, other=0.0)
-    log_scale = s_in.to(tl.float64)
-    variance = tl.where(inside, tl.exp(2.0 * log_scale), 0.0)
-    tl.store(variance_ptr + offsets, variance.to(s_in.dtype), mask=inside)
+    loc, log_scale, variance = load_layer_block(
+        loc_ptr, log_scale_ptr, variance_ptr, loc_square_ptr, offsets, offsets < n, True, LOC_SQUARE
+    )
     tl.store(row_ptr, tl.sum(variance + loc * loc, axis=0))
     tl.store(row_ptr + 1, tl.sum(log_scale, axis=0))
     tl.store(row_ptr + 2, tl.minimum(n - start, BLOCK).to(tl.float64))
