@@ -17,20 +17,19 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STEP_BOUND = 16  # kernels in the graph of one step (see WANT)
-# one step's kernels on the CUDA route, by name: the ELBO's five forward launches around its two
+STEP_BOUND = 15  # kernels in the graph of one step (see WANT)
+# one step's kernels on the CUDA route, by name: the ELBO's four forward launches around its two
 # matrix products, the loss's negation and its backward, the backward's launches around its two
 # matrix products, and fused Adam with its step count
 WANT = {
     "triton::outer_layers_kernel": 1,  # [x, 1], [x^2, 1], both layers' Var and KL sums
     "aten::linear": 2,  # the forward's two products (one GEMM each on CUDA)
     "aten::mm": 2,  # the backward's two
-    "triton::relu_tail_kernel": 1,
+    "triton::relu_tail_with_gradients_kernel": 1,  # the tail pass, its backward taken ahead at dL/d elbo = 1
     "triton::normal_rows_kernel": 1,  # the rows, the ELBO's sum, the KL finished
     "aten::neg": 2,  # loss = -elbo, and its backward
     "triton::normal_rows_backward_kernel": 1,
-    "triton::relu_tail_backward_kernel": 1,
-    "aten::sum": 1,  # the tail backward's column sums over its row blocks
+    "aten::sum": 1,  # the tail pass's column sums over its row blocks
     "triton::output_gradients_kernel": 1,
     "triton::diagonal_gradients_kernel": 1,
     "aten::_fused_adam_": 1,
@@ -71,7 +70,7 @@ print("RESULT", json.dumps(out))
 """
 
 
-def test_a_closed_form_step_launches_at_most_sixteen_kernels_on_the_cuda_route():
+def test_a_closed_form_step_launches_at_most_fifteen_kernels_on_the_cuda_route():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True, timeout=900)

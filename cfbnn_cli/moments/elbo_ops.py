@@ -31,13 +31,24 @@ Backward:
     from ``g_r = scale dL/d ELL_r`` (``grad`` per row with ``row_grads``, else one ``dL/d elbo``):
     ``u = g tau residual`` and ``k = -g tau / 2`` (``cfbnn::relu_tail_backward``'s row gradients)
     and ``sums = (sum u, sum k, dL/d log tau)`` (float64), the last also as ``grad_log_precision``.
-``cfbnn::output_layer_gradients(Tensor columns, Tensor sums, Tensor loc, Tensor log_scale, Tensor kl_grad, float kl_sign, float prior_variance, bool bias) -> (Tensor grad_loc, Tensor grad_log_scale)``
-    the one-output layer's gradients from ``cfbnn::relu_tail_backward``'s column sums and the
-    rows' ``sums``, its KL's folded in with ``dL/dKL = kl_sign * kl_grad``.
-``cfbnn::finish_diagonal_gradients(Tensor(a!) grad_loc, Tensor(b!) grad_variance, Tensor loc, Tensor variance, Tensor kl_grad, float kl_sign, float prior_variance) -> ()``
+``cfbnn::output_layer_gradients(Tensor columns, Tensor sums, Tensor loc, Tensor log_scale, Tensor kl_grad, float kl_sign, float prior_variance, bool bias, Tensor? data_scale=None) -> (Tensor grad_loc, Tensor grad_log_scale)``
+    the one-output layer's gradients from ``cfbnn::relu_tail_backward``'s column sums (times
+    ``data_scale`` where given: ``relu_tail_with_gradients``' are taken at ``dL/d ELBO = 1``) and
+    the rows' ``sums``, its KL's folded in with ``dL/dKL = kl_sign * kl_grad``.
+``cfbnn::finish_diagonal_gradients(Tensor(a!) grad_loc, Tensor(b!) grad_variance, Tensor loc, Tensor variance, Tensor kl_grad, float kl_sign, float prior_variance, Tensor? data_scale=None) -> ()``
     in place, one pass: a mean-field layer's ``dL/d loc`` and ``dL/d Var`` of the data term
     become ``dL/d loc`` and ``dL/d log_scale`` with ``dL/dKL = kl_sign * kl_grad`` folded in:
-    ``grad_loc += dL/dKL loc / s^2``, ``grad_variance <- 2 Var grad_variance + dL/dKL (Var / s^2 - 1)``.
+    ``grad_loc += dL/dKL loc / s^2``, ``grad_variance <- 2 Var grad_variance + dL/dKL (Var / s^2 - 1)``,
+    the data term's two first multiplied by ``data_scale`` where given.
+
+Forward and backward at once:
+
+``cfbnn::relu_tail_with_gradients(mean, variance, weight_phi, weight_variance, weight_second, Tensor y, Tensor loc, Tensor log_precision, float scale, bool bias, int activation=0, float negative_slope=0.0) -> (mean_sum, spread_sum, grad_mean, grad_variance, columns)``
+    ``cfbnn::relu_tail``'s row sums and, from the same moments, ``cfbnn::relu_tail_backward``'s
+    results for the row gradients ``normal_rows_backward`` gives at ``dL/d elbo = 1`` (``u = scale
+    tau residual``, ``k = -scale tau / 2``): an ELBO's upstream gradient is one number, so its
+    backward pass only scales these (``data_scale`` above) instead of evaluating the activation's
+    moments again.
 
 The steps are not differentiable themselves: they are called inside the autograd nodes, whose
 backward passes call the backward steps. They are registered through :class:`torch.library.Library`
@@ -56,7 +67,7 @@ from typing import Callable, Dict
 import torch
 from torch import Tensor
 
-from . import elbo_reference
+from . import elbo_reference, tail_ops
 from .kl_ops import launch_diagonal_kl
 from .operator_registration import library_kernels
 from .ops import HAVE_TRITON, triton, triton_kernels, triton_kl_kernels, triton_tail_kernels
@@ -92,11 +103,16 @@ SCHEMAS = {
     ),
     "output_layer_gradients": (
         "output_layer_gradients(Tensor columns, Tensor sums, Tensor loc, Tensor log_scale, Tensor kl_grad,"
-        " float kl_sign, float prior_variance, bool bias) -> (Tensor, Tensor)"
+        " float kl_sign, float prior_variance, bool bias, Tensor? data_scale=None) -> (Tensor, Tensor)"
     ),
     "finish_diagonal_gradients": (
         "finish_diagonal_gradients(Tensor(a!) grad_loc, Tensor(b!) grad_variance, Tensor loc, Tensor variance,"
-        " Tensor kl_grad, float kl_sign, float prior_variance) -> ()"
+        " Tensor kl_grad, float kl_sign, float prior_variance, Tensor? data_scale=None) -> ()"
+    ),
+    "relu_tail_with_gradients": (
+        "relu_tail_with_gradients(Tensor mean, Tensor variance, Tensor weight_phi, Tensor weight_variance,"
+        " Tensor weight_second, Tensor y, Tensor loc, Tensor log_precision, float scale, bool bias,"
+        " int activation=0, float negative_slope=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
     ),
 }
 STEPS = tuple(SCHEMAS)  # the operators' names in the cfbnn namespace
@@ -115,8 +131,8 @@ def _cpu_kernel(name: str) -> Callable:
     """The CPU kernel registered in Python: it loads the C++ library (built on first use), whose
     own CPU kernels (``csrc/cfbnn_ops.cpp``) then replace this one in the dispatcher, and calls the
     operator again; where the library did not build (no compiler), or with the reference path
-    chosen (:func:`cfbnn_cli.moments.fast_path`), the reference kernel of :mod:`.elbo_reference`."""
-    reference = elbo_reference.KERNELS[name]
+    chosen (:func:`cfbnn_cli.moments.fast_path`), the reference kernel (:data:`REFERENCE_KERNELS`)."""
+    reference = REFERENCE_KERNELS[name]
 
     def load_then_dispatch(*args):
         if library_kernels():
@@ -238,7 +254,9 @@ def _normal_rows_backward_triton(grad, residual, squares, log_precision, scale: 
     return row_u, row_k, sums, grad_log_precision
 
 
-def _output_layer_gradients_triton(columns, sums, loc, log_scale, kl_grad, kl_sign: float, prior_variance, bias):
+def _output_layer_gradients_triton(
+    columns, sums, loc, log_scale, kl_grad, kl_sign: float, prior_variance, bias, data_scale=None
+):
     loc, log_scale = loc.contiguous(), log_scale.contiguous()
     width = columns.shape[1]
     grad_loc, grad_log_scale = torch.empty_like(loc), torch.empty_like(loc)
@@ -249,17 +267,21 @@ def _output_layer_gradients_triton(columns, sums, loc, log_scale, kl_grad, kl_si
         log_scale,
         kl_grad,
         float(kl_sign),
+        kl_grad if data_scale is None else data_scale,
         grad_loc,
         grad_log_scale,
         width,
         float(prior_variance),
         bias,
+        data_scale is not None,
         triton_kernels.BLOCK,
     )
     return grad_loc, grad_log_scale
 
 
-def _finish_diagonal_gradients_triton(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance):
+def _finish_diagonal_gradients_triton(
+    grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance, data_scale=None
+):
     _check_in_place(grad_loc, grad_variance)
     count = loc.numel()
     triton_kl_kernels.diagonal_gradients_kernel[triton_kernels.grid(count)](
@@ -270,8 +292,10 @@ def _finish_diagonal_gradients_triton(grad_loc, grad_variance, loc, variance, kl
         grad_variance,  # dL/d log_scale over dL/d Var: element by element, read before written
         kl_grad,
         float(kl_sign),
+        kl_grad if data_scale is None else data_scale,
         count,
         float(prior_variance),
+        SCALED=data_scale is not None,
         BLOCK=triton_kernels.BLOCK,
     )
 
@@ -317,14 +341,29 @@ def _normal_rows_backward_fake(grad, residual, squares, log_precision, scale, ro
     return torch.empty_like(residual), torch.empty_like(residual), sums, torch.empty_like(log_precision)
 
 
-def _output_layer_gradients_fake(columns, sums, loc, log_scale, kl_grad, kl_sign, prior_variance, bias):
+def _output_layer_gradients_fake(
+    columns, sums, loc, log_scale, kl_grad, kl_sign, prior_variance, bias, data_scale=None
+):
     return torch.empty_like(loc), torch.empty_like(loc)
 
 
-def _finish_diagonal_gradients_fake(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance):
+def _finish_diagonal_gradients_fake(
+    grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance, data_scale=None
+):
     return None
 
 
+def _relu_tail_with_gradients_fake(mean, variance, weight_phi, weight_variance, weight_second, y, loc, *_):
+    rows = mean.new_empty(mean.shape[:1])
+    columns = mean.new_empty((3, mean.shape[1]), dtype=torch.float64)
+    return rows, torch.empty_like(rows), torch.empty_like(mean), torch.empty_like(mean), columns
+
+
+# the reference kernels: the torch formulas (the test oracle), any device's kernel without a better one
+REFERENCE_KERNELS: Dict[str, Callable] = {
+    **elbo_reference.KERNELS,
+    "relu_tail_with_gradients": tail_ops.reference_relu_tail_with_gradients,
+}
 # the C++ kernels replace these at load (kernel_library.load_kernels: cfbnn_register_cpu_kernels)
 CPU_KERNELS: Dict[str, Callable] = {name: _cpu_kernel(name) for name in SCHEMAS}
 # the CUDA kernels; on the CPU under TRITON_INTERPRET=1 the tests register these for the CPU too
@@ -338,6 +377,7 @@ TRITON_KERNELS: Dict[str, Callable] = (
         "normal_rows_backward": _normal_rows_backward_triton,
         "output_layer_gradients": _output_layer_gradients_triton,
         "finish_diagonal_gradients": _finish_diagonal_gradients_triton,
+        "relu_tail_with_gradients": tail_ops.triton_relu_tail_with_gradients,
     }
     if HAVE_TRITON
     else {}
@@ -351,13 +391,14 @@ _FAKES: Dict[str, Callable] = {
     "normal_rows_backward": _normal_rows_backward_fake,
     "output_layer_gradients": _output_layer_gradients_fake,
     "finish_diagonal_gradients": _finish_diagonal_gradients_fake,
+    "relu_tail_with_gradients": _relu_tail_with_gradients_fake,
 }
 
 for _name, _schema in SCHEMAS.items():
     _LIB.define(_schema)
     _LIB.impl(_name, CPU_KERNELS[_name], "CPU")
     # any other device (and CUDA without Triton): the reference kernel
-    _LIB.impl(_name, elbo_reference.KERNELS[_name], "CompositeExplicitAutograd")
+    _LIB.impl(_name, REFERENCE_KERNELS[_name], "CompositeExplicitAutograd")
     if _name in TRITON_KERNELS:
         _LIB.impl(_name, TRITON_KERNELS[_name], "CUDA")
     torch.library.register_fake(f"cfbnn::{_name}", _FAKES[_name], lib=_LIB)

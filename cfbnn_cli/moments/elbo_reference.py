@@ -141,10 +141,15 @@ def _finish(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign: float, pri
     return grad_loc + scaled * loc, variance * (2.0 * grad_variance + scaled) - kl
 
 
-def output_layer_gradients(columns, sums, loc, log_scale, kl_grad, kl_sign: float, prior_variance: float, bias: bool):
+def output_layer_gradients(
+    columns, sums, loc, log_scale, kl_grad, kl_sign: float, prior_variance: float, bias: bool, data_scale=None
+):
     """The one-output layer's ``(d loc, d log_scale)`` from the tail pass's column sums (float64 ``(3,
-    H)``: ``sum u Phi``, ``sum k Var``, ``sum k Upsilon``) and the rows' ``sums``."""
+    H)``: ``sum u Phi``, ``sum k Var``, ``sum k Upsilon``; times ``data_scale`` where given) and the
+    rows' ``sums``."""
     width = columns.shape[1]
+    if data_scale is not None:
+        columns = columns * data_scale.double().reshape(())
     w_phi = loc.reshape(-1)[:width].double()
     grad_loc = columns[0] + 2.0 * w_phi * columns[1]
     grad_variance = columns[2]
@@ -156,12 +161,18 @@ def output_layer_gradients(columns, sums, loc, log_scale, kl_grad, kl_sign: floa
     return _finish(grad_loc, grad_variance, loc, torch.exp(2.0 * log_scale), kl_grad, kl_sign, prior_variance)
 
 
-def finish_diagonal_gradients(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign: float, prior_variance: float):
+def finish_diagonal_gradients(
+    grad_loc, grad_variance, loc, variance, kl_grad, kl_sign: float, prior_variance: float, data_scale=None
+):
     """In place: ``grad_loc += dL/dKL loc / s^2``, ``grad_variance <- 2 Var grad_variance + dL/dKL
-    (Var / s^2 - 1)``."""
+    (Var / s^2 - 1)``, the data term's ``grad_loc`` and ``grad_variance`` first multiplied by
+    ``data_scale`` where given."""
     if not (grad_loc.is_contiguous() and grad_variance.is_contiguous()):  # as the kernels refuse them
         raise ValueError("cfbnn::finish_diagonal_gradients: the gradients it finishes in place must be contiguous")
-    finished_loc, finished_variance = _finish(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign, prior_variance)
+    data = (grad_loc, grad_variance)
+    if data_scale is not None:
+        data = tuple(t * data_scale.reshape(()) for t in data)
+    finished_loc, finished_variance = _finish(*data, loc, variance, kl_grad, kl_sign, prior_variance)
     grad_loc.copy_(finished_loc)
     grad_variance.copy_(finished_variance)
 

@@ -22,7 +22,7 @@ from .gaussian import is_transformed, register_negative_counter
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
-_ABI = 16  # must match CFBNN_ABI in the source
+_ABI = 17  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:

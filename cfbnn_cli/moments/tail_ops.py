@@ -50,6 +50,8 @@ __all__ = [
     "reference_relu_tail",
     "triton_relu_tail",
     "triton_relu_tail_backward",
+    "reference_relu_tail_with_gradients",
+    "triton_relu_tail_with_gradients",
 ]
 
 
@@ -177,6 +179,91 @@ def triton_relu_tail_backward(
         activation,
     )
     return grad_mean, grad_variance, partial.sum(0)
+
+
+def _unit_row_gradients(mean_sum, y, loc, log_precision, scale: float, bias: bool):
+    """The Normal likelihood's row gradients at ``dL/d ELBO = 1`` (``cfbnn::normal_rows_backward``'s
+    ``u = scale tau residual``, ``k = -scale tau / 2``), the residual as ``cfbnn::normal_elbo_rows``
+    takes it: ``y - mean_sum - b``, ``b`` the one-output layer's bias column of ``loc``."""
+    residual = y.reshape(mean_sum.shape) - mean_sum
+    if bias:
+        residual = residual - loc.reshape(-1)[-1]
+    unit = scale * torch.exp(log_precision.reshape(()))
+    return unit * residual, (-0.5 * unit).expand_as(residual)
+
+
+def reference_relu_tail_with_gradients(
+    mean,
+    variance,
+    weight_phi,
+    weight_variance,
+    weight_second,
+    y,
+    loc,
+    log_precision,
+    scale,
+    bias,
+    activation=0,
+    slope=0.0,
+):
+    """``cfbnn::relu_tail_with_gradients`` in torch ops: :func:`reference_relu_tail`'s row sums and
+    the vector-Jacobian product for the rows' gradients at ``dL/d ELBO = 1``."""
+    weights = (weight_phi, weight_variance, weight_second)
+    with torch.no_grad():
+        mean_sum, spread_sum = reference_relu_tail(mean, variance, *weights, activation, slope)
+        row_u, row_k = _unit_row_gradients(mean_sum, y, loc, log_precision, scale, bias)
+        grads = _differentiable_tail_backward(mean, variance, *weights, row_u, row_k, activation, slope)
+    return mean_sum, spread_sum, grads[0], grads[1], grads[2].double()
+
+
+def triton_relu_tail_with_gradients(
+    mean,
+    variance,
+    weight_phi,
+    weight_variance,
+    weight_second,
+    y,
+    loc,
+    log_precision,
+    scale,
+    bias,
+    activation=0,
+    slope=0.0,
+):
+    """The Triton kernel of ``cfbnn::relu_tail_with_gradients``: one launch (a program per block of
+    rows), then the row blocks' float64 column sums added."""
+    mean, variance = mean.contiguous(), variance.contiguous()
+    weights = [w.contiguous() for w in (weight_phi, weight_variance, weight_second)]
+    rows, width = mean.shape
+    block_r = triton_tail_kernels.AHEAD_ROWS
+    row_blocks = triton.cdiv(max(rows, 1), block_r)
+    mean_sum, spread_sum = mean.new_empty(rows), mean.new_empty(rows)
+    grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(mean)
+    partial = torch.empty(row_blocks, 3, width, dtype=torch.float64, device=mean.device)
+    triton_tail_kernels.relu_tail_with_gradients_kernel[(row_blocks,)](
+        mean,
+        variance,
+        *weights,
+        slope_operand(mean, activation, slope),
+        y.contiguous(),
+        loc.contiguous(),
+        log_precision,
+        mean_sum,
+        spread_sum,
+        grad_mean,
+        grad_variance,
+        partial,
+        rows,
+        width,
+        float(scale),
+        variance_floor(mean.dtype),
+        block_r,
+        triton_tail_kernels.AHEAD_COLUMNS,
+        triton_kernels.cf_depth(mean.dtype),
+        activation,
+        bias,
+    )
+    return mean_sum, spread_sum, grad_mean, grad_variance, partial.sum(0)
 
 
 # ----------------------------------------------------------------------------- the operators

@@ -148,12 +148,15 @@ def diagonal_gradients_kernel(
     g_log_scale_ptr,
     kl_grad_ptr,
     kl_sign: tl.float64,
+    data_scale_ptr,
     n,
     prior_variance: tl.float64,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """A mean-field layer's gradients finished in one pass: from ``dL/d loc`` (``g_loc``, updated in
-    place) and ``dL/d Var`` (``g_variance``) of the data term, and ``dL/dKL = kl_sign *
+    place) and ``dL/d Var`` (``g_variance``) of the data term (both times ``data_scale[0]`` with
+    ``SCALED``), and ``dL/dKL = kl_sign *
     kl_grad[0]``: ``g_loc += dL/dKL loc / s^2`` and ``g_log_scale = 2 Var dL/dVar + dL/dKL (Var /
     s^2 - 1)``."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -163,6 +166,9 @@ def diagonal_gradients_kernel(
     variance = tl.load(variance_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_loc = tl.load(g_loc_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
     g_variance = tl.load(g_variance_ptr + offsets, mask=inside, other=0.0).to(tl.float64)
+    if SCALED:  # the data term's gradients taken at a unit upstream gradient
+        data_scale = tl.load(data_scale_ptr).to(tl.float64)
+        g_loc, g_variance = data_scale * g_loc, data_scale * g_variance
     g_loc, g_log_scale = fold_kl(loc, variance, g_loc, g_variance, kl_sign * tl.load(kl_grad_ptr), prior_variance)
     tl.store(g_loc_ptr + offsets, g_loc.to(l_in.dtype), mask=inside)
     tl.store(g_log_scale_ptr + offsets, g_log_scale.to(l_in.dtype), mask=inside)

@@ -29,6 +29,7 @@ from .triton_kl_kernels import fold_kl, kl_block, kl_from_table
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
+AHEAD_ROWS, AHEAD_COLUMNS = 8, 64  # relu_tail_with_gradients_kernel: rows per program, tile width
 ROW_BLOCK = 1024
 HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -58,6 +59,93 @@ def load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH: tl.const
 
 
 @triton.jit
+def tail_slope(slope_ptr, CF_DEPTH: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The leaky ReLU's slope, read as float64 from ``slope_ptr`` (the other kinds have none: their
+    launches pass any pointer, never read)."""
+    eps = 0.0
+    if ACTIVATION == 1:
+        eps = compute(tl.load(slope_ptr), CF_DEPTH)
+    return eps
+
+
+@triton.jit
+def tail_row_sums(
+    mean_ptr,
+    variance_ptr,
+    w_phi_ptr,
+    w_var_ptr,
+    w_second_ptr,
+    eps,
+    r,
+    r_in,
+    width,
+    FLOOR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    """Rows ``r``'s two sums (float64), looping over the columns (the variance floored:
+    :func:`load_tile`) for the ReLU family's ``ACTIVATION`` (:func:`~.triton_kernels.family_moments`)."""
+    acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
+    acc_spread = tl.zeros([BLOCK_R], dtype=tl.float64)
+    for c0 in range(0, width, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_in = c < width
+        mean, std, std_error, _, _ = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
+        if ACTIVATION == 0:
+            phi, ups, var = relu_core(mean, std, std_error, CF_DEPTH)
+        else:
+            zero = tl.zeros_like(mean)
+            phi, ups, var, _, _ = family_moments(mean, std, std_error, eps, zero, zero, zero, ACTIVATION, CF_DEPTH)
+        w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
+        # the tile's sums in the results' arithmetic, the tiles' in float64
+        acc_mean += tl.sum(phi * w_phi[None, :], axis=1).to(tl.float64)
+        acc_spread += tl.sum(var * w_var[None, :] + ups * w_second[None, :], axis=1).to(tl.float64)
+    return acc_mean, acc_spread
+
+
+@triton.jit
+def tail_gradient_tile(
+    mean_ptr,
+    variance_ptr,
+    w_phi_ptr,
+    w_var_ptr,
+    w_second_ptr,
+    eps,
+    u,
+    k,
+    r,
+    c,
+    r_in,
+    c_in,
+    width,
+    g_mean_ptr,
+    g_variance_ptr,
+    partial_row_ptr,
+    FLOOR: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    """For row gradients ``u = dL/d mean_sum``, ``k = dL/d spread_sum`` (rows outside: 0), a tile's
+    ``dL/d mean`` and ``dL/d variance`` (:func:`~.triton_kernels.family_moments` with ``dL/dPhi = u
+    w_phi``, ``dL/dVar = k w_var``, ``dL/dUps = k w_second``) and its column sums ``(sum_r u Phi,
+    sum_r k Var, sum_r k Ups)`` into ``partial_row[0:3, columns]`` (float64)."""
+    mean, std, std_error, offsets, inside = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
+    w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
+    g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
+    # the small tail once, for the moments and the derivatives
+    phi, ups, var, g_mean, g_std = family_moments(mean, std, std_error, eps, g_phi, g_ups, g_var, ACTIVATION, CF_DEPTH)
+    dtype = g_mean_ptr.dtype.element_ty
+    tl.store(g_mean_ptr + offsets, g_mean.to(dtype), mask=inside)
+    tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(dtype), mask=inside)
+    # the tile's sums in the results' arithmetic, the row blocks' in float64 (``partial``)
+    tl.store(partial_row_ptr + c, tl.sum(u[:, None] * phi, axis=0).to(tl.float64), mask=c_in)
+    tl.store(partial_row_ptr + width + c, tl.sum(k[:, None] * var, axis=0).to(tl.float64), mask=c_in)
+    tl.store(partial_row_ptr + 2 * width + c, tl.sum(k[:, None] * ups, axis=0).to(tl.float64), mask=c_in)
+
+
+@triton.jit
 def relu_tail_kernel(
     mean_ptr,
     variance_ptr,
@@ -75,29 +163,14 @@ def relu_tail_kernel(
     CF_DEPTH: tl.constexpr,
     ACTIVATION: tl.constexpr,
 ):
-    """The two row sums of a block of ``BLOCK_R`` rows (the variance floored: :func:`load_tile`)
-    for the ReLU family's ``ACTIVATION`` (:func:`~.triton_kernels.family_moments`; the leaky
-    slope read as float64 from ``slope_ptr``, which the other kinds do not read)."""
+    """The two row sums of a block of ``BLOCK_R`` rows (:func:`tail_row_sums`)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = r < rows
-    eps = 0.0
-    if ACTIVATION == 1:  # (the other kinds have no slope: their launch passes any pointer)
-        eps = compute(tl.load(slope_ptr), CF_DEPTH)
-    acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
-    acc_spread = tl.zeros([BLOCK_R], dtype=tl.float64)
-    for c0 in range(0, width, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        c_in = c < width
-        mean, std, std_error, _, _ = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
-        if ACTIVATION == 0:
-            phi, ups, var = relu_core(mean, std, std_error, CF_DEPTH)
-        else:
-            zero = tl.zeros_like(mean)
-            phi, ups, var, _, _ = family_moments(mean, std, std_error, eps, zero, zero, zero, ACTIVATION, CF_DEPTH)
-        w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
-        # the tile's sums in the results' arithmetic, the tiles' in float64
-        acc_mean += tl.sum(phi * w_phi[None, :], axis=1).to(tl.float64)
-        acc_spread += tl.sum(var * w_var[None, :] + ups * w_second[None, :], axis=1).to(tl.float64)
+    eps = tail_slope(slope_ptr, CF_DEPTH, ACTIVATION)
+    acc_mean, acc_spread = tail_row_sums(
+        mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr, w_second_ptr, eps, r, r_in, width,
+        FLOOR, BLOCK_R, BLOCK_C, CF_DEPTH, ACTIVATION,
+    )  # fmt: skip
     tl.store(mean_sum_ptr + r, acc_mean.to(mean_sum_ptr.dtype.element_ty), mask=r_in)
     tl.store(spread_sum_ptr + r, acc_spread.to(spread_sum_ptr.dtype.element_ty), mask=r_in)
 
@@ -123,34 +196,76 @@ def relu_tail_backward_kernel(
     CF_DEPTH: tl.constexpr,
     ACTIVATION: tl.constexpr,
 ):
-    """For row gradients ``u = dL/d mean_sum``, ``k = dL/d spread_sum``: ``dL/d mean`` and
-    ``dL/d variance`` of the tile (:func:`~.triton_kernels.family_moments` with ``dL/dPhi = u w_phi``,
-    ``dL/dVar = k w_var``, ``dL/dUps = k w_second``), and the tile's column sums ``(sum_r u Phi,
-    sum_r k Var, sum_r k Ups)`` into ``partial[row_block, 0:3, columns]`` (float64)."""
+    """One ``(row block, column block)`` tile of the tail pass's vector-Jacobian product
+    (:func:`tail_gradient_tile`), its column sums into ``partial[row_block, 0:3, columns]``."""
     row_block = tl.program_id(0)
     r = row_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     r_in = r < rows
-    c_in = c < width
-    mean, std, std_error, offsets, inside = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
     u = compute(tl.load(row_u_ptr + r, mask=r_in, other=0.0), CF_DEPTH)
     k = compute(tl.load(row_k_ptr + r, mask=r_in, other=0.0), CF_DEPTH)
-    w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
-    g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
-    eps = 0.0
-    if ACTIVATION == 1:  # (as in the forward)
-        eps = compute(tl.load(slope_ptr), CF_DEPTH)
-    # the small tail once, for the moments and the derivatives
-    phi, ups, var, g_mean, g_std = family_moments(mean, std, std_error, eps, g_phi, g_ups, g_var, ACTIVATION, CF_DEPTH)
-    dtype = g_mean_ptr.dtype.element_ty
-    tl.store(g_mean_ptr + offsets, g_mean.to(dtype), mask=inside)
-    tl.store(g_variance_ptr + offsets, (0.5 * g_std / std).to(dtype), mask=inside)
-    # rows outside have u = k = 0: they add nothing to the column sums
-    base = partial_ptr + row_block.to(tl.int64) * 3 * width
-    # the tile's sums in the results' arithmetic, the row blocks' in float64 (``partial``)
-    tl.store(base + c, tl.sum(u[:, None] * phi, axis=0).to(tl.float64), mask=c_in)
-    tl.store(base + width + c, tl.sum(k[:, None] * var, axis=0).to(tl.float64), mask=c_in)
-    tl.store(base + 2 * width + c, tl.sum(k[:, None] * ups, axis=0).to(tl.float64), mask=c_in)
+    tail_gradient_tile(
+        mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr, w_second_ptr, tail_slope(slope_ptr, CF_DEPTH, ACTIVATION),
+        u, k, r, c, r_in, c < width, width, g_mean_ptr, g_variance_ptr,
+        partial_ptr + row_block.to(tl.int64) * 3 * width, FLOOR, CF_DEPTH, ACTIVATION,
+    )  # fmt: skip
+
+
+@triton.jit
+def relu_tail_with_gradients_kernel(
+    mean_ptr,
+    variance_ptr,
+    w_phi_ptr,
+    w_var_ptr,
+    w_second_ptr,
+    slope_ptr,
+    y_ptr,
+    loc_ptr,
+    log_precision_ptr,
+    mean_sum_ptr,
+    spread_sum_ptr,
+    g_mean_ptr,
+    g_variance_ptr,
+    partial_ptr,
+    rows,
+    width,
+    scale: tl.float64,
+    FLOOR: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CF_DEPTH: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    BIAS: tl.constexpr,
+):
+    """A block of ``BLOCK_R`` rows: their two sums (:func:`tail_row_sums`), then the Normal
+    likelihood's row gradients at ``dL/d ELBO = 1`` (``u = scale tau residual``, ``k = -scale tau /
+    2``, the residual as :func:`normal_rows_kernel` takes it) and, column block by column block,
+    the tail pass's vector-Jacobian product for them (:func:`tail_gradient_tile`)."""
+    row_block = tl.program_id(0)
+    r = row_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_in = r < rows
+    eps = tail_slope(slope_ptr, CF_DEPTH, ACTIVATION)
+    acc_mean, acc_spread = tail_row_sums(
+        mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr, w_second_ptr, eps, r, r_in, width,
+        FLOOR, BLOCK_R, BLOCK_C, CF_DEPTH, ACTIVATION,
+    )  # fmt: skip
+    dtype = mean_sum_ptr.dtype.element_ty
+    mean_sum = acc_mean.to(dtype)
+    tl.store(mean_sum_ptr + r, mean_sum, mask=r_in)
+    tl.store(spread_sum_ptr + r, acc_spread.to(dtype), mask=r_in)
+    residual = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64) - mean_sum.to(tl.float64)
+    if BIAS:
+        residual -= tl.load(loc_ptr + width).to(tl.float64)
+    unit = scale * tl.exp(tl.load(log_precision_ptr).to(tl.float64))
+    u = compute(tl.where(r_in, unit * residual, 0.0).to(dtype), CF_DEPTH)
+    k = compute(tl.where(r_in, -0.5 * unit, 0.0).to(dtype), CF_DEPTH)
+    partial_row_ptr = partial_ptr + row_block.to(tl.int64) * 3 * width
+    for c0 in range(0, width, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        tail_gradient_tile(
+            mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr, w_second_ptr, eps, u, k, r, c, r_in, c < width, width,
+            g_mean_ptr, g_variance_ptr, partial_row_ptr, FLOOR, CF_DEPTH, ACTIVATION,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -341,16 +456,19 @@ def output_gradients_kernel(
     log_scale_ptr,
     kl_grad_ptr,
     kl_sign: tl.float64,
+    data_scale_ptr,
     g_loc_ptr,
     g_log_scale_ptr,
     width,
     prior_variance: tl.float64,
     BIAS: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The one-output layer's gradients, its KL folded in: for ``c < width`` ``dL/d loc_c =
     columns_0c + 2 loc_c columns_1c`` and ``dL/d Var_c = columns_2c`` (the tail pass's weights
-    ``loc``, ``loc^2``, ``Var``); at the bias column ``(sums_0, sums_1)``; then with ``dL/dKL =
+    ``loc``, ``loc^2``, ``Var``; times ``data_scale[0]`` with ``SCALED``); at the bias column
+    ``(sums_0, sums_1)``; then with ``dL/dKL =
     kl_sign kl_grad[0]`` (``-dL/d elbo`` for an ELBO, which subtracts the KL; 0 where no KL is
     folded in) ``g_loc = dL/d loc + dL/dKL loc / s^2`` and
     ``g_log_scale = 2 Var dL/dVar + dL/dKL (Var / s^2 - 1)``."""
@@ -364,6 +482,9 @@ def output_gradients_kernel(
     col_phi = tl.load(columns_ptr + c, mask=on_column, other=0.0)
     col_var = tl.load(columns_ptr + width + c, mask=on_column, other=0.0)
     col_second = tl.load(columns_ptr + 2 * width + c, mask=on_column, other=0.0)
+    if SCALED:  # column sums taken at a unit upstream gradient (relu_tail_with_gradients_kernel)
+        data_scale = tl.load(data_scale_ptr).to(tl.float64)
+        col_phi, col_var, col_second = data_scale * col_phi, data_scale * col_var, data_scale * col_second
     d_loc = tl.where(column, col_phi + 2.0 * loc * col_var, tl.load(sums_ptr))
     d_variance = tl.where(column, col_second, tl.load(sums_ptr + 1))
     g_loc, g_log_scale = fold_kl(loc, variance, d_loc, d_variance, kl_sign * tl.load(kl_grad_ptr), prior_variance)

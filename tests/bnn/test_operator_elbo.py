@@ -204,6 +204,25 @@ def test_without_the_cpp_library_the_nodes_run_the_reference_kernels(tmp_path):
     _assert_within_tolerance(errors)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "relu_squared"])
+def test_the_elbo_is_the_same_number_whether_or_not_a_gradient_is_wanted(activation, dtype):
+    """With a gradient wanted the node takes the tail pass's backward ahead
+    (``cfbnn::relu_tail_with_gradients``), without one the tail pass alone (``cfbnn::relu_tail``):
+    the same row sums, so the same ELBO to the last bit."""
+    params = {"negative_slope": -0.5} if activation == "leaky_relu" else {}
+    for output_bias in (True, False):
+        namespace = {}
+        exec(CHECK, namespace)  # noqa: S102 - the shared network of the checks above
+        net = namespace["network"]([150], output_bias, dtype, activation, **params)
+        x, y = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype)
+        wanted = net.elbo(x, y, num_data=100)
+        assert type(wanted.grad_fn).__name__ == "NormalELBOBackward"
+        with torch.no_grad():
+            plain = net.elbo(x, y, num_data=100)
+        assert torch.equal(plain, wanted.detach()), (plain, wanted)
+
+
 def test_which_networks_take_the_operators():
     """Networks of the ReLU family (ReLU, leaky ReLU, ReLU^2) on either device, one hidden layer
     or more; other activations (the piecewise polynomials) and subclasses do not, and with the

@@ -60,7 +60,7 @@ class _ReferenceKernels:
     torch formulas that run where the C++ library did not build, held to the same definitions."""
 
     def __getattr__(self, name):
-        return elbo_reference.KERNELS[name]
+        return elbo_ops.REFERENCE_KERNELS[name]
 
 
 @pytest.fixture(params=["operator", "reference"])
@@ -172,8 +172,8 @@ def test_rows_backward_is_the_gradient_of_the_rows(row_grads, kernels):
     assert sums.dtype == torch.float64 and float(sums[2]) == float(grad_log_precision)
 
 
-@pytest.mark.parametrize("bias, kl_sign", [(True, -1.0), (False, 1.0), (True, 0.0)])
-def test_output_layer_gradients_fold_the_kl(bias, kl_sign, kernels):
+@pytest.mark.parametrize("bias, kl_sign, data_scale", [(True, -1.0, None), (False, 1.0, 0.6), (True, 0.0, -2.5)])
+def test_output_layer_gradients_fold_the_kl(bias, kl_sign, data_scale, kernels):
     t = _tensors(4)
     width = WIDTH
     loc, log_scale = (t[k][:, : width + int(bias)].clone().requires_grad_() for k in ("loc", "log_scale"))
@@ -183,24 +183,35 @@ def test_output_layer_gradients_fold_the_kl(bias, kl_sign, kernels):
     variance = torch.exp(2 * log_scale)
     # the data term whose gradients the tail pass's column sums are: sum_c (col0 loc + col1 loc^2 + col2 Var)
     data = (columns[0] * loc[0, :width] + columns[1] * loc[0, :width] ** 2 + columns[2] * variance[0, :width]).sum()
+    if data_scale is not None:  # column sums taken at a unit upstream gradient: the data term times the real one
+        data = data * data_scale
+        data_scale = torch.tensor(data_scale, dtype=torch.float64)
     if bias:
         data = data + sums[0] * loc[0, width] + sums[1] * variance[0, width]
     objective = data + kl_sign * kl_grad * _kl(loc, log_scale, 0.6)
     want = torch.autograd.grad(objective, [loc, log_scale])
-    got = kernels.output_layer_gradients(columns, sums, loc.detach(), log_scale.detach(), kl_grad, kl_sign, 0.6, bias)
+    got = kernels.output_layer_gradients(
+        columns, sums, loc.detach(), log_scale.detach(), kl_grad, kl_sign, 0.6, bias, data_scale
+    )
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-13, atol=1e-14)
 
 
-def test_finish_diagonal_gradients_in_place(kernels):
+@pytest.mark.parametrize("data_scale", [None, 1.7])
+def test_finish_diagonal_gradients_in_place(data_scale, kernels):
     t = _tensors(5)
     loc, log_scale = (t[k].clone().requires_grad_() for k in ("matrix_loc", "matrix_log_scale"))
     grad_loc, grad_variance = (g.clone() for g in t["gradients"])
     kl_grad = torch.tensor(-0.9, dtype=torch.float64)
     objective = (grad_loc * loc).sum() + (grad_variance * torch.exp(2 * log_scale)).sum()
+    if data_scale is not None:  # the data term's gradients taken at a unit upstream gradient
+        objective = objective * data_scale
+        data_scale = torch.tensor(data_scale, dtype=torch.float64)
     want = torch.autograd.grad(objective - kl_grad * _kl(loc, log_scale, 1.3), [loc, log_scale])
     variance = torch.exp(2 * t["matrix_log_scale"])
-    result = kernels.finish_diagonal_gradients(grad_loc, grad_variance, t["matrix_loc"], variance, kl_grad, -1.0, 1.3)
+    result = kernels.finish_diagonal_gradients(
+        grad_loc, grad_variance, t["matrix_loc"], variance, kl_grad, -1.0, 1.3, data_scale
+    )
     assert result is None  # (in place: the two gradients are now d/d loc and d/d log_scale)
     torch.testing.assert_close(grad_loc, want[0], rtol=1e-13, atol=1e-14)
     torch.testing.assert_close(grad_variance, want[1], rtol=1e-13, atol=1e-14)
@@ -208,6 +219,35 @@ def test_finish_diagonal_gradients_in_place(kernels):
         kernels.finish_diagonal_gradients(
             grad_loc.t(), grad_variance.t(), loc.detach().t(), variance.t(), kl_grad, -1.0, 1.3
         )
+
+
+@pytest.mark.parametrize("activation, slope", [(0, 0.0), (1, 0.15), (2, 0.0)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_tail_with_gradients_is_the_tail_and_the_gradient_of_the_scaled_ell(activation, slope, bias, kernels):
+    """``cfbnn::relu_tail_with_gradients``: the tail pass's row sums, and the gradients of ``scale
+    sum_r ELL_r`` (the definition: torch's Normal log density, autograd through the reference tail
+    pass) with respect to the pre-activations' means and variances and to the three weights."""
+    from cfbnn_cli.moments.tail_ops import reference_relu_tail
+
+    t = _tensors(9)
+    g = torch.Generator().manual_seed(9)
+    mean = (torch.randn(ROWS, WIDTH, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    variance = (torch.rand(ROWS, WIDTH, generator=g, dtype=torch.float64) + 0.05).requires_grad_()
+    loc = t["loc"][:, : WIDTH + int(bias)]
+    weights = [w.clone().requires_grad_() for w in (loc[0, :WIDTH], loc[0, :WIDTH] ** 2, torch.exp(t["log_scale"][0]))]
+    weights[2] = weights[2][:WIDTH].detach().requires_grad_()
+    mean_sum, spread_sum = reference_relu_tail(mean, variance, *weights, activation, slope)
+    ell = _ell(dict(t, loc=loc, mean_sum=mean_sum, spread_sum=spread_sum), bias)
+    want = torch.autograd.grad(2.5 * ell.sum(), [mean, variance, *weights])
+    got = kernels.relu_tail_with_gradients(
+        mean.detach(), variance.detach(), *(w.detach() for w in weights), t["y"], loc, t["log_precision"], 2.5, bias,
+        activation, slope,
+    )  # fmt: skip
+    torch.testing.assert_close(got[0], mean_sum.detach(), rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(got[1], spread_sum.detach(), rtol=1e-13, atol=1e-14)
+    for g_, w in zip((*got[2:4], *got[4]), want):
+        torch.testing.assert_close(g_, w, rtol=1e-11, atol=1e-12)
+    assert got[4].dtype == torch.float64
 
 
 def _opcheck_arguments(t):
@@ -247,6 +287,19 @@ def _opcheck_arguments(t):
             kl,
             -1.0,
             0.8,
+            kl,
+        ),
+        "relu_tail_with_gradients": (
+            t["x"][:, :4],
+            t["x"][:, 1:5].abs() + 0.1,
+            *(t["loc"][0, :4] * k for k in (1.0, 0.5, 0.25)),
+            t["y"],
+            t["loc"][:, :5],
+            t["log_precision"],
+            2.0,
+            True,
+            1,
+            0.2,
         ),
     }
 

@@ -121,7 +121,7 @@ class DeepNormalELBO(torch.autograd.Function):
         propagated = [saved[start : start + 9] for start in range(3, end, 9)]
         tail, locs = saved[end : end + 9], saved[end + 9 :]
         pv = ctx.prior_variance
-        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
+        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision, _ = _tail_backward(
             grad, False, ctx.scale, tail, grad, -1.0, pv, ctx.biases[-1], ctx.family
         )
         grads = [grad_output_loc, grad_output_log_scale]

@@ -10,14 +10,17 @@ product, and the dispatcher picks each step's kernel by device: C++ on the CPU, 
 The forward pass is: one pass for the input with its bias column and its square, both layers'
 ``exp(2 log_scale)`` (and the output layer's ``loc^2``) and both layers' KL sums
 (``cfbnn::outer_layers_pass``), the pre-activations' means and variances (2 matrix products), the
-tail pass (``cfbnn::relu_tail``) and the likelihood's rows with the ELBO's sum, the KL finished
-there (``cfbnn::normal_elbo_rows``); the backward pass:
-the rows (``cfbnn::normal_rows_backward``), the tail pass (``cfbnn::relu_tail_backward``), the
-output layer's gradients (``cfbnn::output_layer_gradients``), two matrix products and one pass
-that finishes the hidden layer's gradients with its KL's folded in
-(``cfbnn::finish_diagonal_gradients``). On CUDA that is twelve kernels (four of them matrix
-products; tests/test_kernel_count.py counts them), where the same mathematics written as ordinary
-torch code launches some 130; on the CPU, as many calls into the C++ kernels.
+tail pass and the likelihood's rows with the ELBO's sum, the KL finished there
+(``cfbnn::normal_elbo_rows``). Where a gradient is wanted the tail pass also takes its backward
+pass at ``dL/d elbo = 1`` (``cfbnn::relu_tail_with_gradients``): the upstream gradient of an ELBO
+is one number, so the backward pass only scales what the forward one found, and the
+activation's moments are evaluated once a step, not twice. The backward pass: the rows
+(``cfbnn::normal_rows_backward``), the output layer's gradients (``cfbnn::output_layer_gradients``),
+two matrix products and one pass that finishes the hidden layer's gradients with its KL's folded
+in (``cfbnn::finish_diagonal_gradients``), both scaling by that number. On CUDA that is eleven
+kernels (four of them matrix products; tests/test_kernel_count.py counts them), where the same
+mathematics written as ordinary torch code launches some 130; on the CPU, as many calls into the
+C++ kernels.
 
 Used by :meth:`cfbnn_cli.bnn.estimators.Estimator.elbo` where :func:`operators_apply`; the
 values and gradients are tested against the reference torch path on the CPU kernels, on the
@@ -117,22 +120,30 @@ def _columns(row: torch.Tensor, width: int) -> torch.Tensor:
 def _tail_backward(
     grad, row_grads: bool, scale: float, saved, kl_grad, kl_sign: float, prior_variance: float, bias, family
 ):
-    """The backward pass both nodes share, from ``grad`` (``dL/d ELL`` per row with
-    ``row_grads``, else one ``dL/d elbo`` for every row, times ``scale``): the rows, the tail pass
-    and the one-output layer's gradients with ``dL/dKL = kl_sign kl_grad`` folded in. ``saved``:
-    ``(gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)``.
-    Returns ``(d gamma, d xi2, d loc, d log_scale, d log_precision)``."""
-    gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares = saved
-    width = gamma.shape[1]
+    """The backward pass the nodes share, from ``grad`` (``dL/d ELL`` per row with ``row_grads``,
+    else one ``dL/d elbo`` for every row, times ``scale``): the rows, the tail pass and the
+    one-output layer's gradients with ``dL/dKL = kl_sign kl_grad`` folded in. ``saved``: what
+    :func:`_tail_and_rows` saved, ``(gamma, xi2, loc, log_scale, log_precision, w_var, w_second,
+    residual, squares)``, or where it took the tail pass's gradients ahead ``(d gamma, d xi2, loc,
+    log_scale, log_precision, columns, None, residual, squares)`` at ``dL/d elbo = 1``. Returns
+    ``(d gamma, d xi2, d loc, d log_scale, d log_precision, data_scale)``: ``d gamma`` and ``d xi2``
+    are to be multiplied by ``data_scale`` where it is not ``None``."""
+    first, second, loc, log_scale, log_precision, w_var, w_second, residual, squares = saved
     row_u, row_k, sums, grad_log_precision = _cfbnn.normal_rows_backward(
         grad, residual, squares, log_precision, scale, row_grads
     )
-    w_phi = _columns(loc, width)
-    grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_backward(gamma, xi2, w_phi, w_var, w_second, row_u, row_k, *family)
+    if w_second is None:  # taken ahead: the tail pass's gradients and column sums at dL/d elbo = 1
+        grad_gamma, grad_xi2, columns, data_scale = first, second, w_var, grad
+    else:
+        w_phi = _columns(loc, first.shape[1])
+        grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_backward(
+            first, second, w_phi, w_var, w_second, row_u, row_k, *family
+        )
+        data_scale = None
     grad_loc, grad_log_scale = _cfbnn.output_layer_gradients(
-        columns, sums, loc, log_scale, kl_grad, kl_sign, prior_variance, bias
+        columns, sums, loc, log_scale, kl_grad, kl_sign, prior_variance, bias, data_scale
     )
-    return grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision
+    return grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision, data_scale
 
 
 def _first_layer(x, loc, log_scale, bias: bool, output_loc, output_log_scale):
@@ -150,28 +161,52 @@ def _first_layer(x, loc, log_scale, bias: bool, output_loc, output_log_scale):
     return inputs, squares_in, variance, gamma, xi2, (output_variance, output_loc_square), kl_sums
 
 
-def _first_layer_gradients(grad_gamma, grad_xi2, inputs, squares_in, loc, variance, kl_grad, prior_variance):
-    """``(d loc, d log_scale)`` of :func:`_first_layer` (``dL/dKL = -kl_grad`` folded in)."""
+def _first_layer_gradients(
+    grad_gamma, grad_xi2, inputs, squares_in, loc, variance, kl_grad, prior_variance, data_scale=None
+):
+    """``(d loc, d log_scale)`` of :func:`_first_layer` (``dL/dKL = -kl_grad`` folded in; ``d gamma``
+    and ``d xi2`` times ``data_scale`` where given)."""
     grad_loc = torch.mm(grad_gamma.t(), inputs)
     grad_log_scale = torch.mm(grad_xi2.t(), squares_in)  # dL/d Var, finished in place below
-    _cfbnn.finish_diagonal_gradients(grad_loc, grad_log_scale, loc, variance, kl_grad, -1.0, prior_variance)
+    _cfbnn.finish_diagonal_gradients(grad_loc, grad_log_scale, loc, variance, kl_grad, -1.0, prior_variance, data_scale)
     return grad_loc, grad_log_scale
 
 
 def _tail_and_rows(
-    gamma, xi2, output_rows, loc, log_scale, y, log_precision, kl_terms, prior_variance, scale, bias, family
+    gamma,
+    xi2,
+    output_rows,
+    loc,
+    log_scale,
+    y,
+    log_precision,
+    kl_terms,
+    prior_variance,
+    scale,
+    bias,
+    family,
+    ahead=False,
 ):
     """The ELBO from the last hidden layer's pre-activations, the one-output layer's ``(Var, loc^2)``
     (``output_rows``, from :func:`_first_layer`) and ``kl_terms = (kl_sums, kl or None)``, the KL
     (``cfbnn::normal_elbo_rows``): the tail pass and the rows with the ELBO's sum; ``(elbo, saved)``,
-    ``saved`` what :func:`_tail_backward` takes."""
+    ``saved`` what :func:`_tail_backward` takes. With ``ahead`` (a gradient will be wanted) the tail
+    pass also takes its backward at ``dL/d elbo = 1`` (``cfbnn::relu_tail_with_gradients``), from the
+    moments it has just computed, so that the backward pass only scales."""
     width = gamma.shape[1]
     w_phi, w_var, w_second = (_columns(row, width) for row in (loc, output_rows[1], output_rows[0]))
-    mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
+    if ahead:
+        mean_sum, spread_sum, grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_with_gradients(
+            gamma, xi2, w_phi, w_var, w_second, y, loc, log_precision, scale, bias, *family
+        )
+        kept = (grad_gamma, grad_xi2, loc, log_scale, log_precision, columns, None)
+    else:
+        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
+        kept = (gamma, xi2, loc, log_scale, log_precision, w_var, w_second)
     residual, squares, elbo = _cfbnn.normal_elbo_rows(
         mean_sum, spread_sum, y, loc, log_scale, log_precision, *kl_terms, prior_variance, scale, bias
     )
-    return elbo, (gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)
+    return elbo, (*kept, residual, squares)
 
 
 class NormalELBO(torch.autograd.Function):
@@ -210,6 +245,7 @@ class NormalELBO(torch.autograd.Function):
             scale,
             output_bias,
             family,
+            any(ctx.needs_input_grad[2:7]),
         )
         ctx.save_for_backward(inputs, squares_in, hidden_loc, hidden_variance, *tail)
         ctx.output_bias, ctx.prior_variance, ctx.scale = output_bias, float(prior_variance), float(scale)
@@ -221,11 +257,11 @@ class NormalELBO(torch.autograd.Function):
     @below_autograd
     def backward(ctx, grad):
         inputs, squares_in, hidden_loc, hidden_variance, *tail = ctx.saved_tensors
-        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision = _tail_backward(
+        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision, data_scale = _tail_backward(
             grad, False, ctx.scale, tail, grad, -1.0, ctx.prior_variance, ctx.output_bias, ctx.family
         )
         grad_hidden_loc, grad_hidden_log_scale = _first_layer_gradients(
-            grad_gamma, grad_xi2, inputs, squares_in, hidden_loc, hidden_variance, grad, ctx.prior_variance
+            grad_gamma, grad_xi2, inputs, squares_in, hidden_loc, hidden_variance, grad, ctx.prior_variance, data_scale
         )
         return (
             None,
@@ -289,7 +325,7 @@ class NormalELL(torch.autograd.Function):
         saved = ctx.saved_tensors
         grad_ell = torch.zeros_like(saved[-1]) if grad_ell is None else grad_ell
         kl_on = ctx.prior_variance is not None and grad_kl is not None
-        grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision = _tail_backward(
+        grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision, _ = _tail_backward(
             grad_ell,
             True,
             1.0,

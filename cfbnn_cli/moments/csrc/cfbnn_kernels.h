@@ -29,17 +29,17 @@
   void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt);                  \
   void diag_kl_table_##SUF(int64_t n, const T* loc, const T* ls, int64_t block, double* rows, T* var, T* lsq,   \
                            int nt);                                                                            \
-  void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double a, double c, double b, T* gl,  \
-                                  T* gv, int nt);                                                              \
+  void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double e, double a, double c,        \
+                                  double b, T* gl, T* gv, int nt);                                             \
   double normal_rows_##SUF(int64_t rows, const T* mean, const T* spread, const T* y, double mb, double sb,     \
                            double beta, double lt, T* res, T* sq, T* ell);                                     \
   void normal_row_gradients_##SUF(int64_t rows, const T* g, const T* res, const T* sq, double beta, T* u, T* k, \
                                   double* sums);                                                               \
   void normal_output_gradients_##SUF(int64_t H, const double* cols, const T* wp, int bias, double su,          \
-                                     double sk, T* gl, T* gv);                                                 \
-  void tail_pass_##SUF(int kind, int backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,    \
-                       const T* wp, const T* wv, const T* wu, const T* ru, const T* rk, T* om, T* osp, T* ogm,  \
-                       T* ogs, double* ocols, int nt);                                                   \
+                                     double sk, double cs, T* gl, T* gv);                                      \
+  void tail_pass_##SUF(int kind, int mode, int64_t rows, int64_t H, const T* m, const T* s, double eps,       \
+                       const T* wp, const T* wv, const T* wu, const T* ru, const T* rk, const T* y, double mb,   \
+                       double uu, double ku, T* om, T* osp, T* ogm, T* ogs, double* ocols, int nt);             \
   void pw_forward_##SUF(int64_t n, const T* m, const T* s, int B, int D, const double* bp, const double* coef,   \
                         const double* deriv, const double* side, const double* tails, const double* jumps,      \
                         const double* gl, const float* coef32, const float* bp32, T* phi, T* ups, T* var,       \

@@ -62,7 +62,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 16
+#define CFBNN_ABI 17
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -787,14 +787,28 @@ INLINE void variance_gradients(T A, T B, T phi, T mean, T sd, T a, T b, T c, T d
   grad_variance = grad_std / ((T)2 * sd);
 }
 
+/* What tail_pass does: TAIL_FORWARD the two row sums; TAIL_BACKWARD, for row gradients (row_u, row_k),
+   the gradients of (m, s) and the column sums; TAIL_AHEAD both at once for the Normal likelihood of the
+   rows' targets y, where a loss L = scale sum_r ELL_r (eq. (7), the output bias's mean mean_bias)
+   has the row gradients u_r = scale beta residual_r and k_r = -scale beta / 2 (unit_u = scale beta,
+   unit_k = -scale beta / 2): the backward pass taken in the forward one, from the same moments, so
+   that a caller whose upstream gradient is one number g only scales by g (bnn/fused/operator_elbo.py). */
+enum { TAIL_FORWARD = 0, TAIL_BACKWARD = 1, TAIL_AHEAD = 2 };
+static const int64_t TAIL_GROUP = 1024;  // elements of whole rows whose moments stay in (L1/L2) scratch
+
 template <typename T, int KIND>
-static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,
-                      const T* w_phi, const T* w_var, const T* w_ups, const T* row_u, const T* row_k,
-                      T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols, int nthreads) {
+static void tail_pass(int mode, int64_t rows, int64_t H, const T* m, const T* s, double eps, const T* w_phi,
+                      const T* w_var, const T* w_ups, const T* row_u, const T* row_k, const T* y, double mean_bias,
+                      double unit_u, double unit_k, T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols,
+                      int nthreads) {
   const int64_t n = rows * H;
   const int team_size = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
-  T* partial = nullptr;
-  if (backward) partial = (T*)calloc((size_t)(3 * H * team_size), sizeof(T));
+  const bool grads = mode != TAIL_FORWARD, sums = mode != TAIL_BACKWARD;
+  // a group of whole rows at a time: their moments (and partials) are computed in blocks of NB
+  // elements, then each row is reduced (and, with grads, differentiated) from the scratch
+  const int64_t group_rows = H >= TAIL_GROUP || H == 0 ? 1 : TAIL_GROUP / H, cap = group_rows * H;
+  T* partial = grads ? (T*)calloc((size_t)(3 * H * team_size), sizeof(T)) : nullptr;
+  T* scratch = (T*)malloc(sizeof(T) * (size_t)(8 * cap * team_size + 1));
 #pragma omp parallel num_threads(team_size) if (team_size > 1)
   {
     FlushDenormals ftz(sizeof(T) == sizeof(float));
@@ -803,60 +817,65 @@ static void tail_pass(bool backward, int64_t rows, int64_t H, const T* m, const 
     tid = omp_get_thread_num(); team = omp_get_num_threads();
 #endif
     const int64_t r0 = rows * tid / team, r1 = rows * (tid + 1) / team;
-    T* RS cols = backward ? partial + 3 * H * tid : nullptr;
-    for (int64_t r = r0; r < r1; r++) {
-      if (!backward) { o_mean[r] = (T)0; o_spread[r] = (T)0; }
-    }
-    const int64_t end = r1 * H;
-    for (int64_t lo = r0 * H; lo < end; lo += NB) {
-      const int k = (int)(lo + NB < end ? NB : end - lo);
-      alignas(64) T f[NB], u[NB], v[NB], a[NB], b[NB], c[NB], d[NB], sd[NB];
-      T* outs[7] = {f, u, v, a, b, c, d};
-      {  // the standard deviation from the variance, kept off exact zero (bnn/fused/support.py: sqrt_floored)
-        const T* RS vin = s + lo;
-        const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
+    T* RS cols = grads ? partial + 3 * H * tid : nullptr;
+    T* base = scratch + 8 * cap * tid;
+    T *f = base, *u = base + cap, *v = base + 2 * cap, *a = base + 3 * cap, *b = base + 4 * cap,
+      *c = base + 5 * cap, *d = base + 6 * cap, *sd = base + 7 * cap;
+    const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
+    const T mb = (T)mean_bias, uu_unit = (T)unit_u, kk_unit = (T)unit_k;
+    for (int64_t g0 = r0; g0 < r1; g0 += group_rows) {
+      const int64_t lo = g0 * H, count = ((g0 + group_rows < r1 ? g0 + group_rows : r1) - g0) * H;
+      for (int64_t q = 0; q < count; q += NB) {
+        const int k = (int)(q + NB < count ? NB : count - q);
+        {  // the standard deviation from the variance, kept off exact zero (bnn/fused/support.py: sqrt_floored)
+          const T* RS vin = s + lo + q;
+          T* RS out = sd + q;
 #pragma omp simd
-        for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] < floor ? floor : vin[j]);  // (a NaN stays NaN)
+          for (int j = 0; j < k; j++) out[j] = tail_sqrt(vin[j] < floor ? floor : vin[j]);  // (a NaN stays NaN)
+        }
+        T* outs[7] = {f + q, u + q, v + q, a + q, b + q, c + q, d + q};
+        if (grads) act_block<T, KIND, true, true, MODE_FULL>(0, k, m + lo + q, sd + q, eps, outs);
+        else act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo + q, sd + q, eps, outs);
       }
-      if (backward) act_block<T, KIND, true, true, MODE_FULL>(0, k, m + lo, sd, eps, outs);
-      else act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
-      int i = 0;
-      while (i < k) {  // one row's segment of the block at a time
-        const int64_t g = lo + i, row = g / H, col0 = g - row * H;
-        const int len = (int)(k - i < H - col0 ? k - i : H - col0);
-        const T* RS wp = w_phi + col0; const T* RS wv = w_var + col0; const T* RS wu = w_ups + col0;
-        const T* RS ff = f + i; const T* RS uu = u + i; const T* RS vv = v + i;
-        if (!backward) {
+      for (int64_t o = 0; o < count; o += H) {
+        const int64_t row = g0 + o / H;
+        const T* RS ff = f + o; const T* RS uu = u + o; const T* RS vv = v + o;
+        T ru = (T)0, rk = (T)0;
+        if (sums) {
           T sm = (T)0, ss = (T)0;
 #pragma omp simd reduction(+ : sm, ss)
-          for (int j = 0; j < len; j++) {
-            sm += ff[j] * wp[j];
-            ss += vv[j] * wv[j] + uu[j] * wu[j];
+          for (int64_t j = 0; j < H; j++) {
+            sm += ff[j] * w_phi[j];
+            ss += vv[j] * w_var[j] + uu[j] * w_ups[j];
           }
-          o_mean[row] += sm;
-          o_spread[row] += ss;
-        } else {
-          const T ru = row_u[row], rk = row_k[row];
-          const T* RS aa = a + i; const T* RS bb = b + i; const T* RS cc = c + i; const T* RS dd = d + i;
-          const T* RS mm = m + g; const T* RS ssd = sd + i;
-          T* RS om = o_gm + g; T* RS os = o_gs + g;
-          T* RS cp = cols + col0; T* RS cv = cols + H + col0; T* RS cu = cols + 2 * H + col0;
-#pragma omp simd
-          for (int j = 0; j < len; j++) {
-            const T fj = ff[j];
-            const T gp = ru * wp[j], gu = rk * wu[j], gv = rk * wv[j];
-            variance_gradients<T, KIND>(gp + (T)2 * fj * gu, gu + gv, fj, mm[j], ssd[j], aa[j], bb[j], cc[j], dd[j],
-                                        om[j], os[j]);
-            cp[j] += ru * fj;
-            cv[j] += rk * vv[j];
-            cu[j] += rk * uu[j];
+          o_mean[row] = sm;
+          o_spread[row] = ss;
+          if (mode == TAIL_AHEAD) {  // as normal_rows and normal_row_gradients, at dL/d ELL_r = scale
+            ru = (y[row] - (sm + mb)) * uu_unit;
+            rk = kk_unit;
           }
         }
-        i += len;
+        if (!grads) continue;
+        if (mode == TAIL_BACKWARD) { ru = row_u[row]; rk = row_k[row]; }
+        const T* RS aa = a + o; const T* RS bb = b + o; const T* RS cc = c + o; const T* RS dd = d + o;
+        const T* RS mm = m + lo + o; const T* RS ssd = sd + o;
+        T* RS om = o_gm + lo + o; T* RS os = o_gs + lo + o;
+        T* RS cp = cols; T* RS cv = cols + H; T* RS cu = cols + 2 * H;
+#pragma omp simd
+        for (int64_t j = 0; j < H; j++) {
+          const T fj = ff[j];
+          const T gp = ru * w_phi[j], gu = rk * w_ups[j], gv = rk * w_var[j];
+          variance_gradients<T, KIND>(gp + (T)2 * fj * gu, gu + gv, fj, mm[j], ssd[j], aa[j], bb[j], cc[j], dd[j],
+                                      om[j], os[j]);
+          cp[j] += ru * fj;
+          cv[j] += rk * vv[j];
+          cu[j] += rk * uu[j];
+        }
       }
     }
   }
-  if (backward) {
+  free(scratch);
+  if (grads) {
     for (int64_t j = 0; j < 3 * H; j++) {
       double total = 0.0;
       for (int t = 0; t < team_size; t++) total += (double)partial[3 * H * t + j];
@@ -1002,16 +1021,17 @@ static void diag_kl_table(int64_t n, const T* loc, const T* ls, int64_t block, d
 }
 
 /* A layer's gradient finished in place, the KL's own gradient folded in: from the matrix
-   products' g_loc = dL/d loc and g_var = dL/d Var / scale, with c = dL/dKL / s^2 and g = dL/dKL,
-   g_loc += c loc and g_var <- Var (scale g_var + c) - g, which is dL/d log_scale
+   products' g_loc = dL/d loc / loc_scale and g_var = dL/d Var / scale, with c = dL/dKL / s^2 and
+   g = dL/dKL, g_loc <- loc_scale g_loc + c loc and g_var <- Var (scale g_var + c) - g, which is
+   dL/d log_scale
    (d Var / d log_scale = 2 Var; dKL/d log_scale = Var / s^2 - 1; dKL/d loc = loc / s^2). */
 template <typename T>
-static void diag_gradient_finish(int64_t n, const T* loc, const T* var, double scale, double kl_scaled,
-                                 double kl_grad, T* g_loc, T* g_var, int nthreads) {
-  const T a = (T)scale, c = (T)kl_scaled, b = (T)kl_grad;
+static void diag_gradient_finish(int64_t n, const T* loc, const T* var, double loc_scale, double scale,
+                                 double kl_scaled, double kl_grad, T* g_loc, T* g_var, int nthreads) {
+  const T e = (T)loc_scale, a = (T)scale, c = (T)kl_scaled, b = (T)kl_grad;
 #pragma omp parallel for simd schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
   for (int64_t i = 0; i < n; i++) {
-    g_loc[i] += c * loc[i];
+    g_loc[i] = e * g_loc[i] + c * loc[i];
     g_var[i] = var[i] * (a * g_var[i] + c) - b;
   }
 }
@@ -1094,13 +1114,14 @@ static void normal_row_gradients(int64_t rows, const T* grad_ell, const T* resid
 
 /* After tail_pass's backward: the output row's gradients from its column sums cols = [sum_r u_r
    Phi_rc, sum_r k_r Var_rc, sum_r k_r Ups_rc] (float64, 3 x H): d/d loc_c = cols0_c + 2 loc_c
-   cols1_c, d/d VarW_c = cols2_c, and the bias column's (sum_u, sum_k) when there is one. */
+   cols1_c, d/d VarW_c = cols2_c (both times column_scale: the column sums of tail_pass's TAIL_AHEAD
+   are taken at a unit upstream gradient), and the bias column's (sum_u, sum_k) when there is one. */
 template <typename T>
 static void normal_output_gradients(int64_t H, const double* cols, const T* w_phi, int bias, double sum_u,
-                                    double sum_k, T* grad_loc, T* grad_var) {
+                                    double sum_k, double column_scale, T* grad_loc, T* grad_var) {
   for (int64_t c = 0; c < H; c++) {
-    grad_loc[c] = (T)(cols[c] + 2.0 * (double)w_phi[c] * cols[H + c]);
-    grad_var[c] = (T)cols[2 * H + c];
+    grad_loc[c] = (T)(column_scale * (cols[c] + 2.0 * (double)w_phi[c] * cols[H + c]));
+    grad_var[c] = (T)(column_scale * cols[2 * H + c]);
   }
   if (bias) {
     grad_loc[H] = (T)sum_u;
@@ -1888,12 +1909,12 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
     identity_forward<T>(n, m, s, phi, ups, var, nt);                                                             \
   }                                                                                                              \
   extern "C" int64_t count_negative_##SUF(int64_t n, const T* s, int nt) { return count_negative<T>(n, s, nt); } \
-  extern "C" void tail_pass_##SUF(int kind, int backward, int64_t rows, int64_t H, const T* m, const T* s,     \
+  extern "C" void tail_pass_##SUF(int kind, int mode, int64_t rows, int64_t H, const T* m, const T* s,         \
                                   double eps, const T* wp, const T* wv, const T* wu, const T* ru, const T* rk,   \
-                                  T* om, T* osp, T* ogm, T* ogs, double* ocols, int nt) {                        \
-    if (kind == 0) tail_pass<T, 0>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt); \
-    else if (kind == 1) tail_pass<T, 1>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt); \
-    else tail_pass<T, 2>(backward, rows, H, m, s, eps, wp, wv, wu, ru, rk, om, osp, ogm, ogs, ocols, nt);      \
+                                  const T* y, double mb, double uu, double ku, T* om, T* osp, T* ogm, T* ogs,    \
+                                  double* ocols, int nt) {                                                       \
+    auto pass = kind == 0 ? tail_pass<T, 0> : (kind == 1 ? tail_pass<T, 1> : tail_pass<T, 2>);                  \
+    pass(mode, rows, H, m, s, eps, wp, wv, wu, ru, rk, y, mb, uu, ku, om, osp, ogm, ogs, ocols, nt);             \
   }                                                                                                              \
   extern "C" void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps,       \
                                     T* op, T* ou, T* ov, const T* gp, const T* gu, const T* gv, T* ogm, T* ogv,   \
@@ -1909,9 +1930,9 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
                                       T* lsq, int nt) {                                                          \
     diag_kl_table<T>(n, loc, ls, block, rows, var, lsq, nt);                                                     \
   }                                                                                                              \
-  extern "C" void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double a, double c, double b, \
-                                             T* gl, T* gv, int nt) {                                             \
-    diag_gradient_finish<T>(n, loc, var, a, c, b, gl, gv, nt);                                                   \
+  extern "C" void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double e, double a, double c, \
+                                             double b, T* gl, T* gv, int nt) {                                   \
+    diag_gradient_finish<T>(n, loc, var, e, a, c, b, gl, gv, nt);                                                \
   }                                                                                                              \
   extern "C" void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl,       \
                                          T* gs, int nt) {                                                        \
@@ -1945,8 +1966,8 @@ BOTH(ACT_ENTRIES)
     normal_row_gradients<T>(rows, g, res, sq, beta, u, k, sums);                                                 \
   }                                                                                                              \
   extern "C" void normal_output_gradients_##SUF(int64_t H, const double* cols, const T* wp, int bias, double su,  \
-                                                double sk, T* gl, T* gv) {                                       \
-    normal_output_gradients<T>(H, cols, wp, bias, su, sk, gl, gv);                                               \
+                                                double sk, double cs, T* gl, T* gv) {                            \
+    normal_output_gradients<T>(H, cols, wp, bias, su, sk, cs, gl, gv);                                          \
   }
 
 BOTH(NORMAL_ROW_ENTRIES)

@@ -78,6 +78,7 @@ CFBNN_KERNEL_TABLE(double, f64)
 
 const double LOG_2PI = std::log(2.0 * M_PI);
 const double LOG_MAX_DOUBLE = std::log(DBL_MAX);
+enum { TAIL_FORWARD = 0, TAIL_BACKWARD = 1, TAIL_AHEAD = 2 };  // tail_pass's modes
 const int RELU_KIND = 0;  // tail_pass's and hidden_pass's activation: 0 ReLU, 1 leaky ReLU, 2 ReLU^2
 
 int threads() { return at::get_num_threads(); }
@@ -664,12 +665,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> normal_rows_backward(const Tensor& gr
   return {row_u, row_k, sums, grad_log_precision.reshape(log_precision.sizes())};
 }
 
-/* grad_loc += dL/dKL loc / s^2 and grad_variance <- scale Var grad_variance + dL/dKL (Var / s^2 - 1). */
-void finish(const Tensor& loc, const Tensor& variance, Tensor& grad_loc, Tensor& grad_variance, double scale,
+/* grad_loc <- data_scale grad_loc + dL/dKL loc / s^2 and grad_variance <- 2 data_scale Var grad_variance +
+   dL/dKL (Var / s^2 - 1). */
+void finish(const Tensor& loc, const Tensor& variance, Tensor& grad_loc, Tensor& grad_variance, double data_scale,
             double kl, double prior_variance) {
   by_dtype(loc, [&](auto zero) {
     using T = decltype(zero);
-    Kernels<T>::diag_gradient_finish(loc.numel(), loc.data_ptr<T>(), variance.data_ptr<T>(), scale,
+    Kernels<T>::diag_gradient_finish(loc.numel(), loc.data_ptr<T>(), variance.data_ptr<T>(), data_scale,
+                                     2.0 * data_scale,
                                      kl / prior_variance, kl, grad_loc.data_ptr<T>(), grad_variance.data_ptr<T>(),
                                      threads());
     return 0;
@@ -680,9 +683,15 @@ double kl_gradient(const Tensor& kl_grad, double kl_sign) {
   return kl_sign != 0.0 ? kl_sign * kl_grad.item<double>() : 0.0;  // kl_grad is not read where kl_sign is 0
 }
 
+/* The data term's gradients' factor: 1, or the upstream gradient where they were taken at a unit one. */
+double scale_of(const std::optional<Tensor>& data_scale) {
+  return data_scale.has_value() ? data_scale->item<double>() : 1.0;
+}
+
 std::tuple<Tensor, Tensor> output_layer_gradients(const Tensor& columns_in, const Tensor& sums, const Tensor& loc_in,
                                                   const Tensor& log_scale_in, const Tensor& kl_grad, double kl_sign,
-                                                  double prior_variance, bool bias) {
+                                                  double prior_variance, bool bias,
+                                                  const std::optional<Tensor>& data_scale) {
   check_floats("output_layer_gradients", loc_in, {&log_scale_in});
   TORCH_CHECK_VALUE(columns_in.scalar_type() == at::kDouble && columns_in.dim() == 2 && columns_in.size(0) == 3,
                     "cfbnn::output_layer_gradients: `columns` must be float64 (3, H); got ",
@@ -701,15 +710,17 @@ std::tuple<Tensor, Tensor> output_layer_gradients(const Tensor& columns_in, cons
   by_dtype(loc, [&](auto zero) {
     using T = decltype(zero);
     Kernels<T>::normal_output_gradients(width, columns.data_ptr<double>(), loc.data_ptr<T>(), bias ? 1 : 0, sum_u,
-                                        sum_k, grad_loc.data_ptr<T>(), grad_variance.data_ptr<T>());
+                                        sum_k, scale_of(data_scale), grad_loc.data_ptr<T>(),
+                                        grad_variance.data_ptr<T>());
     return 0;
   });
-  finish(loc, variance, grad_loc, grad_variance, 2.0, kl_gradient(kl_grad, kl_sign), prior_variance);
+  finish(loc, variance, grad_loc, grad_variance, 1.0, kl_gradient(kl_grad, kl_sign), prior_variance);
   return {grad_loc, grad_variance};
 }
 
 void finish_diagonal_gradients(Tensor grad_loc, Tensor grad_variance, const Tensor& loc_in, const Tensor& variance_in,
-                               const Tensor& kl_grad, double kl_sign, double prior_variance) {
+                               const Tensor& kl_grad, double kl_sign, double prior_variance,
+                               const std::optional<Tensor>& data_scale) {
   check_floats("finish_diagonal_gradients", grad_loc, {&grad_variance, &loc_in, &variance_in});
   TORCH_CHECK_VALUE(grad_loc.is_contiguous() && grad_variance.is_contiguous(),
                     "cfbnn::finish_diagonal_gradients: the gradients it finishes in place must be contiguous");
@@ -718,7 +729,8 @@ void finish_diagonal_gradients(Tensor grad_loc, Tensor grad_variance, const Tens
   check_numel("finish_diagonal_gradients", "grad_variance", grad_variance, count);
   check_numel("finish_diagonal_gradients", "variance", variance_in, count);
   const Tensor loc = loc_in.contiguous(), variance = variance_in.contiguous();
-  finish(loc, variance, grad_loc, grad_variance, 2.0, kl_gradient(kl_grad, kl_sign), prior_variance);
+  finish(loc, variance, grad_loc, grad_variance, scale_of(data_scale), kl_gradient(kl_grad, kl_sign),
+         prior_variance);
 }
 
 // ------------------------------------------------------------------------- the ReLU tail pass
@@ -757,10 +769,10 @@ std::tuple<Tensor, Tensor> relu_tail(const Tensor& mean_in, const Tensor& varian
   Tensor mean_sum = at::empty({rows_count}, mean.options()), spread_sum = at::empty({rows_count}, mean.options());
   by_dtype(mean, [&](auto zero) {
     using T = decltype(zero);
-    Kernels<T>::tail_pass(kind, 0, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(),
+    Kernels<T>::tail_pass(kind, TAIL_FORWARD, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(),
                           slope_for<T>(negative_slope), wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(), nullptr,
-                          nullptr, mean_sum.data_ptr<T>(), spread_sum.data_ptr<T>(), nullptr, nullptr, nullptr,
-                          threads());
+                          nullptr, nullptr, 0.0, 0.0, 0.0, mean_sum.data_ptr<T>(), spread_sum.data_ptr<T>(), nullptr,
+                          nullptr, nullptr, threads());
     return 0;
   });
   return {mean_sum, spread_sum};
@@ -787,13 +799,48 @@ std::tuple<Tensor, Tensor, Tensor> relu_tail_backward(const Tensor& mean_in, con
   Tensor columns = at::empty({3, width}, mean.options().dtype(at::kDouble));
   by_dtype(mean, [&](auto zero) {
     using T = decltype(zero);
-    Kernels<T>::tail_pass(kind, 1, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(),
+    Kernels<T>::tail_pass(kind, TAIL_BACKWARD, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(),
                           slope_for<T>(negative_slope), wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(),
-                          ru.data_ptr<T>(), rk.data_ptr<T>(), nullptr, nullptr, grad_mean.data_ptr<T>(),
-                          grad_variance.data_ptr<T>(), columns.data_ptr<double>(), threads());
+                          ru.data_ptr<T>(), rk.data_ptr<T>(), nullptr, 0.0, 0.0, 0.0, nullptr, nullptr,
+                          grad_mean.data_ptr<T>(), grad_variance.data_ptr<T>(), columns.data_ptr<double>(), threads());
     return 0;
   });
   return {grad_mean, grad_variance, columns};
+}
+
+/* relu_tail and, from the same moments, relu_tail_backward's results for the Normal likelihood's row
+   gradients at dL/d ELBO = 1 (u_r = scale beta residual_r, k_r = -scale beta / 2): the rows'
+   residuals as normal_rows takes them. */
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> relu_tail_with_gradients(
+    const Tensor& mean_in, const Tensor& variance_in, const Tensor& weight_phi_in, const Tensor& weight_variance_in,
+    const Tensor& weight_second_in, const Tensor& y_in, const Tensor& loc, const Tensor& log_precision, double scale,
+    bool bias, int64_t activation, double negative_slope) {
+  check_tail("relu_tail_with_gradients", mean_in, variance_in,
+             {&weight_phi_in, &weight_variance_in, &weight_second_in});
+  const int kind = static_cast<int>(tail_kind("relu_tail_with_gradients", activation));
+  const int64_t rows_count = mean_in.size(0), width = mean_in.size(1);
+  check_floats("relu_tail_with_gradients", mean_in, {&y_in, &loc});
+  check_numel("relu_tail_with_gradients", "y", y_in, rows_count);
+  check_numel("relu_tail_with_gradients", "loc", loc, width + (bias ? 1 : 0));
+  check_numel("relu_tail_with_gradients", "log_precision", log_precision, 1);
+  const double beta = precision(log_precision).second;
+  const double mean_bias = bias ? loc.reshape({-1})[width].item<double>() : 0.0;
+  const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous(), y = y_in.contiguous();
+  const Tensor wp = weight_phi_in.contiguous(), wv = weight_variance_in.contiguous(),
+               wu = weight_second_in.contiguous();
+  Tensor mean_sum = at::empty({rows_count}, mean.options()), spread_sum = at::empty({rows_count}, mean.options());
+  Tensor grad_mean = at::empty_like(mean), grad_variance = at::empty_like(mean);
+  Tensor columns = at::empty({3, width}, mean.options().dtype(at::kDouble));
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::tail_pass(kind, TAIL_AHEAD, rows_count, width, mean.data_ptr<T>(), variance.data_ptr<T>(),
+                          slope_for<T>(negative_slope), wp.data_ptr<T>(), wv.data_ptr<T>(), wu.data_ptr<T>(), nullptr,
+                          nullptr, y.data_ptr<T>(), mean_bias, scale * beta, -0.5 * scale * beta,
+                          mean_sum.data_ptr<T>(), spread_sum.data_ptr<T>(), grad_mean.data_ptr<T>(),
+                          grad_variance.data_ptr<T>(), columns.data_ptr<double>(), threads());
+    return 0;
+  });
+  return {mean_sum, spread_sum, grad_mean, grad_variance, columns};
 }
 
 // ------------------------------------------------------------------------- the moments' autograd
@@ -1044,6 +1091,7 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   library->impl("finish_diagonal_gradients", TORCH_FN(finish_diagonal_gradients));
   library->impl("relu_tail", TORCH_FN(relu_tail));
   library->impl("relu_tail_backward", TORCH_FN(relu_tail_backward));
+  library->impl("relu_tail_with_gradients", TORCH_FN(relu_tail_with_gradients));
   // AutogradCPU is more specific than the Autograd alias the Python registrations use: these
   // take the CPU's autograd; CUDA keeps the Python one (its backward launches Triton kernels)
   static torch::Library* autograd = new torch::Library(torch::Library::IMPL, "cfbnn", c10::DispatchKey::AutogradCPU,
