@@ -193,22 +193,11 @@ def _unit_row_gradients(mean_sum, y, loc, log_precision, scale: float, bias: boo
 
 
 def reference_relu_tail_with_gradients(
-    mean,
-    variance,
-    weight_phi,
-    weight_variance,
-    weight_second,
-    y,
-    loc,
-    log_precision,
-    scale,
-    bias,
-    activation=0,
-    slope=0.0,
+    mean, variance, w_phi, w_var, w_second, y, loc, log_precision, scale, bias, activation=0, slope=0.0
 ):
     """``cfbnn::relu_tail_with_gradients`` in torch ops: :func:`reference_relu_tail`'s row sums and
     the vector-Jacobian product for the rows' gradients at ``dL/d ELBO = 1``."""
-    weights = (weight_phi, weight_variance, weight_second)
+    weights = (w_phi, w_var, w_second)
     with torch.no_grad():
         mean_sum, spread_sum = reference_relu_tail(mean, variance, *weights, activation, slope)
         row_u, row_k = _unit_row_gradients(mean_sum, y, loc, log_precision, scale, bias)
@@ -217,23 +206,12 @@ def reference_relu_tail_with_gradients(
 
 
 def triton_relu_tail_with_gradients(
-    mean,
-    variance,
-    weight_phi,
-    weight_variance,
-    weight_second,
-    y,
-    loc,
-    log_precision,
-    scale,
-    bias,
-    activation=0,
-    slope=0.0,
+    mean, variance, w_phi, w_var, w_second, y, loc, log_precision, scale, bias, activation=0, slope=0.0
 ):
     """The Triton kernel of ``cfbnn::relu_tail_with_gradients``: one launch (a program per block of
     rows), then the row blocks' float64 column sums added."""
     mean, variance = mean.contiguous(), variance.contiguous()
-    weights = [w.contiguous() for w in (weight_phi, weight_variance, weight_second)]
+    weights = [w.contiguous() for w in (w_phi, w_var, w_second)]
     rows, width = mean.shape
     block_r = triton_tail_kernels.AHEAD_ROWS
     row_blocks = triton.cdiv(max(rows, 1), block_r)
