@@ -25,7 +25,7 @@ WANT = {
     "triton::outer_layers_kernel": 1,  # [x, 1], [x^2, 1], both layers' Var and KL sums
     "aten::linear": 2,  # the forward's two products (one GEMM each on CUDA)
     "aten::mm": 2,  # the backward's two
-    "triton::relu_tail_with_gradients_kernel": 1,  # the tail pass, its backward taken ahead at dL/d elbo = 1
+    "triton::relu_tail_kernel": 1,  # the tail pass, its backward taken ahead at dL/d elbo = 1
     "triton::normal_rows_kernel": 1,  # the rows, the ELBO's sum, the KL finished
     "aten::neg": 2,  # loss = -elbo, and its backward
     "triton::normal_rows_backward_kernel": 1,

@@ -120,31 +120,29 @@ def _differentiable_tail_backward(
 # ----------------------------------------------------------------------------- Triton launches
 
 
+def _tail_operands(mean, variance, weights, activation: int, negative_slope: float):
+    """The Triton kernels' ``tail`` tuple (:mod:`.triton_tail_kernels`): the means, variances and
+    three weights, contiguous, and the slope operand; with ``(rows, width)`` and the launch's
+    constants ``(FLOOR, CF_DEPTH, ACTIVATION)``."""
+    mean, variance = mean.contiguous(), variance.contiguous()
+    tail = (mean, variance, *(w.contiguous() for w in weights), slope_operand(mean, activation, negative_slope))
+    constants = (variance_floor(mean.dtype), triton_kernels.cf_depth(mean.dtype), activation)
+    return tail, mean.shape, constants
+
+
 def triton_relu_tail(
     mean, variance, weight_phi, weight_variance, weight_second, activation: int = 0, negative_slope: float = 0.0
 ) -> Tuple[Tensor, Tensor]:
     """The Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
-    mean, variance = mean.contiguous(), variance.contiguous()
-    weights = [w.contiguous() for w in (weight_phi, weight_variance, weight_second)]
-    rows, width = mean.shape
-    mean_sum, spread_sum = mean.new_empty(rows), mean.new_empty(rows)
-    block = triton_tail_kernels.FORWARD_ROWS
-    triton_tail_kernels.relu_tail_kernel[(triton.cdiv(max(rows, 1), block),)](
-        mean,
-        variance,
-        *weights,
-        slope_operand(mean, activation, negative_slope),
-        mean_sum,
-        spread_sum,
-        rows,
-        width,
-        variance_floor(mean.dtype),
-        block,
-        triton_tail_kernels.FORWARD_COLUMNS,
-        triton_kernels.cf_depth(mean.dtype),
-        activation,
+    weights = (weight_phi, weight_variance, weight_second)
+    tail, (rows, width), (floor, depth, kind) = _tail_operands(mean, variance, weights, activation, negative_slope)
+    sums = (mean.new_empty(rows), mean.new_empty(rows))
+    block_r, block_c = triton_tail_kernels.FORWARD_ROWS, triton_tail_kernels.FORWARD_COLUMNS
+    unread = tail[0]  # the likelihood's operands and the gradients' outputs, which the forward alone skips
+    triton_tail_kernels.relu_tail_kernel[(triton.cdiv(max(rows, 1), block_r),)](
+        tail, sums, *(unread,) * 6, rows, width, 1.0, floor, block_r, block_c, depth, kind, False, False
     )
-    return mean_sum, spread_sum
+    return sums
 
 
 def triton_relu_tail_backward(
@@ -152,32 +150,17 @@ def triton_relu_tail_backward(
 ):
     """The Triton vector-Jacobian product: one launch over ``(row block, column block)`` tiles,
     then the tiles' float64 column sums added over the row blocks."""
-    mean, variance, row_u, row_k = (t.contiguous() for t in (mean, variance, row_u, row_k))
-    weights = [w.contiguous() for w in (weight_phi, weight_variance, weight_second)]
-    rows, width = mean.shape
+    weights = (weight_phi, weight_variance, weight_second)
+    tail, (rows, width), (floor, depth, kind) = _tail_operands(mean, variance, weights, activation, negative_slope)
     block_r, block_c = triton_tail_kernels.BACKWARD_ROWS, triton_tail_kernels.BACKWARD_COLUMNS
     row_blocks = triton.cdiv(max(rows, 1), block_r)
-    grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(mean)
+    grad_mean, grad_variance = torch.empty_like(tail[0]), torch.empty_like(tail[0])
     # every entry is written: each tile stores its columns' three sums for its row block
     partial = torch.empty(row_blocks, 3, width, dtype=torch.float64, device=mean.device)
     triton_tail_kernels.relu_tail_backward_kernel[(row_blocks, triton.cdiv(max(width, 1), block_c))](
-        mean,
-        variance,
-        *weights,
-        slope_operand(mean, activation, negative_slope),
-        row_u,
-        row_k,
-        grad_mean,
-        grad_variance,
-        partial,
-        rows,
-        width,
-        variance_floor(mean.dtype),
-        block_r,
-        block_c,
-        triton_kernels.cf_depth(mean.dtype),
-        activation,
-    )
+        tail, row_u.contiguous(), row_k.contiguous(), grad_mean, grad_variance, partial,
+        rows, width, floor, block_r, block_c, depth, kind,
+    )  # fmt: skip
     return grad_mean, grad_variance, partial.sum(0)
 
 
@@ -210,38 +193,19 @@ def triton_relu_tail_with_gradients(
 ):
     """The Triton kernel of ``cfbnn::relu_tail_with_gradients``: one launch (a program per block of
     rows), then the row blocks' float64 column sums added."""
-    mean, variance = mean.contiguous(), variance.contiguous()
-    weights = [w.contiguous() for w in (w_phi, w_var, w_second)]
-    rows, width = mean.shape
-    block_r = triton_tail_kernels.AHEAD_ROWS
-    row_blocks = triton.cdiv(max(rows, 1), block_r)
-    mean_sum, spread_sum = mean.new_empty(rows), mean.new_empty(rows)
-    grad_mean, grad_variance = torch.empty_like(mean), torch.empty_like(mean)
-    partial = torch.empty(row_blocks, 3, width, dtype=torch.float64, device=mean.device)
-    triton_tail_kernels.relu_tail_with_gradients_kernel[(row_blocks,)](
-        mean,
-        variance,
-        *weights,
-        slope_operand(mean, activation, slope),
-        y.contiguous(),
-        loc.contiguous(),
-        log_precision,
-        mean_sum,
-        spread_sum,
-        grad_mean,
-        grad_variance,
-        partial,
-        rows,
-        width,
-        float(scale),
-        variance_floor(mean.dtype),
-        block_r,
-        triton_tail_kernels.AHEAD_COLUMNS,
-        triton_kernels.cf_depth(mean.dtype),
-        activation,
-        bias,
+    tail, (rows, width), (floor, depth, kind) = _tail_operands(
+        mean, variance, (w_phi, w_var, w_second), activation, slope
     )
-    return mean_sum, spread_sum, grad_mean, grad_variance, partial.sum(0)
+    block_r, block_c = triton_tail_kernels.AHEAD_ROWS, triton_tail_kernels.AHEAD_COLUMNS
+    row_blocks = triton.cdiv(max(rows, 1), block_r)
+    sums = (mean.new_empty(rows), mean.new_empty(rows))
+    grad_mean, grad_variance = torch.empty_like(tail[0]), torch.empty_like(tail[0])
+    partial = torch.empty(row_blocks, 3, width, dtype=torch.float64, device=mean.device)
+    triton_tail_kernels.relu_tail_kernel[(row_blocks,)](
+        tail, sums, y.contiguous(), loc.contiguous(), log_precision, grad_mean, grad_variance, partial,
+        rows, width, float(scale), floor, block_r, block_c, depth, kind, bias, True,
+    )  # fmt: skip
+    return *sums, grad_mean, grad_variance, partial.sum(0)
 
 
 # ----------------------------------------------------------------------------- the operators

@@ -29,13 +29,18 @@ from .triton_kl_kernels import fold_kl, kl_block, kl_from_table
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
-AHEAD_ROWS, AHEAD_COLUMNS = 8, 64  # relu_tail_with_gradients_kernel: rows per program, tile width
+AHEAD_ROWS, AHEAD_COLUMNS = 8, 64  # relu_tail_kernel with its gradients: rows per program, tile width
 ROW_BLOCK = 1024
 HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
+# A tail pass's operands travel as one tuple, ``tail = (mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr,
+# w_second_ptr, slope_ptr)``: the pre-activations' means and variances ``(rows, width)``, the three
+# weight vectors ``(width,)`` and the leaky ReLU's slope (float64; the other kinds never read it).
+
+
 @triton.jit
-def load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR: tl.constexpr, CF_DEPTH: tl.constexpr):
+def load_tile(tail, r, c, r_in, c_in, width, FLOOR: tl.constexpr, CF_DEPTH: tl.constexpr):
     """An ``(rows, columns)`` tile's means (in the results' arithmetic:
     :func:`~.triton_kernels.compute`), standard deviations and their relative errors
     (:func:`~.triton_kernels.std_from_variance`: the variance floored at ``FLOOR``, the dtype's
@@ -43,62 +48,47 @@ def load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR: tl.constex
     mask; masked lanes read mean 0, variance 1 (finite moments)."""
     inside = r_in[:, None] & c_in[None, :]
     offsets = r[:, None] * width + c[None, :]
-    mean = compute(tl.load(mean_ptr + offsets, mask=inside, other=0.0), CF_DEPTH)
-    variance = compute(tl.load(variance_ptr + offsets, mask=inside, other=1.0), CF_DEPTH)
+    mean = compute(tl.load(tail[0] + offsets, mask=inside, other=0.0), CF_DEPTH)
+    variance = compute(tl.load(tail[1] + offsets, mask=inside, other=1.0), CF_DEPTH)
     std, std_error = std_from_variance(variance, FLOOR, CF_DEPTH)
     return mean, std, std_error, offsets, inside
 
 
 @triton.jit
-def load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH: tl.constexpr):
+def load_weights(tail, c, c_in, CF_DEPTH: tl.constexpr):
     """The three weight vectors at columns ``c`` (as :func:`load_tile`; 0 outside: they add nothing)."""
-    w_phi = compute(tl.load(w_phi_ptr + c, mask=c_in, other=0.0), CF_DEPTH)
-    w_var = compute(tl.load(w_var_ptr + c, mask=c_in, other=0.0), CF_DEPTH)
-    w_second = compute(tl.load(w_second_ptr + c, mask=c_in, other=0.0), CF_DEPTH)
+    w_phi = compute(tl.load(tail[2] + c, mask=c_in, other=0.0), CF_DEPTH)
+    w_var = compute(tl.load(tail[3] + c, mask=c_in, other=0.0), CF_DEPTH)
+    w_second = compute(tl.load(tail[4] + c, mask=c_in, other=0.0), CF_DEPTH)
     return w_phi, w_var, w_second
 
 
 @triton.jit
-def tail_slope(slope_ptr, CF_DEPTH: tl.constexpr, ACTIVATION: tl.constexpr):
-    """The leaky ReLU's slope, read as float64 from ``slope_ptr`` (the other kinds have none: their
-    launches pass any pointer, never read)."""
+def tail_slope(tail, CF_DEPTH: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The leaky ReLU's slope (0 for the other kinds, whose launches pass any pointer)."""
     eps = 0.0
     if ACTIVATION == 1:
-        eps = compute(tl.load(slope_ptr), CF_DEPTH)
+        eps = compute(tl.load(tail[5]), CF_DEPTH)
     return eps
 
 
 @triton.jit
-def tail_row_sums(
-    mean_ptr,
-    variance_ptr,
-    w_phi_ptr,
-    w_var_ptr,
-    w_second_ptr,
-    eps,
-    r,
-    r_in,
-    width,
-    FLOOR: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-):
+def tail_row_sums(tail, r, r_in, width, FLOOR, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CF_DEPTH, ACTIVATION):
     """Rows ``r``'s two sums (float64), looping over the columns (the variance floored:
     :func:`load_tile`) for the ReLU family's ``ACTIVATION`` (:func:`~.triton_kernels.family_moments`)."""
+    eps = tail_slope(tail, CF_DEPTH, ACTIVATION)
     acc_mean = tl.zeros([BLOCK_R], dtype=tl.float64)
     acc_spread = tl.zeros([BLOCK_R], dtype=tl.float64)
     for c0 in range(0, width, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         c_in = c < width
-        mean, std, std_error, _, _ = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
+        mean, std, std_error, _, _ = load_tile(tail, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
         if ACTIVATION == 0:
             phi, ups, var = relu_core(mean, std, std_error, CF_DEPTH)
         else:
             zero = tl.zeros_like(mean)
             phi, ups, var, _, _ = family_moments(mean, std, std_error, eps, zero, zero, zero, ACTIVATION, CF_DEPTH)
-        w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
+        w_phi, w_var, w_second = load_weights(tail, c, c_in, CF_DEPTH)
         # the tile's sums in the results' arithmetic, the tiles' in float64
         acc_mean += tl.sum(phi * w_phi[None, :], axis=1).to(tl.float64)
         acc_spread += tl.sum(var * w_var[None, :] + ups * w_second[None, :], axis=1).to(tl.float64)
@@ -106,35 +96,19 @@ def tail_row_sums(
 
 
 @triton.jit
-def tail_gradient_tile(
-    mean_ptr,
-    variance_ptr,
-    w_phi_ptr,
-    w_var_ptr,
-    w_second_ptr,
-    eps,
-    u,
-    k,
-    r,
-    c,
-    r_in,
-    c_in,
-    width,
-    g_mean_ptr,
-    g_variance_ptr,
-    partial_row_ptr,
-    FLOOR: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-):
+def tail_gradient_tile(tail, u, k, r, c, r_in, width, gradients, FLOOR, CF_DEPTH, ACTIVATION):
     """For row gradients ``u = dL/d mean_sum``, ``k = dL/d spread_sum`` (rows outside: 0), a tile's
     ``dL/d mean`` and ``dL/d variance`` (:func:`~.triton_kernels.family_moments` with ``dL/dPhi = u
-    w_phi``, ``dL/dVar = k w_var``, ``dL/dUps = k w_second``) and its column sums ``(sum_r u Phi,
-    sum_r k Var, sum_r k Ups)`` into ``partial_row[0:3, columns]`` (float64)."""
-    mean, std, std_error, offsets, inside = load_tile(mean_ptr, variance_ptr, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
-    w_phi, w_var, w_second = load_weights(w_phi_ptr, w_var_ptr, w_second_ptr, c, c_in, CF_DEPTH)
+    w_phi``, ``dL/dVar = k w_var``, ``dL/dUps = k w_second``) into ``gradients = (g_mean_ptr,
+    g_variance_ptr, partial_row_ptr)``, and its column sums ``(sum_r u Phi, sum_r k Var, sum_r k
+    Ups)`` into ``partial_row[0:3, columns]`` (float64)."""
+    g_mean_ptr, g_variance_ptr, partial_row_ptr = gradients
+    c_in = c < width
+    mean, std, std_error, offsets, inside = load_tile(tail, r, c, r_in, c_in, width, FLOOR, CF_DEPTH)
+    w_phi, w_var, w_second = load_weights(tail, c, c_in, CF_DEPTH)
     g_phi, g_ups, g_var = u[:, None] * w_phi[None, :], k[:, None] * w_second[None, :], k[:, None] * w_var[None, :]
     # the small tail once, for the moments and the derivatives
+    eps = tail_slope(tail, CF_DEPTH, ACTIVATION)
     phi, ups, var, g_mean, g_std = family_moments(mean, std, std_error, eps, g_phi, g_ups, g_var, ACTIVATION, CF_DEPTH)
     dtype = g_mean_ptr.dtype.element_ty
     tl.store(g_mean_ptr + offsets, g_mean.to(dtype), mask=inside)
@@ -146,43 +120,8 @@ def tail_gradient_tile(
 
 
 @triton.jit
-def relu_tail_kernel(
-    mean_ptr,
-    variance_ptr,
-    w_phi_ptr,
-    w_var_ptr,
-    w_second_ptr,
-    slope_ptr,
-    mean_sum_ptr,
-    spread_sum_ptr,
-    rows,
-    width,
-    FLOOR: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    CF_DEPTH: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-):
-    """The two row sums of a block of ``BLOCK_R`` rows (:func:`tail_row_sums`)."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_in = r < rows
-    eps = tail_slope(slope_ptr, CF_DEPTH, ACTIVATION)
-    acc_mean, acc_spread = tail_row_sums(
-        mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr, w_second_ptr, eps, r, r_in, width,
-        FLOOR, BLOCK_R, BLOCK_C, CF_DEPTH, ACTIVATION,
-    )  # fmt: skip
-    tl.store(mean_sum_ptr + r, acc_mean.to(mean_sum_ptr.dtype.element_ty), mask=r_in)
-    tl.store(spread_sum_ptr + r, acc_spread.to(spread_sum_ptr.dtype.element_ty), mask=r_in)
-
-
-@triton.jit
 def relu_tail_backward_kernel(
-    mean_ptr,
-    variance_ptr,
-    w_phi_ptr,
-    w_var_ptr,
-    w_second_ptr,
-    slope_ptr,
+    tail,
     row_u_ptr,
     row_k_ptr,
     g_mean_ptr,
@@ -204,26 +143,17 @@ def relu_tail_backward_kernel(
     r_in = r < rows
     u = compute(tl.load(row_u_ptr + r, mask=r_in, other=0.0), CF_DEPTH)
     k = compute(tl.load(row_k_ptr + r, mask=r_in, other=0.0), CF_DEPTH)
-    tail_gradient_tile(
-        mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr, w_second_ptr, tail_slope(slope_ptr, CF_DEPTH, ACTIVATION),
-        u, k, r, c, r_in, c < width, width, g_mean_ptr, g_variance_ptr,
-        partial_ptr + row_block.to(tl.int64) * 3 * width, FLOOR, CF_DEPTH, ACTIVATION,
-    )  # fmt: skip
+    gradients = (g_mean_ptr, g_variance_ptr, partial_ptr + row_block.to(tl.int64) * 3 * width)
+    tail_gradient_tile(tail, u, k, r, c, r_in, width, gradients, FLOOR, CF_DEPTH, ACTIVATION)
 
 
 @triton.jit
-def relu_tail_with_gradients_kernel(
-    mean_ptr,
-    variance_ptr,
-    w_phi_ptr,
-    w_var_ptr,
-    w_second_ptr,
-    slope_ptr,
+def relu_tail_kernel(
+    tail,
+    sums,
     y_ptr,
     loc_ptr,
     log_precision_ptr,
-    mean_sum_ptr,
-    spread_sum_ptr,
     g_mean_ptr,
     g_variance_ptr,
     partial_ptr,
@@ -236,36 +166,33 @@ def relu_tail_with_gradients_kernel(
     CF_DEPTH: tl.constexpr,
     ACTIVATION: tl.constexpr,
     BIAS: tl.constexpr,
+    GRADIENTS: tl.constexpr,
 ):
-    """A block of ``BLOCK_R`` rows: their two sums (:func:`tail_row_sums`), then the Normal
-    likelihood's row gradients at ``dL/d ELBO = 1`` (``u = scale tau residual``, ``k = -scale tau /
-    2``, the residual as :func:`normal_rows_kernel` takes it) and, column block by column block,
-    the tail pass's vector-Jacobian product for them (:func:`tail_gradient_tile`)."""
+    """A block of ``BLOCK_R`` rows: their two sums into ``sums = (mean_sum_ptr, spread_sum_ptr)``
+    (:func:`tail_row_sums`). With ``GRADIENTS``, then the Normal likelihood's row gradients at
+    ``dL/d ELBO = 1`` (``u = scale tau residual``, ``k = -scale tau / 2``, the residual as
+    :func:`normal_rows_kernel` takes it) and, column block by column block, the tail pass's
+    vector-Jacobian product for them (:func:`tail_gradient_tile`; without, the pointers after
+    ``sums`` are not read)."""
     row_block = tl.program_id(0)
     r = row_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = r < rows
-    eps = tail_slope(slope_ptr, CF_DEPTH, ACTIVATION)
-    acc_mean, acc_spread = tail_row_sums(
-        mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr, w_second_ptr, eps, r, r_in, width,
-        FLOOR, BLOCK_R, BLOCK_C, CF_DEPTH, ACTIVATION,
-    )  # fmt: skip
-    dtype = mean_sum_ptr.dtype.element_ty
+    acc_mean, acc_spread = tail_row_sums(tail, r, r_in, width, FLOOR, BLOCK_R, BLOCK_C, CF_DEPTH, ACTIVATION)
+    dtype = sums[0].dtype.element_ty
     mean_sum = acc_mean.to(dtype)
-    tl.store(mean_sum_ptr + r, mean_sum, mask=r_in)
-    tl.store(spread_sum_ptr + r, acc_spread.to(dtype), mask=r_in)
-    residual = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64) - mean_sum.to(tl.float64)
-    if BIAS:
-        residual -= tl.load(loc_ptr + width).to(tl.float64)
-    unit = scale * tl.exp(tl.load(log_precision_ptr).to(tl.float64))
-    u = compute(tl.where(r_in, unit * residual, 0.0).to(dtype), CF_DEPTH)
-    k = compute(tl.where(r_in, -0.5 * unit, 0.0).to(dtype), CF_DEPTH)
-    partial_row_ptr = partial_ptr + row_block.to(tl.int64) * 3 * width
-    for c0 in range(0, width, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        tail_gradient_tile(
-            mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr, w_second_ptr, eps, u, k, r, c, r_in, c < width, width,
-            g_mean_ptr, g_variance_ptr, partial_row_ptr, FLOOR, CF_DEPTH, ACTIVATION,
-        )  # fmt: skip
+    tl.store(sums[0] + r, mean_sum, mask=r_in)
+    tl.store(sums[1] + r, acc_spread.to(dtype), mask=r_in)
+    if GRADIENTS:
+        residual = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64) - mean_sum.to(tl.float64)
+        if BIAS:
+            residual -= tl.load(loc_ptr + width).to(tl.float64)
+        unit = scale * tl.exp(tl.load(log_precision_ptr).to(tl.float64))
+        u = compute(tl.where(r_in, unit * residual, 0.0).to(dtype), CF_DEPTH)
+        k = compute(tl.where(r_in, -0.5 * unit, 0.0).to(dtype), CF_DEPTH)
+        gradients = (g_mean_ptr, g_variance_ptr, partial_ptr + row_block.to(tl.int64) * 3 * width)
+        for c0 in range(0, width, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            tail_gradient_tile(tail, u, k, r, c, r_in, width, gradients, FLOOR, CF_DEPTH, ACTIVATION)
 
 
 @triton.jit
