@@ -236,7 +236,9 @@ def cuda_steps(args):
 
 
 def tail_pass(args, device):
-    """``cfbnn::relu_tail`` + ``cfbnn::relu_tail_backward`` on a 500 x 1000 float32 block (ReLU)."""
+    """``cfbnn::relu_tail`` + ``cfbnn::relu_tail_backward`` on a 500 x 1000 float32 block (ReLU), and
+    beside it, eager, ``cfbnn::relu_tail_with_gradients``: the same work as a training step's ELBO
+    node runs it (the backward taken in the forward pass, the moments evaluated once)."""
     g = torch.Generator().manual_seed(0)
     rows, width = 500, 1000
     mean = (torch.randn(rows, width, generator=g) * 2).to(device)
@@ -249,11 +251,21 @@ def tail_pass(args, device):
         torch.ops.cfbnn.relu_tail(mean, variance, *weights)
         return torch.ops.cfbnn.relu_tail_backward(mean, variance, *weights, row_u, row_k)
 
+    y, output_loc = torch.randn(rows, generator=g).to(device), torch.cat([loc, torch.zeros(1)]).reshape(1, -1)
+    log_precision = torch.zeros(1, device=device)
+
+    def ahead():
+        return torch.ops.cfbnn.relu_tail_with_gradients(
+            mean, variance, *weights, y, output_loc.to(device), log_precision, 1.0, True
+        )
+
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.no_grad():
         on_side_stream(lambda: [pair() for _ in range(3)], device)  # warm-up (compiles the kernels)
+        on_side_stream(lambda: [ahead() for _ in range(3)], device)
         eager_us = 1e3 * _median_ms(pair, args.steps, args.repeats, sync)
+        ahead_us = 1e3 * _median_ms(ahead, args.steps, args.repeats, sync)
         where = "eager calls"
         value = eager_us
         if cuda:
@@ -273,6 +285,10 @@ def tail_pass(args, device):
     print(
         f"tail pass fwd+bwd (cfbnn::relu_tail + relu_tail_backward), {rows}x{width} float32, {device.type}: "
         f"eager {eager_us:.1f} us per pair" + (f", graphed {value:.1f} us per pair" if cuda else "")
+    )
+    print(
+        f"  the same work in one call (cfbnn::relu_tail_with_gradients, a training step's): eager {ahead_us:.1f} us"
+        f" ({ahead_us / eager_us:.2f}x the pair)"
     )
     report_target(
         "tail_fwd_bwd_us/500x1000",
