@@ -191,6 +191,29 @@ def _problem(path, field: str, why: str) -> DataError:
     return DataError(f"{path} is not a usable cfbnn model file: {field} {why}; retrain, or save it with save_model")
 
 
+def checked_mapping(value, path, field: str, problem, needed=()) -> dict:
+    """``value``, a file's ``field``, if it is a mapping that holds every key in ``needed``; else
+    the reader's ``problem(path, field, why)`` raised (a model or head file: the reader says which)."""
+    if not isinstance(value, dict):
+        raise problem(path, f"`{field}`", "is missing or not a mapping")
+    absent = [key for key in needed if key not in value]
+    if absent:
+        raise problem(path, f"`{field}`", f"lacks {', '.join(absent)}")
+    return value
+
+
+def checked_weights(weights, path, problem) -> dict:
+    """``weights``, a file's ``state_dict``, if it maps names to tensors whose floating-point
+    values are all finite; else the reader's ``problem(path, field, why)`` raised."""
+    if not isinstance(weights, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
+    ):
+        raise problem(path, "`state_dict`", "is not a mapping of names to tensors")
+    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
+        raise problem(path, "`state_dict`", "holds NaN or infinite weights")
+    return weights
+
+
 def _count(value, path, field, low=0, high=MAX_WIDTH) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise _problem(path, field, f"is {str(value)[:40]!r}, not a whole number in [{low}, {high}]")
@@ -204,12 +227,8 @@ def _choice(value, allowed, path, field: str):
 
 
 def _checked_architecture(a, path) -> dict:
-    if not isinstance(a, dict):
-        raise _problem(path, "`architecture`", "is missing or not a mapping")
     needed = ("input_dim", "hidden_sizes", "output_dim", "activation", "covariance", "likelihood")
-    absent = [key for key in needed if key not in a]
-    if absent:
-        raise _problem(path, "`architecture`", f"lacks {', '.join(absent)}")
+    checked_mapping(a, path, "architecture", _problem, needed)
     from ..moments import ACTIVATIONS
 
     _count(a["input_dim"], path, "architecture.input_dim", 1)
@@ -241,8 +260,7 @@ def _checked_architecture(a, path) -> dict:
 
 
 def _checked_scaling(scaling, path, dim: int) -> dict:
-    if not isinstance(scaling, dict):
-        raise _problem(path, "`scaling`", "is missing or not a mapping")
+    checked_mapping(scaling, path, "scaling", _problem)
     for key in ("feature_mean", "feature_std"):
         value = scaling.get(key)
         if value is None:
@@ -357,11 +375,7 @@ def load_model(path, map_location="cpu") -> SavedModel:
     ):
         raise _problem(path, "`task`", f"{str(task)[:40]!r} does not match its likelihood {a['likelihood']}")
     scaling = _checked_scaling(record.get("scaling"), path, a["input_dim"])
-    weights = record.get("state_dict")
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise _problem(path, "`state_dict`", "is not a mapping of tensors")
-    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
-        raise _problem(path, "`state_dict`", "holds NaN or infinite weights")
+    weights = checked_weights(record.get("state_dict"), path, _problem)
     try:
         network = BayesianNetwork(
             a["input_dim"],

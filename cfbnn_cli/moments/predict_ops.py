@@ -199,29 +199,40 @@ def _slope_operand(like: Tensor, activation: int, negative_slope: float) -> Tens
     return slope_tensor(like, negative_slope) if activation == LEAKY else like
 
 
+def _launch(kernel, operand: Tensor, out: Tensor, half: int, activation: int, negative_slope: float, bias: bool, **own):
+    """``out`` ``(..., rows, width + bias)``, written by one launch of the prediction ``kernel`` over
+    its tiles, from ``operand`` (contiguous, ``width`` wide): the arguments both kernels take, in
+    their order (``half``: the offset of the second half, an int64 argument where it must be), then
+    ``own``, the kernel's own constants; nothing launched for an empty ``out``."""
+    count, width = out.shape[-2], operand.shape[-1]
+    if out.numel():
+        grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
+        kernel[grid](
+            operand,
+            _slope_operand(operand, activation, negative_slope),
+            out,
+            count,
+            width,
+            half,
+            activation,
+            int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            **own,
+        )
+    return out
+
+
 def triton_prediction_operand(
     inputs: Tensor, activation: int = NO_ACTIVATION, negative_slope: float = 0.0, bias: bool = True
 ) -> Tensor:
     """The Triton kernel on ``inputs``' device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
     rows = _rows(inputs).contiguous()
-    count, width = rows.shape
-    out = rows.new_empty(2, count, width + int(bias))
-    if not out.numel():  # (no rows: nothing to launch)
-        return out
-    grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
-    triton_predict_kernels.prediction_operand_kernel[grid](
-        rows,
-        _slope_operand(rows, activation, negative_slope),
-        out,
-        count,
-        width,
-        out[0].numel(),  # (the squares' offset: an int64 argument where it must be)
-        activation,
-        int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
-        block_r,
-        block_c,
+    out = rows.new_empty(2, rows.shape[0], rows.shape[1] + int(bias))
+    squares = out[0].numel()  # (where the squares start in out)
+    return _launch(
+        triton_predict_kernels.prediction_operand_kernel, rows, out, squares, activation, negative_slope, bias
     )
-    return out
 
 
 def triton_prediction_hidden_mean(
@@ -229,93 +240,84 @@ def triton_prediction_hidden_mean(
 ) -> Tensor:
     """The Triton kernel on ``moments``' device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
     moments = moments.contiguous()
-    _, count, width = moments.shape
-    out = moments.new_empty(count, width + int(bias))
-    if not out.numel():
-        return out
-    grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
-    triton_predict_kernels.prediction_hidden_mean_kernel[grid](
+    out = moments.new_empty(moments.shape[1], moments.shape[2] + int(bias))
+    return _launch(
+        triton_predict_kernels.prediction_hidden_mean_kernel,
         moments,
-        _slope_operand(moments, activation, negative_slope),
         out,
-        count,
-        width,
-        moments[0].numel(),  # (the variances' offset)
+        moments[0].numel(),  # (where the variances start in moments)
         activation,
-        int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
-        variance_floor(moments.dtype),
-        block_r,
-        block_c,
-        triton_kernels.cf_depth(moments.dtype),
+        negative_slope,
+        bias,
+        FLOOR=variance_floor(moments.dtype),
+        CF_DEPTH=triton_kernels.cf_depth(moments.dtype),
     )
-    return out
 
 
 # ----------------------------------------------------------------------------- the operators
 
 
-@torch.library.custom_op("cfbnn::prediction_operand", mutates_args=())
-def prediction_operand(
-    inputs: Tensor, activation: int = NO_ACTIVATION, negative_slope: float = 0.0, bias: bool = True
-) -> Tensor:
-    # the default kernel (every device but the CPU, which has its own below): Triton
-    _check_operand(inputs, activation)
-    if not HAVE_TRITON:  # pragma: no cover - depends on the install
-        return reference_prediction_operand(inputs, activation, negative_slope, bias)
-    return triton_prediction_operand(inputs, activation, negative_slope, bias)
+def _define_prediction_operator(name: str, operand: str, default_activation: int, check, kernels, output_shape):
+    """``cfbnn::<name>(Tensor <operand>, int activation=<default_activation>, float negative_slope=0.0,
+    bool bias=True) -> Tensor`` (``activation`` a SymInt in the schema, as torch infers an int):
+    ``check(operand, activation)``, then ``kernels`` ``(device, cpu)``, which take those arguments:
+    the first on every device but the CPU, the second on the CPU. The fake implementation: an empty
+    tensor of ``output_shape(operand, bias)``. An autograd registration that refuses: the operators
+    serve prediction (``torch.no_grad``), and a call that needs a gradient raises at once rather
+    than at the backward pass."""
+
+    def checked(kernel):
+        # (the dispatcher passes on only the arguments given: the schema's defaults again here)
+        def run(tensor, activation=default_activation, negative_slope=0.0, bias=True):
+            check(tensor, activation)
+            return kernel(tensor, activation, negative_slope, bias)
+
+        return run
+
+    def fake(tensor, activation=default_activation, negative_slope=0.0, bias=True):
+        return tensor.new_empty(output_shape(tensor, bias))
+
+    def refuse_gradient(ctx, inputs, output):
+        raise RuntimeError(
+            f"cfbnn::{name} has no derivative: it serves prediction under torch.no_grad() "
+            "(BayesianNetwork.output_mean); for gradients differentiate BayesianNetwork.output_moments(x) instead"
+        )
+
+    device_kernel, cpu_kernel = kernels
+    schema = f"(Tensor {operand}, SymInt activation={default_activation}, float negative_slope=0., bool bias=True)"
+    operator = torch.library.custom_op(
+        f"cfbnn::{name}", checked(device_kernel), mutates_args=(), schema=schema + " -> Tensor"
+    )
+    operator.register_kernel("cpu")(checked(cpu_kernel))
+    operator.register_fake(fake)
+    operator.register_autograd(lambda ctx, *grads: None, setup_context=refuse_gradient)
+    return operator
 
 
-@prediction_operand.register_kernel("cpu")
-def _prediction_operand_cpu(inputs, activation=NO_ACTIVATION, negative_slope=0.0, bias=True):
-    _check_operand(inputs, activation)
-    return reference_prediction_operand(inputs, activation, negative_slope, bias)
-
-
-@prediction_operand.register_fake
-def _(inputs, activation=NO_ACTIVATION, negative_slope=0.0, bias=True):
-    return inputs.new_empty(2, math.prod(inputs.shape[:-1]), inputs.shape[-1] + int(bias))
-
-
-@torch.library.custom_op("cfbnn::prediction_hidden_mean", mutates_args=())
-def prediction_hidden_mean(
-    moments: Tensor, activation: int = 0, negative_slope: float = 0.0, bias: bool = True
-) -> Tensor:
-    _check_moments(moments, activation)
-    if not HAVE_TRITON:  # pragma: no cover - depends on the install
-        return reference_prediction_hidden_mean(moments, activation, negative_slope, bias)
-    return triton_prediction_hidden_mean(moments, activation, negative_slope, bias)
-
-
-@prediction_hidden_mean.register_kernel("cpu")
-def _prediction_hidden_mean_cpu(moments, activation=0, negative_slope=0.0, bias=True):
+def _cpu_prediction_hidden_mean(moments, activation, negative_slope, bias):
     # the activation's own operator where the C++ library serves it (it loads here), else the
     # reference ops
-    _check_moments(moments, activation)
     mean_of = _operator_mean if library_kernels() else _reference_mean
     return _hidden_mean(moments, activation, negative_slope, bias, mean_of)
 
 
-@prediction_hidden_mean.register_fake
-def _(moments, activation=0, negative_slope=0.0, bias=True):
-    return moments.new_empty(moments.shape[1], moments.shape[2] + int(bias))
-
-
-def _prediction_only(operator):
-    """An autograd registration that refuses: the operators serve prediction (``torch.no_grad``),
-    and a call that needs a gradient raises at once rather than at the backward pass."""
-    name = operator._name
-
-    def setup_context(ctx, inputs, output):
-        raise RuntimeError(
-            f"{name} has no derivative: it serves prediction under torch.no_grad() (BayesianNetwork.output_mean); "
-            "for gradients differentiate BayesianNetwork.output_moments(x) instead"
-        )
-
-    operator.register_autograd(lambda ctx, *grads: None, setup_context=setup_context)
-
-
-_prediction_only(prediction_operand)
-_prediction_only(prediction_hidden_mean)
+# the device kernels: Triton, or the reference ops where it is not installed
+prediction_operand = _define_prediction_operator(
+    "prediction_operand",
+    "inputs",
+    NO_ACTIVATION,
+    _check_operand,
+    (triton_prediction_operand if HAVE_TRITON else reference_prediction_operand, reference_prediction_operand),
+    lambda inputs, bias: (2, math.prod(inputs.shape[:-1]), inputs.shape[-1] + int(bias)),
+)
+prediction_hidden_mean = _define_prediction_operator(
+    "prediction_hidden_mean",
+    "moments",
+    0,
+    _check_moments,
+    (triton_prediction_hidden_mean if HAVE_TRITON else reference_prediction_hidden_mean, _cpu_prediction_hidden_mean),
+    lambda moments, bias: (moments.shape[1], moments.shape[2] + int(bias)),
+)
 
 
 # ----------------------------------------------------------------------------- the route

@@ -43,20 +43,13 @@ from ..data.classification import (
     load_classification_table,
 )
 from ..data.tabular import MISSING_POLICIES, held_out_split
-from ..moments import ACTIVATIONS, validate_args
+from ..moments import validate_args
 from ..report.figures import caption, new_figure, save_figure
 from ..report.metric_keys import fit_key
 from ..report.numbers import format_value
 from ..report.tables import write_table
 from ..run_values import RunValues, parse_run_values
-from ..runtime.checks import (
-    require_bool,
-    require_choice,
-    require_fraction,
-    require_int,
-    require_positive_float,
-    require_widths,
-)
+from ..runtime.checks import require_bool, require_choice, require_int
 from ..runtime.device import synchronize
 from ..runtime.progress import progress_bar
 from ..train import TrainingLoop, optimizers
@@ -72,15 +65,9 @@ def validate(cfg: DictConfig) -> None:
     require_choice(cfg, "data.name", list(CLASSIFICATION_DATA))
     if OmegaConf.select(cfg, "data.missing", default=None) is not None:
         require_choice(cfg, "data.missing", list(MISSING_POLICIES))
-    require_fraction(cfg, "data.test_fraction", 1.0, "the held-out share (e.g. 0.1)")
     require_int(cfg, "data.seed", minimum=0)
-    require_widths(cfg, "model.hidden_sizes", example="[50]")
-    require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
-    require_positive_float(cfg, "model.init_scale")
-    require_positive_float(cfg, "model.prior_scale")
     validate_fit_settings(cfg)
     require_bool(cfg, "fit.baseline")
-    require_int(cfg, "trainer.epochs", minimum=1)
 
 
 def supports_distributed(cfg: DictConfig) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ...bnn.likelihoods import CLASSIFICATION_OBJECTIVES
-from ...bnn.model_file import MAX_PARAMETERS, MAX_WIDTH, finite_weights
+from ...bnn.model_file import MAX_PARAMETERS, MAX_WIDTH, checked_mapping, checked_weights, finite_weights
 from ...bnn.network import bayesian_head
 from ...moments import ACTIVATIONS
 from ...runtime.checkpoints import load_checkpoint
@@ -81,12 +81,8 @@ def _number(value, path, field: str, low_inclusive: bool = False) -> float:
 
 
 def _architecture(a, path) -> dict:
-    if not isinstance(a, dict):
-        raise _problem(path, "`architecture`", "is missing or not a mapping")
     needed = ("feature_dim", "hidden_sizes", "num_classes", "activation", "prior_scale", "init_scale", "objective")
-    absent = [key for key in needed if key not in a]
-    if absent:
-        raise _problem(path, "`architecture`", f"lacks {', '.join(absent)}")
+    checked_mapping(a, path, "architecture", _problem, needed)
     feature_dim = _count(a["feature_dim"], path, "architecture.feature_dim")
     num_classes = _count(a["num_classes"], path, "architecture.num_classes", 2)
     sizes = a["hidden_sizes"]
@@ -105,8 +101,7 @@ def _architecture(a, path) -> dict:
 
 
 def _scaling(scaling, path, dim: int) -> dict:
-    if not isinstance(scaling, dict):
-        raise _problem(path, "`scaling`", "is missing or not a mapping")
+    checked_mapping(scaling, path, "scaling", _problem)
     for key in ("feature_mean", "feature_std"):
         value = scaling.get(key)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != (dim,):
@@ -132,13 +127,7 @@ def load_saved_head(path) -> tuple:
         raise DataError(f"{path} is not a cfbnn classifier head file (written by `cfbnn imagenet-predict`)")
     a = _architecture(record.get("architecture"), path)
     scaling = _scaling(record.get("scaling"), path, a["feature_dim"])
-    weights = record.get("state_dict")
-    if not isinstance(weights, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
-    ):
-        raise _problem(path, "`state_dict`", "is not a mapping of names to tensors")
-    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
-        raise _problem(path, "`state_dict`", "holds NaN or infinite weights")
+    weights = checked_weights(record.get("state_dict"), path, _problem)
     try:
         model = bayesian_head(
             a["feature_dim"],

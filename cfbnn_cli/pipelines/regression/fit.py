@@ -34,19 +34,13 @@ from ...bnn.model_file import FILE_NAME
 from ...bnn.network import PRIORS
 from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...data.tabular import held_out_split
-from ...moments import ACTIVATIONS, validate_args
+from ...moments import validate_args
 from ...report.figures import caption, new_figure, save_figure
 from ...report.metric_keys import fit_key
 from ...report.numbers import format_value
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
-from ...runtime.checks import (
-    require_choice,
-    require_fraction,
-    require_int,
-    require_positive_float,
-    require_widths,
-)
+from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
 from ...runtime.device import synchronize
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
@@ -64,13 +58,8 @@ def validate(cfg: DictConfig) -> str:
     method = require_choice(cfg, "fit.method", list(METHODS))
     validate_fit_settings(cfg)
     require_widths(cfg, "fit.deep_hidden_sizes", minimum_length=2, example="[50,50]")
-    require_widths(cfg, "model.hidden_sizes", example="[50]")
-    require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     require_choice(cfg, "model.prior", list(PRIORS))
     require_int(cfg, "model.rank", minimum=1)
-    require_positive_float(cfg, "model.init_scale")
-    require_positive_float(cfg, "model.prior_scale")
-    require_int(cfg, "trainer.epochs", minimum=1)
     require_int(cfg, "trainer.batch_size", minimum=1)
     require_positive_float(cfg, "trainer.lr")
     if OmegaConf.select(cfg, "likelihood", default="normal") != "normal":
@@ -79,7 +68,6 @@ def validate(cfg: DictConfig) -> str:
             "experiment=uci 'uci.methods=[heteroscedastic]' measures the heteroscedastic one"
         )
     validate_data_config(cfg)
-    require_fraction(cfg, "data.test_fraction", 1.0, "the held-out share (e.g. 0.1)")
     return method
 
 

@@ -1,7 +1,8 @@
 """The UCI protocol's methods: how each is fitted on one split (the closed forms by L-BFGS
 to convergence, or minibatch Adam with validation stopping like the sampling peers: local
 reparameterization, Pyro's ``AutoNormal`` and its local-reparameterization model, a plain MLP)
-and its test metrics in the target's units. :data:`METHODS` is the registry ``uci.methods`` names."""
+and its test metrics in the target's units. :data:`METHODS` is the registry ``uci.methods`` names
+(:data:`NAMES`: each one's names in the table and short)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import copy
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,18 +28,28 @@ from ...train.graphs import BatchLoss
 
 log = logging.getLogger(__name__)
 
-METHODS = {
-    "closed_form_diagonal": "cfbnn closed form (diagonal)",
-    "closed_form_full": "cfbnn closed form (full)",
-    "closed_form_lowrank": "cfbnn closed form (low-rank)",
-    "local_reparameterization": "cfbnn local reparam. (1 sample)",
-    "pyro": "Pyro AutoNormal + Trace_ELBO",
-    "pyro_local_reparameterization": "Pyro local reparam. (TraceMeanField_ELBO)",
-    "plain_mlp": "plain MLP (ML, learned noise)",
-    "deterministic_2_hidden": "cfbnn deterministic, 2 hidden layers",
-    "heteroscedastic": "cfbnn closed form, heteroscedastic",
-    "heteroscedastic_2_hidden": "cfbnn deterministic, heteroscedastic, 2 hidden",
+
+class Names(NamedTuple):
+    """A method's names: in the summary table, and short (the figures' labels, the paired column)."""
+
+    table: str
+    short: str
+
+
+NAMES = {
+    "closed_form_diagonal": Names("cfbnn closed form (diagonal)", "closed form (diag.)"),
+    "closed_form_full": Names("cfbnn closed form (full)", "closed form (full)"),
+    "closed_form_lowrank": Names("cfbnn closed form (low-rank)", "closed form (low-rank)"),
+    "local_reparameterization": Names("cfbnn local reparam. (1 sample)", "cfbnn local reparam."),
+    "pyro": Names("Pyro AutoNormal + Trace_ELBO", "Pyro AutoNormal"),
+    "pyro_local_reparameterization": Names("Pyro local reparam. (TraceMeanField_ELBO)", "Pyro local reparam."),
+    "plain_mlp": Names("plain MLP (ML, learned noise)", "plain MLP"),
+    "deterministic_2_hidden": Names("cfbnn deterministic, 2 hidden layers", "deterministic, 2 hidden"),
+    "heteroscedastic": Names("cfbnn closed form, heteroscedastic", "heteroscedastic"),
+    "heteroscedastic_2_hidden": Names("cfbnn deterministic, heteroscedastic, 2 hidden", "heteroscedastic, 2 hidden"),
 }
+METHODS = {method: names.table for method, names in NAMES.items()}
+SHORT_NAMES = {method: names.short for method, names in NAMES.items()}
 # beyond the paper (moment propagation and an input-dependent noise): (likelihood, deep) per method;
 # they train like the closed forms (full-batch L-BFGS on their deterministic ELBO)
 DETERMINISTIC_METHODS = {

@@ -13,7 +13,7 @@ import pandas as pd
 
 from ...report.figures import caption, legend_below, new_figure, save_figure
 from ...report.numbers import format_mean_se, format_value
-from .uci_methods import METHODS
+from .uci_methods import METHODS, SHORT_NAMES
 
 # ----------------------------------------------------------------------------- outputs
 
@@ -108,20 +108,6 @@ def summary_data(records: pd.DataFrame, methods: List[str], reference: Optional[
             }
         )
     return pd.DataFrame(rows)
-
-
-SHORT_NAMES = {
-    "closed_form_diagonal": "closed form (diag.)",
-    "closed_form_full": "closed form (full)",
-    "closed_form_lowrank": "closed form (low-rank)",
-    "local_reparameterization": "cfbnn local reparam.",
-    "pyro": "Pyro AutoNormal",
-    "pyro_local_reparameterization": "Pyro local reparam.",
-    "plain_mlp": "plain MLP",
-    "deterministic_2_hidden": "deterministic, 2 hidden",
-    "heteroscedastic": "heteroscedastic",
-    "heteroscedastic_2_hidden": "heteroscedastic, 2 hidden",
-}
 
 
 def plot_paired_differences(
