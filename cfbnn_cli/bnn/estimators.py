@@ -178,16 +178,19 @@ class Estimator:
         num_samples: int = 1,
         objective: Optional[str] = None,
         kl_sink: Optional[dict] = None,
+        summed: bool = False,
     ):
         """``E_q[log p(y_n | x_n, W)]`` per data point ``(..., N)`` (summed over outputs): exact,
-        or a one-sample estimate over the sampled layers (``noise=None`` draws it)."""
+        or a one-sample estimate over the sampled layers (``noise=None`` draws it). ``summed``: the
+        caller only differentiates the points' sum (:meth:`elbo`), which lets the output layer's
+        node take its backward pass ahead."""
         likelihood = network.likelihood
         h = network.point_features(x)
         if noise is None:
             noise = self.sample_noise(network, h.shape[-2], generator=generator, lead=h.shape[:-2])
         if getattr(likelihood, "needs_covariance", False):  # heteroscedastic: (mean, log-variance) covary
             return likelihood.expected_log_likelihood(y, *self.mean_and_covariance(network, h, noise, kl_sink=kl_sink))
-        fused_ell = self._fused_normal_ell(network, h, y, noise, kl_sink)
+        fused_ell = self._fused_normal_ell(network, h, y, noise, kl_sink, summed)
         if fused_ell is not None:
             return fused_ell
         mean = variance = samples = None
@@ -226,11 +229,12 @@ class Estimator:
             num_samples=num_samples,
             objective=objective,
             kl_sink=sink,
+            summed=True,
         ).sum(-1)
         scale = 1.0 if num_data is None else num_data / x.shape[-2]
         return scale * ell - network.kl(folded=sink)
 
-    def _fused_normal_ell(self, network, h, y, noise, kl_sink):
+    def _fused_normal_ell(self, network, h, y, noise, kl_sink, summed: bool = False):
         """The Normal ELL per point through :mod:`.fused` (a diagonal output layer integrated
         exactly); ``None`` where that path does not apply."""
         output = network.layers[-1]
@@ -252,7 +256,8 @@ class Estimator:
             gamma, xi2 = value
             prior_variance = None if kl_sink is None else network.prior_scale**2
             rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
-            ell, kl = fused.operator_normal_ell(gamma, xi2, *rest, family=fused.tail_family(network.activation))
+            family = fused.tail_family(network.activation)
+            ell, kl = fused.operator_normal_ell(gamma, xi2, *rest, family=family, summed=summed)
             if kl is not None:
                 kl_sink[len(network.layers) - 1] = kl
             return ell

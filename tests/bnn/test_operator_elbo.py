@@ -223,6 +223,34 @@ def test_the_elbo_is_the_same_number_whether_or_not_a_gradient_is_wanted(activat
         assert torch.equal(plain, wanted.detach()), (plain, wanted)
 
 
+def test_the_per_point_ell_keeps_each_points_gradient():
+    """The ELBO sums the output layer's rows at once, so its node takes the tail pass's backward
+    ahead and scales it by the one upstream gradient; the per-point ELL is differentiated row by
+    row (weights differing per point here) and takes the tail pass's own backward: both held to
+    the reference torch path."""
+    import copy
+
+    from cfbnn_cli.bnn.likelihoods import NormalLikelihood
+
+    torch.manual_seed(3)
+    net = BayesianNetwork(4, [6, 30], likelihood=NormalLikelihood(2.0, True)).double()
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    weights = torch.rand(9, dtype=torch.float64) * 3
+    noise = net.sample_noise(9, estimator="analytic", generator=torch.Generator().manual_seed(1))
+    reference = copy.deepcopy(net)
+
+    def objectives(model):
+        per_point = model.expected_log_likelihood_per_point(x, y, noise=noise, estimator="analytic")
+        return (weights * per_point).sum(), model.elbo(x, y, num_data=40, noise=noise, estimator="analytic")
+
+    got = [torch.autograd.grad(value, list(net.parameters())) for value in objectives(net)]
+    with fast_path(False):
+        want = [torch.autograd.grad(value, list(reference.parameters())) for value in objectives(reference)]
+    for got_grads, want_grads in zip(got, want):
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
 def test_which_networks_take_the_operators():
     """Networks of the ReLU family (ReLU, leaky ReLU, ReLU^2) on either device, one hidden layer
     or more; other activations (the piecewise polynomials) and subclasses do not, and with the

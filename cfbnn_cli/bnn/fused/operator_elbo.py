@@ -118,22 +118,23 @@ def _columns(row: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _tail_backward(
-    grad, row_grads: bool, scale: float, saved, kl_grad, kl_sign: float, prior_variance: float, bias, family
+    grad, row_grads: bool, scale: float, saved, kl_grad, kl_sign: float, prior_variance: float, bias, family, unit=None
 ):
     """The backward pass the nodes share, from ``grad`` (``dL/d ELL`` per row with ``row_grads``,
     else one ``dL/d elbo`` for every row, times ``scale``): the rows, the tail pass and the
     one-output layer's gradients with ``dL/dKL = kl_sign kl_grad`` folded in. ``saved``: what
     :func:`_tail_and_rows` saved, ``(gamma, xi2, loc, log_scale, log_precision, w_var, w_second,
     residual, squares)``, or where it took the tail pass's gradients ahead ``(d gamma, d xi2, loc,
-    log_scale, log_precision, columns, None, residual, squares)`` at ``dL/d elbo = 1``. Returns
-    ``(d gamma, d xi2, d loc, d log_scale, d log_precision, data_scale)``: ``d gamma`` and ``d xi2``
-    are to be multiplied by ``data_scale`` where it is not ``None``."""
+    log_scale, log_precision, columns, None, residual, squares)`` at a unit upstream gradient, which
+    is ``unit`` (a one-element tensor: every row's, the ELBO's by default). Returns ``(d gamma, d xi2,
+    d loc, d log_scale, d log_precision, data_scale)``: ``d gamma`` and ``d xi2`` are to be multiplied
+    by ``data_scale`` where it is not ``None``."""
     first, second, loc, log_scale, log_precision, w_var, w_second, residual, squares = saved
     row_u, row_k, sums, grad_log_precision = _cfbnn.normal_rows_backward(
         grad, residual, squares, log_precision, scale, row_grads
     )
     if w_second is None:  # taken ahead: the tail pass's gradients and column sums at dL/d elbo = 1
-        grad_gamma, grad_xi2, columns, data_scale = first, second, w_var, grad
+        grad_gamma, grad_xi2, columns, data_scale = first, second, w_var, grad if unit is None else unit
     else:
         w_phi = _columns(loc, first.shape[1])
         grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_backward(
@@ -302,17 +303,28 @@ class NormalELL(torch.autograd.Function):
     and variances ``(rows, H)``, a one-output layer integrated exactly and the Normal likelihood
     (eqs. (7)-(9)), the layer's KL folded in where a prior variance is given: forward, the KL pass
     (writing ``Var W`` and ``loc^2``), ``cfbnn::relu_tail`` and the rows; backward, the rows, the
-    tail pass and the layer's gradients."""
+    tail pass and the layer's gradients. With ``summed`` the caller promises one upstream gradient
+    for every row (it sums the rows at once, as the ELBO does): where a gradient is wanted the
+    forward pass then takes the tail pass's backward ahead (``cfbnn::relu_tail_with_gradients``),
+    which the backward pass only scales."""
 
     @staticmethod
     @below_autograd
-    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance, family=RELU):
+    def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance, family=RELU, summed=False):
         folded = prior_variance is not None
         width = gamma.shape[1]
         kl, (w_phi, w_var, w_second) = _output_layer_pass(loc, log_scale, width, prior_variance if folded else 1.0)
-        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
+        ctx.ahead = summed and any(ctx.needs_input_grad[:6])
+        if ctx.ahead:
+            mean_sum, spread_sum, grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_with_gradients(
+                gamma, xi2, w_phi, w_var, w_second, y, loc, log_precision, 1.0, bias, *family
+            )
+            kept = (grad_gamma, grad_xi2, loc, log_scale, log_precision, columns, None)
+        else:
+            mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
+            kept = (gamma, xi2, loc, log_scale, log_precision, w_var, w_second)
         residual, squares, ell = _cfbnn.normal_ell_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
-        ctx.save_for_backward(gamma, xi2, loc, log_scale, log_precision, w_var, w_second, residual, squares)
+        ctx.save_for_backward(*kept, residual, squares)
         ctx.bias, ctx.prior_variance, ctx.family = bias, prior_variance, family
         if not folded:
             ctx.mark_non_differentiable(kl)
@@ -325,7 +337,7 @@ class NormalELL(torch.autograd.Function):
         saved = ctx.saved_tensors
         grad_ell = torch.zeros_like(saved[-1]) if grad_ell is None else grad_ell
         kl_on = ctx.prior_variance is not None and grad_kl is not None
-        grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision, _ = _tail_backward(
+        grad_gamma, grad_xi2, grad_loc, grad_log_scale, grad_log_precision, data_scale = _tail_backward(
             grad_ell,
             True,
             1.0,
@@ -335,7 +347,10 @@ class NormalELL(torch.autograd.Function):
             ctx.prior_variance if kl_on else 1.0,
             ctx.bias,
             ctx.family,
+            grad_ell[:1],  # (summed: every row's gradient)
         )
+        if data_scale is not None:  # taken ahead at a unit gradient: scaled by the rows' one gradient
+            grad_gamma, grad_xi2 = torch._foreach_mul((grad_gamma, grad_xi2), data_scale.reshape(()))
         return (
             grad_gamma,
             grad_xi2,
@@ -346,17 +361,23 @@ class NormalELL(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, prior_variance=None, family=RELU):
+def normal_ell(
+    gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, prior_variance=None, family=RELU, summed=False
+):
     """``(ELL per point, KL or None)`` of :class:`NormalELL` for pre-activation means and variances
-    ``(..., N, H)`` and targets ``(..., N, 1)``, ``family`` the activation's (:func:`tail_family`)."""
+    ``(..., N, H)`` and targets ``(..., N, 1)``, ``family`` the activation's (:func:`tail_family`).
+    ``summed``: the caller sums the points at once and differentiates only that sum (the ELBO);
+    with no leading dimensions the node then takes the tail pass's backward ahead."""
     check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the argument checks activation.moments makes (if on)
     gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
     lead, width = gamma.shape[:-1], gamma.shape[-1]
     targets = torch.broadcast_to(y, lead + (1,)).reshape(-1)
     rows = (gamma.reshape(-1, width), xi2.reshape(-1, width))
     folded_prior = None if prior_variance is None else float(prior_variance)
-    ell, kl = NormalELL.apply(*rows, loc, log_scale, targets, log_precision, bool(bias), folded_prior, family)
+    summed = bool(summed) and len(lead) == 1  # one upstream gradient for every row
+    ell, kl = NormalELL.apply(*rows, loc, log_scale, targets, log_precision, bool(bias), folded_prior, family, summed)
     return ell.reshape(lead), (kl if prior_variance is not None else None)
