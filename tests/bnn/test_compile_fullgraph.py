@@ -13,7 +13,7 @@ assert kernel_library.load_kernels() is not None and kernel_library.cpu_operator
 DTYPES = [torch.float32, torch.float64]
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 # the one-hidden-layer ELBO's node (bnn/fused/operator_elbo.py: NormalELBO), forward and backward
-# a one-hidden-layer ELBO whose gradient is wanted takes the tail pass's backward in its forward pass
+# an ELBO whose gradient is wanted takes the tail pass's backward in its forward pass
 ELBO_OPERATORS = {
     "outer_layers_pass",
     "relu_tail_with_gradients",
@@ -22,7 +22,6 @@ ELBO_OPERATORS = {
     "output_layer_gradients",
     "finish_diagonal_gradients",
 }
-DEEP_ELBO_OPERATORS = (ELBO_OPERATORS - {"relu_tail_with_gradients"}) | {"relu_tail", "relu_tail_backward"}
 
 
 class GraphRecorder:
@@ -164,9 +163,7 @@ def test_the_elbo_and_the_predictive_compile_with_inductor(dtype):
     "estimator, operators",
     [
         # the whole ELBO as one node, the first hidden layer's moments from its variances
-        pytest.param(
-            DeterministicPropagation(), DEEP_ELBO_OPERATORS | {"relu_moments_from_variance"}, id="deterministic"
-        ),
+        pytest.param(DeterministicPropagation(), ELBO_OPERATORS | {"relu_moments_from_variance"}, id="deterministic"),
         # the first hidden layer sampled (given noise), the last two layers as one node (NormalELL),
         # whose rows the ELBO sums at once: the tail pass's backward taken ahead
         pytest.param(

@@ -11,7 +11,7 @@ propagates them through its weights ``W ~ N(M, S)`` (mean field, bias column las
 (``Var(w^T h) = sum_j S_j E[h_j^2] + M_j^2 Var h_j`` for independent ``w`` and ``h``); the first
 layer is :class:`~.operator_elbo.NormalELBO`'s (``[x, 1] M^T`` and ``[x^2, 1] S^T``) and the last
 hidden layer and the output layer its tail pass. Every elementwise step is an operator
-(``cfbnn::outer_layers_pass``, ``cfbnn::diagonal_kl_pass``, the moments operators, ``cfbnn::relu_tail``,
+(``cfbnn::outer_layers_pass``, ``cfbnn::diagonal_kl_pass``, the moments operators, ``cfbnn::relu_tail`` (with its gradients ahead where a gradient is wanted),
 ``cfbnn::normal_elbo_rows`` and their backward passes, ``cfbnn::finish_diagonal_gradients``),
 the rest matrix products, so the dispatcher picks C++ on the CPU and Triton on CUDA, and the
 backward pass runs them in reverse without autograd's per-operation bookkeeping.
@@ -104,6 +104,7 @@ class DeepNormalELBO(torch.autograd.Function):
             scale,
             biases[-1],
             family,
+            any(ctx.needs_input_grad[2:]),  # then the tail pass's backward ahead, at dL/d elbo = 1
         )
         # (std is None for ReLU, whose operator takes the variance: save_for_backward keeps a None)
         ctx.save_for_backward(inputs, squares_in, variance, *(t for layer in propagated for t in layer), *tail, *locs)
@@ -121,7 +122,9 @@ class DeepNormalELBO(torch.autograd.Function):
         propagated = [saved[start : start + 9] for start in range(3, end, 9)]
         tail, locs = saved[end : end + 9], saved[end + 9 :]
         pv = ctx.prior_variance
-        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision, _ = _tail_backward(
+        # with the tail pass's backward taken ahead, every data-term gradient below is at dL/d elbo = 1
+        # (the chain is linear in it): the steps that finish each layer's gradients scale by ``data_scale``
+        grad_gamma, grad_xi2, grad_output_loc, grad_output_log_scale, grad_log_precision, data_scale = _tail_backward(
             grad, False, ctx.scale, tail, grad, -1.0, pv, ctx.biases[-1], ctx.family
         )
         grads = [grad_output_loc, grad_output_log_scale]
@@ -132,7 +135,7 @@ class DeepNormalELBO(torch.autograd.Function):
             # d xi2'/d M = 2 M Var: on the weights, not the bias column (its inputs have no variance)
             grad_loc[:, :width].addcmul_(loc[:, :width], torch.mm(grad_xi2.t(), var_h), value=2.0)
             grad_variance = torch.mm(grad_xi2.t(), ups_in)  # dL/d S, made dL/d log_scale below
-            _cfbnn.finish_diagonal_gradients(grad_loc, grad_variance, loc, variance, grad, -1.0, pv)
+            _cfbnn.finish_diagonal_gradients(grad_loc, grad_variance, loc, variance, grad, -1.0, pv, data_scale)
             grads = [grad_loc, grad_variance, *grads]
             grad_phi = torch.mm(grad_gamma, loc[:, :width])
             grad_ups = torch.mm(grad_xi2, variance[:, :width])
@@ -141,7 +144,9 @@ class DeepNormalELBO(torch.autograd.Function):
                 gamma, xi2, std, phi, grad_phi, grad_ups, grad_var, ctx.family
             )
         grads = [
-            *_first_layer_gradients(grad_gamma, grad_xi2, inputs, squares_in, locs[0], first_variance, grad, pv),
+            *_first_layer_gradients(
+                grad_gamma, grad_xi2, inputs, squares_in, locs[0], first_variance, grad, pv, data_scale
+            ),
             *grads,
         ]
         return (None, None, grad_log_precision if ctx.needs_input_grad[2] else None, None, None, None, None, *grads)
