@@ -31,7 +31,8 @@ def _reference(tensors, family=(0, 0.0)):
 
 @pytest.mark.parametrize("family", FAMILY, ids=FAMILY_IDS)
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("shape", [(1, 1), (37, 5), (300, 200)])
+# rows narrower than the kernel's groups of whole rows, a few per group, and one wider than a group
+@pytest.mark.parametrize("shape", [(1, 1), (37, 5), (300, 200), (7, 1500)])
 def test_cpu_tail_matches_the_reference_ops(dtype, rtol, shape, family):
     tensors = _inputs(*shape, dtype)
     got = torch.ops.cfbnn.relu_tail(*tensors, *family)
@@ -42,16 +43,31 @@ def test_cpu_tail_matches_the_reference_ops(dtype, rtol, shape, family):
 
 @pytest.mark.parametrize("family", FAMILY, ids=FAMILY_IDS)
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
-def test_cpu_tail_gradients_match_the_reference_autograd(dtype, rtol, family):
-    tensors = [t.requires_grad_() for t in _inputs(40, 9, dtype, seed=1)]
+@pytest.mark.parametrize("rows, width", [(40, 9), (5, 1500)])
+def test_cpu_tail_gradients_match_the_reference_autograd(dtype, rtol, family, rows, width):
+    tensors = [t.requires_grad_() for t in _inputs(rows, width, dtype, seed=1)]
     reference = [t.detach().double().requires_grad_() for t in tensors]
     g = torch.Generator().manual_seed(2)
-    row_grads = [torch.randn(40, generator=g, dtype=torch.float64) for _ in range(2)]
+    row_grads = [torch.randn(rows, generator=g, dtype=torch.float64) for _ in range(2)]
     torch.autograd.backward(torch.ops.cfbnn.relu_tail(*tensors, *family), [r.to(dtype) for r in row_grads])
     torch.autograd.backward(tail_ops.reference_relu_tail(*reference, *family), row_grads)
     for got, want in zip(tensors, reference):
         scale = float(want.grad.abs().max())
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=rtol, atol=rtol * scale)
+
+
+def test_a_tail_of_width_zero_sums_to_zero():
+    """No hidden unit: each row's sums are 0 (empty sums), the gradients empty."""
+    mean, variance, weights = torch.zeros(4, 0), torch.ones(4, 0), [torch.zeros(0)] * 3
+    for sums in (
+        torch.ops.cfbnn.relu_tail(mean, variance, *weights),
+        torch.ops.cfbnn.relu_tail_with_gradients(
+            mean, variance, *weights, torch.ones(4), torch.ones(1, 1), torch.zeros(1), 1.0, True
+        )[:2],
+    ):
+        assert all(torch.equal(value, torch.zeros(4)) for value in sums)
+    grads = torch.ops.cfbnn.relu_tail_backward(mean, variance, *weights, torch.ones(4), torch.ones(4))
+    assert [tuple(g.shape) for g in grads] == [(4, 0), (4, 0), (3, 0)]
 
 
 @pytest.mark.parametrize("family", FAMILY, ids=FAMILY_IDS)

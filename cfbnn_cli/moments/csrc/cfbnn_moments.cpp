@@ -824,7 +824,7 @@ static void tail_pass(int mode, int64_t rows, int64_t H, const T* m, const T* s,
     const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
     const T mb = (T)mean_bias, uu_unit = (T)unit_u, kk_unit = (T)unit_k;
     for (int64_t g0 = r0; g0 < r1; g0 += group_rows) {
-      const int64_t lo = g0 * H, count = ((g0 + group_rows < r1 ? g0 + group_rows : r1) - g0) * H;
+      const int64_t g1 = g0 + group_rows < r1 ? g0 + group_rows : r1, lo = g0 * H, count = (g1 - g0) * H;
       for (int64_t q = 0; q < count; q += NB) {
         const int k = (int)(q + NB < count ? NB : count - q);
         {  // the standard deviation from the variance, kept off exact zero (bnn/fused/support.py: sqrt_floored)
@@ -837,8 +837,8 @@ static void tail_pass(int mode, int64_t rows, int64_t H, const T* m, const T* s,
         if (grads) act_block<T, KIND, true, true, MODE_FULL>(0, k, m + lo + q, sd + q, eps, outs);
         else act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo + q, sd + q, eps, outs);
       }
-      for (int64_t o = 0; o < count; o += H) {
-        const int64_t row = g0 + o / H;
+      for (int64_t row = g0; row < g1; row++) {  // (by row, not by element: a row of width 0 sums to 0)
+        const int64_t o = (row - g0) * H;
         const T* RS ff = f + o; const T* RS uu = u + o; const T* RS vv = v + o;
         T ru = (T)0, rk = (T)0;
         if (sums) {
