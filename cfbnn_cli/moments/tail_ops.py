@@ -196,7 +196,7 @@ def triton_relu_tail_with_gradients(
     tail, (rows, width), (floor, depth, kind) = _tail_operands(
         mean, variance, (w_phi, w_var, w_second), activation, slope
     )
-    block_r, block_c = triton_tail_kernels.AHEAD_ROWS, triton_tail_kernels.AHEAD_COLUMNS
+    block_r, block_c = triton_tail_kernels.FORWARD_ROWS, triton_tail_kernels.FORWARD_COLUMNS
     row_blocks = triton.cdiv(max(rows, 1), block_r)
     sums = (mean.new_empty(rows), mean.new_empty(rows))
     grad_mean, grad_variance = torch.empty_like(tail[0]), torch.empty_like(tail[0])

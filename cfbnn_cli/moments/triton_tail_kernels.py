@@ -27,9 +27,8 @@ import triton.language as tl
 from .triton_kernels import compute, family_moments, relu_core, std_from_variance
 from .triton_kl_kernels import fold_kl, kl_block, kl_from_table
 
-FORWARD_ROWS, FORWARD_COLUMNS = 4, 128
+FORWARD_ROWS, FORWARD_COLUMNS = 4, 128  # relu_tail_kernel's tile, with its gradients or not
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
-AHEAD_ROWS, AHEAD_COLUMNS = 8, 64  # relu_tail_kernel with its gradients: rows per program, tile width
 ROW_BLOCK = 1024
 HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 

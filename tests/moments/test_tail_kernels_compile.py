@@ -29,8 +29,8 @@ def _ptxas_report(dtype: str, activation: int, gradients: bool, tmp_path) -> str
     launch's tile."""
     constants = {
         "FLOOR": FLOOR[dtype],
-        "BLOCK_R": triton_tail_kernels.AHEAD_ROWS if gradients else triton_tail_kernels.FORWARD_ROWS,
-        "BLOCK_C": triton_tail_kernels.AHEAD_COLUMNS if gradients else triton_tail_kernels.FORWARD_COLUMNS,
+        "BLOCK_R": triton_tail_kernels.FORWARD_ROWS,
+        "BLOCK_C": triton_tail_kernels.FORWARD_COLUMNS,
         "CF_DEPTH": DEPTH[dtype],
         "ACTIVATION": activation,
         "BIAS": 1,
