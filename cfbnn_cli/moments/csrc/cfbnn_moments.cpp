@@ -994,7 +994,7 @@ template <typename T>
 static void diag_kl_table(int64_t n, const T* loc, const T* ls, int64_t block, double* rows, T* var_out, T* lsq_out,
                           int nthreads) {
   const int64_t nblocks = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
   for (int64_t b = 0; b < nblocks; b++) {
     const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
     const T* RS l = loc + lo;
@@ -1029,7 +1029,7 @@ template <typename T>
 static void diag_gradient_finish(int64_t n, const T* loc, const T* var, double loc_scale, double scale,
                                  double kl_scaled, double kl_grad, T* g_loc, T* g_var, int nthreads) {
   const T e = (T)loc_scale, a = (T)scale, c = (T)kl_scaled, b = (T)kl_grad;
-#pragma omp parallel for simd schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
+#pragma omp parallel for simd schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
   for (int64_t i = 0; i < n; i++) {
     g_loc[i] = e * g_loc[i] + c * loc[i];
     g_var[i] = var[i] * (a * g_var[i] + c) - b;
@@ -1042,7 +1042,7 @@ template <typename T>
 static void diag_kl_backward(int64_t n, const T* loc, const T* ls, double scaled, double grad, T* g_loc, T* g_ls,
                              int nthreads) {
   const T a = (T)scaled, b = (T)grad;
-#pragma omp parallel for simd schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * KL_CHUNK)
+#pragma omp parallel for simd schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN)
   for (int64_t i = 0; i < n; i++) {
     g_loc[i] = a * loc[i];
     g_ls[i] = a * kl_exp((T)2 * ls[i]) - b;
