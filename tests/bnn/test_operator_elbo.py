@@ -206,10 +206,10 @@ def test_without_the_cpp_library_the_nodes_run_the_reference_kernels(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("activation", ["relu", "leaky_relu", "relu_squared"])
-def test_the_elbo_is_the_same_number_whether_or_not_a_gradient_is_wanted(activation, dtype):
+def test_the_elbo_is_the_same_whether_or_not_a_gradient_is_wanted(activation, dtype):
     """With a gradient wanted the node takes the tail pass's backward ahead
     (``cfbnn::relu_tail_with_gradients``), without one the tail pass alone (``cfbnn::relu_tail``):
-    the same row sums, so the same ELBO to the last bit."""
+    the same row sums (added in another order: to a few units in the last place)."""
     params = {"negative_slope": -0.5} if activation == "leaky_relu" else {}
     for output_bias in (True, False):
         namespace = {}
@@ -220,7 +220,8 @@ def test_the_elbo_is_the_same_number_whether_or_not_a_gradient_is_wanted(activat
         assert type(wanted.grad_fn).__name__ == "NormalELBOBackward"
         with torch.no_grad():
             plain = net.elbo(x, y, num_data=100)
-        assert torch.equal(plain, wanted.detach()), (plain, wanted)
+        tolerance = 1e-13 if dtype == torch.float64 else 1e-6
+        torch.testing.assert_close(plain, wanted.detach(), rtol=tolerance, atol=0.0)
 
 
 def test_the_per_point_ell_keeps_each_points_gradient():

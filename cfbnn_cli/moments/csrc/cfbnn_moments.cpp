@@ -787,27 +787,103 @@ INLINE void variance_gradients(T A, T B, T phi, T mean, T sd, T a, T b, T c, T d
   grad_variance = grad_std / ((T)2 * sd);
 }
 
-/* What tail_pass does: TAIL_FORWARD the two row sums; TAIL_BACKWARD, for row gradients (row_u, row_k),
-   the gradients of (m, s) and the column sums; TAIL_AHEAD both at once for the Normal likelihood of the
-   rows' targets y, where a loss L = scale sum_r ELL_r (eq. (7), the output bias's mean mean_bias)
-   has the row gradients u_r = scale beta residual_r and k_r = -scale beta / 2 (unit_u = scale beta,
-   unit_k = -scale beta / 2): the backward pass taken in the forward one, from the same moments, so
-   that a caller whose upstream gradient is one number g only scales by g (bnn/fused/operator_elbo.py). */
-enum { TAIL_FORWARD = 0, TAIL_BACKWARD = 1, TAIL_AHEAD = 2 };
-static const int64_t TAIL_GROUP = 1024;  // elements of whole rows whose moments stay in (L1/L2) scratch
-
+/* tail_pass's forward and backward (below): blocks of NB elements across the rows, in L1. */
 template <typename T, int KIND>
-static void tail_pass(int mode, int64_t rows, int64_t H, const T* m, const T* s, double eps, const T* w_phi,
-                      const T* w_var, const T* w_ups, const T* row_u, const T* row_k, const T* y, double mean_bias,
-                      double unit_u, double unit_k, T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols,
-                      int nthreads) {
+static void tail_pass_blocks(bool backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,
+                      const T* w_phi, const T* w_var, const T* w_ups, const T* row_u, const T* row_k,
+                      T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols, int nthreads) {
   const int64_t n = rows * H;
   const int team_size = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
-  const bool grads = mode != TAIL_FORWARD, sums = mode != TAIL_BACKWARD;
-  // a group of whole rows at a time: their moments (and partials) are computed in blocks of NB
-  // elements, then each row is reduced (and, with grads, differentiated) from the scratch
+  T* partial = nullptr;
+  if (backward) partial = (T*)calloc((size_t)(3 * H * team_size), sizeof(T));
+#pragma omp parallel num_threads(team_size) if (team_size > 1)
+  {
+    FlushDenormals ftz(sizeof(T) == sizeof(float));
+    int tid = 0, team = 1;
+#ifdef _OPENMP
+    tid = omp_get_thread_num(); team = omp_get_num_threads();
+#endif
+    const int64_t r0 = rows * tid / team, r1 = rows * (tid + 1) / team;
+    T* RS cols = backward ? partial + 3 * H * tid : nullptr;
+    for (int64_t r = r0; r < r1; r++) {
+      if (!backward) { o_mean[r] = (T)0; o_spread[r] = (T)0; }
+    }
+    const int64_t end = r1 * H;
+    for (int64_t lo = r0 * H; lo < end; lo += NB) {
+      const int k = (int)(lo + NB < end ? NB : end - lo);
+      alignas(64) T f[NB], u[NB], v[NB], a[NB], b[NB], c[NB], d[NB], sd[NB];
+      T* outs[7] = {f, u, v, a, b, c, d};
+      {  // the standard deviation from the variance, kept off exact zero (bnn/fused/support.py: sqrt_floored)
+        const T* RS vin = s + lo;
+        const T floor = sizeof(T) == sizeof(float) ? (T)FTINY : (T)TINY;
+#pragma omp simd
+        for (int j = 0; j < k; j++) sd[j] = tail_sqrt(vin[j] < floor ? floor : vin[j]);  // (a NaN stays NaN)
+      }
+      if (backward) act_block<T, KIND, true, true, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+      else act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo, sd, eps, outs);
+      int i = 0;
+      while (i < k) {  // one row's segment of the block at a time
+        const int64_t g = lo + i, row = g / H, col0 = g - row * H;
+        const int len = (int)(k - i < H - col0 ? k - i : H - col0);
+        const T* RS wp = w_phi + col0; const T* RS wv = w_var + col0; const T* RS wu = w_ups + col0;
+        const T* RS ff = f + i; const T* RS uu = u + i; const T* RS vv = v + i;
+        if (!backward) {
+          T sm = (T)0, ss = (T)0;
+#pragma omp simd reduction(+ : sm, ss)
+          for (int j = 0; j < len; j++) {
+            sm += ff[j] * wp[j];
+            ss += vv[j] * wv[j] + uu[j] * wu[j];
+          }
+          o_mean[row] += sm;
+          o_spread[row] += ss;
+        } else {
+          const T ru = row_u[row], rk = row_k[row];
+          const T* RS aa = a + i; const T* RS bb = b + i; const T* RS cc = c + i; const T* RS dd = d + i;
+          const T* RS mm = m + g; const T* RS ssd = sd + i;
+          T* RS om = o_gm + g; T* RS os = o_gs + g;
+          T* RS cp = cols + col0; T* RS cv = cols + H + col0; T* RS cu = cols + 2 * H + col0;
+#pragma omp simd
+          for (int j = 0; j < len; j++) {
+            const T fj = ff[j];
+            const T gp = ru * wp[j], gu = rk * wu[j], gv = rk * wv[j];
+            variance_gradients<T, KIND>(gp + (T)2 * fj * gu, gu + gv, fj, mm[j], ssd[j], aa[j], bb[j], cc[j], dd[j],
+                                        om[j], os[j]);
+            cp[j] += ru * fj;
+            cv[j] += rk * vv[j];
+            cu[j] += rk * uu[j];
+          }
+        }
+        i += len;
+      }
+    }
+  }
+  if (backward) {
+    for (int64_t j = 0; j < 3 * H; j++) {
+      double total = 0.0;
+      for (int t = 0; t < team_size; t++) total += (double)partial[3 * H * t + j];
+      o_cols[j] = total;
+    }
+    free(partial);
+  }
+}
+
+/* tail_pass_blocks' forward and backward at once, for the Normal likelihood of the rows' targets y:
+   a loss L = scale sum_r ELL_r (eq. (7); mean_bias the output bias's mean) has the row gradients
+   u_r = scale beta residual_r and k_r = -scale beta / 2 (unit_u = scale beta, unit_k = -scale beta /
+   2). The backward pass is taken in the forward one, from the same moments, so that a caller whose
+   upstream gradient is one number g only scales by g (bnn/fused/operator_elbo.py). A row's residual
+   needs its whole sum first: a group of whole rows at a time, their moments and partials computed in
+   blocks of NB elements into scratch, then each row reduced and differentiated from it. */
+static const int64_t TAIL_GROUP = 1024;  // elements of whole rows whose moments the scratch holds
+
+template <typename T, int KIND>
+static void tail_pass_ahead(int64_t rows, int64_t H, const T* m, const T* s, double eps, const T* w_phi,
+                            const T* w_var, const T* w_ups, const T* y, double mean_bias, double unit_u,
+                            double unit_k, T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols, int nthreads) {
+  const int64_t n = rows * H;
+  const int team_size = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
   const int64_t group_rows = H >= TAIL_GROUP || H == 0 ? 1 : TAIL_GROUP / H, cap = group_rows * H;
-  T* partial = grads ? (T*)calloc((size_t)(3 * H * team_size), sizeof(T)) : nullptr;
+  T* partial = (T*)calloc((size_t)(3 * H * team_size + 1), sizeof(T));
   T* scratch = (T*)malloc(sizeof(T) * (size_t)(8 * cap * team_size + 1));
 #pragma omp parallel num_threads(team_size) if (team_size > 1)
   {
@@ -817,7 +893,7 @@ static void tail_pass(int mode, int64_t rows, int64_t H, const T* m, const T* s,
     tid = omp_get_thread_num(); team = omp_get_num_threads();
 #endif
     const int64_t r0 = rows * tid / team, r1 = rows * (tid + 1) / team;
-    T* RS cols = grads ? partial + 3 * H * tid : nullptr;
+    T* RS cp = partial + 3 * H * tid; T* RS cv = cp + H; T* RS cu = cp + 2 * H;
     T* base = scratch + 8 * cap * tid;
     T *f = base, *u = base + cap, *v = base + 2 * cap, *a = base + 3 * cap, *b = base + 4 * cap,
       *c = base + 5 * cap, *d = base + 6 * cap, *sd = base + 7 * cap;
@@ -834,33 +910,24 @@ static void tail_pass(int mode, int64_t rows, int64_t H, const T* m, const T* s,
           for (int j = 0; j < k; j++) out[j] = tail_sqrt(vin[j] < floor ? floor : vin[j]);  // (a NaN stays NaN)
         }
         T* outs[7] = {f + q, u + q, v + q, a + q, b + q, c + q, d + q};
-        if (grads) act_block<T, KIND, true, true, MODE_FULL>(0, k, m + lo + q, sd + q, eps, outs);
-        else act_block<T, KIND, true, false, MODE_FULL>(0, k, m + lo + q, sd + q, eps, outs);
+        act_block<T, KIND, true, true, MODE_FULL>(0, k, m + lo + q, sd + q, eps, outs);
       }
       for (int64_t row = g0; row < g1; row++) {  // (by row, not by element: a row of width 0 sums to 0)
         const int64_t o = (row - g0) * H;
         const T* RS ff = f + o; const T* RS uu = u + o; const T* RS vv = v + o;
-        T ru = (T)0, rk = (T)0;
-        if (sums) {
-          T sm = (T)0, ss = (T)0;
+        T sm = (T)0, ss = (T)0;
 #pragma omp simd reduction(+ : sm, ss)
-          for (int64_t j = 0; j < H; j++) {
-            sm += ff[j] * w_phi[j];
-            ss += vv[j] * w_var[j] + uu[j] * w_ups[j];
-          }
-          o_mean[row] = sm;
-          o_spread[row] = ss;
-          if (mode == TAIL_AHEAD) {  // as normal_rows and normal_row_gradients, at dL/d ELL_r = scale
-            ru = (y[row] - (sm + mb)) * uu_unit;
-            rk = kk_unit;
-          }
+        for (int64_t j = 0; j < H; j++) {
+          sm += ff[j] * w_phi[j];
+          ss += vv[j] * w_var[j] + uu[j] * w_ups[j];
         }
-        if (!grads) continue;
-        if (mode == TAIL_BACKWARD) { ru = row_u[row]; rk = row_k[row]; }
+        o_mean[row] = sm;
+        o_spread[row] = ss;
+        // as normal_rows and normal_row_gradients, at dL/d ELL_r = scale
+        const T ru = (y[row] - (sm + mb)) * uu_unit, rk = kk_unit;
         const T* RS aa = a + o; const T* RS bb = b + o; const T* RS cc = c + o; const T* RS dd = d + o;
         const T* RS mm = m + lo + o; const T* RS ssd = sd + o;
         T* RS om = o_gm + lo + o; T* RS os = o_gs + lo + o;
-        T* RS cp = cols; T* RS cv = cols + H; T* RS cu = cols + 2 * H;
 #pragma omp simd
         for (int64_t j = 0; j < H; j++) {
           const T fj = ff[j];
@@ -875,14 +942,30 @@ static void tail_pass(int mode, int64_t rows, int64_t H, const T* m, const T* s,
     }
   }
   free(scratch);
-  if (grads) {
-    for (int64_t j = 0; j < 3 * H; j++) {
-      double total = 0.0;
-      for (int t = 0; t < team_size; t++) total += (double)partial[3 * H * t + j];
-      o_cols[j] = total;
-    }
-    free(partial);
+  for (int64_t j = 0; j < 3 * H; j++) {
+    double total = 0.0;
+    for (int t = 0; t < team_size; t++) total += (double)partial[3 * H * t + j];
+    o_cols[j] = total;
   }
+  free(partial);
+}
+
+/* The tail pass by mode: TAIL_FORWARD the two row sums, TAIL_BACKWARD for row gradients (row_u, row_k)
+   the gradients of (m, s) and the column sums (tail_pass_blocks), TAIL_AHEAD both for the Normal
+   likelihood's rows (tail_pass_ahead). */
+enum { TAIL_FORWARD = 0, TAIL_BACKWARD = 1, TAIL_AHEAD = 2 };
+
+template <typename T, int KIND>
+static void tail_pass(int mode, int64_t rows, int64_t H, const T* m, const T* s, double eps, const T* w_phi,
+                      const T* w_var, const T* w_ups, const T* row_u, const T* row_k, const T* y, double mean_bias,
+                      double unit_u, double unit_k, T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols,
+                      int nthreads) {
+  if (mode == TAIL_AHEAD)
+    tail_pass_ahead<T, KIND>(rows, H, m, s, eps, w_phi, w_var, w_ups, y, mean_bias, unit_u, unit_k, o_mean, o_spread,
+                             o_gm, o_gs, o_cols, nthreads);
+  else
+    tail_pass_blocks<T, KIND>(mode == TAIL_BACKWARD, rows, H, m, s, eps, w_phi, w_var, w_ups, row_u, row_k, o_mean,
+                              o_spread, o_gm, o_gs, o_cols, nthreads);
 }
 
 /* A hidden layer's moments from pre-activation means m and *variances* v (the standard deviation
