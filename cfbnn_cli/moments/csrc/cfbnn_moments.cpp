@@ -787,15 +787,46 @@ INLINE void variance_gradients(T A, T B, T phi, T mean, T sd, T a, T b, T c, T d
   grad_variance = grad_std / ((T)2 * sd);
 }
 
-/* tail_pass's forward and backward (below): blocks of NB elements across the rows, in L1. */
+/* A row segment's two sums from its moments (f Phi, u Ups, v Var) and the columns' weights. */
+template <typename T>
+INLINE void segment_sums(int64_t len, const T* RS ff, const T* RS uu, const T* RS vv, const T* RS wp,
+                         const T* RS wv, const T* RS wu, T& mean_sum, T& spread_sum) {
+  T sm = (T)0, ss = (T)0;
+#pragma omp simd reduction(+ : sm, ss)
+  for (int64_t j = 0; j < len; j++) {
+    sm += ff[j] * wp[j];
+    ss += vv[j] * wv[j] + uu[j] * wu[j];
+  }
+  mean_sum = sm;
+  spread_sum = ss;
+}
+
+/* A row segment's gradients (into om, os) for its row's gradients (ru, rk), from its moments, the
+   block's saved factors p[0..3] (variance_gradients' a, b, c, d), means mm and standard deviations
+   ssd; its column sums (ru Phi, rk Var, rk Ups) added into cp, cv, cu. */
 template <typename T, int KIND>
-static void tail_pass_blocks(bool backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,
-                      const T* w_phi, const T* w_var, const T* w_ups, const T* row_u, const T* row_k,
-                      T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols, int nthreads) {
-  const int64_t n = rows * H;
-  const int team_size = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
-  T* partial = nullptr;
-  if (backward) partial = (T*)calloc((size_t)(3 * H * team_size), sizeof(T));
+INLINE void segment_gradients(int64_t len, T ru, T rk, const T* RS ff, const T* RS uu, const T* RS vv,
+                              const T* const* p, const T* RS mm, const T* RS ssd, const T* RS wp, const T* RS wv,
+                              const T* RS wu, T* RS om, T* RS os, T* RS cp, T* RS cv, T* RS cu) {
+  const T* RS aa = p[0]; const T* RS bb = p[1]; const T* RS cc = p[2]; const T* RS dd = p[3];
+#pragma omp simd
+  for (int64_t j = 0; j < len; j++) {
+    const T fj = ff[j];
+    const T gp = ru * wp[j], gu = rk * wu[j], gv = rk * wv[j];
+    variance_gradients<T, KIND>(gp + (T)2 * fj * gu, gu + gv, fj, mm[j], ssd[j], aa[j], bb[j], cc[j], dd[j], om[j],
+                                os[j]);
+    cp[j] += ru * fj;
+    cv[j] += rk * vv[j];
+    cu[j] += rk * uu[j];
+  }
+}
+
+/* The tail passes' threads: as many as asked from PAR_MIN elements on (else one); f(tid, r0, r1)
+   on each, rows [r0, r1) split evenly, float denormals flushed. */
+INLINE int row_team(int64_t n, int nthreads) { return (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1; }
+
+template <typename T, typename F>
+INLINE void for_each_row_range(int64_t rows, int team_size, F f) {
 #pragma omp parallel num_threads(team_size) if (team_size > 1)
   {
     FlushDenormals ftz(sizeof(T) == sizeof(float));
@@ -803,7 +834,29 @@ static void tail_pass_blocks(bool backward, int64_t rows, int64_t H, const T* m,
 #ifdef _OPENMP
     tid = omp_get_thread_num(); team = omp_get_num_threads();
 #endif
-    const int64_t r0 = rows * tid / team, r1 = rows * (tid + 1) / team;
+    f(tid, rows * tid / team, rows * (tid + 1) / team);
+  }
+}
+
+/* The threads' column sums (3 x H each, zero where a thread had no rows) added in thread order. */
+template <typename T>
+static void add_thread_columns(const T* partial, int team_size, int64_t H, double* o_cols) {
+  for (int64_t j = 0; j < 3 * H; j++) {
+    double total = 0.0;
+    for (int t = 0; t < team_size; t++) total += (double)partial[3 * H * t + j];
+    o_cols[j] = total;
+  }
+}
+
+/* tail_pass's forward and backward (below): blocks of NB elements across the rows, in L1. */
+template <typename T, int KIND>
+static void tail_pass_blocks(bool backward, int64_t rows, int64_t H, const T* m, const T* s, double eps,
+                      const T* w_phi, const T* w_var, const T* w_ups, const T* row_u, const T* row_k,
+                      T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols, int nthreads) {
+  const int team_size = row_team(rows * H, nthreads);
+  T* partial = nullptr;
+  if (backward) partial = (T*)calloc((size_t)(3 * H * team_size), sizeof(T));
+  for_each_row_range<T>(rows, team_size, [&](int tid, int64_t r0, int64_t r1) {
     T* RS cols = backward ? partial + 3 * H * tid : nullptr;
     for (int64_t r = r0; r < r1; r++) {
       if (!backward) { o_mean[r] = (T)0; o_spread[r] = (T)0; }
@@ -828,41 +881,21 @@ static void tail_pass_blocks(bool backward, int64_t rows, int64_t H, const T* m,
         const T* RS wp = w_phi + col0; const T* RS wv = w_var + col0; const T* RS wu = w_ups + col0;
         const T* RS ff = f + i; const T* RS uu = u + i; const T* RS vv = v + i;
         if (!backward) {
-          T sm = (T)0, ss = (T)0;
-#pragma omp simd reduction(+ : sm, ss)
-          for (int j = 0; j < len; j++) {
-            sm += ff[j] * wp[j];
-            ss += vv[j] * wv[j] + uu[j] * wu[j];
-          }
+          T sm, ss;
+          segment_sums<T>(len, ff, uu, vv, wp, wv, wu, sm, ss);
           o_mean[row] += sm;
           o_spread[row] += ss;
         } else {
-          const T ru = row_u[row], rk = row_k[row];
-          const T* RS aa = a + i; const T* RS bb = b + i; const T* RS cc = c + i; const T* RS dd = d + i;
-          const T* RS mm = m + g; const T* RS ssd = sd + i;
-          T* RS om = o_gm + g; T* RS os = o_gs + g;
-          T* RS cp = cols + col0; T* RS cv = cols + H + col0; T* RS cu = cols + 2 * H + col0;
-#pragma omp simd
-          for (int j = 0; j < len; j++) {
-            const T fj = ff[j];
-            const T gp = ru * wp[j], gu = rk * wu[j], gv = rk * wv[j];
-            variance_gradients<T, KIND>(gp + (T)2 * fj * gu, gu + gv, fj, mm[j], ssd[j], aa[j], bb[j], cc[j], dd[j],
-                                        om[j], os[j]);
-            cp[j] += ru * fj;
-            cv[j] += rk * vv[j];
-            cu[j] += rk * uu[j];
-          }
+          const T* saved[4] = {a + i, b + i, c + i, d + i};
+          segment_gradients<T, KIND>(len, row_u[row], row_k[row], ff, uu, vv, saved, m + g, sd + i, wp, wv, wu,
+                                     o_gm + g, o_gs + g, cols + col0, cols + H + col0, cols + 2 * H + col0);
         }
         i += len;
       }
     }
-  }
+  });
   if (backward) {
-    for (int64_t j = 0; j < 3 * H; j++) {
-      double total = 0.0;
-      for (int t = 0; t < team_size; t++) total += (double)partial[3 * H * t + j];
-      o_cols[j] = total;
-    }
+    add_thread_columns<T>(partial, team_size, H, o_cols);
     free(partial);
   }
 }
@@ -880,19 +913,11 @@ template <typename T, int KIND>
 static void tail_pass_ahead(int64_t rows, int64_t H, const T* m, const T* s, double eps, const T* w_phi,
                             const T* w_var, const T* w_ups, const T* y, double mean_bias, double unit_u,
                             double unit_k, T* o_mean, T* o_spread, T* o_gm, T* o_gs, double* o_cols, int nthreads) {
-  const int64_t n = rows * H;
-  const int team_size = (nthreads > 1 && n >= PAR_MIN) ? nthreads : 1;
+  const int team_size = row_team(rows * H, nthreads);
   const int64_t group_rows = H >= TAIL_GROUP || H == 0 ? 1 : TAIL_GROUP / H, cap = group_rows * H;
   T* partial = (T*)calloc((size_t)(3 * H * team_size + 1), sizeof(T));
   T* scratch = (T*)malloc(sizeof(T) * (size_t)(8 * cap * team_size + 1));
-#pragma omp parallel num_threads(team_size) if (team_size > 1)
-  {
-    FlushDenormals ftz(sizeof(T) == sizeof(float));
-    int tid = 0, team = 1;
-#ifdef _OPENMP
-    tid = omp_get_thread_num(); team = omp_get_num_threads();
-#endif
-    const int64_t r0 = rows * tid / team, r1 = rows * (tid + 1) / team;
+  for_each_row_range<T>(rows, team_size, [&](int tid, int64_t r0, int64_t r1) {
     T* RS cp = partial + 3 * H * tid; T* RS cv = cp + H; T* RS cu = cp + 2 * H;
     T* base = scratch + 8 * cap * tid;
     T *f = base, *u = base + cap, *v = base + 2 * cap, *a = base + 3 * cap, *b = base + 4 * cap,
@@ -915,38 +940,20 @@ static void tail_pass_ahead(int64_t rows, int64_t H, const T* m, const T* s, dou
       for (int64_t row = g0; row < g1; row++) {  // (by row, not by element: a row of width 0 sums to 0)
         const int64_t o = (row - g0) * H;
         const T* RS ff = f + o; const T* RS uu = u + o; const T* RS vv = v + o;
-        T sm = (T)0, ss = (T)0;
-#pragma omp simd reduction(+ : sm, ss)
-        for (int64_t j = 0; j < H; j++) {
-          sm += ff[j] * w_phi[j];
-          ss += vv[j] * w_var[j] + uu[j] * w_ups[j];
-        }
+        T sm, ss;
+        segment_sums<T>(H, ff, uu, vv, w_phi, w_var, w_ups, sm, ss);
         o_mean[row] = sm;
         o_spread[row] = ss;
         // as normal_rows and normal_row_gradients, at dL/d ELL_r = scale
-        const T ru = (y[row] - (sm + mb)) * uu_unit, rk = kk_unit;
-        const T* RS aa = a + o; const T* RS bb = b + o; const T* RS cc = c + o; const T* RS dd = d + o;
-        const T* RS mm = m + lo + o; const T* RS ssd = sd + o;
-        T* RS om = o_gm + lo + o; T* RS os = o_gs + lo + o;
-#pragma omp simd
-        for (int64_t j = 0; j < H; j++) {
-          const T fj = ff[j];
-          const T gp = ru * w_phi[j], gu = rk * w_ups[j], gv = rk * w_var[j];
-          variance_gradients<T, KIND>(gp + (T)2 * fj * gu, gu + gv, fj, mm[j], ssd[j], aa[j], bb[j], cc[j], dd[j],
-                                      om[j], os[j]);
-          cp[j] += ru * fj;
-          cv[j] += rk * vv[j];
-          cu[j] += rk * uu[j];
-        }
+        const T ru = (y[row] - (sm + mb)) * uu_unit;
+        const T* saved[4] = {a + o, b + o, c + o, d + o};
+        segment_gradients<T, KIND>(H, ru, kk_unit, ff, uu, vv, saved, m + lo + o, sd + o, w_phi, w_var, w_ups,
+                                   o_gm + lo + o, o_gs + lo + o, cp, cv, cu);
       }
     }
-  }
+  });
   free(scratch);
-  for (int64_t j = 0; j < 3 * H; j++) {
-    double total = 0.0;
-    for (int t = 0; t < team_size; t++) total += (double)partial[3 * H * t + j];
-    o_cols[j] = total;
-  }
+  add_thread_columns<T>(partial, team_size, H, o_cols);
   free(partial);
 }
 
