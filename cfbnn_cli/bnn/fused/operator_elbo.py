@@ -173,6 +173,19 @@ def _first_layer_gradients(
     return grad_loc, grad_log_scale
 
 
+def _tail_pass(gamma, xi2, weights, y, loc, log_scale, log_precision, scale: float, bias, family, ahead: bool):
+    """The tail pass's row sums and what :func:`_tail_backward` keeps of it: ``(mean_sum, spread_sum,
+    kept)``; with ``ahead``, from ``cfbnn::relu_tail_with_gradients`` (its backward for the rows of
+    ``scale sum_r ELL_r`` at a unit upstream gradient), else from ``cfbnn::relu_tail``."""
+    if ahead:
+        mean_sum, spread_sum, grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_with_gradients(
+            gamma, xi2, *weights, y, loc, log_precision, scale, bias, *family
+        )
+        return mean_sum, spread_sum, (grad_gamma, grad_xi2, loc, log_scale, log_precision, columns, None)
+    mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, *weights, *family)
+    return mean_sum, spread_sum, (gamma, xi2, loc, log_scale, log_precision, *weights[1:])
+
+
 def _tail_and_rows(
     gamma,
     xi2,
@@ -195,15 +208,10 @@ def _tail_and_rows(
     pass also takes its backward at ``dL/d elbo = 1`` (``cfbnn::relu_tail_with_gradients``), from the
     moments it has just computed, so that the backward pass only scales."""
     width = gamma.shape[1]
-    w_phi, w_var, w_second = (_columns(row, width) for row in (loc, output_rows[1], output_rows[0]))
-    if ahead:
-        mean_sum, spread_sum, grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_with_gradients(
-            gamma, xi2, w_phi, w_var, w_second, y, loc, log_precision, scale, bias, *family
-        )
-        kept = (grad_gamma, grad_xi2, loc, log_scale, log_precision, columns, None)
-    else:
-        mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
-        kept = (gamma, xi2, loc, log_scale, log_precision, w_var, w_second)
+    weights = tuple(_columns(row, width) for row in (loc, output_rows[1], output_rows[0]))
+    mean_sum, spread_sum, kept = _tail_pass(
+        gamma, xi2, weights, y, loc, log_scale, log_precision, scale, bias, family, ahead
+    )
     residual, squares, elbo = _cfbnn.normal_elbo_rows(
         mean_sum, spread_sum, y, loc, log_scale, log_precision, *kl_terms, prior_variance, scale, bias
     )
@@ -313,16 +321,11 @@ class NormalELL(torch.autograd.Function):
     def forward(ctx, gamma, xi2, loc, log_scale, y, log_precision, bias, prior_variance, family=RELU, summed=False):
         folded = prior_variance is not None
         width = gamma.shape[1]
-        kl, (w_phi, w_var, w_second) = _output_layer_pass(loc, log_scale, width, prior_variance if folded else 1.0)
-        ctx.ahead = summed and any(ctx.needs_input_grad[:6])
-        if ctx.ahead:
-            mean_sum, spread_sum, grad_gamma, grad_xi2, columns = _cfbnn.relu_tail_with_gradients(
-                gamma, xi2, w_phi, w_var, w_second, y, loc, log_precision, 1.0, bias, *family
-            )
-            kept = (grad_gamma, grad_xi2, loc, log_scale, log_precision, columns, None)
-        else:
-            mean_sum, spread_sum = _cfbnn.relu_tail(gamma, xi2, w_phi, w_var, w_second, *family)
-            kept = (gamma, xi2, loc, log_scale, log_precision, w_var, w_second)
+        kl, weights = _output_layer_pass(loc, log_scale, width, prior_variance if folded else 1.0)
+        ahead = summed and any(ctx.needs_input_grad[:6])
+        mean_sum, spread_sum, kept = _tail_pass(
+            gamma, xi2, weights, y, loc, log_scale, log_precision, 1.0, bias, family, ahead
+        )
         residual, squares, ell = _cfbnn.normal_ell_rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias)
         ctx.save_for_backward(*kept, residual, squares)
         ctx.bias, ctx.prior_variance, ctx.family = bias, prior_variance, family
