@@ -365,3 +365,12 @@ def test_the_cpu_kernels_refuse_mixed_dtypes_and_wrong_shapes():
         C.relu_tail(mean, variance, *weights)
     with pytest.raises(ValueError, match="float32 or float64"):
         C.augment_pair(t["x"].to(torch.int64), True)
+    # the tail pass with its gradients: the rows' targets, the output row with its bias column, dtypes
+    tail = (mean[:, :4], variance[:, :4], *(w[:4] for w in weights[:2]), weights[0][:4])
+    rest = (t["log_precision"], 1.0, True)
+    with pytest.raises(ValueError, match=f"cfbnn::relu_tail_with_gradients: `y` must have {ROWS} elements"):
+        C.relu_tail_with_gradients(*tail, t["y"][:5], t["loc"][:, :5], *rest)
+    with pytest.raises(ValueError, match="cfbnn::relu_tail_with_gradients: `loc` must have 5 elements"):
+        C.relu_tail_with_gradients(*tail, t["y"], t["loc"][:, :4], *rest)
+    with pytest.raises(ValueError, match="cfbnn::relu_tail_with_gradients: every tensor must have one dtype"):
+        C.relu_tail_with_gradients(*tail, t["y"].float(), t["loc"][:, :5], *rest)
