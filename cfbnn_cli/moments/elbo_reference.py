@@ -90,14 +90,17 @@ def diagonal_kl_pass(loc: Tensor, log_scale: Tensor, prior_variance: float, loc_
     return kl.to(loc.dtype), variance, (loc * loc if loc_square else loc.new_empty(0))
 
 
+def residuals(mean_sum, y, loc, bias: bool):
+    """``y - mean_sum - b`` per row, ``b`` the one-output layer's bias (the last column of ``loc``,
+    with ``bias``)."""
+    mean = mean_sum + loc.reshape(-1)[-1] if bias else mean_sum
+    return y.reshape(mean_sum.shape) - mean
+
+
 def _rows(mean_sum, spread_sum, y, loc, log_scale, log_precision, bias: bool):
     """``(residual, squares, ELL)`` per row (eq. (7)), the one-output layer's bias column included."""
-    width = loc.shape[-1] - int(bias)
-    mean, spread = mean_sum, spread_sum
-    if bias:
-        mean = mean + loc.reshape(-1)[width]
-        spread = spread + torch.exp(2.0 * log_scale.reshape(-1)[width])
-    residual = y.reshape(mean_sum.shape) - mean
+    spread = spread_sum + torch.exp(2.0 * log_scale.reshape(-1)[-1]) if bias else spread_sum
+    residual = residuals(mean_sum, y, loc, bias)
     squares = spread + residual * residual
     log_beta = log_precision.reshape(())
     ell = squares * (-0.5 * torch.exp(log_beta)) + 0.5 * (log_beta - LOG_2PI)

@@ -27,7 +27,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import family_ops
+from . import elbo_reference, family_ops
 from .operator_registration import (
     check_operands,
     library_kernels,
@@ -168,9 +168,7 @@ def _unit_row_gradients(mean_sum, y, loc, log_precision, scale: float, bias: boo
     """The Normal likelihood's row gradients at ``dL/d ELBO = 1`` (``cfbnn::normal_rows_backward``'s
     ``u = scale tau residual``, ``k = -scale tau / 2``), the residual as ``cfbnn::normal_elbo_rows``
     takes it: ``y - mean_sum - b``, ``b`` the one-output layer's bias column of ``loc``."""
-    residual = y.reshape(mean_sum.shape) - mean_sum
-    if bias:
-        residual = residual - loc.reshape(-1)[-1]
+    residual = elbo_reference.residuals(mean_sum, y, loc, bias)
     unit = scale * torch.exp(log_precision.reshape(()))
     return unit * residual, (-0.5 * unit).expand_as(residual)
 
