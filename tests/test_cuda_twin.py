@@ -208,7 +208,7 @@ print("RESULT", json.dumps(out))
 
 
 def _run(width: int, rows: int) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", CFBNN_CUDA_TWIN="1")  # (twin: no C++ CPU kernels)
     paths = [str(REPO), str(REPO / "tests" / "bnn"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     command = [sys.executable, "-c", CHECKS, str(width), str(rows)]

@@ -71,7 +71,7 @@ print("RESULT", json.dumps(out))
 
 
 def test_a_closed_form_step_launches_at_most_fifteen_kernels_on_the_cuda_route():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", CFBNN_CUDA_TWIN="1")  # (twin: no C++ CPU kernels)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]

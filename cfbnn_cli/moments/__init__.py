@@ -3,15 +3,15 @@
 No modules, no configuration. This is the paper's appendix (with the errata's
 corrections); see :mod:`cfbnn_cli.moments.gaussian` for the half-line moments,
 :mod:`cfbnn_cli.moments.activations` for the activations. Every kernel is a ``cfbnn::``
-operator whose kernel torch's dispatcher picks by device: C++ on the CPU
-(:mod:`cfbnn_cli.moments.kernel_library`), Triton on CUDA, the reference torch ops where
-neither is at hand (``CFBNN_FAST_MOMENTS=0``, :func:`set_fast_path` or ``with
-fast_path(False)`` select the reference path).
+operator whose kernel torch's dispatcher picks by device, registered once when this package is
+imported: C++ on the CPU (:mod:`cfbnn_cli.moments.kernel_library`), Triton on CUDA, the reference
+torch ops where neither is at hand (``CFBNN_FAST_MOMENTS=0`` in the environment for a whole
+process; :func:`set_fast_path` or ``with fast_path(False)`` for the reference path in a block).
 """
 
-# register cfbnn::relu_tail, the ELBO steps and relu_mean before anything loads the C++ library
-# (the moments operators: via .activations), and the prediction's operators
-from . import elbo_ops, kl_ops, predict_ops, relu_mean_ops, tail_ops  # noqa: F401
+# every cfbnn:: operator declared (the moments operators also via .activations) before the C++
+# library registers its CPU kernels for them, once, at the end of this import
+from . import elbo_ops, family_ops, kernel_library, kl_ops, ops, piecewise_ops, predict_ops, relu_mean_ops, tail_ops  # noqa: F401
 from .activations import (
     ACTIVATIONS,
     Activation,
@@ -36,6 +36,8 @@ from .gaussian import (
     validating_args,
 )
 from .kernel_library import fast_path, fast_path_enabled, fast_path_info, set_fast_path
+
+kernel_library.register_cpu_kernels()
 
 __all__ = [
     "ACTIVATIONS",

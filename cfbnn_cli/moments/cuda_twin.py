@@ -1,9 +1,9 @@
 """The CUDA route on the CPU, for tests without a GPU: inside :func:`cuda_twin` a CPU tensor takes
 every decision a CUDA tensor takes -- the ``cfbnn::`` operators where CUDA takes them, after the
-same first-use checks, the reference torch ops where CUDA has no kernel (the C++ library stays
-unloaded, as it is for CUDA tensors) -- and the dispatcher runs each operator's CUDA kernel for it: the
-Triton kernels, under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported,
-so in a process of its own: tests/test_cuda_twin.py).
+same first-use checks, the reference torch ops where CUDA has no kernel (the C++ library is not
+loaded in the twin's process: ``CFBNN_CUDA_TWIN=1``) -- and the dispatcher runs each operator's CUDA
+kernel for it: the Triton kernels, under Triton's interpreter (``TRITON_INTERPRET=1``, set before
+Triton is imported, so in a process of its own: tests/test_cuda_twin.py).
 
 What it cannot show: compilation by Triton for a GPU (the interpreter runs the kernels' Python
 with numpy semantics), CUDA streams, CUDA graph capture and replay, and the GPU's own floating
@@ -65,32 +65,20 @@ def _counted(name: str, kernel: Callable, calls: collections.Counter) -> Callabl
 
 
 @contextlib.contextmanager
-def _library_unloaded() -> Iterator[None]:
-    # the process as one without a compiler: an operator the twin does not replace (the piecewise
-    # family's, say) runs its reference kernel instead of loading the C++ library, whose CPU kernels
-    # would then stand in for the twin's
-    state = kernel_library.KernelState
-    saved = (state.tried, state.library)
-    state.tried, state.library = True, None
-    try:
-        yield
-    finally:
-        state.tried, state.library = saved
-
-
-@contextlib.contextmanager
 def cuda_twin() -> Iterator[collections.Counter]:
     """``with cuda_twin() as calls: ...``: CPU tensors take the CUDA route (see the module's
     docstring); ``calls`` counts each operator's kernel calls, so a test can see that the Triton
     kernels ran. Restored on exit: the CPU kernels, the library's state, the first-use decisions.
 
-    It needs a process where the C++ library has not registered its CPU kernels: they come with
-    an autograd of their own for the CPU (``AutogradCPU``), which would stand in for the Python
-    autograd the CUDA route runs."""
+    It needs a process started with ``CFBNN_CUDA_TWIN=1``, where the C++ library does not register
+    its CPU kernels (:func:`.kernel_library.register_cpu_kernels`): they come with an autograd of
+    their own for the CPU (``AutogradCPU``), which would stand in for the Python autograd the CUDA
+    route runs; an operator the twin does not replace (the piecewise family's) runs its reference
+    kernel there, as on CUDA."""
     if os.environ.get("TRITON_INTERPRET") != "1" or not ops.HAVE_TRITON:
         raise RuntimeError("cuda_twin needs Triton and TRITON_INTERPRET=1 set before Triton is imported")
     if kernel_library.cpu_operators_registered():
-        raise RuntimeError("cuda_twin needs a process where the C++ library has not registered its CPU kernels")
+        raise RuntimeError("cuda_twin needs a process started with CFBNN_CUDA_TWIN=1 (no C++ CPU kernels registered)")
     calls = collections.Counter()
     library = torch.library.Library("cfbnn", "IMPL")
     first_use = dict(ops.FIRST_USE)
@@ -102,8 +90,7 @@ def cuda_twin() -> Iterator[collections.Counter]:
             for name, kernel in cuda_kernels().items():
                 library.impl(name, _counted(name, kernel, calls), "CPU")
         ops.TRITON_DEVICE_TYPES.add("cpu")
-        with _library_unloaded():
-            yield calls
+        yield calls
     finally:
         ops.TRITON_DEVICE_TYPES.discard("cpu")
         library._destroy()  # the CPU kernels registered before come back

@@ -55,8 +55,8 @@ backward passes call the backward steps. They are registered through :class:`tor
 (``custom_op``'s Python layer would add about ten microseconds a call), with fake implementations
 for ``torch.compile`` and ``opcheck`` (``tests/moments/test_elbo_ops.py``). Their CPU kernels are
 C++ registered with the dispatcher by the kernel library itself (``csrc/cfbnn_ops.cpp``, a few
-microseconds a call); the Python CPU kernels below only load that library, and where it did not
-build they run the reference kernels (:mod:`.elbo_reference`), so a caller never asks which.
+microseconds a call) when the package is imported; where it did not build, every device without a
+kernel of its own runs the reference kernels (:mod:`.elbo_reference`), so a caller never asks which.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ from torch import Tensor
 
 from . import elbo_reference, tail_ops
 from .kl_ops import launch_diagonal_kl
-from .operator_registration import library_kernels
 from .ops import HAVE_TRITON, triton, triton_kernels, triton_kl_kernels, triton_tail_kernels
 
 __all__ = ["TRITON_KERNELS", "STEPS"]
@@ -125,22 +124,6 @@ def _check_in_place(*tensors: Tensor) -> None:
     for tensor in tensors:
         if not tensor.is_contiguous():
             raise ValueError("cfbnn::finish_diagonal_gradients: the gradients it finishes in place must be contiguous")
-
-
-def _cpu_kernel(name: str) -> Callable:
-    """The CPU kernel registered in Python: it loads the C++ library (built on first use), whose
-    own CPU kernels (``csrc/cfbnn_ops.cpp``) then replace this one in the dispatcher, and calls the
-    operator again; where the library did not build (no compiler), or with the reference path
-    chosen (:func:`cfbnn_cli.moments.fast_path`), the reference kernel (:data:`REFERENCE_KERNELS`)."""
-    reference = REFERENCE_KERNELS[name]
-
-    def load_then_dispatch(*args):
-        if library_kernels():
-            return getattr(torch.ops.cfbnn, name)(*args)
-        return reference(*args)
-
-    load_then_dispatch.__name__ = f"{name}_cpu"
-    return load_then_dispatch
 
 
 # ----------------------------------------------------------------------------- CUDA kernels (Triton)
@@ -364,8 +347,6 @@ REFERENCE_KERNELS: Dict[str, Callable] = {
     **elbo_reference.KERNELS,
     "relu_tail_with_gradients": tail_ops.reference_relu_tail_with_gradients,
 }
-# the C++ kernels replace these at load (kernel_library.load_kernels: cfbnn_register_cpu_kernels)
-CPU_KERNELS: Dict[str, Callable] = {name: _cpu_kernel(name) for name in SCHEMAS}
 # the CUDA kernels; on the CPU under TRITON_INTERPRET=1 the tests register these for the CPU too
 TRITON_KERNELS: Dict[str, Callable] = (
     {
@@ -396,8 +377,8 @@ _FAKES: Dict[str, Callable] = {
 
 for _name, _schema in SCHEMAS.items():
     _LIB.define(_schema)
-    _LIB.impl(_name, CPU_KERNELS[_name], "CPU")
-    # any other device (and CUDA without Triton): the reference kernel
+    # every device without its own kernel (CUDA without Triton; the CPU without the C++ library,
+    # which registers the CPU's when the package is imported): the reference kernel
     _LIB.impl(_name, REFERENCE_KERNELS[_name], "CompositeExplicitAutograd")
     if _name in TRITON_KERNELS:
         _LIB.impl(_name, TRITON_KERNELS[_name], "CUDA")

@@ -506,7 +506,9 @@ def load_library(
                     )
             if not cached:
                 if compiling_since is None:
-                    log.warning("compiling the CPU kernels (first use, about 20 s; cached in %s afterwards)", root)
+                    log.warning(
+                        "compiling the CPU kernels (once per machine, about 20 s; cached in %s afterwards)", root
+                    )
                     compiling_since = time.perf_counter()
                 start = time.perf_counter()
                 try:

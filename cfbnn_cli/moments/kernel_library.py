@@ -22,6 +22,7 @@ from .gaussian import is_transformed, register_negative_counter
 
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
+_ENV_TWIN = "CFBNN_CUDA_TWIN"  # 1: the CUDA twin's process (tests), whose CPU kernels are Triton's
 _ABI = 17  # must match CFBNN_ABI in the source
 
 
@@ -132,10 +133,21 @@ def load_kernels(rebuild: bool = False):
     return KernelState.library
 
 
+def register_cpu_kernels() -> None:
+    """Called once, when :mod:`cfbnn_cli.moments` is imported (every operator declared): the C++
+    library loaded -- built the first time on a machine (about 20 s), then taken from the cache in
+    milliseconds -- and its CPU kernels registered with the dispatcher, so that which kernel runs is
+    decided here and no call asks. Not where the kernels are switched off (``CFBNN_FAST_MOMENTS=0``:
+    the reference kernels, every operator's default, serve the CPU for the whole process) nor in the
+    CUDA twin's process (``CFBNN_CUDA_TWIN=1``: :mod:`.cuda_twin` gives the CPU the Triton kernels)."""
+    if KernelState.enabled and os.environ.get(_ENV_TWIN) != "1":
+        load_kernels()
+
+
 def cpu_operators_registered() -> bool:
     """Whether the ``cfbnn::`` operators' CPU kernels are the C++ library's: it registers them when
-    it has loaded and passed its self-test (``cfbnn_register_cpu_kernels``), replacing the Python CPU
-    kernels that load it; ``False`` before that, or where it did not build."""
+    it has loaded and passed its self-test (``cfbnn_register_cpu_kernels``); ``False`` where it did
+    not build or was not loaded (:func:`register_cpu_kernels`): the reference kernels serve."""
     return KernelState.operators
 
 
@@ -161,10 +173,9 @@ def _assume_constant_result(fn):
 
 @_assume_constant_result
 def library_loaded() -> bool:
-    """Whether the kernel library is loaded, loading it on first use. ``torch.compile`` runs this
-    eagerly and keeps the answer as a constant: the build, its lock and its self-test (ctypes
-    calls) stay out of the trace."""
-    return (KernelState.library if KernelState.tried else load_kernels()) is not None
+    """Whether the kernel library is loaded (:func:`register_cpu_kernels`). ``torch.compile`` runs
+    this eagerly and keeps the answer as a constant."""
+    return KernelState.library is not None
 
 
 # the argument checks' sign test in one pass of the library's kernel (cfbnn::count_negative); its

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import elbo_reference
-from .operator_registration import check_operands, library_kernels
+from .operator_registration import check_operands
 from .ops import HAVE_TRITON, _define, triton_kernels, triton_kl_kernels
 
 __all__ = [
@@ -36,9 +36,6 @@ def _check_kl(name: str, loc: Tensor, log_scale: Tensor, prior_variance: float) 
     check_operands(name, loc, log_scale)
     if not prior_variance > 0:
         raise ValueError(f"cfbnn::{name}: `prior_variance` must be > 0; got {prior_variance!r}")
-
-
-_reference_kl = elbo_reference.diagonal_kl
 
 
 def triton_diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
@@ -87,34 +84,28 @@ def triton_diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, pr
 
 @_define("cfbnn::diagonal_kl", mutates_args=())
 def diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
+    # the default kernel (every device without its own: the C++ library registers the CPU's)
     _check_kl("diagonal_kl", loc, log_scale, prior_variance)
-    if not HAVE_TRITON:  # pragma: no cover
-        return _reference_kl(loc, log_scale, prior_variance)
-    return triton_diagonal_kl(loc, log_scale, prior_variance)
+    return elbo_reference.diagonal_kl(loc, log_scale, prior_variance)
 
 
 @_define("cfbnn::diagonal_kl_backward", mutates_args=())
 def diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float) -> Tuple[Tensor, Tensor]:
     _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
-    if not HAVE_TRITON:  # pragma: no cover
-        return elbo_reference.kl_gradients(loc, log_scale, grad, prior_variance)
-    return triton_diagonal_kl_backward(loc, log_scale, grad, prior_variance)
-
-
-@diagonal_kl.register_kernel("cpu")
-def _diagonal_kl_cpu(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
-    _check_kl("diagonal_kl", loc, log_scale, prior_variance)
-    if library_kernels():
-        return torch.ops.cfbnn.diagonal_kl(loc, log_scale, prior_variance)
-    return elbo_reference.diagonal_kl(loc, log_scale, prior_variance)
-
-
-@diagonal_kl_backward.register_kernel("cpu")
-def _diagonal_kl_backward_cpu(loc, log_scale, grad, prior_variance) -> Tuple[Tensor, Tensor]:
-    _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
-    if library_kernels():
-        return torch.ops.cfbnn.diagonal_kl_backward(loc, log_scale, grad, prior_variance)
     return elbo_reference.kl_gradients(loc, log_scale, grad, prior_variance)
+
+
+if HAVE_TRITON:
+
+    @diagonal_kl.register_kernel("cuda")
+    def _diagonal_kl_cuda(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
+        _check_kl("diagonal_kl", loc, log_scale, prior_variance)
+        return triton_diagonal_kl(loc, log_scale, prior_variance)
+
+    @diagonal_kl_backward.register_kernel("cuda")
+    def _diagonal_kl_backward_cuda(loc, log_scale, grad, prior_variance) -> Tuple[Tensor, Tensor]:
+        _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
+        return triton_diagonal_kl_backward(loc, log_scale, grad, prior_variance)
 
 
 @diagonal_kl.register_fake

@@ -1,6 +1,6 @@
 """What every ``cfbnn::`` moments operator registers besides its kernels, written once: the operand
-checks, the Python CPU kernels that serve until the C++ library has loaded (:func:`register_cpu_fallbacks`),
-the autograd registration through the backward operator (:func:`register_moments_autograd`, with
+checks, the kernels by device (the reference formulas as every device's default, Triton's for CUDA;
+the C++ library adds the CPU's), the autograd registration through the backward operator (:func:`register_moments_autograd`, with
 :class:`KernelVJP` where a graph of the backward is wanted and :func:`differentiable_by_formula` for the
 backward operator's own derivative), the elementwise vmap rule, and :class:`OperatorMoments`, the
 autograd.Function through which ``torch.func`` transforms reach an operator pair."""
@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import kernel_library
 from .gaussian import align_batched, is_transformed
 
 _FLOATS = (torch.float32, torch.float64)
@@ -33,46 +32,10 @@ def check_operands(name: str, *tensors: Tensor) -> None:
             raise ValueError(f"cfbnn::{name}: tensors must share one dtype, float32 or float64; got {tensor.dtype}")
 
 
-def library_kernels() -> bool:
-    """Asked only by the operators' Python CPU kernels, which run until the C++ library is loaded:
-    whether it loaded with its operators (on first use; its C++ CPU kernels then replace these in
-    the dispatcher, and the next call goes straight to them), else the reference kernels run (no
-    compiler, or the reference path chosen with :func:`cfbnn_cli.moments.fast_path`)."""
-    if not (kernel_library.fast_path_enabled() and kernel_library.library_loaded()):
-        return False
-    return kernel_library.cpu_operators_registered()
-
-
 def absent_gradient(like: Tensor) -> Tensor:
     """The gradient of an output nothing used: one zero expanded to ``like``'s shape, which the
     kernels read as a scalar (the C++ one as no gradient at all) instead of a block of zeros."""
     return like.new_zeros(()).expand(like.shape)
-
-
-def register_cpu_fallbacks(forward, backward, reference_forward: Callable, formula: Callable) -> None:
-    """The Python CPU kernels of a moments operator pair (arguments as
-    :func:`register_moments_autograd`'s; ``reference_forward(mean, std, *parameters)`` the
-    reference ops' ``(Phi, Upsilon, Var)``). They serve before the C++ library has loaded -- they
-    load it, and its C++ kernels, registered then, take over -- and, without a compiler, run the
-    reference ops (fresh tensors, as an operator must return)."""
-    name = forward._name.split("::")[-1]
-
-    def forward_cpu(mean, std, *parameters):
-        check_operands(name, mean, std)
-        if library_kernels():
-            return forward(mean, std, *parameters)
-        return tuple(value.clone() for value in reference_forward(mean, std, *parameters))
-
-    def backward_cpu(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *parameters):
-        grads = (grad_phi, grad_upsilon, grad_variance)
-        check_operands(name + "_backward", mean, std, phi, *grads)
-        if library_kernels():
-            return backward(mean, std, phi, *grads, *parameters)
-        with torch.no_grad():
-            return tuple(formula(mean, std, phi, *grads, *parameters))
-
-    forward.register_kernel("cpu")(forward_cpu)
-    backward.register_kernel("cpu")(backward_cpu)
 
 
 def register_moments_autograd(forward, backward, formula: Callable) -> None:
@@ -120,12 +83,10 @@ def elementwise_vmap(op, count: int):
     return rule
 
 
-def register_moments_operators(forward, backward, reference_forward: Callable, formula: Callable) -> None:
-    """Everything of a moments operator pair but its device kernels and fake implementations:
-    the Python CPU kernels (:func:`register_cpu_fallbacks`), autograd
+def register_moments_operators(forward, backward, formula: Callable) -> None:
+    """Everything of a moments operator pair but its kernels and fake implementations: autograd
     (:func:`register_moments_autograd`), the backward operator's own derivative
     (:func:`differentiable_by_formula`) and both vmap rules."""
-    register_cpu_fallbacks(forward, backward, reference_forward, formula)
     register_moments_autograd(forward, backward, formula)
     differentiable_by_formula(backward, formula, 6)
     forward.register_vmap(elementwise_vmap(forward, 3))
@@ -150,35 +111,41 @@ def define_moments_operators(
     the schema of the numbers after the tensors (``", float negative_slope"``, or ``""``), ``spread``
     the second tensor's name (``"variance"`` for an operator that takes the variances).
 
-    Kernels: ``device_forward`` / ``device_backward`` (the Triton launches) for every device but the
-    CPU, where Triton is installed, else the reference ops; the CPU's
-    (:func:`register_cpu_fallbacks`: the C++ kernels, or ``reference_forward`` and ``formula``
-    without a compiler). Fake implementations, autograd, the backward's own derivative and vmap:
-    :func:`register_moments_operators`. Returns ``(forward, backward)``."""
-    if not HAVE_TRITON:  # pragma: no cover - depends on the install
+    Kernels: ``reference_forward`` / ``formula`` (the torch formulas, the test oracle) are the
+    default of every device; where Triton is installed ``device_forward`` / ``device_backward``
+    (the Triton launches) are CUDA's; the CPU's are C++, registered by the library when the package
+    is imported (:func:`.kernel_library.register_cpu_kernels`). Fake implementations, autograd,
+    the backward's own derivative and vmap: :func:`register_moments_operators`. Returns
+    ``(forward, backward)``."""
 
-        def device_forward(mean, std, *numbers):
-            return tuple(value.clone() for value in reference_forward(mean, std, *numbers))
+    def checked(kernel: Callable, suffix: str, count: int) -> Callable:
+        def run(*arguments):
+            check_operands(name + suffix, *arguments[:count])
+            return kernel(*arguments)
 
-        device_backward = formula
+        return run
 
-    def forward_kernel(mean, std, *numbers):
-        check_operands(name, mean, std)
-        return device_forward(mean, std, *numbers)
+    def reference_kernel(mean, std, *numbers):
+        return tuple(value.clone() for value in reference_forward(mean, std, *numbers))
 
-    def backward_kernel(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *numbers):
-        check_operands(name + "_backward", mean, std, phi, grad_phi, grad_upsilon, grad_variance)
-        return device_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance, *numbers)
+    def reference_backward(*arguments):
+        with torch.no_grad():
+            return tuple(formula(*arguments))
 
     forward_schema = f"(Tensor mean, Tensor {spread}{parameters}) -> (Tensor, Tensor, Tensor)"
     backward_schema = f"(Tensor mean, Tensor {spread}, {_GRADIENTS}{parameters}) -> (Tensor, Tensor)"
-    forward = torch.library.custom_op(f"cfbnn::{name}", forward_kernel, mutates_args=(), schema=forward_schema)
-    backward = torch.library.custom_op(
-        f"cfbnn::{name}_backward", backward_kernel, mutates_args=(), schema=backward_schema
+    forward = torch.library.custom_op(
+        f"cfbnn::{name}", checked(reference_kernel, "", 2), mutates_args=(), schema=forward_schema
     )
+    backward = torch.library.custom_op(
+        f"cfbnn::{name}_backward", checked(reference_backward, "_backward", 6), mutates_args=(), schema=backward_schema
+    )
+    if HAVE_TRITON:
+        forward.register_kernel("cuda")(checked(device_forward, "", 2))
+        backward.register_kernel("cuda")(checked(device_backward, "_backward", 6))
     forward.register_fake(lambda mean, *_: (torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)))
     backward.register_fake(lambda mean, *_: (torch.empty_like(mean), torch.empty_like(mean)))
-    register_moments_operators(forward, backward, reference_forward, formula)
+    register_moments_operators(forward, backward, formula)
     return forward, backward
 
 

@@ -21,8 +21,7 @@ alpha)`` (negative: its negation) whose float32 tensors take the unrolled float3
 sigmoid's); ``nan``, the general engine (``pw_forward``), as float64 tensors always do.
 
 Kernels: on the CPU the C++ kernels of ``csrc/cfbnn_ops.cpp``, registered with the C++ autograd
-(``MomentsAutograd``) when the library loads; before that, and without a compiler, the reference
-torch ops of :meth:`.PiecewisePolynomial._reference_moments` on the polynomial read back from the
+(``MomentsAutograd``) when the package is imported; without a compiler, the reference torch ops of :meth:`.PiecewisePolynomial._reference_moments` on the polynomial read back from the
 table (:func:`polynomial_from_table`). Every other device (CUDA) has the reference ops too: there
 is no Triton kernel for this family, and :func:`piecewise_operator_route` keeps the activations on
 their reference route there (and inside ``torch.compile``, as before).
@@ -61,7 +60,6 @@ from .operator_registration import (
     check_operands,
     differentiable_by_formula,
     moments_function,
-    register_cpu_fallbacks,
     register_moments_autograd,
 )
 from .ops import operator_route, triton_device
@@ -151,7 +149,8 @@ def _differentiable_backward(
 def piecewise_moments(
     mean: Tensor, std: Tensor, table: Tensor, breakpoints: int, degree: int, alpha: float
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    # the default kernel (every device but the CPU, which has its own): the reference ops
+    # the default kernel (every device but the CPU, whose C++ kernel the library registers): the
+    # reference ops
     check_operands("piecewise_moments", mean, std)
     with torch.no_grad():
         return tuple(value.clone() for value in _reference_forward(mean, std, table, breakpoints, degree, alpha))
@@ -221,7 +220,6 @@ def _(mean, std, table, breakpoints, degree, alpha):
     return torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean), partials
 
 
-register_cpu_fallbacks(piecewise_moments, piecewise_moments_backward, _reference_forward, _differentiable_backward)
 register_moments_autograd(piecewise_moments, piecewise_moments_backward, _differentiable_backward)
 differentiable_by_formula(piecewise_moments_backward, _differentiable_backward, 6)
 

@@ -19,9 +19,9 @@ ReLU of slope ``negative_slope``, 2 ReLU^2; ``bias``: a column of ones appended,
     mean alone computed (eq. (20) for ReLU), written as the output layer's product reads it.
 
 float32 or float64. Kernels: on CUDA the Triton kernels of :mod:`.triton_predict_kernels` (one launch
-each); on the CPU torch ops (the activation's mean through its ``cfbnn::`` operator, C++ once the
-library has loaded); the reference torch ops (:func:`reference_prediction_operand`,
-:func:`reference_prediction_hidden_mean`, the tests' oracle) without Triton. Prediction only: a call
+each); on every other device (and without Triton) torch ops: :func:`reference_prediction_operand`,
+and the hidden mean with the activation's mean through its ``cfbnn::`` operator (C++ on the CPU;
+:func:`reference_prediction_hidden_mean`, all torch formulas, is the tests' oracle). Prediction only: a call
 that needs a gradient raises (differentiate ``BayesianNetwork.output_moments`` instead). Fake
 implementations for ``torch.compile``; no host synchronization and only ``torch.empty`` allocations,
 so the launches are captured in CUDA graphs. Tested in ``tests/moments/test_prediction_ops.py`` and,
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .activations import LeakyReLU, ReLU, ReLUSquared
 from .family_ops import reference_leaky_moments, reference_relu_squared_moments
-from .operator_registration import _FLOATS, HAVE_TRITON, library_kernels
+from .operator_registration import _FLOATS, HAVE_TRITON
 from .ops import (
     ACTIVATION_KINDS,
     LazyModule,
@@ -260,8 +260,9 @@ def triton_prediction_hidden_mean(
 def _define_prediction_operator(name: str, operand: str, default_activation: int, check, kernels, output_shape):
     """``cfbnn::<name>(Tensor <operand>, int activation=<default_activation>, float negative_slope=0.0,
     bool bias=True) -> Tensor`` (``activation`` a SymInt in the schema, as torch infers an int):
-    ``check(operand, activation)``, then ``kernels`` ``(device, cpu)``, which take those arguments:
-    the first on every device but the CPU, the second on the CPU. The fake implementation: an empty
+    ``check(operand, activation)``, then ``kernels`` ``(default, cuda)``, which take those
+    arguments: the first on every device without its own kernel, the second (``None`` without
+    Triton) on CUDA. The fake implementation: an empty
     tensor of ``output_shape(operand, bias)``. An autograd registration that refuses: the operators
     serve prediction (``torch.no_grad``), and a call that needs a gradient raises at once rather
     than at the backward pass."""
@@ -283,31 +284,30 @@ def _define_prediction_operator(name: str, operand: str, default_activation: int
             "(BayesianNetwork.output_mean); for gradients differentiate BayesianNetwork.output_moments(x) instead"
         )
 
-    device_kernel, cpu_kernel = kernels
+    default_kernel, cuda_kernel = kernels
     schema = f"(Tensor {operand}, SymInt activation={default_activation}, float negative_slope=0., bool bias=True)"
     operator = torch.library.custom_op(
-        f"cfbnn::{name}", checked(device_kernel), mutates_args=(), schema=schema + " -> Tensor"
+        f"cfbnn::{name}", checked(default_kernel), mutates_args=(), schema=schema + " -> Tensor"
     )
-    operator.register_kernel("cpu")(checked(cpu_kernel))
+    if cuda_kernel is not None:
+        operator.register_kernel("cuda")(checked(cuda_kernel))
     operator.register_fake(fake)
     operator.register_autograd(lambda ctx, *grads: None, setup_context=refuse_gradient)
     return operator
 
 
-def _cpu_prediction_hidden_mean(moments, activation, negative_slope, bias):
-    # the activation's own operator where the C++ library serves it (it loads here), else the
-    # reference ops
-    mean_of = _operator_mean if library_kernels() else _reference_mean
-    return _hidden_mean(moments, activation, negative_slope, bias, mean_of)
+def _operator_hidden_mean(moments, activation, negative_slope, bias):
+    # the activation's mean through its own operator (the C++ kernel on the CPU)
+    return _hidden_mean(moments, activation, negative_slope, bias, _operator_mean)
 
 
-# the device kernels: Triton, or the reference ops where it is not installed
+# (default kernel, CUDA's: Triton where it is installed)
 prediction_operand = _define_prediction_operator(
     "prediction_operand",
     "inputs",
     NO_ACTIVATION,
     _check_operand,
-    (triton_prediction_operand if HAVE_TRITON else reference_prediction_operand, reference_prediction_operand),
+    (reference_prediction_operand, triton_prediction_operand if HAVE_TRITON else None),
     lambda inputs, bias: (2, math.prod(inputs.shape[:-1]), inputs.shape[-1] + int(bias)),
 )
 prediction_hidden_mean = _define_prediction_operator(
@@ -315,7 +315,7 @@ prediction_hidden_mean = _define_prediction_operator(
     "moments",
     0,
     _check_moments,
-    (triton_prediction_hidden_mean if HAVE_TRITON else reference_prediction_hidden_mean, _cpu_prediction_hidden_mean),
+    (_operator_hidden_mean, triton_prediction_hidden_mean if HAVE_TRITON else None),
     lambda moments, bias: (moments.shape[1], moments.shape[2] + int(bias)),
 )
 

@@ -22,7 +22,6 @@ from .operator_registration import (
     absent_gradient,
     check_operands,
     elementwise_vmap,
-    library_kernels,
 )
 from .ops import (
     HAVE_TRITON,
@@ -50,21 +49,17 @@ def triton_relu_mean(mean: Tensor, std: Tensor) -> Tensor:
 
 @torch.library.custom_op("cfbnn::relu_mean", mutates_args=())
 def relu_mean(mean: Tensor, std: Tensor) -> Tensor:
-    # the default kernel (every device but the CPU, which has its own below): Triton
+    # the default kernel (every device without its own: the C++ library registers the CPU's)
     check_operands("relu_mean", mean, std)
-    if not HAVE_TRITON:  # pragma: no cover - depends on the install
-        return _reference_forward(mean, std)[0].clone()
-    return triton_relu_mean(mean, std)
-
-
-@relu_mean.register_kernel("cpu")
-def _relu_mean_cpu(mean: Tensor, std: Tensor) -> Tensor:
-    # before the C++ library has loaded (it loads here and its C++ kernel takes over), and without
-    # a compiler (the reference ops; a fresh tensor, as an operator must return)
-    check_operands("relu_mean", mean, std)
-    if library_kernels():
-        return relu_mean(mean, std)
     return _reference_forward(mean, std)[0].clone()
+
+
+if HAVE_TRITON:
+
+    @relu_mean.register_kernel("cuda")
+    def _relu_mean_cuda(mean: Tensor, std: Tensor) -> Tensor:
+        check_operands("relu_mean", mean, std)
+        return triton_relu_mean(mean, std)
 
 
 @relu_mean.register_fake

@@ -30,7 +30,6 @@ from torch import Tensor
 from . import elbo_reference, family_ops
 from .operator_registration import (
     check_operands,
-    library_kernels,
 )
 from .ops import (
     ACTIVATION_KINDS,
@@ -211,43 +210,32 @@ def triton_relu_tail_with_gradients(
 _define = torch.library.custom_op
 
 
-@_define("cfbnn::relu_tail", mutates_args=())
-def relu_tail(
-    mean: Tensor,
-    variance: Tensor,
-    weight_phi: Tensor,
-    weight_variance: Tensor,
-    weight_second: Tensor,
-    activation: int = 0,
-    negative_slope: float = 0.0,
-) -> Tuple[Tensor, Tensor]:
+# the operands both operators' schemas share: the pre-activations' moments, the one-output layer's
+# weights and the activation (the C++ and Triton kernels take them in this order)
+_TAIL = "Tensor mean, Tensor variance, Tensor weight_phi, Tensor weight_variance, Tensor weight_second"
+_FAMILY = "SymInt activation=0, float negative_slope=0."
+
+
+def _reference_tail(mean, variance, weight_phi, weight_variance, weight_second, activation=0, negative_slope=0.0):
+    # the default kernel (every device without its own: the C++ library registers the CPU's)
     weights = (weight_phi, weight_variance, weight_second)
     _check_tail("relu_tail", mean, variance, *weights, activation=activation)
-    if not HAVE_TRITON:  # pragma: no cover - without Triton the device kernels are the reference ops
-        return tuple(t.clone() for t in reference_relu_tail(mean, variance, *weights, activation, negative_slope))
-    return triton_relu_tail(mean, variance, *weights, activation, negative_slope)
+    return tuple(t.clone() for t in reference_relu_tail(mean, variance, *weights, activation, negative_slope))
 
 
-@_define("cfbnn::relu_tail_backward", mutates_args=())
-def relu_tail_backward(
-    mean: Tensor,
-    variance: Tensor,
-    weight_phi: Tensor,
-    weight_variance: Tensor,
-    weight_second: Tensor,
-    grad_mean_sum: Tensor,
-    grad_spread_sum: Tensor,
-    activation: int = 0,
-    negative_slope: float = 0.0,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    weights = (weight_phi, weight_variance, weight_second)
-    _check_tail("relu_tail_backward", mean, variance, *weights, activation=activation)
+def _reference_tail_backward(
+    mean, variance, w_phi, w_var, w_second, grad_mean_sum, grad_spread_sum, activation=0, slope=0.0
+):
+    tensors = (mean, variance, w_phi, w_var, w_second, grad_mean_sum, grad_spread_sum)
+    _check_tail_backward(*tensors, activation)
+    with torch.no_grad():
+        grads = _differentiable_tail_backward(*tensors, activation, slope)
+    return grads[0], grads[1], grads[2].double()
+
+
+def _check_tail_backward(mean, variance, w_phi, w_var, w_second, grad_mean_sum, grad_spread_sum, activation=0):
+    _check_tail("relu_tail_backward", mean, variance, w_phi, w_var, w_second, activation=activation)
     _check_rows("relu_tail_backward", mean, grad_mean_sum, grad_spread_sum)
-    rows = (grad_mean_sum, grad_spread_sum, activation, negative_slope)
-    if not HAVE_TRITON:  # pragma: no cover
-        grads = _differentiable_tail_backward(mean, variance, *weights, *rows)
-        return grads[0], grads[1], grads[2].double()
-    return triton_relu_tail_backward(mean, variance, *weights, *rows)
 
 
 def _check_rows(name: str, mean: Tensor, *row_grads: Tensor) -> None:
@@ -259,33 +247,31 @@ def _check_rows(name: str, mean: Tensor, *row_grads: Tensor) -> None:
             )
 
 
-@relu_tail.register_kernel("cpu")
-def _relu_tail_cpu(mean, variance, weight_phi, weight_variance, weight_second, activation=0, negative_slope=0.0):
-    # before the library has loaded: load it (its C++ kernel then takes over) or, without a
-    # compiler, the reference ops (fresh tensors, as an operator must return)
-    weights = (weight_phi, weight_variance, weight_second)
-    _check_tail("relu_tail", mean, variance, *weights, activation=activation)
-    if library_kernels():
-        return torch.ops.cfbnn.relu_tail(mean, variance, *weights, activation, negative_slope)
-    return tuple(t.clone() for t in reference_relu_tail(mean, variance, *weights, activation, negative_slope))
+relu_tail = _define(
+    "cfbnn::relu_tail", _reference_tail, mutates_args=(), schema=f"({_TAIL}, {_FAMILY}) -> (Tensor, Tensor)"
+)
+relu_tail_backward = _define(
+    "cfbnn::relu_tail_backward",
+    _reference_tail_backward,
+    mutates_args=(),
+    schema=f"({_TAIL}, Tensor grad_mean_sum, Tensor grad_spread_sum, {_FAMILY}) -> (Tensor, Tensor, Tensor)",
+)
 
+if HAVE_TRITON:
 
-@relu_tail_backward.register_kernel("cpu")
-def _relu_tail_backward_cpu(
-    mean, variance, weight_phi, weight_variance, weight_second, grad_mean_sum, grad_spread_sum, activation=0, slope=0.0
-):
-    weights = (weight_phi, weight_variance, weight_second)
-    _check_tail("relu_tail_backward", mean, variance, *weights, activation=activation)
-    _check_rows("relu_tail_backward", mean, grad_mean_sum, grad_spread_sum)
-    if library_kernels():
-        return torch.ops.cfbnn.relu_tail_backward(
-            mean, variance, *weights, grad_mean_sum, grad_spread_sum, activation, slope
-        )
-    with torch.no_grad():
-        grads = _differentiable_tail_backward(
-            mean, variance, *weights, grad_mean_sum, grad_spread_sum, activation, slope
-        )
-    return grads[0], grads[1], grads[2].double()
+    @relu_tail.register_kernel("cuda")
+    def _relu_tail_cuda(mean, variance, weight_phi, weight_variance, weight_second, activation=0, negative_slope=0.0):
+        weights = (weight_phi, weight_variance, weight_second)
+        _check_tail("relu_tail", mean, variance, *weights, activation=activation)
+        return triton_relu_tail(mean, variance, *weights, activation, negative_slope)
+
+    @relu_tail_backward.register_kernel("cuda")
+    def _relu_tail_backward_cuda(
+        mean, variance, w_phi, w_var, w_second, grad_mean_sum, grad_spread_sum, activation=0, slope=0.0
+    ):
+        rows = (grad_mean_sum, grad_spread_sum)
+        _check_tail_backward(mean, variance, w_phi, w_var, w_second, *rows, activation)
+        return triton_relu_tail_backward(mean, variance, w_phi, w_var, w_second, *rows, activation, slope)
 
 
 @relu_tail.register_fake

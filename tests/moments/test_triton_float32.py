@@ -196,7 +196,7 @@ print("RESULT", json.dumps(errors()))
 
 def _interpreted(code: str):
     """``python -c code`` started under Triton's interpreter; ``_finished`` waits for it."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", CFBNN_CUDA_TWIN="1")  # (twin: no C++ CPU kernels)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
