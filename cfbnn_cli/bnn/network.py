@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from ..moments import get_activation
-from ..moments.predict_ops import NO_ACTIVATION, prediction_family, prediction_route
+from ..moments.ops import operator_route
+from ..moments.predict_ops import NO_ACTIVATION, prediction_family
 from . import functional as F
 from .estimators import ESTIMATORS, ClosedForm, Estimator, LocalReparameterization, make_estimator
 from .functional import augment
@@ -300,8 +301,7 @@ class BayesianNetwork(nn.Module):
         check_inputs(self, x)
         hidden, output = self.layers[hidden_index], self.layers[-1]
         family = prediction_family(self.activation)
-        activation = family[0] if family else NO_ACTIVATION
-        if prediction_route(hidden.loc, activation) and not torch._C._are_functorch_transforms_active():
+        if operator_route(hidden.loc) and not torch._C._are_functorch_transforms_active():
             mean = self._operator_output_mean(x, hidden, output, family)
         else:  # the reference path chosen, no kernel for this device, torch.func: the same in torch ops
             h = self.point_features(x)

@@ -57,7 +57,6 @@ from .gaussian import (
     check_mean_std,
 )
 from .piecewise_polynomial import HardSigmoid, PiecewisePolynomial, piecewise_polynomial
-from .relu_mean_ops import relu_mean_route
 from .relu_reference import ReLUMomentsReference, blockwise, relu_mean_block, small_tail
 
 __all__ = [
@@ -117,11 +116,9 @@ class ReLU(Activation):
         if torch.is_grad_enabled():
             return self.moments(mean, std)[0]
         mean, std = check_mean_std(mean, std)
-        if relu_mean_route(mean):
+        if ops.operator_route(mean):
             # cfbnn::relu_mean: C++ on the CPU, Triton on CUDA, one output written
             return torch.ops.cfbnn.relu_mean(*torch.broadcast_tensors(mean, std))
-        if ops.device_kernels_apply(mean):
-            return ops.relu_moments_function(mean, std)[0]
         if mean.dtype == torch.float64:
             return self._moments(*torch.broadcast_tensors(mean, std))[0]
         return blockwise(relu_mean_block, mean, std)[0]
@@ -154,8 +151,6 @@ class LeakyReLU(Activation):
         """``(Phi, Upsilon, Var)`` through ``cfbnn::leaky_relu_moments``."""
         return family_ops.leaky_relu_moments_function(mean, std, self.negative_slope)
 
-    operator_applies = staticmethod(family_ops.leaky_operator_route)
-
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0, self.negative_slope], [0.0, 1.0]], name="leaky_relu")
 
@@ -175,7 +170,6 @@ class ReLUSquared(Activation):
         return family_ops.reference_relu_squared_moments(mean, std)
 
     operator = staticmethod(family_ops.relu_squared_moments_function)
-    operator_applies = staticmethod(family_ops.relu_squared_operator_route)
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 0.0, 1.0]], name="relu_squared")

@@ -32,8 +32,6 @@ from torch import Tensor
 from .operator_registration import define_moments_operators, moments_function
 from .ops import (
     ACTIVATION_KINDS,
-    checked_operator_route,
-    family_kernels_check,
     launch_moments,
     launch_moments_backward,
     slope_for,
@@ -152,9 +150,6 @@ relu_squared_moments, relu_squared_moments_backward = define_moments_operators(
     _relu_squared_formula,
 )
 
-_LEAKY_CHECK = family_kernels_check(LEAKY, 0.1)
-_RELU_SQUARED_CHECK = family_kernels_check(RELU_SQUARED)
-
 
 def leaky_relu_moments_function(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:
     """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through the operators (autograd
@@ -166,15 +161,3 @@ def leaky_relu_moments_function(mean: Tensor, std: Tensor, negative_slope: float
 def relu_squared_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """As :func:`leaky_relu_moments_function`, for ReLU^2."""
     return moments_function(relu_squared_moments, relu_squared_moments_backward, _relu_squared_formula, mean, std)
-
-
-def leaky_operator_route(mean: Tensor) -> bool:
-    """Whether ``LeakyReLU.moments`` takes ``cfbnn::leaky_relu_moments`` for ``mean``: where
-    :func:`.ops.operator_route`, on CUDA once its Triton kernels' first run on that device and dtype
-    passed."""
-    return checked_operator_route(mean, "the Triton kernels of cfbnn::leaky_relu_moments", _LEAKY_CHECK)
-
-
-def relu_squared_operator_route(mean: Tensor) -> bool:
-    """As :func:`leaky_operator_route`, for ``cfbnn::relu_squared_moments``."""
-    return checked_operator_route(mean, "the Triton kernels of cfbnn::relu_squared_moments", _RELU_SQUARED_CHECK)

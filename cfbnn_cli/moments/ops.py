@@ -247,9 +247,10 @@ def triton_device(device: torch.device) -> bool:
 
 
 def device_kernels_apply(mean: Tensor) -> bool:
-    """Whether ``cfbnn::relu_moments`` has a compiled kernel for ``mean`` off the CPU (Triton on
-    CUDA), the kernels are not switched off (:func:`cfbnn_cli.moments.fast_path`: one switch for
-    every device), and their first run on that device and dtype succeeded."""
+    """Whether the ``cfbnn::`` operators take their Triton kernels for ``mean`` off the CPU (CUDA):
+    the kernels are not switched off (:func:`cfbnn_cli.moments.fast_path`: one switch for every
+    device), and Triton's first run on that device and dtype succeeded (:func:`_self_check`, once,
+    for every operator and node)."""
     return (
         kernel_library.fast_path_enabled()
         and HAVE_TRITON
@@ -270,14 +271,6 @@ def operator_route(mean: Tensor) -> bool:
     return mean.device.type == "cpu" and mean.dtype in _FLOATS and kernel_library.fast_path_enabled()
 
 
-def checked_operator_route(mean: Tensor, what: str, check: Callable) -> bool:
-    """:func:`operator_route` for an operator whose Triton kernels have a first-use ``check`` of
-    their own on CUDA (``check(device, dtype)``, :func:`family_kernels_check`)."""
-    if not operator_route(mean):
-        return False
-    return not triton_device(mean.device) or first_use_check(what, mean.device, mean.dtype, check)
-
-
 def check_samples(device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """A first-use check's operands: eight well-conditioned means and spreads."""
     values = torch.linspace(-3.0, 3.0, 8, dtype=dtype, device=device)
@@ -288,25 +281,6 @@ def require_finite(*outputs: Tensor) -> None:
     """What a first-use check asks of its kernels' results (on :func:`check_samples`)."""
     if not all(bool(torch.isfinite(t).all()) for t in outputs):
         raise FloatingPointError("non-finite values on a well-conditioned problem")
-
-
-def family_kernels_check(activation: int, negative_slope: float = 0.0) -> Callable:
-    """A first-use check of the ReLU family's Triton moments kernels for ``activation``, forward
-    and backward on :func:`check_samples` (compiling them); for ReLU the from-variance pair too."""
-
-    def check(device: torch.device, dtype: torch.dtype) -> None:
-        values, spread = check_samples(device, dtype)
-        grads = (spread, spread, spread)
-        outputs = [
-            *launch_moments(values, spread, activation, negative_slope),
-            *launch_moments_backward(values, spread, values, grads, activation, negative_slope),
-        ]
-        if activation == ACTIVATION_KINDS["relu"]:
-            outputs += launch_moments(values, spread, activation, from_variance=True)
-            outputs += launch_moments_backward(values, spread, values, grads, activation, from_variance=True)
-        require_finite(*outputs)
-
-    return check
 
 
 def slope_for(negative_slope: float, dtype: torch.dtype) -> float:
@@ -357,8 +331,19 @@ def first_use_check(what: str, device: torch.device, dtype: torch.dtype, check: 
     return FIRST_USE[key]
 
 
-# the first-use check of the cfbnn:: operators' device kernels (ReLU's: the ones every network has)
-_self_check = family_kernels_check(ACTIVATION_KINDS["relu"])
+def _self_check(device: torch.device, dtype: torch.dtype) -> None:
+    """The first-use check of Triton on a device (:func:`device_kernels_apply`): ReLU's moments
+    kernels forward and backward, from the standard deviations and from the variances, on
+    :func:`check_samples` (compiling them). One check for every kernel: a device where Triton runs
+    these takes every operator's Triton kernel, and a kernel that then fails raises where it is
+    called rather than falling back unseen."""
+    values, spread = check_samples(device, dtype)
+    grads = (spread, spread, spread)
+    outputs = []
+    for from_variance in (False, True):
+        outputs += launch_moments(values, spread, 0, from_variance=from_variance)
+        outputs += launch_moments_backward(values, spread, values, grads, 0, from_variance=from_variance)
+    require_finite(*outputs)
 
 
 def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

@@ -42,9 +42,6 @@ from .operator_registration import _FLOATS, HAVE_TRITON
 from .ops import (
     ACTIVATION_KINDS,
     LazyModule,
-    check_samples,
-    checked_operator_route,
-    require_finite,
     slope_for,
     slope_tensor,
     triton_kernels,
@@ -57,7 +54,6 @@ __all__ = [
     "prediction_family",
     "prediction_hidden_mean",
     "prediction_operand",
-    "prediction_route",
     "reference_prediction_hidden_mean",
     "reference_prediction_operand",
     "triton_prediction_hidden_mean",
@@ -318,35 +314,3 @@ prediction_hidden_mean = _define_prediction_operator(
     (_operator_hidden_mean, triton_prediction_hidden_mean if HAVE_TRITON else None),
     lambda moments, bias: (moments.shape[1], moments.shape[2] + int(bias)),
 )
-
-
-# ----------------------------------------------------------------------------- the route
-
-
-def _kernel_check(activation: int):
-    """A first-use check of the kernels a prediction with ``activation`` launches (the operand's
-    pass with it, or with none for an activation outside the family, and the mean's pass), on a few
-    elements (compiling them); non-finite results raise."""
-
-    def check(device: torch.device, dtype: torch.dtype) -> None:
-        values, spread = check_samples(device, dtype)
-        outputs = [triton_prediction_operand(values.reshape(2, 4), activation, 0.1)]
-        if activation != NO_ACTIVATION:
-            outputs.append(
-                triton_prediction_hidden_mean(torch.stack([values, spread]).reshape(2, 2, 4), activation, 0.1)
-            )
-        require_finite(*outputs)
-
-    return check
-
-
-_CHECKS = {activation: _kernel_check(activation) for activation in (NO_ACTIVATION, *_FAMILY)}
-
-
-def prediction_route(like: Tensor, activation: int = NO_ACTIVATION) -> bool:
-    """Whether a prediction on ``like``'s device and dtype takes these operators with ``activation``
-    (:data:`NO_ACTIVATION`: the operand's pass alone, for an activation outside the family;
-    :func:`.ops.checked_operator_route`: on the CPU unless the reference path is chosen; on CUDA
-    once the Triton kernels' first run there passed)."""
-    what = f"the Triton kernels of the cfbnn:: prediction operators (activation {activation})"
-    return checked_operator_route(like, what, _CHECKS[activation])

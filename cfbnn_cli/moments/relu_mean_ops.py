@@ -26,14 +26,11 @@ from .operator_registration import (
 from .ops import (
     HAVE_TRITON,
     _reference_forward,
-    check_samples,
-    checked_operator_route,
     relu_moments_backward,
-    require_finite,
     triton_kernels,
 )
 
-__all__ = ["relu_mean", "relu_mean_route", "triton_relu_mean"]
+__all__ = ["relu_mean", "triton_relu_mean"]
 
 
 def triton_relu_mean(mean: Tensor, std: Tensor) -> Tensor:
@@ -81,14 +78,3 @@ relu_mean.register_autograd(_backward, setup_context=_setup_context)
 
 
 relu_mean.register_vmap(elementwise_vmap(relu_mean, 1))
-
-
-def _kernel_check(device: torch.device, dtype: torch.dtype) -> None:
-    """The Triton kernel on a few elements (compiling it); non-finite results raise."""
-    require_finite(triton_relu_mean(*check_samples(device, dtype)))
-
-
-def relu_mean_route(mean: Tensor) -> bool:
-    """Whether :meth:`ReLU.mean <cfbnn_cli.moments.activations.ReLU.mean>` takes the operator for
-    ``mean`` (:func:`~.ops.checked_operator_route`, with this kernel's first-use check on CUDA)."""
-    return checked_operator_route(mean, "the Triton kernel of cfbnn::relu_mean", _kernel_check)

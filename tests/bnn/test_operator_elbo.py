@@ -88,6 +88,23 @@ def errors():
                     "dtype": str(value.dtype),
                     "route": route,
                 }
+    # the per-point ELL, its points weighted differently (the ELL node's tail backward in its backward
+    # pass, not taken ahead): the VAE's and the per-point API's route
+    for dtype in (torch.float64, torch.float32):
+        net = network([150], True, dtype)
+        x, y, weights = torch.randn(21, 4, dtype=dtype) * 2, torch.randn(21, dtype=dtype), torch.rand(21, dtype=dtype)
+        value = (net.expected_log_likelihood_per_point(x, y) * weights).sum()
+        grads = torch.autograd.grad(value, list(net.parameters()))
+        reference_net = copy.deepcopy(net).double()
+        with fast_path(False):
+            reference = (reference_net.expected_log_likelihood_per_point(x.double(), y.double()) * weights.double()).sum()
+        reference_grads = torch.autograd.grad(reference, list(reference_net.parameters()))
+        out[f"1_per-point_{dtype}"] = {
+            "value": scaled(value.detach(), reference.detach()),
+            "grads": max(scaled(g, r) for g, r in zip(grads, reference_grads)),
+            "dtype": str(value.dtype),
+            "route": "NormalELL" in node_names(value),
+        }
     # the backward builds no graph: asking for a second order is an error, never a silent zero
     net = network([150], True, torch.float64)
     x, y = torch.randn(21, 4, dtype=torch.float64), torch.randn(21, dtype=torch.float64)
@@ -101,7 +118,6 @@ def errors():
 
 # in the subprocess: the operators' Triton kernels registered as their CPU kernels, then the checks
 INTERPRETED = """
-from cfbnn_cli.bnn.fused import operator_elbo
 from cfbnn_cli.moments import elbo_ops, ops, tail_ops
 calls = {}
 
@@ -135,8 +151,7 @@ for name in ("leaky_relu_moments", "relu_squared_moments"):
         library.impl(op, counted(op, getattr(family_ops, "triton_" + op)), "CPU")
 out = errors()
 out["calls"] = calls
-for dtype in (torch.float32, torch.float64):  # the first-use checks that guard the CUDA route
-    operator_elbo._self_check(torch.device("cpu"), dtype)
+for dtype in (torch.float32, torch.float64):  # the first-use check that guards the CUDA route
     ops._self_check(torch.device("cpu"), dtype)
 out["self_check"] = "ran"
 print("RESULT", json.dumps(out))
@@ -145,7 +160,7 @@ print("RESULT", json.dumps(out))
 
 def _assert_within_tolerance(errors: dict) -> None:
     assert errors.pop("second_order") == "refused"
-    assert len(errors) == 28
+    assert len(errors) == 30
     for case, error in errors.items():
         tolerance = 1e-10 if "float64" in case else 2e-5
         assert error["route"], (case, "the operators' route was not taken")

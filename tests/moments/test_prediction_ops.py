@@ -11,7 +11,7 @@ import torch
 from prediction_check import FAMILY, assert_prediction_tolerances, prediction_errors
 
 from cfbnn_cli.moments import fast_path
-from cfbnn_cli.moments.predict_ops import prediction_route
+from cfbnn_cli.moments.ops import operator_route
 
 operand = torch.ops.cfbnn.prediction_operand
 hidden_mean = torch.ops.cfbnn.prediction_hidden_mean
@@ -68,9 +68,9 @@ def test_bad_inputs_name_the_operator():
 
 def test_the_route_follows_the_fast_path_switch():
     like = torch.zeros(2)
-    assert prediction_route(like) and not prediction_route(like.to(torch.float16))
+    assert operator_route(like) and not operator_route(like.to(torch.float16))
     with fast_path(False):
-        assert not prediction_route(like)
+        assert not operator_route(like)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -59,17 +59,17 @@ def operators_apply(activation, *tensors: torch.Tensor) -> bool:
     """Whether :func:`normal_elbo` / :func:`normal_ell` run here: a ReLU-family network
     (:func:`tail_family`) and :func:`relu_operators_apply`."""
     family = tail_family(activation)
-    return family is not None and relu_operators_apply(*tensors, family=family)
+    return family is not None and relu_operators_apply(*tensors)
 
 
-def relu_operators_apply(*tensors: torch.Tensor, family=RELU) -> bool:
+def relu_operators_apply(*tensors: torch.Tensor) -> bool:
     """Whether the nodes of this module take these tensors: one float dtype on one device, outside
     torch.func transforms (the nodes have no batching rule; the estimator's layer-by-layer route
     serves ``vmap``). On the CPU that is all: the dispatcher runs the C++ kernels, or the reference
     kernels where the library did not build (the reference path chosen with
-    :func:`cfbnn_cli.moments.fast_path` takes the layer-by-layer route instead). On CUDA the
-    Triton kernels' first run on that device and dtype must have passed
-    (:func:`cfbnn_cli.moments.ops.first_use_check`), outside ``torch.compile``."""
+    :func:`cfbnn_cli.moments.fast_path` takes the layer-by-layer route instead). On CUDA, outside
+    ``torch.compile``, where the operators take their Triton kernels
+    (:func:`cfbnn_cli.moments.ops.device_kernels_apply`)."""
     first = tensors[0]
     if first.dtype not in (torch.float32, torch.float64) or torch._C._are_functorch_transforms_active():
         return False
@@ -77,31 +77,7 @@ def relu_operators_apply(*tensors: torch.Tensor, family=RELU) -> bool:
         return False
     if first.device.type == "cpu" and not ops.triton_device(first.device):
         return kernel_library.fast_path_enabled()
-    if torch.compiler.is_compiling():
-        return False
-    what = "the closed-form ELBO's Triton kernels" + ("" if family == RELU else f" (activation {family[0]})")
-    return ops.device_kernels_apply(first) and ops.first_use_check(
-        what, first.device, first.dtype, lambda device, dtype: _self_check(device, dtype, family)
-    )
-
-
-def _self_check(device: torch.device, dtype: torch.dtype, family=RELU) -> None:
-    """Both nodes forward and backward on a tiny problem (compiling their kernels)."""
-    g = torch.Generator().manual_seed(0)
-
-    def tensor(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype=dtype, device=device)
-
-    hidden = [tensor(5, 3).requires_grad_(), tensor(5, 3, shift=-2.0).requires_grad_()]
-    output = [tensor(1, 6).requires_grad_(), tensor(1, 6, shift=-2.0).requires_grad_()]
-    log_precision = tensor(1, shift=0.5).reshape(()).requires_grad_()
-    x, y = tensor(4, 2), tensor(4)
-    elbo = NormalELBO.apply(x, y, log_precision, *hidden, *output, (True, True), 1.0, 2.0, family)
-    gamma, xi2 = tensor(4, 5).requires_grad_(), tensor(4, 5, scale=0.1, shift=1.0).requires_grad_()
-    ell, kl = NormalELL.apply(gamma, xi2, *output, y, log_precision, True, 1.0, family)
-    values = torch.autograd.grad(elbo + ell.sum() - kl, [*hidden, *output, log_precision, gamma, xi2])
-    if not all(bool(torch.isfinite(v).all()) for v in (elbo, ell, kl, *values)):
-        raise FloatingPointError("non-finite values on a well-conditioned problem")
+    return not torch.compiler.is_compiling() and ops.device_kernels_apply(first)
 
 
 def _output_layer_pass(loc, log_scale, width: int, prior_variance: float):
