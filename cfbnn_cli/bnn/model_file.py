@@ -184,6 +184,24 @@ def save_model(
     return atomic_torch_save(record, Path(path))
 
 
+def save_run_model(run_dir, model: BayesianNetwork, data, scaling=None, **fields) -> Path:
+    """``RUN_DIR/model.pt`` (:data:`FILE_NAME`) of a ``cfbnn train`` run, by :func:`save_model`:
+    ``model`` with the name, feature ``columns`` and ``target`` of ``data``, the run's data set, and
+    the training rows' ``feature_mean`` / ``feature_std`` of ``scaling`` (default ``data``, for a data
+    set that holds its own scaling); ``fields``: :func:`save_model`'s other keywords."""
+    scaling = data if scaling is None else scaling
+    return save_model(
+        Path(run_dir) / FILE_NAME,
+        model,
+        feature_mean=scaling.feature_mean,
+        feature_std=scaling.feature_std,
+        columns=data.columns,
+        target=data.target,
+        data=data.name,
+        **fields,
+    )
+
+
 # ----------------------------------------------------------------------------- reading
 
 

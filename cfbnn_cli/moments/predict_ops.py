@@ -197,19 +197,14 @@ def _slope_operand(like: Tensor, activation: int, negative_slope: float) -> Tens
 
 def _launch(kernel, operand: Tensor, out: Tensor, half: int, activation: int, negative_slope: float, bias: bool, **own):
     """``out`` ``(..., rows, width + bias)``, written by one launch of the prediction ``kernel`` over
-    its tiles, from ``operand`` (contiguous, ``width`` wide): the arguments both kernels take, in
-    their order (``half``: the offset of the second half, an int64 argument where it must be), then
-    ``own``, the kernel's own constants; nothing launched for an empty ``out``."""
+    its tiles, from ``operand`` (contiguous, ``width`` wide): the ``prediction`` tuple both kernels
+    take (``half``: the offset of the second half, an int64 where it must be), the activation and
+    bias, then ``own``, the kernel's own constants; nothing launched for an empty ``out``."""
     count, width = out.shape[-2], operand.shape[-1]
     if out.numel():
         grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
         kernel[grid](
-            operand,
-            _slope_operand(operand, activation, negative_slope),
-            out,
-            count,
-            width,
-            half,
+            (operand, _slope_operand(operand, activation, negative_slope), out, count, width, half),
             activation,
             int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
             BLOCK_R=block_r,

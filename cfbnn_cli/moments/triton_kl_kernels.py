@@ -88,18 +88,29 @@ def kl_block(
 
 
 @triton.jit
+def float64_accumulators(BLOCK: tl.constexpr):
+    """Three zeroed float64 ``(BLOCK,)`` accumulators: the lanes of a three-sum reduction over rows
+    taken ``BLOCK`` at a time (:func:`column_sums`, the Normal rows' backward pass)."""
+    return tl.zeros([BLOCK], dtype=tl.float64), tl.zeros([BLOCK], dtype=tl.float64), tl.zeros([BLOCK], dtype=tl.float64)
+
+
+@triton.jit
+def load_float64(pointers, mask):
+    """``pointers``' values as float64, 0 where ``mask`` is off (nothing added to a sum)."""
+    return tl.load(pointers, mask=mask, other=0.0).to(tl.float64)
+
+
+@triton.jit
 def column_sums(table_ptr, rows, BLOCK: tl.constexpr):
     """The three column sums (float64) of a ``(rows, 3)`` float64 table of the blocks' sums, added
     in a fixed order (the result does not depend on the launch)."""
-    first = tl.zeros([BLOCK], dtype=tl.float64)
-    second = tl.zeros([BLOCK], dtype=tl.float64)
-    third = tl.zeros([BLOCK], dtype=tl.float64)
+    first, second, third = float64_accumulators(BLOCK)
     for r0 in range(0, rows, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         inside = r < rows
-        first += tl.load(table_ptr + 3 * r, mask=inside, other=0.0)
-        second += tl.load(table_ptr + 3 * r + 1, mask=inside, other=0.0)
-        third += tl.load(table_ptr + 3 * r + 2, mask=inside, other=0.0)
+        first += load_float64(table_ptr + 3 * r, inside)
+        second += load_float64(table_ptr + 3 * r + 1, inside)
+        third += load_float64(table_ptr + 3 * r + 2, inside)
     return tl.sum(first, axis=0), tl.sum(second, axis=0), tl.sum(third, axis=0)
 
 

@@ -43,26 +43,31 @@ def tile_offsets(BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     return rows, columns
 
 
+# A prediction pass's operands travel as one tuple, ``prediction = (operand_ptr, slope_ptr, out_ptr,
+# rows, width, half)``: the pass's ``(rows, width)`` operand (contiguous), the leaky ReLU's slope
+# (float64; the other kinds never read it), the output and ``half``, the offset of the second half
+# (of ``out`` for the operand kernel, of the operand for the hidden mean; an int64 where it must be).
+
+
+@triton.jit
+def store_with_ones_column(out_ptr, value, r, c, rows, width, BIAS: tl.constexpr):
+    """``value`` into the tile ``(r, c)`` of ``out (rows, width + BIAS)`` contiguous, the column of ones
+    at ``c == width`` (only written with ``BIAS``)."""
+    stride = width + BIAS
+    tl.store(out_ptr + r * stride + c, tl.where(c < width, value, 1.0), mask=(r < rows) & (c < stride))
+
+
 @triton.jit
 def prediction_operand_kernel(
-    inputs_ptr,
-    slope_ptr,
-    out_ptr,
-    rows,
-    width,
-    half,
-    ACTIVATION: tl.constexpr,
-    BIAS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    prediction, ACTIVATION: tl.constexpr, BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
 ):
-    """``out (2, rows, width + BIAS)``: ``[h, 1]`` and ``[h^2, 1]`` (from ``half``, the first half's
-    size: an int64 where it must be) for ``h = g(inputs)`` (``(rows, width)`` contiguous), ``g`` ReLU
-    (0), leaky ReLU of the float64 slope at ``slope_ptr`` (1), ReLU^2 (2) or none (-1). A NaN input
-    stays NaN in both halves (selects, not max)."""
+    """``out (2, rows, width + BIAS)``: ``[h, 1]`` and ``[h^2, 1]`` (the second from ``half``, the first
+    half's size) for ``h = g(inputs)`` (the ``prediction`` tuple's operand), ``g`` ReLU (0), leaky
+    ReLU of the float64 slope at ``slope_ptr`` (1), ReLU^2 (2) or none (-1). A NaN input stays NaN
+    in both halves (selects, not max)."""
+    inputs_ptr, slope_ptr, out_ptr, rows, width, half = prediction
     r, c = tile_offsets(BLOCK_R, BLOCK_C)
-    inside = (r < rows) & (c < width)
-    z = tl.load(inputs_ptr + r * width + c, mask=inside, other=0.0)
+    z = tl.load(inputs_ptr + r * width + c, mask=(r < rows) & (c < width), other=0.0)
     if ACTIVATION == 0:
         h = tl.where(z < 0.0, 0.0, z)
     elif ACTIVATION == 1:
@@ -72,22 +77,14 @@ def prediction_operand_kernel(
         h = positive * positive
     else:
         h = z
-    h = tl.where(c < width, h, 1.0).to(z.dtype)  # the column of ones (only written with BIAS)
-    stride = width + BIAS
-    written = (r < rows) & (c < stride)
-    offsets = r * stride + c
-    tl.store(out_ptr + offsets, h, mask=written)
-    tl.store(out_ptr + half + offsets, (h * h).to(z.dtype), mask=written)
+    h = h.to(z.dtype)
+    store_with_ones_column(out_ptr, h, r, c, rows, width, BIAS)
+    store_with_ones_column(out_ptr + half, h * h, r, c, rows, width, BIAS)
 
 
 @triton.jit
 def prediction_hidden_mean_kernel(
-    moments_ptr,
-    slope_ptr,
-    out_ptr,
-    rows,
-    width,
-    half,
+    prediction,
     ACTIVATION: tl.constexpr,
     BIAS: tl.constexpr,
     FLOOR: tl.constexpr,
@@ -96,11 +93,12 @@ def prediction_hidden_mean_kernel(
     CF_DEPTH: tl.constexpr,
 ):
     """``out (rows, width + BIAS)``: ``[E g(z), 1]``, ``z ~ N(gamma, xi^2)``, from ``moments (2,
-    rows, width)`` contiguous (``gamma``, then ``xi^2`` from ``half``): the variance floored at
-    ``FLOOR`` and its root taken (:func:`~.triton_kernels.std_from_variance`, with float32's
-    rounding of the root taken out of the Gaussian factor), then ReLU's ``max(gamma, 0) + xi s_1`` (0; paper eq. (20))
-    or the mean of leaky ReLU (1, slope at ``slope_ptr``) or ReLU^2 (2); arithmetic in the
-    dtype's (:func:`~.triton_kernels.compute`)."""
+    rows, width)`` (the ``prediction`` tuple's operand: ``gamma``, then ``xi^2`` from ``half``): the
+    variance floored at ``FLOOR`` and its root taken (:func:`~.triton_kernels.std_from_variance`,
+    with float32's rounding of the root taken out of the Gaussian factor), then ReLU's ``max(gamma,
+    0) + xi s_1`` (0; paper eq. (20)) or the mean of leaky ReLU (1, slope at ``slope_ptr``) or
+    ReLU^2 (2); arithmetic in the dtype's (:func:`~.triton_kernels.compute`)."""
+    moments_ptr, slope_ptr, out_ptr, rows, width, half = prediction
     r, c = tile_offsets(BLOCK_R, BLOCK_C)
     inside = (r < rows) & (c < width)
     offsets = r * width + c
@@ -116,6 +114,4 @@ def prediction_hidden_mean_kernel(
         if ACTIVATION == 1:
             eps = compute(tl.load(slope_ptr), CF_DEPTH)
         phi, _, _, _, _, _ = family_partials(mean, std, std_error, eps, ACTIVATION, CF_DEPTH)
-    phi = tl.where(c < width, phi, 1.0)  # the column of ones (only written with BIAS)
-    stride = width + BIAS
-    tl.store(out_ptr + r * stride + c, phi.to(m_in.dtype), mask=(r < rows) & (c < stride))
+    store_with_ones_column(out_ptr, phi.to(m_in.dtype), r, c, rows, width, BIAS)

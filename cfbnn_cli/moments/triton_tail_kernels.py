@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .triton_kernels import compute, family_moments, relu_core, std_from_variance
-from .triton_kl_kernels import fold_kl, kl_block, kl_from_table
+from .triton_kl_kernels import float64_accumulators, fold_kl, kl_block, kl_from_table, load_float64
 
 FORWARD_ROWS, FORWARD_COLUMNS = 4, 128  # relu_tail_kernel's tile, with its gradients or not
 BACKWARD_ROWS, BACKWARD_COLUMNS = 32, 64
@@ -182,7 +182,7 @@ def relu_tail_kernel(
     tl.store(sums[0] + r, mean_sum, mask=r_in)
     tl.store(sums[1] + r, acc_spread.to(dtype), mask=r_in)
     if GRADIENTS:
-        residual = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64) - mean_sum.to(tl.float64)
+        residual = load_float64(y_ptr + r, r_in) - mean_sum.to(tl.float64)
         if BIAS:
             residual -= tl.load(loc_ptr + width).to(tl.float64)
         unit = scale * tl.exp(tl.load(log_precision_ptr).to(tl.float64))
@@ -305,9 +305,8 @@ def normal_rows_kernel(
     for r0 in range(start, stop, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         r_in = r < rows
-        residual = tl.load(y_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-        residual -= tl.load(mean_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-        squares = tl.load(spread_sum_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        residual = load_float64(y_ptr + r, r_in) - load_float64(mean_sum_ptr + r, r_in)
+        squares = load_float64(spread_sum_ptr + r, r_in)
         if BIAS:
             residual -= tl.load(output_loc_ptr + width).to(tl.float64)
             squares += tl.exp(2.0 * tl.load(output_log_scale_ptr + width).to(tl.float64))
@@ -348,18 +347,16 @@ def normal_rows_backward_kernel(
     output bias's two gradients (through ``d b = u``, ``d Var b = k``) and the log precision's,
     the last also into ``grad_log_precision`` (its dtype). Rows added in a fixed order."""
     precision = tl.exp(tl.load(log_precision_ptr).to(tl.float64))
-    sum_u = tl.zeros([BLOCK], dtype=tl.float64)
-    sum_k = tl.zeros([BLOCK], dtype=tl.float64)
-    sum_log_precision = tl.zeros([BLOCK], dtype=tl.float64)
+    sum_u, sum_k, sum_log_precision = float64_accumulators(BLOCK)
     for r0 in range(0, rows, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         r_in = r < rows
         if ROW_GRADS:
-            g = tl.load(grad_ptr + r, mask=r_in, other=0.0).to(tl.float64) * scale
+            g = load_float64(grad_ptr + r, r_in) * scale
         else:
             g = tl.where(r_in, tl.load(grad_ptr).to(tl.float64) * scale, 0.0)
-        residual = tl.load(residual_ptr + r, mask=r_in, other=0.0).to(tl.float64)
-        squares = tl.load(squares_ptr + r, mask=r_in, other=0.0).to(tl.float64)
+        residual = load_float64(residual_ptr + r, r_in)
+        squares = load_float64(squares_ptr + r, r_in)
         u = g * precision * residual
         k = -0.5 * g * precision
         tl.store(row_u_ptr + r, u.to(row_u_ptr.dtype.element_ty), mask=r_in)

@@ -13,7 +13,7 @@ eq. (38), so the objective has nothing sampled. On one random train/test split
   probabilities ``softmax(y_hat + log(1 + var/2))`` implied by eq. (38)), beside scikit-learn's
   logistic regression on the same split (``fit.baseline``); ``classification.md``, a
   reliability figure ``classification.png`` and ``results.json`` (``fit/...``);
-* ``model.pt`` (:func:`~cfbnn_cli.bnn.model_file.save_model`, with the label names), refit on
+* ``model.pt`` (:func:`~cfbnn_cli.bnn.model_file.save_run_model`, with the label names), refit on
   every row first (``fit.refit``) or the model tested: ``cfbnn predict RUN NEW.csv`` writes each
   new row's class probabilities and predicted label.
 
@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..bnn.likelihoods import CategoricalLikelihood
-from ..bnn.model_file import FILE_NAME, save_model
+from ..bnn.model_file import FILE_NAME, save_run_model
 from ..bnn.network import BayesianNetwork
 from ..data.classification import (
     CLASSIFICATION_DATA,
@@ -249,17 +249,8 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         data=pd.DataFrame([{k.split("/", 1)[1]: v for k, v in metrics.items()}]),
     )
     figure = _plot_reliability(probabilities.double().cpu().numpy(), y_test.cpu().numpy(), table, run_dir)
-    save_model(
-        run_dir / FILE_NAME,
-        model,
-        feature_mean=scaling.feature_mean,
-        feature_std=scaling.feature_std,
-        columns=table.columns,
-        target=table.target,
-        classes=table.classes,
-        estimator="analytic",
-        method="closed_form_classifier",
-        data=table.name,
+    save_run_model(
+        run_dir, model, table, scaling, classes=table.classes, estimator="analytic", method="closed_form_classifier"
     )
     return {
         "metrics": metrics,

@@ -21,11 +21,10 @@ FLOOR = {"fp32": 1.1754943508222875e-38, "fp64": 2.2250738585072014e-308}
 DEPTH = {"fp32": triton_kernels.CF_DEPTH_F32, "fp64": triton_kernels.CF_DEPTH}
 
 
-def _spill_stores(kernel, pointers, dtype, constants, tmp_path) -> int:
-    """Compile ``kernel`` for sm_90a (three pointers, then rows, width, the second half's offset) and
-    return ptxas' spill stores."""
-    signature = {name: f"*{dtype}" for name in pointers}
-    signature.update({"rows": "i32", "width": "i32", "half": "i32"})
+def _spill_stores(kernel, dtype, constants, tmp_path) -> int:
+    """Compile ``kernel`` for sm_90a (its ``prediction`` tuple: three pointers, then rows, width, the
+    second half's offset) and return ptxas' spill stores."""
+    signature = {"prediction": (f"*{dtype}",) * 3 + ("i32",) * 3}
     signature.update({name: "constexpr" for name in constants})
     compiled = compile_kernel(ASTSource(kernel, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
     ptx = tmp_path / f"{kernel.__name__}.ptx"
@@ -40,20 +39,12 @@ def _compile_both(dtype, activation, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # compiled here, not found in a cache
     tile = {"BIAS": 1, "BLOCK_R": 8, "BLOCK_C": 128}
     operand = _spill_stores(
-        triton_predict_kernels.prediction_operand_kernel,
-        ("inputs_ptr", "slope_ptr", "out_ptr"),
-        dtype,
-        {"ACTIVATION": activation, **tile},
-        tmp_path,
+        triton_predict_kernels.prediction_operand_kernel, dtype, {"ACTIVATION": activation, **tile}, tmp_path
     )
     assert operand == 0
     if activation >= 0:
         constants = {"ACTIVATION": activation, "FLOOR": FLOOR[dtype], "CF_DEPTH": DEPTH[dtype], **tile}
-        pointers = ("moments_ptr", "slope_ptr", "out_ptr")
-        assert (
-            _spill_stores(triton_predict_kernels.prediction_hidden_mean_kernel, pointers, dtype, constants, tmp_path)
-            == 0
-        )
+        assert _spill_stores(triton_predict_kernels.prediction_hidden_mean_kernel, dtype, constants, tmp_path) == 0
 
 
 @pytest.mark.skipif(not os.path.exists(PTXAS), reason="this Triton has no NVIDIA backend")

@@ -212,28 +212,24 @@ std::tuple<Tensor, Tensor> moments_backward(const char* op, const Tensor& mean_i
   return {grad_mean, grad_std};
 }
 
-/* moments_backward of an activation without parameters (ReLU, ReLU^2): kernel_of(T{}) is its
-   backward kernel in Kernels<T>, called with every operand as moments_backward hands them over. */
-template <typename KernelOf>
-std::tuple<Tensor, Tensor> parameterless_moments_backward(const char* op, const Tensor& mean, const Tensor& std_dev,
-                                                          const Tensor& phi, const Tensor& grad_phi,
-                                                          const Tensor& grad_upsilon, const Tensor& grad_variance,
-                                                          KernelOf kernel_of) {
-  return moments_backward(op, mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
-                          [kernel_of](auto zero, int64_t n, const auto* m, const auto* s, const auto* f,
-                                      const auto* gp, int gps, const auto* gu, int gus, const auto* gv, int gvs,
-                                      auto* gm, auto* gs) {
-                            kernel_of(zero)(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs, threads());
-                          });
-}
-
-std::tuple<Tensor, Tensor> relu_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
-                                                 const Tensor& grad_phi, const Tensor& grad_upsilon,
-                                                 const Tensor& grad_variance) {
-  return parameterless_moments_backward(
-      "relu_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
-      [](auto zero) { return Kernels<decltype(zero)>::relu_backward; });
-}
+/* The backward operator `name` (cfbnn::name) of an activation without parameters (ReLU, ReLU^2):
+   moments_backward with Kernels<T>::kernel, called with every operand as moments_backward hands
+   them over. One definition for the operators whose signature and body differ only in the kernel. */
+#define CFBNN_PARAMETERLESS_MOMENTS_BACKWARD(name, kernel)                                                       \
+  std::tuple<Tensor, Tensor> name(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,                  \
+                                  const Tensor& grad_phi, const Tensor& grad_upsilon,                            \
+                                  const Tensor& grad_variance) {                                                 \
+    return moments_backward(#name, mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,                    \
+                            [](auto zero, int64_t n, const auto* m, const auto* s, const auto* f,                \
+                               const auto* gp, int gps, const auto* gu, int gus, const auto* gv, int gvs,        \
+                               auto* gm, auto* gs) {                                                             \
+                              Kernels<decltype(zero)>::kernel(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs,     \
+                                                              threads());                                        \
+                            });                                                                                  \
+  }
+CFBNN_PARAMETERLESS_MOMENTS_BACKWARD(relu_moments_backward, relu_backward)
+CFBNN_PARAMETERLESS_MOMENTS_BACKWARD(relu_squared_moments_backward, relusq_backward)
+#undef CFBNN_PARAMETERLESS_MOMENTS_BACKWARD
 
 /* The slope as the kernels take it: for float32 tensors the float32 number torch's float32
    arithmetic multiplies by (cfbnn_cli/moments/kernel_handles.py: slope_for). */
@@ -272,14 +268,6 @@ std::tuple<Tensor, Tensor, Tensor> relu_squared_moments(const Tensor& mean, cons
                            Kernels<decltype(zero)>::relusq_forward(n, m, s, f, u, v, nullptr, nullptr, nullptr,
                                                                     nullptr, threads());
                          });
-}
-
-std::tuple<Tensor, Tensor> relu_squared_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
-                                                         const Tensor& grad_phi, const Tensor& grad_upsilon,
-                                                         const Tensor& grad_variance) {
-  return parameterless_moments_backward(
-      "relu_squared_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
-      [](auto zero) { return Kernels<decltype(zero)>::relusq_backward; });
 }
 
 // ------------------------------------------------------------------------- piecewise polynomials

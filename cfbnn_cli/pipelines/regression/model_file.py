@@ -6,22 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...bnn.model_file import FILE_NAME, save_model
+from ...bnn.model_file import save_run_model
 from ...data.regression import RegressionData
 
 
 def save_regression_model(run_dir, model, data: RegressionData, estimator, method: str = "") -> Path:
     """``RUN_DIR/model.pt``: ``model`` trained on ``data`` (standardized by its training rows)."""
-    return save_model(
-        Path(run_dir) / FILE_NAME,
+    return save_run_model(
+        run_dir,
         model,
-        feature_mean=data.feature_mean,
-        feature_std=data.feature_std,
+        data,
         target_mean=data.target_mean,
         target_std=data.target_std,
-        columns=data.columns,
-        target=data.target,
         estimator=str(estimator),
         method=method,
-        data=data.name,
     )
