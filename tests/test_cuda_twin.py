@@ -111,6 +111,27 @@ def elbo_cases():
                 "grads": max(scaled(g, w) for g, w in zip(grads, want_grads)),
                 "route": route,
             }
+    # the per-point ELL, its points weighted differently (the ELL node's tail backward in its backward
+    # pass), and an ELBO evaluated without a gradient (the tail pass alone): cfbnn::relu_tail and its
+    # backward
+    for dtype in DTYPES:
+        net, (x, y) = network([WIDTH], dtype), data(dtype)
+        weights = torch.rand(ROWS, generator=torch.Generator().manual_seed(5), dtype=dtype)
+        value = (net.expected_log_likelihood_per_point(x, y) * weights).sum()
+        grads = torch.autograd.grad(value, list(net.parameters()))
+        with torch.no_grad():
+            evaluated = net.elbo(x, y, num_data=100)
+        base = reference(net)
+        with twin_off():
+            want = (base.expected_log_likelihood_per_point(x.double(), y.double()) * weights.double()).sum()
+            want_grads = torch.autograd.grad(want, list(base.parameters()))
+            with torch.no_grad():
+                want_evaluated = base.elbo(x.double(), y.double(), num_data=100)
+        out[f"elbo_per_point_{dtype}"] = {
+            "value": max(scaled(value.detach(), want.detach()), scaled(evaluated, want_evaluated)),
+            "grads": max(scaled(g, w) for g, w in zip(grads, want_grads)),
+            "route": "NormalELL" in node_names(value),
+        }
     return out
 
 def prediction_cases():
