@@ -32,7 +32,9 @@ FORWARD_ROWS, FORWARD_COLUMNS = 4, 128  # relu_tail_kernel's tile, with its grad
 # sm_90a (a 32 x 64 tile spills 156 bytes at float32, 1.7-2.4 kB at float64)
 BACKWARD_ROWS, BACKWARD_COLUMNS = 16, 32
 ROW_BLOCK = 1024
-HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+# a module global a kernel reads must be a tl.constexpr: the compiler refuses a plain float (the
+# interpreter does not)
+HALF_LOG_2PI = tl.constexpr(0.5 * math.log(2.0 * math.pi))
 
 
 # A tail pass's operands travel as one tuple, ``tail = (mean_ptr, variance_ptr, w_phi_ptr, w_var_ptr,
