@@ -199,7 +199,7 @@ def _launch(kernel, operand: Tensor, out: Tensor, half: int, activation: int, ne
     """``out`` ``(..., rows, width + bias)``, written by one launch of the prediction ``kernel`` over
     its tiles, from ``operand`` (contiguous, ``width`` wide): the ``prediction`` tuple both kernels
     take (``half``: the offset of the second half, an int64 where it must be), the activation and
-    bias, then ``own``, the kernel's own constants; nothing launched for an empty ``out``."""
+    bias, then ``own``, the kernel's own constants and launch options; nothing launched for an empty ``out``."""
     count, width = out.shape[-2], operand.shape[-1]
     if out.numel():
         grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
@@ -242,6 +242,8 @@ def triton_prediction_hidden_mean(
         bias,
         FLOOR=variance_floor(moments.dtype),
         CF_DEPTH=triton_kernels.cf_depth(moments.dtype),
+        # float64's continued fraction at 8 elements a thread (4 warps) spills registers on sm_90a
+        num_warps=8 if moments.dtype == torch.float64 else 4,
     )
 
 
