@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...moments import ops
 from . import support
 
 
@@ -28,7 +29,7 @@ class DiagonalPreactivation(torch.autograd.Function):
             # the inputs narrower than the outputs: [h, 1] built once is cheaper than the bias
             # broadcast into each (N, rows) result, and the products then give the bias column's
             # gradient too (no sums, no slices)
-            if support.kernels_apply(h):  # [h, 1] and [h^2, 1] in one pass
+            if ops.operator_route(h):  # [h, 1] and [h^2, 1] in one pass
                 augmented, squared = torch.ops.cfbnn.augment_pair(h.reshape(-1, width), True)
                 augmented, squared = (t.reshape(*h.shape[:-1], width + 1) for t in (augmented, squared))
             else:

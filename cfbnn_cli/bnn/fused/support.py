@@ -15,14 +15,6 @@ from ...moments import ops
 LOG_2PI = math.log(2.0 * math.pi)
 
 
-def kernels_apply(tensor: torch.Tensor) -> bool:
-    """Whether the ``cfbnn::`` operators' kernels serve the layers' passes on ``tensor``'s device
-    (:func:`cfbnn_cli.moments.ops.operator_route`: the C++ kernels on the CPU unless the reference
-    path is chosen; on CUDA the Triton kernels once their first run there passed); else the
-    layers run the torch formulas."""
-    return ops.operator_route(tensor)
-
-
 def transforms_active() -> bool:
     """Inside torch.func transforms (vmap/grad) the kernels run on wrapped tensors: there the
     functions below take out-of-place ops only (an in-place op on an unbatched result with a
@@ -141,7 +133,7 @@ def folded_kl_forward(loc: torch.Tensor, log_scale: torch.Tensor, prior_variance
     """``(exp(2 log_scale), KL)`` from one pass (``cfbnn::diagonal_kl_pass``: the KL of the layer
     folded into its pre-activation function), or ``None`` where that does not apply (no prior
     given, or torch.func transforms: the layer's KL is then computed on its own)."""
-    if prior_variance is None or transforms_active() or not kernels_apply(loc):
+    if prior_variance is None or transforms_active() or not ops.operator_route(loc):
         return None
     kl, variance, _ = torch.ops.cfbnn.diagonal_kl_pass(loc, log_scale, float(prior_variance), False)
     return variance, kl
