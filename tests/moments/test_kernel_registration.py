@@ -1,0 +1,85 @@
+"""Which kernel serves which device is decided once, when ``cfbnn_cli.moments`` is imported: every
+``cfbnn::`` operator's default kernel (``CompositeExplicitAutograd``) is its reference formula, and
+right after the import -- before any call -- the CPU key holds the C++ library's kernel (registered
+from ``csrc/cfbnn_ops.cpp``) or nothing (the operators without a C++ kernel, which then run their
+default), never a Python kernel that a later load would replace. With the kernels switched off for
+the process (``CFBNN_FAST_MOMENTS=0``) no CPU kernel is registered at all, and the operators still
+compute, on their reference kernels. Read from the dispatcher's own table
+(``torch._C._dispatch_dump``), in fresh processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cfbnn_cli.moments import kernel_library
+
+REPO = Path(__file__).resolve().parents[2]
+
+DUMP = r"""
+import json, torch
+import cfbnn_cli.moments
+from cfbnn_cli.moments import kernel_library
+
+names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("cfbnn::"))
+table = {}
+for name in names:
+    lines = torch._C._dispatch_dump(name).splitlines()
+    keys = {line.split(":")[0]: line for line in lines if ": registered at " in line}
+    table[name] = {key: keys[key].split(" registered at ")[1].split(" :: ")[0] for key in keys}
+mean, std = torch.randn(6, dtype=torch.float64), torch.rand(6, dtype=torch.float64) + 0.1
+phi = torch.ops.cfbnn.relu_moments(mean, std)[0]
+print(json.dumps({"library": kernel_library.cpu_operators_registered(), "table": table,
+                  "phi": phi.tolist(), "mean": mean.tolist(), "std": std.tolist()}))
+"""
+
+
+def _dump(**env) -> dict:
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env)
+    environment.pop("TRITON_INTERPRET", None)
+    environment.pop("CFBNN_CUDA_TWIN", None)
+    result = subprocess.run([sys.executable, "-c", DUMP], env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _assert_the_reference_is_every_default(table: dict) -> None:
+    assert len(table) >= 20, sorted(table)  # every operator of the package, not a few
+    for name, keys in table.items():
+        assert "CompositeExplicitAutograd[alias]" in keys, (name, keys)
+        assert ".py:" in keys["CompositeExplicitAutograd[alias]"], (name, keys)  # (Python's reference)
+
+
+def _assert_relu_phi(out: dict) -> None:
+    import torch
+
+    from cfbnn_cli.moments.gaussian import standard_normal_cdf, standard_normal_pdf
+
+    mean, std = torch.tensor(out["mean"], dtype=torch.float64), torch.tensor(out["std"], dtype=torch.float64)
+    t = mean / std  # E[relu(z)] = m Phi(m/s) + s phi(m/s), eq. (20)
+    want = mean * standard_normal_cdf(t) + std * standard_normal_pdf(t)
+    torch.testing.assert_close(torch.tensor(out["phi"], dtype=torch.float64), want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.skipif(kernel_library.load_kernels() is None, reason="the C++ library does not build here")
+def test_after_the_import_the_cpu_key_holds_the_cpp_kernel_or_nothing():
+    out = _dump(CFBNN_FAST_MOMENTS="1")
+    assert out["library"]
+    _assert_the_reference_is_every_default(out["table"])
+    cpu = {name: keys["CPU"] for name, keys in out["table"].items() if "CPU" in keys}
+    assert all(where.startswith("/") and "cfbnn_ops.cpp:" in where for where in cpu.values()), cpu
+    # the ELBO's steps and the activations' moments: C++ on the CPU from the import on
+    for name in ("cfbnn::relu_moments", "cfbnn::relu_tail_with_gradients", "cfbnn::normal_elbo_rows"):
+        assert name in cpu, sorted(cpu)
+    _assert_relu_phi(out)
+
+
+def test_with_the_kernels_switched_off_no_cpu_kernel_is_registered():
+    out = _dump(CFBNN_FAST_MOMENTS="0")
+    assert not out["library"]
+    _assert_the_reference_is_every_default(out["table"])
+    assert not [name for name, keys in out["table"].items() if "CPU" in keys]
+    _assert_relu_phi(out)  # the reference kernel computed it
