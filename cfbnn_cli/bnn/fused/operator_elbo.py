@@ -56,22 +56,18 @@ def tail_family(activation):
 
 
 def operators_apply(activation, *tensors: torch.Tensor) -> bool:
-    """Whether :func:`normal_elbo` / :func:`normal_ell` run here: a ReLU-family network
-    (:func:`tail_family`) and :func:`relu_operators_apply`."""
-    family = tail_family(activation)
-    return family is not None and relu_operators_apply(*tensors)
-
-
-def relu_operators_apply(*tensors: torch.Tensor) -> bool:
-    """Whether the nodes of this module take these tensors: one float dtype on one device, outside
-    torch.func transforms (the nodes have no batching rule; the estimator's layer-by-layer route
-    serves ``vmap``). On the CPU that is all: the dispatcher runs the C++ kernels, or the reference
-    kernels where the library did not build (the reference path chosen with
+    """Whether :func:`normal_elbo` / :func:`normal_ell` (the nodes of this module) take these tensors:
+    a ReLU-family network (:func:`tail_family`), one float dtype on one device, outside torch.func
+    transforms (the nodes have no batching rule; the estimator's layer-by-layer route serves
+    ``vmap``). On the CPU that is all: the dispatcher runs the C++ kernels, or the reference kernels
+    where the library did not build (the reference path chosen with
     :func:`cfbnn_cli.moments.fast_path` takes the layer-by-layer route instead). On CUDA, outside
     ``torch.compile``, where the operators take their Triton kernels
     (:func:`cfbnn_cli.moments.ops.device_kernels_apply`)."""
     first = tensors[0]
-    if first.dtype not in (torch.float32, torch.float64) or torch._C._are_functorch_transforms_active():
+    if tail_family(activation) is None or first.dtype not in (torch.float32, torch.float64):
+        return False
+    if torch._C._are_functorch_transforms_active():
         return False
     if any(t.device != first.device or t.dtype != first.dtype for t in tensors):
         return False
