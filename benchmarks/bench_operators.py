@@ -8,12 +8,12 @@ one process; the last lines say which targets are met.
 Measured (medians of ``--repeats`` timings of ``--steps`` calls each):
 
 1. CPU: ``relu.moments`` forward + backward on a 500 x 200 float32 block (the CLI's CPU path and
-   the operator ``cfbnn::relu_moments`` called directly) against ``erfc`` + ``exp`` on the
+   the operator ``cfbnn::relu_family_moments`` called directly for ReLU) against ``erfc`` + ``exp`` on the
    same block (target <= 5x). Beside it, what that measure cannot go below: the same harness
    (the two outputs summed, ``backward()``, the gradients accumulated into ``mean.grad`` and
    ``std.grad``) around torch's own autograd ops in place of the moments -- an identity
    (``mean * 1``, ``std * 1``) and ``exp`` + ``erfc`` themselves -- and the two kernels alone
-   (``cfbnn::relu_moments`` and ``cfbnn::relu_moments_backward`` without autograd);
+   (``cfbnn::relu_family_moments`` and its backward without autograd);
 2. CUDA: the kernels one closed-form training step launches (batch 500, torch profiler): the
    work its CUDA graph holds (forward, backward, Adam; ``GraphedTrainingStep.captured_step``, run
    eagerly under the profiler), with the operators and with the reference torch ops
@@ -73,8 +73,8 @@ def cpu_moments(args):
     ones, zeros = torch.ones_like(x), torch.zeros_like(x)
 
     def kernels_alone():
-        phi, ups, var = torch.ops.cfbnn.relu_moments(x, s)
-        torch.ops.cfbnn.relu_moments_backward(x, s, phi, ones, ones, zeros)
+        phi, ups, var = torch.ops.cfbnn.relu_family_moments(x, s, 0, 0.0, False)
+        torch.ops.cfbnn.relu_family_moments_backward(x, s, phi, ones, ones, zeros, 0, 0.0, False)
 
     def erfc_exp():
         torch.special.erfc(x)
@@ -82,7 +82,7 @@ def cpu_moments(args):
 
     calls = {
         "cli": harness(relu.moments),
-        "operator": harness(ops.relu_moments_function),
+        "operator": harness(lambda mean, std: ops.family_moments_function(mean, std, 0)),
         "identity": harness(lambda m, v: (m * 1.0, v * 1.0)),
         "torch_erfc_exp": harness(lambda m, v: (torch.exp(m), torch.special.erfc(v))),
         "kernels": kernels_alone,
@@ -97,7 +97,7 @@ def cpu_moments(args):
     )
     rows = (
         ("CLI path (relu.moments), in the harness", "cli"),
-        ("operator (cfbnn::relu_moments), in the harness", "operator"),
+        ("operator (cfbnn::relu_family_moments), in the harness", "operator"),
         ("floor: an identity (m * 1, s * 1), in the harness", "identity"),
         ("floor: torch.exp + torch.special.erfc, in the harness", "torch_erfc_exp"),
         ("the two operators' kernels alone, no autograd", "kernels"),

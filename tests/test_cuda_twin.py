@@ -244,13 +244,13 @@ def _assert_the_twin_matches(out: dict) -> None:
     first_use = out.pop("first_use")
     assert first_use and all(first_use.values()), first_use  # every first-use check passed
     vmap_calls = out.pop("vmap_calls")
-    for family in ("relu", "leaky_relu", "relu_squared"):  # vmap reached the kernels both ways
-        assert vmap_calls.get(f"{family}_moments", 0) > 0 and vmap_calls.get(f"{family}_moments_backward", 0) > 0
+    # vmap reached the family operator's kernels both ways (vmap_cases: every member)
+    assert vmap_calls.get("relu_family_moments", 0) > 0 and vmap_calls.get("relu_family_moments_backward", 0) > 0
     calls = out.pop("calls")
     steps = {"augment_pair", "outer_layers_pass", "diagonal_kl_pass", "normal_elbo_rows", "normal_rows_backward"}
     steps |= {"relu_tail"}
     steps |= {"relu_tail_backward", "output_layer_gradients", "finish_diagonal_gradients", "relu_mean"}
-    steps |= {"relu_moments_from_variance", "relu_moments_from_variance_backward"}
+    steps |= {"relu_family_moments", "relu_family_moments_backward"}
     steps |= {"prediction_operand", "prediction_hidden_mean"}
     assert steps <= set(calls), sorted(steps - set(calls))
     for case, error in out.items():

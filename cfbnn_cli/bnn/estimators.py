@@ -42,6 +42,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..moments.activations import family_of
 from ..moments.bivariate import activation_covariance
 from ..moments.gaussian import check_mean_std
 from . import functional as F
@@ -256,7 +257,7 @@ class Estimator:
             gamma, xi2 = value
             prior_variance = None if kl_sink is None else network.prior_scale**2
             rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
-            family = fused.tail_family(network.activation)
+            family = family_of(network.activation)
             ell, kl = fused.operator_normal_ell(gamma, xi2, *rest, family=family, summed=summed)
             if kl is not None:
                 kl_sink[len(network.layers) - 1] = kl
@@ -363,7 +364,7 @@ def one_node_elbo(network, x, y, num_data: Optional[int], noise):
     parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
     if not fused.operators_apply(network.activation, x, y, log_precision, *parameters):
         return None
-    family = fused.tail_family(network.activation)
+    family = family_of(network.activation)
     scale = 1.0 if num_data is None else num_data / x.shape[-2]
     if len(layers) == 2:
         return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
@@ -434,12 +435,13 @@ def _propagated_moments(network, index: int, h, moments, kl_sink: Optional[dict]
     exact (``moments=None``) or propagated."""
     layer = network.layers[index]
     inputs = h if moments is None else moments[0]
-    if layer.covariance == "diagonal" and fused.tail_family(network.activation) == fused.operator_elbo.RELU:
+    family = family_of(network.activation)
+    if layer.covariance == "diagonal" and family is not None:
         if fused.operators_apply(network.activation, inputs, layer.loc):
-            # ReLU from the pre-activations' variances: no square root, either way
+            # the family's moments from the pre-activations' variances: no square root, either way
             gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
             check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
-            phi, second_moment, variance = torch.ops.cfbnn.relu_moments_from_variance(gamma, xi2)
+            phi, second_moment, variance = torch.ops.cfbnn.relu_family_moments(gamma, xi2, *family, True)
             return phi, variance, second_moment
     pre = _preactivation(network, index, h, moments, False, kl_sink)
     phi, second_moment, variance = network.activation.moments(*pre, return_variance=True)

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from ..moments import get_activation
+from ..moments.activations import family_of
 from ..moments.ops import operator_route
-from ..moments.predict_ops import NO_ACTIVATION, prediction_family
+from ..moments.predict_ops import NO_ACTIVATION
 from . import functional as F
 from .estimators import ESTIMATORS, ClosedForm, Estimator, LocalReparameterization, make_estimator
 from .functional import augment
@@ -300,7 +301,7 @@ class BayesianNetwork(nn.Module):
             return self.output_moments(x, estimator=ClosedForm(), noise=())[0]
         check_inputs(self, x)
         hidden, output = self.layers[hidden_index], self.layers[-1]
-        family = prediction_family(self.activation)
+        family = family_of(self.activation)
         if operator_route(hidden.loc) and not torch._C._are_functorch_transforms_active():
             mean = self._operator_output_mean(x, hidden, output, family)
         else:  # the reference path chosen, no kernel for this device, torch.func: the same in torch ops
@@ -312,7 +313,7 @@ class BayesianNetwork(nn.Module):
 
     def _operator_output_mean(self, x, hidden: GaussianMatrix, output: GaussianMatrix, family):
         """:meth:`output_mean` through the prediction operators: the products and two passes
-        (``family``: :func:`~cfbnn_cli.moments.predict_ops.prediction_family`)."""
+        (``family``: :func:`~cfbnn_cli.moments.activations.family_of`)."""
         slope = family[1] if family else 0.0
         folded, inputs = NO_ACTIVATION, x  # folded: the activation the operand's pass applies
         if self.point_layers:

@@ -11,7 +11,7 @@ process; :func:`set_fast_path` or ``with fast_path(False)`` for the reference pa
 
 # every cfbnn:: operator declared (the moments operators also via .activations) before the C++
 # library registers its CPU kernels for them, once, at the end of this import
-from . import elbo_ops, family_ops, kernel_library, kl_ops, ops, piecewise_ops, predict_ops, relu_mean_ops, tail_ops  # noqa: F401
+from . import elbo_ops, kernel_library, kl_ops, ops, piecewise_ops, predict_ops, relu_mean_ops, tail_ops  # noqa: F401
 from .activations import (
     ACTIVATIONS,
     Activation,

@@ -1,5 +1,5 @@
 """The activation interface: ``g(x)``, and ``g.moments(mean, std)`` -> ``(Phi, Upsilon[, Var])``
-through its ``cfbnn::`` operator (:mod:`.ops`, :mod:`.family_ops`: the ReLU
+through its ``cfbnn::`` operator (:mod:`.ops`: the ReLU
 family; :mod:`.piecewise_ops`: the piecewise polynomials and the hard sigmoid), whose kernel the
 dispatcher picks by device, or the reference torch ops (the identity; the reference path chosen).
 The activations themselves are in :mod:`.activations` (ReLU family, identity) and

@@ -41,7 +41,7 @@ rewritten through one small tail); ``hard_sigmoid`` (eq. (27), errata 3) is the
 piecewise-polynomial engine with the pieces ``-alpha, x, alpha``.
 
 Three kernels compute these same forms, behind one ``cfbnn::`` operator per activation family
-(:mod:`.ops`, :mod:`.family_ops`, :mod:`.piecewise_ops`), chosen by torch's
+(:mod:`.ops`: the ReLU family, whose member is the operator's argument; :mod:`.piecewise_ops`), chosen by torch's
 dispatcher: the torch ops below (the reference kernels), C++ on the CPU and Triton on CUDA (the
 piecewise polynomials: the reference formula there).
 """
@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import family_ops, ops
+from . import ops, relu_family
 from .activation_base import Activation, check_real
 from .gaussian import (
     check_mean_std,
@@ -70,24 +70,53 @@ __all__ = [
     "get_activation",
     "piecewise_polynomial",
     "ACTIVATIONS",
+    "ReLUFamilyMember",
+    "family_of",
 ]
 
 _GL_NODES, _GL_WEIGHTS = (tuple(float(v) for v in a) for a in np.polynomial.legendre.leggauss(16))
 # A piece whose standardized width w and largest |distance| lam satisfy
 
 
-class ReLU(Activation):
+class ReLUFamilyMember(Activation):
+    """A member of the ReLU family (:mod:`.relu_family`): its moments through
+    ``cfbnn::relu_family_moments`` with its number, ``family_kind``, and its slope (C++ on the CPU,
+    Triton on CUDA). Only a class that sets ``family_kind`` itself takes the family's kernels
+    (:func:`family_of`): a subclass may change the function."""
+
+    family_kind = -1
+    negative_slope = 0.0
+
+    def operator(self, mean, std):
+        return ops.family_moments_function(mean, std, self.family_kind, self.negative_slope)
+
+    def _moments(self, mean, std):
+        phi, _, variance = relu_family.reference_moments(mean, std, self.family_kind, self.negative_slope)
+        return phi, variance
+
+    def __call__(self, x):
+        return relu_family.pointwise(x, self.family_kind, self.negative_slope)
+
+
+def family_of(activation):
+    """``(activation number, negative slope)`` of a ReLU-family activation object, the arguments of
+    the family's operators; ``None`` for any other, a subclass of a member included."""
+    kind = type(activation).__dict__.get("family_kind")
+    return None if kind is None else (kind, float(activation.negative_slope))
+
+
+class ReLU(ReLUFamilyMember):
     """``max(0, x)``: paper eq. (20) (Phi = (gamma + Omega)/2, Upsilon = (xi^2 + gamma^2 + Psi)/2,
     with Omega, Psi of eqs. (18), (19); ``psi_h`` read as ``Psi_h``, errata 6).
 
     Computed through the small tail on the far side of 0 (the printed
     ``(gamma + Omega)/2`` cancels for gamma < 0) with an analytic backward pass:
-    ``cfbnn::relu_moments`` (C++ on the CPU, Triton on CUDA), its reference kernel torch ops
+    ``cfbnn::relu_family_moments`` (C++ on the CPU, Triton on CUDA), its reference kernel torch ops
     in cache-sized blocks.
     """
 
     name = "relu"
-    operator = staticmethod(ops.relu_moments_function)
+    family_kind = relu_family.RELU
 
     def __call__(self, x):
         return torch.relu(x)
@@ -127,7 +156,7 @@ class ReLU(Activation):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 1.0]], name="relu")
 
 
-class LeakyReLU(Activation):
+class LeakyReLU(ReLUFamilyMember):
     """``x`` for ``x >= 0`` and ``negative_slope * x`` otherwise (``torch.nn.functional.leaky_relu``).
 
     For ``0 <= negative_slope <= 1`` this is the paper's ``max(eps x, x) =
@@ -136,6 +165,7 @@ class LeakyReLU(Activation):
     """
 
     name = "leaky_relu"
+    family_kind = relu_family.LEAKY_RELU
 
     def __init__(self, negative_slope: float = 0.01):
         negative_slope = check_real(negative_slope, "negative_slope")
@@ -145,11 +175,8 @@ class LeakyReLU(Activation):
         return torch.where(x >= 0, x, self.negative_slope * x)
 
     def _moments(self, mean, std):
-        return family_ops.reference_leaky_moments(mean, std, self.negative_slope)
-
-    def operator(self, mean, std):
-        """``(Phi, Upsilon, Var)`` through ``cfbnn::leaky_relu_moments``."""
-        return family_ops.leaky_relu_moments_function(mean, std, self.negative_slope)
+        # the slope as given (float64 arithmetic for float32 inputs keeps the reference exact)
+        return relu_family.reference_leaky_moments(mean, std, self.negative_slope)
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0, self.negative_slope], [0.0, 1.0]], name="leaky_relu")
@@ -158,18 +185,14 @@ class LeakyReLU(Activation):
         return f"LeakyReLU(negative_slope={self.negative_slope})"
 
 
-class ReLUSquared(Activation):
+class ReLUSquared(ReLUFamilyMember):
     """``max(0, x)^2``: paper eqs. (28), (29) with the corrected rho of eq. (34) (errata 1, 2)."""
 
     name = "relu_squared"
+    family_kind = relu_family.RELU_SQUARED
 
     def __call__(self, x):
         return torch.relu(x) ** 2
-
-    def _moments(self, mean, std):
-        return family_ops.reference_relu_squared_moments(mean, std)
-
-    operator = staticmethod(family_ops.relu_squared_moments_function)
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 0.0, 1.0]], name="relu_squared")

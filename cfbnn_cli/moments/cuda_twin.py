@@ -20,23 +20,17 @@ from typing import Callable, Dict, Iterator
 
 import torch
 
-from . import elbo_ops, family_ops, kernel_library, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
+from . import elbo_ops, kernel_library, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
 
 __all__ = ["cuda_kernels", "cuda_twin"]
 
 # the operators defined with torch.library.custom_op; elbo_ops' steps register theirs by key
 CUSTOM_OPERATORS = (
-    ops.relu_moments,
-    ops.relu_moments_backward,
-    ops.relu_moments_from_variance,
-    ops.relu_moments_from_variance_backward,
+    ops.relu_family_moments,
+    ops.relu_family_moments_backward,
     kl_ops.diagonal_kl,
     kl_ops.diagonal_kl_backward,
     relu_mean_ops.relu_mean,
-    family_ops.leaky_relu_moments,
-    family_ops.leaky_relu_moments_backward,
-    family_ops.relu_squared_moments,
-    family_ops.relu_squared_moments_backward,
     tail_ops.relu_tail,
     tail_ops.relu_tail_backward,
     predict_ops.prediction_operand,

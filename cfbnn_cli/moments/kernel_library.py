@@ -23,7 +23,7 @@ from .gaussian import is_transformed, register_negative_counter
 _ENV_SWITCH = "CFBNN_FAST_MOMENTS"
 _ENV_CACHE = "CFBNN_CACHE_DIR"
 _ENV_TWIN = "CFBNN_CUDA_TWIN"  # 1: the CUDA twin's process (tests), whose CPU kernels are Triton's
-_ABI = 17  # must match CFBNN_ABI in the source
+_ABI = 18  # must match CFBNN_ABI in the source
 
 
 def _switch_from_environment() -> bool:

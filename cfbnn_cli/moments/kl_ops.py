@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import elbo_reference
 from .operator_registration import check_operands
-from .ops import HAVE_TRITON, _define, triton_kernels, triton_kl_kernels
+from .ops import HAVE_TRITON, triton_kernels, triton_kl_kernels
 
 __all__ = [
     "diagonal_kl",
@@ -82,14 +82,14 @@ def triton_diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, pr
     return grad_loc, grad_log_scale
 
 
-@_define("cfbnn::diagonal_kl", mutates_args=())
+@torch.library.custom_op("cfbnn::diagonal_kl", mutates_args=())
 def diagonal_kl(loc: Tensor, log_scale: Tensor, prior_variance: float) -> Tensor:
     # the default kernel (every device without its own: the C++ library registers the CPU's)
     _check_kl("diagonal_kl", loc, log_scale, prior_variance)
     return elbo_reference.diagonal_kl(loc, log_scale, prior_variance)
 
 
-@_define("cfbnn::diagonal_kl_backward", mutates_args=())
+@torch.library.custom_op("cfbnn::diagonal_kl_backward", mutates_args=())
 def diagonal_kl_backward(loc: Tensor, log_scale: Tensor, grad: Tensor, prior_variance: float) -> Tuple[Tensor, Tensor]:
     _check_kl("diagonal_kl_backward", loc, log_scale, prior_variance)
     return elbo_reference.kl_gradients(loc, log_scale, grad, prior_variance)

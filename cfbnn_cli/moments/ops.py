@@ -1,20 +1,21 @@
-"""The activation moments as torch operators: ``torch.ops.cfbnn.*``.
+"""The ReLU family's moments as one torch operator: ``torch.ops.cfbnn.relu_family_moments``.
 
 Registered through :mod:`torch.library`, so the dispatcher (not hand-written checks)
 picks the kernel by device, and ``torch.compile``, CUDA graphs, ``torch.func`` and
 ``opcheck`` see one operator:
 
-``cfbnn::relu_moments(Tensor mean, Tensor std) -> (Tensor phi, Tensor upsilon, Tensor variance)``
-    ``(E[relu(z)], E[relu(z)^2], Var[relu(z)])`` for ``z ~ N(mean, std^2)`` elementwise
-    (paper eq. (20)); ``mean`` and ``std`` of one shape, dtype float32 or float64.
-``cfbnn::relu_moments_backward(mean, std, phi, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_std)``
-    its vector-Jacobian product (the heat-equation identities), the Gaussian factors recomputed.
-``cfbnn::relu_moments_from_variance(Tensor mean, Tensor variance) -> (Tensor phi, Tensor upsilon, Tensor variance)``
-    the same moments from the pre-activations' *variances* (the propagated hidden pass of the
-    deterministic estimator: the square root inside the kernel, the variance floored at the
-    dtype's smallest normal number), and
-``cfbnn::relu_moments_from_variance_backward(mean, variance, phi, grad_phi, grad_upsilon, grad_variance) -> (grad_mean, grad_variance)``
-    its vector-Jacobian product.
+``cfbnn::relu_family_moments(Tensor mean, Tensor spread, int activation, float negative_slope, bool from_variance) -> (Tensor phi, Tensor upsilon, Tensor variance)``
+    ``(E[g(z)], E[g(z)^2], Var[g(z)])`` for ``z ~ N(mean, std^2)`` elementwise, ``g`` the ReLU
+    family's member ``activation`` (:data:`.relu_family.ACTIVATION_KINDS`: 0 ReLU, paper eq. (20);
+    1 leaky ReLU of slope ``negative_slope``, eqs. (21), (22); 2 ReLU^2, eqs. (28), (29));
+    ``spread`` the standard deviation, or with ``from_variance`` the variance (the square root
+    taken inside the kernel, the variance floored at the dtype's smallest normal number: the
+    propagated hidden layers of the deterministic estimator). ``mean`` and ``spread`` of one
+    shape, dtype float32 or float64; for float32 the slope is the float32 number torch's float32
+    arithmetic multiplies by.
+``cfbnn::relu_family_moments_backward(mean, spread, phi, grad_phi, grad_upsilon, grad_variance, activation, negative_slope, from_variance) -> (grad_mean, grad_spread)``
+    its vector-Jacobian product (the Gaussian factors recomputed; no gradient through Var where its
+    clamp at 0 bites; from the variances ``phi`` is unread).
 (The KL of a mean-field matrix: :mod:`.kl_ops`.)
 
 Kernels:
@@ -25,11 +26,12 @@ Kernels:
   :mod:`cfbnn_cli.moments.triton_kernels` (one launch each way); without Triton, the
   reference torch ops.
 
-Autograd: the backward op. Where a graph of the backward is wanted (``create_graph=True``, and
-always under ``torch.func.grad``), ``relu_moments``' backward is still its kernel, inside
-:class:`KernelVJP`, whose own derivative is the same formula in differentiable torch ops;
-the other operators' is that formula itself. ``vmap``: the ops are elementwise, so a batched
-call is one call on the batch.
+Autograd: the backward op (on the CPU the C++ ``MomentsAutograd``). Where a graph of the backward
+is wanted (``create_graph=True``, and always under ``torch.func.grad``) the backward is still its
+kernel, inside :class:`~.operator_registration.KernelVJP`, whose own derivative is the formula
+:func:`.relu_family.family_moments_vjp` in differentiable torch ops. ``vmap``: elementwise, so a
+batched call is one call on the batch. The activation is an argument, so every member shares one
+schema, one set of registrations and one kernel each way per device.
 """
 
 from __future__ import annotations
@@ -38,19 +40,24 @@ import importlib
 import logging
 from typing import Callable, Dict, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from . import kernel_library
-from .gaussian import standard_normal_cdf, standard_normal_pdf, standardize
 from .operator_registration import (
     _FLOATS,
     HAVE_TRITON,
     define_moments_operators,
     moments_function,
 )
-from .relu_reference import relu_forward
+from .relu_family import (
+    ACTIVATION_KINDS,
+    check_activation,
+    family_moments_vjp,
+    reference_family_moments,
+    slope_for,
+    variance_floor,
+)
 
 
 class LazyModule:
@@ -82,31 +89,21 @@ triton_kl_kernels = LazyModule(f"{__package__}.triton_kl_kernels")
 
 __all__ = [
     "ACTIVATION_KINDS",
-    "relu_moments",
-    "relu_moments_backward",
-    "relu_moments_function",
     "HAVE_TRITON",
-    "triton_relu_moments",
-    "triton_relu_moments_backward",
-    "relu_moments_from_variance",
-    "relu_moments_from_variance_backward",
-    "triton_relu_moments_from_variance",
-    "triton_relu_moments_from_variance_backward",
+    "family_moments_function",
+    "launch_moments",
+    "launch_moments_backward",
+    "relu_family_moments",
+    "relu_family_moments_backward",
+    "slope_for",
+    "triton_family_moments",
+    "triton_family_moments_backward",
+    "variance_floor",
 ]
 
 log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- Triton launches
-
-
-def variance_floor(dtype: torch.dtype) -> float:
-    """The variance floor of the from-variance kernels: the dtype's smallest normal number."""
-    return float(torch.finfo(dtype).tiny)
-
-
-# the ReLU family's activations by their ``activation`` argument: the C++ tail_pass's kind, the
-# Triton kernels' ACTIVATION and cfbnn::relu_tail's activation
-ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
 
 
 def slope_operand(mean: Tensor, activation: int, negative_slope: float) -> Tensor:
@@ -148,91 +145,48 @@ def launch_moments_backward(mean, spread, phi, grads, activation: int, negative_
     return grad_mean, grad_spread
 
 
-def triton_relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """The Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
-    return launch_moments(mean, std, 0)
+def triton_family_moments(mean, spread, activation, negative_slope, from_variance):
+    """The operator's Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
+    return launch_moments(mean, spread, activation, negative_slope, from_variance)
 
 
-def triton_relu_moments_backward(
-    mean: Tensor, std: Tensor, phi: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
-) -> Tuple[Tensor, Tensor]:
-    """The Triton vector-Jacobian product (see :func:`triton_relu_moments`)."""
-    return launch_moments_backward(mean, std, phi, (grad_phi, grad_ups, grad_var), 0)
+def triton_family_moments_backward(
+    mean, spread, phi, grad_phi, grad_ups, grad_var, activation, negative_slope, from_variance
+):
+    """Its Triton vector-Jacobian product."""
+    return launch_moments_backward(
+        mean, spread, phi, (grad_phi, grad_ups, grad_var), activation, negative_slope, from_variance
+    )
 
 
-def triton_relu_moments_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """The Triton forward of ``cfbnn::relu_moments_from_variance`` (see :func:`triton_relu_moments`)."""
-    return launch_moments(mean, variance, 0, from_variance=True)
+def _checked_reference(mean, spread, activation, negative_slope, from_variance):
+    check_activation("relu_family_moments", activation)
+    return reference_family_moments(mean, spread, activation, negative_slope, from_variance)
 
 
-def triton_relu_moments_from_variance_backward(
-    mean: Tensor, variance: Tensor, phi: Tensor, grad_phi: Tensor, grad_ups: Tensor, grad_var: Tensor
-) -> Tuple[Tensor, Tensor]:
-    """The Triton vector-Jacobian product of :func:`triton_relu_moments_from_variance` (``phi``
-    unread: recomputed from the variance)."""
-    return launch_moments_backward(mean, variance, phi, (grad_phi, grad_ups, grad_var), 0, from_variance=True)
-
-
-# ----------------------------------------------------------------------------- reference (torch ops)
-
-
-def _reference_forward(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    phi, ups, var, *_ = relu_forward(mean, std)
-    return phi, ups, var
-
-
-def _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
-    """The vector-Jacobian product in differentiable torch ops (double backward, the oracle)."""
-    t, _, _ = standardize(mean, std)
-    cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)
-    twice_phi = 2.0 * phi
-    grad_mean = grad_phi * cdf + twice_phi * (grad_ups + grad_var * cdf_neg)
-    grad_std = grad_phi * pdf + 2.0 * std * cdf * (grad_ups + grad_var) - twice_phi * pdf * grad_var
-    return grad_mean, grad_std
-
-
-# ----------------------------------------------------------------------------- the operators
-
-
-relu_moments, relu_moments_backward = define_moments_operators(
-    "relu_moments", "", triton_relu_moments, triton_relu_moments_backward, _reference_forward, _differentiable_backward
-)
+# ----------------------------------------------------------------------------- the operator
 
 # One operator with a kernel per device (torch.library.custom_op), not torch.library.triton_op:
 # a triton_op has one implementation for every device and is decomposed into its Triton launch
 # under torch.compile whatever the tensors' device, so it cannot hold the C++ CPU kernel beside it.
-_define = torch.library.custom_op
-
-
-# ----------------------------------------------------------------------------- from the variances
-
-
-def _std_from_variance(variance: Tensor) -> Tensor:
-    return variance.clamp(min=variance_floor(variance.dtype)).sqrt()
-
-
-def reference_from_variance(mean: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    return _reference_forward(mean, _std_from_variance(variance))
-
-
-def differentiable_from_variance_backward(mean, variance, phi, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
-    """The from-variance vector-Jacobian product in differentiable torch ops (``phi`` unused:
-    recomputed from the variance, as the kernels do)."""
-    std = _std_from_variance(variance)
-    phi = _reference_forward(mean, std)[0]
-    grad_mean, grad_std = _differentiable_backward(mean, std, phi, grad_phi, grad_ups, grad_var)
-    return grad_mean, 0.5 * grad_std / std
-
-
-relu_moments_from_variance, relu_moments_from_variance_backward = define_moments_operators(
-    "relu_moments_from_variance",
-    "",
-    triton_relu_moments_from_variance,
-    triton_relu_moments_from_variance_backward,
-    reference_from_variance,
-    differentiable_from_variance_backward,
-    spread="variance",
+relu_family_moments, relu_family_moments_backward = define_moments_operators(
+    "relu_family_moments",
+    ", int activation, float negative_slope, bool from_variance",
+    triton_family_moments,
+    triton_family_moments_backward,
+    _checked_reference,
+    family_moments_vjp,
+    spread="spread",
 )
+
+
+def family_moments_function(mean: Tensor, std: Tensor, activation: int, negative_slope=0.0, from_variance=False):
+    """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` (or variance, ``from_variance``)
+    through the operator (autograd and ``torch.func`` included)."""
+    parameters = (int(activation), float(negative_slope), bool(from_variance))
+    return moments_function(
+        relu_family_moments, relu_family_moments_backward, family_moments_vjp, mean, std, *parameters
+    )
 
 
 # the device types whose cfbnn:: operators run the Triton kernels: CUDA; the CPU as well inside
@@ -281,12 +235,6 @@ def require_finite(*outputs: Tensor) -> None:
     """What a first-use check asks of its kernels' results (on :func:`check_samples`)."""
     if not all(bool(torch.isfinite(t).all()) for t in outputs):
         raise FloatingPointError("non-finite values on a well-conditioned problem")
-
-
-def slope_for(negative_slope: float, dtype: torch.dtype) -> float:
-    """Leaky ReLU's slope as its kernels take it: for float32 tensors the float32 number float32
-    torch arithmetic multiplies by."""
-    return float(np.float32(negative_slope)) if dtype == torch.float32 else float(negative_slope)
 
 
 def slope_tensor(mean: Tensor, negative_slope: float) -> Tensor:
@@ -344,9 +292,3 @@ def _self_check(device: torch.device, dtype: torch.dtype) -> None:
         outputs += launch_moments(values, spread, 0, from_variance=from_variance)
         outputs += launch_moments_backward(values, spread, values, grads, 0, from_variance=from_variance)
     require_finite(*outputs)
-
-
-def relu_moments_function(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(Phi, Upsilon, Var)`` of broadcastable ``mean``, ``std`` through the operators (autograd
-    and ``torch.func`` included)."""
-    return moments_function(relu_moments, relu_moments_backward, _differentiable_backward, mean, std)

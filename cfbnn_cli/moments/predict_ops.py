@@ -2,7 +2,7 @@
 
 A mean-field hidden layer's exact output mean (the logits' ``y_hat`` of the deterministic
 prediction ``argmax y_hat``, paper eq. (42)) is two matrix products and, besides them, these two
-passes (``activation`` numbers the ReLU family as :data:`.ops.ACTIVATION_KINDS`: 0 ReLU, 1 leaky
+passes (``activation`` numbers the ReLU family as :data:`.relu_family.ACTIVATION_KINDS`: 0 ReLU, 1 leaky
 ReLU of slope ``negative_slope``, 2 ReLU^2; ``bias``: a column of ones appended, paper footnote 1):
 
 ``cfbnn::prediction_operand(Tensor inputs, int activation=-1, float negative_slope=0.0, bool bias=True) -> Tensor``
@@ -15,7 +15,7 @@ ReLU of slope ``negative_slope``, 2 ReLU^2; ``bias``: a column of ones appended,
 ``cfbnn::prediction_hidden_mean(Tensor moments, int activation=0, float negative_slope=0.0, bool bias=True) -> Tensor``
     ``(rows, H + bias)``: ``[E g(z), 1]``, ``z ~ N(gamma, xi^2)``, from ``moments = stack([gamma,
     xi^2])`` ``(2, rows, H)`` (that product's result): the variance floored at the dtype's smallest
-    normal number and its square root taken inside (as ``cfbnn::relu_moments_from_variance``), the
+    normal number and its square root taken inside (as ``cfbnn::relu_family_moments`` from the variances), the
     mean alone computed (eq. (20) for ReLU), written as the output layer's product reads it.
 
 float32 or float64. Kernels: on CUDA the Triton kernels of :mod:`.triton_predict_kernels` (one launch
@@ -31,27 +31,16 @@ the Triton kernels under the interpreter, ``tests/moments/prediction_check.py``.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .activations import LeakyReLU, ReLU, ReLUSquared
-from .family_ops import reference_leaky_moments, reference_relu_squared_moments
 from .operator_registration import _FLOATS, HAVE_TRITON
-from .ops import (
-    ACTIVATION_KINDS,
-    LazyModule,
-    slope_for,
-    slope_tensor,
-    triton_kernels,
-    variance_floor,
-)
-from .relu_reference import relu_forward
+from .ops import LazyModule, slope_operand, triton_kernels
+from .relu_family import RELU, check_activation, pointwise, reference_moments, variance_floor
 
 __all__ = [
     "NO_ACTIVATION",
-    "prediction_family",
     "prediction_hidden_mean",
     "prediction_operand",
     "reference_prediction_hidden_mean",
@@ -63,21 +52,6 @@ __all__ = [
 triton_predict_kernels = LazyModule(f"{__package__}.triton_predict_kernels")
 
 NO_ACTIVATION = -1  # prediction_operand's inputs taken as they are
-LEAKY = ACTIVATION_KINDS["leaky_relu"]
-_FAMILY = tuple(ACTIVATION_KINDS.values())
-
-
-def prediction_family(activation) -> Optional[Tuple[int, float]]:
-    """``(activation, negative_slope)`` of the operators for a ReLU, leaky ReLU or ReLU^2 activation
-    object; ``None`` for any other (a subclass too: it may change the function)."""
-    kind = type(activation)
-    if kind is ReLU or kind is ReLUSquared:
-        return ACTIVATION_KINDS[activation.name], 0.0
-    if kind is LeakyReLU:
-        return LEAKY, float(activation.negative_slope)
-    return None
-
-
 # ----------------------------------------------------------------------------- checks
 
 
@@ -89,10 +63,8 @@ def _check_float(name: str, tensor: Tensor, what: str) -> None:
 def _check_operand(inputs: Tensor, activation: int) -> None:
     name = "prediction_operand"
     _check_float(name, inputs, "inputs")
-    if activation != NO_ACTIVATION and activation not in _FAMILY:
-        raise ValueError(
-            f"cfbnn::{name}: `activation` must be -1 (none), 0 (ReLU), 1 (leaky ReLU) or 2 (ReLU^2); got {activation}"
-        )
+    if activation != NO_ACTIVATION:  # (-1: none)
+        check_activation(name, activation)
     if inputs.dim() < 1 or inputs.shape[-1] < 1:
         raise ValueError(f"cfbnn::{name}: `inputs` must be (..., D) with D >= 1; got shape {tuple(inputs.shape)}")
 
@@ -100,10 +72,7 @@ def _check_operand(inputs: Tensor, activation: int) -> None:
 def _check_moments(moments: Tensor, activation: int) -> None:
     name = "prediction_hidden_mean"
     _check_float(name, moments, "moments")
-    if activation not in _FAMILY:
-        raise ValueError(
-            f"cfbnn::{name}: `activation` must be 0 (ReLU), 1 (leaky ReLU) or 2 (ReLU^2); got {activation}"
-        )
+    check_activation(name, activation)
     if moments.dim() != 3 or moments.shape[0] != 2 or moments.shape[-1] < 1:
         raise ValueError(
             f"cfbnn::{name}: `moments` must be (2, rows, H), the means then the variances; got shape "
@@ -120,15 +89,8 @@ def _rows(inputs: Tensor) -> Tensor:
 
 
 def activated(inputs: Tensor, activation: int, negative_slope: float) -> Tensor:
-    """``g(inputs)`` of :func:`prediction_operand` in torch ops (a NaN stays NaN); the slope as the
-    kernels take it (:func:`.ops.slope_for`)."""
-    if activation == 0:
-        return torch.relu(inputs)
-    if activation == LEAKY:
-        return torch.where(inputs >= 0, inputs, slope_for(negative_slope, inputs.dtype) * inputs)
-    if activation == ACTIVATION_KINDS["relu_squared"]:
-        return torch.relu(inputs).square()
-    return inputs
+    """``g(inputs)`` of :func:`prediction_operand` in torch ops (a NaN stays NaN)."""
+    return inputs if activation == NO_ACTIVATION else pointwise(inputs, activation, negative_slope)
 
 
 def reference_prediction_operand(
@@ -140,7 +102,7 @@ def reference_prediction_operand(
     width = rows.shape[-1]
     out = rows.new_empty(2, rows.shape[0], width + int(bias))
     values, squares = out[0, :, :width], out[1, :, :width]
-    if activation == 0:
+    if activation == RELU:
         torch.clamp_min(rows, 0.0, out=values)  # (ReLU written in place: one pass fewer)
     else:
         values.copy_(activated(rows, activation, negative_slope))
@@ -152,21 +114,15 @@ def reference_prediction_operand(
 
 def _reference_mean(mean: Tensor, std: Tensor, activation: int, negative_slope: float) -> Tensor:
     """``E g(z)`` in the reference torch ops (the small tail on the far side of 0)."""
-    if activation == 0:
-        return relu_forward(mean, std)[0]
-    if activation == LEAKY:
-        return reference_leaky_moments(mean, std, slope_for(negative_slope, mean.dtype))[0]
-    return reference_relu_squared_moments(mean, std)[0]
+    return reference_moments(mean, std, activation, negative_slope)[0]
 
 
 def _operator_mean(mean: Tensor, std: Tensor, activation: int, negative_slope: float) -> Tensor:
-    """``E g(z)`` through the activation's ``cfbnn::`` operator (C++ on the CPU): ReLU's mean alone,
-    the others' first output."""
-    if activation == 0:
+    """``E g(z)`` through the family's operators (C++ on the CPU): ReLU's mean alone, the others'
+    first output."""
+    if activation == RELU:
         return torch.ops.cfbnn.relu_mean(mean, std)
-    if activation == LEAKY:
-        return torch.ops.cfbnn.leaky_relu_moments(mean, std, float(negative_slope))[0]
-    return torch.ops.cfbnn.relu_squared_moments(mean, std)[0]
+    return torch.ops.cfbnn.relu_family_moments(mean, std, activation, float(negative_slope), False)[0]
 
 
 def _hidden_mean(moments: Tensor, activation: int, negative_slope: float, bias: bool, mean_of) -> Tensor:
@@ -190,11 +146,6 @@ def reference_prediction_hidden_mean(
 # ----------------------------------------------------------------------------- Triton launches
 
 
-def _slope_operand(like: Tensor, activation: int, negative_slope: float) -> Tensor:
-    # only leaky ReLU reads a slope: the others pass any tensor (unread), not one more fill kernel
-    return slope_tensor(like, negative_slope) if activation == LEAKY else like
-
-
 def _launch(kernel, operand: Tensor, out: Tensor, half: int, activation: int, negative_slope: float, bias: bool, **own):
     """``out`` ``(..., rows, width + bias)``, written by one launch of the prediction ``kernel`` over
     its tiles, from ``operand`` (contiguous, ``width`` wide): the ``prediction`` tuple both kernels
@@ -204,7 +155,7 @@ def _launch(kernel, operand: Tensor, out: Tensor, half: int, activation: int, ne
     if out.numel():
         grid, block_r, block_c = triton_predict_kernels.tile(count, width + int(bias))
         kernel[grid](
-            (operand, _slope_operand(operand, activation, negative_slope), out, count, width, half),
+            (operand, slope_operand(operand, activation, negative_slope), out, count, width, half),
             activation,
             int(bool(bias)),  # (0 or 1: a constexpr the kernels add to the width)
             BLOCK_R=block_r,

@@ -5,11 +5,11 @@
     ``mean`` and ``std`` of one shape, dtype float32 or float64.
 
 What a prediction needs (:meth:`~cfbnn_cli.moments.activations.ReLU.mean` without autograd, the
-deterministic prediction ``argmax E[y]`` of eq. (42)): one output written, not ``cfbnn::relu_moments``'
+deterministic prediction ``argmax E[y]`` of eq. (42)): one output written, not ``cfbnn::relu_family_moments``'
 three and its saved Gaussian factors. Kernels: on the CPU the C++ ``relu_mean`` (``csrc/cfbnn_ops.cpp``,
 registered when the library loads; before that, and without a compiler, the reference ops); on
 CUDA the Triton :func:`~.triton_kernels.relu_mean_kernel`, one launch. Its gradient is Phi's
-through ``cfbnn::relu_moments_backward``; fake and vmap registrations. Tested against the
+through ``cfbnn::relu_family_moments_backward``; fake and vmap registrations. Tested against the
 quadrature references and with ``opcheck`` (``tests/moments/test_relu_mean_ops.py``).
 """
 
@@ -23,12 +23,8 @@ from .operator_registration import (
     check_operands,
     elementwise_vmap,
 )
-from .ops import (
-    HAVE_TRITON,
-    _reference_forward,
-    relu_moments_backward,
-    triton_kernels,
-)
+from .ops import HAVE_TRITON, relu_family_moments_backward, triton_kernels
+from .relu_family import RELU, reference_moments
 
 __all__ = ["relu_mean", "triton_relu_mean"]
 
@@ -48,7 +44,7 @@ def triton_relu_mean(mean: Tensor, std: Tensor) -> Tensor:
 def relu_mean(mean: Tensor, std: Tensor) -> Tensor:
     # the default kernel (every device without its own: the C++ library registers the CPU's)
     check_operands("relu_mean", mean, std)
-    return _reference_forward(mean, std)[0].clone()
+    return reference_moments(mean, std, RELU)[0].clone()
 
 
 if HAVE_TRITON:
@@ -71,7 +67,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_phi):
     mean, std, phi = ctx.saved_tensors
     unused = absent_gradient(mean)
-    return relu_moments_backward(mean, std, phi, grad_phi, unused, unused)
+    return relu_family_moments_backward(mean, std, phi, grad_phi, unused, unused, RELU, 0.0, False)
 
 
 relu_mean.register_autograd(_backward, setup_context=_setup_context)

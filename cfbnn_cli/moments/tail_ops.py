@@ -10,7 +10,7 @@
     computed and reduced in one pass, never written to memory. For the output weights' mean
     ``m`` and variance ``v``: ``w_phi = m``, ``w_var = m^2``, ``w_second = v`` give the output's
     mean (less its bias) and its variance. The variance is floored at the dtype's smallest
-    normal number, as in ``cfbnn::relu_moments_from_variance``.
+    normal number, as ``cfbnn::relu_family_moments`` does ``from_variance``.
 ``cfbnn::relu_tail_backward(mean, variance, weight_phi, weight_variance, weight_second, grad_mean_sum, grad_spread_sum, int activation=0, float negative_slope=0.0) -> (grad_mean, grad_variance, columns)``
     its vector-Jacobian product: ``dL/d mean``, ``dL/d variance`` and ``columns`` ``(3, H)``,
     float64, the weights' gradients ``(sum_r u_r Phi_rc, sum_r k_r Var_rc, sum_r k_r Upsilon_rc)``.
@@ -27,20 +27,18 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import elbo_reference, family_ops
-from .operator_registration import (
-    check_operands,
-)
+from . import elbo_reference
+from .operator_registration import check_operands
 from .ops import (
     ACTIVATION_KINDS,
     HAVE_TRITON,
-    differentiable_from_variance_backward,
     slope_operand,
     triton,
     triton_kernels,
     triton_tail_kernels,
     variance_floor,
 )
+from .relu_family import check_activation, family_moments_vjp
 
 __all__ = [
     "ACTIVATION_KINDS",
@@ -55,10 +53,7 @@ __all__ = [
 
 
 def _check_tail(name: str, mean: Tensor, variance: Tensor, *weights: Tensor, activation: int = 0) -> None:
-    if activation not in ACTIVATION_KINDS.values():
-        raise ValueError(
-            f"cfbnn::{name}: `activation` must be 0 (ReLU), 1 (leaky ReLU) or 2 (ReLU^2); got {activation}"
-        )
+    check_activation(name, activation)
     check_operands(name, mean, variance)
     if mean.dim() != 2:
         raise ValueError(f"cfbnn::{name}: `mean` and `variance` must be (rows, H); got shape {tuple(mean.shape)}")
@@ -74,18 +69,9 @@ def _check_tail(name: str, mean: Tensor, variance: Tensor, *weights: Tensor, act
 
 
 def _family_moments(mean, variance, activation: int, negative_slope: float):
-    """``(Phi, Upsilon, Var)`` of ``activation`` from the pre-activations' variances, differentiable
-    to any order: ReLU's operator, the others' reference ops on the floored variance's root (as
-    the kernels take it)."""
-    if activation == 0:
-        return torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
-    # the floor as the kernels take it: a value, not a gradient's cut (their d std / d variance is
-    # 1 / (2 std) at the floor too, as ReLU's differentiable_from_variance_backward)
-    floored = variance + (variance.clamp(min=variance_floor(variance.dtype)) - variance).detach()
-    std = floored.sqrt()
-    if activation == 1:
-        return family_ops.leaky_reference_forward(mean, std, negative_slope)
-    return family_ops.relu_squared_reference_forward(mean, std)
+    """``(Phi, Upsilon, Var)`` of ``activation`` from the pre-activations' variances through the
+    family's operator, differentiable to any order."""
+    return torch.ops.cfbnn.relu_family_moments(mean, variance, activation, float(negative_slope), True)
 
 
 def reference_relu_tail(
@@ -103,14 +89,8 @@ def _differentiable_tail_backward(
     """The vector-Jacobian product in differentiable ops (double backward, batched calls)."""
     u, k = row_u.unsqueeze(-1), row_k.unsqueeze(-1)
     grads = (u * weight_phi, k * weight_second, k * weight_variance)
-    if activation == 0:
-        phi, ups, var = torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
-        grad_mean, grad_variance = differentiable_from_variance_backward(mean, variance, phi, *grads)
-    else:
-        (phi, ups, var), vjp = torch.func.vjp(
-            lambda m, v: _family_moments(m, v, activation, negative_slope), mean, variance
-        )
-        grad_mean, grad_variance = vjp((grads[0], grads[1], grads[2]))
+    phi, ups, var = _family_moments(mean, variance, activation, negative_slope)
+    grad_mean, grad_variance = family_moments_vjp(mean, variance, phi, *grads, activation, negative_slope, True)
     rows = tuple(range(mean.dim() - 2, mean.dim() - 1))  # the rows' dimension, batch dims kept
     columns = torch.stack([(u * phi).sum(rows), (k * var).sum(rows), (k * ups).sum(rows)], -2)
     return grad_mean, grad_variance, columns

@@ -334,6 +334,20 @@ def relu_squared_from_tail(mean, std, s0, s1, s2, s3, s4, CF_DEPTH: tl.constexpr
 
 
 @triton.jit
+def family_pointwise(z, slope_ptr, ACTIVATION: tl.constexpr):
+    """``g(z)`` of the ReLU family's ``ACTIVATION`` (0 ReLU, 1 leaky ReLU of the float64 slope at
+    ``slope_ptr``, 2 ReLU^2) in ``z``'s dtype; a NaN stays NaN (selects, not max)."""
+    if ACTIVATION == 0:
+        h = tl.where(z < 0.0, 0.0, z)
+    elif ACTIVATION == 1:
+        h = tl.where(z < 0.0, (tl.load(slope_ptr).to(z.dtype) * z).to(z.dtype), z)
+    else:
+        positive = tl.where(z < 0.0, 0.0, z)
+        h = positive * positive
+    return h
+
+
+@triton.jit
 def family_partials(mean, std, std_error, eps, ACTIVATION: tl.constexpr, CF_DEPTH: tl.constexpr):
     """``(Phi, Var before its clamp at 0, dPhi/dmean, dPhi/dstd, dVar/dmean, dVar/dstd)``, in their dtype,
     of leaky ReLU (``ACTIVATION`` 1, slope ``eps``: :func:`leaky_from_tail`) or ReLU^2 (2:

@@ -19,7 +19,7 @@ Both tile ``(rows, columns)`` blocks, so no element index is divided.
 import triton
 import triton.language as tl
 
-from .triton_kernels import at_least, compute, family_partials, small_tail, std_from_variance
+from .triton_kernels import at_least, compute, family_partials, family_pointwise, small_tail, std_from_variance
 
 BLOCK = 1024  # elements of a tile (as the moments kernels' blocks)
 MAX_COLUMNS = 128
@@ -68,13 +68,8 @@ def prediction_operand_kernel(
     inputs_ptr, slope_ptr, out_ptr, rows, width, half = prediction
     r, c = tile_offsets(BLOCK_R, BLOCK_C)
     z = tl.load(inputs_ptr + r * width + c, mask=(r < rows) & (c < width), other=0.0)
-    if ACTIVATION == 0:
-        h = tl.where(z < 0.0, 0.0, z)
-    elif ACTIVATION == 1:
-        h = tl.where(z < 0.0, (tl.load(slope_ptr).to(z.dtype) * z).to(z.dtype), z)
-    elif ACTIVATION == 2:
-        positive = tl.where(z < 0.0, 0.0, z)
-        h = positive * positive
+    if ACTIVATION >= 0:
+        h = family_pointwise(z, slope_ptr, ACTIVATION)
     else:
         h = z
     h = h.to(z.dtype)

@@ -128,7 +128,7 @@ def test_the_compiled_predictive_is_one_graph_on_the_operator_with_the_eager_val
     for name, got_value, want_value in zip(("mean", "variance", "var_a", "var_b", "noise"), got, want):
         torch.testing.assert_close(got_value, want_value, **TOLERANCE[dtype], msg=name)
     assert recorder.graphs == 1
-    assert "relu_moments" in recorder.operators, recorder.operators
+    assert "relu_family_moments" in recorder.operators, recorder.operators
 
 
 def test_a_negative_std_raises_eager_and_compiled():
@@ -163,7 +163,7 @@ def test_the_elbo_and_the_predictive_compile_with_inductor(dtype):
     "estimator, operators",
     [
         # the whole ELBO as one node, the first hidden layer's moments from its variances
-        pytest.param(DeterministicPropagation(), ELBO_OPERATORS | {"relu_moments_from_variance"}, id="deterministic"),
+        pytest.param(DeterministicPropagation(), ELBO_OPERATORS | {"relu_family_moments"}, id="deterministic"),
         # the first hidden layer sampled (given noise), the last two layers as one node (NormalELL),
         # whose rows the ELBO sums at once: the tail pass's backward taken ahead
         pytest.param(
@@ -207,4 +207,4 @@ def test_a_deeper_networks_deterministic_predictive_compiles_to_one_graph():
     for got_value, want_value in zip(got, moments(x)):
         torch.testing.assert_close(got_value, want_value, **TOLERANCE[torch.float64])
     assert recorder.graphs == 1
-    assert "relu_moments" in recorder.operators, recorder.operators
+    assert "relu_family_moments" in recorder.operators, recorder.operators

@@ -7,6 +7,7 @@ from torch.func import grad, vmap
 
 from cfbnn_cli.bnn import fused
 from cfbnn_cli.bnn.functional import augment, kl_normal_rows, output_moments_given_hidden, preactivation_moments
+from cfbnn_cli.moments.activations import family_of
 
 DT = torch.float64
 
@@ -130,7 +131,7 @@ def _tail_case(dtype, bias, lead=(), rows=23, width=37, seed=4):
 
 def _tail_ell(activation, gamma, xi2, loc, log_scale, y, log_precision, bias=True):
     """The ELL per point through the tail node of the ReLU family (fused.operator_normal_ell)."""
-    family = fused.tail_family(activation)
+    family = family_of(activation)
     return fused.operator_normal_ell(gamma, xi2, loc, log_scale, y, log_precision, bias, family=family)[0]
 
 
@@ -315,15 +316,20 @@ def test_the_network_elbo_is_the_same_with_and_without_the_fast_path(estimator, 
         torch.testing.assert_close(found, expected, rtol=1e-9, atol=1e-9 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize(
+    "member", [("relu", 0, {}), ("leaky_relu", 1, {"negative_slope": -0.2}), ("relu_squared", 2, {})]
+)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-11), (torch.float32, 2e-5)])
-def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolerance):
-    """The deterministic estimator's hidden-layer operator (cfbnn::relu_moments_from_variance:
-    square root inside, d/d variance out) against the reference torch moments of (mean,
-    sqrt(variance)) with the fast path off."""
+def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolerance, member):
+    """The deterministic estimator's hidden-layer operator (cfbnn::relu_family_moments from the
+    variances: square root inside, d/d variance out) for each member of the family against the
+    reference torch moments of (mean, sqrt(variance)) with the fast path off."""
     from cfbnn_cli.moments import fast_path, get_activation
 
-    g_act = get_activation("relu")
-    from_variance = torch.ops.cfbnn.relu_moments_from_variance
+    name, kind, parameters = member
+    g_act = get_activation(name, **parameters)
+    slope = parameters.get("negative_slope", 0.0)
+    from_variance = lambda m, v: torch.ops.cfbnn.relu_family_moments(m, v, kind, slope, True)  # noqa: E731
     gamma, xi2, *_ = _tail_case(dtype, True, lead=(2,), rows=9, width=41)
     weights = [torch.randn(gamma.shape, generator=_generator(9), dtype=dtype) for _ in range(3)]
     found = from_variance(gamma, xi2)
@@ -343,8 +349,9 @@ def test_hidden_moments_from_variances_match_the_reference_moments(dtype, tolera
         torch.testing.assert_close(found_grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
-def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradcheck():
-    from_variance = torch.ops.cfbnn.relu_moments_from_variance
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_hidden_moments_from_variances_are_finite_at_the_extremes_and_pass_gradcheck(kind):
+    from_variance = lambda m, v: torch.ops.cfbnn.relu_family_moments(m, v, kind, 0.1, True)  # noqa: E731
     mean = torch.tensor([-1e3, -30.0, 0.0, 1e-3, 30.0, 1e3]).repeat(4).requires_grad_()
     variance = torch.tensor([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e-38]).repeat_interleave(4).requires_grad_()
     outputs = from_variance(mean, variance)

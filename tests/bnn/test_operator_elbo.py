@@ -21,6 +21,7 @@ from autograd_nodes import node_names
 
 from cfbnn_cli.bnn import BayesianNetwork, fused
 from cfbnn_cli.moments import elbo_ops, fast_path, get_activation
+from cfbnn_cli.moments.activations import family_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,20 +136,8 @@ for name, kernel in elbo_ops.TRITON_KERNELS.items():
     library.impl(name, counted(name, kernel), "CPU")
 library.impl("relu_tail", counted("relu_tail", tail_ops.triton_relu_tail), "CPU")
 library.impl("relu_tail_backward", counted("relu_tail_backward", tail_ops.triton_relu_tail_backward), "CPU")
-library.impl(
-    "relu_moments_from_variance",
-    counted("relu_moments_from_variance", ops.triton_relu_moments_from_variance),
-    "CPU",
-)
-library.impl(
-    "relu_moments_from_variance_backward",
-    counted("relu_moments_from_variance_backward", ops.triton_relu_moments_from_variance_backward),
-    "CPU",
-)
-from cfbnn_cli.moments import family_ops
-for name in ("leaky_relu_moments", "relu_squared_moments"):
-    for op in (name, name + "_backward"):  # the propagated hidden layers' moments (DeepNormalELBO)
-        library.impl(op, counted(op, getattr(family_ops, "triton_" + op)), "CPU")
+for op in ("relu_family_moments", "relu_family_moments_backward"):  # the propagated hidden layers' moments
+    library.impl(op, counted(op, getattr(ops, "triton_" + op.replace("relu_", ""))), "CPU")
 out = errors()
 out["calls"] = calls
 for dtype in (torch.float32, torch.float64):  # the first-use check that guards the CUDA route
@@ -185,8 +174,8 @@ def test_the_triton_kernels_match_the_reference_path_under_the_interpreter():
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     errors = json.loads(line[len("RESULT ") :])
     assert errors.pop("self_check") == "ran"
-    steps = set(elbo_ops.STEPS) | {"relu_tail", "relu_tail_backward", "relu_moments_from_variance"}
-    steps |= {f"{name}_moments{part}" for name in ("leaky_relu", "relu_squared") for part in ("", "_backward")}
+    steps = set(elbo_ops.STEPS) | {"relu_tail", "relu_tail_backward"}
+    steps |= {"relu_family_moments", "relu_family_moments_backward"}
     calls = errors.pop("calls")
     assert steps <= set(calls) and min(calls.values()) > 0, calls  # every step ran on its Triton kernel
     _assert_within_tolerance(errors)
@@ -277,7 +266,7 @@ def test_which_networks_take_the_operators():
     assert type(net.elbo(x, y).grad_fn).__name__ == "NormalELBOBackward"
     assert not fused.operators_apply(net.activation, x, x.double())  # one dtype
     for name, family in (("leaky_relu", (1, 0.01)), ("relu_squared", (2, 0.0))):
-        assert fused.tail_family(get_activation(name)) == family
+        assert family_of(get_activation(name)) == family
         assert fused.operators_apply(get_activation(name), x, *net.parameters())
         one_hidden = BayesianNetwork(3, [5], activation=name)
         assert type(one_hidden.elbo(x, y).grad_fn).__name__ == "NormalELBOBackward"
@@ -286,14 +275,14 @@ def test_which_networks_take_the_operators():
     deeper = BayesianNetwork(3, [5, 4, 6])
     assert type(deeper.elbo(x, y, estimator="deterministic").grad_fn).__name__ == "DeepNormalELBOBackward"
     hard_sigmoid = get_activation("hard_sigmoid")
-    assert fused.tail_family(hard_sigmoid) is None and not fused.operators_apply(hard_sigmoid, x, *net.parameters())
+    assert family_of(hard_sigmoid) is None and not fused.operators_apply(hard_sigmoid, x, *net.parameters())
     piecewise = BayesianNetwork(3, [5, 4], activation=hard_sigmoid)  # node by node, on its C++ kernels
     assert "ELBO" not in type(piecewise.elbo(x, y, estimator="deterministic").grad_fn).__name__
 
     class Shifted(type(net.activation)):  # a subclass may change the function: not the operators
         pass
 
-    assert fused.tail_family(Shifted()) is None
+    assert family_of(Shifted()) is None
     with fast_path(False):
         assert not fused.operators_apply(net.activation, x, *net.parameters())
         assert "NormalELBO" not in type(net.elbo(x, y).grad_fn).__name__

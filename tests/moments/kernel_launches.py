@@ -211,7 +211,7 @@ def _operators(dtype, activation, count: int) -> None:
     function = get_activation(activation, **ACTIVATIONS[activation])
     moments = list(function.moments(mean, std, return_variance=True))
     if activation == "relu":
-        moments += list(cfbnn.relu_moments_from_variance(mean, std.square()))
+        moments += list(cfbnn.relu_family_moments(mean, std.square(), 0, 0.0, True))
     torch.autograd.grad(sum(m.sum() for m in moments), [mean, std])
     with torch.no_grad():
         function.mean(mean, std)

@@ -31,7 +31,7 @@ for name in names:
     keys = {line.split(":")[0]: line for line in lines if ": registered at " in line}
     table[name] = {key: keys[key].split(" registered at ")[1].split(" :: ")[0] for key in keys}
 mean, std = torch.randn(6, dtype=torch.float64), torch.rand(6, dtype=torch.float64) + 0.1
-phi = torch.ops.cfbnn.relu_moments(mean, std)[0]
+phi = torch.ops.cfbnn.relu_family_moments(mean, std, 0, 0.0, False)[0]
 print(json.dumps({"library": kernel_library.cpu_operators_registered(), "table": table,
                   "phi": phi.tolist(), "mean": mean.tolist(), "std": std.tolist()}))
 """
@@ -72,7 +72,7 @@ def test_after_the_import_the_cpu_key_holds_the_cpp_kernel_or_nothing():
     cpu = {name: keys["CPU"] for name, keys in out["table"].items() if "CPU" in keys}
     assert all(where.startswith("/") and "cfbnn_ops.cpp:" in where for where in cpu.values()), cpu
     # the ELBO's steps and the activations' moments: C++ on the CPU from the import on
-    for name in ("cfbnn::relu_moments", "cfbnn::relu_tail_with_gradients", "cfbnn::normal_elbo_rows"):
+    for name in ("cfbnn::relu_family_moments", "cfbnn::relu_tail_with_gradients", "cfbnn::normal_elbo_rows"):
         assert name in cpu, sorted(cpu)
     _assert_relu_phi(out)
 

@@ -1,4 +1,4 @@
-"""``cfbnn::leaky_relu_moments`` and its backward: opcheck, the CPU kernel's values against
+"""``cfbnn::relu_family_moments`` for leaky ReLU (activation 1) and its backward: opcheck, the CPU kernel's values against
 quadrature (the independent reference), gradients, broadcast gradients, torch.func. The Triton
 kernels are checked against the same references under the interpreter and on CUDA
 (triton_check.leaky_errors, through test_ops.py)."""
@@ -10,7 +10,7 @@ import torch
 from relu_grid import POINTS, _quadrature, worst_error
 from triton_check import LEAKY_SLOPES
 
-from cfbnn_cli.moments import family_ops, get_activation, kernel_library
+from cfbnn_cli.moments import get_activation, kernel_library, ops
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -24,7 +24,7 @@ def _library():
 def test_cpu_operator_matches_quadrature(slope, dtype):
     mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
     std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
-    values = torch.ops.cfbnn.leaky_relu_moments(mean, std, slope)
+    values = torch.ops.cfbnn.relu_family_moments(mean, std, 1, slope, False)
     assert all(v.dtype == dtype for v in values)
     assert worst_error(values, _quadrature(POINTS, "leaky_relu", negative_slope=slope), POINTS, dtype) <= 1.0
 
@@ -35,11 +35,12 @@ def test_opcheck_cpu(dtype):
     mean = (torch.randn(40, 7, generator=g, dtype=dtype) * 4).requires_grad_()
     std = (torch.rand(40, 7, generator=g, dtype=dtype) * 2).requires_grad_()
     for slope in LEAKY_SLOPES:
-        torch.library.opcheck(torch.ops.cfbnn.leaky_relu_moments.default, (mean, std, slope))
-        phi = torch.ops.cfbnn.leaky_relu_moments(mean.detach(), std.detach(), slope)[0]
+        torch.library.opcheck(torch.ops.cfbnn.relu_family_moments.default, (mean, std, 1, slope, False))
+        phi = torch.ops.cfbnn.relu_family_moments(mean.detach(), std.detach(), 1, slope, False)[0]
         grads = [torch.randn(40, 7, generator=g, dtype=dtype) for _ in range(3)]
         torch.library.opcheck(
-            torch.ops.cfbnn.leaky_relu_moments_backward.default, (mean.detach(), std.detach(), phi, *grads, slope)
+            torch.ops.cfbnn.relu_family_moments_backward.default,
+            (mean.detach(), std.detach(), phi, *grads, 1, slope, False),
         )
 
 
@@ -48,7 +49,7 @@ def test_opcheck_cpu(dtype):
 def test_opcheck_cuda(dtype):
     mean = (torch.randn(300, 9, dtype=dtype, device="cuda") * 4).requires_grad_()
     std = (torch.rand(300, 9, dtype=dtype, device="cuda") * 2).requires_grad_()
-    torch.library.opcheck(torch.ops.cfbnn.leaky_relu_moments.default, (mean, std, -0.5))
+    torch.library.opcheck(torch.ops.cfbnn.relu_family_moments.default, (mean, std, 1, -0.5, False))
 
 
 def test_gradients_match_finite_differences_to_the_second_order():
@@ -56,8 +57,10 @@ def test_gradients_match_finite_differences_to_the_second_order():
     mean = (torch.randn(6, 5, generator=g, dtype=torch.float64) * 3).requires_grad_()
     std = (torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05).requires_grad_()
     for slope in LEAKY_SLOPES:
-        assert torch.autograd.gradcheck(lambda m, s: torch.ops.cfbnn.leaky_relu_moments(m, s, slope), (mean, std))
-        function = lambda m, s: family_ops.leaky_relu_moments_function(m, s, slope)  # noqa: E731
+        assert torch.autograd.gradcheck(
+            lambda m, s: torch.ops.cfbnn.relu_family_moments(m, s, 1, slope, False), (mean, std)
+        )
+        function = lambda m, s: ops.family_moments_function(m, s, 1, slope)  # noqa: E731
         assert torch.autograd.gradcheck(function, (mean, std))
         assert torch.autograd.gradgradcheck(function, (mean, std))
 
@@ -69,13 +72,15 @@ def test_backward_reads_broadcast_gradients_as_their_dense_copies(dtype):
     g = torch.Generator().manual_seed(3)
     mean = torch.randn(37, 29, generator=g, dtype=dtype) * 3
     std = torch.rand(37, 29, generator=g, dtype=dtype) + 0.05
-    phi = torch.ops.cfbnn.leaky_relu_moments(mean, std, 0.125)[0]
+    phi = torch.ops.cfbnn.relu_family_moments(mean, std, 1, 0.125, False)[0]
     dense = torch.randn(37, 29, generator=g, dtype=dtype)
     for value in (0.0, 1.5):
         broadcast = torch.tensor(value, dtype=dtype).expand(mean.shape)
         for grads in ((broadcast, broadcast, broadcast), (dense, broadcast, dense)):
-            got = torch.ops.cfbnn.leaky_relu_moments_backward(mean, std, phi, *grads, 0.125)
-            want = torch.ops.cfbnn.leaky_relu_moments_backward(mean, std, phi, *(t.contiguous() for t in grads), 0.125)
+            got = torch.ops.cfbnn.relu_family_moments_backward(mean, std, phi, *grads, 1, 0.125, False)
+            want = torch.ops.cfbnn.relu_family_moments_backward(
+                mean, std, phi, *(t.contiguous() for t in grads), 1, 0.125, False
+            )
             assert all(torch.equal(a, b) for a, b in zip(got, want)), value
 
 
@@ -88,7 +93,7 @@ def test_per_draw_gradients_under_vmap_match_the_reference_path():
     activation = get_activation("leaky_relu", negative_slope=-0.5)
 
     def total(m, s):
-        phi, ups, var = family_ops.leaky_relu_moments_function(m, s, -0.5)
+        phi, ups, var = ops.family_moments_function(m, s, 1, -0.5)
         return (phi + 0.5 * ups - var).sum()
 
     batched = torch.func.vmap(torch.func.grad(total, argnums=(0, 1)))(mean, std)
@@ -100,21 +105,21 @@ def test_per_draw_gradients_under_vmap_match_the_reference_path():
 
 
 def test_bad_inputs_name_the_operator():
-    with pytest.raises(ValueError, match="leaky_relu_moments"):
-        torch.ops.cfbnn.leaky_relu_moments(torch.zeros(3), torch.ones(4), 0.1)
-    with pytest.raises(ValueError, match="leaky_relu_moments"):
-        torch.ops.cfbnn.leaky_relu_moments(torch.zeros(3), torch.ones(3, dtype=torch.float64), 0.1)
+    with pytest.raises(ValueError, match="relu_family_moments"):
+        torch.ops.cfbnn.relu_family_moments(torch.zeros(3), torch.ones(4), 1, 0.1, False)
+    with pytest.raises(ValueError, match="relu_family_moments"):
+        torch.ops.cfbnn.relu_family_moments(torch.zeros(3), torch.ones(3, dtype=torch.float64), 1, 0.1, False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_cuda_moments_take_the_operator_and_match_the_cpu(dtype, rtol, monkeypatch):
-    """On CUDA ``LeakyReLU.moments`` runs cfbnn::leaky_relu_moments (Triton): the CPU kernels'
+    """On CUDA ``LeakyReLU.moments`` runs cfbnn::relu_family_moments (Triton): the CPU kernels'
     values and gradients."""
     activation = get_activation("leaky_relu", negative_slope=-0.5)
     calls = []
-    original = family_ops.leaky_relu_moments_function
-    monkeypatch.setattr(family_ops, "leaky_relu_moments_function", lambda *a: calls.append(1) or original(*a))
+    original = ops.family_moments_function
+    monkeypatch.setattr(ops, "family_moments_function", lambda *a: calls.append(1) or original(*a))
     g = torch.Generator().manual_seed(5)
     mean = torch.randn(300, 9, generator=g, dtype=dtype) * 3
     std = torch.rand(300, 9, generator=g, dtype=dtype) + 0.05

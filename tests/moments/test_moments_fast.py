@@ -426,7 +426,7 @@ def test_float32_hard_sigmoid_on_a_dense_grid():
 @pytest.mark.slow
 def test_torch_compile_gives_the_eager_moments():
     """Under torch.compile (inductor) ReLU's moments are the eager ones (the graph calls
-    cfbnn::relu_moments; the direct kernel calls step aside)."""
+    cfbnn::relu_family_moments; the direct kernel calls step aside)."""
     relu = get_activation("relu")
     mean = torch.randn(64, 32, generator=torch.Generator().manual_seed(10))
     std = torch.rand(64, 32, generator=torch.Generator().manual_seed(11)) + 0.1
@@ -467,7 +467,7 @@ def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivativ
             first = torch.autograd.grad(total, (m, s), create_graph=True)
             second = torch.autograd.grad((first[0] * first[0].detach()).sum() + 3 * first[1].sum(), (m, s))
         if enabled and activation.operator is not None:  # the backward operator's own node made it
-            backward_operator = f"cfbnn_{activation.name}_moments_backward"
+            backward_operator = "cfbnn_relu_family_moments_backward"
             calls += [name for name in (type(first[0].grad_fn).__name__,) if backward_operator in name]
         results.append(first + second)
     assert calls, "the first derivative did not come from the backward kernel"

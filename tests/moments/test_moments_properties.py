@@ -115,15 +115,16 @@ def test_gradients_at_a_zero_mean_are_the_values_central_differences(activation,
 
 
 def test_the_operators_torch_references_have_the_central_difference_gradients_at_a_zero_mean():
-    """The ReLU operators' reference functions (the fallback without a compiler and the double
-    backward's formula: ``ops._reference_forward``, ``ops.reference_from_variance``), autograd
+    """The family operator's reference function for ReLU (the fallback without a compiler and the
+    double backward's formula: :func:`.relu_family.reference_family_moments`), autograd
     straight through their torch ops at ``mean = 0`` exactly, against central differences; and
     second derivatives (gradgradcheck) there."""
-    from cfbnn_cli.moments import ops
+    from cfbnn_cli.moments.relu_family import reference_family_moments
 
     mean = torch.zeros(3, dtype=torch.float64, requires_grad=True)
     spread = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64, requires_grad=True)
-    for function in (ops._reference_forward, ops.reference_from_variance):
+    for from_variance in (False, True):
+        function = lambda m, s: reference_family_moments(m, s, 0, 0.0, from_variance)  # noqa: E731
         assert gradcheck(function, (mean, spread))
         assert gradgradcheck(function, (mean, spread))
 

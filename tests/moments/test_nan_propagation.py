@@ -69,9 +69,9 @@ def test_the_variance_operators_and_the_tail_pass_keep_a_nan(dtype, device):
     mean, std = _operands(dtype, device)
     variance = std.square()
     bad = mean.isnan() | std.isnan()
-    for value in torch.ops.cfbnn.relu_moments_from_variance(mean, variance):
+    for value in torch.ops.cfbnn.relu_family_moments(mean, variance, 0, 0.0, True):
         assert value[bad].isnan().all() and value[~bad].isfinite().all()
-    grads = torch.ops.cfbnn.relu_moments_from_variance_backward(mean, variance, *(torch.ones_like(mean),) * 4)
+    grads = torch.ops.cfbnn.relu_family_moments_backward(mean, variance, *(torch.ones_like(mean),) * 4, 0, 0.0, True)
     for value in grads:
         assert value[bad].isnan().all() and value[~bad].isfinite().all()
     weights = torch.ones(40, dtype=dtype, device=device)

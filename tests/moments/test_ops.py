@@ -22,6 +22,13 @@ from triton_check import assert_within_tolerances, triton_errors
 from cfbnn_cli.moments import get_activation, kernel_library, ops
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def relu_moments_function(mean, std):
+    """ReLU's moments through the family operator's function (autograd and torch.func)."""
+    return ops.family_moments_function(mean, std, 0)
+
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -34,7 +41,7 @@ def quadrature():
 def test_cpu_operator_matches_quadrature(quadrature, dtype):
     mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
     std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
-    values = torch.ops.cfbnn.relu_moments(mean, std)
+    values = torch.ops.cfbnn.relu_family_moments(mean, std, 0, 0.0, False)
     assert all(v.dtype == dtype for v in values)
     assert worst_error(values, quadrature, POINTS, dtype) <= 1.0
 
@@ -44,20 +51,22 @@ def test_opcheck_cpu(dtype):
     g = torch.Generator().manual_seed(0)
     mean = (torch.randn(40, 7, generator=g, dtype=dtype) * 4).requires_grad_()
     std = (torch.rand(40, 7, generator=g, dtype=dtype) * 2).requires_grad_()
-    torch.library.opcheck(torch.ops.cfbnn.relu_moments.default, (mean, std))
-    phi = torch.ops.cfbnn.relu_moments(mean.detach(), std.detach())[0]
+    torch.library.opcheck(torch.ops.cfbnn.relu_family_moments.default, (mean, std, 0, 0.0, False))
+    phi = torch.ops.cfbnn.relu_family_moments(mean.detach(), std.detach(), 0, 0.0, False)[0]
     grads = [torch.randn(40, 7, generator=g, dtype=dtype) for _ in range(3)]
-    torch.library.opcheck(torch.ops.cfbnn.relu_moments_backward.default, (mean.detach(), std.detach(), phi, *grads))
+    torch.library.opcheck(
+        torch.ops.cfbnn.relu_family_moments_backward.default, (mean.detach(), std.detach(), phi, *grads, 0, 0.0, False)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cpu_from_variance_operator_matches_quadrature(quadrature, dtype):
-    """cfbnn::relu_moments_from_variance on the variances std^2 of the same grid, against the same
+    """cfbnn::relu_family_moments from_variance (ReLU) on the variances std^2 of the same grid, against the same
     quadrature and tolerances; a variance of 0 is floored at the dtype's smallest normal number,
     so there the moments are those at std = sqrt(floor) (what keeps the gradient finite)."""
     mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
     variance = torch.tensor([p[1] for p in POINTS], dtype=torch.float64).square().to(dtype)
-    values = torch.ops.cfbnn.relu_moments_from_variance(mean, variance)
+    values = torch.ops.cfbnn.relu_family_moments(mean, variance, 0, 0.0, True)
     assert all(v.dtype == dtype for v in values)
     positive = [i for i, p in enumerate(POINTS) if p[1] > 0]
     assert (
@@ -68,7 +77,7 @@ def test_cpu_from_variance_operator_matches_quadrature(quadrature, dtype):
     )
     zero = [i for i, p in enumerate(POINTS) if p[1] == 0]
     floored = torch.full((len(zero),), torch.finfo(dtype).tiny, dtype=dtype).sqrt()
-    for got, want in zip(values, torch.ops.cfbnn.relu_moments(mean[zero], floored)):
+    for got, want in zip(values, torch.ops.cfbnn.relu_family_moments(mean[zero], floored, 0, 0.0, False)):
         torch.testing.assert_close(got[zero], want, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=0.0)
 
 
@@ -77,15 +86,18 @@ def test_opcheck_cpu_from_variance(dtype):
     g = torch.Generator().manual_seed(4)
     mean = (torch.randn(40, 7, generator=g, dtype=dtype) * 4).requires_grad_()
     variance = (torch.rand(40, 7, generator=g, dtype=dtype) * 3 + 0.01).requires_grad_()
-    torch.library.opcheck(torch.ops.cfbnn.relu_moments_from_variance.default, (mean, variance))
+    torch.library.opcheck(torch.ops.cfbnn.relu_family_moments.default, (mean, variance, 0, 0.0, True))
     grads = [torch.randn(40, 7, generator=g, dtype=dtype) for _ in range(3)]
     torch.library.opcheck(
-        torch.ops.cfbnn.relu_moments_from_variance_backward.default,
+        torch.ops.cfbnn.relu_family_moments_backward.default,
         (
             mean.detach(),
             variance.detach(),
-            torch.ops.cfbnn.relu_moments_from_variance(mean, variance)[0].detach(),
+            torch.ops.cfbnn.relu_family_moments(mean, variance, 0, 0.0, True)[0].detach(),
             *grads,
+            0,
+            0.0,
+            True,
         ),
     )
 
@@ -94,11 +106,16 @@ def test_from_variance_gradients_match_finite_differences_and_the_std_operator()
     g = torch.Generator().manual_seed(5)
     mean = (torch.randn(6, 5, generator=g, dtype=torch.float64) * 3).requires_grad_()
     variance = (torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05).requires_grad_()
-    assert torch.autograd.gradcheck(torch.ops.cfbnn.relu_moments_from_variance, (mean, variance))
-    assert torch.autograd.gradgradcheck(torch.ops.cfbnn.relu_moments_from_variance, (mean, variance))
-    # the same values as relu_moments at std = sqrt(variance)
+    assert torch.autograd.gradcheck(
+        lambda m, v: torch.ops.cfbnn.relu_family_moments(m, v, 0, 0.0, True), (mean, variance)
+    )
+    assert torch.autograd.gradgradcheck(
+        lambda m, v: torch.ops.cfbnn.relu_family_moments(m, v, 0, 0.0, True), (mean, variance)
+    )
+    # the same values as from the standard deviations std = sqrt(variance)
     for got, want in zip(
-        torch.ops.cfbnn.relu_moments_from_variance(mean, variance), torch.ops.cfbnn.relu_moments(mean, variance.sqrt())
+        torch.ops.cfbnn.relu_family_moments(mean, variance, 0, 0.0, True),
+        torch.ops.cfbnn.relu_family_moments(mean, variance.sqrt(), 0, 0.0, False),
     ):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)  # (sqrt taken in or out of the kernel)
 
@@ -156,36 +173,40 @@ def test_bad_kl_inputs_name_the_problem():
 def test_opcheck_cuda(dtype):
     mean = (torch.randn(300, 9, dtype=dtype, device="cuda") * 4).requires_grad_()
     std = (torch.rand(300, 9, dtype=dtype, device="cuda") * 2).requires_grad_()
-    torch.library.opcheck(torch.ops.cfbnn.relu_moments.default, (mean, std))
+    torch.library.opcheck(torch.ops.cfbnn.relu_family_moments.default, (mean, std, 0, 0.0, False))
 
 
 def test_gradients_match_finite_differences_and_double_backward():
     g = torch.Generator().manual_seed(1)
     mean = (torch.randn(6, 5, generator=g, dtype=torch.float64) * 3).requires_grad_()
     std = (torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05).requires_grad_()
-    assert torch.autograd.gradcheck(torch.ops.cfbnn.relu_moments, (mean, std))
-    assert torch.autograd.gradgradcheck(torch.ops.cfbnn.relu_moments, (mean, std))
-    assert torch.autograd.gradcheck(ops.relu_moments_function, (mean, std))
+    assert torch.autograd.gradcheck(lambda m, s: torch.ops.cfbnn.relu_family_moments(m, s, 0, 0.0, False), (mean, std))
+    assert torch.autograd.gradgradcheck(
+        lambda m, s: torch.ops.cfbnn.relu_family_moments(m, s, 0, 0.0, False), (mean, std)
+    )
+    assert torch.autograd.gradcheck(relu_moments_function, (mean, std))
     # the function's backward under create_graph is the kernel (operator_registration.KernelVJP), differentiable again
-    assert torch.autograd.gradgradcheck(ops.relu_moments_function, (mean, std))
+    assert torch.autograd.gradgradcheck(relu_moments_function, (mean, std))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_backward_operator_reads_broadcast_gradients_as_their_dense_copies(dtype):
-    """``cfbnn::relu_moments_backward`` takes a gradient expanded from one value (what ``sum()``'s
+    """``cfbnn::relu_family_moments_backward`` takes a gradient expanded from one value (what ``sum()``'s
     backward hands over; an expanded zero for an unused output) without materializing it: the
     result must be bit for bit what the dense copies give, 0 and -0 and a non-zero value alike, on
     a length that leaves a partial kernel block."""
     g = torch.Generator().manual_seed(3)
     mean = torch.randn(37, 29, generator=g, dtype=dtype) * 3
     std = torch.rand(37, 29, generator=g, dtype=dtype) + 0.05
-    phi = torch.ops.cfbnn.relu_moments(mean, std)[0]
+    phi = torch.ops.cfbnn.relu_family_moments(mean, std, 0, 0.0, False)[0]
     dense = torch.randn(37, 29, generator=g, dtype=dtype)
     for value in (0.0, -0.0, 1.5):
         broadcast = torch.tensor(value, dtype=dtype).expand(mean.shape)
         for grads in ((broadcast, broadcast, broadcast), (dense, broadcast, broadcast), (broadcast, dense, dense)):
-            got = torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *grads)
-            want = torch.ops.cfbnn.relu_moments_backward(mean, std, phi, *(t.contiguous() for t in grads))
+            got = torch.ops.cfbnn.relu_family_moments_backward(mean, std, phi, *grads, 0, 0.0, False)
+            want = torch.ops.cfbnn.relu_family_moments_backward(
+                mean, std, phi, *(t.contiguous() for t in grads), 0, 0.0, False
+            )
             for a, b in zip(got, want):
                 assert torch.equal(a, b), (value, [t.stride() for t in grads])
 
@@ -198,29 +219,36 @@ def test_unused_outputs_take_no_gradient_and_match_the_reference():
     std = torch.rand(50, 8, generator=g, dtype=torch.float64) + 0.1
     m0, s0 = mean.clone().requires_grad_(), std.clone().requires_grad_()
     get_activation("relu")._reference_moments(m0, s0)[0].sum().backward()
-    for function in (torch.ops.cfbnn.relu_moments, ops.relu_moments_function):
+    for function in (lambda m, s: torch.ops.cfbnn.relu_family_moments(m, s, 0, 0.0, False), relu_moments_function):
         m, s = mean.clone().requires_grad_(), std.clone().requires_grad_()
         function(m, s)[0].sum().backward()
         torch.testing.assert_close(m.grad, m0.grad, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(s.grad, s0.grad, rtol=1e-12, atol=1e-14)
 
 
-MOMENTS_OPERATORS = {  # operator, its extra arguments, the reference path's (Phi, Upsilon, Var)
-    "relu_moments": ((), get_activation("relu")._reference_moments),
-    "leaky_relu_moments": ((0.1,), get_activation("leaky_relu", negative_slope=0.1)._reference_moments),
-    "relu_moments_from_variance": ((), ops.reference_from_variance),
-    "relu_squared_moments": ((), get_activation("relu_squared")._reference_moments),
+def _from_variance(activation, slope):
+    """The reference path's moments of the member from the variances (autograd through the root)."""
+    return lambda m, v: get_activation(*activation, **slope)._reference_moments(m, v.sqrt())
+
+
+MOMENTS_OPERATORS = {  # the operator's (activation, negative_slope, from_variance), the reference path's moments
+    "relu": ((0, 0.0, False), get_activation("relu")._reference_moments),
+    "leaky_relu": ((1, 0.1, False), get_activation("leaky_relu", negative_slope=0.1)._reference_moments),
+    "relu_squared": ((2, 0.0, False), get_activation("relu_squared")._reference_moments),
+    "relu_from_variance": ((0, 0.0, True), _from_variance(("relu",), {})),
+    "leaky_relu_from_variance": ((1, -0.3, True), _from_variance(("leaky_relu",), {"negative_slope": -0.3})),
+    "relu_squared_from_variance": ((2, 0.0, True), _from_variance(("relu_squared",), {})),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MOMENTS_OPERATORS))
 def test_cpu_autograd_is_one_cpp_node_with_the_reference_gradients(name):
-    """On the CPU the moments operators' autograd is the C++ library's (csrc/cfbnn_ops.cpp:
+    """On the CPU the family operator's autograd, for each member and either spread, is the C++ library's (csrc/cfbnn_ops.cpp:
     MomentsAutograd, registered for AutogradCPU): one node, whose gradients -- every output used
     or one, far tails included -- and second derivatives (create_graph through the backward
     operator's own derivative) are the reference path's autograd's, float64."""
     assert kernel_library.load_kernels() is not None and kernel_library.cpu_operators_registered()
-    operator = getattr(torch.ops.cfbnn, name)
+    operator = torch.ops.cfbnn.relu_family_moments
     extra, reference = MOMENTS_OPERATORS[name]
     g = torch.Generator().manual_seed(5)
     mean = torch.randn(30, 6, generator=g, dtype=torch.float64) * 3
@@ -252,7 +280,7 @@ def test_torch_func_grad_and_vmap_through_the_function():
     std = torch.rand(4, 10, generator=g, dtype=torch.float64) + 0.1
 
     def total(m, s):
-        phi, ups, var = ops.relu_moments_function(m, s)
+        phi, ups, var = relu_moments_function(m, s)
         return (phi + 0.5 * ups - var).sum()
 
     batched = torch.func.vmap(torch.func.grad(total, argnums=(0, 1)))(mean, std)
@@ -272,7 +300,7 @@ def test_operators_compile_without_graph_breaks():
 
     @torch.compile(fullgraph=True, backend="aot_eager")
     def f(m, s):
-        phi, ups, _ = torch.ops.cfbnn.relu_moments(m, s)
+        phi, ups, _ = torch.ops.cfbnn.relu_family_moments(m, s, 0, 0.0, False)
         return (phi * ups).sum()
 
     m = torch.randn(30, requires_grad=True)
@@ -286,9 +314,9 @@ def test_operators_compile_without_graph_breaks():
 
 def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="shape"):
-        torch.ops.cfbnn.relu_moments(torch.zeros(3), torch.ones(4))
+        torch.ops.cfbnn.relu_family_moments(torch.zeros(3), torch.ones(4), 0, 0.0, False)
     with pytest.raises(ValueError, match="dtype"):
-        torch.ops.cfbnn.relu_moments(torch.zeros(3, dtype=torch.float64), torch.ones(3))
+        torch.ops.cfbnn.relu_family_moments(torch.zeros(3, dtype=torch.float64), torch.ones(3), 0, 0.0, False)
 
 
 # ----------------------------------------------------------------------------- Triton, interpreted
@@ -332,7 +360,7 @@ def test_cuda_triton_kernels_match_the_same_references():
 def test_cuda_operator_matches_quadrature(quadrature, dtype):
     mean = torch.tensor([p[0] for p in POINTS], dtype=dtype, device="cuda")
     std = torch.tensor([p[1] for p in POINTS], dtype=dtype, device="cuda")
-    values = [v.cpu() for v in torch.ops.cfbnn.relu_moments(mean, std)]
+    values = [v.cpu() for v in torch.ops.cfbnn.relu_family_moments(mean, std, 0, 0.0, False)]
     assert worst_error(values, quadrature, POINTS, dtype) <= 1.0
 
 
@@ -342,15 +370,18 @@ def test_opcheck_cuda_from_variance(dtype):
     g = torch.Generator().manual_seed(6)
     mean = (torch.randn(40, 7, generator=g, dtype=dtype) * 4).cuda().requires_grad_()
     variance = (torch.rand(40, 7, generator=g, dtype=dtype) * 3 + 0.01).cuda().requires_grad_()
-    torch.library.opcheck(torch.ops.cfbnn.relu_moments_from_variance.default, (mean, variance))
+    torch.library.opcheck(torch.ops.cfbnn.relu_family_moments.default, (mean, variance, 0, 0.0, True))
     grads = [torch.randn(40, 7, generator=g, dtype=dtype).cuda() for _ in range(3)]
     torch.library.opcheck(
-        torch.ops.cfbnn.relu_moments_from_variance_backward.default,
+        torch.ops.cfbnn.relu_family_moments_backward.default,
         (
             mean.detach(),
             variance.detach(),
-            torch.ops.cfbnn.relu_moments_from_variance(mean, variance)[0].detach(),
+            torch.ops.cfbnn.relu_family_moments(mean, variance, 0, 0.0, True)[0].detach(),
             *grads,
+            0,
+            0.0,
+            True,
         ),
     )
 

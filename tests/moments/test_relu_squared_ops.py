@@ -1,4 +1,4 @@
-"""``cfbnn::relu_squared_moments`` and its backward: opcheck, the CPU kernel's values against
+"""``cfbnn::relu_family_moments`` for ReLU^2 (activation 2) and its backward: opcheck, the CPU kernel's values against
 quadrature (the independent reference), gradients to the second order, broadcast gradients,
 torch.func, the route ``ReLUSquared.moments`` takes. The Triton kernels are checked against the
 same references under the interpreter and on CUDA (triton_check.relu_squared_errors, through
@@ -10,7 +10,7 @@ import pytest
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import family_ops, fast_path, get_activation, kernel_library
+from cfbnn_cli.moments import fast_path, get_activation, kernel_library, ops
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,7 +23,7 @@ def _library():
 def test_cpu_operator_matches_quadrature(dtype):
     mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
     std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
-    values = torch.ops.cfbnn.relu_squared_moments(mean, std)
+    values = torch.ops.cfbnn.relu_family_moments(mean, std, 2, 0.0, False)
     assert all(v.dtype == dtype for v in values)
     assert worst_error(values, _quadrature(POINTS, "relu_squared"), POINTS, dtype) <= 1.0
 
@@ -33,11 +33,11 @@ def test_opcheck_cpu(dtype):
     g = torch.Generator().manual_seed(0)
     mean = (torch.randn(40, 7, generator=g, dtype=dtype) * 4).requires_grad_()
     std = (torch.rand(40, 7, generator=g, dtype=dtype) * 2).requires_grad_()
-    torch.library.opcheck(torch.ops.cfbnn.relu_squared_moments.default, (mean, std))
-    phi = torch.ops.cfbnn.relu_squared_moments(mean.detach(), std.detach())[0]
+    torch.library.opcheck(torch.ops.cfbnn.relu_family_moments.default, (mean, std, 2, 0.0, False))
+    phi = torch.ops.cfbnn.relu_family_moments(mean.detach(), std.detach(), 2, 0.0, False)[0]
     grads = [torch.randn(40, 7, generator=g, dtype=dtype) for _ in range(3)]
     torch.library.opcheck(
-        torch.ops.cfbnn.relu_squared_moments_backward.default, (mean.detach(), std.detach(), phi, *grads)
+        torch.ops.cfbnn.relu_family_moments_backward.default, (mean.detach(), std.detach(), phi, *grads, 2, 0.0, False)
     )
 
 
@@ -46,14 +46,17 @@ def test_opcheck_cpu(dtype):
 def test_opcheck_cuda(dtype):
     mean = (torch.randn(300, 9, dtype=dtype, device="cuda") * 4).requires_grad_()
     std = (torch.rand(300, 9, dtype=dtype, device="cuda") * 2).requires_grad_()
-    torch.library.opcheck(torch.ops.cfbnn.relu_squared_moments.default, (mean, std))
+    torch.library.opcheck(torch.ops.cfbnn.relu_family_moments.default, (mean, std, 2, 0.0, False))
 
 
 def test_gradients_match_finite_differences_to_the_second_order():
     g = torch.Generator().manual_seed(1)
     mean = (torch.randn(6, 5, generator=g, dtype=torch.float64) * 3).requires_grad_()
     std = (torch.rand(6, 5, generator=g, dtype=torch.float64) + 0.05).requires_grad_()
-    for function in (torch.ops.cfbnn.relu_squared_moments, family_ops.relu_squared_moments_function):
+    for function in (
+        lambda m, s: torch.ops.cfbnn.relu_family_moments(m, s, 2, 0.0, False),
+        lambda m, s: ops.family_moments_function(m, s, 2),
+    ):
         assert torch.autograd.gradcheck(function, (mean, std))
         assert torch.autograd.gradgradcheck(function, (mean, std))
 
@@ -65,13 +68,15 @@ def test_backward_reads_broadcast_gradients_as_their_dense_copies(dtype):
     g = torch.Generator().manual_seed(3)
     mean = torch.randn(37, 29, generator=g, dtype=dtype) * 3
     std = torch.rand(37, 29, generator=g, dtype=dtype) + 0.05
-    phi = torch.ops.cfbnn.relu_squared_moments(mean, std)[0]
+    phi = torch.ops.cfbnn.relu_family_moments(mean, std, 2, 0.0, False)[0]
     dense = torch.randn(37, 29, generator=g, dtype=dtype)
     for value in (0.0, 1.5):
         broadcast = torch.tensor(value, dtype=dtype).expand(mean.shape)
         for grads in ((broadcast, broadcast, broadcast), (dense, broadcast, dense)):
-            got = torch.ops.cfbnn.relu_squared_moments_backward(mean, std, phi, *grads)
-            want = torch.ops.cfbnn.relu_squared_moments_backward(mean, std, phi, *(t.contiguous() for t in grads))
+            got = torch.ops.cfbnn.relu_family_moments_backward(mean, std, phi, *grads, 2, 0.0, False)
+            want = torch.ops.cfbnn.relu_family_moments_backward(
+                mean, std, phi, *(t.contiguous() for t in grads), 2, 0.0, False
+            )
             assert all(torch.equal(a, b) for a, b in zip(got, want)), value
 
 
@@ -117,16 +122,16 @@ def test_the_cpu_moments_take_the_operator_with_the_reference_values():
 
 
 def test_bad_inputs_name_the_operator():
-    with pytest.raises(ValueError, match="relu_squared_moments"):
-        torch.ops.cfbnn.relu_squared_moments(torch.zeros(3), torch.ones(4))
-    with pytest.raises(ValueError, match="relu_squared_moments"):
-        torch.ops.cfbnn.relu_squared_moments(torch.zeros(3), torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="relu_family_moments"):
+        torch.ops.cfbnn.relu_family_moments(torch.zeros(3), torch.ones(4), 2, 0.0, False)
+    with pytest.raises(ValueError, match="relu_family_moments"):
+        torch.ops.cfbnn.relu_family_moments(torch.zeros(3), torch.ones(3, dtype=torch.float64), 2, 0.0, False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_cuda_moments_take_the_operator_and_match_the_cpu(dtype, rtol):
-    """On CUDA ``ReLUSquared.moments`` runs cfbnn::relu_squared_moments (Triton): the CPU
+    """On CUDA ``ReLUSquared.moments`` runs cfbnn::relu_family_moments (Triton): the CPU
     kernels' values and gradients."""
     activation = get_activation("relu_squared")
     g = torch.Generator().manual_seed(5)
@@ -139,7 +144,7 @@ def test_cuda_moments_take_the_operator_and_match_the_cpu(dtype, rtol):
         m, s = (t.detach().to(device, copy=True).requires_grad_() for t in (mean, std))
         phi, ups, var = activation.moments(m, s, return_variance=True)
         # the CPU's C++ autograd node; on CUDA the operator's Python autograd registration
-        assert ("MomentsAutograd" if device == "cpu" else "cfbnn_relu_squared_moments") in phi.grad_fn.name()
+        assert ("MomentsAutograd" if device == "cpu" else "cfbnn_relu_family_moments") in phi.grad_fn.name()
         (phi.sum() + 0.5 * ups.sum() - var.sum()).backward()
         results.append([t.detach().cpu() for t in (phi, ups, var, m.grad, s.grad)])
     for got, want in zip(results[1], results[0]):

@@ -114,7 +114,9 @@ def test_bad_inputs_name_the_problem():
         torch.ops.cfbnn.relu_tail(mean, variance.float(), *weights)
     rows = [torch.zeros(4, dtype=torch.float64)] * 2
     for activation in (3, -1):  # the C++ kernels' check, and the Python reference's (no library needed)
-        with pytest.raises(ValueError, match=r"`activation` must be 0 \(ReLU\), 1 \(leaky ReLU\) or 2"):
+        with pytest.raises(
+            ValueError, match=rf"`activation` must be one of the ReLU family's members 0 \.\. 2 .*; got {activation}"
+        ):
             torch.ops.cfbnn.relu_tail(mean, variance, *weights, activation)
         with pytest.raises(ValueError, match="`activation` must be"):
             torch.ops.cfbnn.relu_tail_backward(mean, variance, *weights, *rows, activation)

@@ -68,15 +68,16 @@ def leaf(t):
 def small_tail_reference(mean, std):
     """ReLU's ``(Phi, Upsilon, Var)`` in float64 from the small tail (leaky ReLU's reference ops at
     slope 0), without autograd."""
-    from cfbnn_cli.moments import family_ops
+    from cfbnn_cli.moments.relu_family import reference_moments
 
     with torch.no_grad():
-        return family_ops.leaky_reference_forward(mean.detach().double(), std.detach().double(), 0.0)
+        return reference_moments(mean.detach().double(), std.detach().double(), 1, 0.0)
 
 
 def elementwise_errors(dtype) -> dict:
     """Each elementwise kernel's worst value and gradient errors on the grid, in tolerances."""
-    from cfbnn_cli.moments import family_ops, ops, relu_mean_ops
+    from cfbnn_cli.moments import ops, relu_mean_ops
+    from cfbnn_cli.moments.relu_family import reference_moments
     from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
     mean, std = grid(dtype)
@@ -103,8 +104,8 @@ def elementwise_errors(dtype) -> dict:
     # digits out in the tail, where ReLUMomentsReference's lose some, 3.6e-9 at t = -20), the
     # gradients against ReLUMomentsReference's autograd (as triton_check.py)
     m64, s64 = (leaf(t) for t in (mean, std))
-    got = ops.triton_relu_moments(mean, std)
-    backward = ops.triton_relu_moments_backward(mean, std, got[0], *grads)
+    got = ops.launch_moments(mean, std, 0)
+    backward = ops.launch_moments_backward(mean, std, got[0], grads, 0)
     values = small_tail_reference(m64, s64)
     record("relu", got, ReLUMomentsReference.apply(m64, s64)[:3], backward, (m64, s64), values)
     alone = relu_mean_ops.triton_relu_mean(mean, std)
@@ -112,8 +113,8 @@ def elementwise_errors(dtype) -> dict:
 
     variance = std.double().square().to(dtype)
     m64, v64 = (leaf(t) for t in (mean, variance))
-    got = ops.triton_relu_moments_from_variance(mean, variance)
-    backward = ops.triton_relu_moments_from_variance_backward(mean, variance, got[0], *grads)
+    got = ops.launch_moments(mean, variance, 0, from_variance=True)
+    backward = ops.launch_moments_backward(mean, variance, got[0], grads, 0, from_variance=True)
     want = ReLUMomentsReference.apply(m64, v64.sqrt())[:3]
     values = small_tail_reference(m64, v64.sqrt())
     positive = variance > 0  # (a variance of 0 is floored)
@@ -122,9 +123,9 @@ def elementwise_errors(dtype) -> dict:
     for slope in SLOPES:
         m64, s64 = (leaf(t) for t in (mean, std))
         # the reference's slope as the kernels read it (float32 inputs: the float32 slope)
-        want = family_ops.leaky_reference_forward(m64, s64, float(torch.tensor(slope, dtype=dtype)))
-        got = family_ops.triton_leaky_relu_moments(mean, std, slope)
-        backward = family_ops.triton_leaky_relu_moments_backward(mean, std, got[0], *grads, slope)
+        want = reference_moments(m64, s64, 1, float(torch.tensor(slope, dtype=dtype)))
+        got = ops.launch_moments(mean, std, 1, slope)
+        backward = ops.launch_moments_backward(mean, std, got[0], grads, 1, slope)
         m, s = mean.double(), std.double()
         e_abs = (
             small_tail_reference(m, s)[0]
@@ -133,9 +134,9 @@ def elementwise_errors(dtype) -> dict:
         record(f"leaky_{slope}", got, want, backward, (m64, s64), None, [e_abs, want[1].detach(), want[2].detach()])
 
     m64, s64 = (leaf(t) for t in (mean, std))
-    want = family_ops.relu_squared_reference_forward(m64, s64)
-    got = family_ops.triton_relu_squared_moments(mean, std)
-    backward = family_ops.triton_relu_squared_moments_backward(mean, std, got[0], *grads)
+    want = reference_moments(m64, s64, 2)
+    got = ops.launch_moments(mean, std, 2)
+    backward = ops.launch_moments_backward(mean, std, got[0], grads, 2)
     record("relu_squared", got, want, backward, (m64, s64))
     return out
 
@@ -245,19 +246,19 @@ std = torch.rand(3, 70, generator=g) + 0.05
 weights = [torch.randn(70, generator=g), torch.rand(70, generator=g), torch.rand(70, generator=g)]
 cfbnn = torch.ops.cfbnn
 cases = [
-    (cfbnn.relu_moments.default, (mean, std)),
-    (cfbnn.relu_moments_from_variance.default, (mean, std.square())),
+    (cfbnn.relu_family_moments.default, (mean, std, 0, 0.0, False)),
+    (cfbnn.relu_family_moments.default, (mean, std.square(), 0, 0.0, True)),
     (cfbnn.relu_mean.default, (mean, std)),
-    (cfbnn.leaky_relu_moments.default, (mean, std, 0.125)),
-    (cfbnn.relu_squared_moments.default, (mean, std)),
+    (cfbnn.relu_family_moments.default, (mean, std, 1, 0.125, False)),
+    (cfbnn.relu_family_moments.default, (mean, std, 2, 0.0, False)),
 ]
 phi, rows = mean.clamp_min(0.0) + std, [torch.randn(3, generator=g), torch.randn(3, generator=g)]
 grads = [torch.randn(3, 70, generator=g) for _ in range(3)]
 cases += [
-    (cfbnn.relu_moments_backward.default, (mean, std, phi, *grads)),
-    (cfbnn.relu_moments_from_variance_backward.default, (mean, std.square(), phi, *grads)),
-    (cfbnn.leaky_relu_moments_backward.default, (mean, std, phi, *grads, -0.5)),
-    (cfbnn.relu_squared_moments_backward.default, (mean, std, phi, *grads)),
+    (cfbnn.relu_family_moments_backward.default, (mean, std, phi, *grads, 0, 0.0, False)),
+    (cfbnn.relu_family_moments_backward.default, (mean, std.square(), phi, *grads, 0, 0.0, True)),
+    (cfbnn.relu_family_moments_backward.default, (mean, std, phi, *grads, 1, -0.5, False)),
+    (cfbnn.relu_family_moments_backward.default, (mean, std, phi, *grads, 2, 0.0, False)),
 ]
 for a, s in ((0, 0.0), (1, -0.5), (2, 0.0)):
     cases.append((cfbnn.relu_tail.default, (mean, std.square(), *weights, a, s)))
@@ -276,6 +277,5 @@ def test_opcheck_float32_under_the_twin(interpreted):
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     calls = json.loads(line[len("RESULT ") :])
-    names = ["relu_moments", "relu_moments_from_variance", "relu_mean", "leaky_relu_moments", "relu_squared_moments"]
-    names += ["relu_tail", "relu_tail_backward"] + [f"{name}_backward" for name in names[:2] + names[3:5]]
+    names = ["relu_family_moments", "relu_family_moments_backward", "relu_mean", "relu_tail", "relu_tail_backward"]
     assert all(calls.get(name, 0) > 0 for name in names), calls

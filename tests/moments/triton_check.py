@@ -15,7 +15,8 @@ import torch
 from prediction_check import assert_prediction_tolerances, prediction_errors
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import elbo_ops, elbo_reference, family_ops, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
+from cfbnn_cli.moments import elbo_ops, elbo_reference, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
+from cfbnn_cli.moments.relu_family import reference_moments
 from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
 
@@ -118,15 +119,13 @@ def leaky_errors(device: str, dtype, generator) -> dict:
     positive = std > 0  # (the reference's autograd has no gradient at std = 0)
     for slope in LEAKY_SLOPES:
         references = _quadrature(POINTS, "leaky_relu", negative_slope=slope)
-        phi, ups, var = family_ops.triton_leaky_relu_moments(mean.to(device), std.to(device), slope)
+        phi, ups, var = ops.launch_moments(mean.to(device), std.to(device), 1, slope)
         values_worst = max(values_worst, worst_error([t.cpu() for t in (phi, ups, var)], references, POINTS, dtype))
         m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))
-        want = family_ops.leaky_reference_forward(
-            m64, s64, slope if dtype == torch.float64 else float(torch.tensor(slope))
-        )
+        want = reference_moments(m64, s64, 1, slope if dtype == torch.float64 else float(torch.tensor(slope)))
         torch.autograd.backward(list(want), [t.double() for t in grads])
-        gm, gs = family_ops.triton_leaky_relu_moments_backward(
-            mean.to(device), std.to(device), phi, *(t.to(device) for t in grads), slope
+        gm, gs = ops.launch_moments_backward(
+            mean.to(device), std.to(device), phi, [t.to(device) for t in grads], 1, slope
         )
         grads_worst = max(
             grads_worst,
@@ -143,13 +142,11 @@ def relu_squared_errors(device: str, dtype, generator) -> dict:
     std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
     grads = [torch.randn(len(POINTS), generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)]
     positive = std > 0  # (the reference's autograd has no gradient at std = 0)
-    phi, ups, var = family_ops.triton_relu_squared_moments(mean.to(device), std.to(device))
+    phi, ups, var = ops.launch_moments(mean.to(device), std.to(device), 2)
     values = worst_error([t.cpu() for t in (phi, ups, var)], _quadrature(POINTS, "relu_squared"), POINTS, dtype)
     m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))
-    torch.autograd.backward(list(family_ops.relu_squared_reference_forward(m64, s64)), [t.double() for t in grads])
-    gm, gs = family_ops.triton_relu_squared_moments_backward(
-        mean.to(device), std.to(device), phi, *(t.to(device) for t in grads)
-    )
+    torch.autograd.backward(list(reference_moments(m64, s64, 2)), [t.double() for t in grads])
+    gm, gs = ops.launch_moments_backward(mean.to(device), std.to(device), phi, [t.to(device) for t in grads], 2)
     grads_worst = max(
         _relative(gm.cpu()[positive], m64.grad[positive]), _relative(gs.cpu()[positive], s64.grad[positive])
     )
@@ -171,7 +168,7 @@ def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
         mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
         std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
         on = lambda t: t.to(device)  # noqa: E731
-        phi, ups, var = ops.triton_relu_moments(on(mean), on(std))
+        phi, ups, var = ops.launch_moments(on(mean), on(std), 0)
         assert phi.dtype == dtype and phi.device.type == torch.device(device).type
         values = [t.cpu() for t in (phi, ups, var)]
         # the backward against the reference path's analytic backward (float64 oracle)
@@ -180,19 +177,21 @@ def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
         m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))  # fresh leaves
         rphi, rups, rvar, *_ = ReLUMomentsReference.apply(m64, s64)
         torch.autograd.backward([rphi, rups, rvar], [t.double() for t in grads])
-        gm, gs = ops.triton_relu_moments_backward(on(mean), on(std), phi, *map(on, grads))
+        gm, gs = ops.launch_moments_backward(on(mean), on(std), phi, list(map(on, grads)), 0)
         out[name] = {
             "values": worst_error(values, references, POINTS, dtype),
             "grads": max(_relative(gm, m64.grad), _relative(gs, s64.grad)),
         }
         # from the variances: the same references; the gradients where std > 0 (at 0 sqrt has none)
         variance = std.double().square().to(dtype)
-        values = [t.cpu() for t in ops.triton_relu_moments_from_variance(on(mean), on(variance))]
+        values = [t.cpu() for t in ops.launch_moments(on(mean), on(variance), 0, from_variance=True)]
         positive = std > 0
         v64, m64 = (t.double().clone().requires_grad_() for t in (variance, mean))
         rphi, rups, rvar, *_ = ReLUMomentsReference.apply(m64, v64.sqrt())
         torch.autograd.backward([rphi, rups, rvar], [t.double() for t in grads])
-        gm, gv = ops.triton_relu_moments_from_variance_backward(on(mean), on(variance), on(values[0]), *map(on, grads))
+        gm, gv = ops.launch_moments_backward(
+            on(mean), on(variance), on(values[0]), list(map(on, grads)), 0, from_variance=True
+        )
         keep = [i for i, p in enumerate(POINTS) if p[1] > 0]  # (a variance of 0 is floored)
         out[name + "_from_variance"] = {
             "values": worst_error(

@@ -36,7 +36,7 @@ from .normal_ell import normal_ell_given_hidden
 from .operator_deep_elbo import deep_normal_elbo as operator_deep_normal_elbo
 from .operator_elbo import normal_elbo as operator_normal_elbo
 from .operator_elbo import normal_ell as operator_normal_ell
-from .operator_elbo import operators_apply, tail_family
+from .operator_elbo import operators_apply
 from .preactivation import (
     diagonal_preactivation,
     diagonal_preactivation_and_kl,
@@ -58,5 +58,4 @@ __all__ = [
     "propagated_preactivation",
     "propagated_preactivation_and_kl",
     "propagated_preactivation_variance",
-    "tail_family",
 ]

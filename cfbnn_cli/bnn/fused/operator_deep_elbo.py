@@ -24,42 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...moments import ops
 from .operator_elbo import RELU, _first_layer, _first_layer_gradients, _tail_and_rows, _tail_backward
 from .support import below_autograd, first_order_only
 
 _cfbnn = torch.ops.cfbnn
-
-
-def _standard_deviation(variance: torch.Tensor) -> torch.Tensor:
-    """The kernels' floored square root (``ops.variance_floor``): a variance of exactly 0 keeps a
-    finite slope, ``d std / d variance = 1 / (2 std)`` at the floor as everywhere."""
-    return variance.clamp(min=ops.variance_floor(variance.dtype)).sqrt_()
-
-
-def hidden_moments(mean, variance, family):
-    """``(Phi, Upsilon, Var, std)`` of the family's activation of ``N(mean, variance)`` elementwise
-    (``std``: what the backward pass needs besides ``mean`` and ``variance``; ``None`` for ReLU,
-    whose operator takes the variance)."""
-    activation, slope = family
-    if activation == RELU[0]:
-        return (*_cfbnn.relu_moments_from_variance(mean, variance), None)
-    std = _standard_deviation(variance)
-    if activation == 1:
-        return (*_cfbnn.leaky_relu_moments(mean, std, slope), std)
-    return (*_cfbnn.relu_squared_moments(mean, std), std)
-
-
-def hidden_moments_backward(mean, variance, std, phi, grad_phi, grad_ups, grad_var, family):
-    """``(d mean, d variance)`` of :func:`hidden_moments` for the gradients of its outputs."""
-    activation, slope = family
-    if activation == RELU[0]:
-        return _cfbnn.relu_moments_from_variance_backward(mean, variance, phi, grad_phi, grad_ups, grad_var)
-    if activation == 1:
-        grad_mean, grad_std = _cfbnn.leaky_relu_moments_backward(mean, std, phi, grad_phi, grad_ups, grad_var, slope)
-    else:
-        grad_mean, grad_std = _cfbnn.relu_squared_moments_backward(mean, std, phi, grad_phi, grad_ups, grad_var)
-    return grad_mean, grad_std.div_(std).mul_(0.5)  # d std / d variance = 1 / (2 std); in place: fresh
 
 
 def _with_ones(values: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -82,13 +50,14 @@ class DeepNormalELBO(torch.autograd.Function):
         propagated = []  # per later hidden layer: its inputs' pre-activations, moments and weights
         hidden_kl = None  # the KL of the layers between the first and the output layer
         for loc, log_scale, bias in zip(locs[1:-1], log_scales[1:-1], biases[1:-1]):
-            phi, ups, var_h, std = hidden_moments(gamma, xi2, family)
+            # the family's moments from the variances: the square root inside the kernel
+            phi, ups, var_h = _cfbnn.relu_family_moments(gamma, xi2, *family, True)
             kl, layer_variance, loc_square = _cfbnn.diagonal_kl_pass(loc, log_scale, prior_variance, True)
             width = phi.shape[1]
             phi_in, ups_in = _with_ones(phi, bias), _with_ones(ups, bias)
             next_gamma = torch.mm(phi_in, loc.t())
             next_xi2 = torch.mm(ups_in, layer_variance.t()).addmm_(var_h, loc_square[:, :width].t())
-            propagated.append((gamma, xi2, std, phi, phi_in, ups_in, var_h, layer_variance, loc_square))
+            propagated.append((gamma, xi2, phi, phi_in, ups_in, var_h, layer_variance, loc_square))
             hidden_kl = kl if hidden_kl is None else hidden_kl + kl
             gamma, xi2 = next_gamma, next_xi2
         elbo, tail = _tail_and_rows(
@@ -106,7 +75,6 @@ class DeepNormalELBO(torch.autograd.Function):
             family,
             any(ctx.needs_input_grad[2:]),  # then the tail pass's backward ahead, at dL/d elbo = 1
         )
-        # (std is None for ReLU, whose operator takes the variance: save_for_backward keeps a None)
         ctx.save_for_backward(inputs, squares_in, variance, *(t for layer in propagated for t in layer), *tail, *locs)
         ctx.layers = len(propagated)
         ctx.biases, ctx.prior_variance, ctx.scale, ctx.family = biases, float(prior_variance), float(scale), family
@@ -118,8 +86,8 @@ class DeepNormalELBO(torch.autograd.Function):
     def backward(ctx, grad):
         saved = ctx.saved_tensors
         inputs, squares_in, first_variance = saved[:3]
-        end = 3 + 9 * ctx.layers
-        propagated = [saved[start : start + 9] for start in range(3, end, 9)]
+        end = 3 + 8 * ctx.layers
+        propagated = [saved[start : start + 8] for start in range(3, end, 8)]
         tail, locs = saved[end : end + 9], saved[end + 9 :]
         pv = ctx.prior_variance
         # with the tail pass's backward taken ahead, every data-term gradient below is at dL/d elbo = 1
@@ -129,7 +97,7 @@ class DeepNormalELBO(torch.autograd.Function):
         )
         grads = [grad_output_loc, grad_output_log_scale]
         for index in range(len(propagated) - 1, -1, -1):
-            gamma, xi2, std, phi, phi_in, ups_in, var_h, variance, loc_square = propagated[index]
+            gamma, xi2, phi, phi_in, ups_in, var_h, variance, loc_square = propagated[index]
             loc, width = locs[index + 1], phi.shape[1]
             grad_loc = torch.mm(grad_gamma.t(), phi_in)
             # d xi2'/d M = 2 M Var: on the weights, not the bias column (its inputs have no variance)
@@ -140,8 +108,8 @@ class DeepNormalELBO(torch.autograd.Function):
             grad_phi = torch.mm(grad_gamma, loc[:, :width])
             grad_ups = torch.mm(grad_xi2, variance[:, :width])
             grad_var = torch.mm(grad_xi2, loc_square[:, :width])
-            grad_gamma, grad_xi2 = hidden_moments_backward(
-                gamma, xi2, std, phi, grad_phi, grad_ups, grad_var, ctx.family
+            grad_gamma, grad_xi2 = _cfbnn.relu_family_moments_backward(
+                gamma, xi2, phi, grad_phi, grad_ups, grad_var, *ctx.family, True
             )
         grads = [
             *_first_layer_gradients(
@@ -155,7 +123,7 @@ class DeepNormalELBO(torch.autograd.Function):
 def deep_normal_elbo(x, y, log_precision, layers, prior_variance: float, scale: float, family=RELU) -> torch.Tensor:
     """The ELBO of :class:`DeepNormalELBO`: ``x`` ``(N, D)``, ``y`` ``(N,)``, ``layers`` the
     network's :class:`~cfbnn_cli.bnn.layers.GaussianMatrix` layers (diagonal q; three or more, the
-    output layer of one row), ``family`` the activation's (:func:`.operator_elbo.tail_family`)."""
+    output layer of one row), ``family`` the activation's (:func:`~cfbnn_cli.moments.activations.family_of`)."""
     parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
     biases = tuple(bool(layer.bias) for layer in layers)
     return DeepNormalELBO.apply(x, y, log_precision, biases, float(prior_variance), float(scale), family, *parameters)

@@ -32,32 +32,21 @@ from __future__ import annotations
 import torch
 
 from ...moments import kernel_library, ops
-from ...moments.activations import LeakyReLU, ReLU, ReLUSquared
+from ...moments.activations import family_of
 from ...moments.gaussian import check_mean_std
-from ...moments.tail_ops import ACTIVATION_KINDS
+from ...moments.relu_family import RELU as _RELU_KIND
 from .support import below_autograd, first_order_only
 
 _cfbnn = torch.ops.cfbnn
 _linear = torch.nn.functional.linear
 
 
-RELU = (ACTIVATION_KINDS["relu"], 0.0)  # a family: (cfbnn::relu_tail's activation, its negative slope)
-
-
-def tail_family(activation):
-    """``(activation, negative_slope)`` of ``cfbnn::relu_tail`` for a ReLU, leaky ReLU or ReLU^2
-    activation; ``None`` for any other (a subclass too: it may change the function)."""
-    kind = type(activation)
-    if kind is ReLU or kind is ReLUSquared:
-        return (ACTIVATION_KINDS[activation.name], 0.0)
-    if kind is LeakyReLU:
-        return (ACTIVATION_KINDS["leaky_relu"], float(activation.negative_slope))
-    return None
+RELU = (_RELU_KIND, 0.0)  # a family: (the family operators' activation, its negative slope)
 
 
 def operators_apply(activation, *tensors: torch.Tensor) -> bool:
     """Whether :func:`normal_elbo` / :func:`normal_ell` (the nodes of this module) take these tensors:
-    a ReLU-family network (:func:`tail_family`), one float dtype on one device, outside torch.func
+    a ReLU-family network (:func:`~cfbnn_cli.moments.activations.family_of`), one float dtype on one device, outside torch.func
     transforms (the nodes have no batching rule; the estimator's layer-by-layer route serves
     ``vmap``). On the CPU that is all: the dispatcher runs the C++ kernels, or the reference kernels
     where the library did not build (the reference path chosen with
@@ -65,7 +54,7 @@ def operators_apply(activation, *tensors: torch.Tensor) -> bool:
     ``torch.compile``, where the operators take their Triton kernels
     (:func:`cfbnn_cli.moments.ops.device_kernels_apply`)."""
     first = tensors[0]
-    if tail_family(activation) is None or first.dtype not in (torch.float32, torch.float64):
+    if family_of(activation) is None or first.dtype not in (torch.float32, torch.float64):
         return False
     if torch._C._are_functorch_transforms_active():
         return False
@@ -262,7 +251,7 @@ class NormalELBO(torch.autograd.Function):
 def normal_elbo(x, y, log_precision, hidden, output, prior_variance: float, scale: float, family=RELU) -> torch.Tensor:
     """The ELBO of :class:`NormalELBO`: ``x`` ``(N, D)``, ``y`` ``(N,)``, ``hidden`` and ``output``
     the two :class:`~cfbnn_cli.bnn.layers.GaussianMatrix` layers (diagonal q; the output layer of
-    one row), ``family`` the activation's (:func:`tail_family`)."""
+    one row), ``family`` the activation's (:func:`~cfbnn_cli.moments.activations.family_of`)."""
     return NormalELBO.apply(
         x,
         y,
@@ -344,7 +333,7 @@ def normal_ell(
     gamma, xi2, loc, log_scale, y, log_precision, bias: bool = True, prior_variance=None, family=RELU, summed=False
 ):
     """``(ELL per point, KL or None)`` of :class:`NormalELL` for pre-activation means and variances
-    ``(..., N, H)`` and targets ``(..., N, 1)``, ``family`` the activation's (:func:`tail_family`).
+    ``(..., N, H)`` and targets ``(..., N, 1)``, ``family`` the activation's (:func:`~cfbnn_cli.moments.activations.family_of`).
     ``summed``: the caller sums the points at once and differentiates only that sum (the ELBO);
     with no leading dimensions the node then takes the tail pass's backward ahead."""
     check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the argument checks activation.moments makes (if on)

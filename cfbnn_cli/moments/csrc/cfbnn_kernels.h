@@ -9,19 +9,12 @@
 #include <stdint.h>
 
 #define CFBNN_KERNEL_DECLARATIONS(T, SUF)                                                                        \
-  void relu_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, T* u0, T* pdf, int nt);     \
+  void family_forward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, T* phi, T* ups, T* var,  \
+                             int nt);                                                                            \
   void relu_mean_##SUF(int64_t n, const T* m, const T* s, T* phi, int nt);                                       \
   int64_t count_negative_##SUF(int64_t n, const T* s, int nt);                                                   \
-  void relu_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps, const T* gu,    \
-                           int gus, const T* gv, int gvs, T* gm, T* gs, int nt);                                 \
-  void leaky_forward_##SUF(int64_t n, const T* m, const T* s, double eps, T* phi, T* ups, T* var, T* pm, T* ps,  \
-                           T* vm, T* vs, int nt);                                                                \
-  void leaky_backward_##SUF(int64_t n, const T* m, const T* s, double eps, const T* phi, const T* gp, int gps,   \
-                            const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt);                   \
-  void relusq_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, T* pm, T* ps, T* vm,      \
-                            T* vs, int nt);                                                                      \
-  void relusq_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps, const T* gu, \
-                             int gus, const T* gv, int gvs, T* gm, T* gs, int nt);                               \
+  void family_backward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, const T* phi, const T* gp, \
+                              int gps, const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt);        \
   void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps, T* op, T* ou,     \
                          T* ov, const T* gp, const T* gu, const T* gv, T* ogm, T* ogv, int64_t w, int nt);        \
   void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl, T* gs, int nt);   \
@@ -49,6 +42,7 @@
                                int nt);
 
 extern "C" {
+int family_size(void);  // the ReLU family's kinds: 0 .. family_size() - 1
 CFBNN_KERNEL_DECLARATIONS(float, f32)
 CFBNN_KERNEL_DECLARATIONS(double, f64)
 }

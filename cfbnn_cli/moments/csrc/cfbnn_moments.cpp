@@ -45,6 +45,7 @@
 #include <string.h>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 #include "cfbnn_kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -62,7 +63,7 @@ __attribute__((simd("notinbranch"))) float expf(float) noexcept;
 }
 #endif
 
-#define CFBNN_ABI 17
+#define CFBNN_ABI 18
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -1958,37 +1959,55 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
   });
 }
 
+/* ---------------------------------------------------------------- the ReLU family's kinds */
+
+/* body(k) with k a compile-time kind of the ReLU family (decltype(k)::value its number, as in
+   cfbnn_cli/moments/relu_family.py: ACTIVATION_KINDS): 0 ReLU, 1 leaky ReLU, 2 ReLU^2. The one list of the kinds in
+   C++: a new member is one more case here, and its moments where act_f32_range, act_f64_range,
+   store_outputs and variance_gradients branch on the kind. The operators check the kind first (family_size). */
+static const int FAMILY_SIZE = 3;
+template <typename F>
+INLINE void by_kind(int kind, F&& body) {
+  switch (kind) {
+    case 0: body(std::integral_constant<int, 0>{}); break;
+    case 1: body(std::integral_constant<int, 1>{}); break;
+    default: body(std::integral_constant<int, 2>{}); break;
+  }
+}
+extern "C" int family_size(void) { return FAMILY_SIZE; }
+
+/* A member's backward: from the four partials its forward computes (act_backward); ReLU's from
+   its own Gaussian factors (relu_backward), the overload taken for kind 0. */
+template <typename T, int KIND>
+static void family_backward(std::integral_constant<int, KIND>, int64_t n, const T* m, const T* s, double eps,
+                            const T* phi, const T* gp, int gps, const T* gu, int gus, const T* gv, int gvs, T* gm,
+                            T* gs, int nt) {
+  act_backward<T, KIND>(n, m, s, eps, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);
+}
+template <typename T>
+static void family_backward(std::integral_constant<int, 0>, int64_t n, const T* m, const T* s, double, const T* phi,
+                            const T* gp, int gps, const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt) {
+  relu_backward<T>(n, m, s, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);
+}
+
 /* ---------------------------------------------------------------- C entry points */
 
 #define BOTH(MACRO) MACRO(float, f32) MACRO(double, f64)
 
 #define ACT_ENTRIES(T, SUF)                                                                                      \
-  extern "C" void relu_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, T* u0, T* pdf,  \
-                                     int nt) {                                                                   \
-    act_forward<T, 0>(n, m, s, 0.0, phi, ups, var, u0, pdf, nullptr, nullptr, nt, false);                        \
+  extern "C" void family_forward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, T* phi, T* ups,  \
+                                       T* var, int nt) {                                                         \
+    by_kind(kind, [&](auto k) {                                                                                  \
+      act_forward<T, decltype(k)::value>(n, m, s, eps, phi, ups, var, nullptr, nullptr, nullptr, nullptr, nt, false);           \
+    });                                                                                                          \
   }                                                                                                              \
   extern "C" void relu_mean_##SUF(int64_t n, const T* m, const T* s, T* phi, int nt) {                          \
     act_forward<T, 0>(n, m, s, 0.0, phi, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nt, true);        \
   }                                                                                                              \
-  extern "C" void leaky_forward_##SUF(int64_t n, const T* m, const T* s, double eps, T* phi, T* ups, T* var,    \
-                                      T* pm, T* ps, T* vm, T* vs, int nt) {                                      \
-    act_forward<T, 1>(n, m, s, eps, phi, ups, var, pm, ps, vm, vs, nt, false);                                   \
-  }                                                                                                              \
-  extern "C" void relusq_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, T* pm, T* ps, \
-                                       T* vm, T* vs, int nt) {                                                   \
-    act_forward<T, 2>(n, m, s, 0.0, phi, ups, var, pm, ps, vm, vs, nt, false);                                   \
-  }                                                                                                              \
-  extern "C" void leaky_backward_##SUF(int64_t n, const T* m, const T* s, double eps, const T* phi, const T* gp,  \
-                                       int gps, const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt) { \
-    act_backward<T, 1>(n, m, s, eps, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);                                 \
-  }                                                                                                              \
-  extern "C" void relusq_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps,   \
-                                        const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt) {      \
-    act_backward<T, 2>(n, m, s, 0.0, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);                                 \
-  }                                                                                                              \
-  extern "C" void relu_backward_##SUF(int64_t n, const T* m, const T* s, const T* phi, const T* gp, int gps,    \
-                                      const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs, int nt) {        \
-    relu_backward<T>(n, m, s, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);                                       \
+  extern "C" void family_backward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, const T* phi,   \
+                                        const T* gp, int gps, const T* gu, int gus, const T* gv, int gvs, T* gm, \
+                                        T* gs, int nt) {                                                         \
+    by_kind(kind, [&](auto k) { family_backward<T>(k, n, m, s, eps, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt); }); \
   }                                                                                                              \
   extern "C" void partials_backward_##SUF(int64_t n, const T* phi, const T* pm, const T* ps, const T* vm,       \
                                           const T* vs, const T* gp, int gps, const T* gu, int gus, const T* gv,  \
@@ -2003,15 +2022,16 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
                                   double eps, const T* wp, const T* wv, const T* wu, const T* ru, const T* rk,   \
                                   const T* y, double mb, double uu, double ku, T* om, T* osp, T* ogm, T* ogs,    \
                                   double* ocols, int nt) {                                                       \
-    auto pass = kind == 0 ? tail_pass<T, 0> : (kind == 1 ? tail_pass<T, 1> : tail_pass<T, 2>);                  \
-    pass(mode, rows, H, m, s, eps, wp, wv, wu, ru, rk, y, mb, uu, ku, om, osp, ogm, ogs, ocols, nt);             \
+    by_kind(kind, [&](auto k) {                                                                                  \
+      tail_pass<T, decltype(k)::value>(mode, rows, H, m, s, eps, wp, wv, wu, ru, rk, y, mb, uu, ku, om, osp, ogm, ogs, ocols, nt); \
+    });                                                                                                          \
   }                                                                                                              \
   extern "C" void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps,       \
                                     T* op, T* ou, T* ov, const T* gp, const T* gu, const T* gv, T* ogm, T* ogv,   \
                                     int64_t w, int nt) {                                                         \
-    if (kind == 0) hidden_pass<T, 0>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, w, nt);           \
-    else if (kind == 1) hidden_pass<T, 1>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, w, nt);      \
-    else hidden_pass<T, 2>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, w, nt);                     \
+    by_kind(kind, [&](auto k) {                                                                                  \
+      hidden_pass<T, decltype(k)::value>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, w, nt);                      \
+    });                                                                                                          \
   }                                                                                                              \
   extern "C" void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt) {       \
     diag_kl_sums<T>(n, loc, ls, out, var, nt);                                                                   \

@@ -2,8 +2,7 @@
  * dispatcher in C++.
  *
  * The operators' schemas, their CUDA (Triton) kernels and their fake implementations are
- * defined in Python (cfbnn_cli/moments/elbo_ops.py, tail_ops.py, ops.py, leaky_ops.py,
- * relu_squared_ops.py, piecewise_ops.py); this unit gives each its CPU
+ * defined in Python (cfbnn_cli/moments/elbo_ops.py, tail_ops.py, ops.py, piecewise_ops.py, ...); this unit gives each its CPU
  * kernel: argument checks with typed tensors (a wrong dtype or shape raises, it never reaches a
  * kernel as a raw pointer), output allocation, and a call into the kernels of
  * cfbnn_moments.cpp (declared in cfbnn_kernels.h). A call costs a few microseconds of dispatch,
@@ -51,14 +50,10 @@ struct Kernels;
 #define CFBNN_KERNEL_TABLE(T, SUF)                                       \
   template <>                                                            \
   struct Kernels<T> {                                                    \
-    static constexpr auto relu_forward = &relu_forward_##SUF;            \
+    static constexpr auto family_forward = &family_forward_##SUF;        \
     static constexpr auto relu_mean = &relu_mean_##SUF;                  \
     static constexpr auto count_negative = &count_negative_##SUF;        \
-    static constexpr auto relu_backward = &relu_backward_##SUF;          \
-    static constexpr auto leaky_forward = &leaky_forward_##SUF;          \
-    static constexpr auto leaky_backward = &leaky_backward_##SUF;        \
-    static constexpr auto relusq_forward = &relusq_forward_##SUF;        \
-    static constexpr auto relusq_backward = &relusq_backward_##SUF;      \
+    static constexpr auto family_backward = &family_backward_##SUF;      \
     static constexpr auto hidden_pass = &hidden_pass_##SUF;              \
     static constexpr auto diag_kl_backward = &diag_kl_backward_##SUF;    \
     static constexpr auto augment_pair = &augment_pair_##SUF;            \
@@ -79,7 +74,6 @@ CFBNN_KERNEL_TABLE(double, f64)
 const double LOG_2PI = std::log(2.0 * M_PI);
 const double LOG_MAX_DOUBLE = std::log(DBL_MAX);
 enum { TAIL_FORWARD = 0, TAIL_BACKWARD = 1, TAIL_AHEAD = 2 };  // tail_pass's modes
-const int RELU_KIND = 0;  // tail_pass's and hidden_pass's activation: 0 ReLU, 1 leaky ReLU, 2 ReLU^2
 
 int threads() { return at::get_num_threads(); }
 
@@ -151,13 +145,6 @@ std::tuple<Tensor, Tensor, Tensor> moments_forward(const char* op, const Tensor&
   return {phi, ups, var};
 }
 
-std::tuple<Tensor, Tensor, Tensor> relu_moments(const Tensor& mean, const Tensor& std_dev) {
-  return moments_forward("relu_moments", mean, std_dev,
-                         [](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u, auto* v) {
-                           Kernels<decltype(zero)>::relu_forward(n, m, s, f, u, v, nullptr, nullptr, threads());
-                         });
-}
-
 /* E[relu(z)] alone: the prediction's moments kernel without Upsilon, Var and the saved factors. */
 Tensor relu_mean(const Tensor& mean_in, const Tensor& std_in) {
   check_operands("relu_mean", mean_in, {&std_in});
@@ -212,62 +199,72 @@ std::tuple<Tensor, Tensor> moments_backward(const char* op, const Tensor& mean_i
   return {grad_mean, grad_std};
 }
 
-/* The backward operator `name` (cfbnn::name) of an activation without parameters (ReLU, ReLU^2):
-   moments_backward with Kernels<T>::kernel, called with every operand as moments_backward hands
-   them over. One definition for the operators whose signature and body differ only in the kernel. */
-#define CFBNN_PARAMETERLESS_MOMENTS_BACKWARD(name, kernel)                                                       \
-  std::tuple<Tensor, Tensor> name(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,                  \
-                                  const Tensor& grad_phi, const Tensor& grad_upsilon,                            \
-                                  const Tensor& grad_variance) {                                                 \
-    return moments_backward(#name, mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,                    \
-                            [](auto zero, int64_t n, const auto* m, const auto* s, const auto* f,                \
-                               const auto* gp, int gps, const auto* gu, int gus, const auto* gv, int gvs,        \
-                               auto* gm, auto* gs) {                                                             \
-                              Kernels<decltype(zero)>::kernel(n, m, s, f, gp, gps, gu, gus, gv, gvs, gm, gs,     \
-                                                              threads());                                        \
-                            });                                                                                  \
-  }
-CFBNN_PARAMETERLESS_MOMENTS_BACKWARD(relu_moments_backward, relu_backward)
-CFBNN_PARAMETERLESS_MOMENTS_BACKWARD(relu_squared_moments_backward, relusq_backward)
-#undef CFBNN_PARAMETERLESS_MOMENTS_BACKWARD
-
 /* The slope as the kernels take it: for float32 tensors the float32 number torch's float32
-   arithmetic multiplies by (cfbnn_cli/moments/kernel_handles.py: slope_for). */
+   arithmetic multiplies by (cfbnn_cli/moments/relu_family.py: slope_for). */
 template <typename T>
 double slope_for(double negative_slope) {
   return sizeof(T) == sizeof(float) ? static_cast<double>(static_cast<float>(negative_slope)) : negative_slope;
 }
 
-std::tuple<Tensor, Tensor, Tensor> leaky_relu_moments(const Tensor& mean, const Tensor& std_dev,
-                                                      double negative_slope) {
-  return moments_forward("leaky_relu_moments", mean, std_dev,
-                         [negative_slope](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u,
-                                          auto* v) {
+/* `activation` one of the ReLU family's kinds (cfbnn_cli/moments/relu_family.py: ACTIVATION_KINDS). */
+void check_activation(const char* op, int64_t activation) {
+  TORCH_CHECK_VALUE(activation >= 0 && activation < family_size(), "cfbnn::", op, ": `activation` must be one of ",
+                    "the ReLU family's members 0 .. ", family_size() - 1, " (cfbnn_cli/moments/relu_family.py); got ",
+                    activation);
+}
+
+/* cfbnn::relu_family_moments: (Phi, Upsilon, Var) of the family's member `activation`, from the
+   standard deviations, or from the variances (from_variance: the square root taken inside, the
+   variance floored at the dtype's smallest normal number). */
+std::tuple<Tensor, Tensor, Tensor> relu_family_moments(const Tensor& mean, const Tensor& spread, int64_t activation,
+                                                       double negative_slope, bool from_variance) {
+  check_activation("relu_family_moments", activation);
+  return moments_forward("relu_family_moments", mean, spread,
+                         [=](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u, auto* v) {
                            using T = decltype(zero);
-                           Kernels<T>::leaky_forward(n, m, s, slope_for<T>(negative_slope), f, u, v, nullptr,
-                                                     nullptr, nullptr, nullptr, threads());
+                           const int kind = static_cast<int>(activation);
+                           const double eps = slope_for<T>(negative_slope);
+                           if (from_variance) {
+                             Kernels<T>::hidden_pass(kind, 0, n, m, s, eps, f, u, v, nullptr, nullptr, nullptr,
+                                                     nullptr, nullptr, 0, threads());
+                           } else {
+                             Kernels<T>::family_forward(kind, n, m, s, eps, f, u, v, threads());
+                           }
                          });
 }
 
-std::tuple<Tensor, Tensor> leaky_relu_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
-                                                       const Tensor& grad_phi, const Tensor& grad_upsilon,
-                                                       const Tensor& grad_variance, double negative_slope) {
-  return moments_backward("leaky_relu_moments_backward", mean, std_dev, phi, grad_phi, grad_upsilon, grad_variance,
-                          [negative_slope](auto zero, int64_t n, const auto* m, const auto* s, const auto* f,
-                                           const auto* gp, int gps, const auto* gu, int gus, const auto* gv, int gvs,
-                                           auto* gm, auto* gs) {
-                            using T = decltype(zero);
-                            Kernels<T>::leaky_backward(n, m, s, slope_for<T>(negative_slope), f, gp, gps, gu, gus,
-                                                       gv, gvs, gm, gs, threads());
-                          });
-}
-
-std::tuple<Tensor, Tensor, Tensor> relu_squared_moments(const Tensor& mean, const Tensor& std_dev) {
-  return moments_forward("relu_squared_moments", mean, std_dev,
-                         [](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u, auto* v) {
-                           Kernels<decltype(zero)>::relusq_forward(n, m, s, f, u, v, nullptr, nullptr, nullptr,
-                                                                    nullptr, threads());
-                         });
+/* Its vector-Jacobian product. From the variances phi is unread (Phi is recomputed from the
+   variance; it is an operand so that every moments operator's backward has one schema) and the
+   output gradients are read dense. */
+std::tuple<Tensor, Tensor> relu_family_moments_backward(const Tensor& mean_in, const Tensor& spread_in,
+                                                        const Tensor& phi_in, const Tensor& grad_phi,
+                                                        const Tensor& grad_upsilon, const Tensor& grad_variance,
+                                                        int64_t activation, double negative_slope,
+                                                        bool from_variance) {
+  const char* op = "relu_family_moments_backward";
+  check_activation(op, activation);
+  const int kind = static_cast<int>(activation);
+  if (!from_variance) {
+    return moments_backward(op, mean_in, spread_in, phi_in, grad_phi, grad_upsilon, grad_variance,
+                            [=](auto zero, int64_t n, const auto* m, const auto* s, const auto* f, const auto* gp,
+                                int gps, const auto* gu, int gus, const auto* gv, int gvs, auto* gm, auto* gs) {
+                              using T = decltype(zero);
+                              Kernels<T>::family_backward(kind, n, m, s, slope_for<T>(negative_slope), f, gp, gps,
+                                                          gu, gus, gv, gvs, gm, gs, threads());
+                            });
+  }
+  check_operands(op, mean_in, {&spread_in, &phi_in, &grad_phi, &grad_upsilon, &grad_variance});
+  const Tensor mean = mean_in.contiguous(), variance = spread_in.contiguous();
+  const Tensor gp = grad_phi.contiguous(), gu = grad_upsilon.contiguous(), gv = grad_variance.contiguous();
+  Tensor grad_mean = at::empty_like(mean), grad_var = at::empty_like(mean);
+  by_dtype(mean, [&](auto zero) {
+    using T = decltype(zero);
+    Kernels<T>::hidden_pass(kind, 1, mean.numel(), mean.data_ptr<T>(), variance.data_ptr<T>(),
+                            slope_for<T>(negative_slope), nullptr, nullptr, nullptr, gp.data_ptr<T>(), gu.data_ptr<T>(),
+                            gv.data_ptr<T>(), grad_mean.data_ptr<T>(), grad_var.data_ptr<T>(), 0, threads());
+    return 0;
+  });
+  return {grad_mean, grad_var};
 }
 
 // ------------------------------------------------------------------------- piecewise polynomials
@@ -415,35 +412,6 @@ std::tuple<Tensor, Tensor> piecewise_moments_backward(const Tensor& mean, const 
         Kernels<T>::partials_backward(n, f, p, p + n, p + 2 * n, p + 3 * n, gp, gps, gu, gus, gv, gvs, gm, gs,
                                       threads());
       });
-}
-
-std::tuple<Tensor, Tensor, Tensor> relu_moments_from_variance(const Tensor& mean, const Tensor& variance) {
-  return moments_forward("relu_moments_from_variance", mean, variance,
-                         [](auto zero, int64_t n, const auto* m, const auto* s, auto* f, auto* u, auto* v) {
-                           Kernels<decltype(zero)>::hidden_pass(RELU_KIND, 0, n, m, s, 0.0, f, u, v, nullptr,
-                                                                 nullptr, nullptr, nullptr, nullptr, 0, threads());
-                         });
-}
-
-/* (phi is unread: Phi is recomputed from the variance; it is an operand so that every moments
-   operator's backward has one schema) */
-std::tuple<Tensor, Tensor> relu_moments_from_variance_backward(const Tensor& mean_in, const Tensor& variance_in,
-                                                               const Tensor& phi_in, const Tensor& grad_phi_in,
-                                                               const Tensor& grad_upsilon_in,
-                                                               const Tensor& grad_variance_in) {
-  check_operands("relu_moments_from_variance_backward", mean_in,
-                 {&variance_in, &phi_in, &grad_phi_in, &grad_upsilon_in, &grad_variance_in});
-  const Tensor mean = mean_in.contiguous(), variance = variance_in.contiguous();
-  const Tensor gp = grad_phi_in.contiguous(), gu = grad_upsilon_in.contiguous(), gv = grad_variance_in.contiguous();
-  Tensor grad_mean = at::empty_like(mean), grad_var = at::empty_like(mean);
-  by_dtype(mean, [&](auto zero) {
-    using T = decltype(zero);
-    Kernels<T>::hidden_pass(RELU_KIND, 1, mean.numel(), mean.data_ptr<T>(), variance.data_ptr<T>(), 0.0, nullptr,
-                            nullptr, nullptr, gp.data_ptr<T>(), gu.data_ptr<T>(), gv.data_ptr<T>(),
-                            grad_mean.data_ptr<T>(), grad_var.data_ptr<T>(), 0, threads());
-    return 0;
-  });
-  return {grad_mean, grad_var};
 }
 
 void check_kl(const char* op, const Tensor& loc, const Tensor& log_scale, double prior_variance) {
@@ -737,11 +705,10 @@ void check_tail(const char* op, const Tensor& mean, const Tensor& variance,
   }
 }
 
-/* The ReLU family's kind for tail_pass: 0 ReLU, 1 leaky ReLU (its slope as the kernels take it,
-   slope_for), 2 ReLU^2. */
+/* The ReLU family's kind for tail_pass (check_activation; a leaky ReLU's slope as the kernels take
+   it, slope_for). */
 int64_t tail_kind(const char* op, int64_t activation) {
-  TORCH_CHECK_VALUE(activation >= 0 && activation <= 2, "cfbnn::", op,
-                    ": `activation` must be 0 (ReLU), 1 (leaky ReLU) or 2 (ReLU^2); got ", activation);
+  check_activation(op, activation);
   return activation;
 }
 
@@ -837,17 +804,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> relu_tail_with_gradients(
    the functions above: under torch.compile or opcheck the tensors are fake, and the dispatcher
    sends them to the fake implementations). */
 enum MomentsKind : int64_t {
-  RELU_MOMENTS = 0,
-  RELU_FROM_VARIANCE = 1,
-  LEAKY_MOMENTS = 2,
-  RELU_SQUARED_MOMENTS = 3,
+  FAMILY_MOMENTS = 0,     // cfbnn::relu_family_moments
   PIECEWISE_MOMENTS = 4,  // the partials recomputed by the backward
   PIECEWISE_SAVING = 5    // the partials saved (cfbnn::piecewise_moments_partials): a gradient is wanted
 };
 
-/* A piecewise polynomial's operator arguments beyond (mean, spread): its table, its breakpoint count
-   and degree, and alpha (the slope's slot: cfbnn::piecewise_moments). Empty for the others. */
-struct PiecewiseArguments {
+/* A moments operator's arguments beyond (mean, spread) and the slope: the ReLU family's member and
+   whether the spread is a variance; a piecewise polynomial's table, its breakpoint count and degree
+   (alpha rides in the slope's slot: cfbnn::piecewise_moments). */
+struct MomentsArguments {
+  int64_t activation = 0;
+  bool from_variance = false;
   Tensor table;
   int64_t breakpoints = 0, degree = 0;
   Tensor partials;  // the saved partial derivatives (PIECEWISE_SAVING), else empty
@@ -863,19 +830,17 @@ c10::OperatorHandle operator_handle(const char* name) {
 }
 
 MomentsOutputs call_moments(int64_t kind, const Tensor& mean, const Tensor& spread, double slope,
-                            PiecewiseArguments& piecewise) {
-  static const auto relu = operator_handle("cfbnn::relu_moments").typed<MomentsOutputs(const Tensor&, const Tensor&)>();
-  static const auto from_variance =
-      operator_handle("cfbnn::relu_moments_from_variance").typed<MomentsOutputs(const Tensor&, const Tensor&)>();
-  static const auto leaky =
-      operator_handle("cfbnn::leaky_relu_moments").typed<MomentsOutputs(const Tensor&, const Tensor&, double)>();
-  static const auto squared =
-      operator_handle("cfbnn::relu_squared_moments").typed<MomentsOutputs(const Tensor&, const Tensor&)>();
+                            MomentsArguments& arguments) {
+  if (kind == FAMILY_MOMENTS) {
+    static const auto family = operator_handle("cfbnn::relu_family_moments")
+                                   .typed<MomentsOutputs(const Tensor&, const Tensor&, int64_t, double, bool)>();
+    return family.call(mean, spread, arguments.activation, slope, arguments.from_variance);
+  }
   if (kind == PIECEWISE_MOMENTS) {
     static const auto engine =
         operator_handle("cfbnn::piecewise_moments")
             .typed<MomentsOutputs(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, double)>();
-    return engine.call(mean, spread, piecewise.table, piecewise.breakpoints, piecewise.degree, slope);
+    return engine.call(mean, spread, arguments.table, arguments.breakpoints, arguments.degree, slope);
   }
   if (kind == PIECEWISE_SAVING) {
     static const auto saving =
@@ -883,51 +848,45 @@ MomentsOutputs call_moments(int64_t kind, const Tensor& mean, const Tensor& spre
             .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t,
                                                               int64_t, double)>();
     auto [phi, ups, var, partials] =
-        saving.call(mean, spread, piecewise.table, piecewise.breakpoints, piecewise.degree, slope);
+        saving.call(mean, spread, arguments.table, arguments.breakpoints, arguments.degree, slope);
     // (undefined where the kernel saves none: decided by dtype and alpha, never by a size, which a
     // traced tensor may not have)
-    if (saves_partials(mean, slope)) piecewise.partials = partials;
+    if (saves_partials(mean, slope)) arguments.partials = partials;
     return {phi, ups, var};
   }
-  if (kind == LEAKY_MOMENTS) return leaky.call(mean, spread, slope);
-  if (kind == RELU_SQUARED_MOMENTS) return squared.call(mean, spread);
-  return (kind == RELU_FROM_VARIANCE ? from_variance : relu).call(mean, spread);
+  TORCH_CHECK(false, "cfbnn: unknown moments kind ", kind);
 }
 
 Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& spread, const Tensor& phi,
                                 const Tensor& gp, const Tensor& gu, const Tensor& gv, double slope,
-                                const PiecewiseArguments& piecewise) {
-  using Six = Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-  static const auto relu = operator_handle("cfbnn::relu_moments_backward").typed<Six>();
-  static const auto from_variance = operator_handle("cfbnn::relu_moments_from_variance_backward").typed<Six>();
-  static const auto leaky =
-      operator_handle("cfbnn::leaky_relu_moments_backward")
-          .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                           double)>();
-  static const auto squared = operator_handle("cfbnn::relu_squared_moments_backward").typed<Six>();
+                                const MomentsArguments& arguments) {
+  if (kind == FAMILY_MOMENTS) {
+    static const auto family =
+        operator_handle("cfbnn::relu_family_moments_backward")
+            .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                             int64_t, double, bool)>();
+    return family.call(mean, spread, phi, gp, gu, gv, arguments.activation, slope, arguments.from_variance);
+  }
   if (piecewise_kind(kind)) {
     static const auto engine =
         operator_handle("cfbnn::piecewise_moments_backward")
             .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                              const Tensor&, int64_t, int64_t, double, const std::optional<Tensor>&)>();
-    const bool saved = piecewise.partials.defined();
-    return engine.call(mean, spread, phi, gp, gu, gv, piecewise.table, piecewise.breakpoints, piecewise.degree, slope,
-                       saved ? std::optional<Tensor>(piecewise.partials) : std::nullopt);
+    const bool saved = arguments.partials.defined();
+    return engine.call(mean, spread, phi, gp, gu, gv, arguments.table, arguments.breakpoints, arguments.degree, slope,
+                       saved ? std::optional<Tensor>(arguments.partials) : std::nullopt);
   }
-  if (kind == LEAKY_MOMENTS) return leaky.call(mean, spread, phi, gp, gu, gv, slope);
-  if (kind == RELU_SQUARED_MOMENTS) return squared.call(mean, spread, phi, gp, gu, gv);
-  if (kind == RELU_FROM_VARIANCE) return from_variance.call(mean, spread, phi, gp, gu, gv);
-  return relu.call(mean, spread, phi, gp, gu, gv);
+  TORCH_CHECK(false, "cfbnn: unknown moments kind ", kind);
 }
 
 /* One autograd node per call: forward the moments operator, backward its backward operator. An
    output nothing used has no gradient (set_materialize_grads(false)): it goes in as one zero,
    expanded, which the kernels read as no gradient (gradient_operand), not as a block of zeros. A
    backward that builds a graph (create_graph, torch.func.grad) calls the backward operator
-   through autograd, whose own derivative is registered in Python (cfbnn_cli/moments/ops.py:
-   differentiable_by_formula); otherwise straight to its kernel. One class for the five
-   operators (the kind, the slope -- a piecewise polynomial's alpha -- and a piecewise polynomial's
-   table ride in the context): each torch::autograd::Function instantiation costs seconds of
+   through autograd, whose own derivative is registered in Python (cfbnn_cli/moments/
+   operator_registration.py: differentiable_by_formula); otherwise straight to its kernel. One class
+   for both families (the kind, the slope -- a piecewise polynomial's alpha -- and the other
+   arguments ride in the context): each torch::autograd::Function instantiation costs seconds of
    compile time. A piecewise polynomial whose gradient will be taken runs
    cfbnn::piecewise_moments_partials instead, and its backward reads the saved partials. */
 class MomentsAutograd : public torch::autograd::Function<MomentsAutograd> {
@@ -935,25 +894,27 @@ class MomentsAutograd : public torch::autograd::Function<MomentsAutograd> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& mean,
                                                 const Tensor& spread, int64_t kind, double slope,
                                                 const std::optional<Tensor>& table, int64_t breakpoints,
-                                                int64_t degree) {
+                                                int64_t degree, int64_t activation, bool from_variance) {
     MomentsOutputs outputs;
-    PiecewiseArguments piecewise{table.value_or(Tensor()), breakpoints, degree, Tensor()};
+    MomentsArguments arguments{activation, from_variance, table.value_or(Tensor()), breakpoints, degree, Tensor()};
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      outputs = call_moments(kind, mean, spread, slope, piecewise);
+      outputs = call_moments(kind, mean, spread, slope, arguments);
     }
     auto& [phi, upsilon, variance] = outputs;
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({mean, spread, phi});
     ctx->saved_data["kind"] = kind;
     ctx->saved_data["slope"] = slope;
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["from_variance"] = from_variance;
     if (piecewise_kind(kind)) {
-      ctx->saved_data["table"] = piecewise.table;
+      ctx->saved_data["table"] = arguments.table;
       ctx->saved_data["breakpoints"] = breakpoints;
       ctx->saved_data["degree"] = degree;
       // (none where nothing was saved: the backward operator then recomputes them)
-      ctx->saved_data["saved_partials"] = piecewise.partials.defined();
-      if (piecewise.partials.defined()) ctx->saved_data["partials"] = piecewise.partials;
+      ctx->saved_data["saved_partials"] = arguments.partials.defined();
+      if (arguments.partials.defined()) ctx->saved_data["partials"] = arguments.partials;
     }
     return {phi, upsilon, variance};
   }
@@ -964,24 +925,27 @@ class MomentsAutograd : public torch::autograd::Function<MomentsAutograd> {
     const Tensor &mean = saved[0], &spread = saved[1], &phi = saved[2];
     const int64_t kind = ctx->saved_data["kind"].toInt();
     const double slope = ctx->saved_data["slope"].toDouble();
-    PiecewiseArguments piecewise;
+    MomentsArguments arguments;
+    arguments.activation = ctx->saved_data["activation"].toInt();
+    arguments.from_variance = ctx->saved_data["from_variance"].toBool();
     if (piecewise_kind(kind)) {
-      piecewise.table = ctx->saved_data["table"].toTensor();
-      piecewise.breakpoints = ctx->saved_data["breakpoints"].toInt();
-      piecewise.degree = ctx->saved_data["degree"].toInt();
-      if (ctx->saved_data["saved_partials"].toBool()) piecewise.partials = ctx->saved_data["partials"].toTensor();
+      arguments.table = ctx->saved_data["table"].toTensor();
+      arguments.breakpoints = ctx->saved_data["breakpoints"].toInt();
+      arguments.degree = ctx->saved_data["degree"].toInt();
+      if (ctx->saved_data["saved_partials"].toBool()) arguments.partials = ctx->saved_data["partials"].toTensor();
     }
     for (Tensor& grad : grads) {
       if (!grad.defined()) grad = at::zeros({}, mean.options()).expand(mean.sizes());
     }
     Gradients result;
     if (at::GradMode::is_enabled()) {
-      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope, piecewise);
+      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope, arguments);
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope, piecewise);
+      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope, arguments);
     }
-    return {std::get<0>(result), std::get<1>(result), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return {std::get<0>(result), std::get<1>(result), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor()};
   }
 };
 
@@ -992,16 +956,10 @@ MomentsOutputs as_outputs(const torch::autograd::variable_list& outputs) {
   return {outputs[0], outputs[1], outputs[2]};
 }
 
-MomentsOutputs relu_moments_autograd(const Tensor& mean, const Tensor& std_dev) {
-  return as_outputs(MomentsAutograd::apply(mean, std_dev, RELU_MOMENTS, 0.0, NO_TABLE, 0, 0));
-}
-
-MomentsOutputs relu_moments_from_variance_autograd(const Tensor& mean, const Tensor& variance) {
-  return as_outputs(MomentsAutograd::apply(mean, variance, RELU_FROM_VARIANCE, 0.0, NO_TABLE, 0, 0));
-}
-
-MomentsOutputs relu_squared_moments_autograd(const Tensor& mean, const Tensor& std_dev) {
-  return as_outputs(MomentsAutograd::apply(mean, std_dev, RELU_SQUARED_MOMENTS, 0.0, NO_TABLE, 0, 0));
+MomentsOutputs relu_family_moments_autograd(const Tensor& mean, const Tensor& spread, int64_t activation,
+                                            double negative_slope, bool from_variance) {
+  return as_outputs(
+      MomentsAutograd::apply(mean, spread, FAMILY_MOMENTS, negative_slope, NO_TABLE, 0, 0, activation, from_variance));
 }
 
 MomentsOutputs piecewise_moments_autograd(const Tensor& mean, const Tensor& std_dev, const Tensor& table,
@@ -1010,12 +968,8 @@ MomentsOutputs piecewise_moments_autograd(const Tensor& mean, const Tensor& std_
   // saving them spares the backward a second one); cfbnn::piecewise_moments alone otherwise
   const bool wanted = at::GradMode::is_enabled() && (mean.requires_grad() || std_dev.requires_grad());
   const int64_t kind = wanted ? PIECEWISE_SAVING : PIECEWISE_MOMENTS;
-  return as_outputs(
-      MomentsAutograd::apply(mean, std_dev, kind, alpha, std::optional<Tensor>(table), breakpoints, degree));
-}
-
-MomentsOutputs leaky_relu_moments_autograd(const Tensor& mean, const Tensor& std_dev, double negative_slope) {
-  return as_outputs(MomentsAutograd::apply(mean, std_dev, LEAKY_MOMENTS, negative_slope, NO_TABLE, 0, 0));
+  return as_outputs(MomentsAutograd::apply(mean, std_dev, kind, alpha, std::optional<Tensor>(table), breakpoints,
+                                           degree, 0, false));
 }
 
 }  // namespace
@@ -1033,7 +987,8 @@ extern "C" double cfbnn_self_test(void) {
     mean[i] = cases[i % 3][0];
     spread[i] = cases[i % 3][1];
   }
-  relu_forward_f64(n, mean.data(), spread.data(), phi.data(), ups.data(), nullptr, nullptr, nullptr, 1);
+  std::vector<double> var(n);
+  family_forward_f64(0, n, mean.data(), spread.data(), 0.0, phi.data(), ups.data(), var.data(), 1);
   double worst = 0.0;
   for (int64_t i = 0; i < n; i++) {
     const double m = mean[i], s = spread[i], t = m / s;
@@ -1054,19 +1009,13 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   static torch::Library* library = nullptr;
   if (library != nullptr) return 0;
   library = new torch::Library(torch::Library::IMPL, "cfbnn", c10::DispatchKey::CPU, __FILE__, __LINE__);
-  library->impl("relu_moments", TORCH_FN(relu_moments));
-  library->impl("relu_moments_backward", TORCH_FN(relu_moments_backward));
+  library->impl("relu_family_moments", TORCH_FN(relu_family_moments));
+  library->impl("relu_family_moments_backward", TORCH_FN(relu_family_moments_backward));
   library->impl("relu_mean", TORCH_FN(relu_mean));
   library->impl("count_negative", TORCH_FN(count_negative));
-  library->impl("leaky_relu_moments", TORCH_FN(leaky_relu_moments));
-  library->impl("leaky_relu_moments_backward", TORCH_FN(leaky_relu_moments_backward));
-  library->impl("relu_squared_moments", TORCH_FN(relu_squared_moments));
-  library->impl("relu_squared_moments_backward", TORCH_FN(relu_squared_moments_backward));
   library->impl("piecewise_moments", TORCH_FN(piecewise_moments));
   library->impl("piecewise_moments_partials", TORCH_FN(piecewise_moments_partials));
   library->impl("piecewise_moments_backward", TORCH_FN(piecewise_moments_backward));
-  library->impl("relu_moments_from_variance", TORCH_FN(relu_moments_from_variance));
-  library->impl("relu_moments_from_variance_backward", TORCH_FN(relu_moments_from_variance_backward));
   library->impl("diagonal_kl", TORCH_FN(diagonal_kl));
   library->impl("diagonal_kl_backward", TORCH_FN(diagonal_kl_backward));
   library->impl("augment_pair", TORCH_FN(augment_pair));
@@ -1084,10 +1033,7 @@ extern "C" int cfbnn_register_cpu_kernels(void) {
   // take the CPU's autograd; CUDA keeps the Python one (its backward launches Triton kernels)
   static torch::Library* autograd = new torch::Library(torch::Library::IMPL, "cfbnn", c10::DispatchKey::AutogradCPU,
                                                         __FILE__, __LINE__);
-  autograd->impl("relu_moments", TORCH_FN(relu_moments_autograd));
-  autograd->impl("relu_moments_from_variance", TORCH_FN(relu_moments_from_variance_autograd));
-  autograd->impl("leaky_relu_moments", TORCH_FN(leaky_relu_moments_autograd));
-  autograd->impl("relu_squared_moments", TORCH_FN(relu_squared_moments_autograd));
+  autograd->impl("relu_family_moments", TORCH_FN(relu_family_moments_autograd));
   autograd->impl("piecewise_moments", TORCH_FN(piecewise_moments_autograd));
   return 1;
 }

@@ -1,0 +1,177 @@
+"""The ReLU family -- ReLU, leaky ReLU and ReLU^2 -- as numbers, and its reference formulas.
+
+Each member is a number, :data:`ACTIVATION_KINDS`: the ``activation`` argument of every family
+operator (``cfbnn::relu_family_moments``, ``cfbnn::relu_tail*``, ``cfbnn::prediction_*``) and of
+their kernels (C++: ``by_kind`` in ``csrc/cfbnn_moments.cpp``; Triton: the ``ACTIVATION``
+constexpr of :mod:`.triton_kernels`). The formulas below, in torch ops, are those operators' default
+kernels and the tests' oracle:
+
+* ReLU: paper eq. (20) (:mod:`.relu_reference`);
+* leaky ReLU ``g(z) = z`` for ``z >= 0``, ``negative_slope z`` otherwise: eqs. (21), (22), errata 4
+  and 6, any real slope;
+* ReLU^2 ``g(z) = max(z, 0)^2``: eqs. (28), (29) with the corrected rho of eq. (34), errata 1, 2.
+
+Each is written through the small tail on the far side of 0 (the printed forms cancel there) and is
+differentiable to any order. A new member is its number and formulas here, its class in
+:mod:`.activations` (``family_kind``), a branch of the Triton ``family_partials`` and
+``family_pointwise``, and a case of the C++ ``by_kind`` (CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .gaussian import standard_normal_cdf, standard_normal_pdf, standardize
+from .relu_reference import relu_forward, small_tail
+
+__all__ = [
+    "ACTIVATION_KINDS",
+    "check_activation",
+    "family_moments_vjp",
+    "pointwise",
+    "reference_family_moments",
+    "reference_moments",
+    "slope_for",
+    "std_from_variance",
+    "variance_floor",
+]
+
+# the family's members by name: their ``activation`` number everywhere
+ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
+RELU, LEAKY_RELU, RELU_SQUARED = (ACTIVATION_KINDS[name] for name in ("relu", "leaky_relu", "relu_squared"))
+
+
+def check_activation(operator: str, activation: int) -> None:
+    """A ``ValueError`` naming ``cfbnn::<operator>`` unless ``activation`` is a member's number."""
+    if activation not in ACTIVATION_KINDS.values():
+        members = ", ".join(f"{number} {name}" for name, number in ACTIVATION_KINDS.items())
+        raise ValueError(
+            f"cfbnn::{operator}: `activation` must be one of the ReLU family's members "
+            f"0 .. {len(ACTIVATION_KINDS) - 1} ({members}); got {activation}"
+        )
+
+
+def slope_for(negative_slope: float, dtype: torch.dtype) -> float:
+    """Leaky ReLU's slope as its kernels take it: for float32 tensors the float32 number float32
+    torch arithmetic multiplies by."""
+    return float(np.float32(negative_slope)) if dtype == torch.float32 else float(negative_slope)
+
+
+def variance_floor(dtype: torch.dtype) -> float:
+    """The floor of a variance the family's operators take (``from_variance``): the dtype's
+    smallest normal number, so its square root is never 0."""
+    return float(torch.finfo(dtype).tiny)
+
+
+def std_from_variance(variance: Tensor) -> Tensor:
+    return variance.clamp(min=variance_floor(variance.dtype)).sqrt()
+
+
+# ----------------------------------------------------------------------------- each member
+
+
+def reference_leaky_moments(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor]:
+    """``(Phi, Var before its clamp)`` of leaky ReLU (the slope as given)."""
+    eps = negative_slope
+    tail = small_tail(mean, std, 2)
+    s1, s2 = tail[..., 1], tail[..., 2]
+    upper = mean >= 0
+    var = std * std
+    # mean >= 0: g - mean = (z - mean) + (eps - 1) z 1{z<0}
+    phi_upper = mean + (1.0 - eps) * s1
+    second_upper = var + 2.0 * (eps - 1.0) * (s2 + mean * s1) + (eps - 1.0) ** 2 * s2
+    # mean < 0: g - eps*mean = eps (z - mean) + (1 - eps) z 1{z>0}
+    phi_lower = eps * mean + (1.0 - eps) * s1
+    second_lower = eps * eps * var + 2.0 * eps * (1.0 - eps) * (s2 - mean * s1) + (1.0 - eps) ** 2 * s2
+    shift_sq = (1.0 - eps) ** 2 * s1 * s1
+    phi = torch.where(upper, phi_upper, phi_lower)
+    return phi, torch.where(upper, second_upper, second_lower) - shift_sq
+
+
+def reference_relu_squared_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(Phi, Var before its clamp)`` of ReLU^2 (the C++ ``relusq_combine``)."""
+    tail = small_tail(mean, std, 4)
+    s2, s4 = tail[..., 2], tail[..., 4]
+    upper = mean >= 0
+    var = std * std
+    mean_sq = mean * mean
+    # mean >= 0: g - mean^2 = (z^2 - mean^2) - z^2 1{z<0}
+    phi_upper = mean_sq + var - s2
+    var_upper = 4.0 * mean_sq * var + 2.0 * var * var + 2.0 * var * s2 - s2 * s2 - s4 + 2.0 * mean_sq * s2
+    # mean < 0: g = z^2 1{z>0}, all of it in the small tail
+    var_lower = s4 - s2 * s2
+    return torch.where(upper, phi_upper, s2), torch.where(upper, var_upper, var_lower)
+
+
+def _with_upsilon(phi: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    variance = variance.clamp_min(0.0)  # rounding can leave -1 ulp; a variance is never negative
+    return phi, variance + phi * phi, variance
+
+
+def _relu_moments(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:
+    phi, ups, var, *_ = relu_forward(mean, std)
+    return phi, ups, var
+
+
+# activation -> (mean, std, slope) -> (Phi, Upsilon, Var), and -> (x, slope) -> g(x)
+MOMENTS: Dict[int, Callable] = {
+    RELU: _relu_moments,
+    LEAKY_RELU: lambda mean, std, slope: _with_upsilon(*reference_leaky_moments(mean, std, slope)),
+    RELU_SQUARED: lambda mean, std, slope: _with_upsilon(*reference_relu_squared_moments(mean, std)),
+}
+POINTWISE: Dict[int, Callable] = {
+    RELU: lambda x, slope: torch.relu(x),
+    LEAKY_RELU: lambda x, slope: torch.where(x >= 0, x, slope * x),
+    RELU_SQUARED: lambda x, slope: torch.relu(x).square(),
+}
+
+
+def reference_moments(mean: Tensor, std: Tensor, activation: int, negative_slope: float = 0.0):
+    """``(Phi, Upsilon, Var)`` of the member ``activation`` for ``z ~ N(mean, std^2)`` in torch ops,
+    the slope as the kernels take it (:func:`slope_for`)."""
+    return MOMENTS[activation](mean, std, slope_for(negative_slope, mean.dtype))
+
+
+def pointwise(x: Tensor, activation: int, negative_slope: float = 0.0) -> Tensor:
+    """``g(x)`` of the member ``activation`` (a NaN stays NaN), the slope as the kernels take it."""
+    return POINTWISE[activation](x, slope_for(negative_slope, x.dtype))
+
+
+# ----------------------------------------------------------------------------- the operator's formulas
+
+
+def reference_family_moments(mean: Tensor, spread: Tensor, activation: int, negative_slope: float, from_variance: bool):
+    """``cfbnn::relu_family_moments``' formula: :func:`reference_moments` with ``spread`` the standard
+    deviation, or with ``from_variance`` the variance (floored: :func:`std_from_variance`)."""
+    std = std_from_variance(spread) if from_variance else spread
+    return reference_moments(mean, std, activation, negative_slope)
+
+
+def _relu_vjp(mean, std, phi, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Tensor]:
+    """ReLU's vector-Jacobian product (the heat-equation identities) in differentiable torch ops."""
+    t, _, _ = standardize(mean, std)
+    cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)
+    twice_phi = 2.0 * phi
+    grad_mean = grad_phi * cdf + twice_phi * (grad_ups + grad_var * cdf_neg)
+    grad_std = grad_phi * pdf + 2.0 * std * cdf * (grad_ups + grad_var) - twice_phi * pdf * grad_var
+    return grad_mean, grad_std
+
+
+def family_moments_vjp(mean, spread, phi, grad_phi, grad_ups, grad_var, activation, negative_slope, from_variance):
+    """``cfbnn::relu_family_moments_backward``'s formula, differentiable to any order: ReLU's
+    identities, the others' derivative through :func:`reference_moments`; from the variances ``phi``
+    is recomputed (the kernels do not read it) and ``d variance = d std / (2 std)`` (at the floor
+    too: a value's floor, not a gradient's cut)."""
+    std = std_from_variance(spread) if from_variance else spread
+    if activation == RELU:
+        if from_variance:
+            phi = _relu_moments(mean, std, 0.0)[0]
+        grad_mean, grad_std = _relu_vjp(mean, std, phi, grad_phi, grad_ups, grad_var)
+    else:
+        _, vjp = torch.func.vjp(lambda m, s: reference_moments(m, s, activation, negative_slope), mean, std)
+        grad_mean, grad_std = vjp((grad_phi, grad_ups, grad_var))
+    return grad_mean, (0.5 * grad_std / std) if from_variance else grad_std
