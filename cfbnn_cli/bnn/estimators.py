@@ -277,13 +277,18 @@ class ClosedForm(Estimator):
     integrates = "the last hidden layer and the output layer (eqs. (7)-(9))"
     samples = "every earlier Gaussian layer (none for one hidden layer)"
 
-    def elbo(self, network, x, y, *, num_data=None, noise=None, **kwargs):
-        """:meth:`Estimator.elbo`; with one hidden layer (nothing sampled) the whole ELBO as one
-        node where :func:`one_node_elbo` takes the network."""
-        whole = one_node_elbo(network, x, y, num_data, noise) if len(network.layers) == 2 else None
+    def elbo(self, network, x, y, *, num_data=None, noise=None, generator=None, **kwargs):
+        """The paper's ELBO (eq. (4)) where the operators take the network: with one hidden layer
+        (nothing sampled) the whole ELBO as one node (:func:`one_node_elbo`); deeper, the earlier
+        layers sampled and the last two integrated as one node (:func:`sampled_then_tail_elbo`).
+        Otherwise layer by layer (:meth:`Estimator.elbo`), with the same value."""
+        if len(network.layers) == 2:
+            whole = one_node_elbo(network, x, y, num_data, noise)
+        else:
+            whole = sampled_then_tail_elbo(self, network, x, y, num_data, noise, generator)
         if whole is not None:
             return whole
-        return super().elbo(network, x, y, num_data=num_data, noise=noise, **kwargs)
+        return super().elbo(network, x, y, num_data=num_data, noise=noise, generator=generator, **kwargs)
 
 
 class IntegrateOutputLayer(Estimator):
@@ -369,6 +374,37 @@ def one_node_elbo(network, x, y, num_data: Optional[int], noise):
     if len(layers) == 2:
         return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
     return fused.operator_deep_normal_elbo(x, y, log_precision, layers, network.prior_scale**2, scale, family)
+
+
+def sampled_then_tail_elbo(estimator, network, x, y, num_data: Optional[int], noise, generator):
+    """:class:`ClosedForm`'s ELBO of a deeper network where the operators take its tail, else
+    ``None``: the layers before the last two sampled (``noise``, drawn with ``generator`` when
+    ``None``), then the last hidden layer and the one Normal output integrated as one node
+    (:class:`.fused.operator_elbo.NormalELL`, its rows summed at once), a fixed prior's KL folded in
+    on the way. The same draws, value and gradients as :meth:`Estimator.elbo` (tests/bnn/test_estimators_tail_node.py)."""
+    output = network.layers[-1]
+    if (
+        type(network.likelihood) is not NormalLikelihood
+        or network.output_dim != 1
+        or network.prior == "empirical_bayes"
+        or getattr(output, "covariance", None) != "diagonal"
+        or estimator.treatments(network)[-2:] != ("closed_form", "closed_form")
+    ):
+        return None
+    target, log_precision = y.unsqueeze(-1), network.likelihood.log_precision
+    if not fused.operators_apply(network.activation, output.loc, output.log_scale, target, log_precision):
+        return None
+    h = network.point_features(x)
+    if noise is None:
+        noise = estimator.sample_noise(network, h.shape[-2], generator=generator, lead=h.shape[:-2])
+    sink = {}  # the KL terms the layers compute on the way
+    _, (gamma, xi2) = estimator.forward_to_tail(network, h, noise, variance_form=True, kl_sink=sink)
+    prior_variance = network.prior_scale**2
+    family = family_of(network.activation)
+    rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
+    ell, sink[len(network.layers) - 1] = fused.operator_normal_ell(gamma, xi2, *rest, family=family, summed=True)
+    scale = 1.0 if num_data is None else num_data / x.shape[-2]
+    return scale * ell.sum(-1) - network.kl(folded=sink)
 
 
 _BY_NAME = {
