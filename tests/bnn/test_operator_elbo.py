@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from autograd_nodes import node_names
+from dispatch_count import counts, training_step_operators
 
 from cfbnn_cli.bnn import BayesianNetwork, fused
 from cfbnn_cli.moments import elbo_ops, fast_path, get_activation
@@ -256,36 +257,52 @@ def test_the_per_point_ell_keeps_each_points_gradient():
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
+# the most operators (aten:: and cfbnn::) one training step of these networks may dispatch on the
+# CPU where the ReLU family's operators take it: the ELBO as one node with one hidden layer, or
+# deeper with every layer integrated (deterministic); the analytic estimator sampling the first of
+# two hidden layers, the last two as one node. The reference path dispatches 240 to 780 for them.
+STEP_BUDGET = {"one_hidden": 20, "deterministic_two": 50, "deterministic_three": 80, "analytic_two": 110}
+
+
 def test_which_networks_take_the_operators():
-    """Networks of the ReLU family (ReLU, leaky ReLU, ReLU^2) on either device, one hidden layer
-    or more; other activations (the piecewise polynomials) and subclasses do not, and with the
-    fast path off the reference path runs."""
-    net = BayesianNetwork(3, [5])
+    """Networks of the ReLU family (ReLU, leaky ReLU, ReLU^2), one hidden layer or more, take the
+    family's operators: a training step dispatches its budget of operators (the CPU's kernel
+    count; tests/bnn/dispatch_count.py), the cfbnn:: ones among them. Other activations (the
+    piecewise polynomials) and subclasses do not, and with the fast path off no cfbnn:: operator
+    runs at all."""
     x, y = torch.randn(4, 3), torch.randn(4)
-    assert fused.operators_apply(net.activation, x, *net.parameters())
-    assert type(net.elbo(x, y).grad_fn).__name__ == "NormalELBOBackward"
-    assert not fused.operators_apply(net.activation, x, x.double())  # one dtype
-    for name, family in (("leaky_relu", (1, 0.01)), ("relu_squared", (2, 0.0))):
+    cases = {
+        "one_hidden": ([5], {}),
+        "deterministic_two": ([5, 4], {"estimator": "deterministic"}),
+        "deterministic_three": ([5, 4, 6], {"estimator": "deterministic"}),
+        "analytic_two": ([5, 4], {"estimator": "analytic"}),
+    }
+    for name, family in (("relu", (0, 0.0)), ("leaky_relu", (1, 0.01)), ("relu_squared", (2, 0.0))):
         assert family_of(get_activation(name)) == family
-        assert fused.operators_apply(get_activation(name), x, *net.parameters())
-        one_hidden = BayesianNetwork(3, [5], activation=name)
-        assert type(one_hidden.elbo(x, y).grad_fn).__name__ == "NormalELBOBackward"
-        deeper = BayesianNetwork(3, [5, 4], activation=name)
-        assert type(deeper.elbo(x, y, estimator="deterministic").grad_fn).__name__ == "DeepNormalELBOBackward"
-    deeper = BayesianNetwork(3, [5, 4, 6])
-    assert type(deeper.elbo(x, y, estimator="deterministic").grad_fn).__name__ == "DeepNormalELBOBackward"
+        for case, (hidden, options) in cases.items():
+            net = BayesianNetwork(3, hidden, activation=name)
+            assert fused.operators_apply(net.activation, x, *net.parameters())
+            total, cfbnn = counts(training_step_operators(net, x, y, **options))
+            assert total <= STEP_BUDGET[case] and cfbnn > 0, (name, case, total, cfbnn)
+            with fast_path(False):
+                reference, none = counts(training_step_operators(net, x, y, **options))
+            assert none == 0 and reference > 2 * STEP_BUDGET[case], (name, case, reference)
+    net = BayesianNetwork(3, [5])
+    assert not fused.operators_apply(net.activation, x, x.double())  # one dtype
     hard_sigmoid = get_activation("hard_sigmoid")
     assert family_of(hard_sigmoid) is None and not fused.operators_apply(hard_sigmoid, x, *net.parameters())
     piecewise = BayesianNetwork(3, [5, 4], activation=hard_sigmoid)  # node by node, on its C++ kernels
-    assert "ELBO" not in type(piecewise.elbo(x, y, estimator="deterministic").grad_fn).__name__
+    total, cfbnn = counts(training_step_operators(piecewise, x, y, estimator="deterministic"))
+    assert total > STEP_BUDGET["deterministic_two"] and cfbnn > 0, (total, cfbnn)
 
-    class Shifted(type(net.activation)):  # a subclass may change the function: not the operators
+    class Shifted(type(net.activation)):  # a subclass may change the function: not the family's operators
         pass
 
     assert family_of(Shifted()) is None
+    shifted = BayesianNetwork(3, [5], activation=Shifted())
+    assert counts(training_step_operators(shifted, x, y))[0] > STEP_BUDGET["one_hidden"]
     with fast_path(False):
         assert not fused.operators_apply(net.activation, x, *net.parameters())
-        assert "NormalELBO" not in type(net.elbo(x, y).grad_fn).__name__
 
 
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
