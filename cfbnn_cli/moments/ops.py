@@ -147,6 +147,7 @@ def launch_moments_backward(mean, spread, phi, grads, activation: int, negative_
 
 def triton_family_moments(mean, spread, activation, negative_slope, from_variance):
     """The operator's Triton forward on ``mean``'s device (CUDA; the CPU under ``TRITON_INTERPRET=1``)."""
+    check_activation("relu_family_moments", activation)  # (a kernel would read any other number as ReLU^2)
     return launch_moments(mean, spread, activation, negative_slope, from_variance)
 
 
@@ -154,14 +155,10 @@ def triton_family_moments_backward(
     mean, spread, phi, grad_phi, grad_ups, grad_var, activation, negative_slope, from_variance
 ):
     """Its Triton vector-Jacobian product."""
+    check_activation("relu_family_moments_backward", activation)
     return launch_moments_backward(
         mean, spread, phi, (grad_phi, grad_ups, grad_var), activation, negative_slope, from_variance
     )
-
-
-def _checked_reference(mean, spread, activation, negative_slope, from_variance):
-    check_activation("relu_family_moments", activation)
-    return reference_family_moments(mean, spread, activation, negative_slope, from_variance)
 
 
 # ----------------------------------------------------------------------------- the operator
@@ -174,7 +171,7 @@ relu_family_moments, relu_family_moments_backward = define_moments_operators(
     ", int activation, float negative_slope, bool from_variance",
     triton_family_moments,
     triton_family_moments_backward,
-    _checked_reference,
+    reference_family_moments,
     family_moments_vjp,
     spread="spread",
 )

@@ -133,6 +133,7 @@ POINTWISE: Dict[int, Callable] = {
 def reference_moments(mean: Tensor, std: Tensor, activation: int, negative_slope: float = 0.0):
     """``(Phi, Upsilon, Var)`` of the member ``activation`` for ``z ~ N(mean, std^2)`` in torch ops,
     the slope as the kernels take it (:func:`slope_for`)."""
+    check_activation("relu_family_moments", activation)
     return MOMENTS[activation](mean, std, slope_for(negative_slope, mean.dtype))
 
 

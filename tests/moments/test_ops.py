@@ -406,3 +406,25 @@ def test_cuda_diagonal_kl_matches_the_cpu_kernels(dtype, rtol):
         torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=rtol)
     small = [t[:40, :7].cuda().requires_grad_() for t in (loc, log_scale)]
     torch.library.opcheck(torch.ops.cfbnn.diagonal_kl.default, (*small, 0.5))
+
+
+@pytest.mark.parametrize("activation", [3, -1])
+def test_an_unknown_member_is_refused_by_every_kernel(activation):
+    """An ``activation`` outside the family is a ValueError naming the operator and the members, from
+    the C++ kernel, the reference kernel and the Triton launch alike (checked before any launch)."""
+    from cfbnn_cli.moments.relu_family import reference_family_moments
+
+    mean, std = torch.zeros(4), torch.ones(4)
+    message = (
+        rf"relu_family_moments.*`activation` must be one of the ReLU family's members 0 \.\. 2 .*; got {activation}"
+    )
+    calls = [
+        lambda: torch.ops.cfbnn.relu_family_moments(mean, std, activation, 0.0, False),
+        lambda: torch.ops.cfbnn.relu_family_moments_backward(mean, std, mean, mean, mean, mean, activation, 0.0, True),
+        lambda: reference_family_moments(mean, std, activation, 0.0, False),
+        lambda: ops.triton_family_moments(mean, std, activation, 0.0, False),
+        lambda: ops.triton_family_moments_backward(mean, std, mean, mean, mean, mean, activation, 0.0, False),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
