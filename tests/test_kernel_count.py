@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 STEP_BOUND = 15  # kernels in the graph of one step (see WANT)
 # one step's kernels on the CUDA route, by name: the ELBO's four forward launches around its two
@@ -64,23 +66,56 @@ def counts(dim, hidden, rows=8, n=40):
         graphed()
     return {"fill": dict(before_replay), "step": dict(in_graph)}
 
+def deterministic_step(activation):
+    # a 2-hidden-layer ELBO with every layer integrated, and its gradients (after a first use)
+    torch.manual_seed(0)
+    model = BayesianNetwork(9, [20, 20], activation=activation)
+    x, y = torch.randn(50, 9), torch.randn(50)
+    for _ in range(2):  # (the first: the first-use checks; the second counted)
+        with count_kernels() as launched:
+            value = model.elbo(x, y, num_data=500, estimator="deterministic")
+            torch.autograd.grad(value, list(model.parameters()))
+    return dict(launched)
+
 with cuda_twin(), validate_args(False):
     out = {f"{dim}x{hidden}": counts(dim, hidden) for dim, hidden in ((90, 200), (300, 100))}
+    out["family"] = {name: deterministic_step(name) for name in ("relu", "leaky_relu", "relu_squared")}
 print("RESULT", json.dumps(out))
 """
 
 
-def test_a_closed_form_step_launches_at_most_fifteen_kernels_on_the_cuda_route():
+@pytest.fixture(scope="module")
+def twin_counts():
+    """The counts of :data:`COUNT`, run once (a subprocess: the interpreter's environment)."""
     env = dict(os.environ, TRITON_INTERPRET="1", CFBNN_CUDA_TWIN="1")  # (twin: no C++ CPU kernels)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    for size, counted in json.loads(line[len("RESULT ") :]).items():
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_a_closed_form_step_launches_at_most_fifteen_kernels_on_the_cuda_route(twin_counts):
+    twin_counts = {size: counted for size, counted in twin_counts.items() if size != "family"}
+    for size, counted in twin_counts.items():
         assert sum(counted["step"].values()) <= STEP_BOUND, (size, counted)
         assert counted["step"] == WANT, (size, counted)
         # the batch's gather outside the graph: one gather each for x and y, nothing else
         assert counted["fill"] == {"aten::index_select": 2}, (size, counted)
+
+
+def test_every_relu_family_member_launches_relus_kernels_on_the_cuda_route(twin_counts):
+    """One operator for the family, the member an argument: a deterministic 2-hidden-layer step (its
+    propagated layer's moments from the variances, one kernel each way) launches for leaky ReLU and
+    ReLU^2 exactly ReLU's kernels, besides leaky ReLU's slope written to the device once for each of
+    its three launches that read it (the moments each way and the tail pass)."""
+    family = twin_counts["family"]
+    assert (
+        family["relu"].get("triton::moments_kernel") == 1 and family["relu"].get("triton::moments_backward_kernel") == 1
+    )
+    assert family["relu_squared"] == family["relu"], family
+    leaky = dict(family["leaky_relu"])
+    assert leaky.pop("aten::full") == 3 and leaky == family["relu"], family
 
 
 def test_the_counter_counts_kernels_not_views_or_allocations():
