@@ -175,7 +175,7 @@ class LeakyReLU(ReLUFamilyMember):
         return torch.where(x >= 0, x, self.negative_slope * x)
 
     def _moments(self, mean, std):
-        # the slope as given (float64 arithmetic for float32 inputs keeps the reference exact)
+        # the slope as given, not rounded to float32 as the kernels take it for float32 tensors
         return relu_family.reference_leaky_moments(mean, std, self.negative_slope)
 
     def as_piecewise_polynomial(self):
