@@ -63,8 +63,8 @@ def _check_float(name: str, tensor: Tensor, what: str) -> None:
 def _check_operand(inputs: Tensor, activation: int) -> None:
     name = "prediction_operand"
     _check_float(name, inputs, "inputs")
-    if activation != NO_ACTIVATION:  # (-1: none)
-        check_activation(name, activation)
+    if activation != NO_ACTIVATION:
+        check_activation(name, activation, also=f", or {NO_ACTIVATION} for none")
     if inputs.dim() < 1 or inputs.shape[-1] < 1:
         raise ValueError(f"cfbnn::{name}: `inputs` must be (..., D) with D >= 1; got shape {tuple(inputs.shape)}")
 

@@ -45,13 +45,14 @@ ACTIVATION_KINDS = {"relu": 0, "leaky_relu": 1, "relu_squared": 2}
 RELU, LEAKY_RELU, RELU_SQUARED = (ACTIVATION_KINDS[name] for name in ("relu", "leaky_relu", "relu_squared"))
 
 
-def check_activation(operator: str, activation: int) -> None:
-    """A ``ValueError`` naming ``cfbnn::<operator>`` unless ``activation`` is a member's number."""
+def check_activation(operator: str, activation: int, also: str = "") -> None:
+    """A ``ValueError`` naming ``cfbnn::<operator>`` unless ``activation`` is a member's number
+    (``also``: what else the operator takes, said in the message)."""
     if activation not in ACTIVATION_KINDS.values():
         members = ", ".join(f"{number} {name}" for name, number in ACTIVATION_KINDS.items())
         raise ValueError(
             f"cfbnn::{operator}: `activation` must be one of the ReLU family's members "
-            f"0 .. {len(ACTIVATION_KINDS) - 1} ({members}); got {activation}"
+            f"0 .. {len(ACTIVATION_KINDS) - 1} ({members}){also}; got {activation}"
         )
 
 

@@ -56,7 +56,7 @@ def test_a_call_that_needs_a_gradient_is_refused_at_once():
 
 
 def test_bad_inputs_name_the_operator():
-    with pytest.raises(ValueError, match="cfbnn::prediction_operand.*activation"):
+    with pytest.raises(ValueError, match=r"cfbnn::prediction_operand.*activation.*, or -1 for none; got 3"):
         operand(torch.zeros(2, 3), 3, 0.0, True)
     with pytest.raises(ValueError, match="cfbnn::prediction_operand.*float32 or float64"):
         operand(torch.zeros(2, 3, dtype=torch.int64), 0, 0.0, True)
