@@ -39,6 +39,7 @@ from typing import NamedTuple, Tuple, Union
 import torch
 
 from ..moments import get_activation, validating_args
+from ..moments.relu_family import std_from_variance
 
 __all__ = [
     "LowRankScale",
@@ -123,7 +124,7 @@ def preactivation_moments(x: torch.Tensor, a_loc: torch.Tensor, a_scale: AScale)
         # ||L_h^T x_n||^2 for every (n, h): (..., 1, N, D) @ (H, D, D) -> (..., H, N, D)
         projected = torch.matmul(x.unsqueeze(-3), a_scale)
         variance = projected.square().sum(-1).transpose(-1, -2)
-    return gamma, _std_from_variance(variance)
+    return gamma, std_from_variance(variance)
 
 
 def diagonal_preactivation_moments(
@@ -144,12 +145,7 @@ def diagonal_preactivation_moments(
         )
     _check_x(x, a_loc_and_variance[0])
     gamma, variance = (torch.stack([x, x * x], -3) @ a_loc_and_variance.transpose(-1, -2)).unbind(-3)
-    return gamma, _std_from_variance(variance)
-
-
-def _std_from_variance(variance):
-    # sqrt has an infinite slope at 0: keep the variance off exact zero.
-    return variance.clamp(min=torch.finfo(variance.dtype).tiny).sqrt()
+    return gamma, std_from_variance(variance)
 
 
 def hidden_moments(x, a_loc, a_scale, activation) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from ..moments import get_activation
 from ..moments.activations import family_of
 from ..moments.ops import operator_route
 from ..moments.predict_ops import NO_ACTIVATION
+from ..moments.relu_family import std_from_variance
 from . import functional as F
 from .estimators import ESTIMATORS, ClosedForm, Estimator, LocalReparameterization, make_estimator
 from .functional import augment
@@ -330,7 +331,7 @@ class BayesianNetwork(nn.Module):
             phi = torch.ops.cfbnn.prediction_hidden_mean(moments, family[0], slope, output.bias)
         else:
             gamma, variance = moments.unbind(0)
-            phi = self.activation.mean(gamma, variance.clamp(min=torch.finfo(variance.dtype).tiny).sqrt())
+            phi = self.activation.mean(gamma, std_from_variance(variance))
             phi = augment(phi) if output.bias else phi
         return (phi @ output.loc.transpose(-1, -2)).reshape(*x.shape[:-1], self.output_dim)
 

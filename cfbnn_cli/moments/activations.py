@@ -191,9 +191,6 @@ class ReLUSquared(ReLUFamilyMember):
     name = "relu_squared"
     family_kind = relu_family.RELU_SQUARED
 
-    def __call__(self, x):
-        return torch.relu(x) ** 2
-
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 0.0, 1.0]], name="relu_squared")
 

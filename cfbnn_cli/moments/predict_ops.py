@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .operator_registration import _FLOATS, HAVE_TRITON
 from .ops import LazyModule, slope_operand, triton_kernels
-from .relu_family import RELU, check_activation, pointwise, reference_moments, variance_floor
+from .relu_family import RELU, check_activation, pointwise, reference_moments, std_from_variance, variance_floor
 
 __all__ = [
     "NO_ACTIVATION",
@@ -127,7 +127,7 @@ def _operator_mean(mean: Tensor, std: Tensor, activation: int, negative_slope: f
 
 def _hidden_mean(moments: Tensor, activation: int, negative_slope: float, bias: bool, mean_of) -> Tensor:
     gamma, variance = moments.unbind(0)
-    std = variance.clamp(min=variance_floor(variance.dtype)).sqrt()
+    std = std_from_variance(variance)
     rows, width = gamma.shape
     out = moments.new_empty(rows, width + int(bias))
     out[:, :width] = mean_of(gamma, std, activation, negative_slope)

@@ -69,6 +69,8 @@ def variance_floor(dtype: torch.dtype) -> float:
 
 
 def std_from_variance(variance: Tensor) -> Tensor:
+    """The standard deviation of a variance kept at or above :func:`variance_floor` (sqrt's slope
+    is infinite at 0)."""
     return variance.clamp(min=variance_floor(variance.dtype)).sqrt()
 
 
