@@ -21,12 +21,27 @@ MISSING_TOKENS = frozenset({"", "na", "nan", "n/a", "null", "none", "?", "<na>"}
 SHOWN_NAMES = 40  # a list of column names in a message: this many, then how many in all
 
 
+_STRINGS = getattr(np, "strings", np.char)  # numpy >= 2: the string ufuncs
+
+
+def _spellings(token: str) -> List[str]:
+    """Every upper/lower-case spelling of a short token (``na``: na, nA, Na, NA)."""
+    out = [""]
+    for char in token:
+        out = [s + c for s in out for c in {char.lower(), char.upper()}]
+    return out
+
+
+# the NA tokens in every case, so that a cell is looked up without lower-casing it (numpy lower-cases
+# text element by element, in Python: a table of numbers would pay for it cell by cell)
+_MISSING_SPELLINGS = np.asarray(sorted({s for token in MISSING_TOKENS for s in _spellings(token)}))
+
+
 def is_missing(cells: np.ndarray) -> np.ndarray:
-    """Elementwise: is the (stripped) text cell blank or an NA token?"""
+    """Elementwise: is the (stripped) text cell blank or an NA token, in any case?"""
     if cells.dtype.kind not in "US":
         cells = cells.astype(str)
-    lowered = np.char.lower(np.char.strip(cells))
-    return np.isin(lowered, list(MISSING_TOKENS))
+    return np.isin(_STRINGS.strip(cells), _MISSING_SPELLINGS)
 
 
 def shown(text) -> str:

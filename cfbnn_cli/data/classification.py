@@ -14,7 +14,7 @@ import torch
 from ..runtime.errors import ConfigError, DataError
 from .cells import canonical_cells, sorted_levels
 from .layout import InputLayout
-from .regression import table_options
+from .options import table_options
 from .standardize import check_finite_columns, column_statistics, standardize_columns
 from .tabular import read_table
 

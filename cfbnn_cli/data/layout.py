@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -54,9 +55,11 @@ class InputLayout:
     unseen: str = "error"  # a level not seen in training: "error" | "zeros" (every indicator 0)
     target_transform: str = "none"  # "none" | "log": the network fits log(target)
 
-    @property
+    @cached_property
     def features(self) -> List[str]:
         """The network's input features: each numeric column, each categorical level's indicator."""
+        if not self.categorical:
+            return list(self.columns)
         out: List[str] = []
         for column in self.columns:
             levels = self.categorical.get(column)
@@ -169,7 +172,8 @@ class InputLayout:
         row's missing cells) and which rows have every cell.
 
         ``values``: the model's columns' cells, in :attr:`columns` order, as a ``(n, k)`` text
-        array (a CSV's) or a list of ``k`` arrays, each text or of a numeric dtype (NaN: blank).
+        array (a CSV's), a ``(n, k)`` float array (numbers already, NaN blank; no categorical
+        column), or a list of ``k`` arrays, each text or of a numeric dtype (NaN: blank).
         ``rows``: the rows' numbers for messages. ``unseen``: the policy for a level not seen in
         training (default :attr:`unseen`). ``infinite_missing``: an infinite cell counts as
         blank (``data.missing=drop``), else it is an error naming it.
@@ -182,7 +186,13 @@ class InputLayout:
         numeric = [j for j, c in enumerate(self.columns) if c not in self.categorical]
         blank = np.zeros((n, k), dtype=bool)
         numbers = np.full((n, len(numeric)), np.nan)
-        if isinstance(values, np.ndarray) and values.ndim == 2:
+        if isinstance(values, np.ndarray) and values.ndim == 2 and values.dtype.kind == "f":
+            if self.categorical:
+                raise ValueError("a float matrix holds no categorical column's levels; pass a list of columns")
+            columns = None
+            numbers = np.array(values, dtype=np.float64)
+            blank = np.isnan(numbers)
+        elif isinstance(values, np.ndarray) and values.ndim == 2:
             columns = None
             text = values[:, numeric]
             blank[:, numeric] = is_missing(text)
@@ -206,10 +216,12 @@ class InputLayout:
         if infinite.any():
             if not infinite_missing:
                 r, i = np.argwhere(infinite)[0]
-                text = values[r, numeric[i]] if columns is None else str(numbers[r, i])
+                text = values[r, numeric[i]] if columns is None and values.dtype.kind in "US" else str(numbers[r, i])
                 raise infinite_cell_error(where, self.columns[numeric[i]], int(rows[r]), text)
             numbers[infinite] = np.nan
             blank[:, numeric] |= infinite
+        if not self.categorical:
+            return numbers, ~blank.any(axis=1)
         widths = np.asarray([len(self.categorical.get(c, (None,))) for c in self.columns], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(widths)[:-1]])
         x = np.full((n, int(widths.sum())), np.nan)

@@ -23,6 +23,7 @@ import torch
 
 from ..runtime.errors import ConfigError, DataError, clip
 from .layout import InputLayout
+from .options import table_options
 from .standardize import check_finite_columns, column_statistics, standardize_columns
 from .tabular import read_table, table_name
 
@@ -343,32 +344,6 @@ def _read_npz(path: Path, target: str):
     if bad.any():
         raise DataError(f"{path}: row {int(np.argmax(bad))} has NaN or infinite values")
     return x, y, columns
-
-
-def table_options(cfg) -> dict:
-    """``data.features``, ``data.drop`` and ``data.missing`` of a ``data=csv`` config, as
-    :func:`~.tabular.read_table`'s keywords (absent keys: every column, refuse blank cells)."""
-    from omegaconf import OmegaConf
-
-    def names(key):
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is None:
-            return None
-        if isinstance(value, str) or not OmegaConf.is_list(value) and not isinstance(value, (list, tuple)):
-            raise ConfigError(f"data.{key}={value!r} must be a list of column names, e.g. data.{key}=[id,name]")
-        return [str(v) for v in value]
-
-    categorical = OmegaConf.select(cfg, "categorical", default=None)
-    if categorical is not None and not (isinstance(categorical, str) and categorical in ("auto", "none")):
-        categorical = names("categorical")
-    return {
-        "features": names("features"),
-        "drop": names("drop") or [],
-        "missing": str(OmegaConf.select(cfg, "missing", default="error")),
-        "categorical": categorical,
-        "unseen": str(OmegaConf.select(cfg, "unseen", default="error")),
-        "target_transform": str(OmegaConf.select(cfg, "target_transform", default="none")),
-    }
 
 
 def _read_tabular(path, target, features=None, drop=(), missing="error", **encoding):

@@ -237,17 +237,19 @@ def _categorical_choice(path, categorical, columns: List[str]):
 
 
 def _text_columns(path, cells, columns, categorical, auto, drop, features, where):
-    """The categorical columns (named, and under ``auto`` the text columns with few levels); every
-    other column holding text is named in one error with the complete data.drop to paste."""
+    """``(categorical columns, numbers)``: the columns to one-hot encode (named, and under
+    ``auto`` the text columns with few levels) and every other column's cells as float64 (NaN
+    blank); every other column holding text is named in one error with the complete data.drop
+    to paste."""
     named = set(categorical)
     numeric = [j for j, c in enumerate(columns) if c not in named]
     if not numeric:
-        return categorical
+        return list(categorical), np.empty((len(cells), 0))
     text = cells[:, numeric]
     absent = is_missing(text)
-    _, bad = parse_numbers(text, absent)
+    values, bad = parse_numbers(text, absent)
     if bad is None:
-        return categorical
+        return list(categorical), values
     found = [numeric[i] for i in np.flatnonzero(bad.any(axis=0))]
     chosen = list(categorical)
     if auto:
@@ -260,7 +262,7 @@ def _text_columns(path, cells, columns, categorical, auto, drop, features, where
         found = [j for j in found if columns[j] not in chosen_set]
     if not found:
         chosen_set = set(chosen)
-        return [c for c in columns if c in chosen_set]
+        return [c for c in columns if c in chosen_set], values[:, [columns[j] not in chosen_set for j in numeric]]
     first = int(np.argmax(bad[:, numeric.index(found[0])]))
     text_names = [columns[j] for j in found]
     where_first = (
@@ -363,7 +365,7 @@ def read_table(
     target_cells = cells[:, position[target]]
     named, auto = _categorical_choice(path, categorical, columns)
     # a text column (an ID, a name) is named before blank cells: it needs data.drop whatever else
-    chosen = _text_columns(path, feature_cells, columns, named, auto, list(drop or ()), features, where)
+    chosen, numbers = _text_columns(path, feature_cells, columns, named, auto, list(drop or ()), features, where)
     levels = {}
     column_at = {name: j for j, name in enumerate(columns)}
     for column in chosen:
@@ -385,7 +387,12 @@ def read_table(
         twice = sorted(name for name, count in Counter(layout.features).items() if count > 1)
         raise DataError(f"{where}: a column is named like a level's indicator ({names(twice)}); rename that column")
     rows = np.arange(1, len(cells) + 1)
-    x, complete = layout.encode(feature_cells, where, rows, infinite_missing=missing == "drop")
+    if levels:  # the numeric columns as parsed above, the categorical ones as text
+        numbers = iter(numbers.T)
+        values = [feature_cells[:, j] if c in levels else next(numbers) for j, c in enumerate(columns)]
+    else:
+        values = numbers
+    x, complete = layout.encode(values, where, rows, infinite_missing=missing == "drop")
     absent_target = is_missing(target_cells)
     if labels:
         y = np.char.strip(target_cells.astype(str))
