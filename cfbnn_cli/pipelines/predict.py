@@ -1,16 +1,21 @@
 """``cfbnn predict MODEL NEW.csv``: a trained model's predictions for new rows of a table.
 
 MODEL is a finished ``cfbnn train regression`` or ``cfbnn train classification`` run dir (its
-``model.pt``), or a model file written by ``cfbnn_cli.bnn.save_model``. NEW.csv has a header
-row and the model's feature columns in any order; the target column may be there (ignored), an
-unnamed leading index column is left out, and other columns are refused unless ``--keep`` names
-them (they are copied to the output, e.g. an ID). A row with a blank feature gets empty
-prediction cells (counted on stderr) instead of refusing the file.
+``model.pt``), or a model file written by ``cfbnn_cli.bnn.save_model``. NEW.csv (or NEW.csv.gz)
+has a header row and the model's columns in any order, by name: the training file's layout works
+as it is (the target, an unnamed leading index column and the columns the training run left out
+are ignored). A column the model does not know is refused unless ``--keep`` names it (only the
+columns named are copied to the output, e.g. an ID; none may share a name with an output
+column). A row with a blank feature gets empty prediction cells (counted on stderr) instead of
+refusing the file; a categorical level training never saw is an error, or, with ``--unseen
+zeros``, all-zero indicators.
 
 Regression writes, per row and in the target's units: ``mean``, ``sd``, ``var_a`` and ``var_b``
 (the predictive variance from the last hidden layer's weights and from the output layer's,
 paper eq. (44), in squared target units), ``noise`` (the likelihood's variance, squared units)
-and the central ``--level`` interval ``lower_90``, ``upper_90``. Classification writes the
+and the central ``--level`` interval ``lower_90``, ``upper_90`` (a model fitted on the target's
+log: the log-normal's ``mean``, ``sd``, ``median``, the variance's parts on the log scale
+``log_var_a``, ``log_var_b``, ``log_noise``, and the interval). Classification writes the
 predicted ``label``, its ``probability`` and one ``p_<class>`` column per class.
 
 The rows are read, predicted and written in chunks: memory does not grow with the file's length.
@@ -292,7 +297,7 @@ def main(argv: Sequence[str]) -> int:
         prog="cfbnn predict", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("model", help="a finished `cfbnn train regression|classification` run dir, or a model file")
-    parser.add_argument("data", help="a CSV of new rows with the model's feature columns")
+    parser.add_argument("data", help="a CSV of new rows with the model's columns (the training file's layout works)")
     parser.add_argument("--out", default=None, help="where to write the predictions (default: beside the model)")
     parser.add_argument(
         "--keep",
