@@ -17,6 +17,7 @@ from typing import List, Optional
 import numpy as np
 
 from ..runtime.errors import DataError
+from .cells import names
 from .layout import InputLayout
 
 FRAME_FIX = "leave them out first, e.g. frame.drop(columns=[...])"
@@ -87,7 +88,7 @@ def model_features(x, layout: Optional[InputLayout], input_dim: int, *, unseen: 
         if array.ndim != 2 or array.shape[1] != width:
             raise ValueError(
                 f"`x` must be (N, {width}) rows of the model's columns"
-                + (f" ({', '.join(layout.columns[:8])}{', ...' if width > 8 else ''}) in that order" if layout else "")
+                + (f" ({names(layout.columns)}) in that order" if layout else "")
                 + f", or a DataFrame with them by name; got shape {tuple(array.shape)}"
             )
         if array.dtype.kind == "c":

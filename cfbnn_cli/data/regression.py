@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..runtime.errors import ConfigError, DataError, clip
+from .cells import did_you_mean, names
 from .layout import InputLayout
 from .options import table_options
 from .standardize import check_finite_columns, column_statistics, standardize_columns
@@ -312,7 +313,9 @@ def _read_npz(path: Path, target: str):
         )
     with archive as arrays:
         if target not in arrays.files:
-            raise DataError(f"{path}: no array named `{target}` (data.target); it holds {arrays.files[:20]}")
+            raise DataError(
+                f"{path}: no array named `{target}` (data.target); it holds {names(arrays.files)}{did_you_mean(target, arrays.files)}"
+            )
         y = _numeric_array(arrays, target, path)
         if "x" in arrays.files:
             x = _numeric_array(arrays, "x", path)
@@ -426,7 +429,10 @@ def rdataset(dataset: str, target: str, drop=()) -> RegressionTable:
     frame = pd.read_csv(io.BytesIO(_rdataset_csv(dataset)))
     frame = frame.drop(columns=[c for c in frame.columns if c.startswith("Unnamed")] + list(drop))
     if target not in frame.columns:
-        raise DataError(f"data {dataset}: no column `{target}` (data.target); columns are {list(frame.columns)}")
+        raise DataError(
+            f"data {dataset}: no column `{target}` (data.target){did_you_mean(target, list(frame.columns))}; "
+            f"columns are {names(frame.columns)}"
+        )
     for column in frame.columns:
         if not pd.api.types.is_numeric_dtype(frame[column]):
             values = set(frame[column].dropna().unique())
