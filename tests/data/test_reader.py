@@ -269,3 +269,22 @@ def test_a_wide_table_is_read_in_linear_time(tmp_path):
     table = read_table(tmp_path / "wide.csv", "y", drop=["c7"])
     seconds = time.perf_counter() - started
     assert table.x.shape == (5, width - 1) and seconds < 30, seconds
+
+
+def test_a_label_table_keeps_its_layout_and_a_skewed_target_gets_a_hint(tmp_path, caplog):
+    from cfbnn_cli.cli import compose_config
+    from cfbnn_cli.data.classification import load_classification_table
+    from cfbnn_cli.data.regression import load_regression_table
+
+    frame = _text_table(tmp_path)
+    skewed = np.random.default_rng(1).lognormal(0.0, 1.0, len(frame))
+    frame.assign(label=np.where(frame["carat"] > 1, "1.0", "2"), price=skewed).to_csv(tmp_path / "l.csv", index=False)
+    base = ["data=csv", f"data.path={tmp_path / 'l.csv'}", "data.drop=[id,name]", "data.categorical=[cut,colour]"]
+    cfg = compose_config("train_classification", [*base, "data.target=label", "data.drop=[id,name,price]"])
+    table = load_classification_table(cfg.data)
+    assert table.classes == ["1", "2"] and table.layout.categorical["cut"] == ["Fair", "Good", "Ideal"]
+    assert table.layout.left_out == ["id", "name", "price"]
+    with caplog.at_level(logging.INFO):
+        cfg = compose_config("train_regression", [*base, "data.target=price", "data.drop=[id,name,label]"])
+        load_regression_table(cfg.data)
+    assert "positive and right-skewed" in caplog.text and "data.target_transform=log" in caplog.text
