@@ -10,11 +10,13 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from ..runtime.errors import ConfigError, DataError
+from ..runtime.safefs import describe_file, shown_path
 from .layout import TARGET_TRANSFORMS, UNSEEN_POLICIES, index_column
 from .options import names_option, table_options
 from .tabular import _GZIP, MISSING_POLICIES, _categorical_choice, check_names, chosen_columns, header_of, refuse_binary
@@ -64,6 +66,10 @@ def check_table_header(cfg) -> None:
     if path.is_dir():
         raise DataError(f"data.path={path} is a directory, not a data file; point it at a .csv or .npz file")
     if not path.is_file():
+        if os.path.lexists(path):  # a FIFO, a socket, a broken link: named for what it is, never opened
+            raise DataError(
+                f"data.path={shown_path(path)}: {describe_file(path)} (point data.path at a .csv or .npz file)"
+            )
         raise DataError(f"data file not found: {path} (set data.path=...)")
     if path.suffix == ".npz":
         return
