@@ -279,10 +279,9 @@ def make_task(sub: Subcommand):
     def task(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
+        from .data.header_check import check_table_header
         from .report.results import write_results
-        from .run_values import parse_run_values
         from .runtime.checks import validate_common
-        from .runtime.device import set_matmul_precision
         from .runtime.made_dirs import made_by_this_run
         from .runtime.progress import progress_setting
         from .runtime.run_logs import LogsHeldBack, log_handlers_in
@@ -305,6 +304,10 @@ def make_task(sub: Subcommand):
                 # must not replace a finished run's records with a failed one's
                 validate_common(cfg)
                 progress_setting()
+                check_table_header(cfg)  # data=csv: its header and the columns named, before torch loads
+                from .run_values import parse_run_values  # (these import torch)
+                from .runtime.device import set_matmul_precision
+
                 importlib.import_module(sub.pipeline).validate(cfg)
                 values = parse_run_values(cfg)  # device, estimator, likelihood: objects from here on
                 refuse_finished_run(cfg, run_dir)  # read only; again under the lock in claim_run_dir
@@ -506,6 +509,13 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     from .runtime.safefs import shown_path, unwritable_message, unwritable_reason
 
     forget()  # what an earlier command in this process noted about its dirs
+    try:  # a data=csv table's header, from the plain overrides, before Hydra and torch load
+        from .data.header_check import check_command_line
+
+        check_command_line(rest)
+    except CfbnnError as error:
+        print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
+        return error.exit_code
     refused = unread_addition(sub, conf, rest, compose_config) or empty_output_dir_override(rest)
     if refused is not None:
         print(f"cfbnn: error: {refused}", file=sys.stderr)

@@ -20,7 +20,10 @@ Fields: ``architecture`` (the keyword arguments that rebuild the
 deviation: the network sees standardized values), ``columns`` / ``target`` (the feature names,
 ``None`` for features read by position, and the target's name), ``classes`` (a classifier's
 label names, index ``k`` the ``k``-th output), ``estimator`` (the default for predicting),
-``method`` and ``data`` (free text: how and on what it was trained).
+``method`` and ``data`` (free text: how and on what it was trained), ``layout`` (version 3: how
+the model reads a table by column name -- the columns it reads, the categorical ones' levels,
+the columns its training file had and the run left out, the target's transform; see
+:class:`~cfbnn_cli.data.layout.InputLayout`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
+from ..data.frames import model_features
+from ..data.layout import InputLayout
 from ..runtime.checkpoints import load_checkpoint
 from ..runtime.errors import CheckpointError, DataError, NonFiniteResultError
 from ..runtime.io import atomic_torch_save
@@ -40,6 +45,7 @@ from .estimators import ESTIMATORS
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, HeteroscedasticNormalLikelihood
 from .likelihoods import NormalLikelihood as _Normal
 from .network import BayesianNetwork
+from .target_units import in_target_units
 
 
 class NonFiniteWeightsError(NonFiniteResultError, ValueError):
@@ -57,7 +63,8 @@ def finite_weights(model, refusal: str) -> dict:
 
 
 FORMAT = "cfbnn.model"
-VERSION = 2
+VERSION = 3  # 3: the layout (categorical levels, left-out columns, target transform); 2 is read too
+READ_VERSIONS = (2, 3)
 LEGACY_FORMAT = "cfbnn.regression_model"  # version 1: regression only, read as such
 FILE_NAME = "model.pt"
 # bounds a damaged or hostile file cannot get past (a width of 1e11 would ask for terabytes)
@@ -126,6 +133,7 @@ def save_model(
     estimator: str = "analytic",
     method: str = "",
     data: str = "",
+    layout: Optional[InputLayout] = None,
 ) -> Path:
     """Write ``model`` to ``path`` atomically, with the scaling its inputs and target had.
 
@@ -133,12 +141,20 @@ def save_model(
     they are) and ``target_mean`` / ``target_std`` (regression) put new rows on the network's
     scale and its predictions back in original units. ``columns`` names the ``D`` features (new
     rows are then matched by name; ``None``: by position). ``classes``: a classifier's label
-    names, one per class (default ``"0"``, ``"1"``, ...).
+    names, one per class (default ``"0"``, ``"1"``, ...). ``layout``: how the model reads a
+    table (:class:`~cfbnn_cli.data.layout.InputLayout`; its features are ``columns``, which it
+    gives where ``columns`` is ``None``).
     """
     if not isinstance(model, BayesianNetwork):
         raise TypeError(f"`model` must be a cfbnn BayesianNetwork; got {type(model).__name__}")
     architecture = architecture_of(model)
     dim = architecture["input_dim"]
+    if layout is not None:
+        if not isinstance(layout, InputLayout):
+            raise TypeError(f"`layout` must be an InputLayout; got {type(layout).__name__}")
+        columns = layout.features if columns is None else columns
+        if [str(c) for c in columns] != layout.features:
+            raise ValueError("`columns` must be the layout's features")
     if columns is not None:
         columns = [str(c) for c in columns]
         if len(columns) != dim or len(set(columns)) != dim:
@@ -180,6 +196,7 @@ def save_model(
         "data": str(data),
         "estimator": str(estimator),
         "method": str(method),
+        "layout": (layout or InputLayout(columns, str(target))).record() if columns is not None else None,
     }
     return atomic_torch_save(record, Path(path))
 
@@ -198,6 +215,7 @@ def save_run_model(run_dir, model: BayesianNetwork, data, scaling=None, **fields
         columns=data.columns,
         target=data.target,
         data=data.name,
+        layout=getattr(data, "layout", None),
         **fields,
     )
 
@@ -301,7 +319,23 @@ def _names(value, path, field: str, count: int) -> Optional[List[str]]:
         return None
     if not isinstance(value, list) or len(value) != count or not all(isinstance(v, str) for v in value):
         raise _problem(path, field, f"is not a list of {count} names")
+    if len(set(value)) != count:  # each names an output column (p_<class>) or a feature
+        raise _problem(path, field, "names the same one twice")
     return value
+
+
+def _layout(record, path, columns, target: str, input_dim: int) -> Optional[InputLayout]:
+    """The file's layout (version 3), or, for a version-2 file, its numeric columns by name."""
+    value = record.get("layout")
+    if value is None:
+        return InputLayout(list(columns), target) if columns is not None else None
+    try:
+        layout = InputLayout.from_record(value, input_dim)
+    except ValueError as error:
+        raise _problem(path, "`layout`", str(error).removeprefix("layout")) from None
+    if columns is None or layout.features != list(columns):
+        raise _problem(path, "`layout`", "does not give the file's `columns`")
+    return layout
 
 
 def _text(value) -> str:
@@ -335,31 +369,54 @@ class SavedModel:
     estimator: str
     method: str = ""
     data: str = ""
+    layout: Optional[InputLayout] = None  # how it reads a table by name (None: features by position)
 
     @property
     def input_dim(self) -> int:
         return self.network.input_dim
 
-    def standardized(self, x: Union[torch.Tensor, np.ndarray]) -> torch.Tensor:
-        """``x`` ``(N, D)`` in original units on the network's scale (its dtype and device)."""
+    @property
+    def inputs(self) -> Optional[List[str]]:
+        """The columns the model reads, in its order (a categorical one stands for its levels'
+        indicators among :attr:`columns`); ``None``: unnamed features, read by position."""
+        return list(self.layout.columns) if self.layout is not None else None
+
+    @property
+    def target_transform(self) -> str:
+        return self.layout.target_transform if self.layout is not None else "none"
+
+    def standardized(self, x, *, unseen: Optional[str] = None) -> torch.Tensor:
+        """``x`` in original units on the network's scale (its dtype and device): a DataFrame read
+        by column name, or ``(N, len(inputs))`` rows (an array or tensor, any numeric dtype and
+        strides) by position; see :mod:`cfbnn_cli.data.frames`."""
         parameter = next(self.network.parameters())
-        x = torch.as_tensor(np.asarray(x) if not torch.is_tensor(x) else x, dtype=torch.float64)
-        if x.ndim != 2 or x.shape[1] != self.input_dim:
-            raise ValueError(f"`x` must be (N, {self.input_dim}) rows of features; got shape {tuple(x.shape)}")
+        features = model_features(x, self.layout, self.input_dim, unseen=unseen)
+        x = torch.from_numpy(features)
         if self.feature_mean is not None:
-            x = (x - self.feature_mean) / self.feature_std
+            x = (x - self.feature_mean.cpu()) / self.feature_std.cpu()
         return x.to(dtype=parameter.dtype, device=parameter.device)
 
     @torch.no_grad()
-    def predict(self, x, *, estimator: Optional[str] = None, num_samples: int = 64, generator=None):
-        """Regression: the :class:`~cfbnn_cli.bnn.predictive.Predictive` in the target's units;
-        classification: a ``torch.distributions.Categorical`` over :attr:`classes`."""
+    def predict(
+        self, x, *, estimator: Optional[str] = None, num_samples: int = 64, generator=None, unseen: Optional[str] = None
+    ):
+        """Regression: the :class:`~cfbnn_cli.bnn.predictive.Predictive` in the target's units
+        (float64; a model fitted on ``log(target)``: the
+        :class:`~cfbnn_cli.bnn.target_units.LogNormalPredictive` it implies); classification: a
+        ``torch.distributions.Categorical`` over :attr:`classes`. ``x``: a DataFrame (by column
+        name) or rows by position (:meth:`standardized`); ``unseen``: ``"error"`` or ``"zeros"``
+        for a categorical level not seen in training (default: the model's own)."""
         prediction = self.network.predict(
-            self.standardized(x), estimator=estimator or self.estimator, num_samples=num_samples, generator=generator
+            self.standardized(x, unseen=unseen),
+            estimator=estimator or self.estimator,
+            num_samples=num_samples,
+            generator=generator,
         )
         if self.task == "classification":
             return prediction
-        return prediction.unscaled(self.target_mean, self.target_std)
+        return in_target_units(prediction, self.target_mean, self.target_std, self.target_transform)
+
+    __call__ = predict
 
 
 def load_model(path, map_location="cpu") -> SavedModel:
@@ -380,9 +437,10 @@ def load_model(path, map_location="cpu") -> SavedModel:
         record = dict(record, task="regression", classes=None)
     elif kind != FORMAT:
         raise DataError(f"{path} is not a cfbnn model file (written by save_model or `cfbnn train`)")
-    elif version != VERSION:
+    elif version not in READ_VERSIONS:
         raise DataError(
-            f"{path} has model-file version {str(record.get('version'))[:20]!r}; this cfbnn reads {VERSION}"
+            f"{path} has model-file version {str(record.get('version'))[:20]!r}; this cfbnn reads "
+            f"{' and '.join(map(str, READ_VERSIONS))}"
         )
     a = _checked_architecture(record.get("architecture"), path)
     task = record.get("task")
@@ -415,6 +473,11 @@ def load_model(path, map_location="cpu") -> SavedModel:
     network.to(map_location).eval()
     count = 2 if a["likelihood"] == "logistic" else a["output_dim"]
     estimator = _choice(record.get("estimator", "analytic"), ESTIMATORS, path, "`estimator`")
+    columns = _names(record.get("columns"), path, "`columns`", a["input_dim"])
+    target = _text(record.get("target", "y"))
+    layout = _layout(record, path, columns, target, a["input_dim"])
+    if layout is not None and layout.target_transform != "none" and task != "regression":
+        raise _problem(path, "`layout`", "transforms the target of a classifier")
     return SavedModel(
         network=network,
         task=task,
@@ -422,10 +485,11 @@ def load_model(path, map_location="cpu") -> SavedModel:
         feature_std=scaling.get("feature_std"),
         target_mean=float(scaling["target_mean"]),
         target_std=float(scaling["target_std"]),
-        columns=_names(record.get("columns"), path, "`columns`", a["input_dim"]),
-        target=_text(record.get("target", "y")),
+        columns=columns,
+        target=target,
         classes=_names(record.get("classes"), path, "`classes`", count) if task == "classification" else None,
         estimator=estimator,
         method=_text(record.get("method", "")),
         data=_text(record.get("data", "")),
+        layout=layout,
     )

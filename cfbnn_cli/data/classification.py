@@ -12,22 +12,15 @@ import numpy as np
 import torch
 
 from ..runtime.errors import ConfigError, DataError
-from .regression import table_options
+from .cells import canonical_cells, sorted_levels
+from .layout import InputLayout
+from .options import table_options
 from .standardize import check_finite_columns, column_statistics, standardize_columns
 from .tabular import read_table
 
 log = logging.getLogger(__name__)
 BUNDLED = ("digits", "wine", "breast_cancer", "iris")
 CLASSIFICATION_DATA = BUNDLED + ("csv",)
-
-
-def _sorted_classes(labels: np.ndarray) -> List[str]:
-    """The distinct labels, in numeric order where every label is a number, else as text."""
-    names = sorted(set(labels.tolist()))
-    try:
-        return sorted(names, key=float)
-    except ValueError:
-        return names
 
 
 @dataclass
@@ -50,9 +43,20 @@ class ClassificationTable:
     columns: Optional[List[str]]
     target: str
     classes: List[str] = field(default_factory=list)  # index k = class k
+    layout: Optional[InputLayout] = None  # a CSV's: how a model reads a table
 
     def __post_init__(self):
-        self.classes = _sorted_classes(self.labels)
+        # labels are compared as numbers where they are numbers: 1, 1.0 and 01 are one class, `1`
+        canonical, merged = canonical_cells(self.labels)
+        if merged:
+            log.warning(
+                "data `%s`: labels of `%s` that are the same number written differently are one class: %s",
+                self.name,
+                self.target,
+                "; ".join(f"{', '.join(found)} -> {name}" for name, found in sorted(merged.items())[:20]),
+            )
+        self.labels = canonical.astype(str)
+        self.classes = sorted_levels(self.labels.tolist())
         if len(self.classes) < 2:
             raise DataError(
                 f"data `{self.name}`: the label column `{self.target}` has one class ({self.classes[0]!r}); "
@@ -86,10 +90,13 @@ def load_classification_table(cfg) -> ClassificationTable:
     if name == "csv":
         if not cfg.path or not cfg.target:
             raise ConfigError("data=csv needs data.path=/path/to/file.csv and data.target=<label column>")
-        table = read_table(cfg.path, str(cfg.target), labels=True, **table_options(cfg))
+        options = table_options(cfg)
+        if options.pop("target_transform") != "none":
+            raise ConfigError("data.target_transform is for regression; class labels are not transformed")
+        table = read_table(cfg.path, str(cfg.target), labels=True, **options)
         for note in table.notes:
             log.info("%s: %s", cfg.path, note)
-        return ClassificationTable(table.name, table.x, table.y, table.columns, table.target)
+        return ClassificationTable(table.name, table.x, table.y, table.columns, table.target, layout=table.layout)
     if name in BUNDLED:
         import sklearn.datasets
 

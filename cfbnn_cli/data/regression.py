@@ -22,8 +22,11 @@ import numpy as np
 import torch
 
 from ..runtime.errors import ConfigError, DataError, clip
+from .cells import did_you_mean, names
+from .layout import InputLayout
+from .options import table_options
 from .standardize import check_finite_columns, column_statistics, standardize_columns
-from .tabular import read_table
+from .tabular import read_table, table_name
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class RegressionData:
     feature_std: Optional[np.ndarray] = None  # (D,) float64
     columns: Optional[List[str]] = None  # the feature names, where the source has them
     target: str = "target"
+    layout: Optional[InputLayout] = None  # how a model reads a table (a CSV's): saved in model.pt
 
     @property
     def input_dim(self) -> int:
@@ -62,7 +66,14 @@ MAX_TARGET_SCALE = 1e18
 
 
 def _standardize(
-    name, x_train, y_train, x_test, y_test, columns: Optional[Sequence[str]] = None, target: str = "target"
+    name,
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    columns: Optional[Sequence[str]] = None,
+    target: str = "target",
+    layout: Optional[InputLayout] = None,
 ) -> RegressionData:
     """Standardize by the training rows (:mod:`.standardize`: no overflow for any finite
     value); every standardized value is checked finite in float32, naming the column."""
@@ -101,6 +112,7 @@ def _standardize(
         feature_std=np.asarray(x_std, dtype=np.float64).reshape(-1),
         columns=list(columns) if columns is not None else None,
         target=target,
+        layout=layout,
     )
 
 
@@ -223,11 +235,16 @@ def tabular_file(path, target, test_fraction=0.1, seed=0, **options) -> Regressi
     ``options``: the column choice and blank-cell policy of :func:`~.tabular.read_table`.
     """
     path = Path(path)
-    x, y, columns = _read_tabular(path, target, **options)
+    if options.get("target_transform", "none") != "none":
+        raise ConfigError(
+            f"data.target_transform={options['target_transform']} is for protocol=fit (data=csv's own fit); "
+            "this protocol reports on the target as it is"
+        )
+    x, y, columns, layout = _read_tabular(path, target, **options)
     if len(y) < 3:
         raise DataError(f"{path}: {len(y)} rows is too few to train and test on")
     train, test = _random_split(len(y), test_fraction, seed)
-    return _standardize(path.stem, x[train], y[train], x[test], y[test], columns, target)
+    return _standardize(table_name(path), x[train], y[train], x[test], y[test], columns, target, layout)
 
 
 @dataclass
@@ -236,9 +253,14 @@ class RegressionTable:
 
     name: str
     x: np.ndarray  # (N, D) float64
-    y: np.ndarray  # (N,) float64
+    y: np.ndarray  # (N,) float64: the target, or its logarithm under layout.target_transform == "log"
     target: str = "y"
     columns: Optional[List[str]] = None  # the feature names, where the file has them
+    layout: Optional[InputLayout] = None  # a CSV's: how a model reads a table
+
+    @property
+    def target_transform(self) -> str:
+        return self.layout.target_transform if self.layout is not None else "none"
 
     def split(self, train_index, test_index) -> RegressionData:
         """Standardize by the training rows' statistics; see :class:`RegressionData`."""
@@ -250,6 +272,7 @@ class RegressionTable:
             self.y[test_index],
             self.columns,
             self.target,
+            self.layout,
         )
 
 
@@ -290,7 +313,9 @@ def _read_npz(path: Path, target: str):
         )
     with archive as arrays:
         if target not in arrays.files:
-            raise DataError(f"{path}: no array named `{target}` (data.target); it holds {arrays.files[:20]}")
+            raise DataError(
+                f"{path}: no array named `{target}` (data.target); it holds {names(arrays.files)}{did_you_mean(target, arrays.files)}"
+            )
         y = _numeric_array(arrays, target, path)
         if "x" in arrays.files:
             x = _numeric_array(arrays, "x", path)
@@ -324,27 +349,7 @@ def _read_npz(path: Path, target: str):
     return x, y, columns
 
 
-def table_options(cfg) -> dict:
-    """``data.features``, ``data.drop`` and ``data.missing`` of a ``data=csv`` config, as
-    :func:`~.tabular.read_table`'s keywords (absent keys: every column, refuse blank cells)."""
-    from omegaconf import OmegaConf
-
-    def names(key):
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is None:
-            return None
-        if isinstance(value, str) or not OmegaConf.is_list(value) and not isinstance(value, (list, tuple)):
-            raise ConfigError(f"data.{key}={value!r} must be a list of column names, e.g. data.{key}=[id,name]")
-        return [str(v) for v in value]
-
-    return {
-        "features": names("features"),
-        "drop": names("drop") or [],
-        "missing": str(OmegaConf.select(cfg, "missing", default="error")),
-    }
-
-
-def _read_tabular(path, target, features=None, drop=(), missing="error"):
+def _read_tabular(path, target, features=None, drop=(), missing="error", **encoding):
     """``(x, y, feature names)`` of a numeric CSV (header row) or NPZ file; errors name the
     column and row (:func:`~.tabular.read_table`, which also takes the column choice and the
     policy for blank cells, and logs what it left out)."""
@@ -353,15 +358,19 @@ def _read_tabular(path, target, features=None, drop=(), missing="error"):
         raise DataError(f"data.path={path} is a directory, not a data file; point it at a .csv or .npz file")
     if not path.is_file():
         raise DataError(f"data file not found: {path} (set data.path=...)")
+    layout = None
     if path.suffix == ".npz":
-        if features or drop:
-            raise ConfigError("data.features and data.drop choose the columns of a CSV file; an .npz is read whole")
+        if features or drop or encoding.get("categorical") or encoding.get("target_transform", "none") != "none":
+            raise ConfigError(
+                "data.features, data.drop, data.categorical and data.target_transform are for a CSV file; "
+                "an .npz is read whole, as numbers"
+            )
         x, y, columns = _read_npz(path, target)
     else:
-        table = read_table(path, target, features=features, drop=drop, missing=missing)
+        table = read_table(path, target, features=features, drop=drop, missing=missing, **encoding)
         for note in table.notes:
             log.info("%s: %s", path, note)
-        x, y, columns = table.x, table.y, table.columns
+        x, y, columns, layout = table.x, table.y, table.columns, table.layout
     if x.shape[1] == 0:
         raise DataError(
             f"{path} holds only the target `{target}`: no feature column to regress on; add the "
@@ -369,12 +378,14 @@ def _read_tabular(path, target, features=None, drop=(), missing="error"):
         )
     if len(y) and np.all(y == y[0]):
         raise DataError(f"{path}: the target column `{target}` is constant ({y[0]:g}); nothing to regress")
-    return x, y, columns
+    return x, y, columns, layout
 
 
-def load_regression_table(cfg) -> RegressionTable:
+def load_regression_table(cfg, transform: bool = False) -> RegressionTable:
     """The whole data set named by ``cfg.name`` (a ``conf/train_regression/data/`` option),
-    unsplit and in original units (for protocols that split it themselves)."""
+    unsplit and in original units (for protocols that split it themselves). ``transform``: the
+    caller undoes ``data.target_transform`` (``log``: the table's ``y`` is the target's logarithm);
+    else a transform is refused."""
     name = cfg.name
     if name == "synthetic":
         x, y = _synthetic_teacher_rows(
@@ -391,11 +402,41 @@ def load_regression_table(cfg) -> RegressionTable:
         return RegressionTable("year_prediction_msd", table[:, 1:], table[:, 0], "year")
     if name == "csv":
         _require_path_and_target(cfg)
-        x, y, columns = _read_tabular(cfg.path, cfg.target, **table_options(cfg))
-        return RegressionTable(Path(cfg.path).stem, x, y, cfg.target, columns)
+        options = table_options(cfg)
+        if options["target_transform"] != "none" and not transform:
+            raise ConfigError(
+                f"data.target_transform={options['target_transform']} is for protocol=fit (data=csv's own fit); "
+                "this protocol reports on the target as it is"
+            )
+        x, y, columns, layout = _read_tabular(cfg.path, cfg.target, **options)
+        if options["target_transform"] == "log":
+            y = np.log(y)  # read_table refused a target <= 0
+        else:
+            _suggest_log(cfg.target, y)
+        return RegressionTable(table_name(cfg.path), x, y, cfg.target, columns, layout)
     if name == "rdataset":
         return rdataset(cfg.dataset, cfg.target, list(cfg.drop))
     raise ConfigError(f"data.name={name!r} is not one of {REGRESSION_DATA}")
+
+
+SKEWED = 1.0  # a positive target whose skewness passes this gets a line suggesting the log transform
+
+
+def _suggest_log(target: str, y: np.ndarray) -> None:
+    """One log line when a positive target is right-skewed (prices, counts, durations): its log may fit
+    better, and its intervals then stay positive."""
+    if len(y) < 3 or not (y > 0).all():
+        return
+    with np.errstate(all="ignore"):  # a target near float64's range: no line rather than a warning
+        centred = y / y.max() - (y / y.max()).mean()
+        skewness = float((centred**3).mean() / max(float((centred**2).mean()) ** 1.5, 1e-300))
+    if skewness > SKEWED:
+        log.info(
+            "the target `%s` is positive and right-skewed (skewness %.1f): data.target_transform=log fits its "
+            "logarithm and predicts a log-normal, whose intervals stay positive (docs/cli.md)",
+            target,
+            skewness,
+        )
 
 
 REGRESSION_DATA = ("synthetic", "diabetes", "year_prediction_msd", "csv", "rdataset")
@@ -410,7 +451,10 @@ def rdataset(dataset: str, target: str, drop=()) -> RegressionTable:
     frame = pd.read_csv(io.BytesIO(_rdataset_csv(dataset)))
     frame = frame.drop(columns=[c for c in frame.columns if c.startswith("Unnamed")] + list(drop))
     if target not in frame.columns:
-        raise DataError(f"data {dataset}: no column `{target}` (data.target); columns are {list(frame.columns)}")
+        raise DataError(
+            f"data {dataset}: no column `{target}` (data.target){did_you_mean(target, list(frame.columns))}; "
+            f"columns are {names(frame.columns)}"
+        )
     for column in frame.columns:
         if not pd.api.types.is_numeric_dtype(frame[column]):
             values = set(frame[column].dropna().unique())

@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from ..runtime.errors import DataError
+from .cells import names as shown_names
 
 
 def _power_of_two_scale(a: np.ndarray) -> np.ndarray:
@@ -53,7 +54,7 @@ def check_finite_columns(
     bad_columns = np.flatnonzero(bad.reshape(len(array), -1).any(axis=0)) if array.ndim > 1 else [0]
     names = [str(columns[i]) if columns is not None and i < len(columns) else f"#{i}" for i in bad_columns]
     raise DataError(
-        f"{source}: {what} {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} overflow(s) when standardized "
+        f"{source}: {what} {shown_names(names)} overflow(s) when standardized "
         "(values too far apart for float32 after centring and scaling by the training rows); rescale or drop "
         "that column"
     )

@@ -1,12 +1,15 @@
-"""A user's own table, as people have them: a CSV with a header row, perhaps an unnamed index
-column (pandas' default ``to_csv``), ID or text columns to leave out, blank cells, string labels.
+"""A user's own table, as people have them: a CSV with a header row (or the same gzip-compressed),
+perhaps an unnamed index column (pandas' default ``to_csv``), ID or text columns to leave out or
+to one-hot encode, blank cells, string labels.
 
 * :func:`read_table` reads a whole training file (``data=csv``): the target column and the
-  feature columns (``features``: exactly these; ``drop``: all but these), every problem one
-  :class:`~cfbnn_cli.runtime.errors.DataError` naming the column and the row;
+  feature columns (``features``: exactly these; ``drop``: all but these; ``categorical``: those
+  one-hot encoded, or ``"auto"``), every problem one :class:`~cfbnn_cli.runtime.errors.DataError`
+  naming the column and the row; its :class:`~.layout.InputLayout` is what the model file keeps;
 * :func:`iter_feature_chunks` streams the rows of a file to predict on in chunks of a fixed
   number of rows (memory independent of the file's length), mapping its columns by name onto a
-  model's features; rows with a blank feature come out masked, not refused.
+  model's layout (:meth:`~.layout.InputLayout.match`); rows with a blank feature come out masked,
+  not refused.
 
 A row is the file's data row counted from 1 (the header is line 1, so row ``r`` is line ``r + 1``
 where no line holds an embedded newline).
@@ -15,7 +18,9 @@ where no line holds an embedded newline).
 from __future__ import annotations
 
 import csv
-import re
+import gzip
+import logging
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +28,37 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..runtime.errors import ConfigError, DataError, clip, listing
+from ..runtime.errors import ConfigError, DataError, clip
 from ..runtime.safefs import describe_file, shown_path
+from .cells import (
+    MISSING_TOKENS,
+    canonical_cells,
+    did_you_mean,
+    infinite_cell_error,
+    is_missing,
+    names,
+    parse_numbers,
+    shown,
+    sorted_levels,
+    text_cell_error,
+)
+from .layout import TARGET_TRANSFORMS, UNSEEN_POLICIES, InputLayout, index_column
 
-# what a blank or missing cell looks like in the files people have (pandas' to_csv writes ""; R writes NA)
-MISSING_TOKENS = frozenset({"", "na", "nan", "n/a", "null", "none", "?"})
+__all__ = ["MISSING_TOKENS", "MISSING_POLICIES", "is_missing", "index_column", "read_table", "iter_feature_chunks"]
+
+log = logging.getLogger(__name__)
 MISSING_POLICIES = ("error", "drop")
 MIN_SPLIT_ROWS = 10  # a held-out split needs a few training rows and at least one test row
-_UNNAMED = re.compile(r"^(unnamed: *0)?$", re.IGNORECASE)
+# data.categorical=auto: a text column with at most this many levels (and fewer than half the rows) is
+# one-hot encoded; one with more (an ID, a name, free text) still needs data.drop or naming
+AUTO_MAX_LEVELS = 50
+ID_MIN_ROWS = 20  # an integer column distinct in every one of at least this many rows is probably an ID
+_GZIP = b"\x1f\x8b"
+_COMPRESSED = (
+    (b"BZh", "bzip2 (.bz2)", "bunzip2"),
+    (b"\xfd7zXZ\x00", "xz (.xz)", "unxz"),
+    (b"(\xb5/\xfd", "zstd", "unzstd"),
+)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -44,7 +72,7 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def refuse_binary(path: Path, head: bytes) -> None:
-    """A NumPy or zip file given where a CSV is read is named as such, with the formats read."""
+    """A NumPy, zip or compressed file given where a CSV is read is named as such, with the formats read."""
     for magic, kind in ((b"\x93NUMPY", "a NumPy .npy array"), (b"PK\x03\x04", "a zip archive (an .npz?)")):
         if head.startswith(magic):
             raise DataError(
@@ -52,12 +80,30 @@ def refuse_binary(path: Path, head: bytes) -> None:
                 "(numpy.savez(path, x=x, y=y)), predict a .csv with a header row "
                 "(pandas.DataFrame(x, columns=names).to_csv(path, index=False))"
             )
+    for magic, kind, tool in _COMPRESSED:
+        if head.startswith(magic):
+            raise DataError(
+                f"{path} is compressed with {kind}, not a CSV: decompress it first (`{tool} -k {path}`), or "
+                "compress it with gzip, which cfbnn reads"
+            )
+
+
+def _gunzipped(path: Path, data: bytes) -> bytes:
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as error:
+        raise DataError(
+            f"{path} is gzip-compressed but cannot be decompressed ({error}); the file is damaged: "
+            "re-create it, or decompress what is left with `gunzip -c`"
+        ) from None
 
 
 def decoded_lines(path: Path) -> List[str]:
-    """The lines of a UTF-8 text file (a byte-order mark dropped); a byte that is not
-    UTF-8 is an error naming its line, not a traceback."""
+    """The lines of a UTF-8 text file (a byte-order mark dropped; a gzip file decompressed); a
+    byte that is not UTF-8 is an error naming its line, not a traceback."""
     data = _read_bytes(path)
+    if data.startswith(_GZIP):
+        data = _gunzipped(path, data)
     refuse_binary(path, data[:8])
     try:
         text = data.decode("utf-8-sig")
@@ -67,21 +113,16 @@ def decoded_lines(path: Path) -> List[str]:
         line = data[:offset].count(b"\n") + 1
         raise DataError(
             f"{path}, line {line}: byte 0x{data[offset]:02x} is not UTF-8 text; re-save the file as UTF-8 "
-            "(e.g. `iconv -f latin1 -t utf-8`)"
+            "(e.g. `iconv -f latin1 -t utf-8` if it is Latin-1 text)"
         ) from None
     return text.splitlines()
 
 
-def is_missing(cells: np.ndarray) -> np.ndarray:
-    """Elementwise: is the (stripped) text cell blank or an NA token?"""
-    lowered = np.char.lower(np.char.strip(cells.astype(str)))
-    return np.isin(lowered, list(MISSING_TOKENS))
-
-
 @dataclass
 class Table:
-    """A training file's rows in original units: ``x`` ``(N, D)`` float64 and ``y`` ``(N,)``
-    (float64 for regression; the label strings for classification)."""
+    """A training file's rows in original units: ``x`` ``(N, D)`` float64 (categorical columns
+    one-hot encoded) and ``y`` ``(N,)`` (float64 for regression; the label strings for
+    classification); ``columns`` the ``D`` features' names, ``layout`` how the model reads a table."""
 
     name: str
     x: np.ndarray
@@ -89,9 +130,10 @@ class Table:
     columns: List[str]
     target: str
     notes: List[str] = field(default_factory=list)  # what was left out, one sentence each
+    layout: Optional[InputLayout] = None
 
 
-def _header(path: Path, lines: List[str]) -> List[str]:
+def header_of(path: Path, lines: List[str]) -> List[str]:
     if not lines or not lines[0].strip():
         raise DataError(f"{path} is empty (or its first line, the header, is blank)")
     header = [name.strip() for name in next(csv.reader(lines[:1]))]
@@ -105,13 +147,8 @@ def _header(path: Path, lines: List[str]) -> List[str]:
     return header
 
 
-def index_column(header: Sequence[str]) -> bool:
-    """Is the first column an unnamed row index (pandas' ``to_csv`` default writes it with an empty
-    name; read back and written again it is ``Unnamed: 0``)?"""
-    return len(header) > 1 and bool(_UNNAMED.match(header[0]))
-
-
-def _check_names(path: Path, header: List[str]) -> None:
+def check_names(path, header: Sequence[str]) -> None:
+    """Every column has a name of its own."""
     seen, duplicates = set(), []
     for name in header:
         if name in seen and name not in duplicates:
@@ -119,7 +156,7 @@ def _check_names(path: Path, header: List[str]) -> None:
         seen.add(name)
     if duplicates:
         raise DataError(
-            f"{path}: duplicate column name(s) {listing(duplicates)} in the header; every column needs its own "
+            f"{path}: duplicate column name(s) {names(duplicates)} in the header; every column needs its own "
             "name (which one is the target otherwise?)"
         )
     blank = [i + 1 for i, name in enumerate(header) if not name]
@@ -141,46 +178,27 @@ def _cells(path: Path, lines: List[str], width: int) -> np.ndarray:
     return np.asarray(rows, dtype=str)
 
 
-def numeric_column(cells: np.ndarray, missing: np.ndarray, where: str, name: str, first_row: int = 1) -> np.ndarray:
-    """A text column as float64 (NaN where ``missing``); the first non-numeric or non-finite cell
-    is a :class:`DataError` naming the column and its row."""
-    values = np.full(len(cells), np.nan)
-    present = ~missing
-    try:
-        values[present] = cells[present].astype(np.float64)
-    except ValueError:
-        for index in np.flatnonzero(present):  # only to name the cell: the vectorized cast refused one
-            try:
-                float(cells[index])
-            except ValueError:
-                text = str(cells[index])
-                raise DataError(
-                    f"{where}, column `{name}`, row {first_row + index}: {text[:40]!r}{'...' if len(text) > 40 else ''}"
-                    f" is not a number; leave the column out with data.drop=[{name}] (an ID or a text column), "
-                    "or encode it as numbers"
-                ) from None
-    infinite = present & ~np.isfinite(values)
-    if infinite.any():
-        index = int(np.argmax(infinite))
-        raise DataError(
-            f"{where}, column `{clip(name, 60)}`, row {first_row + index}: {clip(repr(cells[index]), 40)} is not a "
-            "finite number"
-        )
-    return values
-
-
-def _chosen_columns(path: Path, header: List[str], target: str, features, drop) -> List[str]:
-    if target not in header:
-        raise DataError(f"{path}: no column named `{clip(target, 60)}` (data.target); columns are {listing(header)}")
-    features = [str(f) for f in features] if features else None
-    drop = [str(d) for d in drop or ()]
+def chosen_columns(path, header: List[str], target: str, features, drop) -> List[str]:
+    """The feature columns ``data.features`` / ``data.drop`` choose from ``header`` (every name
+    checked: in the file, given once, not the target)."""
     present = set(header)
-    unknown = [name for name in (features or []) + drop if name not in present]
-    if unknown:
-        key = "data.features" if features and unknown[0] in features else "data.drop"
+    if target not in present:
         raise DataError(
-            f"{path}: {key} names column(s) {listing(unknown)} that the file does not have; it has {listing(header)}"
+            f"{path}: no column named `{clip(target, 60)}` (data.target){did_you_mean(target, header)}; "
+            f"columns are {names(header)}"
         )
+    features = [str(f) for f in features] if features is not None else None
+    drop = [str(d) for d in drop or ()]
+    for key, given in (("data.features", features or []), ("data.drop", drop)):
+        twice = sorted(name for name, count in Counter(given).items() if count > 1)
+        if twice:
+            raise ConfigError(f"{key} names {names(twice)} more than once; give each column once")
+        unknown = [name for name in given if name not in present]
+        if unknown:
+            raise DataError(
+                f"{path}: {key} names column(s) {names(unknown)} that the file does not have"
+                f"{did_you_mean(unknown[0], header)}; it has {names(header)}"
+            )
     if features is not None:
         if target in features:
             raise ConfigError(f"data.features={clip(features)} includes the target `{clip(target, 60)}`; leave it out")
@@ -195,6 +213,106 @@ def _chosen_columns(path: Path, header: List[str], target: str, features, drop) 
     return [name for name in header if name != target and name not in dropped]
 
 
+def _categorical_choice(path, categorical, columns: List[str]):
+    """``(named columns, auto)`` of ``data.categorical`` (a list of feature columns, or ``"auto"``)."""
+    if categorical is None or categorical == "none":
+        return [], False
+    if isinstance(categorical, str):
+        if categorical != "auto":
+            raise ConfigError(
+                f"data.categorical={categorical!r} must be a list of columns (e.g. 'data.categorical=[color,cut]') or auto"
+            )
+        return [], True
+    chosen = [str(c) for c in categorical]
+    if len(set(chosen)) != len(chosen):
+        raise ConfigError(f"data.categorical names {names(sorted({c for c in chosen if chosen.count(c) > 1}))} twice")
+    features = set(columns)
+    unknown = [c for c in chosen if c not in features]
+    if unknown:
+        raise DataError(
+            f"{path}: data.categorical names {names(unknown)}, not among the feature columns "
+            f"({names(columns)}){did_you_mean(unknown[0], columns)}"
+        )
+    return chosen, False
+
+
+def _text_columns(path, cells, columns, categorical, auto, drop, features, where):
+    """``(categorical columns, numbers)``: the columns to one-hot encode (named, and under
+    ``auto`` the text columns with few levels) and every other column's cells as float64 (NaN
+    blank); every other column holding text is named in one error with the complete data.drop
+    to paste."""
+    named = set(categorical)
+    numeric = [j for j, c in enumerate(columns) if c not in named]
+    if not numeric:
+        return list(categorical), np.empty((len(cells), 0))
+    text = cells[:, numeric]
+    absent = is_missing(text)
+    values, bad = parse_numbers(text, absent)
+    if bad is None:
+        return list(categorical), values
+    found = [numeric[i] for i in np.flatnonzero(bad.any(axis=0))]
+    chosen = list(categorical)
+    if auto:
+        rows = len(cells)
+        for j in found:
+            levels = np.unique(np.char.strip(cells[:, j][~is_missing(cells[:, j])]))
+            if len(levels) <= AUTO_MAX_LEVELS and len(levels) < rows / 2:
+                chosen.append(columns[j])
+        chosen_set = set(chosen)
+        found = [j for j in found if columns[j] not in chosen_set]
+    if not found:
+        chosen_set = set(chosen)
+        return [c for c in columns if c in chosen_set], values[:, [columns[j] not in chosen_set for j in numeric]]
+    first = int(np.argmax(bad[:, numeric.index(found[0])]))
+    text_names = [columns[j] for j in found]
+    where_first = (
+        f"{where}, column `{clip(text_names[0], 60)}`, row {first + 1}: {shown(cells[first, found[0]])} is not a number"
+    )
+    if features is not None:
+        kept = [c for c in features if c not in set(text_names)]
+        leave = f"'data.features=[{','.join(kept)}]'"
+    else:
+        leave = f"'data.drop=[{','.join(list(drop) + text_names)}]'"
+    levels = {columns[j]: len(np.unique(cells[:, j])) for j in found[:200]}
+    many = [c for c, count in levels.items() if count > AUTO_MAX_LEVELS]
+    raise DataError(
+        f"{where_first}; {len(text_names)} column(s) hold text: {names(text_names)}. Leave them out with {leave}, "
+        f"or one-hot encode them with 'data.categorical=[{','.join(list(categorical) + text_names)}]'"
+        + (
+            f" ({names(many)} {'has' if len(many) == 1 else 'have'} more than {AUTO_MAX_LEVELS} levels: an ID or free text?)"
+            if many
+            else ""
+        )
+    )
+
+
+def _warn_id_columns(path, x, layout: InputLayout, drop, features) -> None:
+    """One warning line naming the integer columns that hold a different value in every row."""
+    numeric = [c for c in layout.columns if c not in layout.categorical]
+    if len(x) < ID_MIN_ROWS or not numeric:
+        return
+    feature_at = {name: i for i, name in enumerate(layout.features)}
+    block = x[:, [feature_at[c] for c in numeric]]
+    finite = np.isfinite(block).all(axis=0)
+    whole = finite & np.all(block == np.round(block), axis=0)
+    ordered = np.sort(block, axis=0)
+    distinct = ~np.any(ordered[1:] == ordered[:-1], axis=0)
+    ids = [numeric[i] for i in np.flatnonzero(whole & distinct)]
+    if not ids:
+        return
+    if features is not None:
+        fix = f"'data.features=[{','.join(c for c in features if c not in set(ids))}]'"
+    else:
+        fix = f"'data.drop=[{','.join(list(drop) + ids)}]'"
+    log.warning(
+        "%s: column(s) %s hold a different whole number in every row (an ID?) and are trained on as features; "
+        "if they are IDs, leave them out with %s",
+        path,
+        names(ids),
+        fix,
+    )
+
+
 def read_table(
     path,
     target: str,
@@ -204,18 +322,28 @@ def read_table(
     missing: str = "error",
     labels: bool = False,
     lines: Optional[List[str]] = None,
+    categorical=None,
+    unseen: str = "error",
+    target_transform: str = "none",
 ) -> Table:
     """The training rows of a CSV file (see the module docstring).
 
     ``labels``: the target holds class labels (any text; kept as strings), else numbers.
     ``missing``: ``"error"`` refuses a blank cell in a used column, naming it; ``"drop"`` leaves
-    incomplete rows out (counted in :attr:`Table.notes`).
+    incomplete rows out (counted in :attr:`Table.notes`; an infinite number counts as blank).
+    ``categorical``: the feature columns to one-hot encode (their levels: the distinct values,
+    numbers by value), or ``"auto"`` (every text column with at most ``AUTO_MAX_LEVELS`` levels);
+    ``unseen`` and ``target_transform`` are recorded in the layout for prediction.
     """
     path = Path(path)
     if missing not in MISSING_POLICIES:
         raise ConfigError(f"data.missing={missing!r} must be one of {', '.join(MISSING_POLICIES)}")
+    if unseen not in UNSEEN_POLICIES:
+        raise ConfigError(f"data.unseen={unseen!r} must be one of {', '.join(UNSEEN_POLICIES)}")
+    if target_transform not in TARGET_TRANSFORMS:
+        raise ConfigError(f"data.target_transform={target_transform!r} must be one of {', '.join(TARGET_TRANSFORMS)}")
     lines = decoded_lines(path) if lines is None else lines
-    header = _header(path, lines)
+    header = header_of(path, lines)
     notes = []
     offset = 0
     if index_column(header):
@@ -223,8 +351,8 @@ def read_table(
         offset = 1
     cells = _cells(path, lines, len(header))[:, offset:]
     header = header[offset:]
-    _check_names(path, header)
-    columns = _chosen_columns(path, header, target, features, drop)
+    check_names(path, header)
+    columns = chosen_columns(path, header, target, features, drop)
     if not columns and header == [target]:
         raise DataError(
             f"{path} holds only the target `{target}`: no feature column to learn from; add the input columns to the file"
@@ -232,33 +360,87 @@ def read_table(
     if not columns:
         raise DataError(f"{path}: no feature column is left beside the target `{target}`; keep at least one")
     where = str(path)
-    feature_cells = cells[:, [header.index(name) for name in columns]]
-    target_cells = cells[:, header.index(target)]
-    absent = np.concatenate([is_missing(feature_cells), is_missing(target_cells)[:, None]], axis=1)
+    position = {name: i for i, name in enumerate(header)}  # one lookup per name: linear in the width
+    feature_cells = cells[:, [position[name] for name in columns]]
+    target_cells = cells[:, position[target]]
+    named, auto = _categorical_choice(path, categorical, columns)
     # a text column (an ID, a name) is named before blank cells: it needs data.drop whatever else
-    x = np.stack(
-        [numeric_column(feature_cells[:, j], absent[:, j], where, name) for j, name in enumerate(columns)], axis=1
+    chosen, numbers = _text_columns(path, feature_cells, columns, named, auto, list(drop or ()), features, where)
+    levels = {}
+    column_at = {name: j for j, name in enumerate(columns)}
+    for column in chosen:
+        j = column_at[column]
+        present = ~is_missing(feature_cells[:, j])
+        levels[column] = sorted_levels(canonical_cells(feature_cells[present, j])[0].tolist())
+        if not levels[column]:
+            raise DataError(f"{where}: the categorical column `{clip(column, 60)}` is blank in every row")
+    chosen_set = set(columns)
+    layout = InputLayout(
+        columns,
+        target,
+        levels,
+        [name for name in header if name != target and name not in chosen_set],
+        unseen,
+        target_transform,
     )
-    y = (
-        np.char.strip(target_cells.astype(str))
-        if labels
-        else numeric_column(target_cells, absent[:, -1], where, target)
-    )
-    incomplete = absent.any(axis=1)
+    if len(set(layout.features)) != len(layout.features):
+        twice = sorted(name for name, count in Counter(layout.features).items() if count > 1)
+        raise DataError(f"{where}: a column is named like a level's indicator ({names(twice)}); rename that column")
+    rows = np.arange(1, len(cells) + 1)
+    if levels:  # the numeric columns as parsed above, the categorical ones as text
+        numbers = iter(numbers.T)
+        values = [feature_cells[:, j] if c in levels else next(numbers) for j, c in enumerate(columns)]
+    else:
+        values = numbers
+    x, complete = layout.encode(values, where, rows, infinite_missing=missing == "drop")
+    absent_target = is_missing(target_cells)
+    if labels:
+        y = np.char.strip(target_cells.astype(str))
+    else:
+        y, bad = parse_numbers(target_cells[:, None], absent_target[:, None])
+        if bad is not None:
+            row = int(np.argmax(bad[:, 0]))
+            raise text_cell_error(where, target, row + 1, target_cells[row])
+        y = y[:, 0]
+        infinite = np.isinf(y)
+        if infinite.any() and missing != "drop":
+            row = int(np.argmax(infinite))
+            raise infinite_cell_error(where, target, row + 1, target_cells[row])
+        absent_target = absent_target | infinite
+        if target_transform == "log":
+            bad = ~absent_target & ~(y > 0)
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise DataError(
+                    f"{where}, column `{clip(target, 60)}`, row {row + 1}: {shown(target_cells[row])} is not positive; "
+                    f"data.target_transform=log needs a target > 0 ({int(bad.sum())} of {len(y)} rows are not): leave "
+                    "those rows out of the file, or use data.target_transform=none"
+                )
+    incomplete = ~complete | absent_target
     if incomplete.any() and missing == "error":
-        row, column = np.argwhere(absent)[0]
-        name = (columns + [target])[column]
+        row = int(np.argmax(incomplete))
+        blank_cells = is_missing(feature_cells[row])  # (an infinite cell was refused above)
+        name = columns[int(np.argmax(blank_cells))] if not complete[row] else target
         raise DataError(
             f"{where}, column `{name}`, row {row + 1}: blank (or NA); {int(incomplete.sum())} of {len(cells)} rows "
             "have a blank cell: data.missing=drop leaves them out, or fill them in"
         )
     if incomplete.any():
-        notes.append(f"{int(incomplete.sum())} of {len(cells)} rows with a blank cell left out (data.missing=drop)")
+        notes.append(
+            f"{int(incomplete.sum())} of {len(cells)} rows with a blank (or infinite) cell left out (data.missing=drop)"
+        )
     keep = np.flatnonzero(~incomplete)
     if len(keep) == 0:
         raise DataError(f"{where}: every row has a blank cell in a used column; nothing is left to train on")
     x, y = x[keep], y[keep]
-    return Table(path.stem, x, y, columns, target, notes)
+    _warn_id_columns(path, x, layout, list(drop or ()), features)
+    return Table(table_name(path), x, y, layout.features, target, notes, layout)
+
+
+def table_name(path) -> str:
+    """A table's name: its file's name without the extension (``.csv.gz``: both)."""
+    path = Path(path)
+    return Path(path.stem).stem if path.suffix == ".gz" else path.stem
 
 
 def held_out_split(rows: int, test_fraction: float, seed: int):
@@ -288,97 +470,95 @@ class FeatureChunk:
 
 
 def open_text(path: Path):
-    """A UTF-8 text handle on ``path`` (a byte-order mark dropped); binary files named as such."""
+    """A UTF-8 text handle on ``path`` (a byte-order mark dropped; a gzip file decompressed as it
+    is read); binary files named as such."""
     if path.is_dir() or not path.is_file():
         raise DataError(f"{shown_path(path)}: {describe_file(path)} (the rows to predict: a CSV with a header row)")
     with open(path, "rb") as raw:
-        refuse_binary(path, raw.read(8))
+        head = raw.read(8)
+    if head.startswith(_GZIP):
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    refuse_binary(path, head)
     return open(path, encoding="utf-8-sig", newline="")
 
 
 def iter_feature_chunks(
     path,
-    columns: Optional[Sequence[str]],
+    layout,
     input_dim: int,
     target: Optional[str],
     *,
     keep: Sequence[str] = (),
     chunk_rows: int = 8192,
+    reserved: Sequence[str] = (),
+    unseen: Optional[str] = None,
 ) -> Tuple[List[str], Iterator[FeatureChunk]]:
     """``(pass-through column names, chunks)`` of the new rows of ``path``.
 
-    ``columns``: the model's feature names (``None``: generated data, read by position, every
-    column but ``target``). Columns the model does not use are named in an error unless ``keep``
-    lists them (they are copied to the output); the target may be present and is ignored.
+    ``layout``: the model's :class:`~.layout.InputLayout` (a list of names: numeric columns;
+    ``None``: generated data, read by position, every column but ``target``). Its columns are
+    found by name (:meth:`~.layout.InputLayout.match`: the target and the columns the training run
+    left out are ignored; any other column is refused unless ``keep`` lists it, and then copied to
+    the output). ``reserved``: the output's own column names, which ``keep`` may not take.
     """
     path = Path(path)
+    if layout is not None and not isinstance(layout, InputLayout):
+        layout = InputLayout([str(c) for c in layout], str(target))
     handle = open_text(path)
     reader = csv.reader(handle)
     try:
-        header = [name.strip() for name in next(reader)]
-    except StopIteration:
-        handle.close()
-        raise DataError(f"{path} is empty (or its first line, the header, is blank)") from None
-    except (UnicodeDecodeError, csv.Error) as error:
-        handle.close()
-        raise DataError(f"{path}, line 1: {_reading_problem(error)}") from None
-    if not any(header):
-        handle.close()
-        raise DataError(f"{path} is empty (or its first line, the header, is blank)")
-    try:
-        positions, passed = _map_columns(path, header, columns, input_dim, target, list(keep))
+        try:
+            header = [name.strip() for name in next(reader)]
+        except StopIteration:
+            raise DataError(f"{path} is empty (or its first line, the header, is blank)") from None
+        except (UnicodeDecodeError, csv.Error, OSError, EOFError) as error:
+            raise DataError(f"{path}, line 1: {_reading_problem(error)}") from None
+        if not any(header):
+            raise DataError(f"{path} is empty (or its first line, the header, is blank)")
+        if layout is None:
+            positions, passed = _by_position(path, header, input_dim, target, list(keep), reserved)
+            layout = InputLayout([header[i] for i in positions], str(target or ""))
+        else:
+            positions, passed = layout.match(header, str(path), list(keep), reserved=reserved)
     except DataError:
         handle.close()
         raise
-    names = [header[i] for i in positions]
-    return [header[i] for i in passed], _chunks(path, handle, reader, len(header), positions, names, passed, chunk_rows)
+    return [header[i] for i in passed], _chunks(
+        path, handle, reader, len(header), positions, layout, passed, chunk_rows, unseen
+    )
 
 
 def _reading_problem(error: Exception) -> str:
     if isinstance(error, UnicodeDecodeError):
         return "bytes that are not UTF-8 text; re-save the file as UTF-8"
+    if isinstance(error, (OSError, EOFError)):
+        return f"the gzip stream cannot be read ({str(error)[:120]}); the file is damaged"
     return f"not readable as CSV ({str(error)[:120]})"
 
 
-def _map_columns(path, header, columns, input_dim, target, keep):
+def _by_position(path, header, input_dim, target, keep, reserved):
+    """Generated training data: the features are every column but the target and ``keep``, in order."""
+    from .layout import check_keep
+
     offset = 1 if index_column(header) else 0
     named = header[offset:]
-    counts = Counter(named)
-    duplicated = sorted(name for name, count in counts.items() if count > 1)
-    if duplicated:
-        raise DataError(f"{path}: column names appear twice: {listing(duplicated)}")
-    unknown_keep = [name for name in keep if name not in counts]
-    if unknown_keep:
+    position = {}
+    for i, name in enumerate(named, start=offset):
+        if name in position:
+            raise DataError(f"{path}: column names appear twice: {names([name])}")
+        position[name] = i
+    check_keep(keep, position, named, str(path), reserved)
+    kept = set(keep)
+    used = [i for i in range(offset, len(header)) if header[i] != target and header[i] not in kept]
+    if len(used) != input_dim:
         raise DataError(
-            f"{path}: --keep names column(s) {listing(unknown_keep)} that the file does not have; it has {listing(named)}"
+            f"{path} has {len(used):,} feature columns; the model was trained on {input_dim} (generated data, "
+            "read by position)"
         )
-    if columns is None:  # generated training data: features by position
-        used = [i for i in range(offset, len(header)) if header[i] != target and header[i] not in keep]
-        if len(used) != input_dim:
-            raise DataError(
-                f"{path} has {len(used):,} feature columns; the model was trained on {input_dim} (generated data, "
-                "read by position)"
-            )
-        position = {name: i for i, name in reversed(list(enumerate(header)))}
-        return used, [position[name] for name in keep]
-    wanted, kept = set(columns), set(keep)
-    missing = [name for name in columns if name not in counts]
-    extra = [name for name in named if name not in wanted and name != target and name not in kept]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {listing(missing)}")
-        if extra:
-            parts.append(f"not used by the model: {listing(extra)} (copy them to the output with --keep, e.g. an ID)")
-        raise DataError(
-            f"{path}: the columns differ from the model's features ({'; '.join(parts)}); it needs "
-            f"{listing(columns)} (the target `{clip(target, 60)}` may be there and is ignored)"
-        )
-    position = {name: i for i, name in reversed(list(enumerate(header)))}
-    return [position[name] for name in columns], [position[name] for name in keep]
+    return used, [position[name] for name in keep]
 
 
-def _chunks(path, handle, reader, width, positions, names, passed, chunk_rows) -> Iterator[FeatureChunk]:
+def _chunks(path, handle, reader, width, positions, layout, passed, chunk_rows, unseen) -> Iterator[FeatureChunk]:
     row_number = 0
     with handle:
         while True:
@@ -395,18 +575,12 @@ def _chunks(path, handle, reader, width, positions, names, passed, chunk_rows) -
                     numbers.append(row_number)
                     if len(block) == chunk_rows:
                         break
-            except (UnicodeDecodeError, csv.Error) as error:
+            except (UnicodeDecodeError, csv.Error, OSError, EOFError) as error:
                 raise DataError(f"{path}, near line {reader.line_num + 1}: {_reading_problem(error)}") from None
             if not block:
                 return
             cells = np.asarray(block, dtype=str)
+            rows = np.asarray(numbers)
             features = cells[:, positions]
-            absent = is_missing(features)
-            x = np.stack(
-                [
-                    numeric_column(features[:, j], absent[:, j], str(path), name, numbers[0])
-                    for j, name in enumerate(names)
-                ],
-                axis=1,
-            )
-            yield FeatureChunk(x, ~absent.any(axis=1), np.asarray(numbers), cells[:, passed].tolist())
+            x, complete = layout.encode(features, str(path), rows, unseen=unseen)
+            yield FeatureChunk(x, complete, rows, cells[:, passed].tolist())

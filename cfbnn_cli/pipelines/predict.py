@@ -1,16 +1,21 @@
 """``cfbnn predict MODEL NEW.csv``: a trained model's predictions for new rows of a table.
 
 MODEL is a finished ``cfbnn train regression`` or ``cfbnn train classification`` run dir (its
-``model.pt``), or a model file written by ``cfbnn_cli.bnn.save_model``. NEW.csv has a header
-row and the model's feature columns in any order; the target column may be there (ignored), an
-unnamed leading index column is left out, and other columns are refused unless ``--keep`` names
-them (they are copied to the output, e.g. an ID). A row with a blank feature gets empty
-prediction cells (counted on stderr) instead of refusing the file.
+``model.pt``), or a model file written by ``cfbnn_cli.bnn.save_model``. NEW.csv (or NEW.csv.gz)
+has a header row and the model's columns in any order, by name: the training file's layout works
+as it is (the target, an unnamed leading index column and the columns the training run left out
+are ignored). A column the model does not know is refused unless ``--keep`` names it (only the
+columns named are copied to the output, e.g. an ID; none may share a name with an output
+column). A row with a blank feature gets empty prediction cells (counted on stderr) instead of
+refusing the file; a categorical level training never saw is an error, or, with ``--unseen
+zeros``, all-zero indicators.
 
 Regression writes, per row and in the target's units: ``mean``, ``sd``, ``var_a`` and ``var_b``
 (the predictive variance from the last hidden layer's weights and from the output layer's,
 paper eq. (44), in squared target units), ``noise`` (the likelihood's variance, squared units)
-and the central ``--level`` interval ``lower_90``, ``upper_90``. Classification writes the
+and the central ``--level`` interval ``lower_90``, ``upper_90`` (a model fitted on the target's
+log: the log-normal's ``mean``, ``sd``, ``median``, the variance's parts on the log scale
+``log_var_a``, ``log_var_b``, ``log_noise``, and the interval). Classification writes the
 predicted ``label``, its ``probability`` and one ``p_<class>`` column per class.
 
 The rows are read, predicted and written in chunks: memory does not grow with the file's length.
@@ -33,7 +38,8 @@ import torch
 
 from ..bnn.estimators import ESTIMATORS, make_estimator
 from ..bnn.model_file import FILE_NAME, SavedModel, load_model
-from ..bnn.predictive import describe
+from ..bnn.target_units import describe_in_target_units, in_target_units, regression_columns
+from ..data.layout import UNSEEN_POLICIES
 from ..data.tabular import FeatureChunk, iter_feature_chunks
 from ..runtime.device import resolve_device
 from ..runtime.errors import CfbnnError, ConfigError, DataError, listing, one_line
@@ -105,8 +111,7 @@ class _Predictor:
     def columns(self) -> list:
         if self.saved.task == "classification":
             return ["label", "probability"] + [f"p_{name}" for name in self.saved.classes]
-        percent = f"{100 * self.level:g}"
-        return ["mean", "sd", "var_a", "var_b", "noise", f"lower_{percent}", f"upper_{percent}"]
+        return regression_columns(self.saved.target_transform, self.level)
 
     def __call__(self, x: torch.Tensor) -> dict:
         saved = self.saved
@@ -114,8 +119,9 @@ class _Predictor:
         def regression(rows):
             prediction = saved.network.predict(
                 rows, estimator=self.estimator, num_samples=self.num_samples, generator=self.generator
-            ).unscaled(saved.target_mean, saved.target_std)
-            return tuple(describe(prediction, coverage=self.level).values())
+            )
+            prediction = in_target_units(prediction, saved.target_mean, saved.target_std, saved.target_transform)
+            return tuple(describe_in_target_units(prediction, self.level).values())
 
         def classification(rows):
             return saved.network.predict(
@@ -131,8 +137,21 @@ class _Predictor:
                 columns.update({f"p_{name}": probabilities[:, k] for k, name in enumerate(saved.classes)})
                 return columns
             values = map_row_chunks(regression, x, self.compute_rows)
-        # float32, as computed: pandas writes each with the fewest digits that read back to it
-        return {name: value.float().cpu().numpy() for name, value in zip(self.columns(), values)}
+        return {name: self._written(name, value) for name, value in zip(self.columns(), values)}
+
+    def _written(self, name: str, value: torch.Tensor) -> np.ndarray:
+        """float32, as the network computes (pandas writes the fewest digits that read back to it);
+        but a Normal's mean and interval carry the target's offset, added in float64: they are
+        rounded to the network's float32 resolution in the target's units instead (a target near
+        1e12 with an s.d. of 1 keeps its decimals)."""
+        offset = self.saved.target_transform == "none" and (name == "mean" or name.startswith(("lower_", "upper_")))
+        if not offset:
+            return value.float().cpu().numpy()
+        decimals = int(np.clip(-np.floor(np.log10(self.saved.target_std * 1e-7)), -300, 300))
+        value = value.double().cpu().numpy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            rounded = np.round(value, decimals)
+        return np.where(np.isfinite(rounded) | ~np.isfinite(value), rounded, value)
 
 
 def _standardized(saved: SavedModel, chunk: FeatureChunk, path: Path, device) -> torch.Tensor:
@@ -165,6 +184,7 @@ def predict_run(
     device: str = "cpu",
     keep: Sequence[str] = (),
     read_rows: int = READ_ROWS,
+    unseen: Optional[str] = None,
 ) -> Path:
     """Write the predictions of the model ``source`` (a run dir or a model file) for the rows of
     ``data_path``; returns the output path. See the module docstring."""
@@ -187,8 +207,17 @@ def predict_run(
     _check_out(out)
     generator = torch.Generator(device=torch_device).manual_seed(seed)
     predictor = _Predictor(saved, make_estimator(estimator), num_samples, level, generator, torch_device)
+    if unseen is not None and unseen not in UNSEEN_POLICIES:
+        raise ConfigError(f"--unseen {unseen} must be one of {', '.join(UNSEEN_POLICIES)}")
     passed, chunks = iter_feature_chunks(
-        data_path, saved.columns, saved.input_dim, saved.target, keep=keep, chunk_rows=read_rows
+        data_path,
+        saved.layout,
+        saved.input_dim,
+        saved.target,
+        keep=keep,
+        chunk_rows=read_rows,
+        reserved=["row", *predictor.columns()],
+        unseen=unseen,
     )
     try:
         rows, incomplete = _write_predictions(out, passed, chunks, predictor, saved, data_path, torch_device)
@@ -268,7 +297,7 @@ def main(argv: Sequence[str]) -> int:
         prog="cfbnn predict", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("model", help="a finished `cfbnn train regression|classification` run dir, or a model file")
-    parser.add_argument("data", help="a CSV of new rows with the model's feature columns")
+    parser.add_argument("data", help="a CSV of new rows with the model's columns (the training file's layout works)")
     parser.add_argument("--out", default=None, help="where to write the predictions (default: beside the model)")
     parser.add_argument(
         "--keep",
@@ -286,6 +315,12 @@ def main(argv: Sequence[str]) -> int:
         "--num-samples", type=int, default=64, help="draws of the sampled layers, where the estimator samples any"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of those draws")
+    parser.add_argument(
+        "--unseen",
+        choices=UNSEEN_POLICIES,
+        default=None,
+        help="a categorical level the model never saw: error, or zeros (every indicator 0); default: the model's",
+    )
     args = parser.parse_args(list(argv))
     try:
         path = predict_run(
@@ -298,6 +333,7 @@ def main(argv: Sequence[str]) -> int:
             level=args.level,
             device=args.device,
             keep=args.keep,
+            unseen=args.unseen,
         )
     except CfbnnError as error:
         print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)

@@ -46,8 +46,10 @@ def test_a_saved_regression_model_predicts_in_original_units(tmp_path):
     # by hand: standardize, the network's own predictive, back to the target's units
     z = torch.as_tensor((rows - mean) / std, dtype=torch.float32)
     reference = model.predict(z)
-    torch.testing.assert_close(got.mean, reference.mean * 5.0 + 100.0)
-    torch.testing.assert_close(got.variance, reference.variance * 25.0)
+    # undone in float64: the network's float32 moments, scaled and shifted without rounding
+    assert got.mean.dtype == torch.float64
+    torch.testing.assert_close(got.mean, reference.mean.double() * 5.0 + 100.0)
+    torch.testing.assert_close(got.variance, reference.variance.double() * 25.0)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(saved.network.state_dict()[name], tensor)
 

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ...bnn.model_file import FILE_NAME
 from ...bnn.network import PRIORS
+from ...bnn.target_units import in_target_units
 from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...data.tabular import held_out_split
 from ...moments import validate_args
@@ -46,6 +47,7 @@ from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.progress import progress_bar
 from ...train.fit_settings import validate_fit_settings
+from .log_target import held_out_metrics
 from .model_file import save_regression_model
 from .uci_methods import Fitted, Split, fit_method, quiet, test_metrics
 
@@ -109,7 +111,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     run_dir = Path(run_dir)
     method = validate(cfg)
     device = (values or parse_run_values(cfg)).device
-    table: RegressionTable = load_regression_table(cfg.data)
+    table: RegressionTable = load_regression_table(cfg.data, transform=True)
     train, test = held_out_split(len(table.y), float(cfg.data.test_fraction), int(cfg.data.seed))
     data = _to_device(table.split(train, test), device)
     settings = method_config(cfg)
@@ -120,9 +122,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         len(train),
         len(test),
         table.x.shape[1],
-        ", ".join(table.columns[:8]) + (", ..." if table.columns and len(table.columns) > 8 else "")
-        if table.columns
-        else "by position",
+        ", ".join(table.columns) if table.columns else "by position",
         list(cfg.model.hidden_sizes) if method != "deterministic_2_hidden" else list(cfg.fit.deep_hidden_sizes),
         device,
     )
@@ -132,7 +132,8 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         fitted = _fit(method, data, settings, device, seed=int(cfg.seed) * 1000, label="fit")
         synchronize(device)
         seconds = time.perf_counter() - started
-        metrics_row = test_metrics(fitted.predict, data, settings)
+        log_target = table.target_transform == "log"  # metrics in the target's units, not its log's
+        metrics_row = (held_out_metrics if log_target else test_metrics)(fitted.predict, data, settings)
         figure = _plot_held_out(fitted, data, settings, table, run_dir / "fit.png")
         model, estimator, scaled = fitted.model, fitted.estimator, data
         if cfg.fit.refit:
@@ -187,10 +188,12 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             "log-likelihood per row",
             "90 % interval coverage",
             "50 % interval coverage",
-            "noise s.d. (learned)",
+            "noise s.d. (learned)" + (f", log({table.target}) units" if log_target else ""),
             "training",
         ],
     )
+    if log_target:
+        frame.loc["target"] = f"fitted on log({table.target}); metrics in {table.target}'s units (log-normal)"
     data_frame = pd.DataFrame([metric_row(metrics)])
     tables = write_table(
         frame,
@@ -210,12 +213,14 @@ def _plot_held_out(fitted: Fitted, data: RegressionData, cfg, table: RegressionT
     chunk = rows_per_chunk(4 * max(list(cfg.model.hidden_sizes) + list(cfg.uci.deep_hidden_sizes)))
 
     def moments(x):
-        prediction = fitted.model.predict(x, estimator=fitted.estimator).unscaled(data.target_mean, data.target_std)
+        prediction = fitted.model.predict(x, estimator=fitted.estimator)
+        prediction = in_target_units(prediction, data.target_mean, data.target_std, table.target_transform)
         return (prediction.mean, *prediction.interval(0.9))
 
     with torch.no_grad():
         mean, low, high = (t.cpu().numpy() for t in map_row_chunks(moments, data.x_test, chunk))
-    target = data.y_test.cpu().numpy() * data.target_std + data.target_mean
+    target = data.y_test.cpu().double().numpy() * data.target_std + data.target_mean
+    target = np.exp(target) if table.target_transform == "log" else target
     inside = (target >= low) & (target <= high)
     fig, (ax,) = new_figure(1, width=3.6, height=3.4)
     ax.errorbar(
