@@ -35,17 +35,22 @@ from ..bnn.estimators import ESTIMATORS, make_estimator
 from ..bnn.model_file import FILE_NAME, SavedModel, load_model
 from ..bnn.predictive import describe
 from ..data.tabular import FeatureChunk, iter_feature_chunks
+from ..runtime.command_line import OneLineParser, whole_number
 from ..runtime.device import resolve_device
 from ..runtime.errors import CfbnnError, ConfigError, DataError, listing, one_line
-from ..runtime.io import atomic_text_writer, remove_stale_temporary_files
+from ..runtime.io import STDOUT, text_output
+from ..runtime.memory import require_sample_memory
 from ..runtime.numerics import map_row_chunks, rows_per_chunk
-from ..runtime.safefs import describe_file, output_error, shown_path
+from ..runtime.rundir import refuse_output_over_input
+from ..runtime.safefs import describe_file, input_error, output_error, shown_path
 
 HELP = __doc__.split("\n\n", 1)[1]
 READ_ROWS = 8192  # rows read and written at a time
 # what a run dir holds before its results.json: a run started there (interrupted, or still running)
 UNFINISHED_SIGNS = (".cfbnn", "checkpoints", "metrics.csv", "uci_progress.json")
 OUT_FIX = "pass --out a file in a folder you can write (e.g. --out ~/predictions.csv)"
+MAX_SAMPLES = 1_000_000  # draws of the sampled layers: a mixture's moments then carry a 0.1 % Monte Carlo error
+SAMPLES_WHY = "a million draws put a mixture's Monte Carlo error at 0.1 % of its s.d."
 
 
 def model_path(source) -> Path:
@@ -101,6 +106,8 @@ class _Predictor:
         sampled = bool(estimator.noise_shapes(saved.network, 1))
         # samples x rows x widest layer per intermediate: bounded, whatever the file's length
         self.compute_rows = rows_per_chunk((num_samples if sampled else 4) * max(widths))
+        if sampled:  # even one row holds every draw: counted before anything is drawn
+            require_sample_memory(num_samples, max(widths))
 
     def columns(self) -> list:
         if self.saved.task == "classification":
@@ -133,6 +140,18 @@ class _Predictor:
             values = map_row_chunks(regression, x, self.compute_rows)
         # float32, as computed: pandas writes each with the fewest digits that read back to it
         return {name: value.float().cpu().numpy() for name, value in zip(self.columns(), values)}
+
+
+def refuse_broken_model(predictor: "_Predictor", saved: SavedModel, path: Path, device) -> None:
+    """A model whose prediction at the training rows' mean (the origin of its standardized inputs)
+    is not finite is a damaged model file (weights that overflow), whatever rows it is given: said
+    so, before the rows are blamed."""
+    values = predictor(torch.zeros(1, saved.input_dim, device=device))
+    if not all(np.isfinite(value).all() for value in values.values() if value.dtype != object):
+        raise DataError(
+            f"{path}: the model's prediction at the training rows' mean is not finite, so its weights are damaged "
+            "(they overflow float32); retrain, or point at another model file"
+        )
 
 
 def _standardized(saved: SavedModel, chunk: FeatureChunk, path: Path, device) -> torch.Tensor:
@@ -170,8 +189,8 @@ def predict_run(
     ``data_path``; returns the output path. See the module docstring."""
     path = model_path(source)
     data_path = Path(data_path)
-    if num_samples < 1:
-        raise ConfigError(f"--num-samples {num_samples} must be >= 1")
+    if not 1 <= num_samples <= MAX_SAMPLES:
+        raise ConfigError(f"--num-samples {num_samples} must be in 1..{MAX_SAMPLES:,} ({SAMPLES_WHY})")
     if not 0 <= seed < 2**63:
         raise ConfigError(f"--seed {seed} must be in 0..2^63-1")
     if not 0 < level < 1:
@@ -184,16 +203,20 @@ def predict_run(
     if saved.task == "regression" and saved.network.output_dim != 1:
         raise DataError(f"{path}: predict supports one-output Normal regression models and classifiers")
     out = Path(out) if out is not None else path.parent / "predictions.csv"
-    _check_out(out)
+    if str(out) != STDOUT:
+        _check_out(out)
+        refuse_output_over_input(out, [("the model file", path), ("the table of new rows", data_path)], source)
     generator = torch.Generator(device=torch_device).manual_seed(seed)
     predictor = _Predictor(saved, make_estimator(estimator), num_samples, level, generator, torch_device)
-    passed, chunks = iter_feature_chunks(
-        data_path, saved.columns, saved.input_dim, saved.target, keep=keep, chunk_rows=read_rows
-    )
+    with torch.no_grad():
+        refuse_broken_model(predictor, saved, path, torch_device)
     try:
+        passed, chunks = iter_feature_chunks(
+            data_path, saved.columns, saved.input_dim, saved.target, keep=keep, chunk_rows=read_rows
+        )
         rows, incomplete = _write_predictions(out, passed, chunks, predictor, saved, data_path, torch_device)
-    except OSError as error:  # the output's folder or file cannot be made or written
-        message = output_error(error, out.parent, OUT_FIX)
+    except OSError as error:  # the output's folder or file cannot be made or written, or the rows read
+        message = input_error(error, data_path) or output_error(error, out.parent, OUT_FIX)
         if message is None:
             raise
         raise ConfigError(message) from None
@@ -223,10 +246,9 @@ def _check_out(out: Path) -> None:
 def _write_predictions(out: Path, passed, chunks, predictor, saved, data_path: Path, torch_device):
     """Stream the predictions into ``out`` (atomically); ``(rows, incomplete rows)``. The temporary
     files a killed predict left for ``out`` go first (cfbnn's own names only, none being written)."""
-    remove_stale_temporary_files(out.parent, out.name)
     names = ["row", *passed, *predictor.columns()]
     rows = incomplete = 0
-    with atomic_text_writer(out) as handle:
+    with text_output(out) as handle:  # atomic, or streamed to the standard output (--out -)
         pd.DataFrame(columns=names).to_csv(handle, index=False)
         for chunk in chunks:
             frame = pd.DataFrame({"row": chunk.rows})
@@ -264,12 +286,12 @@ def _refuse_non_finite(values: dict, chunk: FeatureChunk, path: Path) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="cfbnn predict", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog="cfbnn predict", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a finished `cfbnn train regression|classification` run dir, or a model file")
     parser.add_argument("data", help="a CSV of new rows with the model's feature columns")
-    parser.add_argument("--out", default=None, help="where to write the predictions (default: beside the model)")
+    parser.add_argument(
+        "--out", default=None, help="where to write the predictions (default: beside the model; - : standard output)"
+    )
     parser.add_argument(
         "--keep",
         action="append",
@@ -283,9 +305,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--estimator", default=None, help=f"one of {', '.join(ESTIMATORS)} (default: the model's own)")
     parser.add_argument(
-        "--num-samples", type=int, default=64, help="draws of the sampled layers, where the estimator samples any"
+        "--num-samples",
+        type=whole_number,
+        default=64,
+        help=f"draws of the sampled layers, where the estimator samples any (at most {MAX_SAMPLES:,})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of those draws")
+    parser.add_argument("--seed", type=whole_number, default=0, help="seed of those draws")
     args = parser.parse_args(list(argv))
     try:
         path = predict_run(
@@ -305,5 +330,6 @@ def main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         print("cfbnn: interrupted; no predictions were written", file=sys.stderr)
         return 130
-    print(f"cfbnn: predictions in {path}")
+    if str(path) != STDOUT:
+        print(f"cfbnn: predictions in {path}")
     return 0
