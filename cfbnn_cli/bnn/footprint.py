@@ -4,13 +4,16 @@ factors included) and what training or predicting holds per row.
 :func:`layer_shapes` and :func:`parameter_count` say what :class:`~.network.BayesianNetwork`
 would allocate -- a full-covariance layer's ``(out, in + 1, in + 1)`` factors, a low-rank layer's
 ``(out, in + 1, rank)`` ones -- from its arguments alone (a network built on PyTorch's ``meta``
-device would say the same, but its first random draw there imports torch's compiler: 4 s). :func:`training_bytes` and :func:`prediction_bytes` turn that and the
-rows a step holds at once into bytes, for :func:`~cfbnn_cli.runtime.memory.require_memory`.
+device would say the same, but its first random draw there imports torch's compiler: 4 s).
+:func:`training_bytes` and :func:`prediction_bytes` turn that and the rows a step holds at once
+into bytes, for :func:`~cfbnn_cli.runtime.memory.require_memory`.
 
-The per-row constants are lower bounds from measurements (``cfbnn train classification`` on
-digits' 1,617 training rows, widths 1,000 to 32,000, 2-core CPU: peak memory grew by about 100 kB
-per hidden unit, 62 bytes per row and unit beside the parameters' and L-BFGS's share): a run
-estimated above the memory there is would surely not fit, and one estimated below it usually does.
+The constants come from measurements (``cfbnn train classification`` on digits' 1,617 training
+rows, 2-core CPU): peak memory grew by 1.46 GB at width 16,000 after 25 L-BFGS iterations
+(estimated here: 1.28 GB), and by 3.1 GB at width 32,000 after only 5 (estimated with the whole
+history: 2.6 GB); at widths of a few thousand the
+allocator's fixed costs dominate (0.69 GB measured at 4,000, 0.32 GB estimated). The estimate
+stays below what a run really takes, so a refusal means the run would not fit.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from ..runtime.memory import FLOAT32
 
 # numbers per row and unit held while an objective and its gradient are computed (moments of the
-# pre-activations and activations, their gradients); measured about 15 (see the module docstring)
+# pre-activations and activations, their gradients; see the module docstring)
 ACTIVATION_FLOATS = 8
 PREDICTION_FLOATS = 4  # the same without gradients
 PARAMETER_TEMPORARIES = 2  # parameter-sized tensors an objective builds beside them (a covariance's scale)

@@ -14,7 +14,8 @@ and the central ``--level`` interval ``lower_90``, ``upper_90``. Classification 
 predicted ``label``, its ``probability`` and one ``p_<class>`` column per class.
 
 The rows are read, predicted and written in chunks: memory does not grow with the file's length.
-The output (default ``RUN_DIR/predictions.csv``, or beside a model file) is written atomically.
+The output (default ``RUN_DIR/predictions.csv``, or beside a model file) is written atomically
+(``--out -``: to the standard output), and never over one of the command's inputs.
 Every problem is one line on stderr and exit code 2.
 """
 

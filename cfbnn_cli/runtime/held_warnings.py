@@ -35,7 +35,7 @@ class HeldWarnings:
         if key in self._seen:
             return
         self._seen.add(key)
-        text = clip(f"{message} ({key[0]}, {os.path.basename(str(filename))}:{lineno})", WARNING_LIMIT)
+        text = clip(f"{key[0]}: {message} ({os.path.basename(str(filename))}:{lineno})", WARNING_LIMIT)
         self.lines.append(text)
         record = logging.getLogger("py.warnings").makeRecord(
             "py.warnings", logging.WARNING, str(filename), int(lineno or 0), "%s", (text,), None

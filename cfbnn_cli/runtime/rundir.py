@@ -435,10 +435,12 @@ def run_records(run_dir) -> List[Path]:
 
 def refuse_output_over_input(out, inputs, source=None) -> None:
     """Raise :class:`ConfigError` where the output ``out`` is one of a command's ``inputs`` (``(what,
-    path)`` pairs) or, where ``source`` is a run dir, one of that run's records
+    path)`` pairs) or, where ``source`` is a run dir (or a file in one), one of that run's records
     (:func:`run_records`), compared by file identity (:func:`~.safefs.output_over_input`)."""
     inputs = list(inputs)
-    if source is not None and os.path.isdir(source):
+    if source is not None and not os.path.isdir(source):  # a model file in a run dir: that run's records too
+        source = Path(source).parent if os.path.lexists(Path(source).parent / "results.json") else None
+    if source is not None:
         inputs += [(f"a record of the run {shown_path(source)}", record) for record in run_records(source)]
     problem = output_over_input(out, inputs)
     if problem is not None:
