@@ -76,6 +76,9 @@ def test_a_run_dir_must_be_new_empty_or_a_run_of_the_same_command(tmp_path):
     assert "(notes.txt)" in foreign_run_dir(tmp_path / "mine", "train_regression")
     (tmp_path / "empty").mkdir()
     assert foreign_run_dir(tmp_path / "empty", "train_regression") is None
+    (tmp_path / "empty" / "train_regression.log").write_text("a run stopped before it took the dir\n")
+    assert foreign_run_dir(tmp_path / "empty", "train_regression") is None
+    assert "(train_regression.log)" in foreign_run_dir(tmp_path / "empty", "vae")
     assert foreign_run_dir(tmp_path / "new" / "run", "train_regression") is None
     run = _finished_run(tmp_path / "run", "train_regression")
     assert foreign_run_dir(run, "train_regression") is None
@@ -105,10 +108,10 @@ def test_the_callback_refuses_before_hydra_writes_and_names_the_folder(tmp_path,
 
 
 def test_runs_into_folders_that_are_not_their_own_are_refused_and_nothing_is_written(tmp_path):
-    """Through the command: a folder with other files, `.` with files in it, a sweep dir with other
-    files, and another command's finished run with overwrite=true. Each exits 2 in one line naming
-    the folder; no .hydra/, .cfbnn/, log or multirun.yaml is written (before: all written, exit 0)."""
-    folders = {name: tmp_path / name for name in ("mine", "cwd", "sweep")}
+    """Through the command: a folder with other files, `.` with files in it, and another command's
+    finished run with overwrite=true (a sweep dir: the callback's test above). Each exits 2 in one
+    line naming the folder; no .hydra/, .cfbnn/ or log is written (before: all written, exit 0)."""
+    folders = {name: tmp_path / name for name in ("mine", "cwd")}
     for folder in folders.values():
         folder.mkdir()
         (folder / "notes.txt").write_text("mine")
@@ -117,7 +120,6 @@ def test_runs_into_folders_that_are_not_their_own_are_refused_and_nothing_is_wri
     processes = {
         "mine": _start("train", "regression", f"hydra.run.dir={folders['mine']}", *REGRESSION),
         "cwd": _start("train", "regression", "hydra.run.dir=.", *REGRESSION, cwd=folders["cwd"]),
-        "sweep": _start("train", "regression", "-m", "seed=0,1", f"hydra.sweep.dir={folders['sweep']}", *REGRESSION),
         "classifier": _start("train", "regression", f"hydra.run.dir={other}", "overwrite=true", *REGRESSION),
     }
     outcomes = finish_all(processes)
@@ -126,7 +128,6 @@ def test_runs_into_folders_that_are_not_their_own_are_refused_and_nothing_is_wri
         folder = other if name == "classifier" else folders[name]
         assert str(folder) in line, line
         assert _listing(folder) == before[name], name
-    assert "hydra.sweep.dir" in outcomes["sweep"].stderr
     assert "`cfbnn train classification` run" in outcomes["classifier"].stderr
 
 

@@ -165,16 +165,41 @@ MEASURE = """
 """
 
 
+def _huge_claim(record):
+    """A model file's record claiming input 300,000 and hidden 1,000 (its weights those of 3 x 8)."""
+    huge = copy.deepcopy(record)
+    huge["architecture"].update(input_dim=300_000, hidden_sizes=[1000])
+    huge["scaling"].update(feature_mean=None, feature_std=None)
+    huge["columns"] = None
+    return huge
+
+
+def test_a_model_files_shapes_are_compared_before_any_network_is_built(tmp_path, monkeypatch):
+    """The 4 KB file claiming 300,000 inputs is refused without building its network (which alone
+    is 2.4 GB): the network's constructor is never reached."""
+    from cfbnn_cli.bnn import model_file
+
+    _, record = _model_record(tmp_path)
+    torch.save(_huge_claim(record), tmp_path / "huge.pt")
+    assert (tmp_path / "huge.pt").stat().st_size < 8192
+
+    def never(*args, **kwargs):
+        raise AssertionError("a network was built before the file's shapes were compared")
+
+    monkeypatch.setattr(model_file, "BayesianNetwork", never)
+    with pytest.raises(
+        DataError, match=r"'layers.0.loc' has shape \(8, 4\), the architecture gives it \(1000, 300001\)"
+    ):
+        load_model(tmp_path / "huge.pt")
+
+
+@pytest.mark.slow  # 7-15 s (a fresh process imports torch): the peak memory itself; the test above by default
 def test_a_4_kb_model_file_claiming_a_huge_network_is_refused_without_allocating_it(tmp_path):
     """Input 300,000 and hidden 1,000 in a 4 KB file: before, the network was built (2.8 GB) before its
     shapes were compared. Now the shapes are compared first: peak RSS grows by less than 0.5 GB (it
     does not grow). Run under an address-space limit, which the memory count also reads."""
     good, record = _model_record(tmp_path)
-    huge = copy.deepcopy(record)
-    huge["architecture"].update(input_dim=300_000, hidden_sizes=[1000])
-    huge["scaling"].update(feature_mean=None, feature_std=None)
-    huge["columns"] = None
-    torch.save(huge, tmp_path / "huge.pt")
+    torch.save(_huge_claim(record), tmp_path / "huge.pt")
     torch.save(_crafted(record, "full covariance"), tmp_path / "full.pt")
     assert (tmp_path / "huge.pt").stat().st_size < 8192
     status = open("/proc/self/status").read()
@@ -189,7 +214,7 @@ def test_a_4_kb_model_file_claiming_a_huge_network_is_refused_without_allocating
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
-    assert "has shape (8, 4); the recorded architecture gives it (1000, 300001)" in out.stdout, out.stdout
+    assert "'layers.0.loc' has shape (8, 4), the architecture gives it (1000, 300001)" in out.stdout, out.stdout
     assert "LOADED" not in lines and float(lines["GROWN_MB"]) < 500, out.stdout
     if "VmSize" in status:  # Linux: the count sees the limit, not the machine's memory
         assert float(lines["AVAILABLE_UNDER_LIMIT_MB"]) < limit / 2**20, out.stdout

@@ -260,19 +260,22 @@ def checked_weights(weights, path, problem, shapes: Optional[dict] = None) -> di
         why = _tensor_problem(value)
         if why is not None:
             raise problem(path, f"`state_dict` entry {clip(name, 60)!r}", why)
+    misfit = "`state_dict`", "does not fit the recorded architecture"
     for name, shape in (shapes or {}).items():
         if name not in weights:
-            raise problem(path, "`state_dict`", f"lacks {name!r}, which the recorded architecture has")
+            raise problem(path, misfit[0], f"{misfit[1]}: it lacks {name!r}")
         if tuple(weights[name].shape) != tuple(shape):
             raise problem(
                 path,
-                f"`state_dict` entry {name!r}",
-                f"has shape {tuple(weights[name].shape)}; the recorded architecture gives it {tuple(shape)}",
+                misfit[0],
+                f"{misfit[1]}: {name!r} has shape {tuple(weights[name].shape)}, the architecture gives it {tuple(shape)}",
             )
     if shapes is not None:
         extra = [name for name, value in weights.items() if name not in shapes and value.numel() > SMALL_ENTRY]
         if extra:
-            raise problem(path, f"`state_dict` entry {clip(extra[0], 60)!r}", "is not in the recorded architecture")
+            raise problem(
+                path, misfit[0], f"{misfit[1]}: it holds {clip(extra[0], 60)!r}, which the architecture has not"
+            )
     if not all(torch.isfinite(v).all() for v in weights.values()):
         raise problem(path, "`state_dict`", "holds NaN or infinite weights")
     return weights

@@ -2,7 +2,7 @@
 
 A width of 900,000 is inside every count's bound, but its activations over 1,600 rows and its
 optimizer state ask for tens of GB: allocated step by step, such a run grows until the kernel
-kills it (exit 137, no message). The pipelines estimate what a run will hold at once from the
+kills it (exit 137, no message). Each command estimates what a run will hold at once from the
 architecture and the rows (:mod:`cfbnn_cli.bnn.footprint`) and call :func:`require_memory`
 before anything large is allocated; it compares the estimate with :func:`available_bytes`:
 the smallest of the machine's available memory (``MemAvailable``), the memory cgroup's room

@@ -375,8 +375,9 @@ def _some_entries(folder: Path, ignore=()) -> List[str]:
 def foreign_run_dir(run_dir, command: Optional[str] = None, key: str = "hydra.run.dir", ignore=()) -> Optional[str]:
     """Why a run of ``command`` must not be written into ``run_dir``, in one line; ``None`` where it may.
 
-    A run goes into a folder that does not exist yet, an empty folder, or a cfbnn run dir (it holds
-    ``.cfbnn/``) of the same command (``resume=true`` continues it, ``overwrite=true`` replaces
+    A run goes into a folder that does not exist yet, an empty folder (or one holding only the
+    command's log: a run stopped before it took the dir), or a cfbnn run dir (it holds ``.cfbnn/``)
+    of the same command (``resume=true`` continues it, ``overwrite=true`` replaces
     it). Anything else -- ``/``, a home, the working directory with files in it, another
     command's run -- would mix the run's files with files that are not its own. ``ignore``: names
     this run has already made there (the log Hydra opened). Reads only."""
@@ -393,7 +394,7 @@ def foreign_run_dir(run_dir, command: Optional[str] = None, key: str = "hydra.ru
             f"write into another command's run dir (its files would be mixed with that run's): {fix}"
         )
     names = _some_entries(run_dir, ignore)
-    if not names:
+    if not names or (command is not None and names == [f"{command}.log"]):  # a run stopped before it took the dir
         return None
     shown = ", ".join(names[:SHOWN_ENTRIES]) + (", ..." if len(names) > SHOWN_ENTRIES else "")
     return (
