@@ -72,6 +72,18 @@ def test_a_full_covariance_fit_counts_its_factors(tmp_path, monkeypatch):
         regression_fit.run(cfg, tmp_path / "run")  # 800 M numbers: the output layer's 20001 x 20001 factor
 
 
+def test_table_1s_study_counts_its_network_before_building_it(tmp_path, monkeypatch):
+    from conftest import TRUST_REGRESSION
+
+    from cfbnn_cli.pipelines import regression
+
+    _small_machine(monkeypatch, 100 * 10**6)
+    cfg = compose_config("train_regression", [*TRUST_REGRESSION, "model.hidden_sizes=[900000]"])
+    with pytest.raises(ConfigError, match=r"model.hidden_sizes=\[900000\] on 4 input features \(12,600,00"):
+        regression.run(cfg, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow  # 15 s: the same through the command, under `ulimit -v` (the injected figure above by default)
 def test_the_width_is_refused_through_the_command_under_a_memory_limit(tmp_path):
     limit = 8 * 2**30

@@ -158,9 +158,8 @@ def require_fit_memory(
     needed = max(
         training_bytes(parameters, rows, floats, optimizer), prediction_bytes(parameters, prediction_rows, floats)
     )
+    kinds = {covariance} if isinstance(covariance, str) else set(covariance)
+    factors = ", the covariance factors included" if kinds - {"diagonal"} else ""
     require_memory(
-        needed,
-        f"{setting} ({parameters:,} parameters, the covariance factors included) with "
-        f"{max(rows, prediction_rows):,} rows at once",
-        fix,
+        needed, f"{setting} ({parameters:,} parameters{factors}) with {max(rows, prediction_rows):,} rows at once", fix
     )
