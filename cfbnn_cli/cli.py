@@ -24,7 +24,7 @@ import signal
 import sys
 
 
-def _interrupted_while_starting(signum, frame):  # pragma: no cover - timing; tests/test_trust_signals.py
+def _interrupted_while_starting(signum, frame):  # pragma: no cover - timing; tests/test_trust_interrupts.py
     os.write(2, b"cfbnn: interrupted\n")
     os._exit(130)  # nothing has been written yet: no cleanup to run
 
@@ -323,13 +323,14 @@ def make_task(sub: Subcommand):
         recorded = False  # results.json written: the dir now says what happened
         try:
             try:
-                # the checks that need no data, before the run dir is locked or touched: a typo
-                # must not replace a finished run's records with a failed one's
-                # again here (the callback checked before Hydra wrote): a sweep's job dir, or the callback off
+                # a folder of other files, checked again here (the callback checked before Hydra wrote):
+                # a sweep's job dir, or the callback turned off; the log Hydra just made there left out
                 made_here = [Path(h.baseFilename).name for h in found.logs if getattr(h, "created", False)]
                 foreign = foreign_run_dir(run_dir, sub.config_name, ignore=made_here)
                 if foreign is not None:
                     raise ConfigError(foreign)
+                # the checks that need no data, before the run dir is locked or touched: a typo
+                # must not replace a finished run's records with a failed one's
                 validate_common(cfg)
                 progress_setting()
                 importlib.import_module(sub.pipeline).validate(cfg)

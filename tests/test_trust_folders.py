@@ -108,10 +108,11 @@ def test_the_callback_refuses_before_hydra_writes_and_names_the_folder(tmp_path,
 
 
 def test_runs_into_folders_that_are_not_their_own_are_refused_and_nothing_is_written(tmp_path):
-    """Through the command: a folder with other files, `.` with files in it, and another command's
-    finished run with overwrite=true (a sweep dir: the callback's test above). Each exits 2 in one
+    """Through the command: a folder with other files (also with the callback turned off), `.` with
+    files in it, and another command's finished run with overwrite=true (a sweep dir: the
+    callback's test above). Each exits 2 in one
     line naming the folder; no .hydra/, .cfbnn/ or log is written (before: all written, exit 0)."""
-    folders = {name: tmp_path / name for name in ("mine", "cwd")}
+    folders = {name: tmp_path / name for name in ("mine", "cwd", "callback off")}
     for folder in folders.values():
         folder.mkdir()
         (folder / "notes.txt").write_text("mine")
@@ -121,6 +122,10 @@ def test_runs_into_folders_that_are_not_their_own_are_refused_and_nothing_is_wri
         "mine": _start("train", "regression", f"hydra.run.dir={folders['mine']}", *REGRESSION),
         "cwd": _start("train", "regression", "hydra.run.dir=.", *REGRESSION, cwd=folders["cwd"]),
         "classifier": _start("train", "regression", f"hydra.run.dir={other}", "overwrite=true", *REGRESSION),
+        # the task checks again, and removes the log Hydra made meanwhile
+        "callback off": _start(
+            "train", "regression", "~hydra.callbacks.run_dir", f"hydra.run.dir={folders['callback off']}"
+        ),
     }
     outcomes = finish_all(processes)
     for name, out in outcomes.items():

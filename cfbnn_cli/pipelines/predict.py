@@ -146,8 +146,10 @@ class _Predictor:
 def refuse_broken_model(predictor: "_Predictor", saved: SavedModel, path: Path, device) -> None:
     """A model whose prediction at the training rows' mean (the origin of its standardized inputs)
     is not finite is a damaged model file (weights that overflow), whatever rows it is given: said
-    so, before the rows are blamed."""
+    so, before the rows are blamed. The draws it takes are given back: the rows' draws are as without it."""
+    state = predictor.generator.get_state()
     values = predictor(torch.zeros(1, saved.input_dim, device=device))
+    predictor.generator.set_state(state)
     if not all(np.isfinite(value).all() for value in values.values() if value.dtype != object):
         raise DataError(
             f"{path}: the model's prediction at the training rows' mean is not finite, so its weights are damaged "
