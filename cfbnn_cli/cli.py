@@ -19,19 +19,34 @@ errors exit 2 (the traceback too with ``HYDRA_FULL_ERROR=1``).
 
 from __future__ import annotations
 
-import importlib
-import logging
-import math
 import os
+import signal
 import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
 
-from .cli_messages import (
+
+def _interrupted_while_starting(signum, frame):  # pragma: no cover - timing; tests/test_trust_interrupts.py
+    os.write(2, b"cfbnn: interrupted\n")
+    os._exit(130)  # nothing has been written yet: no cleanup to run
+
+
+if os.path.basename(sys.argv[0] or "") == "cfbnn":
+    # the command's own process, still importing: Ctrl-C is one line, not an import's traceback (main()
+    # puts Python's handler back, and catches the KeyboardInterrupt it raises from then on)
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import List, Optional, Sequence, Tuple  # noqa: E402
+
+from .cli_messages import (  # noqa: E402
     WithoutHydraJobError,
     empty_output_dir_override,
+    hydra_arguments,
     hydra_message,
     mentions_launcher,
     refuse_empty_output_dir,
@@ -40,7 +55,7 @@ from .cli_messages import (
     unsafe_path_in,
     unwritable_line,
 )
-from .runtime.errors import CfbnnError, ConfigError, NonFiniteResultError, one_line
+from .runtime.errors import CfbnnError, ConfigError, NonFiniteResultError, one_line  # noqa: E402
 
 log = logging.getLogger("cfbnn")
 
@@ -285,7 +300,14 @@ def make_task(sub: Subcommand):
         from .runtime.made_dirs import made_by_this_run
         from .runtime.progress import progress_setting
         from .runtime.run_logs import LogsHeldBack, log_handlers_in
-        from .runtime.rundir import RunDirBusyError, RunDirLock, RunDirState, claim_run_dir, refuse_finished_run
+        from .runtime.rundir import (
+            RunDirBusyError,
+            RunDirLock,
+            RunDirState,
+            claim_run_dir,
+            foreign_run_dir,
+            refuse_finished_run,
+        )
         from .runtime.safefs import UnsafePathError, unwritable_reason, writing_under
         from .runtime.threads import configure_threads, flush_denormals, tune_allocator
 
@@ -300,6 +322,12 @@ def make_task(sub: Subcommand):
         recorded = False  # results.json written: the dir now says what happened
         try:
             try:
+                # a folder of other files, checked again here (the callback checked before Hydra wrote):
+                # a sweep's job dir, or the callback turned off; the log Hydra just made there left out
+                made_here = [Path(h.baseFilename).name for h in found.logs if getattr(h, "created", False)]
+                foreign = foreign_run_dir(run_dir, sub.config_name, ignore=made_here)
+                if foreign is not None:
+                    raise ConfigError(foreign)
                 # the checks that need no data, before the run dir is locked or touched: a typo
                 # must not replace a finished run's records with a failed one's
                 validate_common(cfg)
@@ -322,7 +350,7 @@ def make_task(sub: Subcommand):
                 # float32 matrix products on the GPU: full float32 (highest) or TF32 (high)
                 precision_before = set_matmul_precision(cfg.runtime.matmul_precision)
                 with writing_under(run_dir):
-                    fingerprint, finished = claim_run_dir(cfg, run_dir)
+                    fingerprint, finished = claim_run_dir(cfg, run_dir, sub.config_name)
                 if finished:
                     log.info(
                         "resume=true and %s/done exists for this configuration: this job already finished, skipping",
@@ -436,7 +464,49 @@ def _predict(argv: List[str]) -> int:
     return tabular(argv)
 
 
+INTERRUPTED = "cfbnn: interrupted"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The ``cfbnn`` command. Whatever it does, it ends in one of three ways: its outcome, one line
+    of error, or -- on Ctrl-C at any moment, a module still importing included -- one line and exit
+    130; library warnings are shown (one line each) only after a success (:mod:`.runtime.held_warnings`)."""
+    from .runtime.held_warnings import holding_warnings
+
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is _interrupted_while_starting:
+        handler = signal.default_int_handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a KeyboardInterrupt, caught below
+    code = 1
+    try:
+        with holding_warnings() as held:
+            try:
+                _main(argv)
+                code = 0
+            except SystemExit as exit:
+                code = exit.code
+            except KeyboardInterrupt:  # where the command itself did not say what was kept
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the goodbye
+                print(INTERRUPTED, file=sys.stderr, flush=True)
+                code = 130
+            except BrokenPipeError:  # `cfbnn ... | head`: the reader left; no traceback for it
+                with contextlib.suppress(OSError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                code = 1
+        if code in (0, None):
+            held.show()
+    except KeyboardInterrupt:  # between the lines above
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        code = 130
+    if argv is None:  # the command's own process: a Ctrl-C while it exits is ignored, not a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    elif handler is not None:  # called in a process that goes on (a test, a script): its handler back
+        signal.signal(signal.SIGINT, handler)
+    sys.exit(code)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> None:
     _before_torch_loads()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # a usage error: the usage goes where errors go
@@ -509,14 +579,16 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     from .runtime.safefs import shown_path, unwritable_message, unwritable_reason
 
     forget()  # what an earlier command in this process noted about its dirs
-    try:  # a data=csv table's header, from the plain overrides, before Hydra and torch load
-        from .data.header_check import check_command_line
+    rest, refused = hydra_arguments(sub, rest)  # `-m` after the overrides works too
+    if refused is None:
+        try:  # a data=csv table's header, from the plain overrides, before Hydra and torch load
+            from .data.header_check import check_command_line
 
-        check_command_line(rest)
-    except CfbnnError as error:
-        print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
-        return error.exit_code
-    refused = unread_addition(sub, conf, rest, compose_config) or empty_output_dir_override(rest)
+            check_command_line(rest)
+        except CfbnnError as error:
+            print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
+            return error.exit_code
+    refused = refused or unread_addition(sub, conf, rest, compose_config) or empty_output_dir_override(rest)
     if refused is not None:
         print(f"cfbnn: error: {refused}", file=sys.stderr)
         return 2

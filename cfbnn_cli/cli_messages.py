@@ -4,11 +4,12 @@ output dir, a path that cannot be written. :mod:`cfbnn_cli.cli` runs the command
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from .runtime.errors import ConfigError, one_line
 
@@ -103,6 +104,12 @@ def unwritable_line(error: OSError, run_dir: Path) -> str:
         inside = Path(os.path.abspath(error.filename)).is_relative_to(Path(os.path.abspath(run_dir)))
     except (TypeError, ValueError):
         inside = False
+    if inside and error.errno in (errno.ENOSPC, errno.EDQUOT):  # the run stops unfinished (no results.json)
+        return unwritable_message(
+            error,
+            "free some space there and rerun with resume=true to continue from the last checkpoint (or choose a "
+            "hydra.run.dir on another disk)",
+        )
     if inside:
         return unwritable_message(
             error,
@@ -240,3 +247,48 @@ def unsafe_path_in(error: BaseException):
 
 def mentions_launcher(rest: Sequence[str]) -> bool:
     return any(a.startswith(("hydra/launcher", "hydra.launcher")) for a in rest)
+
+
+_EXITING_FLAGS = ("-h", "--help", "--hydra-help", "--version", "-sc", "--shell-completion", "-i", "--info")
+
+
+def hydra_arguments(sub, rest: Sequence[str]) -> Tuple[List[str], Optional[str]]:
+    """``(arguments, problem)``: Hydra's flags (``-m``, ``--cfg job``, ...) moved before the overrides
+    (Hydra's argument parser takes no flag after an override, and would print its 11-line usage),
+    and one line for arguments Hydra's parser refuses (``None`` where it takes them)."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    actions = {option: action for action in parser._actions for option in action.option_strings}
+    flags: List[str] = []
+    overrides: List[str] = []
+    index = 0
+    while index < len(rest):
+        argument = rest[index]
+        if not argument.startswith("-"):
+            overrides.append(argument)
+        else:
+            flags.append(argument)
+            action = actions.get(argument)
+            following = rest[index + 1] if index + 1 < len(rest) else None
+            if action is not None and following is not None:
+                if action.nargs is None or (action.nargs == "?" and following in (action.choices or ())):
+                    flags.append(following)  # the flag's value (--cfg job)
+                    index += 1
+        index += 1
+    arguments = flags + overrides
+    if any(argument.split("=", 1)[0] in _EXITING_FLAGS for argument in flags):
+        return arguments, None  # help, version, completion: Hydra prints them; nothing to check
+
+    def refuse(message):
+        raise ValueError(message)
+
+    parser.error = refuse  # one line instead of the usage and an exit
+    try:
+        parser.parse_args(arguments)
+    except ValueError as error:
+        return arguments, (
+            f"{one_line(error, 300)}; `cfbnn {sub.name} --help` lists the config groups and keys, and "
+            f"`cfbnn {sub.name} --hydra-help` Hydra's flags (-m, --cfg job, ...)"
+        )
+    return arguments, None

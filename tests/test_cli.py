@@ -392,9 +392,10 @@ def test_a_run_refused_before_any_output_leaves_no_dir(tmp_path, cfbnn_all):
 def test_a_refused_run_leaves_an_existing_dir_as_it_was_and_a_refused_sweep_no_job_dir(tmp_path, cfbnn):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,y\n1,2\nx,3\n")
-    # a dir that was there: what it held stays, nothing is added (no log, no lock)
+    # a run dir that was there (an earlier run's: a folder of other files is refused before this):
+    # what it held stays, nothing is added (no log, no lock)
     kept = tmp_path / "kept"
-    kept.mkdir()
+    (kept / ".cfbnn").mkdir(parents=True)
     (kept / "notes.txt").write_text("mine")
     before = _contents(kept)
     out = cfbnn(

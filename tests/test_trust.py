@@ -504,7 +504,9 @@ def test_a_run_that_fails_after_an_output_says_why_in_its_run_dir(tmp_path, monk
 
 def test_a_run_that_fails_before_any_output_leaves_an_existing_dir_as_it_was(tmp_path, monkeypatch):
     """A data error before any output (the pipeline loads its data first): the dir keeps exactly
-    what it held -- no lock, no config record, no .hydra/, no failed results.json."""
+    what it held -- no lock, no config record, no .hydra/, no failed results.json. (A run dir of an
+    earlier, unfinished run: cfbnn writes no run into a folder of other files.)"""
+    (tmp_path / ".cfbnn").mkdir()
     (tmp_path / "notes.txt").write_text("mine")
 
     def no_data(cfg, run_dir, values=None):
@@ -512,7 +514,8 @@ def test_a_run_that_fails_before_any_output_leaves_an_existing_dir_as_it_was(tmp
 
     with pytest.raises(DataError):
         _run_task(tmp_path, monkeypatch, no_data)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".cfbnn", "notes.txt"]
+    assert not list((tmp_path / ".cfbnn").iterdir())
 
 
 # ----------------------------------------------------------------------------- 7, 8. smaller defects

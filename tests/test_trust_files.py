@@ -365,11 +365,13 @@ LINKS = [".cfbnn/lock", "train_regression.log", "checkpoints"]
 
 @pytest.fixture(scope="module")
 def link_outcomes(tmp_path_factory):
-    """A run into a dir holding each link, all started at once: ``{link: (process, run, victim dir)}``."""
+    """A run into a run dir (a cfbnn run's: it holds ``.cfbnn/``; cfbnn writes no run into a folder of
+    other files) holding each link, all started at once: ``{link: (process, run, victim dir)}``."""
     folder = tmp_path_factory.mktemp("links")
     processes, dirs = {}, {}
     for index, link in enumerate(LINKS):
         run, victim_dir = folder / f"run{index}", folder / f"victim{index}"
+        (run / ".cfbnn").mkdir(parents=True)
         victim_dir.mkdir()
         (victim_dir / "file.txt").write_text("precious\n")
         (run / link).parent.mkdir(parents=True, exist_ok=True)

@@ -81,14 +81,15 @@ def _nobodys_folder(path):
 def test_a_symlinked_tensorboard_folder_is_refused_and_its_target_untouched(tmp_path):
     pytest.importorskip("torch.utils.tensorboard")
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
-    run.mkdir()
+    (run / ".cfbnn").mkdir(parents=True)  # a run dir (a folder of other files is refused before its links are met)
     elsewhere.mkdir()
     (run / "tensorboard").symlink_to(elsewhere, target_is_directory=True)
     out = cfbnn("train", "regression", f"hydra.run.dir={run}", "logger=tensorboard", *REGRESSION)
     line = error_line(out)
     assert "tensorboard is a symbolic link" in line and "remove the link" in line
     assert list(elsewhere.iterdir()) == []  # no event file written through the link
-    assert sorted(p.name for p in run.iterdir()) == ["tensorboard"]  # refused before any output: as it was
+    assert sorted(p.name for p in run.iterdir()) == [".cfbnn", "tensorboard"]  # refused before any output: as it was
+    assert not list((run / ".cfbnn").iterdir())
 
 
 def test_every_writer_refuses_a_symlinked_folder_below_the_run_dir(tmp_path):
@@ -202,7 +203,7 @@ def test_a_run_dir_an_ordinary_user_cannot_write_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_folder_of_the_run_that_turns_unwritable_mid_run_is_one_line(tmp_path):
     run = tmp_path / "run"
-    run.mkdir()
+    (run / ".cfbnn").mkdir(parents=True)  # a run dir whose checkpoints/ another user owns
     _nobodys_folder(run / "checkpoints")
     out = cfbnn("train", "regression", f"hydra.run.dir={run}", *REGRESSION, prefix=AS_ORDINARY_USER)
     line = error_line(out)

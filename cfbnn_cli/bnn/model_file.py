@@ -39,9 +39,12 @@ import torch
 from ..data.frames import model_features
 from ..data.layout import InputLayout
 from ..runtime.checkpoints import load_checkpoint
-from ..runtime.errors import CheckpointError, DataError, NonFiniteResultError
+from ..runtime.errors import CheckpointError, DataError, NonFiniteResultError, clip
 from ..runtime.io import atomic_torch_save
+from ..runtime.memory import FLOAT32, require_memory
+from ..runtime.safefs import describe_file
 from .estimators import ESTIMATORS
+from .footprint import layer_shapes, parameter_count
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, HeteroscedasticNormalLikelihood
 from .likelihoods import NormalLikelihood as _Normal
 from .network import BayesianNetwork
@@ -56,7 +59,7 @@ class NonFiniteWeightsError(NonFiniteResultError, ValueError):
 def finite_weights(model, refusal: str) -> dict:
     """``model``'s state dict on the CPU, detached, for a file; :class:`NonFiniteWeightsError`
     (``refusal``) if a floating-point entry holds a NaN or an infinity: such a file could not predict."""
-    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
         raise NonFiniteWeightsError(refusal)
     return weights
@@ -69,6 +72,7 @@ LEGACY_FORMAT = "cfbnn.regression_model"  # version 1: regression only, read as 
 FILE_NAME = "model.pt"
 # bounds a damaged or hostile file cannot get past (a width of 1e11 would ask for terabytes)
 MAX_WIDTH = 1_000_000
+MAX_LAYERS = 1000
 MAX_PARAMETERS = 2_000_000_000
 _LIKELIHOODS = ("normal", "heteroscedastic", "softmax", "logistic")
 _COVARIANCES = ("diagonal", "full", "lowrank")
@@ -238,14 +242,59 @@ def checked_mapping(value, path, field: str, problem, needed=()) -> dict:
     return value
 
 
-def checked_weights(weights, path, problem) -> dict:
-    """``weights``, a file's ``state_dict``, if it maps names to tensors whose floating-point
-    values are all finite; else the reader's ``problem(path, field, why)`` raised."""
+SMALL_ENTRY = 64  # numbers an entry of a state dict beside the layers' may hold (a likelihood's precision)
+
+
+def _tensor_problem(value: torch.Tensor) -> Optional[str]:
+    """Why ``value`` cannot be a weight read from a file, or ``None``: it must be a dense tensor of
+    real floating-point numbers with its values in the file, laid out densely (a crafted view of
+    shape (10^6, 10^6) over one stored number would be materialized by the first operation on it)."""
+    if value.device.type == "meta":
+        return "holds no values (a meta tensor)"
+    if value.layout != torch.strided:
+        return f"is a {str(value.layout).replace('torch.', '')} tensor, not a dense one"
+    if not value.is_floating_point():
+        return f"holds {str(value.dtype).replace('torch.', '')} values, not real floating-point weights"
+    if not value.is_contiguous():
+        return f"is a view of shape {tuple(value.shape)} over fewer stored numbers (its strides are {value.stride()})"
+    stored = value.untyped_storage().nbytes() // value.element_size()
+    if value.storage_offset() + value.numel() > stored:
+        return f"has shape {tuple(value.shape)} but only {stored:,} stored numbers"
+    return None
+
+
+def checked_weights(weights, path, problem, shapes: Optional[dict] = None) -> dict:
+    """``weights``, a file's ``state_dict``, if it maps names to dense real floating-point tensors
+    (:func:`_tensor_problem`) whose values are all finite and, with ``shapes`` (``{name: shape}``,
+    :func:`~.footprint.layer_shapes`), whose layers have those shapes -- checked before any network
+    is built, so a small file cannot make the reader allocate what its header claims; entries beside
+    ``shapes`` may hold a few numbers only (:data:`SMALL_ENTRY`). Else the reader's ``problem(path,
+    field, why)`` raised."""
     if not isinstance(weights, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
     ):
         raise problem(path, "`state_dict`", "is not a mapping of names to tensors")
-    if not all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
+    for name, value in weights.items():
+        why = _tensor_problem(value)
+        if why is not None:
+            raise problem(path, f"`state_dict` entry {clip(name, 60)!r}", why)
+    misfit = "`state_dict`", "does not fit the recorded architecture"
+    for name, shape in (shapes or {}).items():
+        if name not in weights:
+            raise problem(path, misfit[0], f"{misfit[1]}: it lacks {name!r}")
+        if tuple(weights[name].shape) != tuple(shape):
+            raise problem(
+                path,
+                misfit[0],
+                f"{misfit[1]}: {name!r} has shape {tuple(weights[name].shape)}, the architecture gives it {tuple(shape)}",
+            )
+    if shapes is not None:
+        extra = [name for name, value in weights.items() if name not in shapes and value.numel() > SMALL_ENTRY]
+        if extra:
+            raise problem(
+                path, misfit[0], f"{misfit[1]}: it holds {clip(extra[0], 60)!r}, which the architecture has not"
+            )
+    if not all(torch.isfinite(v).all() for v in weights.values()):
         raise problem(path, "`state_dict`", "holds NaN or infinite weights")
     return weights
 
@@ -270,13 +319,13 @@ def _checked_architecture(a, path) -> dict:
     _count(a["input_dim"], path, "architecture.input_dim", 1)
     _count(a["output_dim"], path, "architecture.output_dim", 1)
     sizes = a["hidden_sizes"]
-    if not isinstance(sizes, list) or not sizes:
-        raise _problem(path, "architecture.hidden_sizes", f"is {str(sizes)[:40]!r}, not a list of widths")
+    if not isinstance(sizes, list) or not 1 <= len(sizes) <= MAX_LAYERS:
+        raise _problem(
+            path, "architecture.hidden_sizes", f"is {str(sizes)[:40]!r}, not a list of 1 to {MAX_LAYERS} widths"
+        )
     for width in sizes:
         _count(width, path, "architecture.hidden_sizes", 1)
     widths = [a["input_dim"]] + sizes + [a["output_dim"]]
-    if sum((i + 1) * o for i, o in zip(widths[:-1], widths[1:])) * 2 > MAX_PARAMETERS:
-        raise _problem(path, "architecture", f"asks for more than {MAX_PARAMETERS:,} parameters")
     _choice(a["activation"], ACTIVATIONS, path, "architecture.activation")
     _choice(a["likelihood"], _LIKELIHOODS, path, "architecture.likelihood")
     covariance = a["covariance"]
@@ -292,7 +341,25 @@ def _checked_architecture(a, path) -> dict:
     scale = a.get("prior_scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise _problem(path, "architecture.prior_scale", f"is {str(scale)[:40]!r}, not a positive number")
+    if len(covariance) != len(widths) - 1 - a.get("point_layers", 0):
+        raise _problem(path, "architecture.covariance", f"has {len(covariance)} entries, not one per Gaussian layer")
+    count = parameter_count(*_network_shape(a))  # the covariance factors included
+    if count > MAX_PARAMETERS:
+        raise _problem(path, "architecture", f"asks for {count:,} parameters (more than {MAX_PARAMETERS:,})")
     return a
+
+
+def _network_shape(a) -> tuple:
+    """The arguments of :func:`~.footprint.layer_shapes` for a checked architecture."""
+    return (
+        a["input_dim"],
+        a["hidden_sizes"],
+        a["output_dim"],
+        a["covariance"],
+        a.get("rank", 10),
+        a.get("point_layers", 0),
+        a.get("output_bias", True),
+    )
 
 
 def _checked_scaling(scaling, path, dim: int) -> dict:
@@ -425,7 +492,10 @@ def load_model(path, map_location="cpu") -> SavedModel:
     naming the file and the field."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such model file (a `cfbnn train` run writes model.pt; save_model writes one)")
+        what = describe_file(path)  # a FIFO is named, never opened: it would block the reader
+        what = "no such model file" if what == "no such file" else what
+        raise DataError(f"{path}: {what} (a `cfbnn train` run writes model.pt; save_model writes one)")
+    require_memory(path.stat().st_size, f"reading the model file {path}", "predict on a machine with more memory")
     try:
         record = load_checkpoint(path, map_location=map_location, what="model file")
     except CheckpointError as error:  # its message says what failed; here nothing is resumed, so no resume hint
@@ -451,7 +521,14 @@ def load_model(path, map_location="cpu") -> SavedModel:
     ):
         raise _problem(path, "`task`", f"{str(task)[:40]!r} does not match its likelihood {a['likelihood']}")
     scaling = _checked_scaling(record.get("scaling"), path, a["input_dim"])
-    weights = checked_weights(record.get("state_dict"), path, _problem)
+    weights = checked_weights(record.get("state_dict"), path, _problem, layer_shapes(*_network_shape(a)))
+    if task == "classification" and not isinstance(record.get("classes"), list):
+        raise _problem(path, "`classes`", "is missing: a classifier's file names its classes")
+    require_memory(
+        FLOAT32 * parameter_count(*_network_shape(a)) * 2,
+        f"the network of {path} ({parameter_count(*_network_shape(a)):,} parameters)",
+        "predict on a machine with more memory",
+    )
     try:
         network = BayesianNetwork(
             a["input_dim"],

@@ -33,6 +33,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ..bnn.footprint import require_fit_memory, rows_at_once
 from ..bnn.likelihoods import CategoricalLikelihood
 from ..bnn.model_file import FILE_NAME, save_run_model
 from ..bnn.network import BayesianNetwork
@@ -175,6 +176,19 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     table = load_classification_table(cfg.data)
     train, test = held_out_split(len(table.y), float(cfg.data.test_fraction), int(cfg.data.seed))
     split = table.split(train, test)
+    rows, optimizer = rows_at_once(
+        len(train), cfg.fit.full_batch_max_rows, cfg.trainer.batch_size, len(table.y) if cfg.fit.refit else 0
+    )
+    require_fit_memory(
+        f"model.hidden_sizes={list(cfg.model.hidden_sizes)}",
+        table.x.shape[1],
+        cfg.model.hidden_sizes,
+        len(table.classes),
+        rows=rows,
+        optimizer=optimizer,
+        prediction_rows=len(test),
+        fix="lower model.hidden_sizes (or fit.full_batch_max_rows, to train on minibatches)",
+    )
     log.info(
         "fitting a closed-form classifier on %s: %d training rows, %d held out, %d features, %d classes (%s), "
         "hidden layers %s, device=%s",

@@ -19,7 +19,8 @@ log: the log-normal's ``mean``, ``sd``, ``median``, the variance's parts on the 
 predicted ``label``, its ``probability`` and one ``p_<class>`` column per class.
 
 The rows are read, predicted and written in chunks: memory does not grow with the file's length.
-The output (default ``RUN_DIR/predictions.csv``, or beside a model file) is written atomically.
+The output (default ``RUN_DIR/predictions.csv``, or beside a model file) is written atomically
+(``--out -``: to the standard output), and never over one of the command's inputs.
 Every problem is one line on stderr and exit code 2.
 """
 
@@ -41,17 +42,22 @@ from ..bnn.model_file import FILE_NAME, SavedModel, load_model
 from ..bnn.target_units import describe_in_target_units, in_target_units, regression_columns
 from ..data.layout import UNSEEN_POLICIES
 from ..data.tabular import FeatureChunk, iter_feature_chunks
+from ..runtime.command_line import OneLineParser, whole_number
 from ..runtime.device import resolve_device
 from ..runtime.errors import CfbnnError, ConfigError, DataError, listing, one_line
-from ..runtime.io import atomic_text_writer, remove_stale_temporary_files
+from ..runtime.io import STDOUT, text_output
+from ..runtime.memory import require_sample_memory
 from ..runtime.numerics import map_row_chunks, rows_per_chunk
-from ..runtime.safefs import describe_file, output_error, shown_path
+from ..runtime.rundir import refuse_output_over_input
+from ..runtime.safefs import describe_file, input_error, output_error, shown_path
 
 HELP = __doc__.split("\n\n", 1)[1]
 READ_ROWS = 8192  # rows read and written at a time
 # what a run dir holds before its results.json: a run started there (interrupted, or still running)
 UNFINISHED_SIGNS = (".cfbnn", "checkpoints", "metrics.csv", "uci_progress.json")
 OUT_FIX = "pass --out a file in a folder you can write (e.g. --out ~/predictions.csv)"
+MAX_SAMPLES = 1_000_000  # draws of the sampled layers: a mixture's moments then carry a 0.1 % Monte Carlo error
+SAMPLES_WHY = "a million draws put a mixture's Monte Carlo error at 0.1 % of its s.d."
 
 
 def model_path(source) -> Path:
@@ -107,6 +113,8 @@ class _Predictor:
         sampled = bool(estimator.noise_shapes(saved.network, 1))
         # samples x rows x widest layer per intermediate: bounded, whatever the file's length
         self.compute_rows = rows_per_chunk((num_samples if sampled else 4) * max(widths))
+        if sampled:  # even one row holds every draw: counted before anything is drawn
+            require_sample_memory(num_samples, max(widths))
 
     def columns(self) -> list:
         if self.saved.task == "classification":
@@ -154,6 +162,20 @@ class _Predictor:
         return np.where(np.isfinite(rounded) | ~np.isfinite(value), rounded, value)
 
 
+def refuse_broken_model(predictor: "_Predictor", saved: SavedModel, path: Path, device) -> None:
+    """A model whose prediction at the training rows' mean (the origin of its standardized inputs)
+    is not finite is a damaged model file (weights that overflow), whatever rows it is given: said
+    so, before the rows are blamed. The draws it takes are given back: the rows' draws are as without it."""
+    state = predictor.generator.get_state()
+    values = predictor(torch.zeros(1, saved.input_dim, device=device))
+    predictor.generator.set_state(state)
+    if not all(np.isfinite(value).all() for value in values.values() if value.dtype != object):
+        raise DataError(
+            f"{path}: the model's prediction at the training rows' mean is not finite, so its weights are damaged "
+            "(they overflow float32); retrain, or point at another model file"
+        )
+
+
 def _standardized(saved: SavedModel, chunk: FeatureChunk, path: Path, device) -> torch.Tensor:
     x = chunk.x[chunk.complete]
     with np.errstate(over="ignore", invalid="ignore"):  # what overflows is named below, one line
@@ -190,8 +212,8 @@ def predict_run(
     ``data_path``; returns the output path. See the module docstring."""
     path = model_path(source)
     data_path = Path(data_path)
-    if num_samples < 1:
-        raise ConfigError(f"--num-samples {num_samples} must be >= 1")
+    if not 1 <= num_samples <= MAX_SAMPLES:
+        raise ConfigError(f"--num-samples {num_samples} must be in 1..{MAX_SAMPLES:,} ({SAMPLES_WHY})")
     if not 0 <= seed < 2**63:
         raise ConfigError(f"--seed {seed} must be in 0..2^63-1")
     if not 0 < level < 1:
@@ -204,25 +226,29 @@ def predict_run(
     if saved.task == "regression" and saved.network.output_dim != 1:
         raise DataError(f"{path}: predict supports one-output Normal regression models and classifiers")
     out = Path(out) if out is not None else path.parent / "predictions.csv"
-    _check_out(out)
+    if str(out) != STDOUT:
+        _check_out(out)
+        refuse_output_over_input(out, [("the model file", path), ("the table of new rows", data_path)], source)
     generator = torch.Generator(device=torch_device).manual_seed(seed)
     predictor = _Predictor(saved, make_estimator(estimator), num_samples, level, generator, torch_device)
     if unseen is not None and unseen not in UNSEEN_POLICIES:
         raise ConfigError(f"--unseen {unseen} must be one of {', '.join(UNSEEN_POLICIES)}")
-    passed, chunks = iter_feature_chunks(
-        data_path,
-        saved.layout,
-        saved.input_dim,
-        saved.target,
-        keep=keep,
-        chunk_rows=read_rows,
-        reserved=["row", *predictor.columns()],
-        unseen=unseen,
-    )
+    with torch.no_grad():
+        refuse_broken_model(predictor, saved, path, torch_device)
     try:
+        passed, chunks = iter_feature_chunks(
+            data_path,
+            saved.layout,
+            saved.input_dim,
+            saved.target,
+            keep=keep,
+            chunk_rows=read_rows,
+            reserved=["row", *predictor.columns()],
+            unseen=unseen,
+        )
         rows, incomplete = _write_predictions(out, passed, chunks, predictor, saved, data_path, torch_device)
-    except OSError as error:  # the output's folder or file cannot be made or written
-        message = output_error(error, out.parent, OUT_FIX)
+    except OSError as error:  # the output's folder or file cannot be made or written, or the rows read
+        message = input_error(error, data_path) or output_error(error, out.parent, OUT_FIX)
         if message is None:
             raise
         raise ConfigError(message) from None
@@ -252,10 +278,9 @@ def _check_out(out: Path) -> None:
 def _write_predictions(out: Path, passed, chunks, predictor, saved, data_path: Path, torch_device):
     """Stream the predictions into ``out`` (atomically); ``(rows, incomplete rows)``. The temporary
     files a killed predict left for ``out`` go first (cfbnn's own names only, none being written)."""
-    remove_stale_temporary_files(out.parent, out.name)
     names = ["row", *passed, *predictor.columns()]
     rows = incomplete = 0
-    with atomic_text_writer(out) as handle:
+    with text_output(out) as handle:  # atomic, or streamed to the standard output (--out -)
         pd.DataFrame(columns=names).to_csv(handle, index=False)
         for chunk in chunks:
             frame = pd.DataFrame({"row": chunk.rows})
@@ -293,12 +318,12 @@ def _refuse_non_finite(values: dict, chunk: FeatureChunk, path: Path) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="cfbnn predict", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog="cfbnn predict", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a finished `cfbnn train regression|classification` run dir, or a model file")
     parser.add_argument("data", help="a CSV of new rows with the model's columns (the training file's layout works)")
-    parser.add_argument("--out", default=None, help="where to write the predictions (default: beside the model)")
+    parser.add_argument(
+        "--out", default=None, help="where to write the predictions (default: beside the model; - : standard output)"
+    )
     parser.add_argument(
         "--keep",
         action="append",
@@ -312,9 +337,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--estimator", default=None, help=f"one of {', '.join(ESTIMATORS)} (default: the model's own)")
     parser.add_argument(
-        "--num-samples", type=int, default=64, help="draws of the sampled layers, where the estimator samples any"
+        "--num-samples",
+        type=whole_number,
+        default=64,
+        help=f"draws of the sampled layers, where the estimator samples any (at most {MAX_SAMPLES:,})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of those draws")
+    parser.add_argument("--seed", type=whole_number, default=0, help="seed of those draws")
     parser.add_argument(
         "--unseen",
         choices=UNSEEN_POLICIES,
@@ -341,5 +369,6 @@ def main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         print("cfbnn: interrupted; no predictions were written", file=sys.stderr)
         return 130
-    print(f"cfbnn: predictions in {path}")
+    if str(path) != STDOUT:
+        print(f"cfbnn: predictions in {path}")
     return 0

@@ -41,8 +41,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 
+from ..runtime.command_line import OneLineParser
 from ..runtime.errors import CfbnnError, DataError, one_line
-from ..runtime.io import atomic_write_text
+from ..runtime.io import atomic_write_text, file_set
 from ..runtime.safefs import describe_file, output_error, shown_path
 from .grouping import drop_duplicates, group_runs, run_seed, summarize
 from .records import collect, skip_file
@@ -59,15 +60,14 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
     try:
         if os.path.lexists(out) and not out.is_dir():
             what = "a file" if out.is_file() else describe_file(out)
-            raise DataError(
-                f"cfbnn report: --out {shown_path(out)} is {what}, not a folder; name a folder (it is made if missing)"
-            )
-        return _report(path, out, paper)
+            raise DataError(f"--out {shown_path(out)} is {what}, not a folder; name a folder (it is made if missing)")
+        with file_set():  # the report's files appear together, or none of them (a full disk, Ctrl-C)
+            return _report(path, out, paper)
     except OSError as error:  # the report's folder or a file in it cannot be made or written
         message = output_error(error, out, "pass --out a folder you can write (it is made if missing)")
         if message is None:
             raise
-        raise DataError(f"cfbnn report: {message}") from None
+        raise DataError(message) from None
 
 
 def report_folder(path, out: Optional[Path] = None) -> Path:
@@ -99,7 +99,7 @@ def _report(path, out: Path, paper: bool) -> Dict[str, List[str]]:
                 if suffix:  # an extra table with nothing in it is left out
                     continue
                 raise DataError(
-                    f"cfbnn report: the {len(section.runs)} {section.key} runs under {path} have no metric to "
+                    f"the {len(section.runs)} {section.key} runs under {path} have no metric to "
                     f"tabulate (e.g. {section.runs[0]['_path']})"
                 )
             stem = f"{name}{suffix}"
@@ -129,7 +129,7 @@ def _report(path, out: Path, paper: bool) -> Dict[str, List[str]]:
         frame = paper_reproduction(built)
         if frame.empty:
             raise DataError(
-                f"cfbnn report --paper: no Table 1 (train regression), Table 2 (vae) or Figure 1 "
+                f"--paper: no Table 1 (train regression), Table 2 (vae) or Figure 1 "
                 f"(imagenet-predict) runs under {path}"
             )
         atomic_write_text(out / "paper_reproduction.csv", frame.to_csv(index=False))
@@ -158,9 +158,7 @@ are named on stderr and skipped.
 def main(argv: Sequence[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="cfbnn report", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(prog="cfbnn report", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="a run dir, a sweep dir or any folder holding results.json files")
     parser.add_argument("--out", default=None, help="where to write the report (default: PATH)")
     parser.add_argument(
@@ -175,8 +173,6 @@ def main(argv: Sequence[str]) -> int:
         print(f"cfbnn: error: {one_line(error)}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:  # each file is written whole (atomically) or not at all
-        print(
-            "cfbnn: interrupted; the report files written so far are whole, the rest were not written", file=sys.stderr
-        )
+        print("cfbnn: interrupted; no report file was written (they appear together)", file=sys.stderr)
         return 130
     return 0

@@ -182,7 +182,7 @@ def collect(path) -> List[dict]:
     """Every readable, complete ``results.json`` under ``path`` (any other is named and skipped)."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"cfbnn report: {path} does not exist")
+        raise DataError(f"{path} does not exist (cfbnn report aggregates the results.json files under a folder)")
     files = [path] if not path.is_dir() else results_files(path)
     runs = []
     for file in files:
@@ -196,7 +196,5 @@ def collect(path) -> List[dict]:
         record["_inputs"] = input_contents(file.parent)
         runs.append(record)
     if not runs:
-        raise DataError(
-            f"cfbnn report: no results.json of a complete run under {path} (nothing to aggregate; did the runs finish?)"
-        )
+        raise DataError(f"no results.json of a complete run under {path} (nothing to aggregate; did the runs finish?)")
     return runs

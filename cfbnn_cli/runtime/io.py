@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, TextIO
@@ -64,22 +65,69 @@ def _temporary_for(path: Path):
     return fd, tmp
 
 
+# the file sets being written (file_set): each a list of (temporary, path, locked descriptor) renamed at its end
+_SETS: List[list] = []
+
+
+@contextlib.contextmanager
+def file_set() -> Iterator[None]:
+    """Within the block, the files written by :func:`atomic_write_bytes` and its kin appear together
+    when the block ends without an error: each is written whole to its temporary file first, and
+    all are renamed over their names at the end. Where the block fails (a full disk, Ctrl-C), every
+    temporary file goes and each name keeps its old file: a set of files that belong together (a
+    report's table in three forms and its figure) is never left half new and half old."""
+    staged: list = []
+    _SETS.append(staged)
+    try:
+        yield
+    except BaseException:
+        _SETS.remove(staged)
+        for temporary, _, fd in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            os.close(fd)
+        raise
+    _SETS.remove(staged)
+    try:
+        for temporary, path, _ in staged:
+            os.replace(temporary, path)
+    finally:
+        for temporary, _, fd in staged:
+            with contextlib.suppress(OSError):
+                if os.path.exists(temporary):
+                    os.unlink(temporary)
+            os.close(fd)
+
+
 @contextlib.contextmanager
 def _atomic_replacement(path, **open_options) -> Iterator:
     """A handle on a locked temporary file beside ``path`` (``open_options`` as ``os.fdopen``'s)
-    that becomes ``path`` by ``os.replace`` when the block ends without an error; otherwise
-    ``path`` is as it was and the temporary file is gone."""
+    that becomes ``path`` by ``os.replace`` when the block ends without an error (in a
+    :func:`file_set`, when the set ends); otherwise ``path`` is as it was and the temporary file is
+    gone. An error writing it (a full disk) names ``path``."""
     path = Path(path)
     fd, tmp = _temporary_for(path)
+    held = None  # in a file set: a second descriptor, keeping the temporary file's lock until the set is renamed
     try:
-        with os.fdopen(fd, **open_options) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        held = os.dup(fd) if _SETS else None
+        try:
+            with os.fdopen(fd, **open_options) as handle:
+                yield handle
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as error:
+            if error.filename is None:  # write(), fsync(), close(): ENOSPC, EIO, EDQUOT
+                error.filename = str(path)
+            raise
+        if held is not None:
+            _SETS[-1].append((tmp, path, held))
+        else:
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if held is not None:  # not staged: the error came before
+            os.close(held)
         raise
 
 
@@ -87,6 +135,24 @@ def atomic_write_bytes(path, data: bytes) -> Path:
     with _atomic_replacement(path, mode="wb") as handle:
         handle.write(data)
     return Path(path)
+
+
+STDOUT = "-"  # an output path that means the standard output
+
+
+@contextlib.contextmanager
+def text_output(path) -> Iterator[TextIO]:
+    """Where a command writes its text output: ``-`` (:data:`STDOUT`) streams to the standard output
+    (a pipe reads it as it comes; a failure ends the stream with the exit status saying so); any
+    other path is written atomically (:func:`atomic_text_writer`), after the temporary files a
+    killed writer left for it are removed."""
+    if str(path) == STDOUT:
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    remove_stale_temporary_files(Path(path).parent, Path(path).name)
+    with atomic_text_writer(path) as handle:
+        yield handle
 
 
 def atomic_text_writer(path) -> "contextlib.AbstractContextManager[TextIO]":

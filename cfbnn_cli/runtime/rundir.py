@@ -44,7 +44,7 @@ from .io import (
     file_mode,
     remove_stale_temporary_files,
 )
-from .safefs import UnsafePathError, open_in_place, open_no_follow, output_folder
+from .safefs import UnsafePathError, open_in_place, open_no_follow, output_folder, output_over_input, shown_path
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +335,119 @@ def refuse_finished_run(cfg, run_dir) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- whose folder it is
+
+SHOWN_ENTRIES = 5  # entries of a foreign folder named in its refusal
+
+
+def recorded_command(run_dir) -> Optional[str]:
+    """The command (``train_regression``, ...) whose run owns ``run_dir``: from ``.cfbnn/config.json``
+    (``command``), else from ``results.json`` (``pipeline``); ``None`` where neither says."""
+    for name, key in ((f"{STATE_FOLDER}/config.json", "command"), ("results.json", "pipeline")):
+        ours, content = _regular_bytes(Path(run_dir) / name)
+        if not ours or content is None or len(content) > (1 << 24):
+            continue
+        try:
+            value = json.loads(content).get(key)
+        except (ValueError, AttributeError, RecursionError):
+            continue
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _some_entries(folder: Path, ignore=()) -> List[str]:
+    """Up to :data:`SHOWN_ENTRIES` + 1 names in ``folder`` (not those of ``ignore``); a folder that
+    cannot be listed counts as empty (making or writing there then says why)."""
+    names: List[str] = []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name not in ignore:
+                    names.append(entry.name)
+                    if len(names) > SHOWN_ENTRIES:
+                        break
+    except OSError:
+        return []
+    return sorted(names)
+
+
+def foreign_run_dir(run_dir, command: Optional[str] = None, key: str = "hydra.run.dir", ignore=()) -> Optional[str]:
+    """Why a run of ``command`` must not be written into ``run_dir``, in one line; ``None`` where it may.
+
+    A run goes into a folder that does not exist yet, an empty folder (or one holding only the
+    command's log: a run stopped before it took the dir), or a cfbnn run dir (it holds ``.cfbnn/``)
+    of the same command (``resume=true`` continues it, ``overwrite=true`` replaces
+    it). Anything else -- ``/``, a home, the working directory with files in it, another
+    command's run -- would mix the run's files with files that are not its own. ``ignore``: names
+    this run has already made there (the log Hydra opened). Reads only."""
+    run_dir = Path(os.path.abspath(run_dir))
+    if not os.path.isdir(run_dir):  # new (or a file in the way: making the folder says so)
+        return None
+    fix = f"choose another {key} (a new or empty folder, e.g. {key}=outputs/my_run; an unset shell variable?)"
+    if _real_dir(run_dir / STATE_FOLDER):
+        other = recorded_command(run_dir)
+        if command is None or other is None or other == command:
+            return None
+        return (
+            f"{shown_path(run_dir)} holds a `cfbnn {other.replace('_', ' ')}` run; `cfbnn {command.replace('_', ' ')}` does not "
+            f"write into another command's run dir (its files would be mixed with that run's): {fix}"
+        )
+    names = _some_entries(run_dir, ignore)
+    if not names or (command is not None and names == [f"{command}.log"]):  # a run stopped before it took the dir
+        return None
+    shown = ", ".join(names[:SHOWN_ENTRIES]) + (", ..." if len(names) > SHOWN_ENTRIES else "")
+    return (
+        f"{key}: {shown_path(run_dir)} is a folder with other files in it ({shown}) and not a cfbnn run dir; a run is "
+        f"written only into a new folder, an empty one or a cfbnn run's own: {fix}"
+    )
+
+
+# the files a finished run holds about itself beside its bookkeeping (and the tables and figures results.json lists)
+RUN_FILES = (f"{STATE_FOLDER}/lock", "metrics.csv", "model.pt", "head.pt")
+
+
+def run_records(run_dir) -> List[Path]:
+    """The files a run wrote about itself and its results, as far as they exist: its bookkeeping
+    (``results.json``, ``done``, ``.cfbnn/``, ``.hydra/``), logs, ``metrics.csv``, model files,
+    checkpoints and the tables and figures its ``results.json`` lists. What ``cfbnn predict`` and
+    ``cfbnn report`` read from a run: no command's output may be written over one of them."""
+    run_dir = Path(run_dir)
+    names = {*BOOKKEEPING, *RUN_FILES}
+    ours, content = _regular_bytes(run_dir / "results.json")
+    try:
+        record = json.loads(content) if ours and content is not None and len(content) < (1 << 24) else {}
+    except (ValueError, RecursionError):
+        record = {}
+    for field in ("tables", "figures"):
+        listed = record.get(field) if isinstance(record, dict) else None
+        for value in listed.values() if isinstance(listed, dict) else ():
+            for name in value if isinstance(value, list) else [value]:
+                if isinstance(name, str) and name and not os.path.isabs(name) and ".." not in Path(name).parts:
+                    names.add(name)
+    paths = [run_dir / name for name in sorted(names)]
+    for folder, pattern in (("", "*.log"), ("checkpoints", "*")):
+        try:
+            paths += sorted((run_dir / folder).glob(pattern))
+        except OSError:
+            pass
+    return [path for path in paths if os.path.lexists(path)]
+
+
+def refuse_output_over_input(out, inputs, source=None) -> None:
+    """Raise :class:`ConfigError` where the output ``out`` is one of a command's ``inputs`` (``(what,
+    path)`` pairs) or, where ``source`` is a run dir (or a file in one), one of that run's records
+    (:func:`run_records`), compared by file identity (:func:`~.safefs.output_over_input`)."""
+    inputs = list(inputs)
+    if source is not None and not os.path.isdir(source):  # a model file in a run dir: that run's records too
+        source = Path(source).parent if os.path.lexists(Path(source).parent / "results.json") else None
+    if source is not None:
+        inputs += [(f"a record of the run {shown_path(source)}", record) for record in run_records(source)]
+    problem = output_over_input(out, inputs)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def _read_record(run_dir: Path) -> Optional[dict]:
     path = run_dir / STATE_FOLDER / "config.json"
     if not path.exists():
@@ -351,7 +464,7 @@ def _read_record(run_dir: Path) -> Optional[dict]:
         ) from None
 
 
-def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
+def claim_run_dir(cfg, run_dir, command: Optional[str] = None) -> Tuple[str, bool]:
     """Bind ``run_dir`` to this config before any work; returns ``(fingerprint, finished)``.
 
     Call it while holding :class:`RunDirLock`. ``finished`` is True when ``resume=true``
@@ -360,10 +473,15 @@ def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
     keys that differ. With ``resume=false`` a finished run is refused
     (:func:`refuse_finished_run`) unless ``overwrite=true``, and then its ``done`` and
     ``results.json`` are removed first (the new run replaces it), so a half-finished new
-    run is never mistaken for the old finished one.
+    run is never mistaken for the old finished one. ``command`` (``train_regression``, ...) is
+    recorded beside the fingerprint; a dir another command's run owns is refused
+    (:func:`foreign_run_dir`).
     """
     run_dir = Path(run_dir)
     refuse_links_inside(run_dir, *OWN_FOLDERS)
+    other = recorded_command(run_dir) if command is not None else None
+    if other is not None and other != command:
+        raise ConfigError(foreign_run_dir(run_dir, command))
     refuse_finished_run(cfg, run_dir)
     removed = [
         str(Path(sub) / name) for sub in ("",) + OWN_FOLDERS for name in remove_stale_temporary_files(run_dir / sub)
@@ -402,9 +520,10 @@ def claim_run_dir(cfg, run_dir) -> Tuple[str, bool]:
         for name in ("done", "results.json"):
             (run_dir / name).unlink(missing_ok=True)
     if not finished:
-        atomic_write_json(
-            run_dir / STATE_FOLDER / "config.json", {"config_fingerprint": fingerprint, "config": current}
-        )
+        owner = {"config_fingerprint": fingerprint, "config": current}
+        if command is not None:
+            owner["command"] = command
+        atomic_write_json(run_dir / STATE_FOLDER / "config.json", owner)
     return fingerprint, finished
 
 

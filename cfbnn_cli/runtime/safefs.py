@@ -70,6 +70,8 @@ __all__ = [
     "sealed_copy",
     "sha256_of_file",
     "NoFollowFileHandler",
+    "output_over_input",
+    "input_error",
 ]
 
 
@@ -519,6 +521,14 @@ class NoFollowFileHandler(logging.FileHandler):
 
     created = None
     found_size = 0
+    failed = None  # the OSError that stopped the log (a full disk): said once by the command's error, not per record
+
+    def handleError(self, record):  # noqa: N802 - logging's hook
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):  # ENOSPC, EIO: no traceback on stderr for every record that follows
+            self.failed = self.failed or error
+            return
+        super().handleError(record)
 
     def _open(self):
         mask = os.umask(0)
@@ -530,3 +540,47 @@ class NoFollowFileHandler(logging.FileHandler):
         if self.created is None:
             self.created, self.found_size = not existed, os.fstat(fd).st_size
         return os.fdopen(fd, self.mode.replace("b", ""), encoding=self.encoding, errors=self.errors)
+
+
+def _identity(path: PathLike) -> Optional[tuple]:
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (info.st_dev, info.st_ino)
+
+
+def output_over_input(out: PathLike, inputs) -> Optional[str]:
+    """One line where the output ``out`` is the same file as one of ``inputs`` (``(what, path)``
+    pairs: the model file, the table of new rows, a run's records), ``None`` where it is none.
+    Files are compared by device and inode, so another spelling of the path, a link and a hard
+    link count alike; an output that does not exist yet is no input."""
+    target = _identity(out)
+    if target is None:
+        return None
+    for what, path in inputs:
+        if _identity(path) == target:
+            same = "" if os.path.abspath(path) == os.path.abspath(out) else f" ({shown_path(path)}, under another name)"
+            return (
+                f"the output {shown_path(out)} is {what}{same}: writing it would replace an input of this "
+                "command; give --out another file"
+            )
+    return None
+
+
+def input_error(error: BaseException, path: PathLike) -> Optional[str]:
+    """One line where ``error`` says that the input ``path`` could not be read (permission denied,
+    an I/O error), naming it; ``None`` for any other error."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.filename is not None:
+            try:
+                named = os.path.abspath(os.fsdecode(error.filename))
+            except (TypeError, ValueError):
+                named = None
+            if named == os.path.abspath(path):
+                reason = _UNWRITABLE.get(error.errno, error.strerror or type(error).__name__)
+                return f"cannot read {shown_path(path)}: {reason}; check its permissions, or pass another file"
+        error = error.__cause__ or error.__context__
+    return None

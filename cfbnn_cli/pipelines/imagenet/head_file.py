@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ...bnn.footprint import layer_shapes, parameter_count
 from ...bnn.likelihoods import CLASSIFICATION_OBJECTIVES
 from ...bnn.model_file import MAX_PARAMETERS, MAX_WIDTH, checked_mapping, checked_weights, finite_weights
 from ...bnn.network import bayesian_head
@@ -23,6 +24,7 @@ from ...moments import ACTIVATIONS
 from ...runtime.checkpoints import load_checkpoint
 from ...runtime.errors import CheckpointError, DataError, clip
 from ...runtime.io import atomic_torch_save
+from ...runtime.memory import FLOAT32, require_memory
 
 HEAD_FORMAT = "cfbnn.classifier_head"
 HEAD_FILE = "head.pt"
@@ -127,7 +129,13 @@ def load_saved_head(path) -> tuple:
         raise DataError(f"{path} is not a cfbnn classifier head file (written by `cfbnn imagenet-predict`)")
     a = _architecture(record.get("architecture"), path)
     scaling = _scaling(record.get("scaling"), path, a["feature_dim"])
-    weights = checked_weights(record.get("state_dict"), path, _problem)
+    shape = (a["feature_dim"], a["hidden_sizes"], a["num_classes"], "diagonal", 10, 1)  # bayesian_head's network
+    weights = checked_weights(record.get("state_dict"), path, _problem, layer_shapes(*shape))
+    require_memory(
+        FLOAT32 * parameter_count(*shape) * 2,
+        f"the head of {path} ({parameter_count(*shape):,} parameters)",
+        "predict on a machine with more memory",
+    )
     try:
         model = bayesian_head(
             a["feature_dim"],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,8 @@ from ...bnn.classification import approximate_class_probabilities
 from ...data.regression import parse_numeric_rows
 from ...data.tabular import decoded_lines
 from ...runtime.errors import ConfigError, DataError, clip, listing
-from ...runtime.io import atomic_write_text, remove_stale_temporary_files
+from ...runtime.io import STDOUT, atomic_write_text, remove_stale_temporary_files
+from ...runtime.rundir import refuse_output_over_input
 from ...runtime.safefs import describe_file, output_error, shown_path
 from .head_file import HEAD_FILE, load_saved_head
 
@@ -109,8 +111,12 @@ def predict_run(run_dir, data_path, out=None, top_k: int = 5) -> Path:
         pairs = [item for pair in zip(classes, (repr(v) for v in values)) for item in pair]
         writer.writerow([index, deterministic] + pairs)
     out = Path(out) if out is not None else run_dir / "predictions.csv"
+    if str(out) == STDOUT:
+        sys.stdout.write(text.getvalue())
+        return out
     if out.is_dir() or (os.path.lexists(out) and not out.is_symlink() and not out.is_file()):
         raise ConfigError(f"--out {shown_path(out)} is {describe_file(out)}; give a regular file's path")
+    refuse_output_over_input(out, [("the head file", run_dir / HEAD_FILE), ("the features", data_path)], run_dir)
     try:
         remove_stale_temporary_files(out.parent, out.name)  # what a killed predict left for this output
         return atomic_write_text(out, text.getvalue())
@@ -123,11 +129,11 @@ def predict_run(run_dir, data_path, out=None, top_k: int = 5) -> Path:
 
 def main(argv) -> int:
     import argparse
-    import sys
 
+    from ...runtime.command_line import OneLineParser
     from ...runtime.errors import CfbnnError, one_line
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="cfbnn predict",
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -145,5 +151,6 @@ def main(argv) -> int:
     except KeyboardInterrupt:  # the predictions file is written whole (atomically) or not at all
         print("cfbnn: interrupted; no predictions were written", file=sys.stderr)
         return 130
-    print(f"cfbnn: predictions in {path}")
+    if str(path) != STDOUT:
+        print(f"cfbnn: predictions in {path}")
     return 0

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ...bnn.footprint import require_fit_memory, rows_at_once
 from ...bnn.model_file import FILE_NAME
 from ...bnn.network import PRIORS
 from ...bnn.target_units import in_target_units
@@ -99,6 +100,29 @@ def _to_device(data: RegressionData, device) -> RegressionData:
     return data
 
 
+def _require_memory(cfg, method: str, table: RegressionTable, train_rows: int, test_rows: int) -> None:
+    """The method's network and the rows a fit holds at once, counted before anything is allocated."""
+    deep = method == "deterministic_2_hidden"
+    sizes = list(cfg.fit.deep_hidden_sizes if deep else cfg.model.hidden_sizes)
+    kind = "diagonal" if deep else method.removeprefix("closed_form_")
+    rows, optimizer = rows_at_once(
+        train_rows, cfg.fit.full_batch_max_rows, cfg.trainer.batch_size, len(table.y) if cfg.fit.refit else 0
+    )
+    require_fit_memory(
+        f"{'fit.deep_hidden_sizes' if deep else 'model.hidden_sizes'}={sizes} (fit.method={method})",
+        table.x.shape[1],
+        sizes,
+        1,
+        rows=rows,
+        optimizer=optimizer,
+        prediction_rows=test_rows,
+        covariance=[kind] * len(sizes) + ["full" if kind == "full" else "diagonal"],
+        rank=int(cfg.model.rank),
+        fix="lower the widths or choose fit.method=closed_form_diagonal (or lower fit.full_batch_max_rows, to "
+        "train on minibatches)",
+    )
+
+
 def _fit(method: str, data: RegressionData, cfg, device, seed: int, label: str) -> Fitted:
 
     with progress_bar(total=1, desc=label, unit="fit", leave=False) as bar, quiet("cfbnn_cli.train.loop"):
@@ -115,6 +139,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     train, test = held_out_split(len(table.y), float(cfg.data.test_fraction), int(cfg.data.seed))
     data = _to_device(table.split(train, test), device)
     settings = method_config(cfg)
+    _require_memory(cfg, method, table, len(train), len(test))
     log.info(
         "fitting %s on %s: %d training rows, %d held out, %d features (%s), hidden layers %s, device=%s",
         method,

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, ListConfig
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
+from ...bnn.footprint import require_fit_memory
 from ...bnn.gradient_variance import gradient_variance
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood
 from ...bnn.network import PRIORS, BayesianNetwork
@@ -419,6 +420,15 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     generator = seed_everything(cfg.seed)
     data = load_regression_data(cfg.data)
     _check_against_data(cfg, data)
+    require_fit_memory(  # the network, Adam's state and a minibatch, before any of them is allocated
+        f"model.hidden_sizes={list(cfg.model.hidden_sizes)} on {data.input_dim:,} input features",
+        data.input_dim,
+        cfg.model.hidden_sizes,
+        2,
+        rows=max(int(cfg.trainer.batch_size), int(cfg.gradient_variance.batch_size)),
+        optimizer="adam",
+        fix="lower model.hidden_sizes (or the data's width, data.input_dim)",
+    )
     gv_epochs = gradient_variance_epochs(cfg) if cfg.gradient_variance.num_samples else []
     estimator, likelihood = values.estimator, values.new_likelihood()
     heteroscedastic = isinstance(likelihood, HeteroscedasticNormalLikelihood)

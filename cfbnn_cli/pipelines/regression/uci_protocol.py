@@ -245,7 +245,13 @@ def read_progress(path: Path, fingerprint: str, n_splits: int, methods: List[str
             "or start a fresh run dir"
         ) from None
     refuse_other_config(str(path), progress.get("config_fingerprint"), fingerprint)
-    return [r for r in records if r["split"] < n_splits and r["method"] in methods]
+    stray = next((r for r in records if r["split"] >= n_splits or r["method"] not in methods), None)
+    if stray is not None:  # this configuration never writes it: the file was changed, not resumed from
+        raise CheckpointError(
+            f"{path} holds a record of split {stray['split']} ({stray['method']}), but this run has splits "
+            f"0..{n_splits - 1} of {', '.join(methods)}; delete it to re-run every split, or start a fresh run dir"
+        )
+    return records
 
 
 def prediction_seconds_per_1000(predict, data: RegressionData, device, repeats: int) -> float:
