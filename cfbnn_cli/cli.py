@@ -340,7 +340,8 @@ def make_task(sub: Subcommand):
                         run_dir,
                         pipeline=sub.config_name,
                         cfg=cfg,
-                        metrics={},
+                        metrics=getattr(error, "metrics", {}),  # a fit that learned nothing keeps its numbers
+                        tables=getattr(error, "tables", {}),
                         status="failed",
                         wall_s=time.perf_counter() - started,
                         fingerprint=fingerprint,

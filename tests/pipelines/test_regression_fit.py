@@ -52,7 +52,7 @@ def test_the_readme_one_liner_fits_and_reports_held_out_metrics(tmp_path, cfbnn)
 def test_the_fit_is_the_uci_protocols_split_with_the_same_seed(tmp_path):
     """protocol=fit on split seed 0 and the UCI protocol's split 0 (closed_form_diagonal) train the
     same model on the same rows: the same held-out log-likelihood."""
-    _table(rows=120, seed=1).to_csv(tmp_path / "t.csv", index=False)
+    _table(rows=300, seed=1).to_csv(tmp_path / "t.csv", index=False)
     common = ["data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target", "device=cpu"]
     fit = compose_config("train_regression", common + ["fit.refit=false"])
     (tmp_path / "fit").mkdir()

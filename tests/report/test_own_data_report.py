@@ -234,9 +234,11 @@ def test_the_fit_keys_are_the_pipelines_contract():
         f"fit/{name}"
         for name in (
             "test_rmse",
+            "mean_rmse",
             "test_ll",
             "coverage_90",
             "coverage_50",
+            "noise_sd",
             "train_rows",
             "test_rows",
             "validation_ll",
@@ -250,6 +252,9 @@ def test_the_fit_keys_are_the_pipelines_contract():
         for name in (
             "test_accuracy",
             "test_nll",
+            "baseline_accuracy",
+            "baseline_nll",
+            "frequency_nll",
             "train_rows",
             "test_rows",
             "classes",

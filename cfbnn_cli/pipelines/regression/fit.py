@@ -44,7 +44,9 @@ from ...runtime.checks import require_choice, require_int, require_positive_floa
 from ...runtime.device import synchronize
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
-from ...runtime.progress import progress_bar
+from ...runtime.rundir import config_fingerprint
+from ...train.fit_checks import FitFailedError, failure_message, regression_problems, suggestion
+from ...train.fit_records import FitRecords
 from ...train.fit_settings import validate_fit_settings
 from .model_file import save_regression_model
 from .uci_methods import Fitted, Split, fit_method, quiet, test_metrics
@@ -97,12 +99,11 @@ def _to_device(data: RegressionData, device) -> RegressionData:
     return data
 
 
-def _fit(method: str, data: RegressionData, cfg, device, seed: int, label: str) -> Fitted:
-
-    with progress_bar(total=1, desc=label, unit="fit", leave=False) as bar, quiet("cfbnn_cli.train.loop"):
-        fitted = fit_method(method, Split(data, 0, progress=bar), cfg, device, seed=seed)
-        bar.update(1)
-    return fitted
+def _fit(method: str, data: RegressionData, cfg, device, seed: int, records: FitRecords, phase: str) -> Fitted:
+    """``method`` fitted to ``data``'s training rows as the fit's ``phase`` (``fit`` or ``refit``): its
+    progress shown, its rows in metrics.csv, its checkpoint kept (:mod:`~cfbnn_cli.train.fit_records`)."""
+    with quiet("cfbnn_cli.train.loop"):
+        return fit_method(method, Split(data, 0, records=records, phase=phase), cfg, device, seed=seed)
 
 
 def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
@@ -113,6 +114,9 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     train, test = held_out_split(len(table.y), float(cfg.data.test_fraction), int(cfg.data.seed))
     data = _to_device(table.split(train, test), device)
     settings = method_config(cfg)
+    records = FitRecords(
+        run_dir, config_fingerprint(cfg, run_dir), bool(cfg.resume), OmegaConf.to_container(cfg, resolve=True)
+    )
     log.info(
         "fitting %s on %s: %d training rows, %d held out, %d features (%s), hidden layers %s, device=%s",
         method,
@@ -129,21 +133,26 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     with validate_args(False):
         synchronize(device)
         started = time.perf_counter()
-        fitted = _fit(method, data, settings, device, seed=int(cfg.seed) * 1000, label="fit")
+        fitted = _fit(method, data, settings, device, int(cfg.seed) * 1000, records, "fit")
         synchronize(device)
         seconds = time.perf_counter() - started
         metrics_row = test_metrics(fitted.predict, data, settings)
+        mean_rmse = float(data.y_test.double().square().mean().sqrt()) * data.target_std  # the training mean's
+        problems = regression_problems(
+            metrics_row["rmse"], mean_rmse, fitted.noise_std * data.target_std, data.target_std
+        )
         figure = _plot_held_out(fitted, data, settings, table, run_dir / "fit.png")
         model, estimator, scaled = fitted.model, fitted.estimator, data
-        if cfg.fit.refit:
+        if cfg.fit.refit and not problems:  # a failed fit is not refit: there is no model.pt to make
             every = np.arange(len(table.y))
             scaled = _to_device(table.split(every, every[:0]), device)
             log.info("fit.refit=true: refitting on all %d rows for %s", len(every), FILE_NAME)
             # the UCI protocol's uci.save_model refit draws from the same seed: one model for one table
-            refit = _fit(method, scaled, settings, device, seed=int(cfg.seed) + 10_000, label="refit")
+            refit = _fit(method, scaled, settings, device, int(cfg.seed) + 10_000, records, "refit")
             model, estimator = refit.model, refit.estimator
     metrics = {
         fit_key("test_rmse"): metrics_row["rmse"],
+        fit_key("mean_rmse"): mean_rmse,
         fit_key("test_ll"): metrics_row["test_ll"],
         fit_key("coverage_90"): metrics_row["coverage_90"],
         fit_key("coverage_50"): metrics_row["coverage_50"],
@@ -156,7 +165,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         fit_key("converged"): float(fitted.converged or fitted.stopped_early),
     }
     how = (
-        f"L-BFGS, {fitted.iterations} iterations, {'converged' if fitted.converged else 'NOT converged (raise fit.max_iterations)'}"
+        f"L-BFGS, {fitted.iterations} iterations, {fitted.stop}"
         if fitted.optimizer == "lbfgs"
         else f"Adam, {fitted.iterations} epochs, {'stopped by validation' if fitted.stopped_early else 'reached trainer.epochs'}"
     )
@@ -179,6 +188,8 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                 f"{100 * metrics[fit_key('coverage_50')]:.1f} %",
                 format_value(metrics[fit_key("noise_sd")]),
                 how,
+                format_value(mean_rmse),
+                "FAILED: " + "; ".join(problems) if problems else "learned from the features",
             ]
         },
         index=[
@@ -189,6 +200,8 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             "50 % interval coverage",
             "noise s.d. (learned)",
             "training",
+            "RMSE of the training mean",
+            "result",
         ],
     )
     data_frame = pd.DataFrame([metric_row(metrics)])
@@ -200,6 +213,10 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         f"(seed {cfg.data.seed}); units of {table.target}",
         data=data_frame,
     )
+    if problems:
+        sizes = list(cfg.model.hidden_sizes) if method != "deterministic_2_hidden" else list(cfg.fit.deep_hidden_sizes)
+        advice = suggestion(sizes, data.input_dim, 1, len(train), bool(fitted.converged or fitted.stopped_early))
+        raise FitFailedError(failure_message(f"{method} on {table.name}:", problems, advice, run_dir), metrics, tables)
     save_regression_model(run_dir, model, scaled, estimator.name, method)
     return {"metrics": metrics, "tables": tables, "figures": {"fit": figure}, "device": device, "main_table": "fit.md"}
 

@@ -84,6 +84,7 @@ from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
 from ...runtime.progress import progress_bar
 from ...runtime.rundir import config_fingerprint, refuse_other_config
+from ...train.fit_settings import require_prior_scale
 from .model_file import save_regression_model
 from .uci_methods import DETERMINISTIC_METHODS, METHODS, Fitted, Split, fit_method, quiet, test_metrics
 from .uci_report import mean_and_standard_error, plot_coverage, plot_paired_differences, summary_data, summary_table
@@ -121,7 +122,7 @@ def validate(cfg: DictConfig) -> List[str]:
     require_int(cfg, "model.rank", minimum=1)
     require_positive_float(cfg, "model.init_scale")
     require_positive_float(cfg, "uci.sampling_init_scale")
-    require_positive_float(cfg, "model.prior_scale")
+    require_prior_scale(cfg)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     sizes = require_widths(cfg, "model.hidden_sizes", example="[50]")
     validate_data_config(cfg)
