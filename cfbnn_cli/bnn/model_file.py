@@ -40,6 +40,7 @@ from .estimators import ESTIMATORS
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, HeteroscedasticNormalLikelihood
 from .likelihoods import NormalLikelihood as _Normal
 from .network import BayesianNetwork
+from .predictive import default_estimator
 
 
 class NonFiniteWeightsError(NonFiniteResultError, ValueError):
@@ -353,9 +354,12 @@ class SavedModel:
     @torch.no_grad()
     def predict(self, x, *, estimator: Optional[str] = None, num_samples: int = 64, generator=None):
         """Regression: the :class:`~cfbnn_cli.bnn.predictive.Predictive` in the target's units;
-        classification: a ``torch.distributions.Categorical`` over :attr:`classes`."""
+        classification: a ``torch.distributions.Categorical`` over :attr:`classes`. ``estimator``: by
+        default the model's own where it integrates every layer, else ``deterministic`` (one pass:
+        :func:`~cfbnn_cli.bnn.predictive.default_estimator`); ``num_samples`` draws where one samples."""
+        estimator = estimator or default_estimator(self.network, self.estimator)  # as `cfbnn predict`
         prediction = self.network.predict(
-            self.standardized(x), estimator=estimator or self.estimator, num_samples=num_samples, generator=generator
+            self.standardized(x), estimator=estimator, num_samples=num_samples, generator=generator
         )
         if self.task == "classification":
             return prediction

@@ -26,7 +26,7 @@ import logging
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -53,6 +53,7 @@ from ..runtime.checks import require_bool, require_choice, require_int
 from ..runtime.device import synchronize
 from ..runtime.rundir import config_fingerprint
 from ..train import TrainingLoop, optimizers
+from ..train.fit_checks import FitFailedError, classification_problems, failure_message, suggestion
 from ..train.fit_records import FitProgress, FitRecords, epoch_note, run_adam_phase, run_lbfgs_phase
 from ..train.fit_settings import fit_estimator, prior_scale, validate_fit_settings
 from ..train.full_batch import minimize_with_polish
@@ -183,15 +184,28 @@ class _Fit:
         return f"Adam, {self.iterations} epochs, {state}"
 
 
-def _baseline_accuracy(split: ClassificationSplit) -> Optional[float]:
-    """scikit-learn's logistic regression (its defaults: L2, C = 1) on the same standardized split."""
+def _baseline(split: ClassificationSplit, classes: int) -> Tuple[float, float]:
+    """scikit-learn's logistic regression (its defaults: L2, C = 1) on the same standardized split:
+    ``(held-out accuracy, held-out negative log-likelihood per row)`` (a class the training rows lack
+    has probability 0, floored at 1e-300 as the fit's own)."""
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         model = LogisticRegression(max_iter=2000).fit(split.x_train.numpy(), split.y_train.numpy())
-    return float((model.predict(split.x_test.numpy()) == split.y_test.numpy()).mean())
+    labels = split.y_test.numpy()
+    probabilities = np.zeros((len(labels), classes))
+    probabilities[:, model.classes_] = model.predict_proba(split.x_test.numpy())
+    nll = -float(np.log(np.maximum(probabilities[np.arange(len(labels)), labels], 1e-300)).mean())
+    return float((model.predict(split.x_test.numpy()) == labels).mean()), nll
+
+
+def _frequency_nll(split: ClassificationSplit, classes: int) -> float:
+    """The held-out negative log-likelihood per row of predicting the training rows' class
+    frequencies for every row (add-one counts: a class the training rows lack is not impossible)."""
+    counts = np.bincount(split.y_train.numpy(), minlength=classes) + 1.0
+    return -float(np.log(counts / counts.sum())[split.y_test.numpy()].mean())
 
 
 def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
@@ -223,17 +237,21 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             probabilities = fitted.model.predict(x_test, estimator=fitted.estimator).probs
         log_likelihood = log_likelihood_per_row(fitted.model, x_test, y_test, fitted.estimator)
         accuracy = float((probabilities.argmax(-1) == y_test).double().mean())
+        frequency_nll = _frequency_nll(split, len(table.classes))
+        problems = classification_problems(-float(log_likelihood.mean()), frequency_nll)
         model, scaling = fitted.model, split
-        if cfg.fit.refit:
+        if cfg.fit.refit and not problems:  # a failed fit is not refit: there is no model.pt to make
             every = np.arange(len(table.y))
             scaling = table.split(every, every[:0])
             log.info("fit.refit=true: refitting on all %d rows for %s", len(every), FILE_NAME)
             model = _Fit(table, scaling, cfg, device, int(cfg.seed) + 10_000, records, "refit").model
-    baseline = _baseline_accuracy(split) if cfg.fit.baseline else None
+    baseline, baseline_nll = _baseline(split, len(table.classes)) if cfg.fit.baseline else (None, None)
     metrics = {
         fit_key("test_accuracy"): accuracy,
         fit_key("test_nll"): -float(log_likelihood.mean()),
         fit_key("baseline_accuracy"): baseline,
+        fit_key("baseline_nll"): baseline_nll,
+        fit_key("frequency_nll"): frequency_nll,
         fit_key("train_rows"): len(train),
         fit_key("test_rows"): len(test),
         fit_key("classes"): len(table.classes),
@@ -245,7 +263,9 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         "held-out: accuracy %.2f%%, log-likelihood %s per row%s; %s in %.1f s",
         100 * accuracy,
         format_value(-metrics[fit_key("test_nll")]),
-        f" (logistic regression on the same split: {100 * baseline:.2f}%)" if baseline is not None else "",
+        f" (logistic regression on the same split: {100 * baseline:.2f}%, {format_value(-baseline_nll)})"
+        if baseline is not None
+        else "",
         fitted.describe(),
         fitted.seconds,
     )
@@ -257,7 +277,10 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                 f"{100 * accuracy:.2f} %",
                 format_value(-metrics[fit_key("test_nll")]),
                 f"{100 * baseline:.2f} %" if baseline is not None else "—",
+                format_value(-baseline_nll) if baseline_nll is not None else "—",
+                format_value(-frequency_nll),
                 fitted.describe(),
+                "FAILED: " + "; ".join(problems) if problems else "learned from the features",
             ]
         },
         index=[
@@ -266,7 +289,10 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             "accuracy",
             "log-likelihood per row",
             "logistic regression's accuracy",
+            "logistic regression's log-likelihood per row",
+            "log-likelihood per row of the training class frequencies",
             "training",
+            "result",
         ],
     )
     tables = write_table(
@@ -278,6 +304,12 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         data=pd.DataFrame([{k.split("/", 1)[1]: v for k, v in metrics.items()}]),
     )
     figure = _plot_reliability(probabilities.double().cpu().numpy(), y_test.cpu().numpy(), table, run_dir)
+    if problems:
+        advice = suggestion(
+            cfg.model.hidden_sizes, table.x.shape[1], len(table.classes), len(train), bool(fitted.converged)
+        )
+        message = failure_message(f"the classifier on {table.name}:", problems, advice, run_dir)
+        raise FitFailedError(message, metrics, tables)
     save_run_model(
         run_dir,
         model,

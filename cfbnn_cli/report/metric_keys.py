@@ -105,6 +105,8 @@ REGRESSION_HEADLINES = {
 CLASSIFICATION_HEADLINES = {
     "test_accuracy": (fit_key("test_accuracy"),),
     "test_nll": (fit_key("test_nll"),),
+    "baseline_accuracy": (fit_key("baseline_accuracy"),),
+    "baseline_nll": (fit_key("baseline_nll"),),
 }
 CONVERGED_KEYS = (fit_key("converged"), "train/converged")  # 1 converged, 0 not
 

@@ -1,7 +1,8 @@
 """Whether an own-data fit learned anything: a fit that did not is reported as failed.
 
 A fit can end without an error and still be useless: its held-out error worse than predicting
-the training rows' mean, or (regression) a learned noise as large as the target's own spread,
+the training rows' mean, or (regression) a learned noise about as large as the target's own spread
+(the features explain less than 5 % of its variance: :data:`NOISE_SHARE_LIMIT`),
 or (classification) held-out log-likelihood worse than predicting the training rows' class
 frequencies. :func:`regression_problems` and :func:`classification_problems` name what went
 wrong; the pipelines then write their tables saying so and raise :class:`FitFailedError`: the
@@ -15,6 +16,12 @@ from typing import Dict, List, Optional, Sequence
 
 from ..report.numbers import format_value
 from ..runtime.errors import CfbnnError
+
+# a regression fit's learned noise variance must stay below this share of the target's variance (its
+# features explain more than the rest): a network whose posterior stayed at its prior (a deep network on
+# a small table) predicts the mean with a noise of the target's whole spread (measured: 0.99-1.01 of its
+# s.d.), where fits that learn leave 0.3-0.8 of it
+NOISE_SHARE_LIMIT = 0.95
 
 
 class FitFailedError(CfbnnError):
@@ -38,10 +45,11 @@ def regression_problems(rmse: float, mean_rmse: float, noise_sd: float, target_s
             f"its held-out RMSE {format_value(rmse)} is worse than predicting the training rows' mean "
             f"({format_value(mean_rmse)})"
         )
-    if not noise_sd < target_sd:
+    if not noise_sd * noise_sd < NOISE_SHARE_LIMIT * target_sd * target_sd:
         problems.append(
-            f"its learned noise s.d. {format_value(noise_sd)} is as large as the target's own spread "
-            f"({format_value(target_sd)}): it explains none of it"
+            f"its learned noise s.d. {format_value(noise_sd)} is about the target's own spread "
+            f"({format_value(target_sd)}) or more: the features explain less than "
+            f"{100 * (1 - NOISE_SHARE_LIMIT):g} % of the target's variance"
         )
     return problems
 

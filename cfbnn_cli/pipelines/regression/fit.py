@@ -53,10 +53,14 @@ from .uci_methods import Fitted, Split, fit_method, quiet, test_metrics
 
 log = logging.getLogger(__name__)
 METHODS = ("closed_form_diagonal", "closed_form_full", "closed_form_lowrank", "deterministic_2_hidden")
+LIKELIHOODS = ("normal", "heteroscedastic")
+# likelihood=heteroscedastic: the method of fit.method with a second output, the log noise variance
+HETEROSCEDASTIC = {"closed_form_diagonal": "heteroscedastic", "deterministic_2_hidden": "heteroscedastic_2_hidden"}
 
 
 def validate(cfg: DictConfig) -> str:
-    """Every check that needs no data; returns the method."""
+    """Every check that needs no data; returns the method (with ``likelihood=heteroscedastic``, its
+    heteroscedastic counterpart, :data:`HETEROSCEDASTIC`)."""
     method = require_choice(cfg, "fit.method", list(METHODS))
     validate_fit_settings(cfg)
     require_widths(cfg, "fit.deep_hidden_sizes", minimum_length=2, example="[50,50]")
@@ -64,13 +68,14 @@ def validate(cfg: DictConfig) -> str:
     require_int(cfg, "model.rank", minimum=1)
     require_int(cfg, "trainer.batch_size", minimum=1)
     require_positive_float(cfg, "trainer.lr")
-    if OmegaConf.select(cfg, "likelihood", default="normal") != "normal":
+    likelihood = require_choice(cfg, "likelihood", list(LIKELIHOODS))
+    if likelihood == "heteroscedastic" and method not in HETEROSCEDASTIC:
         raise ConfigError(
-            f"likelihood={cfg.likelihood} with protocol=fit: the fit and `cfbnn predict` use the Normal likelihood; "
-            "experiment=uci 'uci.methods=[heteroscedastic]' measures the heteroscedastic one"
+            f"likelihood=heteroscedastic with fit.method={method}: the heteroscedastic network is mean-field "
+            f"(fit.method={' or '.join(HETEROSCEDASTIC)})"
         )
     validate_data_config(cfg)
-    return method
+    return HETEROSCEDASTIC[method] if likelihood == "heteroscedastic" else method
 
 
 def method_config(cfg: DictConfig) -> DictConfig:
@@ -127,7 +132,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         ", ".join(table.columns[:8]) + (", ..." if table.columns and len(table.columns) > 8 else "")
         if table.columns
         else "by position",
-        list(cfg.model.hidden_sizes) if method != "deterministic_2_hidden" else list(cfg.fit.deep_hidden_sizes),
+        list(cfg.model.hidden_sizes) if not method.endswith("_2_hidden") else list(cfg.fit.deep_hidden_sizes),
         device,
     )
     with validate_args(False):
@@ -198,7 +203,8 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             "log-likelihood per row",
             "90 % interval coverage",
             "50 % interval coverage",
-            "noise s.d. (learned)",
+            "noise s.d. (learned"
+            + (", root mean square over the rows)" if method.startswith("heteroscedastic") else ")"),
             "training",
             "RMSE of the training mean",
             "result",
@@ -214,7 +220,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         data=data_frame,
     )
     if problems:
-        sizes = list(cfg.model.hidden_sizes) if method != "deterministic_2_hidden" else list(cfg.fit.deep_hidden_sizes)
+        sizes = list(cfg.model.hidden_sizes) if not method.endswith("_2_hidden") else list(cfg.fit.deep_hidden_sizes)
         advice = suggestion(sizes, data.input_dim, 1, len(train), bool(fitted.converged or fitted.stopped_early))
         raise FitFailedError(failure_message(f"{method} on {table.name}:", problems, advice, run_dir), metrics, tables)
     save_regression_model(run_dir, model, scaled, estimator.name, method)

@@ -78,6 +78,7 @@ from ...moments import ACTIVATIONS, validate_args
 from ...report.metric_keys import uci_key
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
+from ...runtime.checkpoints import note_saved
 from ...runtime.checks import require_choice, require_fraction, require_int, require_positive_float, require_widths
 from ...runtime.device import synchronize
 from ...runtime.errors import CheckpointError, ConfigError, DataError
@@ -372,6 +373,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                         "optimizer": fitted.optimizer,
                         "converged": fitted.converged,
                         "stopped_early": fitted.stopped_early,
+                        "stop": fitted.stop,  # how L-BFGS stopped, in words ("" for Adam)
                     }
                     record.update(evaluate(fitted, split.data, device, cfg))
                     if method == reference:
@@ -383,6 +385,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                         record["equal_time_test_ll"] = None  # another full-batch closed form: its own time
                     records.append(record)
                     atomic_write_json(progress_path, {"config_fingerprint": fingerprint, "records": records})
+                    note_saved(progress_path)
                     bar.update(1)
                     log.info(
                         "split %d %-26s test LL %8.4f  RMSE %10.4g  train %6.2fs (%s %d)  predict %.2f ms/1000",
