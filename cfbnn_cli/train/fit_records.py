@@ -64,15 +64,14 @@ class FitProgress:
     def set_postfix_str(self, text: str, refresh: bool = True) -> None:  # a tqdm bar's interface
         self.note(text)
 
-    def note(self, text: str) -> None:
+    def note(self, text: str) -> None:  # shown with the next update's bar or line
         self.status = text
         if self.drawn:
             self.bar.set_postfix_str(text, refresh=False)
-        self._maybe_log()
 
-    def _maybe_log(self) -> None:
+    def _maybe_log(self, final: bool = False) -> None:
         now = time.perf_counter()
-        if self.drawn or now - self.logged < LOG_SECONDS:
+        if self.drawn or (now - self.logged < LOG_SECONDS and not final):
             return
         self.logged = now
         log.info(
@@ -84,6 +83,8 @@ class FitProgress:
         )
 
     def close(self) -> None:
+        if self.count:  # where it ended (a line unless a bar showed it)
+            self._maybe_log(final=True)
         self.bar.close()
 
     def __enter__(self) -> "FitProgress":

@@ -231,6 +231,9 @@ class FullBatchMinimizer:
         gradient = math.inf
         while stop is None:
             threads.rebalance()  # another cfbnn job may have started or ended: share the cores
+            group = self.optimizer.param_groups[0]  # the last round stops at max_iterations
+            group["max_iter"] = min(self.round_iterations, self.max_iterations - self.iterations)
+            group["max_eval"] = group["max_iter"] * 5 // 4  # (torch's default ratio)
             state = self.optimizer.state[self.parameters[0]]
             before = int(state.get("n_iter", 0))
             self.optimizer.step(self._closure)
@@ -268,8 +271,6 @@ class FullBatchMinimizer:
                     stop,
                     gradient,
                 )
-            if progress is not None:
-                progress.update(done_now)
             if on_round is not None:
                 on_round(
                     FullBatchRound(
@@ -282,6 +283,8 @@ class FullBatchMinimizer:
                         self.max_iterations,
                     )
                 )
+            if progress is not None:
+                progress.update(done_now)
         return self.result
 
 
