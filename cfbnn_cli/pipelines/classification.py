@@ -55,7 +55,7 @@ from ..runtime.rundir import config_fingerprint
 from ..train import TrainingLoop, optimizers
 from ..train.fit_checks import FitFailedError, classification_problems, failure_message, suggestion
 from ..train.fit_records import FitProgress, FitRecords, epoch_note, run_adam_phase, run_lbfgs_phase
-from ..train.fit_settings import fit_estimator, prior_scale, validate_fit_settings
+from ..train.fit_settings import fit_estimator, input_scale, prior_scale, scale_first_layer, validate_fit_settings
 from ..train.full_batch import minimize_with_polish
 from ..train.graphs import BatchLoss
 
@@ -105,7 +105,12 @@ class _Fit:
     def __init__(self, table, split: ClassificationSplit, cfg, device, seed: int, records: FitRecords, phase: str):
         self.model = _network(table, cfg, seed).to(device)
         self.estimator = fit_estimator(cfg.model.hidden_sizes)
-        x, y = split.x_train.to(device), split.y_train.to(device)
+        # deeper than one hidden layer: the first layer trains on the inputs times `scale`, its prior then
+        # N(0, 1) in the inputs' units (fit_settings.input_scale); the factor goes into its weights after
+        scale = input_scale(cfg, cfg.model.hidden_sizes)
+        if scale != 1.0:
+            scale_first_layer(self.model, 1.0 / scale)
+        x, y = split.x_train.to(device) * scale, split.y_train.to(device)
         rows = len(y)
         started = time.perf_counter()
         if rows <= cfg.fit.full_batch_max_rows:
@@ -133,6 +138,8 @@ class _Fit:
             self.stop, self.stopped_early = result.describe(), False
         else:
             self._adam(x, y, cfg, device, seed, records, phase)
+        if scale != 1.0:
+            scale_first_layer(self.model, scale)
         synchronize(device)
         self.seconds = time.perf_counter() - started
 

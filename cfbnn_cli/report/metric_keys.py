@@ -56,6 +56,7 @@ FIT_REGRESSION_KEYS = tuple(
         "test_rmse",  # in the target's units
         "mean_rmse",  # of predicting the training rows' mean for every held-out row (a fit must beat it)
         "test_ll",  # mean log-likelihood per held-out row, in the target's units
+        "reference_ll",  # a deep network's: one hidden layer's test_ll on the same rows (fit.reference), or None
         "coverage_90",  # share of held-out targets inside the central 90 % predictive interval
         "coverage_50",
         "noise_sd",  # the learned noise's standard deviation, in the target's units

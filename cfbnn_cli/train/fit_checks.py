@@ -24,6 +24,12 @@ from ..runtime.errors import CfbnnError
 NOISE_SHARE_LIMIT = 0.95
 
 
+# a deep network's fit must come within this many nats per held-out row of one hidden layer's on the
+# same rows (the simpler recipe; fit.reference): worse than that, the depth cost more than it gave
+REFERENCE_MARGIN = 0.1
+REFERENCE_SIZES = [50]  # the one-hidden-layer recipe a deep fit is compared with
+
+
 class FitFailedError(CfbnnError):
     """A fit finished but learned nothing useful; ``metrics`` are its measured numbers, ``tables`` the
     tables it wrote (recorded in ``results.json`` with ``status: "failed"``)."""
@@ -54,6 +60,18 @@ def regression_problems(rmse: float, mean_rmse: float, noise_sd: float, target_s
     return problems
 
 
+def reference_problems(test_ll: float, reference_ll: float) -> List[str]:
+    """What makes a deep fit worse than its reference (``[]``: nothing): its held-out log-likelihood
+    per row ``test_ll`` more than :data:`REFERENCE_MARGIN` below ``reference_ll``, one hidden layer's
+    (:data:`REFERENCE_SIZES`) on the same rows."""
+    if test_ll >= reference_ll - REFERENCE_MARGIN:
+        return []
+    return [
+        f"its held-out log-likelihood per row {format_value(test_ll)} is more than {REFERENCE_MARGIN:g} below "
+        f"that of one hidden layer of {REFERENCE_SIZES[0]} units on the same rows ({format_value(reference_ll)})"
+    ]
+
+
 def classification_problems(nll: float, frequency_nll: float) -> List[str]:
     """What makes a classifier useless (``[]``: nothing): held-out negative log-likelihood per row
     ``nll`` worse than ``frequency_nll``, that of predicting the training rows' class frequencies."""
@@ -72,9 +90,9 @@ def suggestion(hidden_sizes: Sequence[int], input_dim: int, outputs: int, rows: 
     if len(hidden_sizes) > 1 or weights > 10 * rows:
         return (
             f"a mean-field posterior over {weights:,} weights ({len(hidden_sizes)} hidden layers "
-            f"{list(hidden_sizes)}) fitted to {rows:,} rows stays at its prior, which the ELBO then prefers to "
-            "fitting the data; use one hidden layer of 50 units (model.hidden_sizes=[50], the default) or "
-            "narrower layers, or more rows"
+            f"{list(hidden_sizes)}) fitted to {rows:,} rows underfits: the KL term of that many weights outweighs "
+            "what the rows tell (at worst the posterior stays at its prior and predicts the mean); use one hidden "
+            "layer of 50 units (model.hidden_sizes=[50], the default) or narrower layers, or more rows"
         )
     if not converged:
         return "training did not converge: raise fit.max_iterations (L-BFGS) or trainer.epochs (Adam)"

@@ -40,12 +40,19 @@ from ...report.metric_keys import fit_key
 from ...report.numbers import format_value
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
-from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
+from ...runtime.checks import require_bool, require_choice, require_int, require_positive_float, require_widths
 from ...runtime.device import synchronize
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...runtime.rundir import config_fingerprint
-from ...train.fit_checks import FitFailedError, failure_message, regression_problems, suggestion
+from ...train.fit_checks import (
+    REFERENCE_SIZES,
+    FitFailedError,
+    failure_message,
+    reference_problems,
+    regression_problems,
+    suggestion,
+)
 from ...train.fit_records import FitRecords
 from ...train.fit_settings import validate_fit_settings
 from .model_file import save_regression_model
@@ -65,6 +72,7 @@ def validate(cfg: DictConfig) -> str:
     validate_fit_settings(cfg)
     require_widths(cfg, "fit.deep_hidden_sizes", minimum_length=2, example="[50,50]")
     require_choice(cfg, "model.prior", list(PRIORS))
+    require_bool(cfg, "fit.reference")
     require_int(cfg, "model.rank", minimum=1)
     require_int(cfg, "trainer.batch_size", minimum=1)
     require_positive_float(cfg, "trainer.lr")
@@ -146,6 +154,11 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         problems = regression_problems(
             metrics_row["rmse"], mean_rmse, fitted.noise_std * data.target_std, data.target_std
         )
+        sizes = list(cfg.model.hidden_sizes) if not method.endswith("_2_hidden") else list(cfg.fit.deep_hidden_sizes)
+        reference_ll = None
+        if len(sizes) > 1 and cfg.fit.reference:  # a deep network: is it better than one hidden layer here?
+            reference_ll = _reference_ll(method, data, settings, device, int(cfg.seed) * 1000, records)
+            problems += reference_problems(metrics_row["test_ll"], reference_ll)
         figure = _plot_held_out(fitted, data, settings, table, run_dir / "fit.png")
         model, estimator, scaled = fitted.model, fitted.estimator, data
         if cfg.fit.refit and not problems:  # a failed fit is not refit: there is no model.pt to make
@@ -159,6 +172,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         fit_key("test_rmse"): metrics_row["rmse"],
         fit_key("mean_rmse"): mean_rmse,
         fit_key("test_ll"): metrics_row["test_ll"],
+        fit_key("reference_ll"): reference_ll,
         fit_key("coverage_90"): metrics_row["coverage_90"],
         fit_key("coverage_50"): metrics_row["coverage_50"],
         fit_key("noise_sd"): fitted.noise_std * data.target_std,
@@ -194,6 +208,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                 format_value(metrics[fit_key("noise_sd")]),
                 how,
                 format_value(mean_rmse),
+                "—" if reference_ll is None else format_value(reference_ll),
                 "FAILED: " + "; ".join(problems) if problems else "learned from the features",
             ]
         },
@@ -207,6 +222,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             + (", root mean square over the rows)" if method.startswith("heteroscedastic") else ")"),
             "training",
             "RMSE of the training mean",
+            f"log-likelihood per row of one hidden layer of {REFERENCE_SIZES[0]} (fit.reference)",
             "result",
         ],
     )
@@ -220,11 +236,23 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         data=data_frame,
     )
     if problems:
-        sizes = list(cfg.model.hidden_sizes) if not method.endswith("_2_hidden") else list(cfg.fit.deep_hidden_sizes)
         advice = suggestion(sizes, data.input_dim, 1, len(train), bool(fitted.converged or fitted.stopped_early))
         raise FitFailedError(failure_message(f"{method} on {table.name}:", problems, advice, run_dir), metrics, tables)
     save_regression_model(run_dir, model, scaled, estimator.name, method)
     return {"metrics": metrics, "tables": tables, "figures": {"fit": figure}, "device": device, "main_table": "fit.md"}
+
+
+def _reference_ll(method: str, data: RegressionData, settings, device, seed: int, records: FitRecords) -> float:
+    """The held-out log-likelihood per row of ``method``'s one-hidden-layer counterpart (the default
+    recipe, :data:`~cfbnn_cli.train.fit_checks.REFERENCE_SIZES`) on the same split: what a deep fit
+    is measured against (``fit.reference``)."""
+    one_layer = {"deterministic_2_hidden": "closed_form_diagonal", "heteroscedastic_2_hidden": "heteroscedastic"}
+    values = OmegaConf.to_container(settings, resolve=True)
+    values["model"]["hidden_sizes"] = list(REFERENCE_SIZES)
+    reference = OmegaConf.create(values)
+    log.info("fit.reference=true: one hidden layer of %d on the same rows, for comparison", REFERENCE_SIZES[0])
+    fitted = _fit(one_layer.get(method, method), data, reference, device, seed, records, "reference")
+    return test_metrics(fitted.predict, data, reference)["test_ll"]
 
 
 def _plot_held_out(fitted: Fitted, data: RegressionData, cfg, table: RegressionTable, path: Path) -> str:

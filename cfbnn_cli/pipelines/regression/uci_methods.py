@@ -24,7 +24,7 @@ from ...data.regression import RegressionData
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...train import TrainingLoop, optimizers
 from ...train.fit_records import FitProgress, FitRecords, epoch_note, run_adam_phase, run_lbfgs_phase
-from ...train.fit_settings import fit_estimator, prior_scale
+from ...train.fit_settings import fit_estimator, input_scale, prior_scale, scale_first_layer
 from ...train.full_batch import FullBatchMinimizer, minimize_with_polish
 from ...train.graphs import BatchLoss
 
@@ -271,27 +271,39 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
     model = _network(data, cfg, generator, covariance, sizes=sizes, heteroscedastic=likelihood == "heteroscedastic").to(
         device
     )
+    # while it trains, the inputs are multiplied by `scale` and the first layer's weights divided by it
+    # (its prior, in the inputs' units, then the one-layer recipe's: fit_settings.input_scale); the
+    # factor goes into the weights when training ends, and `inputs[0]` back to 1
+    scale = input_scale(cfg, sizes)
+    inputs = [scale]
+    if scale != 1.0:
+        scale_first_layer(model, 1.0 / scale)  # the usual starting point, in the inputs' units
     sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
 
     @torch.no_grad()
     def predict(x):  # exact when nothing is sampled (one hidden layer, or the deterministic methods)
         return model.predictive_components(
-            x, estimator=estimator, num_samples=cfg.uci.predictive_samples, generator=sampler
+            x * inputs[0], estimator=estimator, num_samples=cfg.uci.predictive_samples, generator=sampler
         )
 
     def noise_std():  # the learned noise, or for a heteroscedastic net root mean exp(l) over the training inputs
         if likelihood == "normal":
             return float(model.precision.detach()) ** -0.5
         with torch.no_grad():
-            mean, _ = model.output_moments(data.x_train, estimator=estimator, noise=())
+            mean, _ = model.output_moments(data.x_train * inputs[0], estimator=estimator, noise=())
         return float(mean[..., 1].exp().mean().sqrt())
+
+    def trained():  # the input scale into the first layer: the model takes the standardized inputs
+        if inputs[0] != 1.0:
+            scale_first_layer(model, inputs[0])
+            inputs[0] = 1.0
 
     if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
         fitted = _fit_by_validation(
             name,
             model,
             model.parameters(),
-            lambda x, y, count: -model.elbo(x, y, num_data=count, estimator=estimator),
+            lambda x, y, count: -model.elbo(x * inputs[0], y, num_data=count, estimator=estimator),
             predict,
             predict,
             Split(data, split.index, records=split.records, phase=split.phase),
@@ -299,12 +311,14 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
             device,
             noise_std,
         )
+        trained()
+        fitted.noise_std = noise_std()
         fitted.model, fitted.estimator = model, estimator
         return fitted
     num_data = data.num_train
 
     def objective_in(dtype):  # the negative ELBO per point, the rows in `dtype` (float64: the polish)
-        x, y = data.x_train.to(dtype), data.y_train.to(dtype)
+        x, y = data.x_train.to(dtype) * scale, data.y_train.to(dtype)
         return lambda: -model.elbo(x, y, num_data=num_data, estimator=estimator) / num_data
 
     def minimize(phase: str, label: str):
@@ -322,6 +336,7 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
         result = minimize(f"{split.phase}_empirical_bayes", f"{name} ELBO (empirical Bayes prior)")
         iterations, converged = iterations + result.iterations, converged and result.converged
         stop = f"{stop}; then, prior learned: {result.describe()}"
+    trained()
     return Fitted(predict, noise_std(), "lbfgs", iterations, converged, model=model, estimator=estimator, stop=stop)
 
 
