@@ -136,3 +136,51 @@ def test_progress_lines_name_the_iteration_and_the_numbers_without_a_terminal(ta
                for line in lines), lines  # fmt: skip
     adam = [line for line in lines if line.startswith("fit: Adam")]
     assert any("epoch 3/3, validation LL" in line and "(best " in line for line in adam), adam
+
+
+@pytest.mark.slow
+def test_ctrl_c_and_kill_during_an_lbfgs_fit_then_resume_through_the_cli(tmp_path):
+    """The real thing: SIGINT during L-BFGS names the checkpoint it keeps (which exists); kill -9
+    later; resume=true finishes with fit.md's numbers of a run never stopped."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3000, 6))
+    y = np.sin(x[:, 0]) * x[:, 1] + 0.3 * rng.normal(size=3000)
+    pd.DataFrame({**{f"x{i}": x[:, i] for i in range(6)}, "y": y}).to_csv(tmp_path / "t.csv", index=False)
+    common = ["train", "regression", "data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=y", "device=cpu",
+              "fit.refit=false", "runtime.threads=1", "model.hidden_sizes=[100]"]  # fmt: skip
+
+    def start(run, *extra):
+        command = [sys.executable, "-m", "cfbnn_cli.cli", *common, f"hydra.run.dir={run}", *extra]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_for_checkpoint(run, process):
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.2)
+
+    whole = start(tmp_path / "whole")
+    cut = tmp_path / "cut"
+    process = start(cut)
+    wait_for_checkpoint(cut, process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130
+    lines = [line for line in stderr.splitlines() if line.startswith("cfbnn:")]
+    assert lines == [f"cfbnn: interrupted; the last checkpoint ({cut / 'checkpoints' / 'last.pt'}) is kept: "
+                     "rerun with resume=true to continue"]  # fmt: skip
+    process = start(cut, "resume=true")
+    time.sleep(3)
+    process.kill()  # kill -9: whatever it wrote since is a checkpoint or nothing
+    process.communicate(timeout=60)
+    finished = start(cut, "resume=true")
+    assert finished.wait(timeout=900) == 0 and whole.wait(timeout=900) == 0
+    numbers = [json.loads((run / "results.json").read_text())["metrics"] for run in (tmp_path / "whole", cut)]
+    for key in ("fit/test_ll", "fit/test_rmse", "fit/iterations"):
+        assert numbers[0][key] == numbers[1][key], key
