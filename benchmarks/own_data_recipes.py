@@ -109,14 +109,15 @@ def paired(differences):
     return f"{mean:+.3f} ± {se:.3f}"
 
 
-def deep(names, splits: int) -> None:
-    print("| table | rows | split | " + " | ".join(DEEP_RECIPES) + " |")
-    print("|---|---|---|" + "---|" * len(DEEP_RECIPES))
-    differences = {label: [] for label in DEEP_RECIPES if label != "[50]"}
-    counts = {label: [0, 0, 0] for label in DEEP_RECIPES}  # converged, failed, fits
+def deep(names, splits: int, recipes) -> None:
+    recipes = {label: DEEP_RECIPES[label] for label in recipes}
+    print("| table | rows | split | " + " | ".join(recipes) + " |")
+    print("|---|---|---|" + "---|" * len(recipes))
+    differences = {label: [] for label in recipes if label != "[50]"}
+    counts = {label: [0, 0, 0] for label in recipes}  # converged, failed, fits
     for name in names:
         for split in range(splits):
-            results = {label: fit(name, split, *recipe) for label, recipe in DEEP_RECIPES.items()}
+            results = {label: fit(name, split, *recipe) for label, recipe in recipes.items()}
             cells = []
             for label, r in results.items():
                 counts[label][0] += r["converged"]
@@ -166,11 +167,17 @@ def main() -> None:
     parser.add_argument("--tables", default=",".join([*TUNED, *HELD_OUT]), help="comma-separated table names")
     parser.add_argument("--splits", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--recipes", default=",".join(DEEP_RECIPES), help=f"deep: comma-separated, of {', '.join(DEEP_RECIPES)}"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     names = args.tables.split(",")
     print(f"tables {names}, {args.splits} splits each, {args.threads} torch thread(s), torch {torch.__version__}")
-    (deep if args.what == "deep" else likelihood)(names, args.splits)
+    if args.what == "deep":
+        deep(names, args.splits, args.recipes.split(","))
+    else:
+        likelihood(names, args.splits)
 
 
 if __name__ == "__main__":
