@@ -168,14 +168,14 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--recipes", default=",".join(DEEP_RECIPES), help=f"deep: comma-separated, of {', '.join(DEEP_RECIPES)}"
+        "--recipes", default=";".join(DEEP_RECIPES), help=f"deep: separated by ';', of {'; '.join(DEEP_RECIPES)}"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     names = args.tables.split(",")
     print(f"tables {names}, {args.splits} splits each, {args.threads} torch thread(s), torch {torch.__version__}")
     if args.what == "deep":
-        deep(names, args.splits, args.recipes.split(","))
+        deep(names, args.splits, args.recipes.split(";"))
     else:
         likelihood(names, args.splits)
 

@@ -96,8 +96,16 @@ def test_fit_settings_are_checked_before_any_work(tmp_path):
     base = ["data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target"]
     with pytest.raises(ConfigError, match="fit.method='pyro' is not one of"):
         regression.validate(compose_config("train_regression", base + ["fit.method=pyro"]))
-    with pytest.raises(ConfigError, match="likelihood=heteroscedastic with protocol=fit"):
-        regression.validate(compose_config("train_regression", base + ["likelihood=heteroscedastic"]))
+    with pytest.raises(ConfigError, match="likelihood=heteroscedastic with fit.method=closed_form_full"):
+        regression.validate(
+            compose_config("train_regression", base + ["likelihood=heteroscedastic", "fit.method=closed_form_full"])
+        )
+    from cfbnn_cli.pipelines.regression import fit as fit_protocol
+
+    heteroscedastic = compose_config("train_regression", base + ["likelihood=heteroscedastic"])
+    assert fit_protocol.validate(heteroscedastic) == "heteroscedastic"  # the method with the second output
+    with pytest.raises(ConfigError, match="model.prior_scale='wide' must be a positive, finite number or auto"):
+        regression.validate(compose_config("train_regression", base + ["model.prior_scale=wide"]))
     (tmp_path / "run").mkdir()
     with pytest.raises(DataError, match=r"data.features names column\(s\) z that the file does not have"):
         regression.run(compose_config("train_regression", base + ["data.features=[z]"]), tmp_path / "run")
