@@ -84,11 +84,12 @@ class Predictive:
         )
 
 
-def mixture_quantile(means, variances, log_weights, probability: float, iterations: int = 60) -> torch.Tensor:
+def mixture_quantile(means, variances, log_weights, probability: float, iterations: int = 40) -> torch.Tensor:
     """The ``probability`` quantile ``(N,)`` of the mixture ``sum_k w_k N(means_k, variances_k)``
     (each ``(K, N)``, weights ``exp(log_weights)`` summing to one over ``K``): bisection on its
-    distribution function between the components' 12-s.d. bounds, to float resolution after 60
-    halvings (a loop over halvings, each over every row and component at once)."""
+    distribution function between the components' 12-s.d. bounds: 40 halvings leave 24 s.d. / 2^40,
+    below float32's resolution and 10^-11 s.d. in float64 (a loop over halvings, each over every row
+    and component at once)."""
     sd = variances.clamp_min(torch.finfo(variances.dtype).tiny).sqrt()
     weights = log_weights.exp()
     low = (means - 12.0 * sd).amin(0)

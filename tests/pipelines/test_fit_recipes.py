@@ -27,10 +27,9 @@ def _smooth(rows, seed):
     return pd.DataFrame({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "y": y})
 
 
-def _cfg(path, *extra):
-    return compose_config(
-        "train_regression", ["data=csv", f"data.path={path}", "data.target=y", "device=cpu", "fit.refit=false", *extra]
-    )
+def _cfg(path, *extra, likelihood="normal"):
+    common = ["data=csv", f"data.path={path}", "data.target=y", "device=cpu", "fit.refit=false"]
+    return compose_config("train_regression", [*common, f"likelihood={likelihood}", *extra])
 
 
 def test_a_deep_fit_propagates_moments_converges_and_predicts_in_one_pass(tmp_path):
@@ -108,7 +107,7 @@ def test_a_heteroscedastic_fit_predicts_its_noise_per_row_in_the_cli_and_the_lib
     for likelihood in ("normal", "heteroscedastic"):
         run = tmp_path / likelihood
         run.mkdir()
-        results[likelihood] = regression.run(_cfg(tmp_path / "t.csv", f"likelihood={likelihood}"), run)["metrics"]
+        results[likelihood] = regression.run(_cfg(tmp_path / "t.csv", likelihood=likelihood), run)["metrics"]
     # the same held-out rows (one split, one seed): a noise that follows b scores them far better (the
     # true noise's gain is 0.8 nats per row: E log s.d. = log 0.32 against the pooled s.d.'s log 0.71)
     assert results["heteroscedastic"]["fit/test_ll"] > results["normal"]["fit/test_ll"] + 0.3

@@ -35,7 +35,7 @@ def tables(tmp_path_factory):
 
 def _regression(tables, *extra):
     common = ["data=csv", f"data.path={tables / 'r.csv'}", "data.target=y", "device=cpu", "fit.refit=false"]
-    return compose_config("train_regression", common + ["model.hidden_sizes=[10]", *extra])
+    return compose_config("train_regression", common + ["model.hidden_sizes=[10]", "likelihood=normal", *extra])
 
 
 def _classification(tables, *extra):

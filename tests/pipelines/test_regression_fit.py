@@ -46,7 +46,8 @@ def test_the_readme_one_liner_fits_and_reports_held_out_metrics(tmp_path, cfbnn)
     assert -1.3 < metrics["fit/test_ll"] < -0.3
     assert (run / "fit.png").is_file() and not list(run.glob("*gradient_variance*"))
     saved = load_model(run / "model.pt")
-    assert saved.columns == ["a", "b", "c"] and saved.target == "target" and saved.method == "closed_form_diagonal"
+    assert saved.columns == ["a", "b", "c"] and saved.target == "target"
+    assert saved.method == "heteroscedastic" and saved.network.output_dim == 2  # the fit's default likelihood
 
 
 def test_the_fit_is_the_uci_protocols_split_with_the_same_seed(tmp_path):
@@ -54,7 +55,7 @@ def test_the_fit_is_the_uci_protocols_split_with_the_same_seed(tmp_path):
     same model on the same rows: the same held-out log-likelihood."""
     _table(rows=300, seed=1).to_csv(tmp_path / "t.csv", index=False)
     common = ["data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target", "device=cpu"]
-    fit = compose_config("train_regression", common + ["fit.refit=false"])
+    fit = compose_config("train_regression", common + ["fit.refit=false", "likelihood=normal"])
     (tmp_path / "fit").mkdir()
     fitted = regression.run(fit, tmp_path / "fit")["metrics"]
     uci = compose_config(
@@ -96,14 +97,13 @@ def test_fit_settings_are_checked_before_any_work(tmp_path):
     base = ["data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target"]
     with pytest.raises(ConfigError, match="fit.method='pyro' is not one of"):
         regression.validate(compose_config("train_regression", base + ["fit.method=pyro"]))
-    with pytest.raises(ConfigError, match="likelihood=heteroscedastic with fit.method=closed_form_full"):
-        regression.validate(
-            compose_config("train_regression", base + ["likelihood=heteroscedastic", "fit.method=closed_form_full"])
-        )
+    with pytest.raises(ConfigError, match=r"likelihood=heteroscedastic \(the fit's default\) with fit.method=closed_"):
+        regression.validate(compose_config("train_regression", base + ["fit.method=closed_form_full"]))
     from cfbnn_cli.pipelines.regression import fit as fit_protocol
 
-    heteroscedastic = compose_config("train_regression", base + ["likelihood=heteroscedastic"])
-    assert fit_protocol.validate(heteroscedastic) == "heteroscedastic"  # the method with the second output
+    assert fit_protocol.validate(compose_config("train_regression", base)) == "heteroscedastic"  # the default
+    normal = compose_config("train_regression", base + ["likelihood=normal", "fit.method=closed_form_full"])
+    assert fit_protocol.validate(normal) == "closed_form_full"
     with pytest.raises(ConfigError, match="model.prior_scale='wide' must be a positive, finite number or auto"):
         regression.validate(compose_config("train_regression", base + ["model.prior_scale=wide"]))
     (tmp_path / "run").mkdir()

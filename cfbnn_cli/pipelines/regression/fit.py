@@ -2,7 +2,8 @@
 
 The UCI protocol's validated recipe (``conf/train_regression/protocol/fit.yaml``: one hidden
 layer of 50 ReLUs, priors N(0, 1), posterior standard deviations started at 0.1, a learned
-noise) on one random train/test split (``data.test_fraction``, drawn from ``data.seed`` as the
+noise: by default each row's, a second output of the network, ``likelihood=heteroscedastic``; two
+or more hidden layers: :mod:`~cfbnn_cli.train.fit_settings`) on one random train/test split (``data.test_fraction``, drawn from ``data.seed`` as the
 UCI protocol's split ``k`` is drawn from ``k``):
 
 * the exact ELBO (nothing is sampled) is minimized by full-batch L-BFGS to convergence, or,
@@ -79,8 +80,8 @@ def validate(cfg: DictConfig) -> str:
     likelihood = require_choice(cfg, "likelihood", list(LIKELIHOODS))
     if likelihood == "heteroscedastic" and method not in HETEROSCEDASTIC:
         raise ConfigError(
-            f"likelihood=heteroscedastic with fit.method={method}: the heteroscedastic network is mean-field "
-            f"(fit.method={' or '.join(HETEROSCEDASTIC)})"
+            f"likelihood=heteroscedastic (the fit's default) with fit.method={method}: the heteroscedastic network is "
+            f"mean-field (fit.method={' or '.join(HETEROSCEDASTIC)}); add likelihood=normal for {method}"
         )
     validate_data_config(cfg)
     return HETEROSCEDASTIC[method] if likelihood == "heteroscedastic" else method
