@@ -371,7 +371,8 @@ def make_task(sub: Subcommand):
                         run_dir,
                         pipeline=sub.config_name,
                         cfg=cfg,
-                        metrics={},
+                        metrics=getattr(error, "metrics", {}),  # a fit that learned nothing keeps its numbers
+                        tables=getattr(error, "tables", {}),
                         status="failed",
                         wall_s=time.perf_counter() - started,
                         fingerprint=fingerprint,
@@ -632,7 +633,15 @@ def _run_hydra(sub: Subcommand, conf: Path, rest: List[str]) -> int:
     except KeyboardInterrupt:
         if user_wants_traceback:
             raise
-        print("cfbnn: interrupted; the last checkpoint is kept: rerun with resume=true to continue", file=sys.stderr)
+        from .runtime.checkpoints import last_saved
+
+        kept = last_saved()  # only a checkpoint this run wrote is promised
+        print(
+            f"cfbnn: interrupted; the last checkpoint ({kept}) is kept: rerun with resume=true to continue"
+            if kept is not None
+            else "cfbnn: interrupted before the first checkpoint was written: nothing to resume; rerun to start again",
+            file=sys.stderr,
+        )
         return 130
     except Exception as error:  # a bug, not a user error: the traceback helps
         if user_wants_traceback:

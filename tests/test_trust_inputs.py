@@ -460,7 +460,8 @@ def test_ctrl_c_ends_with_one_line_and_exit_130_and_leaves_a_resumable_run(tmp_p
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stdout + stderr
     assert [line for line in stderr.splitlines() if line.startswith("cfbnn:")] == [
-        "cfbnn: interrupted; the last checkpoint is kept: rerun with resume=true to continue"
+        f"cfbnn: interrupted; the last checkpoint ({run / 'checkpoints' / 'last.pt'}) is kept: rerun with "
+        "resume=true to continue"
     ]
     state = load_checkpoint(run / "checkpoints" / "last.pt")
     assert 1 <= state["epoch"] < 3000 and not (run / "done").exists()  # a finished epoch to resume from

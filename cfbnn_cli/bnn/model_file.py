@@ -48,6 +48,7 @@ from .footprint import layer_shapes, parameter_count
 from .likelihoods import CLASSIFICATION_OBJECTIVES, CategoricalLikelihood, HeteroscedasticNormalLikelihood
 from .likelihoods import NormalLikelihood as _Normal
 from .network import BayesianNetwork
+from .predictive import default_estimator
 from .target_units import in_target_units
 
 
@@ -472,10 +473,13 @@ class SavedModel:
         :class:`~cfbnn_cli.bnn.target_units.LogNormalPredictive` it implies); classification: a
         ``torch.distributions.Categorical`` over :attr:`classes`. ``x``: a DataFrame (by column
         name) or rows by position (:meth:`standardized`); ``unseen``: ``"error"`` or ``"zeros"``
-        for a categorical level not seen in training (default: the model's own)."""
+        for a categorical level not seen in training (default: the model's own). ``estimator``: by
+        default the model's own where it integrates every layer, else ``deterministic`` (one pass:
+        :func:`~cfbnn_cli.bnn.predictive.default_estimator`); ``num_samples`` draws where one samples."""
+        estimator = estimator or default_estimator(self.network, self.estimator)  # as `cfbnn predict`
         prediction = self.network.predict(
             self.standardized(x, unseen=unseen),
-            estimator=estimator or self.estimator,
+            estimator=estimator,
             num_samples=num_samples,
             generator=generator,
         )

@@ -34,13 +34,18 @@ from .likelihoods import CategoricalLikelihood, NormalLikelihood
 
 @dataclass
 class Predictive:
-    """``y | x`` with ``mean``, ``variance = var_a + var_b + noise`` (each ``(N,)``)."""
+    """``y | x`` with ``mean``, ``variance = var_a + var_b + noise`` (each ``(N,)``).
+
+    ``mixture``: where the predictive is not a Normal (a heteroscedastic likelihood: a Normal of
+    each noise variance, mixed over the noise's uncertainty), its components ``(means, variances,
+    log_weights)``, each ``(K, N)``; :meth:`interval` then gives the mixture's own quantiles."""
 
     mean: torch.Tensor
     var_a: torch.Tensor
     var_b: torch.Tensor
     noise: torch.Tensor
     exact: bool  # True: closed-form moments; False: moments of the mixture over sampled layers
+    mixture: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     @property
     def variance(self) -> torch.Tensor:
@@ -56,19 +61,56 @@ class Predictive:
         return torch.distributions.Normal(self.mean, self.stddev, validate_args=False)  # NaN stays NaN: callers check
 
     def interval(self, coverage: float = 0.9) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The central ``coverage`` interval of :meth:`distribution`."""
+        """The central ``coverage`` interval of :meth:`distribution`, or of :attr:`mixture` where
+        there is one."""
         if not 0.0 < coverage < 1.0:
             raise ValueError(f"`coverage` must be in (0, 1); got {coverage!r}")
+        tail = (1.0 - coverage) / 2.0
+        if self.mixture is not None:
+            return mixture_quantile(*self.mixture, tail), mixture_quantile(*self.mixture, 1.0 - tail)
         normal = self.distribution()
-        tail = torch.tensor((1.0 - coverage) / 2.0, dtype=self.mean.dtype, device=self.mean.device)
+        tail = torch.tensor(tail, dtype=self.mean.dtype, device=self.mean.device)
         return normal.icdf(tail), normal.icdf(1.0 - tail)
 
     def unscaled(self, mean: float, std: float) -> "Predictive":
         """The same predictive for ``y_original = mean + std * y`` (a standardized target)."""
         scale = std * std
+        mixture = None
+        if self.mixture is not None:
+            means, variances, log_weights = self.mixture
+            mixture = (means * std + mean, variances * scale, log_weights)
         return Predictive(
-            self.mean * std + mean, self.var_a * scale, self.var_b * scale, self.noise * scale, self.exact
+            self.mean * std + mean, self.var_a * scale, self.var_b * scale, self.noise * scale, self.exact, mixture
         )
+
+
+def mixture_quantile(means, variances, log_weights, probability: float, iterations: int = 40) -> torch.Tensor:
+    """The ``probability`` quantile ``(N,)`` of the mixture ``sum_k w_k N(means_k, variances_k)``
+    (each ``(K, N)``, weights ``exp(log_weights)`` summing to one over ``K``): bisection on its
+    distribution function between the components' 12-s.d. bounds: 40 halvings leave 24 s.d. / 2^40,
+    below float32's resolution and 10^-11 s.d. in float64 (a loop over halvings, each over every row
+    and component at once)."""
+    sd = variances.clamp_min(torch.finfo(variances.dtype).tiny).sqrt()
+    weights = log_weights.exp()
+    low = (means - 12.0 * sd).amin(0)
+    high = (means + 12.0 * sd).amax(0)
+    for _ in range(iterations):
+        middle = 0.5 * (low + high)
+        below = (weights * torch.special.ndtr((middle - means) / sd)).sum(0) < probability
+        low = torch.where(below, middle, low)
+        high = torch.where(below, high, middle)
+    return 0.5 * (low + high)
+
+
+def default_estimator(model, estimator) -> str:
+    """The estimator a saved model predicts with unless told otherwise (``cfbnn predict``,
+    :meth:`~cfbnn_cli.bnn.model_file.SavedModel.predict`): the one it was trained with where that
+    integrates every layer (one exact pass), else ``deterministic``: the moments propagated through
+    every layer in one pass instead of Monte Carlo draws of the sampled layers (a two-hidden-layer
+    model under ``analytic``: 64 draws of the first layer per row cost 60x the work; the one pass's
+    predictive mean and s.d. against 4,096 draws are in docs/cli.md, ``benchmarks/bench_deep_predict.py``)."""
+    chosen = make_estimator(estimator)
+    return chosen.name if not chosen.noise_shapes(model, 1) else "deterministic"
 
 
 def _prepared(model, x: torch.Tensor, estimator):
@@ -82,10 +124,12 @@ def _prepared(model, x: torch.Tensor, estimator):
 @torch.no_grad()
 def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int = 64, generator=None) -> Predictive:
     """``p(y | x)`` of ``model`` (see the module docstring); ``x`` is ``(N, D)``."""
+    if getattr(model.likelihood, "needs_covariance", False):
+        return _heteroscedastic(model, x, estimator, num_samples, generator)
     if not isinstance(model.likelihood, NormalLikelihood) or model.output_dim != 1:
         raise ValueError(
-            "predictive() is for one-output Normal likelihoods; a heteroscedastic model predicts through "
-            "predictive_components(), a categorical one through class_distribution() (model.predict(x) picks)"
+            "predictive() is for one-output Normal and heteroscedastic likelihoods; a categorical one predicts "
+            "through class_distribution() (model.predict(x) picks)"
         )
     estimator, h, sampled = _prepared(model, x, estimator)
     noise = 1.0 / model.precision  # (a tensor, not read back as a number: torch.compile keeps one graph)
@@ -98,6 +142,30 @@ def predictive(model, x: torch.Tensor, *, estimator="analytic", num_samples: int
     mean = means.mean(0)
     spread = means.var(0, unbiased=False)  # between the draws: from the sampled layers
     return Predictive(mean, var_a.mean(0) + spread, var_b.mean(0), torch.ones_like(mean).mul_(noise), exact=False)
+
+
+def _heteroscedastic(model, x, estimator, num_samples: int, generator) -> Predictive:
+    """:func:`predictive` of a heteroscedastic network (outputs: the mean ``m`` and the log noise
+    variance ``l``): ``mean`` and ``var_a``/``var_b`` those of ``m``, ``noise`` ``E[exp(l)] = exp(mu_l
+    + var_l / 2)`` (``l`` Normal under the propagated moments), so the variance is the predictive's
+    own (total variance); the predictive itself, a mixture over ``l``
+    (:meth:`~.likelihoods.HeteroscedasticNormalLikelihood.predictive_mixture`), gives the intervals."""
+    estimator, h, sampled = _prepared(model, x, estimator)
+    draws = estimator.sample_noise(model, h.shape[-2], generator=generator, num_samples=num_samples) if sampled else ()
+    mean, var_a, var_b = model.output_moments(
+        h, estimator=estimator, noise=draws, after_point_layers=True, split_variance=True
+    )
+    _, covariance = estimator.mean_and_covariance(model, h, draws)
+    noise = torch.exp(mean[..., 1] + 0.5 * (var_a[..., 1] + var_b[..., 1]))
+    means, variances, log_weights = model.likelihood.predictive_mixture(mean, covariance)  # (K, [S,] N)
+    if not sampled:
+        return Predictive(mean[..., 0], var_a[..., 0], var_b[..., 0], noise, True, (means, variances, log_weights))
+    count = mean.shape[0]
+    mixture = (means.flatten(0, 1), variances.flatten(0, 1), log_weights.flatten(0, 1) - math.log(count))
+    spread = mean[..., 0].var(0, unbiased=False)
+    return Predictive(
+        mean[..., 0].mean(0), var_a[..., 0].mean(0) + spread, var_b[..., 0].mean(0), noise.mean(0), False, mixture
+    )
 
 
 @torch.no_grad()
@@ -190,20 +258,3 @@ def mixture_log_likelihood(y, means, variances, log_weights=None):
 def mixture_mean(means, log_weights=None):
     """The mean of the mixture: the (weighted) average of its components' means."""
     return means.mean(0) if log_weights is None else (means * log_weights.exp()).sum(0)
-
-
-def describe(prediction: Predictive, coverage: Optional[float] = 0.9) -> dict:
-    """The columns of a predictions file: mean, sd, the parts of the variance, the interval."""
-    columns = {
-        "mean": prediction.mean,
-        "sd": prediction.stddev,
-        "var_a": prediction.var_a,
-        "var_b": prediction.var_b,
-        "noise": prediction.noise,
-    }
-    if coverage is not None:
-        lower, upper = prediction.interval(coverage)
-        percent = f"{100 * coverage:g}"
-        columns[f"lower_{percent}"] = lower
-        columns[f"upper_{percent}"] = upper
-    return columns

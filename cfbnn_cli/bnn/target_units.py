@@ -9,7 +9,8 @@ If ``z = log y`` has the Normal predictive ``N(m, s²)``, then ``y`` is log-norm
 * its density is ``p(y) = N(log y; m, s²) / y``: ``log p(y) = log N(log y; m, s²) - log y``.
 
 Where the log-scale predictive is a mixture over sampled layers (a deep model under ``analytic``),
-its moment-matched Normal stands in for it.
+its moment-matched Normal stands in for it in the mean and s.d.; a heteroscedastic model's mixture
+(over its noise's uncertainty) gives the interval and the density itself.
 """
 
 from __future__ import annotations
@@ -63,8 +64,13 @@ class LogNormalPredictive:
         """``log p(y)`` in the target's units (``-inf`` for ``y <= 0``)."""
         y = torch.as_tensor(y, dtype=self._m.dtype, device=self._m.device)
         log_y = torch.log(y)
-        normal = -0.5 * ((log_y - self._m).square() / self._s2 + torch.log(2 * math.pi * self._s2))
-        return torch.where(y > 0, normal - log_y, torch.full_like(normal, -math.inf))
+        if self.log_scale.mixture is not None:  # a heteroscedastic model: its own mixture on the log scale
+            means, variances, log_weights = self.log_scale.mixture
+            component = -0.5 * ((log_y - means).square() / variances + torch.log(2 * math.pi * variances))
+            on_log_scale = torch.logsumexp(log_weights + component, dim=0)
+        else:
+            on_log_scale = -0.5 * ((log_y - self._m).square() / self._s2 + torch.log(2 * math.pi * self._s2))
+        return torch.where(y > 0, on_log_scale - log_y, torch.full_like(on_log_scale, -math.inf))
 
     def distribution(self) -> torch.distributions.LogNormal:
         return torch.distributions.LogNormal(self._m, self._s2.sqrt(), validate_args=False)
@@ -75,12 +81,14 @@ def in_target_units(
 ) -> Union[Predictive, LogNormalPredictive]:
     """A standardized network's :class:`Predictive` in the target's units, in float64 (a target of
     1e12 with an s.d. of 1 keeps its digits): ``transform="log"``, the log-normal it implies."""
+    mixture = None if prediction.mixture is None else tuple(part.double() for part in prediction.mixture)
     double = Predictive(
         prediction.mean.double(),
         prediction.var_a.double(),
         prediction.var_b.double(),
         prediction.noise.double(),
         prediction.exact,
+        mixture,
     ).unscaled(target_mean, target_std)
     if transform == "log":
         return LogNormalPredictive(double)

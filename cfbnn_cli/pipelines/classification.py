@@ -26,7 +26,7 @@ import logging
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -52,10 +52,12 @@ from ..report.tables import write_table
 from ..run_values import RunValues, parse_run_values
 from ..runtime.checks import require_bool, require_choice, require_int
 from ..runtime.device import synchronize
-from ..runtime.progress import progress_bar
+from ..runtime.rundir import config_fingerprint
 from ..train import TrainingLoop, optimizers
-from ..train.fit_settings import validate_fit_settings
-from ..train.full_batch import minimize_full_batch
+from ..train.fit_checks import FitFailedError, classification_problems, failure_message, suggestion
+from ..train.fit_records import FitProgress, FitRecords, epoch_note, run_adam_phase, run_lbfgs_phase
+from ..train.fit_settings import fit_estimator, input_scale, prior_scale, scale_first_layer, validate_fit_settings
+from ..train.full_batch import minimize_with_polish
 from ..train.graphs import BatchLoss
 
 log = logging.getLogger(__name__)
@@ -82,91 +84,136 @@ def _network(table: ClassificationTable, cfg, seed: int) -> BayesianNetwork:
         len(table.classes),
         cfg.model.activation,
         "diagonal",
-        prior_scale=float(cfg.model.prior_scale),
+        prior_scale=prior_scale(cfg, cfg.model.hidden_sizes),
         init_scale=float(cfg.model.init_scale),
         likelihood=CategoricalLikelihood("approximation"),
         generator=torch.Generator().manual_seed(seed),
     )
 
 
-def log_likelihood_per_row(model: BayesianNetwork, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``log p(y_n | x_n)`` of the predicted class probabilities, per row ``(N,)``."""
+def log_likelihood_per_row(model: BayesianNetwork, x: torch.Tensor, y: torch.Tensor, estimator) -> torch.Tensor:
+    """``log p(y_n | x_n)`` of the predicted class probabilities (under ``estimator``), per row ``(N,)``."""
     with torch.no_grad():
-        probabilities = model.predict(x).probs
+        probabilities = model.predict(x, estimator=estimator).probs
     return probabilities.gather(-1, y[:, None]).squeeze(-1).clamp_min(1e-300).log()
 
 
 class _Fit:
-    """One model fitted on ``split``'s training rows: L-BFGS or Adam (see the module docstring)."""
+    """One model fitted on ``split``'s training rows as the fit's ``phase`` (``fit`` or ``refit``):
+    L-BFGS or Adam (see the module docstring), its progress shown, its rows in metrics.csv and its
+    checkpoint kept (:mod:`~cfbnn_cli.train.fit_records`)."""
 
-    def __init__(self, table, split: ClassificationSplit, cfg, device, seed: int, label: str):
+    def __init__(self, table, split: ClassificationSplit, cfg, device, seed: int, records: FitRecords, phase: str):
         self.model = _network(table, cfg, seed).to(device)
-        x, y = split.x_train.to(device), split.y_train.to(device)
+        self.estimator = fit_estimator(cfg.model.hidden_sizes)
+        # deeper than one hidden layer: the first layer trains on the inputs times `scale`, its prior then
+        # N(0, 1) in the inputs' units (fit_settings.input_scale); the factor goes into its weights after
+        scale = input_scale(cfg, cfg.model.hidden_sizes)
+        if scale != 1.0:
+            scale_first_layer(self.model, 1.0 / scale)
+        x, y = split.x_train.to(device) * scale, split.y_train.to(device)
         rows = len(y)
         started = time.perf_counter()
-        with progress_bar(total=1, desc=label, unit="fit", leave=False) as bar:
-            if rows <= cfg.fit.full_batch_max_rows:
-                result = minimize_full_batch(
-                    lambda: -self.model.elbo(x, y, num_data=rows) / rows,
-                    self.model.parameters(),
-                    max_iterations=cfg.fit.max_iterations,
-                    rtol=cfg.fit.rtol,
-                    label=f"{label} objective",
-                )
-                self.optimizer, self.iterations, self.converged = "lbfgs", result.iterations, result.converged
-                self.stopped_early = False
-            else:
-                self._adam(x, y, cfg, device, seed, label)
-            bar.update(1)
+        if rows <= cfg.fit.full_batch_max_rows:
+            estimator = self.estimator
+
+            def objective_in(dtype):  # the rows' features in `dtype` (float64: the polish); labels as they are
+                features = x.to(dtype)
+                return lambda: -self.model.elbo(features, y, num_data=rows, estimator=estimator) / rows
+
+            def run_stage(minimizer, stage):
+                name = f"{phase}_{stage}" if stage else phase
+                what = "L-BFGS iteration {count} of at most {total}"
+                with FitProgress(name, minimizer.max_iterations, "it", what) as bar:
+                    return run_lbfgs_phase(minimizer, self.model, records, name, bar)
+
+            result = minimize_with_polish(
+                objective_in,
+                self.model,
+                run_stage,
+                max_iterations=cfg.fit.max_iterations,
+                rtol=cfg.fit.rtol,
+                label=f"{phase} objective",
+            )
+            self.optimizer, self.iterations, self.converged = "lbfgs", result.iterations, result.converged
+            self.stop, self.stopped_early = result.describe(), False
+        else:
+            self._adam(x, y, cfg, device, seed, records, phase)
+        if scale != 1.0:
+            scale_first_layer(self.model, scale)
         synchronize(device)
         self.seconds = time.perf_counter() - started
 
-    def _adam(self, x, y, cfg, device, seed: int, label: str) -> None:
+    def _adam(self, x, y, cfg, device, seed: int, records: FitRecords, phase: str) -> None:
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 1)).to(device)
         held = max(1, int(round(cfg.fit.validation_fraction * len(y))))
         fit_rows, validation_rows = order[held:], order[:held]
         model = self.model
-        loop = TrainingLoop(
-            model,
-            optimizers.adam(model.parameters(), lr=cfg.trainer.lr),
-            # the fit rows, a minibatch gathered from them (outside a CUDA graph)
-            BatchLoss((x[fit_rows], y[fit_rows]), lambda xb, yb: -model.elbo(xb, yb, num_data=len(fit_rows))),
-            len(fit_rows),
-            min(int(cfg.trainer.batch_size), len(fit_rows)),
-            device,
-            epochs=cfg.trainer.epochs,
-            data_generator=torch.Generator().manual_seed(seed + 2),
-            label=label,
-            evaluate=lambda epoch: {
-                "validation_ll": float(log_likelihood_per_row(model, x[validation_rows], y[validation_rows]).mean())
-            },
-            select=("validation_ll", "max"),
-            patience=cfg.fit.patience,
-            evaluate_every=cfg.fit.evaluate_every,
-            cuda_graphs=cfg.trainer.cuda_graphs,
-        )
-        result = loop.run()
+        batch_size = min(int(cfg.trainer.batch_size), len(fit_rows))
+        steps = cfg.trainer.epochs * -(-len(fit_rows) // batch_size)
+        what = f"Adam, {len(fit_rows)} rows in batches of {batch_size}, step {{count}} of at most {{total}}"
+        with FitProgress(phase, steps, "step", what) as bar:
+            loop = TrainingLoop(
+                model,
+                optimizers.adam(model.parameters(), lr=cfg.trainer.lr),
+                # the fit rows, a minibatch gathered from them (outside a CUDA graph)
+                BatchLoss(
+                    (x[fit_rows], y[fit_rows]),
+                    lambda xb, yb: -model.elbo(xb, yb, num_data=len(fit_rows), estimator=self.estimator),
+                ),
+                len(fit_rows),
+                batch_size,
+                device,
+                epochs=cfg.trainer.epochs,
+                data_generator=torch.Generator().manual_seed(seed + 2),
+                label=phase,
+                evaluate=lambda epoch: {
+                    "validation_ll": float(
+                        log_likelihood_per_row(model, x[validation_rows], y[validation_rows], self.estimator).mean()
+                    )
+                },
+                after_epoch=lambda epoch, row: bar.note(epoch_note(loop, epoch)),
+                select=("validation_ll", "max"),
+                patience=cfg.fit.patience,
+                evaluate_every=cfg.fit.evaluate_every,
+                cuda_graphs=cfg.trainer.cuda_graphs,
+                progress=bar,
+                **records.loop_options(phase),
+            )
+            history, stopped_early = run_adam_phase(loop, records)
         loop.load_best()
-        self.optimizer, self.iterations = "adam", len(result.history)
-        self.converged, self.stopped_early = False, loop.stopped_early
+        self.optimizer, self.iterations = "adam", len(history)
+        self.converged, self.stopped_early, self.stop = False, stopped_early, ""
 
     def describe(self) -> str:
         if self.optimizer == "lbfgs":
-            state = "converged" if self.converged else "NOT converged (raise fit.max_iterations)"
-            return f"L-BFGS, {self.iterations} iterations, {state}"
+            return f"L-BFGS, {self.iterations} iterations, {self.stop}"
         state = "stopped by validation" if self.stopped_early else "reached trainer.epochs"
         return f"Adam, {self.iterations} epochs, {state}"
 
 
-def _baseline_accuracy(split: ClassificationSplit) -> Optional[float]:
-    """scikit-learn's logistic regression (its defaults: L2, C = 1) on the same standardized split."""
+def _baseline(split: ClassificationSplit, classes: int) -> Tuple[float, float]:
+    """scikit-learn's logistic regression (its defaults: L2, C = 1) on the same standardized split:
+    ``(held-out accuracy, held-out negative log-likelihood per row)`` (a class the training rows lack
+    has probability 0, floored at 1e-300 as the fit's own)."""
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         model = LogisticRegression(max_iter=2000).fit(split.x_train.numpy(), split.y_train.numpy())
-    return float((model.predict(split.x_test.numpy()) == split.y_test.numpy()).mean())
+    labels = split.y_test.numpy()
+    probabilities = np.zeros((len(labels), classes))
+    probabilities[:, model.classes_] = model.predict_proba(split.x_test.numpy())
+    nll = -float(np.log(np.maximum(probabilities[np.arange(len(labels)), labels], 1e-300)).mean())
+    return float((model.predict(split.x_test.numpy()) == labels).mean()), nll
+
+
+def _frequency_nll(split: ClassificationSplit, classes: int) -> float:
+    """The held-out negative log-likelihood per row of predicting the training rows' class
+    frequencies for every row (add-one counts: a class the training rows lack is not impossible)."""
+    counts = np.bincount(split.y_train.numpy(), minlength=classes) + 1.0
+    return -float(np.log(counts / counts.sum())[split.y_test.numpy()].mean())
 
 
 def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
@@ -202,23 +249,30 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         device,
     )
     with validate_args(False):
-        fitted = _Fit(table, split, cfg, device, seed=int(cfg.seed) * 1000, label="fit")
+        records = FitRecords(
+            run_dir, config_fingerprint(cfg, run_dir), bool(cfg.resume), OmegaConf.to_container(cfg, resolve=True)
+        )
+        fitted = _Fit(table, split, cfg, device, int(cfg.seed) * 1000, records, "fit")
         x_test, y_test = split.x_test.to(device), split.y_test.to(device)
         with torch.no_grad():
-            probabilities = fitted.model.predict(x_test).probs
-        log_likelihood = log_likelihood_per_row(fitted.model, x_test, y_test)
+            probabilities = fitted.model.predict(x_test, estimator=fitted.estimator).probs
+        log_likelihood = log_likelihood_per_row(fitted.model, x_test, y_test, fitted.estimator)
         accuracy = float((probabilities.argmax(-1) == y_test).double().mean())
+        frequency_nll = _frequency_nll(split, len(table.classes))
+        problems = classification_problems(-float(log_likelihood.mean()), frequency_nll)
         model, scaling = fitted.model, split
-        if cfg.fit.refit:
+        if cfg.fit.refit and not problems:  # a failed fit is not refit: there is no model.pt to make
             every = np.arange(len(table.y))
             scaling = table.split(every, every[:0])
             log.info("fit.refit=true: refitting on all %d rows for %s", len(every), FILE_NAME)
-            model = _Fit(table, scaling, cfg, device, seed=int(cfg.seed) + 10_000, label="refit").model
-    baseline = _baseline_accuracy(split) if cfg.fit.baseline else None
+            model = _Fit(table, scaling, cfg, device, int(cfg.seed) + 10_000, records, "refit").model
+    baseline, baseline_nll = _baseline(split, len(table.classes)) if cfg.fit.baseline else (None, None)
     metrics = {
         fit_key("test_accuracy"): accuracy,
         fit_key("test_nll"): -float(log_likelihood.mean()),
         fit_key("baseline_accuracy"): baseline,
+        fit_key("baseline_nll"): baseline_nll,
+        fit_key("frequency_nll"): frequency_nll,
         fit_key("train_rows"): len(train),
         fit_key("test_rows"): len(test),
         fit_key("classes"): len(table.classes),
@@ -230,7 +284,9 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         "held-out: accuracy %.2f%%, log-likelihood %s per row%s; %s in %.1f s",
         100 * accuracy,
         format_value(-metrics[fit_key("test_nll")]),
-        f" (logistic regression on the same split: {100 * baseline:.2f}%)" if baseline is not None else "",
+        f" (logistic regression on the same split: {100 * baseline:.2f}%, {format_value(-baseline_nll)})"
+        if baseline is not None
+        else "",
         fitted.describe(),
         fitted.seconds,
     )
@@ -242,7 +298,10 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                 f"{100 * accuracy:.2f} %",
                 format_value(-metrics[fit_key("test_nll")]),
                 f"{100 * baseline:.2f} %" if baseline is not None else "—",
+                format_value(-baseline_nll) if baseline_nll is not None else "—",
+                format_value(-frequency_nll),
                 fitted.describe(),
+                "FAILED: " + "; ".join(problems) if problems else "learned from the features",
             ]
         },
         index=[
@@ -251,7 +310,10 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             "accuracy",
             "log-likelihood per row",
             "logistic regression's accuracy",
+            "logistic regression's log-likelihood per row",
+            "log-likelihood per row of the training class frequencies",
             "training",
+            "result",
         ],
     )
     tables = write_table(
@@ -263,8 +325,20 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         data=pd.DataFrame([{k.split("/", 1)[1]: v for k, v in metrics.items()}]),
     )
     figure = _plot_reliability(probabilities.double().cpu().numpy(), y_test.cpu().numpy(), table, run_dir)
+    if problems:
+        advice = suggestion(
+            cfg.model.hidden_sizes, table.x.shape[1], len(table.classes), len(train), bool(fitted.converged)
+        )
+        message = failure_message(f"the classifier on {table.name}:", problems, advice, run_dir)
+        raise FitFailedError(message, metrics, tables)
     save_run_model(
-        run_dir, model, table, scaling, classes=table.classes, estimator="analytic", method="closed_form_classifier"
+        run_dir,
+        model,
+        table,
+        scaling,
+        classes=table.classes,
+        estimator=str(fitted.estimator),
+        method="closed_form_classifier",
     )
     return {
         "metrics": metrics,

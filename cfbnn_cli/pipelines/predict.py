@@ -39,6 +39,7 @@ import torch
 
 from ..bnn.estimators import ESTIMATORS, make_estimator
 from ..bnn.model_file import FILE_NAME, SavedModel, load_model
+from ..bnn.predictive import default_estimator
 from ..bnn.target_units import describe_in_target_units, in_target_units, regression_columns
 from ..data.layout import UNSEEN_POLICIES
 from ..data.tabular import FeatureChunk, iter_feature_chunks
@@ -48,6 +49,7 @@ from ..runtime.errors import CfbnnError, ConfigError, DataError, listing, one_li
 from ..runtime.io import STDOUT, text_output
 from ..runtime.memory import require_sample_memory
 from ..runtime.numerics import map_row_chunks, rows_per_chunk
+from ..runtime.run_activity import running_owner
 from ..runtime.rundir import refuse_output_over_input
 from ..runtime.safefs import describe_file, input_error, output_error, shown_path
 
@@ -71,8 +73,15 @@ def model_path(source) -> Path:
         raise DataError(f"{shown_path(source)}: {what} (the model: a finished run dir, or a model file)")
     if not (source / "results.json").is_file():
         if any(os.path.lexists(source / name) for name in UNFINISHED_SIGNS):
+            owner = running_owner(source)
+            if owner is not None:
+                raise DataError(
+                    f"{source} is a cfbnn run that has not finished: it is still training ({owner} is writing to it); "
+                    "wait for it to finish, then predict"
+                )
             raise DataError(
-                f"{source} is a cfbnn run that has not finished (interrupted, or still running: no results.json); "
+                f"{source} is a cfbnn run that has not finished: it was interrupted (no results.json, and no process is "
+                "writing to it); "
                 "resume it (the same command with resume=true and this hydra.run.dir), then predict"
             )
         raise DataError(
@@ -220,11 +229,14 @@ def predict_run(
         raise ConfigError(f"--level {level} must be in (0, 1), e.g. 0.9 for the central 90 % interval")
     torch_device = resolve_device(device)
     saved = load_model(path, map_location=torch_device)
-    estimator = estimator or saved.estimator
+    estimator = estimator or default_estimator(saved.network, saved.estimator)  # sampled layers: one pass instead
     if estimator not in ESTIMATORS:
         raise ConfigError(f"--estimator {estimator!r} is not one of {', '.join(ESTIMATORS)}")
-    if saved.task == "regression" and saved.network.output_dim != 1:
-        raise DataError(f"{path}: predict supports one-output Normal regression models and classifiers")
+    heteroscedastic = getattr(saved.network.likelihood, "needs_covariance", False)  # (mean, log-variance) outputs
+    if saved.task == "regression" and saved.network.output_dim != 1 and not heteroscedastic:
+        raise DataError(
+            f"{path}: predict supports one-output Normal and heteroscedastic regression models, and classifiers"
+        )
     out = Path(out) if out is not None else path.parent / "predictions.csv"
     if str(out) != STDOUT:
         _check_out(out)

@@ -112,14 +112,41 @@ def value_order(value) -> tuple:
     return (2, str(value))
 
 
-def group_runs(runs: Sequence[dict], keys: Sequence[str]) -> List[Tuple[Dict[str, str], List[dict]]]:
-    """``[(group key values, runs)]`` in order of the values (:func:`value_order`: numbers and lists
-    of numbers numerically); a key a run lacks reads ``—``."""
-    groups: Dict[Tuple[str, ...], List[dict]] = {}
-    order: Dict[Tuple[str, ...], tuple] = {}
+def file_labels(runs: Sequence[dict], key: str) -> Dict[str, str]:
+    """For an input file's content key (``data.path#content``): each content's label in a table,
+    the file's name (``prices.csv``), with the start of its SHA-256 where two different contents
+    have one name (``prices.csv (3f9a0c1d)``); a run without the path keeps the short hash."""
+    names: Dict[str, set] = {}
     for run in runs:
         flat = run_config(run)
-        values = tuple(group_value(flat.get(k), k) for k in keys)
+        content = flat.get(key)
+        path = flat.get(key[: -len("#content")])
+        if content is not None and isinstance(path, str) and path:
+            names.setdefault(str(content), set()).add(Path(path).name)
+    by_name: Dict[str, set] = {}
+    for content, found in names.items():
+        by_name.setdefault(" / ".join(sorted(found)), set()).add(content)
+    labels = {}
+    for name, contents in by_name.items():
+        for content in contents:
+            digest = content.split(":")[-1][:8]
+            labels[content] = name if len(contents) == 1 else f"{name} ({digest})"
+    return labels
+
+
+def group_runs(runs: Sequence[dict], keys: Sequence[str]) -> List[Tuple[Dict[str, str], List[dict]]]:
+    """``[(group key values, runs)]`` in order of the values (:func:`value_order`: numbers and lists
+    of numbers numerically); a key a run lacks reads ``—``; an input file reads as its name
+    (:func:`file_labels`)."""
+    groups: Dict[Tuple[str, ...], List[dict]] = {}
+    order: Dict[Tuple[str, ...], tuple] = {}
+    labels = {k: file_labels(runs, k) for k in keys if k.endswith("#content")}
+    for run in runs:
+        flat = run_config(run)
+        values = tuple(
+            labels[k].get(str(flat.get(k)), group_value(flat.get(k), k)) if k in labels else group_value(flat.get(k), k)
+            for k in keys
+        )
         groups.setdefault(values, []).append(run)
         order.setdefault(
             values, tuple(value_order(v if k.endswith("#content") else flat.get(k)) for k, v in zip(keys, values))

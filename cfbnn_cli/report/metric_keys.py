@@ -54,9 +54,12 @@ FIT_REGRESSION_KEYS = tuple(
     fit_key(name)
     for name in (
         "test_rmse",  # in the target's units
+        "mean_rmse",  # of predicting the training rows' mean for every held-out row (a fit must beat it)
         "test_ll",  # mean log-likelihood per held-out row, in the target's units
+        "reference_ll",  # a deep network's: one hidden layer's test_ll on the same rows (fit.reference), or None
         "coverage_90",  # share of held-out targets inside the central 90 % predictive interval
         "coverage_50",
+        "noise_sd",  # the learned noise's standard deviation, in the target's units
         "train_rows",
         "test_rows",
         "validation_ll",  # may be None (no validation split)
@@ -70,6 +73,9 @@ FIT_CLASSIFICATION_KEYS = tuple(
     for name in (
         "test_accuracy",
         "test_nll",  # mean negative log-likelihood per held-out row
+        "baseline_accuracy",  # scikit-learn's logistic regression on the same split (fit.baseline)
+        "baseline_nll",
+        "frequency_nll",  # of predicting the training rows' class frequencies (a fit must beat it)
         "train_rows",
         "test_rows",
         "classes",
@@ -100,6 +106,8 @@ REGRESSION_HEADLINES = {
 CLASSIFICATION_HEADLINES = {
     "test_accuracy": (fit_key("test_accuracy"),),
     "test_nll": (fit_key("test_nll"),),
+    "baseline_accuracy": (fit_key("baseline_accuracy"),),
+    "baseline_nll": (fit_key("baseline_nll"),),
 }
 CONVERGED_KEYS = (fit_key("converged"), "train/converged")  # 1 converged, 0 not
 

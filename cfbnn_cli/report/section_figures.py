@@ -185,7 +185,7 @@ def headline_figure(runs, path, keys: Sequence[str], kind: str) -> Optional[str]
     )
     rows = list(range(len(groups)))
     for ax, (name, metric_keys) in zip(axes, headlines.items()):
-        stats = [headline_stat(members, metric_keys) for _, members in groups]
+        stats = [headline_stat(members, metric_keys, name) for _, members in groups]
         ax.errorbar(
             [s.mean for s in stats],
             rows,
@@ -206,10 +206,10 @@ def headline_figure(runs, path, keys: Sequence[str], kind: str) -> Optional[str]
                 color="0.35",
                 label="one run (seed)" if row == 0 else None,
             )
-        if name == "coverage_90":  # the nominal level, inside the axis with a margin
-            ax.axvline(0.9, color="0.5", ls=":", lw=1)
+        if name == "coverage_90":  # the nominal level (in per cent, as the values), inside the axis with a margin
+            ax.axvline(90.0, color="0.5", ls=":", lw=1)
             low, high = ax.get_xlim()
-            low, high = min(low, 0.9), max(high, 0.9)
+            low, high = min(low, 90.0), max(high, 90.0)
             ax.set_xlim(low - 0.05 * (high - low), high + 0.05 * (high - low))
         ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # tick labels that do not run into each other
         title, unit = HEADLINE_PANELS[name]

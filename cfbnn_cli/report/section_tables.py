@@ -116,25 +116,42 @@ def uci_table(runs, keys) -> pd.DataFrame:
 
 HEADLINE_LABELS = {
     "test_rmse": "Test RMSE",
-    "test_ll": "Test LL",
-    "coverage_90": "90 %-interval coverage",
-    "test_accuracy": "Test accuracy",
-    "test_nll": "Test NLL",
+    "test_ll": "Test LL per row",
+    "coverage_90": "90 % interval coverage (%)",
+    "test_accuracy": "Test accuracy (%)",
+    "test_nll": "Test LL per row",
+    "baseline_accuracy": "Logistic regression's accuracy (%)",
+    "baseline_nll": "Logistic regression's LL per row",
+}
+# what a headline's stored value is multiplied by in tables and figures, so that they read as the
+# per-run tables (fit.md, classification.md) do: shares in per cent, log-likelihoods (not their
+# negatives) per row
+HEADLINE_SCALES = {
+    "coverage_90": 100.0,
+    "test_accuracy": 100.0,
+    "baseline_accuracy": 100.0,
+    "test_nll": -1.0,
+    "baseline_nll": -1.0,
 }
 # a headline figure's panel: its title and what its axis measures
 HEADLINE_PANELS = {
     "test_rmse": ("Test RMSE (lower is better)", "target units"),
     "test_ll": ("Test LL (higher is better)", "nats per test row, target units"),
-    "coverage_90": ("90 %-interval coverage", "share of test targets inside\n(dotted: 0.9, calibrated)"),
-    "test_accuracy": ("Test accuracy (higher is better)", "share of test rows"),
-    "test_nll": ("Test NLL (lower is better)", "nats per test row"),
+    "coverage_90": ("90 % interval coverage", "% of test targets inside\n(dotted: 90, calibrated)"),
+    "test_accuracy": ("Test accuracy (higher is better)", "% of test rows"),
+    "test_nll": ("Test LL (higher is better)", "nats per test row"),
+    "baseline_accuracy": ("Logistic regression's accuracy", "% of test rows"),
+    "baseline_nll": ("Logistic regression's LL", "nats per test row"),
 }
 HEADLINES = {"regression": REGRESSION_HEADLINES, "classification": CLASSIFICATION_HEADLINES}
 
 
-def headline_stat(runs, keys) -> Stat:
-    """Mean ± s.e. over ``runs`` of the metric the first of ``keys`` present in each run holds."""
-    return stat([headline_value(run["metrics"], keys) for run in runs], [run_label(run) for run in runs])
+def headline_stat(runs, keys, name: str = "") -> Stat:
+    """Mean ± s.e. over ``runs`` of the metric the first of ``keys`` present in each run holds, times
+    the headline ``name``'s scale (:data:`HEADLINE_SCALES`)."""
+    scale = HEADLINE_SCALES.get(name, 1.0)
+    values = [headline_value(run["metrics"], keys) for run in runs]
+    return stat([None if v is None else v * scale for v in values], [run_label(run) for run in runs])
 
 
 def present_headlines(runs, kind: str) -> Dict[str, Tuple[str, ...]]:
@@ -161,7 +178,7 @@ def headline_table(runs, keys, kind: str) -> pd.DataFrame:
     for group, members in group_runs(runs, keys):
         row = dict(group)
         for name, metric_keys in headlines.items():
-            row[HEADLINE_LABELS[name]] = headline_stat(members, metric_keys).text()
+            row[HEADLINE_LABELS[name]] = headline_stat(members, metric_keys, name).text()
         if judged:
             row["Converged"] = converged_text(members)
         row.update({"runs": len(members), "seeds": seeds_text(members)})

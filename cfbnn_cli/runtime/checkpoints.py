@@ -80,6 +80,20 @@ def training_state_problem(state: dict) -> Optional[str]:
     return None
 
 
+_LAST_SAVED: list = []  # the last checkpoint this process wrote (a path), for the Ctrl-C message
+
+
+def note_saved(path) -> None:
+    """Remember ``path`` as the last checkpoint this process wrote (a training state, or a
+    protocol's progress record): what an interrupted command can name as kept."""
+    _LAST_SAVED[:] = [Path(path)]
+
+
+def last_saved() -> Optional[Path]:
+    """The last checkpoint this process wrote (:func:`note_saved`), ``None`` before the first."""
+    return _LAST_SAVED[0] if _LAST_SAVED else None
+
+
 def save_training_state(
     path,
     model,
@@ -97,7 +111,9 @@ def save_training_state(
         "config_fingerprint": fingerprint,
         **extra,
     }
-    return atomic_torch_save(state, Path(path))
+    written = atomic_torch_save(state, Path(path))
+    note_saved(written)
+    return written
 
 
 def restore_training_state(

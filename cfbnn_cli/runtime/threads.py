@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 _REGISTRY: Optional["JobRegistry"] = None
 _SETTING = "auto"
 _LAST_CHECK = 0.0
+_CHANGES_LOGGED = False  # this run has logged a change of the thread count (rebalance) at INFO
 REBALANCE_SECONDS = 1.0  # how often rebalance() looks at the registry (a few file locks)
 
 
@@ -164,10 +165,11 @@ def threads_for(setting, jobs: int, cores: Optional[int] = None) -> int:
 def configure_threads(setting="auto") -> int:
     """Set torch's intra-op threads from ``runtime.threads`` (``auto`` or a positive int)
     before any work; registers this process as a cfbnn job. Returns the thread count."""
-    global _REGISTRY, _SETTING
+    global _REGISTRY, _SETTING, _CHANGES_LOGGED
     import torch
 
     _SETTING = setting
+    _CHANGES_LOGGED = False  # a new run: its first change of the thread count is logged again
     jobs = 1
     if setting == "auto":
         try:
@@ -205,7 +207,11 @@ def rebalance() -> None:
 
     threads = threads_for("auto", _REGISTRY.count())
     if threads != torch.get_num_threads():
-        log.info("now %d torch threads (cfbnn jobs on this machine changed)", threads)
+        global _CHANGES_LOGGED
+        # once per run at INFO: jobs come and go, and a line per change (9 in one run) says nothing more
+        level = logging.DEBUG if _CHANGES_LOGGED else logging.INFO
+        log.log(level, "now %d torch threads (cfbnn jobs on this machine changed; later changes at DEBUG)", threads)
+        _CHANGES_LOGGED = True
         torch.set_num_threads(threads)
 
 

@@ -213,6 +213,13 @@ class TrainingLoop:
             config=self.config,
         )
 
+    def save_checkpoint(self) -> None:
+        """Write ``last.pt`` and ``metrics.csv`` now, after the epochs trained so far (rank 0), e.g.
+        once a caller has marked its ``extra`` state finished."""
+        if distributed.is_main() and self.history:
+            self._save(int(self.history[-1]["epoch"]))
+            self._write_metrics()
+
     def _write_metrics(self) -> None:
         if self.metrics_path is not None:
             atomic_write_text(

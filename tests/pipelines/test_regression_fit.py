@@ -46,15 +46,16 @@ def test_the_readme_one_liner_fits_and_reports_held_out_metrics(tmp_path, cfbnn)
     assert -1.3 < metrics["fit/test_ll"] < -0.3
     assert (run / "fit.png").is_file() and not list(run.glob("*gradient_variance*"))
     saved = load_model(run / "model.pt")
-    assert saved.columns == ["a", "b", "c"] and saved.target == "target" and saved.method == "closed_form_diagonal"
+    assert saved.columns == ["a", "b", "c"] and saved.target == "target"
+    assert saved.method == "heteroscedastic" and saved.network.output_dim == 2  # the fit's default likelihood
 
 
 def test_the_fit_is_the_uci_protocols_split_with_the_same_seed(tmp_path):
     """protocol=fit on split seed 0 and the UCI protocol's split 0 (closed_form_diagonal) train the
     same model on the same rows: the same held-out log-likelihood."""
-    _table(rows=120, seed=1).to_csv(tmp_path / "t.csv", index=False)
+    _table(rows=300, seed=1).to_csv(tmp_path / "t.csv", index=False)
     common = ["data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target", "device=cpu"]
-    fit = compose_config("train_regression", common + ["fit.refit=false"])
+    fit = compose_config("train_regression", common + ["fit.refit=false", "likelihood=normal"])
     (tmp_path / "fit").mkdir()
     fitted = regression.run(fit, tmp_path / "fit")["metrics"]
     uci = compose_config(
@@ -96,8 +97,15 @@ def test_fit_settings_are_checked_before_any_work(tmp_path):
     base = ["data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target"]
     with pytest.raises(ConfigError, match="fit.method='pyro' is not one of"):
         regression.validate(compose_config("train_regression", base + ["fit.method=pyro"]))
-    with pytest.raises(ConfigError, match="likelihood=heteroscedastic with protocol=fit"):
-        regression.validate(compose_config("train_regression", base + ["likelihood=heteroscedastic"]))
+    with pytest.raises(ConfigError, match=r"likelihood=heteroscedastic \(the fit's default\) with fit.method=closed_"):
+        regression.validate(compose_config("train_regression", base + ["fit.method=closed_form_full"]))
+    from cfbnn_cli.pipelines.regression import fit as fit_protocol
+
+    assert fit_protocol.validate(compose_config("train_regression", base)) == "heteroscedastic"  # the default
+    normal = compose_config("train_regression", base + ["likelihood=normal", "fit.method=closed_form_full"])
+    assert fit_protocol.validate(normal) == "closed_form_full"
+    with pytest.raises(ConfigError, match="model.prior_scale='wide' must be a positive, finite number or auto"):
+        regression.validate(compose_config("train_regression", base + ["model.prior_scale=wide"]))
     (tmp_path / "run").mkdir()
     with pytest.raises(DataError, match=r"data.features names column\(s\) z that the file does not have"):
         regression.run(compose_config("train_regression", base + ["data.features=[z]"]), tmp_path / "run")
@@ -106,5 +114,5 @@ def test_fit_settings_are_checked_before_any_work(tmp_path):
 @pytest.mark.slow
 def test_a_bad_fit_setting_is_one_line_through_the_cli(tmp_path, cfbnn):
     _table(rows=40).to_csv(tmp_path / "t.csv", index=False)
-    out = cfbnn("train", "regression", "data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=t", "fit.rtol=-1")
+    out = cfbnn("train", "regression", "data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target", "fit.rtol=-1")
     assert "fit.rtol" in one_line_error(out)

@@ -14,6 +14,7 @@ from conftest import one_line_error
 from cfbnn_cli.bnn import load_model
 from cfbnn_cli.cli import compose_config
 from cfbnn_cli.pipelines import classification
+from cfbnn_cli.report.numbers import format_value
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,12 @@ def test_a_real_table_trains_with_its_id_column_dropped_and_blank_rows_left_out(
     # a logistic regression on the same split is a strong baseline on this table (~95 %)
     assert metrics["fit/test_accuracy"] >= max(0.85, metrics["fit/baseline_accuracy"] - 0.05)
     assert 0 < metrics["fit/test_nll"] < 0.5
+    # beside the baseline's accuracy its log-likelihood, and that of the training class frequencies
+    # (the floor a fit must beat); classification.md prints them as log-likelihoods, the fit's sign
+    table = (run / "classification.md").read_text()
+    assert 0 < metrics["fit/baseline_nll"] < metrics["fit/frequency_nll"] and metrics["fit/frequency_nll"] > 0.5
+    assert "logistic regression's log-likelihood per row" in table and "learned from the features" in table
+    assert f"| {format_value(-metrics['fit/baseline_nll'])} " in table
     saved = load_model(run / "model.pt")
     assert saved.classes == ["benign", "malignant"] and "patient_id" not in saved.columns
 

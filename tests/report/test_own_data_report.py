@@ -76,8 +76,9 @@ def test_a_fits_test_metrics_are_a_table_of_mean_and_standard_error_and_a_figure
     for sizes, values in FIT_VALUES.items():
         row = table.loc[json.dumps(list(sizes))]
         _assert_mean_se(row["Test RMSE"], values["test_rmse"])
-        _assert_mean_se(row["Test LL"], values["test_ll"])
-        _assert_mean_se(row["90 %-interval coverage"], values["coverage_90"])
+        _assert_mean_se(row["Test LL per row"], values["test_ll"])
+        # in per cent, as fit.md writes it
+        _assert_mean_se(row["90 % interval coverage (%)"], [100 * v for v in values["coverage_90"]])
         assert row["runs"] == "3" and row["seeds"] == "0,1,2"
     assert table.loc["[50]", "Converged"] == "2 of 3" and table.loc["[200, 200]", "Converged"] == "3 of 3"
     markdown = (tmp_path / "report_train_regression_fit_table.md").read_text()
@@ -109,14 +110,19 @@ def test_hidden_sizes_and_numeric_factors_are_in_numeric_order(tmp_path):
     assert order == [("1e-05", "20"), ("0.001", "20"), ("0.001", "100"), ("0.1", "100")]
 
 
-def test_classification_runs_get_accuracy_and_nll_with_a_figure(tmp_path):
+def test_classification_runs_get_accuracy_and_ll_as_classification_md_writes_them_with_the_baselines(tmp_path):
+    """classification.md writes the accuracy in per cent and the log-likelihood per row (minus the
+    NLL); the report's table too, and logistic regression's beside them."""
     accuracy = {(64,): [0.97, 0.98], (16, 16): [0.95, 0.96]}
     nll = {(64,): [0.11, 0.13], (16, 16): [0.20, 0.16]}
+    baseline_nll = {(64,): [0.15, 0.14], (16, 16): [0.15, 0.14]}
     for sizes in accuracy:
         for seed in range(2):
             metrics = {
                 fit_key("test_accuracy"): accuracy[sizes][seed],
                 fit_key("test_nll"): nll[sizes][seed],
+                fit_key("baseline_accuracy"): 0.9,
+                fit_key("baseline_nll"): baseline_nll[sizes][seed],
                 fit_key("classes"): 10,
                 fit_key("train_rows"): 1437,
                 fit_key("test_rows"): 360,
@@ -131,9 +137,29 @@ def test_classification_runs_get_accuracy_and_nll_with_a_figure(tmp_path):
     assert list(table.index) == ["[16, 16]", "[64]"]
     for sizes in accuracy:
         row = table.loc[json.dumps(list(sizes))]
-        _assert_mean_se(row["Test accuracy"], accuracy[sizes])
-        _assert_mean_se(row["Test NLL"], nll[sizes])
-        assert row["Converged"] == "2 of 2"
+        _assert_mean_se(row["Test accuracy (%)"], [100 * v for v in accuracy[sizes]])
+        _assert_mean_se(row["Test LL per row"], [-v for v in nll[sizes]])
+        _assert_mean_se(row["Logistic regression's LL per row"], [-v for v in baseline_nll[sizes]])
+        assert (
+            row["Logistic regression's accuracy (%)"].startswith("90")
+            and "± 0" in row["Logistic regression's accuracy (%)"]
+            and row["Converged"] == "2 of 2"
+        )
+
+
+def test_own_data_runs_on_different_files_are_named_by_the_files_name(tmp_path):
+    """Runs on two tables differ in their data file's content hash; the table names each by its
+    file's name, and by name and hash where two contents share a name."""
+    files = {"a": ("prices.csv", "2349493:4677aa"), "b": ("rents.csv", "1200:99bb"), "c": ("old/prices.csv", "7:ccdd")}
+    for name, (path, content) in files.items():
+        folder = tmp_path / name
+        _write_run(folder, "train_regression", {**_fit_config(0, [50]), "data": {"name": "csv", "path": path}},
+                   {fit_key("test_rmse"): 1.0, fit_key("test_ll"): -1.0})  # fmt: skip
+        (folder / ".cfbnn").mkdir()
+        (folder / ".cfbnn" / "config.json").write_text(json.dumps({"config": {"data.path#content": content}}))
+    report(tmp_path)
+    table = pd.read_csv(tmp_path / "report_train_regression_fit_table.csv", dtype=str)
+    assert sorted(table["data.path#content"]) == ["prices.csv (4677aa)", "prices.csv (ccdd)", "rents.csv"]
 
 
 def _table1_run_metrics(rmse, ll, coverage, layers=None):
@@ -185,8 +211,8 @@ def test_table1_runs_that_measured_no_gradient_variance_get_test_metrics_and_no_
     table = pd.read_csv(tmp_path / "report_train_regression_table.csv", dtype=str)
     assert len(table) == 1
     _assert_mean_se(table.loc[0, "Test RMSE"], rmse)
-    _assert_mean_se(table.loc[0, "Test LL"], ll)  # the closed-form predictive's
-    _assert_mean_se(table.loc[0, "90 %-interval coverage"], coverage)
+    _assert_mean_se(table.loc[0, "Test LL per row"], ll)  # the closed-form predictive's
+    _assert_mean_se(table.loc[0, "90 % interval coverage (%)"], [100 * v for v in coverage])
     markdown = (tmp_path / "report_train_regression_table.md").read_text()
     assert "— / —" not in markdown and "nan" not in markdown
 
@@ -234,9 +260,12 @@ def test_the_fit_keys_are_the_pipelines_contract():
         f"fit/{name}"
         for name in (
             "test_rmse",
+            "mean_rmse",
             "test_ll",
+            "reference_ll",
             "coverage_90",
             "coverage_50",
+            "noise_sd",
             "train_rows",
             "test_rows",
             "validation_ll",
@@ -250,6 +279,9 @@ def test_the_fit_keys_are_the_pipelines_contract():
         for name in (
             "test_accuracy",
             "test_nll",
+            "baseline_accuracy",
+            "baseline_nll",
+            "frequency_nll",
             "train_rows",
             "test_rows",
             "classes",

@@ -2,7 +2,8 @@
 
 The UCI protocol's validated recipe (``conf/train_regression/protocol/fit.yaml``: one hidden
 layer of 50 ReLUs, priors N(0, 1), posterior standard deviations started at 0.1, a learned
-noise) on one random train/test split (``data.test_fraction``, drawn from ``data.seed`` as the
+noise: by default each row's, a second output of the network, ``likelihood=heteroscedastic``; two
+or more hidden layers: :mod:`~cfbnn_cli.train.fit_settings`) on one random train/test split (``data.test_fraction``, drawn from ``data.seed`` as the
 UCI protocol's split ``k`` is drawn from ``k``):
 
 * the exact ELBO (nothing is sampled) is minimized by full-batch L-BFGS to convergence, or,
@@ -42,11 +43,20 @@ from ...report.metric_keys import fit_key
 from ...report.numbers import format_value
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
-from ...runtime.checks import require_choice, require_int, require_positive_float, require_widths
+from ...runtime.checks import require_bool, require_choice, require_int, require_positive_float, require_widths
 from ...runtime.device import synchronize
 from ...runtime.errors import ConfigError
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
-from ...runtime.progress import progress_bar
+from ...runtime.rundir import config_fingerprint
+from ...train.fit_checks import (
+    REFERENCE_SIZES,
+    FitFailedError,
+    failure_message,
+    reference_problems,
+    regression_problems,
+    suggestion,
+)
+from ...train.fit_records import FitRecords
 from ...train.fit_settings import validate_fit_settings
 from .log_target import held_out_metrics
 from .model_file import save_regression_model
@@ -54,24 +64,30 @@ from .uci_methods import Fitted, Split, fit_method, quiet, test_metrics
 
 log = logging.getLogger(__name__)
 METHODS = ("closed_form_diagonal", "closed_form_full", "closed_form_lowrank", "deterministic_2_hidden")
+LIKELIHOODS = ("normal", "heteroscedastic")
+# likelihood=heteroscedastic: the method of fit.method with a second output, the log noise variance
+HETEROSCEDASTIC = {"closed_form_diagonal": "heteroscedastic", "deterministic_2_hidden": "heteroscedastic_2_hidden"}
 
 
 def validate(cfg: DictConfig) -> str:
-    """Every check that needs no data; returns the method."""
+    """Every check that needs no data; returns the method (with ``likelihood=heteroscedastic``, its
+    heteroscedastic counterpart, :data:`HETEROSCEDASTIC`)."""
     method = require_choice(cfg, "fit.method", list(METHODS))
     validate_fit_settings(cfg)
     require_widths(cfg, "fit.deep_hidden_sizes", minimum_length=2, example="[50,50]")
     require_choice(cfg, "model.prior", list(PRIORS))
+    require_bool(cfg, "fit.reference")
     require_int(cfg, "model.rank", minimum=1)
     require_int(cfg, "trainer.batch_size", minimum=1)
     require_positive_float(cfg, "trainer.lr")
-    if OmegaConf.select(cfg, "likelihood", default="normal") != "normal":
+    likelihood = require_choice(cfg, "likelihood", list(LIKELIHOODS))
+    if likelihood == "heteroscedastic" and method not in HETEROSCEDASTIC:
         raise ConfigError(
-            f"likelihood={cfg.likelihood} with protocol=fit: the fit and `cfbnn predict` use the Normal likelihood; "
-            "experiment=uci 'uci.methods=[heteroscedastic]' measures the heteroscedastic one"
+            f"likelihood=heteroscedastic (the fit's default) with fit.method={method}: the heteroscedastic network is "
+            f"mean-field (fit.method={' or '.join(HETEROSCEDASTIC)}); add likelihood=normal for {method}"
         )
     validate_data_config(cfg)
-    return method
+    return HETEROSCEDASTIC[method] if likelihood == "heteroscedastic" else method
 
 
 def method_config(cfg: DictConfig) -> DictConfig:
@@ -102,9 +118,11 @@ def _to_device(data: RegressionData, device) -> RegressionData:
 
 def _require_memory(cfg, method: str, table: RegressionTable, train_rows: int, test_rows: int) -> None:
     """The method's network and the rows a fit holds at once, counted before anything is allocated."""
-    deep = method == "deterministic_2_hidden"
+    deep = method.endswith("_2_hidden")
     sizes = list(cfg.fit.deep_hidden_sizes if deep else cfg.model.hidden_sizes)
-    kind = "diagonal" if deep else method.removeprefix("closed_form_")
+    # the heteroscedastic methods are mean-field, with a second output: the log noise variance
+    kind = method.removeprefix("closed_form_") if method.startswith("closed_form_") else "diagonal"
+    outputs = 2 if method.startswith("heteroscedastic") else 1
     rows, optimizer = rows_at_once(
         train_rows, cfg.fit.full_batch_max_rows, cfg.trainer.batch_size, len(table.y) if cfg.fit.refit else 0
     )
@@ -112,7 +130,7 @@ def _require_memory(cfg, method: str, table: RegressionTable, train_rows: int, t
         f"{'fit.deep_hidden_sizes' if deep else 'model.hidden_sizes'}={sizes} (fit.method={method})",
         table.x.shape[1],
         sizes,
-        1,
+        outputs,
         rows=rows,
         optimizer=optimizer,
         prediction_rows=test_rows,
@@ -123,12 +141,11 @@ def _require_memory(cfg, method: str, table: RegressionTable, train_rows: int, t
     )
 
 
-def _fit(method: str, data: RegressionData, cfg, device, seed: int, label: str) -> Fitted:
-
-    with progress_bar(total=1, desc=label, unit="fit", leave=False) as bar, quiet("cfbnn_cli.train.loop"):
-        fitted = fit_method(method, Split(data, 0, progress=bar), cfg, device, seed=seed)
-        bar.update(1)
-    return fitted
+def _fit(method: str, data: RegressionData, cfg, device, seed: int, records: FitRecords, phase: str) -> Fitted:
+    """``method`` fitted to ``data``'s training rows as the fit's ``phase`` (``fit`` or ``refit``): its
+    progress shown, its rows in metrics.csv, its checkpoint kept (:mod:`~cfbnn_cli.train.fit_records`)."""
+    with quiet("cfbnn_cli.train.loop"):
+        return fit_method(method, Split(data, 0, records=records, phase=phase), cfg, device, seed=seed)
 
 
 def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
@@ -140,6 +157,9 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     data = _to_device(table.split(train, test), device)
     settings = method_config(cfg)
     _require_memory(cfg, method, table, len(train), len(test))
+    records = FitRecords(
+        run_dir, config_fingerprint(cfg, run_dir), bool(cfg.resume), OmegaConf.to_container(cfg, resolve=True)
+    )
     log.info(
         "fitting %s on %s: %d training rows, %d held out, %d features (%s), hidden layers %s, device=%s",
         method,
@@ -148,29 +168,42 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         len(test),
         table.x.shape[1],
         ", ".join(table.columns) if table.columns else "by position",
-        list(cfg.model.hidden_sizes) if method != "deterministic_2_hidden" else list(cfg.fit.deep_hidden_sizes),
+        list(cfg.model.hidden_sizes) if not method.endswith("_2_hidden") else list(cfg.fit.deep_hidden_sizes),
         device,
     )
     with validate_args(False):
         synchronize(device)
         started = time.perf_counter()
-        fitted = _fit(method, data, settings, device, seed=int(cfg.seed) * 1000, label="fit")
+        fitted = _fit(method, data, settings, device, int(cfg.seed) * 1000, records, "fit")
         synchronize(device)
         seconds = time.perf_counter() - started
         log_target = table.target_transform == "log"  # metrics in the target's units, not its log's
-        metrics_row = (held_out_metrics if log_target else test_metrics)(fitted.predict, data, settings)
+        held_out = held_out_metrics if log_target else test_metrics
+        metrics_row = held_out(fitted.predict, data, settings)
+        mean_rmse = _mean_rmse(data, log_target)
+        # the noise against the target's spread on the scale it was fitted on (log(target)'s, for a log target)
+        problems = regression_problems(
+            metrics_row["rmse"], mean_rmse, fitted.noise_std * data.target_std, data.target_std
+        )
+        sizes = list(cfg.model.hidden_sizes) if not method.endswith("_2_hidden") else list(cfg.fit.deep_hidden_sizes)
+        reference_ll = None
+        if len(sizes) > 1 and cfg.fit.reference:  # a deep network: is it better than one hidden layer here?
+            reference_ll = _reference_ll(method, data, settings, device, int(cfg.seed) * 1000, records, held_out)
+            problems += reference_problems(metrics_row["test_ll"], reference_ll)
         figure = _plot_held_out(fitted, data, settings, table, run_dir / "fit.png")
         model, estimator, scaled = fitted.model, fitted.estimator, data
-        if cfg.fit.refit:
+        if cfg.fit.refit and not problems:  # a failed fit is not refit: there is no model.pt to make
             every = np.arange(len(table.y))
             scaled = _to_device(table.split(every, every[:0]), device)
             log.info("fit.refit=true: refitting on all %d rows for %s", len(every), FILE_NAME)
             # the UCI protocol's uci.save_model refit draws from the same seed: one model for one table
-            refit = _fit(method, scaled, settings, device, seed=int(cfg.seed) + 10_000, label="refit")
+            refit = _fit(method, scaled, settings, device, int(cfg.seed) + 10_000, records, "refit")
             model, estimator = refit.model, refit.estimator
     metrics = {
         fit_key("test_rmse"): metrics_row["rmse"],
+        fit_key("mean_rmse"): mean_rmse,
         fit_key("test_ll"): metrics_row["test_ll"],
+        fit_key("reference_ll"): reference_ll,
         fit_key("coverage_90"): metrics_row["coverage_90"],
         fit_key("coverage_50"): metrics_row["coverage_50"],
         fit_key("noise_sd"): fitted.noise_std * data.target_std,
@@ -182,7 +215,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         fit_key("converged"): float(fitted.converged or fitted.stopped_early),
     }
     how = (
-        f"L-BFGS, {fitted.iterations} iterations, {'converged' if fitted.converged else 'NOT converged (raise fit.max_iterations)'}"
+        f"L-BFGS, {fitted.iterations} iterations, {fitted.stop}"
         if fitted.optimizer == "lbfgs"
         else f"Adam, {fitted.iterations} epochs, {'stopped by validation' if fitted.stopped_early else 'reached trainer.epochs'}"
     )
@@ -205,6 +238,9 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                 f"{100 * metrics[fit_key('coverage_50')]:.1f} %",
                 format_value(metrics[fit_key("noise_sd")]),
                 how,
+                format_value(mean_rmse),
+                "—" if reference_ll is None else format_value(reference_ll),
+                "FAILED: " + "; ".join(problems) if problems else "learned from the features",
             ]
         },
         index=[
@@ -213,8 +249,13 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             "log-likelihood per row",
             "90 % interval coverage",
             "50 % interval coverage",
-            "noise s.d. (learned)" + (f", log({table.target}) units" if log_target else ""),
+            "noise s.d. (learned"
+            + (", root mean square over the rows" if method.startswith("heteroscedastic") else "")
+            + (f", log({table.target}) units)" if log_target else ")"),
             "training",
+            "RMSE of the training mean",
+            f"log-likelihood per row of one hidden layer of {REFERENCE_SIZES[0]} (fit.reference)",
+            "result",
         ],
     )
     if log_target:
@@ -228,8 +269,36 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         f"(seed {cfg.data.seed}); units of {table.target}",
         data=data_frame,
     )
+    if problems:
+        advice = suggestion(sizes, data.input_dim, 1, len(train), bool(fitted.converged or fitted.stopped_early))
+        raise FitFailedError(failure_message(f"{method} on {table.name}:", problems, advice, run_dir), metrics, tables)
     save_regression_model(run_dir, model, scaled, estimator.name, method)
     return {"metrics": metrics, "tables": tables, "figures": {"fit": figure}, "device": device, "main_table": "fit.md"}
+
+
+def _reference_ll(
+    method: str, data: RegressionData, settings, device, seed: int, records: FitRecords, held_out=test_metrics
+) -> float:
+    """The held-out log-likelihood per row of ``method``'s one-hidden-layer counterpart (the default
+    recipe, :data:`~cfbnn_cli.train.fit_checks.REFERENCE_SIZES`) on the same split: what a deep fit
+    is measured against (``fit.reference``)."""
+    one_layer = {"deterministic_2_hidden": "closed_form_diagonal", "heteroscedastic_2_hidden": "heteroscedastic"}
+    values = OmegaConf.to_container(settings, resolve=True)
+    values["model"]["hidden_sizes"] = list(REFERENCE_SIZES)
+    reference = OmegaConf.create(values)
+    log.info("fit.reference=true: one hidden layer of %d on the same rows, for comparison", REFERENCE_SIZES[0])
+    fitted = _fit(one_layer.get(method, method), data, reference, device, seed, records, "reference")
+    return held_out(fitted.predict, data, reference)["test_ll"]
+
+
+def _mean_rmse(data: RegressionData, log_target: bool) -> float:
+    """The held-out RMSE, in the target's units, of predicting the training rows' mean for every row
+    (what a fit must beat); ``data`` holds the standardized target, or its log's (``log_target``)."""
+    if not log_target:  # the standardized training mean is 0
+        return float(data.y_test.double().square().mean().sqrt()) * data.target_std
+    train = (data.y_train.double() * data.target_std + data.target_mean).exp()
+    test = (data.y_test.double() * data.target_std + data.target_mean).exp()
+    return float((test - train.mean()).square().mean().sqrt())
 
 
 def _plot_held_out(fitted: Fitted, data: RegressionData, cfg, table: RegressionTable, path: Path) -> str:

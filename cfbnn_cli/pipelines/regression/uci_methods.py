@@ -16,14 +16,16 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
-from ...bnn.estimators import ClosedForm, DeterministicPropagation, Estimator
+from ...bnn.estimators import ClosedForm, Estimator
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
 from ...bnn.network import BayesianNetwork
 from ...bnn.predictive import mixture_log_likelihood, mixture_mean
 from ...data.regression import RegressionData
 from ...runtime.numerics import map_row_chunks, rows_per_chunk
 from ...train import TrainingLoop, optimizers
-from ...train.full_batch import minimize_full_batch
+from ...train.fit_records import FitProgress, FitRecords, epoch_note, run_adam_phase, run_lbfgs_phase
+from ...train.fit_settings import fit_estimator, input_scale, prior_scale, scale_first_layer
+from ...train.full_batch import FullBatchMinimizer, minimize_with_polish
 from ...train.graphs import BatchLoss
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class Fitted:
     iterations: int  # L-BFGS iterations or Adam epochs
     converged: bool = False  # L-BFGS met its convergence test
     stopped_early: bool = False  # Adam stopped by the validation rule before trainer.epochs
+    stop: str = ""  # how L-BFGS stopped, in words (FullBatchResult.describe)
     equal_time: Optional[Dict[str, float]] = None
     model: Optional[BayesianNetwork] = None  # the trained cfbnn network (the closed forms), to save
     estimator: Estimator = field(default_factory=ClosedForm)  # how `model` predicts
@@ -103,6 +106,9 @@ class Split:
     equal_time_seconds: Optional[float] = None  # the default closed form's training time on this split
     progress: Optional[object] = None  # the protocol's bar (one tick per fit): steps show as its postfix
     warm_up: bool = False  # the untimed warm-up fit before the first split, not a result
+    # an own-data fit: its progress lines, metrics.csv and checkpoints (train/fit_records.py), as `phase`
+    records: Optional[FitRecords] = None
+    phase: str = "fit"
 
 
 def _network(
@@ -134,7 +140,7 @@ def _network(
         cfg.model.activation,
         covariance[point_layers:],
         cfg.model.rank,
-        cfg.model.prior_scale,
+        prior_scale(cfg, sizes),
         cfg.model.init_scale if init_scale is None else init_scale,
         likelihood,
         point_layers=point_layers,
@@ -176,30 +182,48 @@ def _fit_by_validation(
     fit_rows, validation_rows = _validation_split(data.num_train, cfg.uci.validation_fraction, 10_000 + split.index)
     fit_rows, validation_rows = fit_rows.to(device), validation_rows.to(device)
     x_validation, y_validation = data.x_train[validation_rows], data.y_train[validation_rows]
+    batch_size = min(cfg.trainer.batch_size, len(fit_rows))
+    records = split.records
+    progress = (
+        _StepCount(split.progress)
+        if records is None
+        else FitProgress(
+            split.phase,
+            cfg.trainer.epochs * math.ceil(len(fit_rows) / batch_size),
+            "step",
+            f"Adam, {len(fit_rows)} rows in batches of {batch_size}, step {{count}} of at most {{total}}",
+        )
+    )
     loop = TrainingLoop(
         module,
         optimizers.adam(parameters, lr=cfg.trainer.lr),
         # the fit rows' inputs and targets, a minibatch gathered from them (outside a CUDA graph)
         BatchLoss((data.x_train[fit_rows], data.y_train[fit_rows]), lambda x, y: loss_on_batch(x, y, len(fit_rows))),
         len(fit_rows),
-        min(cfg.trainer.batch_size, len(fit_rows)),
+        batch_size,
         device,
         epochs=cfg.trainer.epochs,
         data_generator=torch.Generator().manual_seed(split.index),
-        label=name,
+        label=name if records is None else split.phase,
         evaluate=lambda epoch: {
             "validation_ll": _predictive_log_likelihood(validation_predict, x_validation, y_validation)
         },
+        after_epoch=None if records is None else lambda epoch, row: progress.note(epoch_note(loop, epoch)),
         select=("validation_ll", "max"),
         patience=cfg.uci.patience,
         evaluate_every=cfg.uci.evaluate_every,
         snapshot_after_seconds=split.equal_time_seconds,
-        progress=_StepCount(split.progress),
+        progress=progress,
         generators={f"sampler{i}": g for i, g in enumerate(generators)},
         cuda_graphs=cfg.trainer.cuda_graphs,
+        **({} if records is None else records.loop_options(split.phase)),
     )
-    with quiet("cfbnn_cli.train.loop"):
-        result = loop.run()
+    try:
+        with quiet("cfbnn_cli.train.loop"):
+            history, stopped_early = run_adam_phase(loop, records)
+    finally:
+        if records is not None:
+            progress.close()
     equal_time = None
     if loop.snapshot is not None:
         final = copy.deepcopy(module.state_dict())
@@ -207,9 +231,7 @@ def _fit_by_validation(
         equal_time = test_metrics(predict, data, cfg)
         module.load_state_dict(final)
     loop.load_best()
-    return Fitted(
-        predict, noise_std(), "adam", len(result.history), stopped_early=loop.stopped_early, equal_time=equal_time
-    )
+    return Fitted(predict, noise_std(), "adam", len(history), stopped_early=stopped_early, equal_time=equal_time)
 
 
 class _StepCount:
@@ -243,63 +265,89 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
     data = split.data
     name = method or f"closed_form_{covariance}"
     likelihood, deep = DETERMINISTIC_METHODS.get(method, ("normal", False))
-    estimator = DeterministicPropagation() if deep else ClosedForm()
-    model = _network(
-        data,
-        cfg,
-        generator,
-        covariance,
-        sizes=list(cfg.uci.deep_hidden_sizes) if deep else None,
-        heteroscedastic=likelihood == "heteroscedastic",
-    ).to(device)
+    sizes = list(cfg.uci.deep_hidden_sizes) if deep else list(cfg.model.hidden_sizes)
+    # two or more hidden layers: moments propagated (L-BFGS needs an objective with nothing sampled)
+    estimator = fit_estimator(sizes)
+    model = _network(data, cfg, generator, covariance, sizes=sizes, heteroscedastic=likelihood == "heteroscedastic").to(
+        device
+    )
+    # while it trains, the inputs are multiplied by `scale` and the first layer's weights divided by it
+    # (its prior, in the inputs' units, then the one-layer recipe's: fit_settings.input_scale); the
+    # factor goes into the weights when training ends, and `inputs[0]` back to 1
+    scale = input_scale(cfg, sizes)
+    inputs = [scale]
+    if scale != 1.0:
+        scale_first_layer(model, 1.0 / scale)  # the usual starting point, in the inputs' units
     sampler = torch.Generator(device=device).manual_seed(int(generator.initial_seed()) + 1)
 
     @torch.no_grad()
     def predict(x):  # exact when nothing is sampled (one hidden layer, or the deterministic methods)
         return model.predictive_components(
-            x, estimator=estimator, num_samples=cfg.uci.predictive_samples, generator=sampler
+            x * inputs[0], estimator=estimator, num_samples=cfg.uci.predictive_samples, generator=sampler
         )
 
     def noise_std():  # the learned noise, or for a heteroscedastic net root mean exp(l) over the training inputs
         if likelihood == "normal":
             return float(model.precision.detach()) ** -0.5
         with torch.no_grad():
-            mean, _ = model.output_moments(data.x_train, estimator=estimator, noise=())
+            mean, _ = model.output_moments(data.x_train * inputs[0], estimator=estimator, noise=())
         return float(mean[..., 1].exp().mean().sqrt())
+
+    def trained():  # the input scale into the first layer: the model takes the standardized inputs
+        if inputs[0] != 1.0:
+            scale_first_layer(model, inputs[0])
+            inputs[0] = 1.0
 
     if data.num_train > cfg.uci.full_batch_max_rows:  # too many rows for one batch: minibatch Adam like the peers
         fitted = _fit_by_validation(
             name,
             model,
             model.parameters(),
-            lambda x, y, count: -model.elbo(x, y, num_data=count, estimator=estimator),
+            lambda x, y, count: -model.elbo(x * inputs[0], y, num_data=count, estimator=estimator),
             predict,
             predict,
-            Split(data, split.index),
+            Split(data, split.index, records=split.records, phase=split.phase),
             cfg,
             device,
             noise_std,
         )
+        trained()
+        fitted.noise_std = noise_std()
         fitted.model, fitted.estimator = model, estimator
         return fitted
     num_data = data.num_train
 
-    def negative_elbo_per_point():
-        return -model.elbo(data.x_train, data.y_train, num_data=num_data, estimator=estimator) / num_data
+    def objective_in(dtype):  # the negative ELBO per point, the rows in `dtype` (float64: the polish)
+        x, y = data.x_train.to(dtype) * scale, data.y_train.to(dtype)
+        return lambda: -model.elbo(x, y, num_data=num_data, estimator=estimator) / num_data
 
-    options = dict(
-        max_iterations=cfg.uci.max_iterations,
-        rtol=cfg.uci.rtol,
-        label=f"{name} ELBO",
-        progress=_StepCount(split.progress),
-    )
-    result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
-    iterations, converged = result.iterations, result.converged
+    def minimize(phase: str, label: str):
+        def run_stage(minimizer, stage):
+            return _minimize(minimizer, model, split, f"{phase}_{stage}" if stage else phase)
+
+        return minimize_with_polish(
+            objective_in, model, run_stage, max_iterations=cfg.uci.max_iterations, rtol=cfg.uci.rtol, label=label
+        )
+
+    result = minimize(split.phase, f"{name} ELBO")
+    iterations, converged, stop = result.iterations, result.converged, result.describe()
     if cfg.model.prior == "empirical_bayes":  # learned prior variances, from the fixed-prior optimum
         model.prior = "empirical_bayes"
-        result = minimize_full_batch(negative_elbo_per_point, model.parameters(), **options)
+        result = minimize(f"{split.phase}_empirical_bayes", f"{name} ELBO (empirical Bayes prior)")
         iterations, converged = iterations + result.iterations, converged and result.converged
-    return Fitted(predict, noise_std(), "lbfgs", iterations, converged, model=model, estimator=estimator)
+        stop = f"{stop}; then, prior learned: {result.describe()}"
+    trained()
+    return Fitted(predict, noise_std(), "lbfgs", iterations, converged, model=model, estimator=estimator, stop=stop)
+
+
+def _minimize(minimizer: FullBatchMinimizer, model, split: Split, phase: str):
+    """``minimizer.run()``: counted on the protocol's bar, or, in an own-data fit, with its progress
+    lines, metrics.csv rows and checkpoint (:func:`~cfbnn_cli.train.fit_records.run_lbfgs_phase`)."""
+    if split.records is None:
+        return minimizer.run(_StepCount(split.progress))
+    what = "L-BFGS iteration {count} of at most {total}"
+    with FitProgress(phase, minimizer.max_iterations, "it", what) as progress:
+        return run_lbfgs_phase(minimizer, model, split.records, phase, progress)
 
 
 def _fit_local_reparameterization(split: Split, cfg, device, generator):
@@ -355,7 +403,7 @@ def _fit_pyro(split: Split, cfg, device, generator):
     pyro.clear_param_store()
     pyro.set_rng_seed(int(generator.initial_seed()))
     D, H = data.input_dim, cfg.model.hidden_sizes[0]
-    model = PyroMLPRegression(D, H, cfg.model.activation, cfg.model.prior_scale, device=device)
+    model = PyroMLPRegression(D, H, cfg.model.activation, prior_scale(cfg, [H]), device=device)
     # the same starting means as cfbnn's (randn / sqrt(fan_in)), not Pyro's all-zero default
     start = _starting_means(data, cfg, generator)
     guide = AutoNormal(
@@ -382,7 +430,7 @@ def _fit_pyro_local_reparameterization(split: Split, cfg, device, generator):
         data.input_dim,
         cfg.model.hidden_sizes[0],
         cfg.model.activation,
-        cfg.model.prior_scale,
+        prior_scale(cfg, cfg.model.hidden_sizes),
         cfg.uci.sampling_init_scale,
         start=_starting_means(data, cfg, generator),
         device=device,

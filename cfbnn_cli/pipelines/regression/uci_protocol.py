@@ -78,12 +78,14 @@ from ...moments import ACTIVATIONS, validate_args
 from ...report.metric_keys import uci_key
 from ...report.tables import write_table
 from ...run_values import RunValues, parse_run_values
+from ...runtime.checkpoints import note_saved
 from ...runtime.checks import require_choice, require_fraction, require_int, require_positive_float, require_widths
 from ...runtime.device import synchronize
 from ...runtime.errors import CheckpointError, ConfigError, DataError
 from ...runtime.io import atomic_write_json
 from ...runtime.progress import progress_bar
 from ...runtime.rundir import config_fingerprint, refuse_other_config
+from ...train.fit_settings import require_prior_scale
 from .model_file import save_regression_model
 from .uci_methods import DETERMINISTIC_METHODS, METHODS, Fitted, Split, fit_method, quiet, test_metrics
 from .uci_report import mean_and_standard_error, plot_coverage, plot_paired_differences, summary_data, summary_table
@@ -121,7 +123,7 @@ def validate(cfg: DictConfig) -> List[str]:
     require_int(cfg, "model.rank", minimum=1)
     require_positive_float(cfg, "model.init_scale")
     require_positive_float(cfg, "uci.sampling_init_scale")
-    require_positive_float(cfg, "model.prior_scale")
+    require_prior_scale(cfg)
     require_choice(cfg, "model.activation", sorted(ACTIVATIONS))
     sizes = require_widths(cfg, "model.hidden_sizes", example="[50]")
     validate_data_config(cfg)
@@ -377,6 +379,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                         "optimizer": fitted.optimizer,
                         "converged": fitted.converged,
                         "stopped_early": fitted.stopped_early,
+                        "stop": fitted.stop,  # how L-BFGS stopped, in words ("" for Adam)
                     }
                     record.update(evaluate(fitted, split.data, device, cfg))
                     if method == reference:
@@ -388,6 +391,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
                         record["equal_time_test_ll"] = None  # another full-batch closed form: its own time
                     records.append(record)
                     atomic_write_json(progress_path, {"config_fingerprint": fingerprint, "records": records})
+                    note_saved(progress_path)
                     bar.update(1)
                     log.info(
                         "split %d %-26s test LL %8.4f  RMSE %10.4g  train %6.2fs (%s %d)  predict %.2f ms/1000",

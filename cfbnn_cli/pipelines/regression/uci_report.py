@@ -33,9 +33,20 @@ def _iterations(method: str, part: pd.DataFrame, cfg) -> str:
     median = int(round(float(part["iterations"].median())))
     if part["optimizer"].iloc[0] == "lbfgs":
         converged = int(part["converged"].sum())
-        return f"L-BFGS {median} it. ({converged}/{len(part)} converged)"
+        text = f"L-BFGS {median} it. ({converged}/{len(part)} converged"
+        if converged < len(part) and "stop" in part:  # why the others did not (records of older runs lack it)
+            why = part.loc[~part["converged"].astype(bool), "stop"].dropna().map(_why_not).value_counts()
+            text += "; " + ", ".join(f"{count}: {reason}" for reason, count in why.items())
+        return text + ")"
     stopped = int(part["stopped_early"].sum())
     return f"Adam {median} ep. ({stopped}/{len(part)} stopped by validation)"
+
+
+def _why_not(stop: str) -> str:
+    """How an L-BFGS run stopped without converging, in a few words (``NOT converged: reached the
+    iteration limit (largest gradient entry 0.02)`` -> ``reached the iteration limit``)."""
+    text = str(stop).split(";")[-1].replace("NOT converged:", "").split("(")[0].strip()
+    return text or "not converged"
 
 
 def summary_table(records: pd.DataFrame, methods: List[str], cfg, reference: Optional[str] = None) -> pd.DataFrame:
