@@ -114,5 +114,7 @@ def test_fit_settings_are_checked_before_any_work(tmp_path):
 @pytest.mark.slow
 def test_a_bad_fit_setting_is_one_line_through_the_cli(tmp_path, cfbnn):
     _table(rows=40).to_csv(tmp_path / "t.csv", index=False)
-    out = cfbnn("train", "regression", "data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target", "fit.rtol=-1")
+    out = cfbnn(
+        "train", "regression", "data=csv", f"data.path={tmp_path / 't.csv'}", "data.target=target", "fit.rtol=-1"
+    )
     assert "fit.rtol" in one_line_error(out)
