@@ -127,6 +127,40 @@ def finish_all(processes, timeout=300):
     return finished
 
 
+# a valid record of a UCI run's progress file (uci_progress.json), which the trust tests vary
+GOOD_PROGRESS_RECORD = {
+    "split": 0,
+    "method": "plain_mlp",
+    "train_seconds": 1.0,
+    "iterations": 3,
+    "optimizer": "adam",
+    "converged": False,
+    "stopped_early": True,
+    "test_ll": -1.0,
+    "rmse": 0.5,
+    "predict_seconds_per_1000": 0.01,
+    "noise_std": 0.3,
+    "equal_time_test_ll": None,
+}
+
+
+def small_model_file(path):
+    """A model file at ``path`` of a one-hidden-layer network (8 units) reading columns a, b, c."""
+    import numpy as np
+
+    from cfbnn_cli.bnn import ClosedFormBNN, save_model
+
+    torch.manual_seed(0)
+    return save_model(
+        path,
+        ClosedFormBNN(3, 8, init_scale=0.1).eval(),
+        feature_mean=np.zeros(3),
+        feature_std=np.ones(3),
+        columns=["a", "b", "c"],
+        target="y",
+    )
+
+
 @pytest.fixture(autouse=True)
 def _clear_hydra():
     """Hydra keeps global state between compose/initialize calls; reset it around each test."""

@@ -10,14 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from conftest import TRUST_REGRESSION as REGRESSION
-from conftest import finish_all, one_line_error
+from conftest import finish_all, one_line_error, small_model_file
 from omegaconf import OmegaConf
 
-from cfbnn_cli.bnn import ClosedFormBNN, save_model
 from cfbnn_cli.cli import SUBCOMMANDS
 from cfbnn_cli.cli_messages import hydra_arguments
 from cfbnn_cli.pipelines import predict
@@ -155,15 +152,7 @@ def test_hydras_flags_after_the_overrides_work_and_a_bad_flag_is_one_line(tmp_pa
 def run(tmp_path):
     """A finished run dir holding a model of columns a, b, c, and a table of new rows."""
     folder = _finished_run(tmp_path / "run", "train_regression")
-    torch.manual_seed(0)
-    save_model(
-        folder / "model.pt",
-        ClosedFormBNN(3, 8, init_scale=0.1).eval(),
-        feature_mean=np.zeros(3),
-        feature_std=np.ones(3),
-        columns=["a", "b", "c"],
-        target="y",
-    )
+    small_model_file(folder / "model.pt")
     record = json.loads((folder / "results.json").read_text())
     record.update(tables={"fit.md": "fit.md"}, figures={"fit": "fit.png"})
     (folder / "results.json").write_text(json.dumps(record))

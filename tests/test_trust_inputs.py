@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import GOOD_PROGRESS_RECORD, finish_all
 from conftest import TRUST_REGRESSION as SMALL
-from conftest import finish_all
 
 from cfbnn_cli.cli import compose_config
 from cfbnn_cli.data.regression import tabular_file
@@ -222,22 +222,6 @@ def _progress(tmp_path, records):
     return path
 
 
-GOOD_RECORD = {
-    "split": 0,
-    "method": "plain_mlp",
-    "train_seconds": 1.0,
-    "iterations": 3,
-    "optimizer": "adam",
-    "converged": False,
-    "stopped_early": True,
-    "test_ll": -1.0,
-    "rmse": 0.5,
-    "predict_seconds_per_1000": 0.01,
-    "noise_std": 0.3,
-    "equal_time_test_ll": None,
-}
-
-
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -250,12 +234,12 @@ GOOD_RECORD = {
     ],
 )
 def test_a_progress_record_with_bad_contents_is_one_named_error(tmp_path, change, message):
-    record = {k: v for k, v in {**GOOD_RECORD, **change}.items() if v is not None or k == "equal_time_test_ll"}
+    record = {k: v for k, v in {**GOOD_PROGRESS_RECORD, **change}.items() if v is not None or k == "equal_time_test_ll"}
     with pytest.raises(CheckpointError, match=message):
         read_progress(_progress(tmp_path, [record]), "f", 2, ["plain_mlp"])
-    assert read_progress(_progress(tmp_path, [GOOD_RECORD]), "f", 2, ["plain_mlp"]) == [GOOD_RECORD]
+    assert read_progress(_progress(tmp_path, [GOOD_PROGRESS_RECORD]), "f", 2, ["plain_mlp"]) == [GOOD_PROGRESS_RECORD]
     with pytest.raises(CheckpointError, match="appears twice"):
-        read_progress(_progress(tmp_path, [GOOD_RECORD, GOOD_RECORD]), "f", 2, ["plain_mlp"])
+        read_progress(_progress(tmp_path, [GOOD_PROGRESS_RECORD, GOOD_PROGRESS_RECORD]), "f", 2, ["plain_mlp"])
 
 
 def _shard_folder(tmp_path, shards, fields):
@@ -630,7 +614,7 @@ def test_fuzz_the_checkpoint_readers(tmp_path):
 def test_fuzz_the_progress_record_reader(tmp_path):
     rng = random.Random(4)
     path = tmp_path / "uci_progress.json"
-    valid = {"config_fingerprint": "f", "records": [GOOD_RECORD, {**GOOD_RECORD, "split": 1}]}
+    valid = {"config_fingerprint": "f", "records": [GOOD_PROGRESS_RECORD, {**GOOD_PROGRESS_RECORD, "split": 1}]}
     payloads = _bytes_payloads(rng, 30) + [json.dumps(_random_json(rng)) for _ in range(60)]
     payloads += [json.dumps(_mutations(rng, valid)) for _ in range(150)]
     payloads.append("[" * 50000 + "]" * 50000)

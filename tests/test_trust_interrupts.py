@@ -18,12 +18,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import GOOD_PROGRESS_RECORD, one_line_error, small_model_file
 from conftest import TRUST_REGRESSION as REGRESSION
-from conftest import one_line_error
 from omegaconf import OmegaConf
 
 from cfbnn_cli import cli
-from cfbnn_cli.bnn import ClosedFormBNN, load_model, save_model
+from cfbnn_cli.bnn import load_model
 from cfbnn_cli.cli import compose_config
 from cfbnn_cli.pipelines import predict
 from cfbnn_cli.pipelines.regression.uci_protocol import read_progress
@@ -39,15 +39,7 @@ AS_ROOT = os.geteuid() == 0
 @pytest.fixture
 def model(tmp_path):
     """A model file of columns a, b, c, and a table of new rows for it."""
-    torch.manual_seed(0)
-    path = save_model(
-        tmp_path / "model.pt",
-        ClosedFormBNN(3, 8, init_scale=0.1).eval(),
-        feature_mean=np.zeros(3),
-        feature_std=np.ones(3),
-        columns=["a", "b", "c"],
-        target="y",
-    )
+    path = small_model_file(tmp_path / "model.pt")
     (tmp_path / "new.csv").write_text("a,b,c\n0.1,0.2,0.3\n1,2,3\n")
     return path
 
@@ -391,20 +383,7 @@ def test_report_and_predict_argument_errors_are_one_line_without_a_doubled_prefi
 
 
 def test_a_progress_record_outside_the_runs_splits_is_refused(tmp_path):
-    record = {
-        "split": 99,
-        "method": "plain_mlp",
-        "train_seconds": 1.0,
-        "iterations": 3,
-        "optimizer": "adam",
-        "converged": False,
-        "stopped_early": True,
-        "test_ll": -1.0,
-        "rmse": 0.5,
-        "predict_seconds_per_1000": 0.01,
-        "noise_std": 0.3,
-        "equal_time_test_ll": None,
-    }
+    record = {**GOOD_PROGRESS_RECORD, "split": 99}
     path = tmp_path / "uci_progress.json"
     path.write_text(json.dumps({"config_fingerprint": "f", "records": [record]}))
     with pytest.raises(CheckpointError, match="a record of split 99 .plain_mlp., but this run has splits 0..1"):

@@ -16,9 +16,9 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import one_line_error
+from conftest import one_line_error, small_model_file
 
-from cfbnn_cli.bnn import BayesianNetwork, CategoricalLikelihood, ClosedFormBNN, load_model, save_model
+from cfbnn_cli.bnn import BayesianNetwork, CategoricalLikelihood, load_model
 from cfbnn_cli.bnn.model_file import architecture_of
 from cfbnn_cli.cli import compose_config
 from cfbnn_cli.pipelines import classification, predict
@@ -65,6 +65,7 @@ def test_a_full_covariance_fit_counts_its_factors(tmp_path, monkeypatch):
             f"data.path={table}",
             "data.target=y",
             "fit.method=closed_form_full",
+            "likelihood=normal",
             "model.hidden_sizes=[20000]",
         ],
     )
@@ -105,15 +106,7 @@ def test_the_width_is_refused_through_the_command_under_a_memory_limit(tmp_path)
 
 
 def _model_record(tmp_path):
-    torch.manual_seed(0)
-    path = save_model(
-        tmp_path / "good.pt",
-        ClosedFormBNN(3, 8, init_scale=0.1).eval(),
-        feature_mean=np.zeros(3),
-        feature_std=np.ones(3),
-        columns=["a", "b", "c"],
-        target="y",
-    )
+    path = small_model_file(tmp_path / "good.pt")
     return path, torch.load(path, weights_only=True)
 
 

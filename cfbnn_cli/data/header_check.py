@@ -19,7 +19,15 @@ from ..runtime.errors import ConfigError, DataError
 from ..runtime.safefs import describe_file, shown_path
 from .layout import TARGET_TRANSFORMS, UNSEEN_POLICIES, index_column
 from .options import names_option, table_options
-from .tabular import _GZIP, MISSING_POLICIES, _categorical_choice, check_names, chosen_columns, header_of, refuse_binary
+from .tabular import (
+    GZIP_MAGIC,
+    MISSING_POLICIES,
+    categorical_choice,
+    check_names,
+    chosen_columns,
+    header_of,
+    refuse_binary,
+)
 
 
 def _first_line(path: Path) -> list:
@@ -28,8 +36,8 @@ def _first_line(path: Path) -> list:
         with open(path, "rb") as raw:
             head = raw.read(8)
             raw.seek(0)
-            stream = gzip.GzipFile(fileobj=raw) if head.startswith(_GZIP) else raw
-            if not head.startswith(_GZIP):
+            stream = gzip.GzipFile(fileobj=raw) if head.startswith(GZIP_MAGIC) else raw
+            if not head.startswith(GZIP_MAGIC):
                 refuse_binary(path, head)
             text = io.TextIOWrapper(stream, encoding="utf-8-sig", newline="")
             row = next(csv.reader(text), None)
@@ -83,7 +91,7 @@ def check_table_header(cfg) -> None:
         header = header[1:]
     check_names(path, header)
     columns = chosen_columns(path, header, str(data.target), features, drop)
-    _categorical_choice(path, table_options(data)["categorical"], columns)
+    categorical_choice(path, table_options(data)["categorical"], columns)
 
 
 _STOP = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--resolve")

@@ -53,7 +53,7 @@ MIN_SPLIT_ROWS = 10  # a held-out split needs a few training rows and at least o
 # one-hot encoded; one with more (an ID, a name, free text) still needs data.drop or naming
 AUTO_MAX_LEVELS = 50
 ID_MIN_ROWS = 20  # an integer column distinct in every one of at least this many rows is probably an ID
-_GZIP = b"\x1f\x8b"
+GZIP_MAGIC = b"\x1f\x8b"
 _COMPRESSED = (
     (b"BZh", "bzip2 (.bz2)", "bunzip2"),
     (b"\xfd7zXZ\x00", "xz (.xz)", "unxz"),
@@ -102,7 +102,7 @@ def decoded_lines(path: Path) -> List[str]:
     """The lines of a UTF-8 text file (a byte-order mark dropped; a gzip file decompressed); a
     byte that is not UTF-8 is an error naming its line, not a traceback."""
     data = _read_bytes(path)
-    if data.startswith(_GZIP):
+    if data.startswith(GZIP_MAGIC):
         data = _gunzipped(path, data)
     refuse_binary(path, data[:8])
     try:
@@ -213,7 +213,7 @@ def chosen_columns(path, header: List[str], target: str, features, drop) -> List
     return [name for name in header if name != target and name not in dropped]
 
 
-def _categorical_choice(path, categorical, columns: List[str]):
+def categorical_choice(path, categorical, columns: List[str]):
     """``(named columns, auto)`` of ``data.categorical`` (a list of feature columns, or ``"auto"``)."""
     if categorical is None or categorical == "none":
         return [], False
@@ -363,7 +363,7 @@ def read_table(
     position = {name: i for i, name in enumerate(header)}  # one lookup per name: linear in the width
     feature_cells = cells[:, [position[name] for name in columns]]
     target_cells = cells[:, position[target]]
-    named, auto = _categorical_choice(path, categorical, columns)
+    named, auto = categorical_choice(path, categorical, columns)
     # a text column (an ID, a name) is named before blank cells: it needs data.drop whatever else
     chosen, numbers = _text_columns(path, feature_cells, columns, named, auto, list(drop or ()), features, where)
     levels = {}
@@ -476,7 +476,7 @@ def open_text(path: Path):
         raise DataError(f"{shown_path(path)}: {describe_file(path)} (the rows to predict: a CSV with a header row)")
     with open(path, "rb") as raw:
         head = raw.read(8)
-    if head.startswith(_GZIP):
+    if head.startswith(GZIP_MAGIC):
         return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
     refuse_binary(path, head)
     return open(path, encoding="utf-8-sig", newline="")
