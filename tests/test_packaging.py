@@ -25,6 +25,7 @@ def test_a_wheel_installed_elsewhere_composes_every_command(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        env=dict(os.environ, CXX="/bin/false"),  # (conf/ is what is checked here: not a minute of C++ build)
     )
     assert built.returncode == 0, built.stderr[-3000:]
     wheel = next((tmp_path / "wheel").glob("cfbnn-*.whl"))

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator
 
 import torch
 
-from . import elbo_ops, kernel_library, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
+from . import elbo_ops, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
 
 __all__ = ["cuda_kernels", "cuda_twin"]
 
@@ -71,8 +71,6 @@ def cuda_twin() -> Iterator[collections.Counter]:
     kernel there, as on CUDA."""
     if os.environ.get("TRITON_INTERPRET") != "1" or not ops.HAVE_TRITON:
         raise RuntimeError("cuda_twin needs Triton and TRITON_INTERPRET=1 set before Triton is imported")
-    if kernel_library.cpu_operators_registered():
-        raise RuntimeError("cuda_twin needs a process started with CFBNN_CUDA_TWIN=1 (no C++ CPU kernels registered)")
     calls = collections.Counter()
     library = torch.library.Library("cfbnn", "IMPL")
     first_use = dict(ops.FIRST_USE)

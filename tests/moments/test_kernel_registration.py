@@ -1,7 +1,7 @@
 """Which kernel serves which device is decided once, when ``cfbnn_cli.moments`` is imported: every
 ``cfbnn::`` operator's default kernel (``CompositeExplicitAutograd``) is its reference formula, and
 right after the import -- before any call -- the CPU key holds the C++ library's kernel (registered
-from ``csrc/cfbnn_ops.cpp``) or nothing (the operators without a C++ kernel, which then run their
+from ``csrc/moment_ops.cpp`` and ``csrc/elbo_ops.cpp``) or nothing (the operators without a C++ kernel, which then run their
 default), never a Python kernel that a later load would replace. With the kernels switched off for
 the process (``CFBNN_FAST_MOMENTS=0``) no CPU kernel is registered at all, and the operators still
 compute, on their reference kernels. Read from the dispatcher's own table
@@ -70,7 +70,9 @@ def test_after_the_import_the_cpu_key_holds_the_cpp_kernel_or_nothing():
     assert out["library"]
     _assert_the_reference_is_every_default(out["table"])
     cpu = {name: keys["CPU"] for name, keys in out["table"].items() if "CPU" in keys}
-    assert all(where.startswith("/") and "cfbnn_ops.cpp:" in where for where in cpu.values()), cpu
+    assert all(
+        where.startswith("/") and ("moment_ops.cpp:" in where or "elbo_ops.cpp:" in where) for where in cpu.values()
+    ), cpu
     # the ELBO's steps and the activations' moments: C++ on the CPU from the import on
     for name in ("cfbnn::relu_family_moments", "cfbnn::relu_tail_with_gradients", "cfbnn::normal_elbo_rows"):
         assert name in cpu, sorted(cpu)

@@ -294,7 +294,6 @@ def test_info_reports_the_build():
     info = kernel_library.fast_path_info()
     assert info["available"] and info["enabled"]
     assert os.path.isfile(info["library"])
-    assert info["build_seconds"] >= 0.0
 
 
 class _Started:
@@ -337,18 +336,8 @@ CHECK_REFERENCE = """
 @pytest.fixture(scope="module")
 def fallback_outcomes(tmp_path_factory):
     """The three fallback cases below, each in its own process and cache, started at once."""
-    folders = {name: tmp_path_factory.mktemp(name) for name in ("switched_off", "no_compiler", "failing_build")}
-    compiler = folders["failing_build"] / "broken-c++"  # a compiler that fails every build: a script that exits 1
-    compiler.write_text("#!/bin/sh\necho broken >&2\nexit 1\n")
-    compiler.chmod(0o755)
-    environments = {
-        "switched_off": {"CFBNN_FAST_MOMENTS": "0", "CFBNN_CACHE_DIR": str(folders["switched_off"])},
-        "no_compiler": {
-            "CXX": str(folders["no_compiler"] / "no-such-compiler"),
-            "CFBNN_CACHE_DIR": str(folders["no_compiler"]),
-        },
-        "failing_build": {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(folders["failing_build"] / "cache")},
-    }
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("switched_off",)}
+    environments = {"switched_off": {"CFBNN_FAST_MOMENTS": "0", "CFBNN_CACHE_DIR": str(folders["switched_off"])}}
     processes = {name: _start_python(CHECK_REFERENCE, env) for name, env in environments.items()}
     return {name: process.result() for name, process in processes.items()}, folders
 
@@ -360,20 +349,6 @@ def test_environment_switch_turns_the_fast_path_off(fallback_outcomes):
     assert "ENABLED False" in result.stdout
     assert "PHI_OK True" in result.stdout
     assert not any(folders["switched_off"].iterdir())  # nothing was built
-
-
-def test_missing_compiler_falls_back_to_the_reference(fallback_outcomes):
-    result = fallback_outcomes[0]["no_compiler"]
-    assert result.returncode == 0, result.stderr
-    assert "AVAILABLE False" in result.stdout and "WARNED True" in result.stdout
-    assert "PHI_OK True" in result.stdout
-
-
-def test_failing_build_falls_back_to_the_reference(fallback_outcomes):
-    """A compiler that fails every build (here: a script that exits 1) -- the reference path runs."""
-    result = fallback_outcomes[0]["failing_build"]
-    assert result.returncode == 0, result.stderr
-    assert "AVAILABLE False" in result.stdout and "WARNED True" in result.stdout
 
 
 def test_validation_counts_negative_std_on_the_fast_path():
