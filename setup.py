@@ -207,7 +207,10 @@ def build_library(target: Path):
             seconds = round(time.monotonic() - started, 1)
             details = dict(compiler=compiler, flags=flags, seconds=seconds)
             record_path = target.with_name(_build_record_module().RECORD_NAME)
-            record_path.write_bytes(_build_record_module().record(target.read_bytes(), torch_version, **details))
+            digest = _build_record_module().sources_digest(sources)
+            record_path.write_bytes(
+                _build_record_module().record(target.read_bytes(), torch_version, digest, **details)
+            )
             os.chmod(record_path, 0o644)
             print(f"cfbnn: built the C++ CPU kernels in {seconds} s ({' '.join(flags)})", file=sys.stderr)
             return None

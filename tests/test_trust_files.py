@@ -159,7 +159,7 @@ def test_a_run_with_threads_auto_finishes_despite_a_fifo_in_the_registry(tmp_pat
     command = [sys.executable, "-m", "cfbnn_cli.cli", "train", "regression", *REGRESSION, "runtime.threads=auto"]
     out = subprocess.run(
         [*command, f"hydra.run.dir={run}"],
-        env=dict(os.environ, CFBNN_CACHE_DIR=str(cache), CFBNN_FAST_MOMENTS="0"),
+        env=dict(os.environ, CFBNN_CACHE_DIR=str(cache)),
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,7 +1,9 @@
 """What the C++ CPU kernels were built for, recorded beside them at install (``setup.py``) and checked
 before they are loaded (:mod:`.extension`): torch's version (its C++ ABI), the CPU (the kernels are
-compiled with ``-march=native``) and the library's SHA-256 (a damaged or truncated file is refused,
-not mapped: a truncated library would end the process with SIGBUS). Plain Python without imports from the package, so that ``setup.py``
+compiled with ``-march=native``), the C++ sources (a library built from other sources registers
+kernels whose signatures may not match the operators' schemas: torch would end the process) and the
+library's SHA-256 (a damaged or truncated file is refused, not mapped: a truncated library would end
+the process with SIGBUS). Plain Python without imports from the package, so that ``setup.py``
 can run it before the package is installed."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+from pathlib import Path
 from typing import Dict
 
 RECORD_NAME = "_C.build.json"  # beside the library, ``_C`` + the interpreter's extension suffix
@@ -31,16 +34,25 @@ def cpu_signature() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def record(library: bytes, torch_version: str, **details) -> bytes:
-    """The record's bytes: the library's SHA-256, the torch version and CPU signature it was built for,
-    and ``details`` (the compiler, its flags, the build's seconds) for whoever reads it."""
+def sources_digest(folder: Path) -> str:
+    """The SHA-256 of the C++ sources in ``folder`` (``csrc``: every ``.cpp`` and ``.h``, by name)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).glob("*.[ch]*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def record(library: bytes, torch_version: str, sources: str, **details) -> bytes:
+    """The record's bytes: the library's SHA-256, the torch version, CPU signature and sources
+    (:func:`sources_digest`) it was built for, and ``details`` (the compiler, its flags, the build's
+    seconds) for whoever reads it."""
     built = {"sha256": hashlib.sha256(library).hexdigest(), "torch": torch_version, "cpu": cpu_signature()}
-    return json.dumps({**built, **details}, indent=1).encode() + b"\n"
+    return json.dumps({**built, "sources": sources, **details}, indent=1).encode() + b"\n"
 
 
-def mismatch(data: bytes, library: bytes, torch_version: str) -> str:
+def mismatch(data: bytes, library: bytes, torch_version: str, sources: str) -> str:
     """Why the ``library`` (its bytes) whose record is ``data`` must not be loaded with ``torch_version``
-    on this CPU, or ``""`` where it may."""
+    on this CPU, the package's C++ sources being ``sources``, or ``""`` where it may."""
     try:
         built: Dict[str, object] = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -53,4 +65,6 @@ def mismatch(data: bytes, library: bytes, torch_version: str) -> str:
         return f"it was built for torch {built.get('torch')}, and torch {torch_version} is installed"
     if built.get("cpu") != cpu_signature():
         return "it was built on another CPU (-march=native)"
+    if built.get("sources") != sources:
+        return "it was built from other C++ sources (the package changed since the install)"
     return ""

@@ -8,7 +8,8 @@ called through ``ctypes`` at run time. Where it is not there (no compiler at ins
 What is loaded is the package's own library, checked first: opened once without following a link, the
 open file must be a regular file owned by this user or root that nobody else may write, and its build
 record (``_C.build.json``, checked the same way) must hold its SHA-256 (a damaged or truncated file is
-refused, not mapped) and name the installed torch and this CPU. The library is then loaded through that open file (``/proc/self/fd``), so the file checked is the file loaded. A
+refused, not mapped) and name the installed torch, this CPU and the package's C++ sources (a library
+left from an older checkout would register kernels of other signatures, which ends the process). The library is then loaded through that open file (``/proc/self/fd``), so the file checked is the file loaded. A
 hard link passes (uv and conda install files as hard links; the inode's owner and mode are what count).
 Anything else: one warning naming the reason, and the reference kernels serve the CPU.
 """
@@ -24,7 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .build_record import RECORD_LIMIT, RECORD_NAME, mismatch
+from .build_record import RECORD_LIMIT, RECORD_NAME, mismatch, sources_digest
 
 __all__ = ["library_path", "load", "status"]
 
@@ -89,7 +90,9 @@ def _check_record(path: Path, fd: int) -> None:
         data = _read(record, RECORD_LIMIT)
     finally:
         os.close(record)
-    reason = mismatch(data, _read(fd, LIBRARY_LIMIT), torch.__version__)
+    reason = mismatch(
+        data, _read(fd, LIBRARY_LIMIT), torch.__version__, sources_digest(Path(__file__).with_name("csrc"))
+    )
     if reason:
         raise Refused(f"{path}: {reason}")
 

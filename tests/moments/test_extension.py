@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_kernels import PRELUDE, package_without_library
 
 from cfbnn_cli.moments import build_record, extension
 
@@ -60,9 +61,9 @@ def test_an_install_without_a_working_compiler_says_so_in_one_line_and_builds_no
     assert len(lines) == 1 and "the reference kernels will serve" in lines[0]
 
 
-def test_the_package_works_on_the_reference_kernels_without_the_library():
-    """The state an install without a compiler leaves: no library beside the package (here: the
-    checks refuse it), every operator's reference kernel serves the CPU."""
+def test_the_package_works_on_the_reference_kernels_without_the_library(tmp_path):
+    """The state an install without a compiler leaves: no library beside the package (a copy of it
+    without one), every operator's reference kernel serves the CPU."""
     code = """
         import warnings, torch
         warnings.simplefilter("ignore")
@@ -73,8 +74,9 @@ def test_the_package_works_on_the_reference_kernels_without_the_library():
         table = torch._C._dispatch_dump_table("cfbnn::relu_tail")
         print("CPP", "elbo_ops.cpp" in table)
     """
-    env = dict(os.environ, CFBNN_FAST_MOMENTS="0")
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+    env = dict(os.environ, CFBNN_TEST_PACKAGE=package_without_library(tmp_path))
+    command = [sys.executable, "-c", PRELUDE + textwrap.dedent(code)]
+    out = subprocess.run(command, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "LOADED False" in out.stdout and "PHI 0.398942" in out.stdout and "CPP False" in out.stdout
 
@@ -137,7 +139,7 @@ def test_a_library_of_another_user_is_refused(tmp_path):
 
 
 @needs_library
-@pytest.mark.parametrize("damage", ["truncated", "random bytes", "another torch", "another CPU"])
+@pytest.mark.parametrize("damage", ["truncated", "random bytes", "another torch", "another CPU", "other sources"])
 def test_a_damaged_library_or_one_built_for_another_torch_or_cpu_is_refused_not_mapped(tmp_path, damage):
     """A truncated library would end the process with SIGBUS once mapped; the record's SHA-256 refuses
     it first, as it refuses one built for another torch (its C++ ABI) or CPU (-march=native)."""
@@ -150,11 +152,16 @@ def test_a_damaged_library_or_one_built_for_another_torch_or_cpu_is_refused_not_
         library.write_bytes(os.urandom(library.stat().st_size))
         want = "damaged, truncated or changed"
     elif damage == "another torch":
-        record.write_bytes(build_record.record(library.read_bytes(), "1.0.0"))
+        sources = build_record.sources_digest(MOMENTS / "csrc")
+        record.write_bytes(build_record.record(library.read_bytes(), "1.0.0", sources))
         want = "built for torch 1.0.0"
-    else:
+    elif damage == "another CPU":
         record.write_bytes(record.read_bytes().replace(build_record.cpu_signature().encode(), b"0" * 16))
         want = "built on another CPU"
+    else:
+        digest = build_record.sources_digest(MOMENTS / "csrc")
+        record.write_bytes(record.read_bytes().replace(digest.encode(), b"0" * 64))
+        want = "built from other C++ sources"
     assert want in _refusal(library)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -186,10 +193,10 @@ def test_a_hard_link_to_the_library_is_loaded(tmp_path):
     link = tmp_path / source.name
     os.link(source, link)
     shutil.copyfile(source.with_name(build_record.RECORD_NAME), tmp_path / build_record.RECORD_NAME)
-    env = dict(os.environ, CFBNN_FAST_MOMENTS="0")  # (the package does not load its own first)
+    package = package_without_library(tmp_path / "package")  # (a package that has no library of its own)
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(LOAD_ELSEWHERE), str(link), "never-mapped"],
-        env=env,
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(LOAD_ELSEWHERE), str(link), "never-mapped"],
+        env=dict(os.environ, CFBNN_TEST_PACKAGE=package),
         capture_output=True,
         text=True,
     )

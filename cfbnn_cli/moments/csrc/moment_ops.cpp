@@ -1,12 +1,9 @@
 /* The activations' moments operators' CPU kernels (cfbnn_cli/moments/moment_ops.py declares the
  * operators, their reference kernels, Triton kernels, fakes, autograd and vmap rules): the ReLU
- * family's moments and their backward, ReLU's mean alone, the piecewise polynomials' moments, and
- * the argument checks' sign count. Each checks its operands, allocates its outputs and calls a
+ * family's moments and their backward, ReLU's mean alone, the piecewise polynomials' moments and
+ * their backward, and the argument checks' sign count. Each checks its operands, allocates its outputs and calls a
  * kernel of kernels.cpp; registered with torch's dispatcher for the CPU when the library is loaded
  * (TORCH_LIBRARY_IMPL below). */
-#include <ATen/ops/zeros.h>
-#include <torch/csrc/autograd/custom_function.h>
-
 #include "common.h"
 
 namespace cfbnn {
@@ -177,20 +174,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> piecewise_forward(const char* op, con
   return {phi, ups, var, saved};
 }
 
-std::tuple<Tensor, Tensor, Tensor> piecewise_moments(const Tensor& mean, const Tensor& std_dev, const Tensor& table,
-                                                     int64_t breakpoints, int64_t degree, double alpha) {
-  auto [phi, ups, var, saved] =
-      piecewise_forward("piecewise_moments", mean, std_dev, table, breakpoints, degree, alpha, false);
-  return {phi, ups, var};
+/* (Phi, Upsilon, Var, partials): with `partials` (the operator's autograd sets it where a gradient
+   will be taken) the four partial derivatives the backward reads, where the kernel saves them. */
+std::tuple<Tensor, Tensor, Tensor, Tensor> piecewise_moments(const Tensor& mean, const Tensor& std_dev,
+                                                             const Tensor& table, int64_t breakpoints,
+                                                             int64_t degree, double alpha, bool partials) {
+  return piecewise_forward("piecewise_moments", mean, std_dev, table, breakpoints, degree, alpha, partials);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> piecewise_moments_partials(const Tensor& mean, const Tensor& std_dev,
-                                                                      const Tensor& table, int64_t breakpoints,
-                                                                      int64_t degree, double alpha) {
-  return piecewise_forward("piecewise_moments_partials", mean, std_dev, table, breakpoints, degree, alpha, true);
-}
-
-/* From the saved partials where given (piecewise_moments_partials'), else recomputed: the float32
+/* From the saved partials where given (piecewise_moments', partials=True), else recomputed: the float32
    hard sigmoid's kernel block by block, the engine in one forward pass writing them; then combined
    with the gradients. */
 std::tuple<Tensor, Tensor> piecewise_moments_backward(const Tensor& mean, const Tensor& std_dev, const Tensor& phi,
@@ -238,181 +230,6 @@ std::tuple<Tensor, Tensor> piecewise_moments_backward(const Tensor& mean, const 
       });
 }
 
-// ------------------------------------------------------------------------- the moments' autograd
-
-/* The activations' moments operators and their backward operators, through the dispatcher (not
-   the functions above: under torch.compile or opcheck the tensors are fake, and the dispatcher
-   sends them to the fake implementations). */
-enum MomentsKind : int64_t {
-  FAMILY_MOMENTS = 0,     // cfbnn::relu_family_moments
-  PIECEWISE_MOMENTS = 4,  // the partials recomputed by the backward
-  PIECEWISE_SAVING = 5    // the partials saved (cfbnn::piecewise_moments_partials): a gradient is wanted
-};
-
-/* A moments operator's arguments beyond (mean, spread) and the slope: the ReLU family's member and
-   whether the spread is a variance; a piecewise polynomial's table, its breakpoint count and degree
-   (alpha rides in the slope's slot: cfbnn::piecewise_moments). */
-struct MomentsArguments {
-  int64_t activation = 0;
-  bool from_variance = false;
-  Tensor table;
-  int64_t breakpoints = 0, degree = 0;
-  Tensor partials;  // the saved partial derivatives (PIECEWISE_SAVING), else empty
-};
-
-bool piecewise_kind(int64_t kind) { return kind == PIECEWISE_MOMENTS || kind == PIECEWISE_SAVING; }
-
-using MomentsOutputs = std::tuple<Tensor, Tensor, Tensor>;
-using Gradients = std::tuple<Tensor, Tensor>;
-
-c10::OperatorHandle operator_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-}
-
-MomentsOutputs call_moments(int64_t kind, const Tensor& mean, const Tensor& spread, double slope,
-                            MomentsArguments& arguments) {
-  if (kind == FAMILY_MOMENTS) {
-    static const auto family = operator_handle("cfbnn::relu_family_moments")
-                                   .typed<MomentsOutputs(const Tensor&, const Tensor&, int64_t, double, bool)>();
-    return family.call(mean, spread, arguments.activation, slope, arguments.from_variance);
-  }
-  if (kind == PIECEWISE_MOMENTS) {
-    static const auto engine =
-        operator_handle("cfbnn::piecewise_moments")
-            .typed<MomentsOutputs(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, double)>();
-    return engine.call(mean, spread, arguments.table, arguments.breakpoints, arguments.degree, slope);
-  }
-  if (kind == PIECEWISE_SAVING) {
-    static const auto saving =
-        operator_handle("cfbnn::piecewise_moments_partials")
-            .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t,
-                                                              int64_t, double)>();
-    auto [phi, ups, var, partials] =
-        saving.call(mean, spread, arguments.table, arguments.breakpoints, arguments.degree, slope);
-    // (undefined where the kernel saves none: decided by dtype and alpha, never by a size, which a
-    // traced tensor may not have)
-    if (saves_partials(mean, slope)) arguments.partials = partials;
-    return {phi, ups, var};
-  }
-  TORCH_CHECK(false, "cfbnn: unknown moments kind ", kind);
-}
-
-Gradients call_moments_backward(int64_t kind, const Tensor& mean, const Tensor& spread, const Tensor& phi,
-                                const Tensor& gp, const Tensor& gu, const Tensor& gv, double slope,
-                                const MomentsArguments& arguments) {
-  if (kind == FAMILY_MOMENTS) {
-    static const auto family =
-        operator_handle("cfbnn::relu_family_moments_backward")
-            .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                             int64_t, double, bool)>();
-    return family.call(mean, spread, phi, gp, gu, gv, arguments.activation, slope, arguments.from_variance);
-  }
-  if (piecewise_kind(kind)) {
-    static const auto engine =
-        operator_handle("cfbnn::piecewise_moments_backward")
-            .typed<Gradients(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                             const Tensor&, int64_t, int64_t, double, const std::optional<Tensor>&)>();
-    const bool saved = arguments.partials.defined();
-    return engine.call(mean, spread, phi, gp, gu, gv, arguments.table, arguments.breakpoints, arguments.degree, slope,
-                       saved ? std::optional<Tensor>(arguments.partials) : std::nullopt);
-  }
-  TORCH_CHECK(false, "cfbnn: unknown moments kind ", kind);
-}
-
-/* One autograd node per call: forward the moments operator, backward its backward operator. An
-   output nothing used has no gradient (set_materialize_grads(false)): it goes in as one zero,
-   expanded, which the kernels read as no gradient (gradient_operand), not as a block of zeros. A
-   backward that builds a graph (create_graph, torch.func.grad) calls the backward operator
-   through autograd, whose own derivative is registered in Python (cfbnn_cli/moments/
-   operator_registration.py: differentiable_by_formula); otherwise straight to its kernel. One class
-   for both families (the kind, the slope -- a piecewise polynomial's alpha -- and the other
-   arguments ride in the context): each torch::autograd::Function instantiation costs seconds of
-   compile time. A piecewise polynomial whose gradient will be taken runs
-   cfbnn::piecewise_moments_partials instead, and its backward reads the saved partials. */
-class MomentsAutograd : public torch::autograd::Function<MomentsAutograd> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& mean,
-                                                const Tensor& spread, int64_t kind, double slope,
-                                                const std::optional<Tensor>& table, int64_t breakpoints,
-                                                int64_t degree, int64_t activation, bool from_variance) {
-    MomentsOutputs outputs;
-    MomentsArguments arguments{activation, from_variance, table.value_or(Tensor()), breakpoints, degree, Tensor()};
-    {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      outputs = call_moments(kind, mean, spread, slope, arguments);
-    }
-    auto& [phi, upsilon, variance] = outputs;
-    ctx->set_materialize_grads(false);
-    ctx->save_for_backward({mean, spread, phi});
-    ctx->saved_data["kind"] = kind;
-    ctx->saved_data["slope"] = slope;
-    ctx->saved_data["activation"] = activation;
-    ctx->saved_data["from_variance"] = from_variance;
-    if (piecewise_kind(kind)) {
-      ctx->saved_data["table"] = arguments.table;
-      ctx->saved_data["breakpoints"] = breakpoints;
-      ctx->saved_data["degree"] = degree;
-      // (none where nothing was saved: the backward operator then recomputes them)
-      ctx->saved_data["saved_partials"] = arguments.partials.defined();
-      if (arguments.partials.defined()) ctx->saved_data["partials"] = arguments.partials;
-    }
-    return {phi, upsilon, variance};
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &mean = saved[0], &spread = saved[1], &phi = saved[2];
-    const int64_t kind = ctx->saved_data["kind"].toInt();
-    const double slope = ctx->saved_data["slope"].toDouble();
-    MomentsArguments arguments;
-    arguments.activation = ctx->saved_data["activation"].toInt();
-    arguments.from_variance = ctx->saved_data["from_variance"].toBool();
-    if (piecewise_kind(kind)) {
-      arguments.table = ctx->saved_data["table"].toTensor();
-      arguments.breakpoints = ctx->saved_data["breakpoints"].toInt();
-      arguments.degree = ctx->saved_data["degree"].toInt();
-      if (ctx->saved_data["saved_partials"].toBool()) arguments.partials = ctx->saved_data["partials"].toTensor();
-    }
-    for (Tensor& grad : grads) {
-      if (!grad.defined()) grad = at::zeros({}, mean.options()).expand(mean.sizes());
-    }
-    Gradients result;
-    if (at::GradMode::is_enabled()) {
-      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope, arguments);
-    } else {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      result = call_moments_backward(kind, mean, spread, phi, grads[0], grads[1], grads[2], slope, arguments);
-    }
-    return {std::get<0>(result), std::get<1>(result), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor()};
-  }
-};
-
-// (an optional: an undefined tensor among a Function's inputs has no device, which apply reads)
-const std::optional<Tensor> NO_TABLE = std::nullopt;
-
-MomentsOutputs as_outputs(const torch::autograd::variable_list& outputs) {
-  return {outputs[0], outputs[1], outputs[2]};
-}
-
-MomentsOutputs relu_family_moments_autograd(const Tensor& mean, const Tensor& spread, int64_t activation,
-                                            double negative_slope, bool from_variance) {
-  return as_outputs(
-      MomentsAutograd::apply(mean, spread, FAMILY_MOMENTS, negative_slope, NO_TABLE, 0, 0, activation, from_variance));
-}
-
-MomentsOutputs piecewise_moments_autograd(const Tensor& mean, const Tensor& std_dev, const Tensor& table,
-                                         int64_t breakpoints, int64_t degree, double alpha) {
-  // the partials saved where a gradient will be taken (the engine's forward is the expensive pass:
-  // saving them spares the backward a second one); cfbnn::piecewise_moments alone otherwise
-  const bool wanted = at::GradMode::is_enabled() && (mean.requires_grad() || std_dev.requires_grad());
-  const int64_t kind = wanted ? PIECEWISE_SAVING : PIECEWISE_MOMENTS;
-  return as_outputs(MomentsAutograd::apply(mean, std_dev, kind, alpha, std::optional<Tensor>(table), breakpoints,
-                                           degree, 0, false));
-}
-
-
 }  // namespace
 }  // namespace ops
 }  // namespace cfbnn
@@ -424,14 +241,6 @@ TORCH_LIBRARY_IMPL(cfbnn, CPU, m) {
   m.impl("relu_family_moments_backward", TORCH_FN(relu_family_moments_backward));
   m.impl("relu_mean", TORCH_FN(relu_mean));
   m.impl("piecewise_moments", TORCH_FN(piecewise_moments));
-  m.impl("piecewise_moments_partials", TORCH_FN(piecewise_moments_partials));
   m.impl("piecewise_moments_backward", TORCH_FN(piecewise_moments_backward));
 }
 
-// AutogradCPU is more specific than the Autograd alias the Python registrations use: these take the
-// CPU's autograd; CUDA keeps the Python one (its backward launches Triton kernels)
-TORCH_LIBRARY_IMPL(cfbnn, AutogradCPU, m) {
-  using namespace cfbnn::ops;
-  m.impl("relu_family_moments", TORCH_FN(relu_family_moments_autograd));
-  m.impl("piecewise_moments", TORCH_FN(piecewise_moments_autograd));
-}
