@@ -148,8 +148,16 @@ class BayesianNetwork(nn.Module):
                 )
         self.layers = nn.ModuleList(layers)
         # each estimator's objective on this network, decided once, when it is first asked for
-        # (Estimator.bind: which fused node computes it)
+        # (Estimator.bind: which fused node computes it), and again after a change of what it reads
         self.bound_objectives = {}
+
+    # what the bound objectives' choice of fused nodes reads (bnn/fused/nodes.py)
+    _STRUCTURE = frozenset({"activation", "likelihood", "prior", "layers", "point_layers", "output_dim"})
+
+    def __setattr__(self, name, value):
+        if name in self._STRUCTURE and "bound_objectives" in self.__dict__:
+            self.bound_objectives.clear()
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ structure
 

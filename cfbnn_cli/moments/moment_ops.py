@@ -386,6 +386,7 @@ relu_cross_moment = define(
         lambda mean_i, *_: (torch.empty_like(mean_i), torch.empty_like(mean_i)),
         setup_context=_cross_setup,
         backward=_cross_backward,
+        vmap=elementwise_vmap("relu_cross_moment", 2, 5),
     )
 )
 

@@ -544,3 +544,28 @@ def test_the_first_layers_augmented_inputs_come_from_one_kernel_pass(dtype, shap
         expected = torch.nn.functional.pad(x, (0, 1), value=1.0)
         torch.testing.assert_close(inputs, expected, rtol=0.0, atol=0.0)
         torch.testing.assert_close(squares, expected * expected, rtol=0.0, atol=0.0)
+
+
+def test_a_change_of_the_networks_prior_or_likelihood_binds_the_objective_again():
+    """The fused node is chosen once per network, and again when what the choice reads changes: the
+    UCI protocol fits under a fixed prior, then sets ``prior = "empirical_bayes"`` (which the
+    whole-ELBO node does not fit) and fits on."""
+    from cfbnn_cli.bnn.estimators import make_estimator
+    from cfbnn_cli.bnn.likelihoods import NormalLikelihood
+    from cfbnn_cli.bnn.network import BayesianNetwork
+
+    torch.manual_seed(6)
+    network = BayesianNetwork(3, [5], 1).double()
+    x, y = torch.randn(8, 3, dtype=DT), torch.randn(8, dtype=DT)
+    assert node_of(network.elbo(x, y, num_data=80)) == "normal_elbo"
+    network.prior = "empirical_bayes"
+    elbo = network.elbo(x, y, num_data=80)
+    assert node_of(elbo) not in ONE_NODE
+    reference = make_estimator("analytic").bind(network, fused=False).elbo(x, y, num_data=80)
+    torch.testing.assert_close(elbo, reference, rtol=1e-12, atol=0.0)
+    network.prior = "fixed"
+    network.likelihood = NormalLikelihood(precision=3.0).double()
+    elbo = network.elbo(x, y, num_data=80)
+    assert node_of(elbo) == "normal_elbo"
+    reference = make_estimator("analytic").bind(network, fused=False).elbo(x, y, num_data=80)
+    torch.testing.assert_close(elbo, reference, rtol=1e-12, atol=0.0)
