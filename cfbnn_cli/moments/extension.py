@@ -1,17 +1,18 @@
 """The C++ CPU kernels: the torch extension ``setup.py`` built when cfbnn was installed (``_C`` beside
 this file), loaded once, at the end of :mod:`cfbnn_cli.moments`' import, by ``torch.ops.load_library``.
 Its static registrations (``TORCH_LIBRARY_IMPL(cfbnn, CPU, m)`` in ``csrc/moment_ops.cpp`` and
-``csrc/elbo_ops.cpp``) give the ``cfbnn::`` operators their CPU kernels; nothing is compiled, cached or
-called through ``ctypes`` at run time. Where it is not there (no compiler at install), or not loaded
-(below), every operator's reference kernel serves the CPU.
+``csrc/elbo_ops.cpp``) give the ``cfbnn::`` operators their CPU kernels; nothing is compiled or cached
+at run time, and the kernels are reached through the dispatcher only. Where the library is not there
+(no compiler at install), or not loaded (below), every operator's reference kernel serves the CPU.
 
 What is loaded is the package's own library, checked first: opened once without following a link, the
 open file must be a regular file owned by this user or root that nobody else may write, and its build
 record (``_C.build.json``, checked the same way) must hold its SHA-256 (a damaged or truncated file is
 refused, not mapped) and name the installed torch, this CPU and the package's C++ sources (a library
-left from an older checkout would register kernels of other signatures, which ends the process). The library is then loaded through that open file (``/proc/self/fd``), so the file checked is the file loaded. A
-hard link passes (uv and conda install files as hard links; the inode's owner and mode are what count).
-Anything else: one warning naming the reason, and the reference kernels serve the CPU.
+left from an older checkout would register kernels of other signatures, which ends the process). The
+library is then loaded through that open file (``/proc/self/fd``), so the file checked is the file
+loaded. A hard link passes (uv and conda install files as hard links; the inode's owner and mode are
+what count). Anything else: one warning naming the reason, and the reference kernels serve the CPU.
 """
 
 from __future__ import annotations

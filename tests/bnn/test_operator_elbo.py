@@ -12,13 +12,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from autograd_nodes import node_names
 from dispatch_count import counts, training_step_operators
-from reference_kernels import reference_kernels
+from reference_kernels import kernels_for, reference_kernels
 
 from cfbnn_cli.bnn import BayesianNetwork
 from cfbnn_cli.bnn.estimators import make_estimator
@@ -339,3 +340,30 @@ def test_the_deep_elbo_passes_gradcheck(family):
             return torch.ops.cfbnn.deep_normal_elbo(x, y, log_precision, list(p), list(biases), 0.64, 10.0, *family)
 
         assert torch.autograd.gradcheck(elbo, (log_precision, *parameters))
+
+
+def test_a_kernel_that_fails_raises_where_it_is_called_and_nothing_falls_back():
+    """No first-use check and no second route: a device's kernel that fails (a Triton kernel that does
+    not compile, say) raises its own error at the call, with no warning and no other kernel tried;
+    afterwards the working kernel serves again, nothing switched away from it."""
+
+    def broken(*args):
+        raise RuntimeError("this kernel does not compile here")
+
+    torch.manual_seed(0)
+    net = BayesianNetwork(3, [5, 5])
+    x, y = torch.randn(4, 3), torch.randn(4)
+    noise = net.sample_noise(4, estimator="analytic")
+    before = net.elbo(x, y, estimator="analytic", noise=noise).detach()
+    relu = get_activation("relu")
+    for name, call in (
+        ("relu_family_moments", lambda: relu.moments(torch.zeros(2), torch.ones(2))),
+        ("diagonal_kl_pass", lambda: net.elbo(x, y, estimator="analytic", noise=noise)),  # inside a node
+        ("normal_elbo_rows", lambda: net.elbo(x, y, estimator="deterministic")),  # the whole-ELBO node
+    ):
+        with kernels_for({name: broken}), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with pytest.raises(RuntimeError, match="does not compile here"):
+                call()
+        assert not said, (name, [str(w.message) for w in said])
+    assert torch.equal(net.elbo(x, y, estimator="analytic", noise=noise).detach(), before)
