@@ -116,6 +116,7 @@ def _refusal(path: Path) -> str:
 
 @needs_library
 def test_a_symlinked_or_others_writable_library_is_refused(tmp_path):
+    """The library file a symbolic link: refused; a folder on its path a link: loaded."""
     library = _copy_library(tmp_path)
     assert _refusal(library) == ""
     link = tmp_path / "elsewhere" / library.name
@@ -123,6 +124,10 @@ def test_a_symlinked_or_others_writable_library_is_refused(tmp_path):
     link.symlink_to(library)
     shutil.copyfile(tmp_path / build_record.RECORD_NAME, link.parent / build_record.RECORD_NAME)
     assert "is a symbolic link" in _refusal(link)
+    # a link among the folders on the way (a symlinked home, say) is not refused: the file is checked
+    through = tmp_path / "linked-folder"
+    through.symlink_to(tmp_path, target_is_directory=True)
+    assert _refusal(through / library.name) == ""
     os.chmod(library, 0o775)
     assert "writable by other users" in _refusal(library)
     os.chmod(library, 0o755)
