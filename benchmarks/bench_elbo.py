@@ -9,9 +9,9 @@ backward pass of
 
   (i)   the closed-form ELBO (the default path: the ``cfbnn::`` operators -- C++ kernels on
         the CPU, Triton kernels on CUDA -- and the fused hot path of bnn/fused/) with diagonal,
-        full and low-rank (r=10) q(a_h); the diagonal one also on the reference torch ops
-        (``fast_path(False)``: no kernel of ours on either
-        device) and, with --compile, under torch.compile;
+        full and low-rank (r=10) q(a_h); the diagonal one also on the operators' reference
+        kernels (tests/reference_kernels.py registered for the device: no C++ or Triton kernel)
+        and, with --compile, under torch.compile;
   (ii)  the 1-sample local-reparameterization ELBO (diagonal q);
   (iii) Pyro's Trace_ELBO on a PyroModule BNN with an AutoNormal guide (weight-space sampling);
   (iv)  a plain deterministic MLP of the same shape (MSE loss),
@@ -39,12 +39,13 @@ import pyro
 import torch
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
+from seams import reference_kernels
 from targets import report_target
 from torch import nn
 
 from cfbnn_cli.bnn import ClosedFormBNN
 from cfbnn_cli.bnn.pyro_glue import PyroMLPRegression
-from cfbnn_cli.moments import fast_path, set_validate_args
+from cfbnn_cli.moments import set_validate_args
 from cfbnn_cli.runtime.checks import MATMUL_PRECISIONS
 from cfbnn_cli.runtime.device import set_matmul_precision
 from cfbnn_cli.runtime.threads import flush_denormals, tune_allocator
@@ -142,9 +143,9 @@ def main(argv=None):
             return lambda: (-model.elbo(x, y, num_data=num_data)).backward()
 
         def reference_step(model):
-            # the reference torch ops on either device: no C++ kernel (CPU), no Triton kernel (CUDA)
+            # the reference kernels on either device: no C++ kernel (CPU), no Triton kernel (CUDA)
             def step():
-                with fast_path(False):
+                with reference_kernels(torch.device(device).type.upper()):
                     closed_step(model)()
 
             return step
@@ -181,7 +182,7 @@ def main(argv=None):
             {
                 "(iv) plain MLP": mlp_step,
                 "(i) closed form, diagonal": closed_step(models["diagonal"]),
-                "(i) closed form, diagonal, reference torch ops": reference_step(models["diagonal"]),
+                "(i) closed form, diagonal, reference kernels": reference_step(models["diagonal"]),
                 "(ii) local reparameterization, 1 sample": local_step,
                 "(iii) Pyro Trace_ELBO + AutoNormal": pyro_step,
                 "floor": four_products,
@@ -204,8 +205,8 @@ def main(argv=None):
                 core[name] if name in core else median_time(closed_step(models[covariance]), args.repeats, device)
             )
             if covariance == "diagonal":
-                rows["(i) closed form, diagonal, reference torch ops"] = core[
-                    "(i) closed form, diagonal, reference torch ops"
+                rows["(i) closed form, diagonal, reference kernels"] = core[
+                    "(i) closed form, diagonal, reference kernels"
                 ]
         rows["(ii) local reparameterization, 1 sample"] = core["(ii) local reparameterization, 1 sample"]
         if args.compile:
@@ -242,7 +243,7 @@ def main(argv=None):
             f"and than Pyro ({closed / rows['(iii) Pyro Trace_ELBO + AutoNormal']:.2f}x): "
             f"{'met' if closed < min(rows['(ii) local reparameterization, 1 sample'], rows['(iii) Pyro Trace_ELBO + AutoNormal']) else 'missed'}"
         )
-        reference = rows["(i) closed form, diagonal, reference torch ops"]
+        reference = rows["(i) closed form, diagonal, reference kernels"]
         report_target(
             f"eager_elbo_operators_over_reference/D={D}",
             closed / reference,

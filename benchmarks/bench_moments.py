@@ -7,7 +7,8 @@
 
 Everything is timed in one process, side by side, as the median of ``--repeats`` runs after
 a warm-up (timings on a shared machine drift; compare ratios within one run). The
-fast path is the default; the reference path is ``cfbnn_cli.moments.fast_path(False)``.
+operators' own kernels are the default; the reference kernels are registered over them for the
+device by tests/reference_kernels.py (benchmarks/seams.py).
 "fwd+bwd" is ``moments(mean, std)`` followed by a backward pass with dense random
 gradients for Phi and Upsilon (as from a loss), input gradients reset to None each time.
 
@@ -36,8 +37,9 @@ except ImportError:  # pragma: no cover - not on Windows
 
 import torch
 from bench_elbo import configure_like_cli  # the benchmarks' helpers (benchmarks/ on sys.path)
+from seams import reference_kernels
 
-from cfbnn_cli.moments import fast_path, fast_path_info, get_activation, piecewise_polynomial, set_validate_args
+from cfbnn_cli.moments import extension, get_activation, piecewise_polynomial, set_validate_args
 
 
 def median_time(fn, repeats: int, device: torch.device, warmup: int = 1) -> float:
@@ -108,14 +110,12 @@ def main(argv=None):
         print(f"process settings: {configure_like_cli()}")
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     set_validate_args(True)  # timed as a user calls it, input checks included
-    info = fast_path_info()
+    info = extension.status()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    if info.get("available"):
-        how = "found in the cache" if info["cached"] else f"built in {info['build_seconds']:.1f} s"
-        print(f"fast kernels: {how} ({info['library']}); load {info['load_seconds'] * 1e3:.1f} ms")
-        print(f"  flags: {info['flags']}")
+    if info["loaded"]:
+        print(f"C++ CPU kernels: {info['path']}")
     else:
-        print(f"fast kernels UNAVAILABLE ({info.get('error')}): both columns run the reference path")
+        print(f"C++ CPU kernels NOT LOADED ({info['reason']}): on the CPU both columns run the reference kernels")
 
     for name in devices:
         device = torch.device(name)
@@ -123,8 +123,7 @@ def main(argv=None):
         generator = torch.Generator(device=device).manual_seed(0)
         relu = get_activation("relu")
         print(f"\n===== {label} =====")
-        if device.type == "cuda":
-            print("(the fast kernels are CPU-only; CUDA runs the reference path in both columns)")
+        reference = device.type.upper()  # the dispatch key the reference kernels are registered for
 
         # ---- target 1: a 500x200 block, forward + backward
         rows, cols = args.block
@@ -142,7 +141,7 @@ def main(argv=None):
             else float("nan")
         )
         fast_f = median_time(forward_fn(relu, mean, std), 5 * args.repeats, device)
-        with fast_path(False):
+        with reference_kernels(reference):
             ref_fb = median_time(forward_backward_fn(relu, mean, std), 5 * args.repeats, device)
         print(f"\n[target 1] relu.moments on a {rows}x{cols} float32 block ({n_block} elements)")
         print(f"  erfc + exp (floor)          {floor1 * 1e6:9.1f} us")
@@ -168,7 +167,7 @@ def main(argv=None):
         fast_fv = median_time(lambda: relu.moments(mean, std, return_variance=True), args.repeats, device)
         with torch.no_grad():
             fast_mean = median_time(lambda: relu.mean(mean, std), args.repeats, device)
-        with fast_path(False):
+        with reference_kernels(reference):
             ref_f = median_time(forward_fn(relu, mean, std), max(1, args.repeats // 2), device)
         print(f"\n[target 2] relu.moments forward on {args.n:.0e} float32 elements")
         print(f"  t = x/std, ndtr(t), exp(t)  {floor2 * 1e3:9.2f} ms   (floor)")
@@ -198,7 +197,7 @@ def main(argv=None):
                 row = {}
                 row["fast fwd"] = median_time(forward_fn(activation, m, s), args.repeats, device)
                 row["fast fwd+bwd"] = median_time(forward_backward_fn(activation, m, s), args.repeats, device)
-                with fast_path(False):
+                with reference_kernels(reference):
                     reps = max(1, args.repeats // 3)
                     row["ref fwd"] = median_time(forward_fn(activation, m, s), reps, device)
                     row["ref fwd+bwd"] = median_time(forward_backward_fn(activation, m, s), reps, device)

@@ -16,8 +16,8 @@ Measured (medians of ``--repeats`` timings of ``--steps`` calls each):
    (``cfbnn::relu_family_moments`` and its backward without autograd);
 2. CUDA: the kernels one closed-form training step launches (batch 500, torch profiler): the
    work its CUDA graph holds (forward, backward, Adam; ``GraphedTrainingStep.captured_step``, run
-   eagerly under the profiler), with the operators and with the reference torch ops
-   (``fast_path(False)``) (targets <= 18, issue #46, and <= 27, issue #43's "no worse"), and
+   eagerly under the profiler), with the operators and with the reference kernels
+   kernels (tests/reference_kernels.py, registered for CUDA) (targets <= 18, issue #46, and <= 27, issue #43's "no worse"), and
    beside it what runs before each replay, outside the graph (the batch's gather);
 3. CUDA: the graphed closed-form step (the CLI's CUDA path) against the graphed plain MLP
    (targets <= 1.4x, issue #46, and no worse than issue #43's 1.66x at D=90 and 1.85x at D=2048)
@@ -35,6 +35,7 @@ Every target is also printed as one machine-readable line (benchmarks/targets.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -42,10 +43,11 @@ from bench_cuda_graphs import (  # the timing and kernel-count helpers of the gr
     _kernel_names,
     _median_ms,
 )
+from seams import reference_kernels
 from targets import print_targets, report_target
 
 from cfbnn_cli.bnn import BayesianNetwork
-from cfbnn_cli.moments import fast_path, get_activation, ops, validate_args
+from cfbnn_cli.moments import get_activation, validate_args
 from cfbnn_cli.runtime.cuda_graphs import capture, on_side_stream
 from cfbnn_cli.train.graphs import BatchLoss, GraphedTrainingStep, make_capturable
 from cfbnn_cli.train.optimizers import adam  # the pipelines' Adam (fused)
@@ -82,7 +84,7 @@ def cpu_moments(args):
 
     calls = {
         "cli": harness(relu.moments),
-        "operator": harness(lambda mean, std: ops.family_moments_function(mean, std, 0)),
+        "operator": harness(lambda mean, std: torch.ops.cfbnn.relu_family_moments(mean, std, 0, 0.0, False)),
         "identity": harness(lambda m, v: (m * 1.0, v * 1.0)),
         "torch_erfc_exp": harness(lambda m, v: (torch.exp(m), torch.special.erfc(v))),
         "kernels": kernels_alone,
@@ -130,7 +132,7 @@ def _eager_step(model, optimizer, loss):
 def _graph_kernels(model, optimizer, loss, rows, device, times):
     """``(in the graph, before each replay)``: the kernels (by name, a ``Counter``) of the work a
     CUDA graph of the training step holds and of the fill before its replay (the batch's gather),
-    each run eagerly under the profiler after an eager step (Adam's state, the first-use checks);
+    each run eagerly under the profiler after an eager step (Adam's state, Triton's first launches);
     ``times`` receives the first one's GPU time by name."""
     graphed = GraphedTrainingStep(model, optimizer, loss, device)
     make_capturable(optimizer)
@@ -164,7 +166,7 @@ def cuda_steps(args):
         kernels, gathers = {}, 0
         with validate_args(False):
             for enabled in (True, False):
-                with fast_path(enabled):
+                with contextlib.nullcontext() if enabled else reference_kernels("CUDA"):
                     times = {}
                     names, filled = _graph_kernels(*network("analytic"), rows, device, times)
                     kernels[enabled] = sum(names.values())

@@ -5,10 +5,11 @@ plain MLP's step.
     python benchmarks/bench_tail_ahead.py                  # D=90/H=200 and D=2048/H=1000, batch 500
     python benchmarks/bench_tail_ahead.py --sizes 90x200   # one size
 
-An ELBO's upstream gradient is one number, so its node (``bnn/fused/operator_elbo.py``) takes the
-tail pass's backward in the forward pass and scales it afterwards, evaluating the activation's
-moments once a step. For the comparison this script turns that off in the same process (the node's
-``ahead`` argument) and times the three steps interleaved, one of each per round, medians of
+An ELBO's upstream gradient is one number, so its node (``cfbnn::normal_elbo``,
+``bnn/fused/normal_elbo.py``) takes the tail pass's backward in the forward pass and scales it
+afterwards, evaluating the activation's moments once a step. For the comparison this script turns
+that off in the same process (the ``ahead`` argument of the node's ``_tail_pass``, wrapped here) and
+times the three steps interleaved, one of each per round, medians of
 ``--rounds`` (the CPU's speed drifts between runs; interleaving keeps the ratios comparable).
 Both steps run as the CLI runs (threads, allocator, denormals flushed). Not a test.
 """
@@ -23,7 +24,7 @@ import torch
 from bench_elbo import configure_like_cli
 from torch import nn
 
-import cfbnn_cli.bnn.fused.operator_elbo as operator_elbo
+import cfbnn_cli.bnn.fused.normal_elbo as normal_elbo
 from cfbnn_cli.bnn import ClosedFormBNN
 from cfbnn_cli.moments import set_validate_args
 
@@ -36,14 +37,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {configure_like_cli()}")
     set_validate_args(False)
-    tail_and_rows = operator_elbo._tail_and_rows
+    tail_pass = normal_elbo._tail_pass
     ahead_allowed = [True]
 
-    def tail_and_rows_switched(*arguments):  # the node asks for ahead; the switch may refuse it
+    def tail_pass_switched(*arguments):  # the node asks for ahead; the switch may refuse it
         *rest, ahead = arguments
-        return tail_and_rows(*rest, ahead and ahead_allowed[0])
+        return tail_pass(*rest, ahead and ahead_allowed[0])
 
-    operator_elbo._tail_and_rows = tail_and_rows_switched
+    normal_elbo._tail_pass = tail_pass_switched
     for size in args.sizes:
         dim, hidden = (int(v) for v in size.split("x"))
         torch.manual_seed(0)
@@ -74,7 +75,7 @@ def main(argv=None):
         for name, value in ms.items():
             print(f"  {name:32s} {value:8.3f} ms  {value / mlp_ms:5.2f}x the plain MLP")
         print(f"  the backward taken ahead: {ms['ahead'] / ms['tail backward in the backward']:.2f}x the step")
-    operator_elbo._tail_and_rows = tail_and_rows
+    normal_elbo._tail_pass = tail_pass
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """cli.py: dispatch, config composition and each command's help, run directories, errors."""
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -419,21 +418,3 @@ def test_progress_bars_only_on_request_when_stderr_is_not_a_terminal(tmp_path, c
     bad = cfbnn(*args, "hydra.run.dir=" + str(tmp_path / "bad"), env={"CFBNN_PROGRESS": "maybe"})
     assert "CFBNN_PROGRESS='maybe' is not one of 1, 0, auto" in one_line_error(bad)
     assert not (tmp_path / "bad").exists()
-
-
-@pytest.mark.slow
-def test_the_first_kernel_build_says_what_it_does_and_how_long_it_took(tmp_path, cfbnn):
-    """A fresh kernel cache: one line before the compiler runs, one after with the time it took (here
-    a stand-in compiler that fails, so the torch path serves and the run finishes)."""
-    compiler = tmp_path / "fake-c++"
-    compiler.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi\nexit 1\n')
-    compiler.chmod(0o755)
-    out = cfbnn(
-        "train", "regression", f"hydra.run.dir={tmp_path / 'run'}", *TRUST_REGRESSION,
-        env={"CXX": str(compiler), "CFBNN_CACHE_DIR": str(tmp_path / "cache"), "CFBNN_FAST_MOMENTS": "1"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line for line in out.stdout.splitlines() if "CPU kernels" in line]
-    assert len(lines) == 2, out.stdout[-3000:]
-    assert "compiling the CPU kernels (once per machine, about 20 s" in lines[0]
-    assert re.search(r"the CPU kernels did not compile \(\d+\.\d s\)", lines[1]), lines[1]

@@ -1,6 +1,6 @@
-"""The network's CUDA route on the CPU (:func:`cfbnn_cli.moments.cuda_twin.cuda_twin`): every
-route decision a CUDA tensor takes, the dispatcher running each ``cfbnn::`` operator's CUDA kernel
--- the Triton kernels, under Triton's interpreter -- against the reference torch path in float64:
+"""The network's CUDA kernels on the CPU (:func:`cuda_twin.cuda_twin`, tests/cuda_twin.py): the
+dispatcher running each ``cfbnn::`` operator's CUDA kernel -- the Triton kernels, under Triton's
+interpreter -- against the reference kernels (tests/reference_kernels.py) in float64:
 the closed-form ELBO and its gradients (one hidden layer, two with the first sampled, two
 propagated), ``vmap`` over draws as the gradient-variance measurement takes them (Table 1), the
 predictive moments, the Figure 1 head's deterministic prediction for the ReLU family (one launch of each
@@ -18,10 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from torch.func import grad, vmap
-
-from cfbnn_cli.moments import ops
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,8 +28,9 @@ from autograd_nodes import node_names
 from cfbnn_cli.bnn import BayesianNetwork, bayesian_head
 from cfbnn_cli.bnn.gradient_variance import gradient_variance
 from cfbnn_cli.bnn.likelihoods import NormalLikelihood
-from cfbnn_cli.moments import fast_path, get_activation, kernel_library, ops
-from cfbnn_cli.moments.cuda_twin import cuda_twin
+from cfbnn_cli.moments import get_activation
+from cuda_twin import cuda_twin
+from reference_kernels import reference_kernels
 from cfbnn_cli.train.optimizers import adam
 
 WIDTH, ROWS = (int(n) for n in sys.argv[1:3])  # the last hidden layer's width, the batch's rows
@@ -58,7 +55,7 @@ def data(dtype):
     g = torch.Generator().manual_seed(1)
     return torch.randn(ROWS, 4, generator=g, dtype=dtype) * 2, torch.randn(ROWS, generator=g, dtype=dtype)
 
-def reference(net):  # the reference torch path in float64 (no kernels at all)
+def reference(net):  # the network in float64, for the reference kernels (twin_off)
     return copy.deepcopy(net).double()
 
 def draws(net, x, y, noise):  # the per-draw gradients as gradient_variance takes them
@@ -68,8 +65,8 @@ def draws(net, x, y, noise):  # the per-draw gradients as gradient_variance take
     return vmap(grad(negative_elbo), in_dims=(None, 0))(params, noise)
 
 def vmap_cases():
-    # first, before anything else has used the kernels: their first-use checks then run inside
-    # vmap(grad(...)), as a gradient-variance measurement's first chunk runs them on a GPU
+    # first, before anything else has used the kernels: their first launches inside vmap(grad(...)),
+    # as a gradient-variance measurement's first chunk makes them on a GPU
     out = {}
     for activation, params in (("relu", {}), ("leaky_relu", {"negative_slope": -0.5}), ("relu_squared", {})):
         for dtype in DTYPES:
@@ -87,7 +84,7 @@ def vmap_cases():
     out["gradient_variance"] = max(abs(got[k] - want[k]) / max(abs(want[k]), 1e-30) for k in want)
     return out
 
-ROUTES = {"one": "NormalELBOBackward", "analytic": "NormalELLBackward", "deterministic": "DeepNormalELBOBackward"}
+ROUTES = {"one": "cfbnn::normal_elbo", "analytic": "cfbnn::normal_ell", "deterministic": "cfbnn::deep_normal_elbo"}
 
 def elbo_cases():
     out = {}
@@ -130,7 +127,7 @@ def elbo_cases():
         out[f"elbo_per_point_{dtype}"] = {
             "value": max(scaled(value.detach(), want.detach()), scaled(evaluated, want_evaluated)),
             "grads": max(scaled(g, w) for g, w in zip(grads, want_grads)),
-            "route": "NormalELL" in node_names(value),
+            "route": "cfbnn::normal_ell" in node_names(value),
         }
     return out
 
@@ -208,10 +205,8 @@ def nan_cases():
             out[f"nan_{name}_{dtype}"] = {"nan": nan_kept, "exact": exact_elsewhere}
     return out
 
-@contextlib.contextmanager
-def twin_off():  # the reference path: the twin's kernels and the C++ path both off
-    with fast_path(False):
-        yield
+def twin_off():  # the reference kernels, registered over the twin's for the block
+    return reference_kernels()
 
 with cuda_twin() as calls:
     out = vmap_cases()
@@ -221,16 +216,14 @@ with cuda_twin() as calls:
     out.update(head_cases())
     out.update(adam_cases())
     out.update(nan_cases())
-    out["first_use"] = {what: passed for (what, device, dtype), passed in ops.FIRST_USE.items()}
 out["calls"] = dict(calls)
-out["cpp_library_loaded"] = kernel_library.cpu_operators_registered()
 print("RESULT", json.dumps(out))
 """
 
 
 def _run(width: int, rows: int) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", CFBNN_CUDA_TWIN="1")  # (twin: no C++ CPU kernels)
-    paths = [str(REPO), str(REPO / "tests" / "bnn"), env.get("PYTHONPATH", "")]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    paths = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "bnn"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     command = [sys.executable, "-c", CHECKS, str(width), str(rows)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -240,12 +233,10 @@ def _run(width: int, rows: int) -> dict:
 
 
 def _assert_the_twin_matches(out: dict) -> None:
-    assert not out.pop("cpp_library_loaded")  # the CPU's own kernels never stood in
-    first_use = out.pop("first_use")
-    assert first_use and all(first_use.values()), first_use  # every first-use check passed
     vmap_calls = out.pop("vmap_calls")
-    # vmap reached the family operator's kernels both ways (vmap_cases: every member)
-    assert vmap_calls.get("relu_family_moments", 0) > 0 and vmap_calls.get("relu_family_moments_backward", 0) > 0
+    # vmap reached the tail node's kernels (its vmap rule: the draws' rows as rows of one call; the
+    # backward steps, which sum over each draw's rows, by their vmap rules' batched formulas)
+    assert vmap_calls.get("relu_tail", 0) > 0 and vmap_calls.get("normal_ell_rows", 0) > 0, vmap_calls
     calls = out.pop("calls")
     steps = {"augment_pair", "outer_layers_pass", "diagonal_kl_pass", "normal_elbo_rows", "normal_rows_backward"}
     steps |= {"relu_tail"}
@@ -276,21 +267,3 @@ def test_the_cuda_route_on_the_cpu_matches_the_reference_path():
 def test_the_cuda_route_on_the_cpu_matches_the_reference_path_past_one_block():
     """Widths and rows past one Triton block each way (the partial blocks too)."""
     _assert_the_twin_matches(_run(width=150, rows=37))
-
-
-def test_a_first_use_check_inside_vmap_of_grad_runs_on_plain_tensors(monkeypatch):
-    """The gradient draws' first use of the kernels comes inside ``vmap(grad(...))``: the check's
-    own tensors must still have storage for a kernel launch to read (inside the transforms they
-    would be functorch wrappers, the check would fail, and the reference route would serve the
-    device from then on)."""
-    monkeypatch.setattr(ops, "FIRST_USE", {})
-
-    def launch_like(device, dtype):
-        torch.linspace(-1.0, 1.0, 4, dtype=dtype, device=device).data_ptr()  # what a launch reads
-
-    def loss(x):
-        assert ops.first_use_check("a launch's pointer", x.device, x.dtype, launch_like)
-        return x.square().sum()
-
-    vmap(grad(loss))(torch.randn(3, 2))
-    assert ops.FIRST_USE == {("a launch's pointer", torch.device("cpu"), torch.float32): True}

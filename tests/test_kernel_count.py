@@ -1,6 +1,6 @@
 """The kernels of one closed-form training step on the CUDA route, counted on the CPU: inside the
-CUDA twin (:func:`cfbnn_cli.moments.cuda_twin.cuda_twin`, the Triton kernels under Triton's
-interpreter, so in a subprocess) :func:`cfbnn_cli.moments.kernel_count.count_kernels` counts each
+CUDA twin (:func:`cuda_twin.cuda_twin`, tests/cuda_twin.py: the Triton kernels under Triton's
+interpreter, so in a subprocess) :func:`kernel_count.count_kernels` (tests/kernel_count.py) counts each
 Triton launch and each torch operation that is a kernel on CUDA, in the work a CUDA graph of the
 step holds (:meth:`~cfbnn_cli.train.graphs.GraphedTrainingStep.captured_step`: forward,
 backward, fused Adam) and in what runs before each replay (the batch's gather), in both shapes of
@@ -40,10 +40,11 @@ WANT = {
 
 COUNT = r"""
 import json, torch
-from cfbnn_cli.bnn import BayesianNetwork, fused
-from cfbnn_cli.moments import fast_path, validate_args
-from cfbnn_cli.moments.cuda_twin import cuda_twin
-from cfbnn_cli.moments.kernel_count import count_kernels
+from cfbnn_cli.bnn import BayesianNetwork
+from cfbnn_cli.moments import validate_args
+from cuda_twin import cuda_twin
+from kernel_count import count_kernels
+from reference_kernels import reference_kernels
 from cfbnn_cli.train.graphs import BatchLoss, GraphedTrainingStep
 from cfbnn_cli.train.optimizers import adam
 
@@ -55,9 +56,8 @@ def counts(dim, hidden, rows=8, n=40):
     loss = BatchLoss((x, y), lambda xb, yb: -model.elbo(xb, yb, num_data=n, estimator="analytic"))
     step = GraphedTrainingStep(model, optimizer, loss, "cpu")
     batch = torch.randperm(n)[:rows]
-    with fast_path(False):  # the warm-up step (Adam's state), quickly: the reference ops
+    with reference_kernels():  # the warm-up step (Adam's state), quickly: the reference kernels
         value = step(batch)
-    assert fused.operators_apply(model.activation, x, *model.parameters())  # (the first-use checks)
     fill, graphed = step.captured_step(batch, value)
     optimizer.zero_grad(set_to_none=True)  # as before a capture: backward() writes the gradients
     with count_kernels() as before_replay:
@@ -71,7 +71,7 @@ def deterministic_step(activation):
     torch.manual_seed(0)
     model = BayesianNetwork(9, [20, 20], activation=activation)
     x, y = torch.randn(50, 9), torch.randn(50)
-    for _ in range(2):  # (the first: the first-use checks; the second counted)
+    for _ in range(2):  # (the first: Triton's first launches; the second counted)
         with count_kernels() as launched:
             value = model.elbo(x, y, num_data=500, estimator="deterministic")
             torch.autograd.grad(value, list(model.parameters()))
@@ -87,8 +87,8 @@ print("RESULT", json.dumps(out))
 @pytest.fixture(scope="module")
 def twin_counts():
     """The counts of :data:`COUNT`, run once (a subprocess: the interpreter's environment)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CFBNN_CUDA_TWIN="1")  # (twin: no C++ CPU kernels)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
@@ -122,8 +122,7 @@ def test_the_counter_counts_kernels_not_views_or_allocations():
     """The counter itself on torch operations: a view, an allocation or a detach launches nothing on
     CUDA; a product, a copy and an in-place update launch one each, each call counted."""
     import torch
-
-    from cfbnn_cli.moments.kernel_count import count_kernels
+    from kernel_count import count_kernels
 
     a, b = torch.randn(3, 4), torch.randn(4, 5)
     with count_kernels() as kernels:

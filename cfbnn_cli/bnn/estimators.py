@@ -3,8 +3,11 @@
 An estimator is an object, chosen once (:func:`make_estimator`, at a command's config boundary)
 and passed to the network's methods, as Pyro passes its ``Trace_ELBO`` / ``TraceMeanField_ELBO``.
 The same parameters can be trained or measured under any of them (paper Table 1 compares two
-at the same parameters). This module is where each one's expected log-likelihood and ELBO are
-computed (:meth:`Estimator.elbo`); the layers' arithmetic is in :mod:`.layers` and :mod:`.fused`.
+at the same parameters). Each estimator computes its own objective: bound to a network
+(:meth:`Estimator.bind`, once per network), it asks each fused node whether it fits the network
+(:class:`.fused.FusedNode`: ``supports(network)``, and why not, logged at debug level) and keeps
+the ELBO and expected log-likelihood that answer gives (:class:`Objective`); the layers' arithmetic
+is in :mod:`.layers` and :mod:`.fused`.
 
 ==================================  =============  ==============================================
 object                              name           integrates / samples
@@ -38,6 +41,7 @@ call (Table 1).
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Tuple
 
 import torch
@@ -49,6 +53,9 @@ from . import functional as F
 from . import fused
 from .functional import augment
 from .likelihoods import NormalLikelihood
+
+log = logging.getLogger(__name__)
+_nodes = torch.ops.cfbnn
 
 
 class Estimator:
@@ -168,105 +175,29 @@ class Estimator:
 
     # ------------------------------------------------------------------ objectives
 
-    def expected_log_likelihood_per_point(
-        self,
-        network,
-        x,
-        y,
-        *,
-        noise=None,
-        generator=None,
-        num_samples: int = 1,
-        objective: Optional[str] = None,
-        kl_sink: Optional[dict] = None,
-        summed: bool = False,
-    ):
-        """``E_q[log p(y_n | x_n, W)]`` per data point ``(..., N)`` (summed over outputs): exact,
-        or a one-sample estimate over the sampled layers (``noise=None`` draws it). ``summed``: the
-        caller only differentiates the points' sum (:meth:`elbo`), which lets the output layer's
-        node take its backward pass ahead."""
-        likelihood = network.likelihood
-        h = network.point_features(x)
-        if noise is None:
-            noise = self.sample_noise(network, h.shape[-2], generator=generator, lead=h.shape[:-2])
-        if getattr(likelihood, "needs_covariance", False):  # heteroscedastic: (mean, log-variance) covary
-            return likelihood.expected_log_likelihood(y, *self.mean_and_covariance(network, h, noise, kl_sink=kl_sink))
-        fused_ell = self._fused_normal_ell(network, h, y, noise, kl_sink, summed)
-        if fused_ell is not None:
-            return fused_ell
-        mean = variance = samples = None
-        if likelihood.needs_moments(objective):
-            mean, var_a, var_b = network.squeeze_outputs(*self.output_moments(network, h, noise, kl_sink=kl_sink))
-            variance = var_a + var_b
-        if likelihood.needs_samples(objective):
-            samples = network.sample_outputs(h, num_samples, generator=generator, after_point_layers=True)
-        return likelihood.expected_log_likelihood(
-            y, mean, variance, samples, objective=objective, multi_output=network.output_dim > 1
-        )
+    # ------------------------------------------------------------------ the objective
 
-    def elbo(
-        self,
-        network,
-        x,
-        y,
-        *,
-        num_data: Optional[int] = None,
-        noise=None,
-        generator=None,
-        num_samples: int = 1,
-        objective: Optional[str] = None,
-    ):
-        """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO, layer by layer
-        (the estimators that integrate every layer first try the whole ELBO as one node:
-        :meth:`ClosedForm.elbo`, :meth:`DeterministicPropagation.elbo`)."""
-        # a fixed prior: the layers' functions hand their KL over on the way (one pass for both)
-        sink = {} if network.prior != "empirical_bayes" else None
-        ell = self.expected_log_likelihood_per_point(
-            network,
-            x,
-            y,
-            noise=noise,
-            generator=generator,
-            num_samples=num_samples,
-            objective=objective,
-            kl_sink=sink,
-            summed=True,
-        ).sum(-1)
-        scale = 1.0 if num_data is None else num_data / x.shape[-2]
-        return scale * ell - network.kl(folded=sink)
+    # whether the estimator carries each hidden unit's mean and variance (the nodes' moments); not
+    # DeterministicPropagation(full_covariance=True)
+    propagates_diagonal = True
 
-    def _fused_normal_ell(self, network, h, y, noise, kl_sink, summed: bool = False):
-        """The Normal ELL per point through :mod:`.fused` (a diagonal output layer integrated
-        exactly); ``None`` where that path does not apply."""
-        output = network.layers[-1]
-        if not isinstance(network.likelihood, NormalLikelihood) or getattr(output, "covariance", None) != "diagonal":
-            return None
-        target = y.unsqueeze(-1) if network.output_dim == 1 else y
-        log_precision = network.likelihood.log_precision
-        # one output of a ReLU-family network (ReLU, leaky ReLU, ReLU^2): the last hidden layer and
-        # the output layer in one node on the cfbnn:: operators, from the pre-activations' variances
-        on_operators = output.loc.shape[0] == 1 and fused.operators_apply(
-            network.activation, output.loc, output.log_scale, target, log_precision
-        )
-        kind, value = self.forward_to_tail(network, h, noise, variance_form=on_operators, kl_sink=kl_sink)
-        if kind in ("outputs", "full_moments"):
-            return None
-        if kind == "output_layer":
-            phi, second_moment, variance = value, None, torch.zeros_like(value)
-        elif on_operators:
-            gamma, xi2 = value
-            prior_variance = None if kl_sink is None else network.prior_scale**2
-            rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
-            family = family_of(network.activation)
-            ell, kl = fused.operator_normal_ell(gamma, xi2, *rest, family=family, summed=summed)
-            if kl is not None:
-                kl_sink[len(network.layers) - 1] = kl
-            return ell
-        else:
-            phi, second_moment, variance = network.activation.moments(*value, return_variance=True)
-        return fused.normal_ell_given_hidden(
-            phi, variance, output.loc, output.log_scale, target, log_precision, output.bias, second_moment
-        )
+    def bind(self, network, *, fused: bool = True) -> "Objective":
+        """This estimator's objective on ``network`` (:class:`Objective`), decided once per network
+        and kept there: which fused node computes it, or the layers one by one. ``fused=False``: the
+        layers one by one whatever fits (the comparisons of the tests and benchmarks)."""
+        bound = network.bound_objectives.get((self, fused))
+        if bound is None:
+            bound = network.bound_objectives[(self, fused)] = Objective(self, network, fused)
+        return bound
+
+    def expected_log_likelihood_per_point(self, network, x, y, **options):
+        """``E_q[log p(y_n | x_n, W)]`` per data point ``(..., N)`` (summed over outputs): exact, or a
+        one-sample estimate over the sampled layers (``noise=None`` draws it); :meth:`Objective.ell`."""
+        return self.bind(network).ell(x, y, **options)
+
+    def elbo(self, network, x, y, **options):
+        """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO; :meth:`Objective.elbo`."""
+        return self.bind(network).elbo(x, y, **options)
 
 
 class ClosedForm(Estimator):
@@ -276,19 +207,6 @@ class ClosedForm(Estimator):
     closed_form_layers = 2
     integrates = "the last hidden layer and the output layer (eqs. (7)-(9))"
     samples = "every earlier Gaussian layer (none for one hidden layer)"
-
-    def elbo(self, network, x, y, *, num_data=None, noise=None, generator=None, **kwargs):
-        """The paper's ELBO (eq. (4)) where the operators take the network: with one hidden layer
-        (nothing sampled) the whole ELBO as one node (:func:`one_node_elbo`); deeper, the earlier
-        layers sampled and the last two integrated as one node (:func:`sampled_then_tail_elbo`).
-        Otherwise layer by layer (:meth:`Estimator.elbo`), with the same value."""
-        if len(network.layers) == 2:
-            whole = one_node_elbo(network, x, y, num_data, noise)
-        else:
-            whole = sampled_then_tail_elbo(self, network, x, y, num_data, noise, generator)
-        if whole is not None:
-            return whole
-        return super().elbo(network, x, y, num_data=num_data, noise=noise, generator=generator, **kwargs)
 
 
 class IntegrateOutputLayer(Estimator):
@@ -320,6 +238,7 @@ class DeterministicPropagation(Estimator):
 
     def __init__(self, full_covariance: bool = False):
         self.full_covariance = bool(full_covariance)
+        self.propagates_diagonal = not self.full_covariance
         self.name = "deterministic_full" if self.full_covariance else "deterministic"
         self.integrates = (
             "every layer, the activations' covariance across units carried"
@@ -337,74 +256,189 @@ class DeterministicPropagation(Estimator):
             return super().forward_to_tail(network, h, noise, variance_form=variance_form, kl_sink=kl_sink)
         return "full_moments", _full_covariance_hidden(network, h)
 
-    def elbo(self, network, x, y, *, num_data=None, noise=None, **kwargs):
-        """:meth:`Estimator.elbo`; the whole ELBO as one node where :func:`one_node_elbo` takes the
-        network (not with ``full_covariance``: the covariance across units is not what it propagates)."""
-        whole = None if self.full_covariance else one_node_elbo(network, x, y, num_data, noise)
-        if whole is not None:
-            return whole
-        return super().elbo(network, x, y, num_data=num_data, noise=noise, **kwargs)
+
+class Objective:
+    """An estimator's ELBO and expected log-likelihood on one network (Pyro's ``TraceMeanField_ELBO``:
+    the estimator owns its objective), made once by :meth:`Estimator.bind`: the fused nodes that fit
+    the network (:data:`.fused.WHOLE_ELBO` where every layer is integrated, else :data:`.fused.TAIL`
+    for the last hidden layer and the output layer) are asked once, their answer kept in
+    :attr:`route` and logged at debug level, and :meth:`elbo` and :meth:`ell` are the ones it gives."""
+
+    def __init__(self, estimator: Estimator, network, fused_nodes: bool = True):
+        self.estimator, self.network = estimator, network
+        treatments = estimator.treatments(network)
+        every_layer = estimator.propagates_diagonal and all(t == "closed_form" for t in treatments)
+        tail_layers = len(treatments) >= 2 and treatments[-2:] == ("closed_form", "closed_form")
+        reasons = []
+        if not fused_nodes:
+            reasons.append("the layers one by one were asked for (fused=False)")
+        elif not every_layer:
+            reasons.append(f"cfbnn::normal_elbo: {estimator.name} samples a layer of this network")
+        else:
+            reasons += [f"cfbnn::normal_elbo: {r}" for r in fused.WHOLE_ELBO.not_supported_reasons(network)]
+        whole = not reasons
+        tail_reasons = [] if fused_nodes else ["fused=False"]
+        if not (tail_layers and estimator.propagates_diagonal):
+            tail_reasons.append(f"{estimator.name} does not integrate this network's last hidden layer")
+        tail_reasons += fused.TAIL.not_supported_reasons(network)
+        tail = not tail_reasons
+        family = family_of(network.activation)
+        self.family = None if family is None else (int(family[0]), float(family[1]))
+        likelihood = network.likelihood
+        # what is left to integrate after the sampled and propagated layers (Estimator.forward_to_tail)
+        integrated_output = network.point_layers < len(treatments) and treatments[-1] == "closed_form"
+        if getattr(likelihood, "needs_covariance", False):  # heteroscedastic: (mean, log-variance) covary
+            self.ell = self._ell_from_covariance
+        elif tail:
+            self.ell = self._ell_on_tail
+        elif (
+            isinstance(likelihood, NormalLikelihood)
+            and getattr(network.layers[-1], "covariance", None) == "diagonal"
+            and integrated_output
+            and estimator.propagates_diagonal
+        ):
+            self.ell = self._ell_given_hidden
+        else:
+            self.ell = self._ell_from_moments
+        if whole:
+            self.elbo = self._whole_elbo_one_hidden if len(network.layers) == 2 else self._whole_elbo_deep
+            self.route = "cfbnn::normal_elbo: the whole ELBO as one node"
+        else:
+            self.elbo = self._elbo_from_ell
+            why = "; ".join(reasons + ([] if tail else [f"cfbnn::normal_ell: {r}" for r in tail_reasons]))
+            self.route = f"layer by layer{', the tail as one node (cfbnn::normal_ell)' if tail else ''}: {why}"
+        log.debug("estimator %s on this network: %s", estimator.name, self.route)
+
+    def __repr__(self) -> str:
+        return f"Objective({self.estimator!r}: {self.route})"
+
+    # ------------------------------------------------------------------ the ELBO
+
+    def _scale(self, num_data, x) -> float:
+        return 1.0 if num_data is None else num_data / x.shape[-2]
+
+    def _whole_elbo_one_hidden(self, x, y, *, num_data=None, noise=None, **_):
+        """``cfbnn::normal_elbo``: nothing is sampled (``noise`` empty)."""
+        network = self.network
+        hidden, output = network.layers
+        return _each_batch(x, y, noise, lambda x, y: _nodes.normal_elbo(
+            x, y, network.likelihood.log_precision, hidden.loc, hidden.log_scale, output.loc, output.log_scale,
+            hidden.bias, output.bias, network.prior_scale**2, self._scale(num_data, x), *self.family,
+        ))  # fmt: skip
+
+    def _whole_elbo_deep(self, x, y, *, num_data=None, noise=None, **_):
+        """``cfbnn::deep_normal_elbo``: every layer propagated."""
+        network = self.network
+        parameters = [tensor for layer in network.layers for tensor in (layer.loc, layer.log_scale)]
+        biases = [layer.bias for layer in network.layers]
+        return _each_batch(x, y, noise, lambda x, y: _nodes.deep_normal_elbo(
+            x, y, network.likelihood.log_precision, parameters, biases, network.prior_scale**2,
+            self._scale(num_data, x), *self.family,
+        ))  # fmt: skip
+
+    def _elbo_from_ell(self, x, y, *, num_data=None, noise=None, generator=None, num_samples=1, objective=None):
+        """``(num_data / batch) ELL - KL``, the ELL summed over the points at once (the tail node then
+        takes its backward ahead); a fixed prior's KL terms handed over by the layers on the way."""
+        network = self.network
+        sink = {} if network.prior != "empirical_bayes" else None
+        ell = self.ell(
+            x,
+            y,
+            noise=noise,
+            generator=generator,
+            num_samples=num_samples,
+            objective=objective,
+            kl_sink=sink,
+            summed=True,
+        ).sum(-1)
+        return self._scale(num_data, x) * ell - network.kl(folded=sink)
+
+    # ------------------------------------------------------------------ the expected log-likelihood
+
+    def _after_point_layers(self, x, noise, generator):
+        network = self.network
+        h = network.point_features(x)
+        if noise is None:
+            noise = self.estimator.sample_noise(network, h.shape[-2], generator=generator, lead=h.shape[:-2])
+        return h, noise
+
+    def _target(self, y):
+        return y.unsqueeze(-1) if self.network.output_dim == 1 else y
+
+    def _ell_on_tail(self, x, y, *, noise=None, generator=None, kl_sink=None, summed=False, **_):
+        """The layers before the last hidden one sampled or propagated, then ``cfbnn::normal_ell``
+        (the last hidden layer from its pre-activations' variances, the output layer, the Normal
+        likelihood; the output layer's KL folded in where ``kl_sink`` collects the KL terms)."""
+        network, output = self.network, self.network.layers[-1]
+        h, noise = self._after_point_layers(x, noise, generator)
+        _, (gamma, xi2) = self.estimator.forward_to_tail(network, h, noise, variance_form=True, kl_sink=kl_sink)
+        prior_variance = None if kl_sink is None else network.prior_scale**2
+        gamma, xi2 = check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
+        gamma, xi2 = torch.broadcast_tensors(gamma, xi2)
+        lead, width = gamma.shape[:-1], gamma.shape[-1]
+        target = torch.broadcast_to(y.unsqueeze(-1), lead + (1,)).reshape(-1)
+        summed = bool(summed) and len(lead) == 1  # one upstream gradient for every row
+        ell, kl = _nodes.normal_ell(
+            gamma.reshape(-1, width), xi2.reshape(-1, width), output.loc, output.log_scale, target,
+            network.likelihood.log_precision, output.bias, prior_variance, *self.family, summed,
+        )  # fmt: skip
+        if prior_variance is not None:
+            kl_sink[len(network.layers) - 1] = kl
+        return ell.reshape(lead)
+
+    def _ell_given_hidden(self, x, y, *, noise=None, generator=None, kl_sink=None, **_):
+        """A Normal likelihood and a mean-field output layer: the output layer integrated exactly
+        given the hidden units' moments (:func:`.fused.normal_ell_given_hidden`), or the outputs'."""
+        network, output = self.network, self.network.layers[-1]
+        h, noise = self._after_point_layers(x, noise, generator)
+        kind, value = self.estimator.forward_to_tail(network, h, noise, kl_sink=kl_sink)
+        if kind == "output_layer":
+            phi, second_moment, variance = value, None, torch.zeros_like(value)
+        else:
+            phi, second_moment, variance = network.activation.moments(*value, return_variance=True)
+        log_precision = network.likelihood.log_precision
+        return fused.normal_ell_given_hidden(
+            phi, variance, output.loc, output.log_scale, self._target(y), log_precision, output.bias, second_moment
+        )
+
+    def _ell_from_covariance(self, x, y, *, noise=None, generator=None, kl_sink=None, **_):
+        """A likelihood that needs the outputs' covariance (the heteroscedastic Normal's mean and
+        log-variance covary)."""
+        h, noise = self._after_point_layers(x, noise, generator)
+        moments = self.estimator.mean_and_covariance(self.network, h, noise, kl_sink=kl_sink)
+        return self.network.likelihood.expected_log_likelihood(y, *moments)
+
+    def _ell_from_moments(self, x, y, *, noise=None, generator=None, num_samples=1, objective=None, kl_sink=None, **_):
+        """Any likelihood from the outputs' moments and/or samples, as its objective asks."""
+        network, likelihood = self.network, self.network.likelihood
+        h, noise = self._after_point_layers(x, noise, generator)
+        mean = variance = samples = None
+        if likelihood.needs_moments(objective):
+            moments = self.estimator.output_moments(network, h, noise, kl_sink=kl_sink)
+            mean, var_a, var_b = network.squeeze_outputs(*moments)
+            variance = var_a + var_b
+        if likelihood.needs_samples(objective):
+            sampling = LocalReparameterization()
+            draws = sampling.sample_noise(network, h.shape[-2], generator=generator, num_samples=num_samples)
+            samples = network.squeeze_outputs(*sampling.output_moments(network, h, draws))[0]
+        return likelihood.expected_log_likelihood(
+            y, mean, variance, samples, objective=objective, multi_output=network.output_dim > 1
+        )
 
 
-def one_node_elbo(network, x, y, num_data: Optional[int], noise):
-    """The whole ELBO as one node where every layer is integrated in closed form, else ``None``:
-    a ReLU-family network (ReLU, leaky ReLU, ReLU^2) whose layers are all mean-field Gaussians,
-    one Normal output, a fixed prior and one batch of plain inputs, on the ``cfbnn::`` operators
-    (:class:`.fused.operator_elbo.NormalELBO` for one hidden layer, :class:`.fused.operator_deep_elbo.DeepNormalELBO`
-    for more): same value and gradients as layer by layer, less autograd bookkeeping
-    (``tests/bnn/test_operator_elbo.py``, ``tests/bnn/test_fused.py``)."""
-    if noise or x.dim() != 2 or y.shape != x.shape[:1] or x.requires_grad:
-        return None
-    layers = network.layers
-    if (
-        network.point_layers
-        or network.prior == "empirical_bayes"
-        or network.output_dim != 1
-        or len(layers) < 2
-        or type(network.likelihood) is not NormalLikelihood
-        or any(getattr(layer, "covariance", None) != "diagonal" for layer in layers)
-    ):
-        return None
-    log_precision = network.likelihood.log_precision
-    parameters = [tensor for layer in layers for tensor in (layer.loc, layer.log_scale)]
-    if not fused.operators_apply(network.activation, x, y, log_precision, *parameters):
-        return None
-    family = family_of(network.activation)
-    scale = 1.0 if num_data is None else num_data / x.shape[-2]
-    if len(layers) == 2:
-        return fused.operator_normal_elbo(x, y, log_precision, *layers, network.prior_scale**2, scale, family)
-    return fused.operator_deep_normal_elbo(x, y, log_precision, layers, network.prior_scale**2, scale, family)
-
-
-def sampled_then_tail_elbo(estimator, network, x, y, num_data: Optional[int], noise, generator):
-    """:class:`ClosedForm`'s ELBO of a deeper network where the operators take its tail, else
-    ``None``: the layers before the last two sampled (``noise``, drawn with ``generator`` when
-    ``None``), then the last hidden layer and the one Normal output integrated as one node
-    (:class:`.fused.operator_elbo.NormalELL`, its rows summed at once), a fixed prior's KL folded in
-    on the way. The same draws, value and gradients as :meth:`Estimator.elbo` (tests/bnn/test_estimators_tail_node.py)."""
-    output = network.layers[-1]
-    if (
-        type(network.likelihood) is not NormalLikelihood
-        or network.output_dim != 1
-        or network.prior == "empirical_bayes"
-        or getattr(output, "covariance", None) != "diagonal"
-        or estimator.treatments(network)[-2:] != ("closed_form", "closed_form")
-    ):
-        return None
-    target, log_precision = y.unsqueeze(-1), network.likelihood.log_precision
-    if not fused.operators_apply(network.activation, output.loc, output.log_scale, target, log_precision):
-        return None
-    h = network.point_features(x)
-    if noise is None:
-        noise = estimator.sample_noise(network, h.shape[-2], generator=generator, lead=h.shape[:-2])
-    sink = {}  # the KL terms the layers compute on the way
-    _, (gamma, xi2) = estimator.forward_to_tail(network, h, noise, variance_form=True, kl_sink=sink)
-    prior_variance = network.prior_scale**2
-    family = family_of(network.activation)
-    rest = (output.loc, output.log_scale, target, log_precision, output.bias, prior_variance)
-    ell, sink[len(network.layers) - 1] = fused.operator_normal_ell(gamma, xi2, *rest, family=family, summed=True)
-    scale = 1.0 if num_data is None else num_data / x.shape[-2]
-    return scale * ell.sum(-1) - network.kl(folded=sink)
+def _each_batch(x, y, noise, node):
+    """The whole-ELBO node (``node(x, y)``, ``x`` ``(N, D)``) on each batch of rows of ``x``
+    ``(..., N, D)``: one ELBO per leading index, as the layer-by-layer ELBO gives. ``noise`` must be
+    empty (the node samples nothing)."""
+    if noise:
+        raise ValueError(
+            f"`noise` must be empty: this estimator samples no layer of this network; got {len(noise)} tensor(s)"
+        )
+    if x.dim() == 2:
+        return node(x, y)
+    lead, rows = x.shape[:-2], x.shape[-2]
+    xs, ys = x.reshape(-1, *x.shape[-2:]), torch.broadcast_to(y, (*lead, rows)).reshape(-1, rows)
+    return torch.stack([node(a, b) for a, b in zip(xs, ys)]).reshape(lead)
 
 
 _BY_NAME = {
@@ -467,18 +501,15 @@ def _preactivation(network, index: int, h, moments, variance_output: bool, kl_si
 
 
 def _propagated_moments(network, index: int, h, moments, kl_sink: Optional[dict]):
-    """``(phi, variance, second_moment)`` of hidden layer ``index``'s activations, its inputs
-    exact (``moments=None``) or propagated."""
-    layer = network.layers[index]
-    inputs = h if moments is None else moments[0]
+    """``(phi, variance, second_moment)`` of hidden layer ``index``'s activations, its inputs exact
+    (``moments=None``) or propagated: a ReLU-family member's moments from the pre-activations'
+    variances (no square root either way), any other activation's from their standard deviations."""
     family = family_of(network.activation)
-    if layer.covariance == "diagonal" and family is not None:
-        if fused.operators_apply(network.activation, inputs, layer.loc):
-            # the family's moments from the pre-activations' variances: no square root, either way
-            gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
-            check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
-            phi, second_moment, variance = torch.ops.cfbnn.relu_family_moments(gamma, xi2, *family, True)
-            return phi, variance, second_moment
+    if network.layers[index].covariance == "diagonal" and family is not None:
+        gamma, xi2 = _preactivation(network, index, h, moments, True, kl_sink)
+        check_mean_std(gamma, xi2, names=("gamma", "xi2"))  # the checks activation.moments makes
+        phi, second_moment, variance = _nodes.relu_family_moments(gamma, xi2, *family, True)
+        return phi, variance, second_moment
     pre = _preactivation(network, index, h, moments, False, kl_sink)
     phi, second_moment, variance = network.activation.moments(*pre, return_variance=True)
     return phi, variance, second_moment

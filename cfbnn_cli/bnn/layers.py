@@ -21,10 +21,11 @@ from torch import nn
 
 from ..moments import elbo_reference as kl_reference
 from ..moments.gaussian import is_transformed
-from ..moments.ops import operator_route
 from . import functional as F
-from . import fused
+from . import fused  # noqa: F401  (declares the layer nodes: cfbnn::diagonal_preactivation, ...)
 from .functional import augment
+
+_nodes = torch.ops.cfbnn
 
 COVARIANCES = ("diagonal", "full", "lowrank")
 
@@ -127,7 +128,7 @@ class GaussianMatrix(nn.Module):
             not generation
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
-            or any(is_transformed(p) for p in parameters)
+            or any(is_transformed(p) for p in parameters)  # (torch.func's wrappers have no version to key on)
         ):
             return torch.stack([self.loc, variance_of()])
         key = (generation,) + tuple((p._version, p.data_ptr(), p.device, p.dtype, p.shape) for p in parameters)
@@ -137,8 +138,8 @@ class GaussianMatrix(nn.Module):
 
     def preactivation_moments(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(gamma, xi)`` of ``W [h, 1]`` under q (eq. (12)): each ``(..., N, rows)``."""
-        if self.covariance == "diagonal":  # the fused path: analytic backward, no [h, 1] built
-            return fused.diagonal_preactivation(h, self.loc, self.log_scale, self.bias)
+        if self.covariance == "diagonal":  # the layer node: analytic backward, no [h, 1] built
+            return self._diagonal(h, False, None)[:2]
         return F.preactivation_moments(augment(h) if self.bias else h, self.loc, self.scale())
 
     def preactivation_mean_and_variance(self, h: torch.Tensor, moments=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -146,12 +147,8 @@ class GaussianMatrix(nn.Module):
         :meth:`propagated_preactivation_moments` (``moments = (phi, variance, second_moment)``)
         with the variance in place of the standard deviation (a diagonal q takes no square root)."""
         if self.covariance == "diagonal":
-            if moments is None:
-                return fused.diagonal_preactivation_variance(h, self.loc, self.log_scale, self.bias)
-            phi, variance, second_moment = moments
-            return fused.propagated_preactivation_variance(
-                phi, variance, self.loc, self.log_scale, self.bias, second_moment
-            )
+            node = self._diagonal(h, True, None) if moments is None else self._propagated(moments, True, None)
+            return node[:2]
         gamma, xi = self._moments_from(h, moments)
         return gamma, xi.square()
 
@@ -166,22 +163,30 @@ class GaussianMatrix(nn.Module):
         """``(gamma, xi or xi^2, KL or None)``: the pre-activation moments from exact inputs ``h``
         or, ``moments = (phi, variance, second_moment)``, from propagated ones (the variance with
         ``variance_output``), and with a ``prior_scale`` this matrix's ``KL(q || N(0, s^2 I))``
-        from the same function: for a diagonal q the kernels compute the KL in the pass that
-        makes the variances, and fold its gradient into the layer's (:mod:`.fused`). ``KL`` is
-        ``None`` where that does not apply; then :meth:`kl` as usual."""
-        if prior_scale is not None and self.covariance == "diagonal":
-            prior_variance = prior_scale * prior_scale
+        from the same node: for a diagonal q the KL comes from the pass that makes the variances,
+        its gradient folded into the layer's (:mod:`.fused`). ``KL`` is ``None`` for another
+        covariance or no prior; then :meth:`kl` as usual."""
+        if self.covariance == "diagonal":
+            prior_variance = None if prior_scale is None else float(prior_scale) ** 2
             if moments is None:
-                return fused.diagonal_preactivation_and_kl(
-                    h, self.loc, self.log_scale, self.bias, variance_output, prior_variance
-                )
-            phi, variance, second_moment = moments
-            return fused.propagated_preactivation_and_kl(
-                phi, variance, self.loc, self.log_scale, self.bias, second_moment, variance_output, prior_variance
-            )
+                gamma, xi, kl = self._diagonal(h, variance_output, prior_variance)
+            else:
+                gamma, xi, kl = self._propagated(moments, variance_output, prior_variance)
+            return gamma, xi, (kl if prior_variance is not None else None)
         if variance_output:
             return (*self.preactivation_mean_and_variance(h, moments), None)
         return (*self._moments_from(h, moments), None)
+
+    def _diagonal(self, h, variance_output: bool, prior_variance):
+        """``cfbnn::diagonal_preactivation``: ``(gamma, xi or xi^2, KL or empty)``."""
+        return _nodes.diagonal_preactivation(h, self.loc, self.log_scale, self.bias, variance_output, prior_variance)
+
+    def _propagated(self, moments, variance_output: bool, prior_variance):
+        """``cfbnn::propagated_preactivation`` of ``moments = (phi, variance, second_moment)``."""
+        phi, variance, second_moment = moments
+        return _nodes.propagated_preactivation(
+            phi, variance, second_moment, self.loc, self.log_scale, self.bias, variance_output, prior_variance
+        )
 
     def elementwise_variance(self) -> torch.Tensor:
         """``Var_q[W_rc]`` as an ``(R, C)`` matrix: the diagonal of each row's covariance."""
@@ -206,8 +211,8 @@ class GaussianMatrix(nn.Module):
         root has a finite gradient. ``second_moment``, ``E[h^2]`` when the caller has it
         (the activation's Upsilon), spares the diagonal path forming ``phi^2 + variance``.
         """
-        if self.covariance == "diagonal":  # the fused path: analytic backward, three products
-            return fused.propagated_preactivation(phi, variance, self.loc, self.log_scale, self.bias, second_moment)
+        if self.covariance == "diagonal":  # the layer node: analytic backward, three products
+            return self._propagated((phi, variance, second_moment), False, None)[:2]
         gamma, xi = self.preactivation_moments(phi)
         weights = self.loc.square() + self.elementwise_variance()
         if self.bias:
@@ -276,11 +281,8 @@ class GaussianMatrix(nn.Module):
             return kl_reference.diagonal_kl(self.loc, self.log_scale, prior_scale * prior_scale)
         if not prior_scale > 0:
             raise ValueError(f"`prior_scale` must be > 0; got {prior_scale!r}")
-        if torch._C._are_functorch_transforms_active() or not operator_route(self.loc):
-            # (vmap of grad: Table 1's draws; the reference path; a device without the kernels)
-            return kl_reference.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)
         # a fixed prior: one pass over the matrix each way (cfbnn::diagonal_kl)
-        return torch.ops.cfbnn.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)
+        return _nodes.diagonal_kl(self.loc, self.log_scale, float(prior_scale) ** 2)
 
 
 class PointLinear(nn.Linear):

@@ -28,10 +28,8 @@ from torch import nn
 
 from ..moments import get_activation
 from ..moments.activations import family_of
-from ..moments.ops import operator_route
 from ..moments.predict_ops import NO_ACTIVATION
 from ..moments.relu_family import std_from_variance
-from . import functional as F
 from .estimators import ESTIMATORS, ClosedForm, Estimator, LocalReparameterization, make_estimator
 from .functional import augment
 from .input_checks import check_count, check_inputs, check_num_data
@@ -149,6 +147,17 @@ class BayesianNetwork(nn.Module):
                     )
                 )
         self.layers = nn.ModuleList(layers)
+        # each estimator's objective on this network, decided once, when it is first asked for
+        # (Estimator.bind: which fused node computes it), and again after a change of what it reads
+        self.bound_objectives = {}
+
+    # what the bound objectives' choice of fused nodes reads (bnn/fused/nodes.py)
+    _STRUCTURE = frozenset({"activation", "likelihood", "prior", "layers", "point_layers", "output_dim"})
+
+    def __setattr__(self, name, value):
+        if name in self._STRUCTURE and "bound_objectives" in self.__dict__:
+            self.bound_objectives.clear()
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ structure
 
@@ -302,14 +311,7 @@ class BayesianNetwork(nn.Module):
             return self.output_moments(x, estimator=ClosedForm(), noise=())[0]
         check_inputs(self, x)
         hidden, output = self.layers[hidden_index], self.layers[-1]
-        family = family_of(self.activation)
-        if operator_route(hidden.loc) and not torch._C._are_functorch_transforms_active():
-            mean = self._operator_output_mean(x, hidden, output, family)
-        else:  # the reference path chosen, no kernel for this device, torch.func: the same in torch ops
-            h = self.point_features(x)
-            gamma, xi = F.diagonal_preactivation_moments(augment(h) if hidden.bias else h, hidden.loc_and_variance())
-            phi = self.activation.mean(gamma, xi)
-            mean = (augment(phi) if output.bias else phi) @ output.loc.transpose(-1, -2)
+        mean = self._operator_output_mean(x, hidden, output, family_of(self.activation))
         return mean[..., 0] if self.output_dim == 1 else mean
 
     def _operator_output_mean(self, x, hidden: GaussianMatrix, output: GaussianMatrix, family):
@@ -402,8 +404,10 @@ class BayesianNetwork(nn.Module):
         (:meth:`.Estimator.expected_log_likelihood_per_point`)."""
         x, y = self.checked_inputs(x, y)
         check_count(num_samples, "num_samples")
-        return make_estimator(estimator).expected_log_likelihood_per_point(
-            self, x, y, noise=noise, generator=generator, num_samples=num_samples, objective=objective
+        return (
+            make_estimator(estimator)
+            .bind(self)
+            .ell(x, y, noise=noise, generator=generator, num_samples=num_samples, objective=objective)
         )
 
     def expected_log_likelihood(self, x, y, **options):
@@ -424,21 +428,18 @@ class BayesianNetwork(nn.Module):
         objective: Optional[str] = None,
     ):
         """``(num_data / batch) ELL - KL`` (eq. (4)): an unbiased minibatch ELBO
-        (:meth:`.Estimator.elbo`). ``num_data`` is the number of rows of the whole data set;
+        (:meth:`.Estimator.bind`: the estimator's objective on this network). ``num_data`` is the number of rows of the whole data set;
         ``None`` means ``x`` *is* the whole data set, so a minibatch given without it is the ELBO of
         those rows alone, its likelihood under-weighted against the KL by ``batch / N``."""
         x, y = self.checked_inputs(x, y)
         num_data = check_num_data(num_data, x.shape[-2])
         check_count(num_samples, "num_samples")
-        return make_estimator(estimator).elbo(
-            self,
-            x,
-            y,
-            num_data=num_data,
-            noise=noise,
-            generator=generator,
-            num_samples=num_samples,
-            objective=objective,
+        return (
+            make_estimator(estimator)
+            .bind(self)
+            .elbo(
+                x, y, num_data=num_data, noise=noise, generator=generator, num_samples=num_samples, objective=objective
+            )
         )
 
     def forward(

@@ -41,23 +41,20 @@ rewritten through one small tail); ``hard_sigmoid`` (eq. (27), errata 3) is the
 piecewise-polynomial engine with the pieces ``-alpha, x, alpha``.
 
 Three kernels compute these same forms, behind one ``cfbnn::`` operator per activation family
-(:mod:`.ops`: the ReLU family, whose member is the operator's argument; :mod:`.piecewise_ops`), chosen by torch's
-dispatcher: the torch ops below (the reference kernels), C++ on the CPU and Triton on CUDA (the
-piecewise polynomials: the reference formula there).
+(:mod:`.moment_ops`: the ReLU family's, whose member is the operator's argument; the piecewise
+polynomials'), chosen by torch's dispatcher: the torch formulas (the reference kernels,
+:mod:`.relu_family`, :mod:`.piecewise_polynomial`), C++ on the CPU and Triton on CUDA (the piecewise
+polynomials: the reference formula there).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from . import ops, relu_family
+from . import relu_family
 from .activation_base import Activation, check_real
-from .gaussian import (
-    check_mean_std,
-)
+from .gaussian import check_mean_std
 from .piecewise_polynomial import HardSigmoid, PiecewisePolynomial, piecewise_polynomial
-from .relu_reference import ReLUMomentsReference, blockwise, relu_mean_block, small_tail
 
 __all__ = [
     "Activation",
@@ -74,9 +71,6 @@ __all__ = [
     "family_of",
 ]
 
-_GL_NODES, _GL_WEIGHTS = (tuple(float(v) for v in a) for a in np.polynomial.legendre.leggauss(16))
-# A piece whose standardized width w and largest |distance| lam satisfy
-
 
 class ReLUFamilyMember(Activation):
     """A member of the ReLU family (:mod:`.relu_family`): its moments through
@@ -88,11 +82,12 @@ class ReLUFamilyMember(Activation):
     negative_slope = 0.0
 
     def operator(self, mean, std):
-        return ops.family_moments_function(mean, std, self.family_kind, self.negative_slope)
+        return torch.ops.cfbnn.relu_family_moments(mean, std, self.family_kind, float(self.negative_slope), False)
 
-    def _moments(self, mean, std):
-        phi, _, variance = relu_family.reference_moments(mean, std, self.family_kind, self.negative_slope)
-        return phi, variance
+    def reference_moments(self, mean, std):
+        """``(Phi, Upsilon, Var)`` of broadcast tensors by the operator's reference formula in torch ops
+        (:func:`.relu_family.reference_moments`): differentiable by autograd, the tests' oracle."""
+        return relu_family.reference_moments(mean, std, self.family_kind, self.negative_slope)
 
     def __call__(self, x):
         return relu_family.pointwise(x, self.family_kind, self.negative_slope)
@@ -121,36 +116,11 @@ class ReLU(ReLUFamilyMember):
     def __call__(self, x):
         return torch.relu(x)
 
-    def _moments(self, mean, std):
-        # float64 results are wanted to 1e-10 out to |t| = 40, beyond the reach of the
-        # block recursion: use the continued-fraction kernel for the small tail.
-        tail = small_tail(mean, std, 2)
-        s1, s2 = tail[..., 1], tail[..., 2]
-        upper = mean >= 0
-        phi = torch.where(upper, mean + s1, s1)
-        var_upper = std * std - (s2 + 2.0 * mean * s1 + s1 * s1)
-        var_lower = s2 - s1 * s1
-        return phi, torch.where(upper, var_upper, var_lower)
-
-    def _reference_moments(self, mean, std):
-        if mean.dtype == torch.float64:
-            return super()._reference_moments(mean, std)
-        phi, upsilon, variance, *_ = ReLUMomentsReference.apply(mean, std)
-        return phi, upsilon, variance
-
     def mean(self, mean, std):
-        """``E[relu(z)]`` only. Without autograd (``torch.no_grad()``, ``torch.inference_mode()``:
-        prediction) it skips ``Upsilon``, ``Var`` and the saved Gaussian factors; with autograd it
-        goes through the analytic backward of :meth:`moments`."""
-        if torch.is_grad_enabled():
-            return self.moments(mean, std)[0]
+        """``E[relu(z)]`` only (``cfbnn::relu_mean``: one output written, the prediction's need; its
+        gradient is Phi's)."""
         mean, std = check_mean_std(mean, std)
-        if ops.operator_route(mean):
-            # cfbnn::relu_mean: C++ on the CPU, Triton on CUDA, one output written
-            return torch.ops.cfbnn.relu_mean(*torch.broadcast_tensors(mean, std))
-        if mean.dtype == torch.float64:
-            return self._moments(*torch.broadcast_tensors(mean, std))[0]
-        return blockwise(relu_mean_block, mean, std)[0]
+        return torch.ops.cfbnn.relu_mean(*torch.broadcast_tensors(mean, std))
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0], [0.0, 1.0]], name="relu")
@@ -173,10 +143,6 @@ class LeakyReLU(ReLUFamilyMember):
 
     def __call__(self, x):
         return torch.where(x >= 0, x, self.negative_slope * x)
-
-    def _moments(self, mean, std):
-        # the slope as given, not rounded to float32 as the kernels take it for float32 tensors
-        return relu_family.reference_leaky_moments(mean, std, self.negative_slope)
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([0.0], [[0.0, self.negative_slope], [0.0, 1.0]], name="leaky_relu")
@@ -203,8 +169,12 @@ class Identity(Activation):
     def __call__(self, x):
         return x
 
-    def _moments(self, mean, std):
-        return mean, std * std
+    def operator(self, mean, std):
+        # no kernel of its own: (mean, std^2), Upsilon = Var + Phi^2
+        variance = std * std
+        return mean, variance + mean * mean, variance
+
+    reference_moments = operator
 
     def as_piecewise_polynomial(self):
         return PiecewisePolynomial([], [[0.0, 1.0]], name="identity")

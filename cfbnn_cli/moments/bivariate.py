@@ -152,38 +152,32 @@ def _pair_terms(mean_i, mean_j, sd_i, sd_j, cov_ij, P=None):
     return h_i, h_j, rho, s, P, A, B, E
 
 
-class _ReLUCrossMoment(torch.autograd.Function):
-    @staticmethod
-    def forward(mean_i, mean_j, sd_i, sd_j, cov_ij):
-        _, _, _, s, P, A, B, E = _pair_terms(mean_i, mean_j, sd_i, sd_j, cov_ij)
-        value = (mean_i * mean_j + cov_ij) * P + mean_i * sd_j * B + mean_j * sd_i * A + sd_i * sd_j * s * E
-        return value, P
+def relu_cross_moment_forward(mean_i, mean_j, sd_i, sd_j, cov_ij):
+    """``(E[relu(u_i) relu(u_j)], Phi_2)`` of tensors of one shape: ``cfbnn::relu_cross_moment``'s
+    reference kernel."""
+    _, _, _, s, P, A, B, E = _pair_terms(mean_i, mean_j, sd_i, sd_j, cov_ij)
+    value = (mean_i * mean_j + cov_ij) * P + mean_i * sd_j * B + mean_j * sd_i * A + sd_i * sd_j * s * E
+    return value, P
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mark_non_differentiable(output[1])
-        ctx.save_for_backward(*inputs, output[1])
 
-    @staticmethod
-    def backward(ctx, grad, _grad_probability):
-        mean_i, mean_j, sd_i, sd_j, cov_ij, P = ctx.saved_tensors
-        h_i, h_j, rho, s, P, A, B, E = _pair_terms(mean_i, mean_j, sd_i, sd_j, cov_ij, P)
-        # Price's theorem with the natural parameters (means, covariance entries); the standard
-        # deviations enter through the variances: d/d sd = 2 sd d/d var
-        grad_mean_i = grad * (mean_j * P + sd_j * B + rho * sd_j * A)
-        grad_mean_j = grad * (mean_i * P + sd_i * A + rho * sd_i * B)
-        grad_cov = grad * P
-        # d/d var_i = E[delta(u_i) relu(u_j)] / 2 = sd_j / (2 sd_i) ((h_j - rho h_i) A + s E); times 2 sd_i
-        grad_sd_i = grad * sd_j * ((h_j - rho * h_i) * A + s * E)
-        grad_sd_j = grad * sd_i * ((h_i - rho * h_j) * B + s * E)
-        return grad_mean_i, grad_mean_j, grad_sd_i, grad_sd_j, grad_cov
+def relu_cross_moment_vjp(mean_i, mean_j, sd_i, sd_j, cov_ij, P, grad):
+    """Its gradients by Price's theorem with the natural parameters (means, covariance entries); the
+    standard deviations enter through the variances: ``d/d sd = 2 sd d/d var``."""
+    h_i, h_j, rho, s, P, A, B, E = _pair_terms(mean_i, mean_j, sd_i, sd_j, cov_ij, P)
+    grad_mean_i = grad * (mean_j * P + sd_j * B + rho * sd_j * A)
+    grad_mean_j = grad * (mean_i * P + sd_i * A + rho * sd_i * B)
+    grad_cov = grad * P
+    # d/d var_i = E[delta(u_i) relu(u_j)] / 2 = sd_j / (2 sd_i) ((h_j - rho h_i) A + s E); times 2 sd_i
+    grad_sd_i = grad * sd_j * ((h_j - rho * h_i) * A + s * E)
+    grad_sd_j = grad * sd_i * ((h_i - rho * h_j) * B + s * E)
+    return grad_mean_i, grad_mean_j, grad_sd_i, grad_sd_j, grad_cov
 
 
 def relu_cross_moment(mean_i, mean_j, sd_i, sd_j, cov_ij) -> torch.Tensor:
     """``E[relu(u_i) relu(u_j)]`` for ``(u_i, u_j)`` Normal with means ``mean_*``, standard
     deviations ``sd_*`` (> 0) and covariance ``cov_ij`` (broadcast elementwise); the formula
     is in the module doc. ``cov_ij`` is held fixed when the ``sd`` move (its own argument)."""
-    return _ReLUCrossMoment.apply(*torch.broadcast_tensors(mean_i, mean_j, sd_i, sd_j, cov_ij))[0]
+    return torch.ops.cfbnn.relu_cross_moment(*torch.broadcast_tensors(mean_i, mean_j, sd_i, sd_j, cov_ij))[0]
 
 
 FULL_COVARIANCE_ACTIVATIONS = ("relu", "leaky_relu", "identity")

@@ -1,8 +1,9 @@
-"""The reference kernels of the closed-form ELBO's steps (:mod:`.elbo_ops`): the torch formulas
+"""The reference kernels of the closed-form ELBO's operators (:mod:`.elbo_ops`): the torch formulas
 that run where neither the C++ library nor Triton does (a CPU without a compiler, any other
 device), and the oracle the C++ and Triton kernels are tested against
 (``tests/moments/test_elbo_ops.py``). Same arguments and results as the operators; sums in
-float64, as the kernels add them.
+float64, as the kernels add them. The backward steps also take a leading batch dimension (their
+vmap rules call them with one).
 
 A KL sums table (:func:`kl_block_sums`) holds a layer's KL as float64 rows, one per block of
 :data:`KL_BLOCK` elements, that add up to what the KL needs: ``(sum (Var + loc^2), sum log_scale,
@@ -16,9 +17,12 @@ first layer's inputs and their squares).
 from __future__ import annotations
 
 import math
+from typing import Tuple
 
 import torch
 from torch import Tensor
+
+from .relu_family import family_moments_vjp
 
 LOG_2PI = math.log(2.0 * math.pi)
 KL_BLOCK = 1024  # the elements of a layer whose KL sums make one row of a KL sums table
@@ -126,20 +130,25 @@ def normal_elbo_rows(
 
 def normal_rows_backward(grad, residual, squares, log_precision, scale: float, row_grads: bool):
     """``(u, k, sums, d log_precision)``: ``u = g beta residual``, ``k = -g beta / 2`` per row and
-    ``sums = (sum u, sum k, sum g (1/2 - beta/2 squares))`` (float64)."""
-    per_row = grad * scale if row_grads else (grad.reshape(()) * scale).expand_as(residual)
+    ``sums = (sum u, sum k, sum g (1/2 - beta/2 squares))`` (float64); the rows are the last dimension
+    (``grad`` one number per leading index where not ``row_grads``)."""
+    per_row = grad * scale if row_grads else (grad.reshape(*grad.shape, 1) * scale).expand_as(residual)
     beta = torch.exp(log_precision.reshape(()))
     row_u = residual * per_row * beta
     row_k = per_row * (-0.5 * beta)
     log_term = per_row.double() * (0.5 - 0.5 * beta.double() * squares.double())
-    sums = torch.stack([row_u.sum(dtype=torch.float64), row_k.sum(dtype=torch.float64), log_term.sum()])
-    return row_u, row_k, sums, sums[2].to(log_precision.dtype).reshape(log_precision.shape)
+    sums = torch.stack([row_u.sum(-1, dtype=torch.float64), row_k.sum(-1, dtype=torch.float64), log_term.sum(-1)], -1)
+    grad_log_precision = sums[..., 2].to(log_precision.dtype)
+    return row_u, row_k, sums, grad_log_precision.reshape(grad_log_precision.shape + log_precision.shape)
 
 
 def _finish(grad_loc, grad_variance, loc, variance, kl_grad, kl_sign: float, prior_variance: float):
     """``dL/d Var`` of the data term into ``dL/d log_scale`` (``d Var / d log_scale = 2 Var``), the
     KL's gradient folded in with ``dL/dKL = kl_sign kl_grad``: returns the finished pair."""
-    kl = kl_sign * kl_grad.reshape(()) if kl_sign != 0.0 else torch.zeros((), dtype=loc.dtype, device=loc.device)
+    if kl_sign != 0.0:  # (one number, or one per leading index: [..., None, None])
+        kl = kl_sign * kl_grad.reshape(kl_grad.shape[: grad_loc.dim() - loc.dim()])[..., None, None]
+    else:
+        kl = torch.zeros((), dtype=loc.dtype, device=loc.device)
     scaled = kl / prior_variance
     return grad_loc + scaled * loc, variance * (2.0 * grad_variance + scaled) - kl
 
@@ -149,18 +158,18 @@ def output_layer_gradients(
 ):
     """The one-output layer's ``(d loc, d log_scale)`` from the tail pass's column sums (float64 ``(3,
     H)``: ``sum u Phi``, ``sum k Var``, ``sum k Upsilon``; times ``data_scale`` where given) and the
-    rows' ``sums``."""
-    width = columns.shape[1]
+    rows' ``sums`` (both with a leading batch dimension where a vmap rule gives one)."""
+    width, lead = columns.shape[-1], columns.shape[:-2]
     if data_scale is not None:
-        columns = columns * data_scale.double().reshape(())
+        columns = columns * data_scale.double().reshape(lead + (1, 1))
     w_phi = loc.reshape(-1)[:width].double()
-    grad_loc = columns[0] + 2.0 * w_phi * columns[1]
-    grad_variance = columns[2]
+    grad_loc = columns[..., 0, :] + 2.0 * w_phi * columns[..., 1, :]
+    grad_variance = columns[..., 2, :]
     if bias:
-        grad_loc = torch.cat([grad_loc, sums[:1]])
-        grad_variance = torch.cat([grad_variance, sums[1:2]])
-    grad_loc = grad_loc.to(loc.dtype).reshape(loc.shape)
-    grad_variance = grad_variance.to(loc.dtype).reshape(loc.shape)
+        grad_loc = torch.cat([grad_loc, sums[..., :1]], -1)
+        grad_variance = torch.cat([grad_variance, sums[..., 1:2]], -1)
+    grad_loc = grad_loc.to(loc.dtype).reshape(lead + loc.shape)
+    grad_variance = grad_variance.to(loc.dtype).reshape(lead + loc.shape)
     return _finish(grad_loc, grad_variance, loc, torch.exp(2.0 * log_scale), kl_grad, kl_sign, prior_variance)
 
 
@@ -174,10 +183,63 @@ def finish_diagonal_gradients(
         raise ValueError("cfbnn::finish_diagonal_gradients: the gradients it finishes in place must be contiguous")
     data = (grad_loc, grad_variance)
     if data_scale is not None:
-        data = tuple(t * data_scale.reshape(()) for t in data)
+        data = tuple(t * data_scale.reshape(data_scale.shape[: t.dim() - loc.dim()] + (1,) * loc.dim()) for t in data)
     finished_loc, finished_variance = _finish(*data, loc, variance, kl_grad, kl_sign, prior_variance)
     grad_loc.copy_(finished_loc)
     grad_variance.copy_(finished_variance)
+
+
+# ----------------------------------------------------------------------------- the tail pass
+
+
+def _family_moments(mean, variance, activation: int, negative_slope: float):
+    """``(Phi, Upsilon, Var)`` of ``activation`` from the pre-activations' variances through the
+    family's operator, differentiable to any order."""
+    return torch.ops.cfbnn.relu_family_moments(mean, variance, activation, float(negative_slope), True)
+
+
+def relu_tail(mean, variance, weight_phi, weight_variance, weight_second, activation: int = 0, negative_slope=0.0):
+    """``cfbnn::relu_tail``'s two row sums from the activation's moments (any leading batch
+    dimensions; differentiable to any order)."""
+    phi, ups, var = _family_moments(mean, variance, activation, negative_slope)
+    return (phi * weight_phi).sum(-1), (var * weight_variance + ups * weight_second).sum(-1)
+
+
+def relu_tail_vjp(
+    mean, variance, weight_phi, weight_variance, weight_second, row_u, row_k, activation: int = 0, negative_slope=0.0
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``cfbnn::relu_tail_backward``'s vector-Jacobian product in differentiable ops (the weights may
+    carry a batch dimension before the rows'): ``(d mean, d variance, columns)``, ``columns`` the
+    weights' gradients ``(sum_r u_r Phi_rc, sum_r k_r Var_rc, sum_r k_r Upsilon_rc)``."""
+    u, k = row_u.unsqueeze(-1), row_k.unsqueeze(-1)
+    grads = (u * weight_phi, k * weight_second, k * weight_variance)
+    phi, ups, var = _family_moments(mean, variance, activation, negative_slope)
+    grad_mean, grad_variance = family_moments_vjp(mean, variance, phi, *grads, activation, negative_slope, True)
+    rows = mean.dim() - 2  # the rows' dimension, batch dimensions kept
+    columns = torch.stack([(u * phi).sum(rows), (k * var).sum(rows), (k * ups).sum(rows)], -2)
+    return grad_mean, grad_variance, columns
+
+
+def unit_row_gradients(mean_sum, y, loc, log_precision, scale: float, bias: bool):
+    """The Normal likelihood's row gradients at ``dL/d ELBO = 1`` (``cfbnn::normal_rows_backward``'s
+    ``u = scale tau residual``, ``k = -scale tau / 2``), the residual as ``cfbnn::normal_elbo_rows``
+    takes it: ``y - mean_sum - b``, ``b`` the one-output layer's bias column of ``loc``."""
+    residual = residuals(mean_sum, y, loc, bias)
+    unit = scale * torch.exp(log_precision.reshape(()))
+    return unit * residual, (-0.5 * unit).expand_as(residual)
+
+
+def relu_tail_with_gradients(
+    mean, variance, w_phi, w_var, w_second, y, loc, log_precision, scale, bias, activation=0, slope=0.0
+):
+    """``cfbnn::relu_tail_with_gradients``: :func:`relu_tail`'s row sums and the vector-Jacobian
+    product for the rows' gradients at ``dL/d ELBO = 1``."""
+    weights = (w_phi, w_var, w_second)
+    with torch.no_grad():
+        mean_sum, spread_sum = relu_tail(mean, variance, *weights, activation, slope)
+        row_u, row_k = unit_row_gradients(mean_sum, y, loc, log_precision, scale, bias)
+        grads = relu_tail_vjp(mean, variance, *weights, row_u, row_k, activation, slope)
+    return mean_sum, spread_sum, grads[0], grads[1], grads[2].double()
 
 
 KERNELS = {
@@ -189,4 +251,5 @@ KERNELS = {
     "normal_rows_backward": normal_rows_backward,
     "output_layer_gradients": output_layer_gradients,
     "finish_diagonal_gradients": finish_diagonal_gradients,
+    "relu_tail_with_gradients": relu_tail_with_gradients,
 }

@@ -52,8 +52,6 @@ __all__ = [
     "check_mean_std",
     "standardize",
     "is_transformed",
-    "align_batched",
-    "sum_to",
     "block_size",
     "T_MAX",
     "INV_SQRT_2",
@@ -116,23 +114,11 @@ def is_transformed(x: torch.Tensor) -> bool:
         return False
 
 
-# a CPU counter of negative entries (``x -> int``, or ``None`` where it does not apply), set by
-# :mod:`.fast` when its kernels load: this module stays below fast (which imports it), no cycle
-_NEGATIVE_COUNTER = None
-
-
-def register_negative_counter(counter) -> None:
-    """Let :func:`check_mean_std` count negative entries of CPU tensors with ``counter``."""
-    global _NEGATIVE_COUNTER
-    _NEGATIVE_COUNTER = counter
-
-
 def _any_negative(x: torch.Tensor) -> bool:
-    """``bool((x < 0).any())``; on CPU one pass of the fast kernels, without the boolean temporary."""
-    if _NEGATIVE_COUNTER is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
-        count = _NEGATIVE_COUNTER(x)
-        if count is not None:
-            return count > 0
+    """``bool((x < 0).any())``: for float32/float64 one pass of ``cfbnn::count_negative`` (the C++
+    kernel on the CPU), without the boolean temporary."""
+    if x.dtype in (torch.float32, torch.float64):
+        return torch.ops.cfbnn.count_negative(x) > 0
     return bool((x < 0).any())
 
 
@@ -292,7 +278,8 @@ def block_size(tensor: torch.Tensor) -> int:
     return _CPU_BLOCK if tensor.device.type == "cpu" else _DEVICE_BLOCK
 
 
-def _positive_part_moments_forward(mean: torch.Tensor, std: torch.Tensor, order: int) -> torch.Tensor:
+def positive_part_moments_forward(mean: torch.Tensor, std: torch.Tensor, order: int) -> torch.Tensor:
+    """``cfbnn::positive_part_moments``' reference kernel: ``mean``, ``std`` of one shape."""
     mean, std = torch.broadcast_tensors(mean, std)
     chunk = block_size(mean)
     if mean.numel() <= chunk:
@@ -334,78 +321,24 @@ def _positive_part_moments_block(mean: torch.Tensor, std: torch.Tensor, order: i
     return out.to(dtype)
 
 
-class _PositivePartMoments(torch.autograd.Function):
-    """(mean, std) -> stack_k E[z^k 1{z>0}], k = 0..order, along a new last dim."""
-
-    @staticmethod
-    def forward(mean, std, order):
-        return _positive_part_moments_forward(mean, std, order)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        mean, std, order = inputs
-        ctx.order = order
-        ctx.save_for_backward(mean, std, output)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        mean, std, moments = ctx.saved_tensors
-        order = ctx.order
-        t, std_safe, positive = standardize(mean, std)
-        phi_t = standard_normal_pdf(t)
-        # Density of z at 0 (a delta at mean == 0 when std == 0; we return 0 there).
-        density_at_zero = torch.where(positive, phi_t / std_safe, torch.zeros_like(phi_t))
-        grad_mean = grad_output[..., 0] * density_at_zero
-        grad_std = grad_output[..., 0] * (-t * density_at_zero)
-        if order >= 1:
-            grad_mean = grad_mean + grad_output[..., 1] * moments[..., 0]
-            grad_std = grad_std + grad_output[..., 1] * phi_t
-        for k in range(2, order + 1):
-            grad_mean = grad_mean + grad_output[..., k] * (k * moments[..., k - 1])
-            grad_std = grad_std + grad_output[..., k] * ((k * (k - 1)) * std * moments[..., k - 2])
-        return sum_to(grad_mean, mean.shape), sum_to(grad_std, std.shape), None
-
-    @staticmethod
-    def vmap(info, in_dims, mean, std, order):
-        # The function is elementwise, so a batched call is an ordinary call on the
-        # physical tensors once the batch dimension leads and logical dims align.
-        mean, std = align_batched(mean, std, in_dims[:2])
-        return _PositivePartMoments.apply(mean, std, order), 0
-
-
-def align_batched(*tensors_and_in_dims):
-    """For elementwise vmap rules: put the vmap dim first and align logical dims.
-
-    ``align_batched(a, b, ..., in_dims)``: each tensor (``None`` stays ``None``) with its
-    vmap dimension moved to the front (a leading 1 where it has none) and ones inserted
-    so that every result has the same number of dimensions and broadcasts."""
-    *tensors, in_dims = tensors_and_in_dims
-    present = [(x, dim) for x, dim in zip(tensors, in_dims) if x is not None]
-    logical_ndim = max(x.dim() - (dim is not None) for x, dim in present)
-
-    def lead(x, dim):
-        if x is None:
-            return None
-        if dim is None:
-            return x.reshape((1,) * (logical_ndim - x.dim() + 1) + x.shape)
-        x = x.movedim(dim, 0)
-        missing = logical_ndim - (x.dim() - 1)
-        return x.reshape(x.shape[:1] + (1,) * missing + x.shape[1:])
-
-    return tuple(lead(x, dim) for x, dim in zip(tensors, in_dims))
-
-
-def sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Reduce a broadcast gradient back to an input's shape."""
-    if grad.shape == shape:
-        return grad
-    extra = grad.dim() - len(shape)
-    if extra > 0:
-        grad = grad.sum(dim=tuple(range(extra)))
-    keep = tuple(i for i, size in enumerate(shape) if size == 1 and grad.shape[i] != 1)
-    if keep:
-        grad = grad.sum(dim=keep, keepdim=True)
-    return grad
+def positive_part_moments_vjp(mean, std, moments, grad_output, order: int):
+    """``cfbnn::positive_part_moments``' gradients from its output ``moments``: ``dM_k/dmean = k M_{k-1}``
+    and, since the Normal density solves the heat equation, ``dM_k/dstd = std k (k-1) M_{k-2}``, with
+    the density at 0 for ``k = 0`` (the backward never differentiates through the continued fraction;
+    it stays finite at ``std = 0`` and is itself differentiable)."""
+    t, std_safe, positive = standardize(mean, std)
+    phi_t = standard_normal_pdf(t)
+    # Density of z at 0 (a delta at mean == 0 when std == 0; we return 0 there).
+    density_at_zero = torch.where(positive, phi_t / std_safe, torch.zeros_like(phi_t))
+    grad_mean = grad_output[..., 0] * density_at_zero
+    grad_std = grad_output[..., 0] * (-t * density_at_zero)
+    if order >= 1:
+        grad_mean = grad_mean + grad_output[..., 1] * moments[..., 0]
+        grad_std = grad_std + grad_output[..., 1] * phi_t
+    for k in range(2, order + 1):
+        grad_mean = grad_mean + grad_output[..., k] * (k * moments[..., k - 1])
+        grad_std = grad_std + grad_output[..., k] * ((k * (k - 1)) * std * moments[..., k - 2])
+    return grad_mean, grad_std
 
 
 def _check_order(order, name="order") -> int:
@@ -420,11 +353,12 @@ def positive_part_moments(order: int, mean, std) -> torch.Tensor:
     ``z ~ N(mean, std^2)`` elementwise; ``mean`` and ``std`` broadcast. This is the
     errata's ``M_k`` (``M_0 = Phi_N(t)``, ``M_1 = mean Phi_N(t) + std phi(t)``) computed
     without cancellation for every ``t = mean/std`` (see the module docstring).
-    Differentiable in both arguments (also twice) and usable under ``torch.func``.
+    Differentiable in both arguments (also twice) and usable under ``torch.func``: the operator
+    ``cfbnn::positive_part_moments`` (:mod:`.moment_ops`).
     """
     _check_order(order)
     mean, std = check_mean_std(mean, std)
-    return _PositivePartMoments.apply(mean, std, order)
+    return torch.ops.cfbnn.positive_part_moments(*torch.broadcast_tensors(mean, std), order)
 
 
 def positive_part_moment(n: int, mean, std) -> torch.Tensor:

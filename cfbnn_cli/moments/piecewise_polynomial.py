@@ -9,14 +9,13 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import piecewise_ops
 from .activation_base import Activation, check_real
 from .gaussian import (
     positive_part_moments,
     standard_normal_pdf,
     standardize,
 )
-from .piecewise_tables import piecewise_supported
+from .piecewise_tables import piecewise_supported, piecewise_table
 
 _GL_NODES, _GL_WEIGHTS = (tuple(float(v) for v in a) for a in np.polynomial.legendre.leggauss(16))
 # A piece whose standardized width w and largest |distance| lam satisfy
@@ -122,7 +121,9 @@ class PiecewisePolynomial(Activation):
                 if 0 <= j < len(breakpoints):
                     self._expansions[(i, j)] = _taylor_coefficients(p, breakpoints[j])
         self._derivatives = [[_derivative_over_factorial(p, k) for k in range(len(p))] for p in polynomials]
-        self._operator_supported = piecewise_supported(breakpoints, polynomials)
+        # decided here, once: a polynomial within the engine's tables takes cfbnn::piecewise_moments,
+        # a larger one its reference formula (the same numbers, in torch ops)
+        self._on_operator = piecewise_supported(breakpoints, polynomials)
 
     def __repr__(self):
         coefficients = [p.tolist() for p in self.polynomials]
@@ -143,28 +144,31 @@ class PiecewisePolynomial(Activation):
         return result
 
     # -- the operator ---------------------------------------------------------------
-    # cfbnn::piecewise_moments (:mod:`.piecewise_ops`): the C++ engine on the CPU, one operator
-    # each way; alpha nan selects the general engine (the hard sigmoid's own float32 kernels: its
-    # alpha). A polynomial the engine does not take (piecewise_tables.piecewise_supported) keeps the reference ops.
-    _operator_alpha = piecewise_ops.GENERAL_ENGINE
+    # cfbnn::piecewise_moments (declared in :mod:`.moment_ops`): the C++ engine on the CPU; alpha nan selects the
+    # general engine (the hard sigmoid's own float32 kernels: its alpha)
+    _operator_alpha = math.nan
     _operator_tables = None  # dtype -> (table, B, D), made on first use
 
     def _operator_arguments(self, dtype):
         if self._operator_tables is None:
             self._operator_tables = {}
         if dtype not in self._operator_tables:
-            self._operator_tables[dtype] = piecewise_ops.piecewise_table(self.breakpoints, self.polynomials, dtype)
+            self._operator_tables[dtype] = piecewise_table(self.breakpoints, self.polynomials, dtype)
         return self._operator_tables[dtype]
 
     def operator(self, mean, std):
-        """``(Phi, Upsilon, Var)`` through ``cfbnn::piecewise_moments``."""
+        """``(Phi, Upsilon, Var)`` through ``cfbnn::piecewise_moments`` (the reference formula for a
+        polynomial beyond the engine's tables, :func:`.piecewise_tables.piecewise_supported`)."""
+        if not self._on_operator:
+            return self.reference_moments(mean, std)
         table, breakpoints, degree = self._operator_arguments(mean.dtype)
-        return piecewise_ops.piecewise_moments_function(mean, std, table, breakpoints, degree, self._operator_alpha)
+        return torch.ops.cfbnn.piecewise_moments(mean, std, table, breakpoints, degree, self._operator_alpha)[:3]
 
-    def operator_applies(self, mean):
-        """Whether :meth:`moments` takes the operator for ``mean`` (the CPU, with the C++ library's
-        operators; a polynomial the engine takes)."""
-        return self._operator_supported and piecewise_ops.piecewise_operator_route(mean)
+    def reference_moments(self, mean, std):
+        """``(Phi, Upsilon, Var)`` of broadcast tensors in torch ops: the operator's reference kernel."""
+        phi, variance = self._moments(mean, std)
+        variance = variance.clamp_min(0.0)  # rounding can leave -1 ulp; a variance is never negative
+        return phi, variance + phi * phi, variance
 
     # -- the engine -----------------------------------------------------------------
     def _moments(self, mean, std):
@@ -287,9 +291,6 @@ class PiecewisePolynomial(Activation):
         return half * first, half * second
 
 
-piecewise_ops.use_polynomial_class(PiecewisePolynomial)
-
-
 class HardSigmoid(PiecewisePolynomial):
     """``g(x) = (|x + alpha| - |x - alpha|) / 2``: ``clamp(x, -alpha, alpha)`` for ``alpha > 0``.
 
@@ -305,7 +306,7 @@ class HardSigmoid(PiecewisePolynomial):
         self.alpha = alpha
         a = abs(alpha)
         sign = 1.0 if alpha >= 0 else -1.0
-        self._operator_alpha = alpha if a != 0.0 else piecewise_ops.GENERAL_ENGINE  # its float32 kernels
+        self._operator_alpha = alpha if a != 0.0 else math.nan  # its float32 kernels
         if a == 0.0:
             super().__init__([], [[0.0]], name="hard_sigmoid")
         else:

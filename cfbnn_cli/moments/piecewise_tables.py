@@ -4,7 +4,7 @@ around its breakpoints (Taylor coefficients), and their derivatives, padded to f
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, Tuple
 
 import numpy as np
 import torch
@@ -103,3 +103,31 @@ def coefficient_tables(breakpoints, polynomials, dtype) -> Dict[str, object]:
         "coef32": np.ascontiguousarray(coef.astype(np.float32)),
         "bp32": np.ascontiguousarray(np.array(breakpoints if B else [0.0], dtype=np.float32)),
     }
+
+
+_FIELDS = ("bp", "coef", "deriv", "side", "tails", "jumps", "gl")
+
+
+def table_sizes(breakpoints: int, degree: int) -> Tuple[int, ...]:
+    """The lengths of the table's fields (``bp, coef, deriv, side, tails, jumps, gl``): the layout
+    ``csrc/moment_ops.cpp`` reads (``piecewise_table``)."""
+    pieces, rows = breakpoints + 1, max(breakpoints, 1)
+    return (
+        rows,
+        pieces * (degree + 1),
+        pieces * (degree + 1) ** 2,
+        pieces * 2,
+        pieces * 2 * 6 * (2 * degree + 1),
+        rows * 4,
+        32,
+    )
+
+
+def piecewise_table(breakpoints, polynomials, dtype: torch.dtype) -> Tuple[torch.Tensor, int, int]:
+    """``(table, B, D)`` of a piecewise polynomial for tensors of ``dtype``: the arrays of
+    :func:`coefficient_tables` (float32 tensors: the polynomial rounded to float32
+    first) flattened and concatenated in the order of :func:`table_sizes`, one float64 CPU tensor."""
+    tables = coefficient_tables(breakpoints, polynomials, dtype)
+    flat = np.concatenate([np.ravel(tables[key]) for key in _FIELDS])
+    assert flat.size == sum(table_sizes(tables["B"], tables["D"]))
+    return torch.from_numpy(flat.astype(np.float64)), int(tables["B"]), int(tables["D"])

@@ -18,14 +18,15 @@ ReLU of slope ``negative_slope``, 2 ReLU^2; ``bias``: a column of ones appended,
     normal number and its square root taken inside (as ``cfbnn::relu_family_moments`` from the variances), the
     mean alone computed (eq. (20) for ReLU), written as the output layer's product reads it.
 
-float32 or float64. Kernels: on CUDA the Triton kernels of :mod:`.triton_predict_kernels` (one launch
-each); on every other device (and without Triton) torch ops: :func:`reference_prediction_operand`,
-and the hidden mean with the activation's mean through its ``cfbnn::`` operator (C++ on the CPU;
-:func:`reference_prediction_hidden_mean`, all torch formulas, is the tests' oracle). Prediction only: a call
-that needs a gradient raises (differentiate ``BayesianNetwork.output_moments`` instead). Fake
-implementations for ``torch.compile``; no host synchronization and only ``torch.empty`` allocations,
-so the launches are captured in CUDA graphs. Tested in ``tests/moments/test_prediction_ops.py`` and,
-the Triton kernels under the interpreter, ``tests/moments/prediction_check.py``.
+float32 or float64. Declared here once (:mod:`.operators`). Kernels: on CUDA the Triton kernels of
+:mod:`.triton_predict_kernels` (one launch each); on every other device the default kernels below:
+:func:`reference_prediction_operand` in torch ops, and the hidden mean with the activation's mean
+through its own ``cfbnn::`` operator (``relu_mean``, ``relu_family_moments``: C++ on the CPU).
+Prediction only: a call that needs a gradient raises (differentiate ``BayesianNetwork.output_moments``
+instead). Fake implementations for ``torch.compile``; no host synchronization and only
+``torch.empty`` allocations, so the launches are captured in CUDA graphs. Tested in
+``tests/moments/test_prediction_ops.py`` and, the Triton kernels under the interpreter,
+``tests/moments/prediction_check.py``.
 """
 
 from __future__ import annotations
@@ -35,20 +36,20 @@ import math
 import torch
 from torch import Tensor
 
-from .operator_registration import _FLOATS, HAVE_TRITON
-from .ops import LazyModule, slope_operand, triton_kernels
-from .relu_family import RELU, check_activation, pointwise, reference_moments, std_from_variance, variance_floor
+from .moment_ops import slope_operand
+from .operators import FLOATS, LazyModule, Operator, define
+from .relu_family import RELU, check_activation, pointwise, std_from_variance, variance_floor
 
 __all__ = [
     "NO_ACTIVATION",
     "prediction_hidden_mean",
     "prediction_operand",
-    "reference_prediction_hidden_mean",
     "reference_prediction_operand",
     "triton_prediction_hidden_mean",
     "triton_prediction_operand",
 ]
 
+triton_kernels = LazyModule(f"{__package__}.triton_kernels")
 triton_predict_kernels = LazyModule(f"{__package__}.triton_predict_kernels")
 
 NO_ACTIVATION = -1  # prediction_operand's inputs taken as they are
@@ -56,7 +57,7 @@ NO_ACTIVATION = -1  # prediction_operand's inputs taken as they are
 
 
 def _check_float(name: str, tensor: Tensor, what: str) -> None:
-    if tensor.dtype not in _FLOATS:
+    if tensor.dtype not in FLOATS:
         raise ValueError(f"cfbnn::{name}: `{what}` must be float32 or float64; got {tensor.dtype}")
 
 
@@ -112,11 +113,6 @@ def reference_prediction_operand(
     return out
 
 
-def _reference_mean(mean: Tensor, std: Tensor, activation: int, negative_slope: float) -> Tensor:
-    """``E g(z)`` in the reference torch ops (the small tail on the far side of 0)."""
-    return reference_moments(mean, std, activation, negative_slope)[0]
-
-
 def _operator_mean(mean: Tensor, std: Tensor, activation: int, negative_slope: float) -> Tensor:
     """``E g(z)`` through the family's operators (C++ on the CPU): ReLU's mean alone, the others'
     first output."""
@@ -134,13 +130,6 @@ def _hidden_mean(moments: Tensor, activation: int, negative_slope: float, bias: 
     if bias:
         out[:, width] = 1.0
     return out
-
-
-def reference_prediction_hidden_mean(
-    moments: Tensor, activation: int = 0, negative_slope: float = 0.0, bias: bool = True
-) -> Tensor:
-    """:func:`prediction_hidden_mean` in the reference torch ops (the oracle of the tests in float64)."""
-    return _hidden_mean(moments, activation, negative_slope, bias, _reference_mean)
 
 
 # ----------------------------------------------------------------------------- Triton launches
@@ -201,15 +190,12 @@ def triton_prediction_hidden_mean(
 # ----------------------------------------------------------------------------- the operators
 
 
-def _define_prediction_operator(name: str, operand: str, default_activation: int, check, kernels, output_shape):
-    """``cfbnn::<name>(Tensor <operand>, int activation=<default_activation>, float negative_slope=0.0,
-    bool bias=True) -> Tensor`` (``activation`` a SymInt in the schema, as torch infers an int):
-    ``check(operand, activation)``, then ``kernels`` ``(default, cuda)``, which take those
-    arguments: the first on every device without its own kernel, the second (``None`` without
-    Triton) on CUDA. The fake implementation: an empty
-    tensor of ``output_shape(operand, bias)``. An autograd registration that refuses: the operators
-    serve prediction (``torch.no_grad``), and a call that needs a gradient raises at once rather
-    than at the backward pass."""
+def _declare(name: str, operand: str, default_activation: int, check, kernels, output_shape):
+    """``cfbnn::<name>(Tensor <operand>, SymInt activation=<default_activation>, float negative_slope=0.,
+    bool bias=True) -> Tensor``: ``check(operand, activation)``, then ``kernels`` ``(default, cuda)``
+    with those arguments; the fake an empty tensor of ``output_shape(operand, bias)``; an autograd
+    that refuses: the operators serve prediction (``torch.no_grad``), and a call that needs a
+    gradient raises at once rather than at the backward pass."""
 
     def checked(kernel):
         # (the dispatcher passes on only the arguments given: the schema's defaults again here)
@@ -219,25 +205,27 @@ def _define_prediction_operator(name: str, operand: str, default_activation: int
 
         return run
 
-    def fake(tensor, activation=default_activation, negative_slope=0.0, bias=True):
-        return tensor.new_empty(output_shape(tensor, bias))
-
     def refuse_gradient(ctx, inputs, output):
         raise RuntimeError(
             f"cfbnn::{name} has no derivative: it serves prediction under torch.no_grad() "
             "(BayesianNetwork.output_mean); for gradients differentiate BayesianNetwork.output_moments(x) instead"
         )
 
-    default_kernel, cuda_kernel = kernels
-    schema = f"(Tensor {operand}, SymInt activation={default_activation}, float negative_slope=0., bool bias=True)"
-    operator = torch.library.custom_op(
-        f"cfbnn::{name}", checked(default_kernel), mutates_args=(), schema=schema + " -> Tensor"
+    schema = (
+        f"{name}(Tensor {operand}, SymInt activation={default_activation}, float negative_slope=0., bool bias=True)"
     )
-    if cuda_kernel is not None:
-        operator.register_kernel("cuda")(checked(cuda_kernel))
-    operator.register_fake(fake)
-    operator.register_autograd(lambda ctx, *grads: None, setup_context=refuse_gradient)
-    return operator
+    return define(
+        Operator(
+            schema + " -> Tensor",
+            checked(kernels[0]),
+            lambda tensor, activation=default_activation, negative_slope=0.0, bias=True: tensor.new_empty(
+                output_shape(tensor, bias)
+            ),
+            cuda=checked(kernels[1]),
+            setup_context=refuse_gradient,
+            backward=lambda ctx, grad: None,
+        )
+    )
 
 
 def _operator_hidden_mean(moments, activation, negative_slope, bias):
@@ -245,20 +233,19 @@ def _operator_hidden_mean(moments, activation, negative_slope, bias):
     return _hidden_mean(moments, activation, negative_slope, bias, _operator_mean)
 
 
-# (default kernel, CUDA's: Triton where it is installed)
-prediction_operand = _define_prediction_operator(
+prediction_operand = _declare(
     "prediction_operand",
     "inputs",
     NO_ACTIVATION,
     _check_operand,
-    (reference_prediction_operand, triton_prediction_operand if HAVE_TRITON else None),
+    (reference_prediction_operand, triton_prediction_operand),
     lambda inputs, bias: (2, math.prod(inputs.shape[:-1]), inputs.shape[-1] + int(bias)),
 )
-prediction_hidden_mean = _define_prediction_operator(
+prediction_hidden_mean = _declare(
     "prediction_hidden_mean",
     "moments",
     0,
     _check_moments,
-    (_operator_hidden_mean, triton_prediction_hidden_mean if HAVE_TRITON else None),
+    (_operator_hidden_mean, triton_prediction_hidden_mean),
     lambda moments, bias: (moments.shape[1], moments.shape[2] + int(bias)),
 )

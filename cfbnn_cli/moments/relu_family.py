@@ -115,7 +115,23 @@ def _with_upsilon(phi: Tensor, variance: Tensor) -> Tuple[Tensor, Tensor, Tensor
     return phi, variance + phi * phi, variance
 
 
+def reference_relu_moments(mean: Tensor, std: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(Phi, Var before its clamp)`` of ReLU through the small tail (the continued fraction where the
+    recursion loses digits: float64 results to 1e-10 out to ``|t| = 40``)."""
+    tail = small_tail(mean, std, 2)
+    s1, s2 = tail[..., 1], tail[..., 2]
+    upper = mean >= 0
+    phi = torch.where(upper, mean + s1, s1)
+    var_upper = std * std - (s2 + 2.0 * mean * s1 + s1 * s1)
+    var_lower = s2 - s1 * s1
+    return phi, torch.where(upper, var_upper, var_lower)
+
+
 def _relu_moments(mean: Tensor, std: Tensor, negative_slope: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """ReLU's moments: float64 through :func:`reference_relu_moments`; other dtypes through the block
+    recursion in float64 (:func:`.relu_reference.relu_forward`), accurate for their results."""
+    if mean.dtype == torch.float64:
+        return _with_upsilon(*reference_relu_moments(mean, std))
     phi, ups, var, *_ = relu_forward(mean, std)
     return phi, ups, var
 
@@ -165,17 +181,49 @@ def _relu_vjp(mean, std, phi, grad_phi, grad_ups, grad_var) -> Tuple[Tensor, Ten
     return grad_mean, grad_std
 
 
+def _member_derivatives(mean, std, activation, slope):
+    """``(Phi, dPhi/dmean, dPhi/dstd, dUpsilon/dmean, dUpsilon/dstd)`` of leaky ReLU or ReLU^2 by the
+    heat-equation identities ``dE[g]/dmean = E[g']``, ``dE[g]/dstd = std E[g'']``, written with the
+    small tail like the moments (``E[relu(z)^k]`` below as ``R_k``)."""
+    tail = small_tail(mean, std, 4 if activation == RELU_SQUARED else 2)
+    upper = mean >= 0
+    t, _, _ = standardize(mean, std)
+    cdf, pdf = standard_normal_cdf(t), standard_normal_pdf(t)
+    var = std * std
+    r1 = torch.where(upper, mean + tail[..., 1], tail[..., 1])
+    if activation == LEAKY_RELU:  # g = relu(z) - slope relu(-z); g^2 = (1 - slope^2) relu(z)^2 + slope^2 z^2
+        a = slope
+        phi = (1.0 - a) * r1 + a * mean
+        return (
+            phi,
+            a + (1.0 - a) * cdf,
+            (1.0 - a) * pdf,
+            2.0 * ((1.0 - a * a) * r1 + a * a * mean),
+            2.0 * std * ((1.0 - a * a) * cdf + a * a),
+        )
+    # ReLU^2: g = relu(z)^2, g^2 = relu(z)^4
+    r2 = torch.where(upper, mean * mean + var - tail[..., 2], tail[..., 2])
+    r3 = torch.where(upper, mean * (mean * mean + 3.0 * var) + tail[..., 3], tail[..., 3])
+    return r2, 2.0 * r1, 2.0 * std * cdf, 4.0 * r3, 12.0 * std * r2
+
+
 def family_moments_vjp(mean, spread, phi, grad_phi, grad_ups, grad_var, activation, negative_slope, from_variance):
-    """``cfbnn::relu_family_moments_backward``'s formula, differentiable to any order: ReLU's
-    identities, the others' derivative through :func:`reference_moments`; from the variances ``phi``
-    is recomputed (the kernels do not read it) and ``d variance = d std / (2 std)`` (at the floor
-    too: a value's floor, not a gradient's cut)."""
+    """``cfbnn::relu_family_moments_backward``'s formula in torch ops, differentiable to any order (no
+    autograd inside: it runs as a kernel, below autograd): ReLU's identities, the other members'
+    :func:`_member_derivatives` (their ``Phi`` recomputed); from the variances ``phi`` is recomputed
+    (the kernels do not read it) and ``d variance = d std / (2 std)`` (at the floor too: a value's
+    floor, not a gradient's cut)."""
     std = std_from_variance(spread) if from_variance else spread
     if activation == RELU:
         if from_variance:
             phi = _relu_moments(mean, std, 0.0)[0]
         grad_mean, grad_std = _relu_vjp(mean, std, phi, grad_phi, grad_ups, grad_var)
     else:
-        _, vjp = torch.func.vjp(lambda m, s: reference_moments(m, s, activation, negative_slope), mean, std)
-        grad_mean, grad_std = vjp((grad_phi, grad_ups, grad_var))
+        check_activation("relu_family_moments_backward", activation)
+        slope = slope_for(negative_slope, mean.dtype)
+        phi, phi_mean, phi_std, ups_mean, ups_std = _member_derivatives(mean, std, activation, slope)
+        # Var = Upsilon - Phi^2
+        by_phi, by_ups = grad_phi - 2.0 * phi * grad_var, grad_ups + grad_var
+        grad_mean = by_phi * phi_mean + by_ups * ups_mean
+        grad_std = by_phi * phi_std + by_ups * ups_std
     return grad_mean, (0.5 * grad_std / std) if from_variance else grad_std

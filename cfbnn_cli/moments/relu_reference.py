@@ -1,9 +1,7 @@
-"""The reference (torch ops) ReLU moments: the oracle of the CPU and Triton kernels, and the
-path where no kernel applies.
-
-``relu_forward_block`` is paper eq. (20) in the cancellation-free small-tail form;
-``ReLUMomentsReference`` its autograd.Function with the analytic backward (heat equation).
-"""
+"""ReLU's moments in torch ops (paper eq. (20) in the cancellation-free small-tail form): the
+reference kernel of ``cfbnn::relu_family_moments`` and ``cfbnn::relu_mean`` for ReLU
+(:mod:`.relu_family`), the oracle of their C++ and Triton kernels; and the small tail the family's
+other members' formulas are written with."""
 
 from __future__ import annotations
 
@@ -11,18 +9,7 @@ import math
 
 import torch
 
-from .gaussian import (
-    INV_SQRT_2,
-    T_MAX,
-    align_batched,
-    block_size,
-    is_transformed,
-    positive_part_moments,
-    standard_normal_cdf,
-    standard_normal_pdf,
-    standardize,
-    sum_to,
-)
+from .gaussian import INV_SQRT_2, T_MAX, block_size, positive_part_moments
 
 
 def small_tail(mean, std, order):
@@ -73,7 +60,7 @@ def relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
     # upper bracket 1 - s2 - 2 x s1 - s1^2, lower bracket s2 - s1^2: lower + upper * (1 - 2 s2 - 2 x s1)
     lower_bracket = s2 - s1_sq
     difference = torch.addcmul(s2.mul_(-2.0).add_(1.0), x, s1, value=-2.0)
-    variance = (std * std).mul_(lower_bracket.addcmul_(upper, difference)).clamp_(min=0.0)
+    variance = (std * std).mul_(lower_bracket.addcmul_(upper, difference)).clamp_min_(0.0)
     upsilon = torch.addcmul(variance, phi, phi)
     # cdf = Phi_N(t): 1 - s0 above 0, s0 below; cdf_neg = 1 - cdf
     cdf = torch.addcmul(s0, upper, torch.rsub(s0, 1.0).sub_(s0))
@@ -85,24 +72,20 @@ def relu_forward_block(mean: torch.Tensor, std: torch.Tensor):
 
 def blockwise(block, mean, std):
     """``block(mean, std)`` (a tuple of float64 tensors shaped like the broadcast inputs), cast
-    back to the inputs' dtype and run in :func:`~cfbnn_cli.moments.gaussian.block_size` pieces."""
+    back to the inputs' dtype and run in :func:`~cfbnn_cli.moments.gaussian.block_size` pieces
+    (the float64 temporaries of one piece stay in cache), the pieces concatenated (out of place: the
+    formula is also differentiated under ``torch.func``)."""
     mean, std = torch.broadcast_tensors(mean, std)
     shape, dtype = mean.shape, mean.dtype
     chunk = block_size(mean)
-    # under torch.func the inputs are wrapped: writing them into a plain buffer is not allowed
-    if mean.numel() <= chunk or is_transformed(mean) or is_transformed(std):
+    if mean.numel() <= chunk:
         return tuple(value.to(dtype) for value in block(mean, std))
-    flat_mean = mean.reshape(-1)
-    flat_std = std.reshape(-1)
-    outputs = None
-    for start in range(0, flat_mean.numel(), chunk):
-        piece = slice(start, start + chunk)
-        values = block(flat_mean[piece], flat_std[piece])
-        if outputs is None:
-            outputs = [torch.empty(flat_mean.shape, dtype=dtype, device=mean.device) for _ in values]
-        for out, value in zip(outputs, values):
-            out[piece] = value
-    return tuple(out.reshape(shape) for out in outputs)
+    flat_mean, flat_std = mean.reshape(-1), std.reshape(-1)
+    pieces = [
+        block(flat_mean[start : start + chunk], flat_std[start : start + chunk])
+        for start in range(0, flat_mean.numel(), chunk)
+    ]
+    return tuple(torch.cat([piece[k] for piece in pieces]).to(dtype).reshape(shape) for k in range(len(pieces[0])))
 
 
 def relu_forward(mean, std):
@@ -128,41 +111,3 @@ def relu_mean_block(mean: torch.Tensor, std: torch.Tensor):
     tail ``s_1`` of :func:`relu_forward_block` (same arithmetic, 7 elementwise ops instead of 20)."""
     mean, std, _, _, _, s1 = relu_small_tail(mean, std)
     return (s1.mul_(std).add_(positive_part(mean)),)
-
-
-class ReLUMomentsReference(torch.autograd.Function):
-    """(mean, std) -> (Phi, Upsilon, Var, [cdf, cdf(-t), pdf]) of relu, with the analytic backward.
-
-    ``dPhi/dmean = Phi_N(t)``, ``dPhi/dstd = phi(t)`` (Stein / heat equation) and
-    ``dUpsilon/dmean = 2 Phi``, ``dUpsilon/dstd = 2 std Phi_N(t)``, so
-    ``dVar/dmean = 2 Phi Phi_N(-t)`` and ``dVar/dstd = 2 (std Phi_N(t) - Phi phi(t))``.
-    The three Gaussian factors are saved from the forward pass; a double backward
-    (``create_graph=True``) recomputes them differentiably instead.
-    """
-
-    @staticmethod
-    def forward(mean, std):
-        return relu_forward(mean, std)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        mean, std = inputs
-        phi, _, _, cdf, cdf_neg, pdf = output
-        ctx.mark_non_differentiable(cdf, cdf_neg, pdf)
-        ctx.save_for_backward(mean, std, phi, cdf, cdf_neg, pdf)
-
-    @staticmethod
-    def backward(ctx, grad_phi, grad_upsilon, grad_var, *_):
-        mean, std, phi, cdf, cdf_neg, pdf = ctx.saved_tensors
-        if torch.is_grad_enabled():  # double backward: keep every factor differentiable
-            t, _, _ = standardize(mean, std)
-            cdf, cdf_neg, pdf = standard_normal_cdf(t), standard_normal_cdf(-t), standard_normal_pdf(t)
-        twice_phi = 2.0 * phi
-        grad_mean = grad_phi * cdf + twice_phi * (grad_upsilon + grad_var * cdf_neg)
-        grad_std = grad_phi * pdf + 2.0 * std * cdf * (grad_upsilon + grad_var) - twice_phi * pdf * grad_var
-        return sum_to(grad_mean, mean.shape), sum_to(grad_std, std.shape)
-
-    @staticmethod
-    def vmap(info, in_dims, mean, std):
-        mean, std = align_batched(mean, std, in_dims)
-        return ReLUMomentsReference.apply(mean, std), (0,) * 6

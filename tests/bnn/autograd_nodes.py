@@ -4,11 +4,16 @@ here, and imported by the interpreted check's subprocess)."""
 
 def node_names(value) -> str:
     """The class names of every node reachable from ``value.grad_fn``, space-separated, with each
-    node's ``name()`` (a C++ node's class is ``CppFunction``; its name says which it is)."""
+    node's ``name()`` (a C++ node's class is ``CppFunction``; its name says which it is) and, for a
+    ``cfbnn::`` operator's autograd node (``OperatorAutogradBackward``), the operator's name."""
     seen, stack = set(), [value.grad_fn]
     while stack:
         node = stack.pop()
         if node is not None and node not in seen:
             seen.add(node)
             stack.extend(child for child, _ in node.next_functions)
-    return " ".join(f"{type(node).__name__} {node.name()}" for node in seen)
+    names = []
+    for node in seen:
+        operator = getattr(node, "operator", None)
+        names.append(f"{type(node).__name__} {node.name()}" + (f" cfbnn::{operator.name}" if operator else ""))
+    return " ".join(names)

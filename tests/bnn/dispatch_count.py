@@ -19,11 +19,14 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def training_step_operators(network, x, y, **elbo_options) -> collections.Counter:
+def training_step_operators(network, x, y, bound=None, **elbo_options) -> collections.Counter:
     """The operators, by name, that one ELBO and its gradients with respect to every parameter
-    dispatch."""
+    dispatch (``bound``: an estimator's objective bound to ``network``, in place of its own)."""
     with _Counter() as counter:
-        value = network.elbo(x, y, **elbo_options)
+        if bound is not None:
+            value = bound.elbo(x, y)
+        else:
+            value = network.elbo(x, y, **elbo_options)
         torch.autograd.grad(value, list(network.parameters()))
     return counter.calls
 

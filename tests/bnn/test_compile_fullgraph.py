@@ -6,22 +6,15 @@ import pytest
 import torch
 
 from cfbnn_cli.bnn import BayesianNetwork, ClosedForm, ClosedFormBNN, DeterministicPropagation, NormalLikelihood
-from cfbnn_cli.moments import get_activation, kernel_library
+from cfbnn_cli.moments import extension, get_activation
 
-assert kernel_library.load_kernels() is not None and kernel_library.cpu_operators_registered()
+assert extension.status()["loaded"], extension.status()
 
 DTYPES = [torch.float32, torch.float64]
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
-# the one-hidden-layer ELBO's node (bnn/fused/operator_elbo.py: NormalELBO), forward and backward
-# an ELBO whose gradient is wanted takes the tail pass's backward in its forward pass
-ELBO_OPERATORS = {
-    "outer_layers_pass",
-    "relu_tail_with_gradients",
-    "normal_elbo_rows",
-    "normal_rows_backward",
-    "output_layer_gradients",
-    "finish_diagonal_gradients",
-}
+# the one-hidden-layer ELBO is one operator, its node (cfbnn::normal_elbo): the graph calls it, its
+# fake kernel gives the shapes
+ELBO_OPERATORS = {"normal_elbo"}
 
 
 class GraphRecorder:
@@ -162,15 +155,11 @@ def test_the_elbo_and_the_predictive_compile_with_inductor(dtype):
 @pytest.mark.parametrize(
     "estimator, operators",
     [
-        # the whole ELBO as one node, the first hidden layer's moments from its variances
-        pytest.param(DeterministicPropagation(), ELBO_OPERATORS | {"relu_family_moments"}, id="deterministic"),
-        # the first hidden layer sampled (given noise), the last two layers as one node (NormalELL),
-        # whose rows the ELBO sums at once: the tail pass's backward taken ahead
-        pytest.param(
-            ClosedForm(),
-            {"diagonal_kl_pass", "relu_tail_with_gradients", "normal_ell_rows", "normal_rows_backward"},
-            id="analytic",
-        ),
+        # the whole ELBO as one node
+        pytest.param(DeterministicPropagation(), {"deep_normal_elbo"}, id="deterministic"),
+        # the first hidden layer sampled (given noise), the last two layers as one node
+        # (cfbnn::normal_ell), whose rows the ELBO sums at once
+        pytest.param(ClosedForm(), {"diagonal_preactivation", "normal_ell"}, id="analytic"),
     ],
 )
 def test_a_deeper_network_compiles_to_one_graph_on_the_operators(dtype, estimator, operators):

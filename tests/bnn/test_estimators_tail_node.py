@@ -1,8 +1,8 @@
-"""The analytic estimator's own ELBO for deeper networks (estimators.sampled_then_tail_elbo: the
-earlier layers sampled, the last two integrated as one node) against the layer-by-layer ELBO of the
-base class (Estimator.elbo): the same noise draws, values and gradients, float32 and float64, for
-every ReLU-family member, with point layers, leading dimensions and minibatch scaling; and the
-networks it leaves to the base class."""
+"""The analytic estimator's own ELBO for deeper networks (bound to the network: the earlier layers
+sampled, the last two integrated as one node, ``cfbnn::normal_ell``) against its layer-by-layer ELBO
+(``bind(network, fused=False)``): the same noise draws, values and gradients, float32 and float64,
+for every ReLU-family member, with point layers, leading dimensions and minibatch scaling; and the
+networks the node does not fit (they go layer by layer)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cfbnn_cli.bnn import BayesianNetwork
-from cfbnn_cli.bnn.estimators import ClosedForm, Estimator, sampled_then_tail_elbo
+from cfbnn_cli.bnn.estimators import ClosedForm
 from cfbnn_cli.bnn.likelihoods import NormalLikelihood
 
 MEMBERS = [("relu", {}), ("leaky_relu", {"negative_slope": -0.2}), ("relu_squared", {})]
@@ -51,23 +51,22 @@ def test_the_tail_node_elbo_is_the_layer_by_layer_elbo(dtype, tolerance, member,
     estimator = ClosedForm()
     noise = estimator.sample_noise(net, 11, generator=torch.Generator().manual_seed(5), lead=lead)
     assert noise, "the case samples a layer"
-    direct = sampled_then_tail_elbo(estimator, net, x, y, 40, noise, None)
-    assert direct is not None
+    assert "the tail as one node (cfbnn::normal_ell)" in estimator.bind(net).route
+    by_layer = estimator.bind(net, fused=False)
     got = _elbo_and_gradients(net, lambda: net.elbo(x, y, num_data=40, estimator=estimator, noise=noise))
-    want = _elbo_and_gradients(net, lambda: Estimator.elbo(estimator, net, x, y, num_data=40, noise=noise))
-    torch.testing.assert_close(direct.detach(), want[0], rtol=tolerance, atol=tolerance)
+    want = _elbo_and_gradients(net, lambda: by_layer.elbo(x, y, num_data=40, noise=noise))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * max(1.0, float(b.abs().max())))
 
 
-def test_drawn_noise_is_the_base_class_draw():
+def test_drawn_noise_is_the_layer_by_layer_draw():
     """noise=None: the same generator gives the same draws, so the same ELBO, either way."""
     net = _network(torch.float64)
     g = torch.Generator().manual_seed(6)
     x, y = torch.randn(13, 5, generator=g, dtype=torch.float64), torch.randn(13, generator=g, dtype=torch.float64)
     estimator = ClosedForm()
     got = net.elbo(x, y, estimator=estimator, generator=torch.Generator().manual_seed(7))
-    want = Estimator.elbo(estimator, net, x, y, generator=torch.Generator().manual_seed(7))
+    want = estimator.bind(net, fused=False).elbo(x, y, generator=torch.Generator().manual_seed(7))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     other = net.elbo(x, y, estimator=estimator, generator=torch.Generator().manual_seed(8))
     assert not torch.allclose(got, other)  # (the draw matters: the comparison above is not vacuous)
@@ -76,7 +75,7 @@ def test_drawn_noise_is_the_base_class_draw():
 @pytest.mark.parametrize(
     "options",
     [
-        {"prior": "empirical_bayes"},  # the KL's prior depends on q: the base class folds nothing
+        {"prior": "empirical_bayes"},  # the KL's prior depends on q: nothing folded
         {"activation": "hard_sigmoid"},  # no kernel-backed tail
         {"output_dim": 2},  # more than one output
         {"covariance": "full"},  # a layer without a diagonal q
@@ -84,6 +83,8 @@ def test_drawn_noise_is_the_base_class_draw():
     ids=["empirical_bayes", "hard_sigmoid", "two_outputs", "full_covariance"],
 )
 def test_networks_the_node_does_not_take_go_layer_by_layer(options):
+    """The same ELBO as layer by layer where the tail node does not fit (or, under empirical Bayes, fits
+    without the KL)."""
     generator = torch.Generator().manual_seed(9)
     net = BayesianNetwork(5, [9, 7], generator=generator, **options).double()
     g = torch.Generator().manual_seed(10)
@@ -92,6 +93,9 @@ def test_networks_the_node_does_not_take_go_layer_by_layer(options):
     y = y.squeeze(-1) if net.output_dim == 1 else y
     estimator = ClosedForm()
     noise = estimator.sample_noise(net, 8, generator=torch.Generator().manual_seed(11))
-    assert sampled_then_tail_elbo(estimator, net, x, y, None, noise, None) is None
+    route = estimator.bind(net).route
+    # empirical Bayes: the tail node computes the ELL, the KL (differentiable in the prior) is outside it
+    tail = "prior" in options
+    assert route.startswith("layer by layer") and ("the tail as one node" in route) == tail, route
     got = net.elbo(x, y, estimator=estimator, noise=noise)
-    torch.testing.assert_close(got, Estimator.elbo(estimator, net, x, y, noise=noise))
+    torch.testing.assert_close(got, estimator.bind(net, fused=False).elbo(x, y, noise=noise))

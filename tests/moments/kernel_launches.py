@@ -1,8 +1,8 @@
 """Every Triton kernel launch of the CUDA route, recorded on the CPU, and each one compiled for an
 H100/H200 (sm_90a) without a GPU: test_every_kernel_compiles.py's helpers.
 
-Run as a script in a process started with ``TRITON_INTERPRET=1`` and ``CFBNN_CUDA_TWIN=1``, it runs
-a small workload inside the CUDA twin (:func:`cfbnn_cli.moments.cuda_twin.cuda_twin`: the ELBOs of
+Run as a script in a process started with ``TRITON_INTERPRET=1``, it runs a small workload inside
+the CUDA twin (:func:`cuda_twin.cuda_twin`, tests/cuda_twin.py: the ELBOs of
 one and two hidden layers and their gradients, the per-point ELL, the predictions, the KL
 operators, the moments and their backward passes) and prints each distinct launch as JSON: the
 kernel, the type of each argument as Triton's JIT binds it for a CUDA device (``*fp32``,
@@ -183,8 +183,8 @@ def _prediction_tiles(dtype, activation, widths) -> None:
     layer's width picks."""
     import torch
 
-    from cfbnn_cli.moments.ops import ACTIVATION_KINDS
     from cfbnn_cli.moments.predict_ops import NO_ACTIVATION
+    from cfbnn_cli.moments.relu_family import ACTIVATION_KINDS
 
     cfbnn, code = torch.ops.cfbnn, ACTIVATION_KINDS[activation]
     slope = ACTIVATIONS[activation].get("negative_slope", 0.0)
@@ -226,7 +226,8 @@ def record(dtypes, activations, tile_widths, rows: int = 5, width: int = 8) -> l
     ``tile_widths`` too, in the order first launched."""
     import torch
 
-    from cfbnn_cli.moments.cuda_twin import cuda_twin
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests/: the CUDA twin)
+    from cuda_twin import cuda_twin
 
     launches = []
     restore = record_launches(launches)
@@ -247,7 +248,7 @@ def record(dtypes, activations, tile_widths, rows: int = 5, width: int = 8) -> l
 def recorded_launches(dtypes, activations, tile_widths, repo: Path) -> list:
     """:func:`record` in a process of its own (the interpreter must be chosen before Triton is
     imported)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CFBNN_CUDA_TWIN="1")  # (twin: no C++ CPU kernels)
+    env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
     command = [sys.executable, __file__, ",".join(dtypes), ",".join(activations), ",".join(map(str, tile_widths))]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500)

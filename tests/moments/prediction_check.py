@@ -17,7 +17,8 @@ from relu_grid import POINTS, _quadrature, worst_error
 
 from cfbnn_cli.bnn.functional import augment
 from cfbnn_cli.moments import get_activation
-from cfbnn_cli.moments.predict_ops import NO_ACTIVATION, reference_prediction_hidden_mean
+from cfbnn_cli.moments.predict_ops import NO_ACTIVATION
+from cfbnn_cli.moments.relu_family import reference_moments, std_from_variance
 
 # (name, activation code, parameters): the ReLU family at test_moments_quadrature.py's slopes
 FAMILY = (
@@ -91,7 +92,7 @@ def hidden_mean_errors(hidden_mean, dtype, generator) -> dict:
         phi = hidden_mean(grid, code, slope, False).cpu()
         values = max(values, worst_error([phi[0]], _quadrature(keep, name, **params), keep, dtype))
         got = hidden_mean(moments, code, slope, True)
-        want = reference_prediction_hidden_mean(moments.double(), code, slope, True)  # (slopes exact in float32)
+        want = reference_hidden_mean(moments.double(), code, slope, True)  # (slopes exact in float32)
         extremes = max(extremes, _relative(got, want))
         ones &= got.shape == (37, 151) and bool((got[:, -1] == 1).all())
         ones &= hidden_mean(moments, code, slope, False).shape == (37, 150)
@@ -101,6 +102,13 @@ def hidden_mean_errors(hidden_mean, dtype, generator) -> dict:
         out = hidden_mean(poisoned, code, slope, True).cpu()
         nan &= bool(out[3, 4].isnan() and out[5, 6].isnan() and out[3, 5].isfinite() and out[5, 7].isfinite())
     return {"values": values, "extremes": extremes, "ones": ones, "nan": nan}
+
+
+def reference_hidden_mean(moments, activation: int, negative_slope: float, bias: bool) -> torch.Tensor:
+    """``cfbnn::prediction_hidden_mean`` by the moments' reference formula (:func:`.relu_family.reference_moments`)."""
+    gamma, variance = moments.unbind(0)
+    phi = reference_moments(gamma, std_from_variance(variance), activation, negative_slope)[0]
+    return augment(phi) if bias else phi
 
 
 def prediction_errors(operand, hidden_mean, dtype, generator) -> dict:

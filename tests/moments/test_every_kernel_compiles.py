@@ -3,8 +3,8 @@ with the argument types, constexprs and launch options of its real launches: rec
 twin under Triton's interpreter (kernel_launches.py, in a subprocess), then compiled here by
 Triton's own compiler and its bundled ptxas. The interpreter runs a kernel's Python with numpy
 semantics and does not enforce the compiler's rules (a module global that is not a
-``tl.constexpr`` runs there and is refused by the compiler), and the engine trusts one first-use
-check per CUDA device (ReLU's moments kernels): every other kernel must be known to compile.
+``tl.constexpr`` runs there and is refused by the compiler), and a kernel that does not compile
+raises where it is first called on a GPU: every kernel must be known to compile.
 
 Each launch must compile without register spills (ptxas' spill stores, as the tail and prediction
 compile tests assert for the tiles they name). The default suite compiles the float32 ReLU launches

@@ -1,28 +1,22 @@
-"""The fused CPU kernels (cfbnn_cli.moments.fast) against the reference torch path.
+"""The activations' moments operators' C++ CPU kernels against their reference formulas.
 
-Both paths are checked against quadrature elsewhere (test_moments_quadrature.py,
-test_piecewise.py, which run the default -- fast -- path); here the fast path is
-held to the *float64 reference path* on random and extreme inputs, for values and
-gradients, and the switches and fallbacks are exercised. The float64 reference is
-itself accurate to ~1e-10 (quadrature tests), so float32 results are compared with
-it at the float32 tolerance and float64 results at a small multiple of 1e-10.
+Both are checked against quadrature elsewhere (test_moments_quadrature.py, test_piecewise.py,
+which run the operators); here the C++ kernels are held to the *float64 reference formula* (each
+activation's ``reference_moments``, differentiated by autograd) on random and extreme inputs, for
+values and gradients. The float64 reference is itself accurate to ~1e-10 (quadrature tests), so
+float32 results are compared with it at the float32 tolerance and float64 results at a small
+multiple of 1e-10.
 """
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from torch.func import grad, vmap
 
-from cfbnn_cli.moments import fast_path, get_activation, kernel_library, piecewise_polynomial
+from cfbnn_cli.moments import extension, get_activation, piecewise_polynomial
 
-pytestmark = pytest.mark.skipif(
-    kernel_library.load_kernels() is None, reason="fast CPU kernels unavailable (no C++ compiler?)"
-)
+pytestmark = pytest.mark.skipif(not extension.status()["loaded"], reason="the C++ CPU kernels were not built here")
 
 F32_TINY = float(torch.finfo(torch.float32).tiny)
 
@@ -69,9 +63,13 @@ def extreme_inputs(dtype):
     return mean, std
 
 
+def reference(activation, mean, std):
+    """``(Phi, Upsilon, Var)`` by the activation's reference formula (autograd differentiates it)."""
+    return activation.reference_moments(*torch.broadcast_tensors(mean, std))
+
+
 def reference64(activation, mean, std):
-    with fast_path(False):
-        return activation.moments(mean.double(), std.double(), return_variance=True)
+    return reference(activation, mean.double(), std.double())
 
 
 def assert_close_to_reference(activation, mean, std, tol, what):
@@ -130,15 +128,14 @@ def test_fast_gradients_match_reference(activation, dtype):
     def gradients(enabled, m, s):
         m = m.clone().requires_grad_()
         s = s.clone().requires_grad_()
-        with fast_path(enabled):
-            outputs = activation.moments(m, s, return_variance=True)
+        outputs = activation.moments(m, s, return_variance=True) if enabled else reference(activation, m, s)
         loss = sum((o.double() * w).sum() for o, w in zip(outputs, weights))
         return torch.autograd.grad(loss, (m, s))
 
     got = gradients(True, mean, std)
-    reference = gradients(False, mean.double(), std.double())
+    wanted = gradients(False, mean.double(), std.double())
     tol = 1e-8 if dtype == torch.float64 else 2e-4
-    for a, b in zip(got, reference):
+    for a, b in zip(got, wanted):
         scale = b.abs().max().clamp(min=1e-300)
         assert ((a.double() - b).abs() <= tol * (b.abs() + 1e-3 * scale)).all(), (
             activation,
@@ -192,11 +189,10 @@ def test_broadcasting_and_non_contiguous_inputs():
     std = (torch.rand(7, generator=g) + 0.1).requires_grad_()  # broadcast along rows
     outputs = relu.moments(mean, std, return_variance=True)
     grads = torch.autograd.grad(sum(o.sum() for o in outputs), (mean, std))
-    with fast_path(False):
-        reference = relu.moments(mean, std, return_variance=True)
-        reference_grads = torch.autograd.grad(sum(o.sum() for o in reference), (mean, std))
+    wanted = reference(relu, mean, std)
+    wanted_grads = torch.autograd.grad(sum(o.sum() for o in wanted), (mean, std))
     assert outputs[0].shape == (5, 7) and grads[0].shape == (5, 7) and grads[1].shape == (7,)
-    for a, b in zip(outputs + grads, reference + reference_grads):
+    for a, b in zip(outputs + grads, wanted + wanted_grads):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
 
 
@@ -222,7 +218,7 @@ def test_vmap_of_grad_matches_the_direct_call(activation):
 
 
 def test_double_backward_goes_through_the_reference():
-    """create_graph=True: second derivatives of the fast path equal those of the reference path."""
+    """create_graph=True: second derivatives through the operator equal those of the reference formula."""
     hard = get_activation("hard_sigmoid", alpha=0.8)
     g = torch.Generator().manual_seed(7)
     mean = torch.randn(30, generator=g, dtype=torch.float64)
@@ -230,10 +226,9 @@ def test_double_backward_goes_through_the_reference():
     results = []
     for enabled in (True, False):
         m, s = mean.clone().requires_grad_(), std.clone().requires_grad_()
-        with fast_path(enabled):
-            phi, ups, var = hard.moments(m, s, return_variance=True)
-            first = torch.autograd.grad((phi * ups).sum() + var.sum(), (m, s), create_graph=True)
-            second = torch.autograd.grad(first[0].sum() + 3 * first[1].sum(), (m, s))
+        phi, ups, var = hard.moments(m, s, return_variance=True) if enabled else reference(hard, m, s)
+        first = torch.autograd.grad((phi * ups).sum() + var.sum(), (m, s), create_graph=True)
+        second = torch.autograd.grad(first[0].sum() + 3 * first[1].sum(), (m, s))
         results.append(first + second)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
@@ -263,124 +258,29 @@ def test_threads_and_block_positions_give_identical_results():
 
 
 @pytest.mark.parametrize("name", ["relu", "hard_sigmoid"])
-def test_switches_select_the_path(monkeypatch, name):
+def test_the_activation_takes_its_operator_and_other_dtypes_compute_in_float32(name):
     """ReLU and the hard sigmoid (a piecewise polynomial: cfbnn::piecewise_moments) take their
-    operators (C++ kernels and autograd); the fast-path switches and the other dtypes send both
-    to the reference ops."""
+    operators, one autograd node each; bfloat16 tensors are computed in float32 and returned in
+    bfloat16 (the operators take float32 and float64)."""
     activation = get_activation(name)
-    calls = []
-    original = activation.operator
-    monkeypatch.setattr(activation, "operator", lambda *a, **k: calls.append(1) or original(*a, **k))
     mean, std = torch.randn(10, requires_grad=True), torch.rand(10)
     phi, _ = activation.moments(mean, std)
-    assert calls == [1]
-    assert "MomentsAutograd" in phi.grad_fn.name()  # the operator's C++ autograd node (csrc/cfbnn_ops.cpp)
-    with fast_path(False):
-        assert not kernel_library.fast_path_enabled()
-        activation.moments(mean, std)
-    assert calls == [1] and kernel_library.fast_path_enabled()
-    kernel_library.set_fast_path(False)
-    try:
-        activation.moments(mean, std)
-    finally:
-        kernel_library.set_fast_path(True)
-    assert calls == [1]
-    activation.moments(mean.double(), std.double())
-    activation.moments(mean.to(torch.bfloat16), std.to(torch.bfloat16))  # other dtypes: the reference path
-    assert calls == [1, 1]
+    assert type(phi.grad_fn).__name__ == "OperatorAutogradBackward"
+    low = activation.moments(mean.detach().to(torch.bfloat16), std.to(torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for t in low)
+    torch.testing.assert_close(low[0].float(), phi.detach().to(torch.bfloat16).float(), rtol=2e-2, atol=1e-2)
 
 
-def test_info_reports_the_build():
-    info = kernel_library.fast_path_info()
-    assert info["available"] and info["enabled"]
-    assert os.path.isfile(info["library"])
-    assert info["build_seconds"] >= 0.0
-
-
-class _Started:
-    """A ``python -c`` process started by ``_start_python``; ``result()`` waits for it."""
-
-    def __init__(self, process):
-        self.process = process
-
-    def result(self, timeout=300):
-        stdout, stderr = self.process.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout, stderr)
-
-
-def _start_python(code, env_update):
-    env = dict(os.environ)
-    env.update(env_update)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] + [env.get("PYTHONPATH", "")]
-    )
-    command = [sys.executable, "-c", textwrap.dedent(code)]
-    return _Started(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-
-
-CHECK_REFERENCE = """
-    import warnings, torch
-    warnings.simplefilter("always")
-    with warnings.catch_warnings(record=True) as caught:
-        from cfbnn_cli.moments import get_activation, kernel_library
-        relu = get_activation("relu")
-        mean = torch.linspace(-3, 3, 11, requires_grad=True)
-        phi, ups = relu.moments(mean, torch.ones(11))
-        (phi.sum() + ups.sum()).backward()
-    info = kernel_library.fast_path_info()
-    print("ENABLED", info["enabled"], "AVAILABLE", info["available"])
-    print("WARNED", any("unavailable" in str(w.message) for w in caught))
-    print("PHI_OK", abs(float(phi[5]) - 0.3989422804014327) < 1e-6)
-    """
-
-
-@pytest.fixture(scope="module")
-def fallback_outcomes(tmp_path_factory):
-    """The three fallback cases below, each in its own process and cache, started at once."""
-    folders = {name: tmp_path_factory.mktemp(name) for name in ("switched_off", "no_compiler", "failing_build")}
-    compiler = folders["failing_build"] / "broken-c++"  # a compiler that fails every build: a script that exits 1
-    compiler.write_text("#!/bin/sh\necho broken >&2\nexit 1\n")
-    compiler.chmod(0o755)
-    environments = {
-        "switched_off": {"CFBNN_FAST_MOMENTS": "0", "CFBNN_CACHE_DIR": str(folders["switched_off"])},
-        "no_compiler": {
-            "CXX": str(folders["no_compiler"] / "no-such-compiler"),
-            "CFBNN_CACHE_DIR": str(folders["no_compiler"]),
-        },
-        "failing_build": {"CXX": str(compiler), "CFBNN_CACHE_DIR": str(folders["failing_build"] / "cache")},
-    }
-    processes = {name: _start_python(CHECK_REFERENCE, env) for name, env in environments.items()}
-    return {name: process.result() for name, process in processes.items()}, folders
-
-
-def test_environment_switch_turns_the_fast_path_off(fallback_outcomes):
-    outcomes, folders = fallback_outcomes
-    result = outcomes["switched_off"]
-    assert result.returncode == 0, result.stderr
-    assert "ENABLED False" in result.stdout
-    assert "PHI_OK True" in result.stdout
-    assert not any(folders["switched_off"].iterdir())  # nothing was built
-
-
-def test_missing_compiler_falls_back_to_the_reference(fallback_outcomes):
-    result = fallback_outcomes[0]["no_compiler"]
-    assert result.returncode == 0, result.stderr
-    assert "AVAILABLE False" in result.stdout and "WARNED True" in result.stdout
-    assert "PHI_OK True" in result.stdout
-
-
-def test_failing_build_falls_back_to_the_reference(fallback_outcomes):
-    """A compiler that fails every build (here: a script that exits 1) -- the reference path runs."""
-    result = fallback_outcomes[0]["failing_build"]
-    assert result.returncode == 0, result.stderr
-    assert "AVAILABLE False" in result.stdout and "WARNED True" in result.stdout
+def test_the_loaded_library_is_the_packages():
+    status = extension.status()
+    assert status["loaded"] and status["path"].endswith(tuple(__import__("importlib").machinery.EXTENSION_SUFFIXES))
 
 
 def test_validation_counts_negative_std_on_the_fast_path():
     relu = get_activation("relu")
     with pytest.raises(ValueError, match="std"):
         relu.moments(torch.zeros(1000), torch.cat([torch.ones(999), -torch.ones(1)]))
-    assert kernel_library.count_negative(torch.tensor([1.0, -0.0, -2.0, float("nan")])) == 1
+    assert torch.ops.cfbnn.count_negative(torch.tensor([1.0, -0.0, -2.0, float("nan")])) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -448,10 +348,9 @@ def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivativ
     activation, weights
 ):
     """create_graph=True (what torch.func.grad always asks for): the first derivative comes from
-    the backward kernel (a function of its own: for ReLU and leaky ReLU their backward operator,
-    called through its autograd by the forward operator's C++ autograd node), the second from
-    the reference path's differentiable ops; both equal the reference path's (fast path off), in
-    float64, also when only some of (Phi, Upsilon, Var) carry a gradient."""
+    the backward kernel (the backward operator, through its own autograd), the second from its
+    formula's differentiable ops; both equal the reference formula's autograd, in float64, also
+    when only some of (Phi, Upsilon, Var) carry a gradient."""
     calls = []
     g = torch.Generator().manual_seed(11)
     mean = 3 * torch.randn(6, 5, generator=g, dtype=torch.float64)
@@ -461,19 +360,19 @@ def test_a_backward_that_builds_a_graph_runs_the_kernel_and_its_second_derivativ
     results = []
     for enabled in (True, False):
         m, s = mean.clone().requires_grad_(), std.clone().requires_grad_()
-        with fast_path(enabled):
-            phi, ups, var = activation.moments(m, s, return_variance=True)
-            total = a * (phi * phi.detach()).sum() + b * ups.sum() + c * (var * torch.linspace(0, 1, 5)).sum()
-            first = torch.autograd.grad(total, (m, s), create_graph=True)
-            second = torch.autograd.grad((first[0] * first[0].detach()).sum() + 3 * first[1].sum(), (m, s))
-        if enabled and activation.operator is not None:  # the backward operator's own node made it
-            backward_operator = "cfbnn_relu_family_moments_backward"
-            calls += [name for name in (type(first[0].grad_fn).__name__,) if backward_operator in name]
+        moments = activation.moments(m, s, return_variance=True) if enabled else reference(activation, m, s)
+        phi, ups, var = moments[:3]
+        total = a * (phi * phi.detach()).sum() + b * ups.sum() + c * (var * torch.linspace(0, 1, 5)).sum()
+        first = torch.autograd.grad(total, (m, s), create_graph=True)
+        second = torch.autograd.grad((first[0] * first[0].detach()).sum() + 3 * first[1].sum(), (m, s))
+        if enabled:  # the backward operator's own node made it
+            node = first[0].grad_fn
+            calls += [node.operator.name] if getattr(node, "operator", None) is not None else []
         results.append(first + second)
-    assert calls, "the first derivative did not come from the backward kernel"
-    for fast_result, reference in zip(*results):
+    assert calls == ["relu_family_moments_backward"], "the first derivative did not come from the backward kernel"
+    for fast_result, wanted in zip(*results):
         assert torch.isfinite(fast_result).all()
-        torch.testing.assert_close(fast_result, reference, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(fast_result, wanted, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("activation", KERNEL_BACKWARD, ids=repr)

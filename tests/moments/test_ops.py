@@ -19,14 +19,14 @@ import torch
 from relu_grid import POINTS, _quadrature, worst_error
 from triton_check import assert_within_tolerances, triton_errors
 
-from cfbnn_cli.moments import get_activation, kernel_library, ops
+from cfbnn_cli.moments import get_activation, moment_ops
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def relu_moments_function(mean, std):
-    """ReLU's moments through the family operator's function (autograd and torch.func)."""
-    return ops.family_moments_function(mean, std, 0)
+    """ReLU's moments through the family operator, broadcast first (its autograd serves torch.func too)."""
+    return torch.ops.cfbnn.relu_family_moments(*torch.broadcast_tensors(mean, std), 0, 0.0, False)
 
 
 HERE = Path(__file__).resolve().parent
@@ -185,7 +185,7 @@ def test_gradients_match_finite_differences_and_double_backward():
         lambda m, s: torch.ops.cfbnn.relu_family_moments(m, s, 0, 0.0, False), (mean, std)
     )
     assert torch.autograd.gradcheck(relu_moments_function, (mean, std))
-    # the function's backward under create_graph is the kernel (operator_registration.KernelVJP), differentiable again
+    # its backward under create_graph is the backward operator, differentiable again through its formula
     assert torch.autograd.gradgradcheck(relu_moments_function, (mean, std))
 
 
@@ -218,7 +218,7 @@ def test_unused_outputs_take_no_gradient_and_match_the_reference():
     mean = torch.randn(50, 8, generator=g, dtype=torch.float64) * 2
     std = torch.rand(50, 8, generator=g, dtype=torch.float64) + 0.1
     m0, s0 = mean.clone().requires_grad_(), std.clone().requires_grad_()
-    get_activation("relu")._reference_moments(m0, s0)[0].sum().backward()
+    get_activation("relu").reference_moments(m0, s0)[0].sum().backward()
     for function in (lambda m, s: torch.ops.cfbnn.relu_family_moments(m, s, 0, 0.0, False), relu_moments_function):
         m, s = mean.clone().requires_grad_(), std.clone().requires_grad_()
         function(m, s)[0].sum().backward()
@@ -228,13 +228,13 @@ def test_unused_outputs_take_no_gradient_and_match_the_reference():
 
 def _from_variance(activation, slope):
     """The reference path's moments of the member from the variances (autograd through the root)."""
-    return lambda m, v: get_activation(*activation, **slope)._reference_moments(m, v.sqrt())
+    return lambda m, v: get_activation(*activation, **slope).reference_moments(m, v.sqrt())
 
 
 MOMENTS_OPERATORS = {  # the operator's (activation, negative_slope, from_variance), the reference path's moments
-    "relu": ((0, 0.0, False), get_activation("relu")._reference_moments),
-    "leaky_relu": ((1, 0.1, False), get_activation("leaky_relu", negative_slope=0.1)._reference_moments),
-    "relu_squared": ((2, 0.0, False), get_activation("relu_squared")._reference_moments),
+    "relu": ((0, 0.0, False), get_activation("relu").reference_moments),
+    "leaky_relu": ((1, 0.1, False), get_activation("leaky_relu", negative_slope=0.1).reference_moments),
+    "relu_squared": ((2, 0.0, False), get_activation("relu_squared").reference_moments),
     "relu_from_variance": ((0, 0.0, True), _from_variance(("relu",), {})),
     "leaky_relu_from_variance": ((1, -0.3, True), _from_variance(("leaky_relu",), {"negative_slope": -0.3})),
     "relu_squared_from_variance": ((2, 0.0, True), _from_variance(("relu_squared",), {})),
@@ -242,12 +242,11 @@ MOMENTS_OPERATORS = {  # the operator's (activation, negative_slope, from_varian
 
 
 @pytest.mark.parametrize("name", sorted(MOMENTS_OPERATORS))
-def test_cpu_autograd_is_one_cpp_node_with_the_reference_gradients(name):
-    """On the CPU the family operator's autograd, for each member and either spread, is the C++ library's (csrc/cfbnn_ops.cpp:
-    MomentsAutograd, registered for AutogradCPU): one node, whose gradients -- every output used
-    or one, far tails included -- and second derivatives (create_graph through the backward
-    operator's own derivative) are the reference path's autograd's, float64."""
-    assert kernel_library.load_kernels() is not None and kernel_library.cpu_operators_registered()
+def test_the_operators_autograd_is_one_node_with_the_reference_gradients(name):
+    """The family operator's autograd, for each member and either spread (the C++ kernels on the
+    CPU): one node (operators.OperatorAutograd), whose gradients -- every output used or one, far
+    tails included -- and second derivatives (create_graph through the backward operator's own
+    derivative) are those of the reference formula differentiated by autograd, float64."""
     operator = torch.ops.cfbnn.relu_family_moments
     extra, reference = MOMENTS_OPERATORS[name]
     g = torch.Generator().manual_seed(5)
@@ -261,7 +260,7 @@ def test_cpu_autograd_is_one_cpp_node_with_the_reference_gradients(name):
             m, s = mean.clone().requires_grad_(), spread.clone().requires_grad_()
             outputs = function(m, s)
             if function is not reference:
-                assert "MomentsAutograd" in outputs[0].grad_fn.name()
+                assert "OperatorAutograd" in outputs[0].grad_fn.name()
             total = sum(((k + 1) * outputs[k] * weights).sum() for k in used)
             first = torch.autograd.grad(total, (m, s), create_graph=True)
             second = torch.autograd.grad((first[0] * first[0].detach()).sum() + first[1].sum(), (m, s))
@@ -289,7 +288,7 @@ def test_torch_func_grad_and_vmap_through_the_function():
         torch.testing.assert_close(got, torch.stack(want))
     # and the same numbers as the reference path's autograd
     m, s = mean.clone().requires_grad_(), std.clone().requires_grad_()
-    phi, ups, var = get_activation("relu")._reference_moments(m, s)
+    phi, ups, var = get_activation("relu").reference_moments(m, s)
     (phi + 0.5 * ups - var).sum().backward()
     torch.testing.assert_close(batched[0], m.grad)
     torch.testing.assert_close(batched[1], s.grad)
@@ -307,7 +306,7 @@ def test_operators_compile_without_graph_breaks():
     s = torch.rand(30) + 0.1
     f(m, s).backward()
     expected_m = m.detach().clone().requires_grad_()
-    phi, ups, _ = get_activation("relu")._reference_moments(expected_m, s)
+    phi, ups, _ = get_activation("relu").reference_moments(expected_m, s)
     (phi * ups).sum().backward()
     torch.testing.assert_close(m.grad, expected_m.grad)
 
@@ -422,8 +421,8 @@ def test_an_unknown_member_is_refused_by_every_kernel(activation):
         lambda: torch.ops.cfbnn.relu_family_moments(mean, std, activation, 0.0, False),
         lambda: torch.ops.cfbnn.relu_family_moments_backward(mean, std, mean, mean, mean, mean, activation, 0.0, True),
         lambda: reference_family_moments(mean, std, activation, 0.0, False),
-        lambda: ops.triton_family_moments(mean, std, activation, 0.0, False),
-        lambda: ops.triton_family_moments_backward(mean, std, mean, mean, mean, mean, activation, 0.0, False),
+        lambda: moment_ops.triton_family_moments(mean, std, activation, 0.0, False),
+        lambda: moment_ops.triton_family_moments_backward(mean, std, mean, mean, mean, mean, activation, 0.0, False),
     ]
     for call in calls:
         with pytest.raises(ValueError, match=message):

@@ -9,9 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from prediction_check import FAMILY, assert_prediction_tolerances, prediction_errors
-
-from cfbnn_cli.moments import fast_path
-from cfbnn_cli.moments.ops import operator_route
+from reference_kernels import reference_kernels
 
 operand = torch.ops.cfbnn.prediction_operand
 hidden_mean = torch.ops.cfbnn.prediction_hidden_mean
@@ -25,8 +23,8 @@ def test_cpu_kernels_match_the_references(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cpu_reference_kernels_match_the_references(dtype):
-    """Where the C++ library does not serve (the reference path chosen): the reference ops."""
-    with fast_path(False):
+    """Where the C++ library does not serve: the operators' reference kernels."""
+    with reference_kernels():
         errors = prediction_errors(operand, hidden_mean, dtype, torch.Generator().manual_seed(0))
     assert_prediction_tolerances(errors, dtype)
 
@@ -64,13 +62,6 @@ def test_bad_inputs_name_the_operator():
         hidden_mean(torch.zeros(2, 2, 3), -1, 0.0, True)
     with pytest.raises(ValueError, match=r"cfbnn::prediction_hidden_mean.*\(2, rows, H\)"):
         hidden_mean(torch.zeros(3, 2, 3), 0, 0.0, True)
-
-
-def test_the_route_follows_the_fast_path_switch():
-    like = torch.zeros(2)
-    assert operator_route(like) and not operator_route(like.to(torch.float16))
-    with fast_path(False):
-        assert not operator_route(like)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,7 +1,7 @@
-"""``cfbnn::relu_mean`` (moments/relu_mean_ops.py): ReLU's mean alone, what a prediction takes.
+"""``cfbnn::relu_mean`` (moments/moment_ops.py): ReLU's mean alone, what a prediction takes.
 Values against scipy quadrature on the ReLU grid at the tolerances of test_moments_quadrature.py
 (the Triton kernel too, under the interpreter: tests/moments/triton_check.py), gradients against
-the float64 reference's autograd, opcheck, vmap, and the route ReLU.mean takes without autograd."""
+the float64 reference formula's autograd, opcheck, vmap, and what ReLU.mean calls."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import get_activation, kernel_library
-from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
+from cfbnn_cli.moments import get_activation
+from cfbnn_cli.moments.relu_family import reference_moments
 
 relu_mean = torch.ops.cfbnn.relu_mean
 
@@ -44,7 +44,7 @@ def test_gradients_match_the_float64_reference_and_vmap_matches_the_loop():
     weights = torch.randn(30, 5, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((relu_mean(mean, std) * weights).sum(), (mean, std))
     reference_mean, reference_std = (t.detach().clone().requires_grad_() for t in (mean, std))
-    phi = ReLUMomentsReference.apply(reference_mean, reference_std)[0]
+    phi = reference_moments(reference_mean, reference_std, 0)[0]
     want = torch.autograd.grad((phi * weights).sum(), (reference_mean, reference_std))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
@@ -53,13 +53,12 @@ def test_gradients_match_the_float64_reference_and_vmap_matches_the_loop():
     torch.testing.assert_close(batched, torch.stack([relu_mean(m, s) for m, s in zip(mean.detach(), std.detach())]))
 
 
-def test_relu_mean_without_autograd_takes_the_operator_and_matches_the_moments():
-    """The prediction's route: one cfbnn::relu_mean call (broadcast operands too), its values those
+def test_relu_mean_takes_the_operator_and_matches_the_moments():
+    """What a prediction calls: one cfbnn::relu_mean (broadcast operands too), its values those
     of the moments operator's Phi."""
     relu = get_activation("relu")
     g = torch.Generator().manual_seed(2)
     mean, std = torch.randn(200, 30, generator=g) * 3, torch.rand(1, 30, generator=g) + 0.01
-    assert kernel_library.load_kernels() is not None and kernel_library.cpu_operators_registered()
     with torch.no_grad(), torch.profiler.profile() as profile:
         phi = relu.mean(mean, std)
     names = [event.key for event in profile.key_averages()]

@@ -6,7 +6,7 @@ kernels under the interpreter are in triton_check.py."""
 import pytest
 import torch
 
-from cfbnn_cli.moments import tail_ops
+from cfbnn_cli.moments import elbo_ops, elbo_reference
 
 
 def _inputs(rows, width, dtype, seed=0):
@@ -26,7 +26,7 @@ FAMILY_IDS = ["relu", "leaky_0.125", "leaky_-0.5", "relu_squared"]
 
 
 def _reference(tensors, family=(0, 0.0)):
-    return tail_ops.reference_relu_tail(*[t.double() for t in tensors], *family)
+    return elbo_reference.relu_tail(*[t.double() for t in tensors], *family)
 
 
 @pytest.mark.parametrize("family", FAMILY, ids=FAMILY_IDS)
@@ -50,7 +50,7 @@ def test_cpu_tail_gradients_match_the_reference_autograd(dtype, rtol, family, ro
     g = torch.Generator().manual_seed(2)
     row_grads = [torch.randn(rows, generator=g, dtype=torch.float64) for _ in range(2)]
     torch.autograd.backward(torch.ops.cfbnn.relu_tail(*tensors, *family), [r.to(dtype) for r in row_grads])
-    torch.autograd.backward(tail_ops.reference_relu_tail(*reference, *family), row_grads)
+    torch.autograd.backward(elbo_reference.relu_tail(*reference, *family), row_grads)
     for got, want in zip(tensors, reference):
         scale = float(want.grad.abs().max())
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=rtol, atol=rtol * scale)
@@ -98,9 +98,9 @@ def test_vmap_with_shared_and_batched_weights():
     shared = torch.func.vmap(torch.ops.cfbnn.relu_tail, in_dims=(0, 0, None, None, None))(*stacked[:2], *batch[0][2:])
     own = torch.func.vmap(torch.ops.cfbnn.relu_tail)(*stacked)
     for index, parts in enumerate(batch):
-        for got, want in zip(shared, tail_ops.reference_relu_tail(*parts[:2], *batch[0][2:])):
+        for got, want in zip(shared, elbo_reference.relu_tail(*parts[:2], *batch[0][2:])):
             torch.testing.assert_close(got[index], want, rtol=1e-12, atol=1e-12)
-        for got, want in zip(own, tail_ops.reference_relu_tail(*parts)):
+        for got, want in zip(own, elbo_reference.relu_tail(*parts)):
             torch.testing.assert_close(got[index], want, rtol=1e-12, atol=1e-12)
 
 
@@ -121,7 +121,7 @@ def test_bad_inputs_name_the_problem():
         with pytest.raises(ValueError, match="`activation` must be"):
             torch.ops.cfbnn.relu_tail_backward(mean, variance, *weights, *rows, activation)
         with pytest.raises(ValueError, match="`activation` must be"):
-            tail_ops._check_tail("relu_tail", mean, variance, *weights, activation=activation)
+            elbo_ops._check_tail("relu_tail", mean, variance, *weights, activation=activation)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -76,9 +76,8 @@ def small_tail_reference(mean, std):
 
 def elementwise_errors(dtype) -> dict:
     """Each elementwise kernel's worst value and gradient errors on the grid, in tolerances."""
-    from cfbnn_cli.moments import ops, relu_mean_ops
+    from cfbnn_cli.moments import moment_ops
     from cfbnn_cli.moments.relu_family import reference_moments
-    from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
 
     mean, std = grid(dtype)
     g = torch.Generator().manual_seed(7)
@@ -101,21 +100,20 @@ def elementwise_errors(dtype) -> dict:
         out[name] = {"values": worst, "grads": gradients}
 
     # ReLU's values against the small-tail reference (leaky ReLU's at slope 0: it keeps float64's
-    # digits out in the tail, where ReLUMomentsReference's lose some, 3.6e-9 at t = -20), the
-    # gradients against ReLUMomentsReference's autograd (as triton_check.py)
+    # digits out in the tail), the gradients against ReLU's float64 reference formula's autograd
     m64, s64 = (leaf(t) for t in (mean, std))
-    got = ops.launch_moments(mean, std, 0)
-    backward = ops.launch_moments_backward(mean, std, got[0], grads, 0)
+    got = moment_ops.triton_family_moments(mean, std, 0, 0.0, False)
+    backward = moment_ops.triton_family_moments_backward(mean, std, got[0], *grads, 0, 0.0, False)
     values = small_tail_reference(m64, s64)
-    record("relu", got, ReLUMomentsReference.apply(m64, s64)[:3], backward, (m64, s64), values)
-    alone = relu_mean_ops.triton_relu_mean(mean, std)
+    record("relu", got, reference_moments(m64, s64, 0), backward, (m64, s64), values)
+    alone = moment_ops.triton_relu_mean(mean, std)
     out["relu_mean"] = {"values": value_error(alone, values[0], values[0], std, dtype)}
 
     variance = std.double().square().to(dtype)
     m64, v64 = (leaf(t) for t in (mean, variance))
-    got = ops.launch_moments(mean, variance, 0, from_variance=True)
-    backward = ops.launch_moments_backward(mean, variance, got[0], grads, 0, from_variance=True)
-    want = ReLUMomentsReference.apply(m64, v64.sqrt())[:3]
+    got = moment_ops.triton_family_moments(mean, variance, 0, 0.0, True)
+    backward = moment_ops.triton_family_moments_backward(mean, variance, got[0], *grads, 0, 0.0, True)
+    want = reference_moments(m64, v64.sqrt(), 0)
     values = small_tail_reference(m64, v64.sqrt())
     positive = variance > 0  # (a variance of 0 is floored)
     record("relu_from_variance", got, want, backward, (m64, v64), values, None, positive, positive)
@@ -124,8 +122,8 @@ def elementwise_errors(dtype) -> dict:
         m64, s64 = (leaf(t) for t in (mean, std))
         # the reference's slope as the kernels read it (float32 inputs: the float32 slope)
         want = reference_moments(m64, s64, 1, float(torch.tensor(slope, dtype=dtype)))
-        got = ops.launch_moments(mean, std, 1, slope)
-        backward = ops.launch_moments_backward(mean, std, got[0], grads, 1, slope)
+        got = moment_ops.triton_family_moments(mean, std, 1, slope, False)
+        backward = moment_ops.triton_family_moments_backward(mean, std, got[0], *grads, 1, slope, False)
         m, s = mean.double(), std.double()
         e_abs = (
             small_tail_reference(m, s)[0]
@@ -135,8 +133,8 @@ def elementwise_errors(dtype) -> dict:
 
     m64, s64 = (leaf(t) for t in (mean, std))
     want = reference_moments(m64, s64, 2)
-    got = ops.launch_moments(mean, std, 2)
-    backward = ops.launch_moments_backward(mean, std, got[0], grads, 2)
+    got = moment_ops.triton_family_moments(mean, std, 2, 0.0, False)
+    backward = moment_ops.triton_family_moments_backward(mean, std, got[0], *grads, 2, 0.0, False)
     record("relu_squared", got, want, backward, (m64, s64))
     return out
 
@@ -149,7 +147,7 @@ def scaled(got, want) -> float:
 def tail_errors(dtype) -> dict:
     """The tail pass on the grid laid out as (rows, 150): the two row sums and the five gradients
     against the float64 reference ops' autograd, per member of the ReLU family."""
-    from cfbnn_cli.moments import tail_ops
+    from cfbnn_cli.moments import elbo_ops, elbo_reference
 
     mean, std = grid(dtype)
     n = len(mean) - len(mean) % 150
@@ -164,10 +162,10 @@ def tail_errors(dtype) -> dict:
     for family in ((0, 0.0), (1, 0.125), (1, -0.5), (2, 0.0)):
         reference = [leaf(t) for t in tensors]
         slope = float(torch.tensor(family[1], dtype=dtype))
-        want = tail_ops.reference_relu_tail(*reference, family[0], slope)
+        want = elbo_reference.relu_tail(*reference, family[0], slope)
         torch.autograd.backward(want, rows)
-        got = tail_ops.triton_relu_tail(*tensors, *family)
-        grads = tail_ops.triton_relu_tail_backward(*tensors, *[r.to(dtype) for r in rows], *family)
+        got = elbo_ops.triton_relu_tail(*tensors, *family)
+        grads = elbo_ops.triton_relu_tail_backward(*tensors, *[r.to(dtype) for r in rows], *family)
         want_grads = [reference[0].grad, reference[1].grad] + [reference[2 + i].grad for i in range(3)]
         got_grads = [grads[0], grads[1]] + [grads[2][i] for i in range(3)]
         positive = variance > 0
@@ -197,7 +195,7 @@ print("RESULT", json.dumps(errors()))
 
 def _interpreted(code: str):
     """``python -c code`` started under Triton's interpreter; ``_finished`` waits for it."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CFBNN_CUDA_TWIN="1")  # (twin: no C++ CPU kernels)
+    env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -212,7 +210,8 @@ def _finished(process):
 @pytest.fixture(scope="module")
 def interpreted():
     """Both interpreter checks of this module (``extremes``, ``opcheck``), started at once."""
-    return {"extremes": _interpreted(CHECK.format(here=str(HERE))), "opcheck": _interpreted(OPCHECK)}
+    opcheck = OPCHECK.replace("{tests!r}", repr(str(HERE.parent)))
+    return {"extremes": _interpreted(CHECK.format(here=str(HERE))), "opcheck": _interpreted(opcheck)}
 
 
 def test_float32_kernels_match_float64_references_on_extremes(interpreted):
@@ -237,8 +236,10 @@ def test_kernels_compute_in_the_inputs_dtype():
 
 OPCHECK = """
 import json, torch
-from cfbnn_cli.moments import tail_ops  # noqa: F401 (registers cfbnn::relu_tail)
-from cfbnn_cli.moments.cuda_twin import cuda_twin
+import sys
+sys.path.insert(0, {tests!r})
+import cfbnn_cli.moments  # noqa: F401 (declares the operators)
+from cuda_twin import cuda_twin
 
 g = torch.Generator().manual_seed(0)
 mean = torch.randn(3, 70, generator=g) * 4
@@ -272,7 +273,7 @@ print("RESULT", json.dumps(dict(calls)))
 
 def test_opcheck_float32_under_the_twin(interpreted):
     """``torch.library.opcheck`` of the affected operators for float32 inputs, their CUDA kernels
-    (the float32 Triton kernels, interpreted) standing in for the CPU's (:mod:`.cuda_twin`)."""
+    (the float32 Triton kernels, interpreted) standing in for the CPU's (tests/cuda_twin.py)."""
     result = _finished(interpreted["opcheck"])
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))

@@ -15,9 +15,9 @@ import torch
 from prediction_check import assert_prediction_tolerances, prediction_errors
 from relu_grid import POINTS, _quadrature, worst_error
 
-from cfbnn_cli.moments import elbo_ops, elbo_reference, kl_ops, ops, predict_ops, relu_mean_ops, tail_ops
-from cfbnn_cli.moments.relu_family import reference_moments
-from cfbnn_cli.moments.relu_reference import ReLUMomentsReference
+from cfbnn_cli.moments import elbo_ops, elbo_reference, moment_ops, predict_ops
+from cfbnn_cli.moments.operators import OPERATORS
+from cfbnn_cli.moments.relu_family import family_moments_vjp, reference_moments
 
 
 def _relative(got, want):
@@ -50,11 +50,11 @@ def tail_errors(device: str, dtype, generator) -> dict:
         tensors = _tail_inputs(dtype, generator)
         on = [t.to(device) for t in tensors]
         reference = [t.double().clone().requires_grad_() for t in tensors]
-        want = tail_ops.reference_relu_tail(*reference, *family)
-        got = tail_ops.triton_relu_tail(*on, *family)
+        want = elbo_reference.relu_tail(*reference, *family)
+        got = elbo_ops.triton_relu_tail(*on, *family)
         rows = [torch.randn(37, generator=generator, dtype=torch.float64) for _ in range(2)]
         torch.autograd.backward(want, rows)
-        grads = tail_ops.triton_relu_tail_backward(*on, *[r.to(dtype).to(device) for r in rows], *family)
+        grads = elbo_ops.triton_relu_tail_backward(*on, *[r.to(dtype).to(device) for r in rows], *family)
         columns = grads[2].cpu()
         worst["values"] = max(worst["values"], *(_scaled(g, w.detach()) for g, w in zip(got, want)))
         worst["grads"] = max(
@@ -86,7 +86,7 @@ def elbo_step_errors(device: str, dtype, generator) -> dict:
         log_scale = (torch.randn(*shape, generator=generator, dtype=torch.float64) * 0.5 - 1.5).to(dtype)
         layers.append((loc, log_scale))
     on = lambda t: t.to(device)  # noqa: E731
-    got = elbo_ops.TRITON_KERNELS["outer_layers_pass"](*map(on, (x, *layers[0], *layers[1])), True)
+    got = OPERATORS["outer_layers_pass"].cuda(*map(on, (x, *layers[0], *layers[1])), True)
     want = elbo_reference.outer_layers_pass(x.double(), *(t.double() for layer in layers for t in layer), True)
     assert [t.dtype for t in got] == [dtype] * 5 + [torch.float64]
     worst = {"values": max(_scaled(g, w) for g, w in zip(got, want)), "elbo": 0.0}
@@ -99,7 +99,7 @@ def elbo_step_errors(device: str, dtype, generator) -> dict:
     _, _, ell = elbo_reference.normal_ell_rows(*(t.double() for t in operands), True)
     for extra in (None, torch.tensor(0.75, dtype=dtype)):
         elbo_terms = (got[5], None if extra is None else on(extra), 0.8, 3.0)
-        _, _, elbo = elbo_ops.TRITON_KERNELS["normal_elbo_rows"](*map(on, operands), *elbo_terms, True)
+        _, _, elbo = OPERATORS["normal_elbo_rows"].cuda(*map(on, operands), *elbo_terms, True)
         reference = 3.0 * ell.sum() - kl - (0.0 if extra is None else 0.75)
         worst["elbo"] = max(worst["elbo"], abs(float(elbo) - float(reference)) / abs(float(reference)))
     return worst
@@ -119,13 +119,13 @@ def leaky_errors(device: str, dtype, generator) -> dict:
     positive = std > 0  # (the reference's autograd has no gradient at std = 0)
     for slope in LEAKY_SLOPES:
         references = _quadrature(POINTS, "leaky_relu", negative_slope=slope)
-        phi, ups, var = ops.launch_moments(mean.to(device), std.to(device), 1, slope)
+        phi, ups, var = moment_ops.triton_family_moments(mean.to(device), std.to(device), 1, slope, False)
         values_worst = max(values_worst, worst_error([t.cpu() for t in (phi, ups, var)], references, POINTS, dtype))
         m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))
         want = reference_moments(m64, s64, 1, slope if dtype == torch.float64 else float(torch.tensor(slope)))
         torch.autograd.backward(list(want), [t.double() for t in grads])
-        gm, gs = ops.launch_moments_backward(
-            mean.to(device), std.to(device), phi, [t.to(device) for t in grads], 1, slope
+        gm, gs = moment_ops.triton_family_moments_backward(
+            mean.to(device), std.to(device), phi, *[t.to(device) for t in grads], 1, slope, False
         )
         grads_worst = max(
             grads_worst,
@@ -142,11 +142,13 @@ def relu_squared_errors(device: str, dtype, generator) -> dict:
     std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
     grads = [torch.randn(len(POINTS), generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)]
     positive = std > 0  # (the reference's autograd has no gradient at std = 0)
-    phi, ups, var = ops.launch_moments(mean.to(device), std.to(device), 2)
+    phi, ups, var = moment_ops.triton_family_moments(mean.to(device), std.to(device), 2, 0.0, False)
     values = worst_error([t.cpu() for t in (phi, ups, var)], _quadrature(POINTS, "relu_squared"), POINTS, dtype)
     m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))
     torch.autograd.backward(list(reference_moments(m64, s64, 2)), [t.double() for t in grads])
-    gm, gs = ops.launch_moments_backward(mean.to(device), std.to(device), phi, [t.to(device) for t in grads], 2)
+    gm, gs = moment_ops.triton_family_moments_backward(
+        mean.to(device), std.to(device), phi, *[t.to(device) for t in grads], 2, 0.0, False
+    )
     grads_worst = max(
         _relative(gm.cpu()[positive], m64.grad[positive]), _relative(gs.cpu()[positive], s64.grad[positive])
     )
@@ -156,6 +158,13 @@ def relu_squared_errors(device: str, dtype, generator) -> dict:
 def _on(kernel, device: str):
     """``kernel`` taking its tensor, the first argument, to ``device``."""
     return lambda tensor, *numbers: kernel(tensor.to(device), *numbers)
+
+
+def _relu_gradients(mean64, std64, grads64):
+    """ReLU's reference backward in float64: the heat-equation identities of
+    :func:`~cfbnn_cli.moments.relu_family.family_moments_vjp` (the backward operator's formula)."""
+    phi = reference_moments(mean64, std64, 0)[0]
+    return family_moments_vjp(mean64, std64, phi, *grads64, 0, 0.0, False)
 
 
 def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
@@ -168,29 +177,27 @@ def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
         mean = torch.tensor([p[0] for p in POINTS], dtype=dtype)
         std = torch.tensor([p[1] for p in POINTS], dtype=dtype)
         on = lambda t: t.to(device)  # noqa: E731
-        phi, ups, var = ops.launch_moments(on(mean), on(std), 0)
+        phi, ups, var = moment_ops.triton_family_moments(on(mean), on(std), 0, 0.0, False)
         assert phi.dtype == dtype and phi.device.type == torch.device(device).type
         values = [t.cpu() for t in (phi, ups, var)]
         # the backward against the reference path's analytic backward (float64 oracle)
         g = torch.Generator().manual_seed(3)
         grads = [torch.randn(len(POINTS), generator=g, dtype=torch.float64).to(dtype) for _ in range(3)]
-        m64, s64 = (t.double().clone().requires_grad_() for t in (mean, std))  # fresh leaves
-        rphi, rups, rvar, *_ = ReLUMomentsReference.apply(m64, s64)
-        torch.autograd.backward([rphi, rups, rvar], [t.double() for t in grads])
-        gm, gs = ops.launch_moments_backward(on(mean), on(std), phi, list(map(on, grads)), 0)
+        want_mean, want_std = _relu_gradients(mean.double(), std.double(), [t.double() for t in grads])
+        gm, gs = moment_ops.triton_family_moments_backward(on(mean), on(std), phi, *map(on, grads), 0, 0.0, False)
         out[name] = {
             "values": worst_error(values, references, POINTS, dtype),
-            "grads": max(_relative(gm, m64.grad), _relative(gs, s64.grad)),
+            "grads": max(_relative(gm, want_mean), _relative(gs, want_std)),
         }
         # from the variances: the same references; the gradients where std > 0 (at 0 sqrt has none)
         variance = std.double().square().to(dtype)
-        values = [t.cpu() for t in ops.launch_moments(on(mean), on(variance), 0, from_variance=True)]
+        values = [t.cpu() for t in moment_ops.triton_family_moments(on(mean), on(variance), 0, 0.0, True)]
         positive = std > 0
-        v64, m64 = (t.double().clone().requires_grad_() for t in (variance, mean))
-        rphi, rups, rvar, *_ = ReLUMomentsReference.apply(m64, v64.sqrt())
-        torch.autograd.backward([rphi, rups, rvar], [t.double() for t in grads])
-        gm, gv = ops.launch_moments_backward(
-            on(mean), on(variance), on(values[0]), list(map(on, grads)), 0, from_variance=True
+        root = variance.double().sqrt()
+        want_mean, want_std = _relu_gradients(mean.double(), root, [t.double() for t in grads])
+        want_variance = want_std / (2.0 * root)  # d std / d variance
+        gm, gv = moment_ops.triton_family_moments_backward(
+            on(mean), on(variance), on(values[0]), *map(on, grads), 0, 0.0, True
         )
         keep = [i for i, p in enumerate(POINTS) if p[1] > 0]  # (a variance of 0 is floored)
         out[name + "_from_variance"] = {
@@ -198,7 +205,8 @@ def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
                 [v[keep] for v in values], [references[i] for i in keep], [POINTS[i] for i in keep], dtype
             ),
             "grads": max(
-                _relative(gm.cpu()[positive], m64.grad[positive]), _relative(gv.cpu()[positive], v64.grad[positive])
+                _relative(gm.cpu()[positive], want_mean[positive]),
+                _relative(gv.cpu()[positive], want_variance[positive]),
             ),
         }
         # the KL of a mean-field matrix (3 x 1500: two blocks, the last one partial)
@@ -209,14 +217,14 @@ def triton_errors(device: str, dtypes=("float64", "float32")) -> dict:
         p = torch.distributions.Normal(torch.zeros((), dtype=torch.float64), 0.8**0.5)
         reference = torch.distributions.kl_divergence(q, p).sum()
         reference.backward()
-        kl = kl_ops.triton_diagonal_kl(on(loc), on(log_scale), 0.8)
-        gl, gs = kl_ops.triton_diagonal_kl_backward(on(loc), on(log_scale), on(torch.tensor(1.0, dtype=dtype)), 0.8)
+        kl = elbo_ops.triton_diagonal_kl(on(loc), on(log_scale), 0.8)
+        gl, gs = elbo_ops.triton_diagonal_kl_backward(on(loc), on(log_scale), on(torch.tensor(1.0, dtype=dtype)), 0.8)
         out[name + "_kl"] = {
             "value": abs(float(kl) - float(reference.detach())) / abs(float(reference.detach())),
             "grads": max(_relative(gl, l64.grad), _relative(gs, s64.grad)),
         }
         # ReLU's mean alone (cfbnn::relu_mean) against the same quadrature
-        phi_alone = relu_mean_ops.triton_relu_mean(on(mean), on(std)).cpu()
+        phi_alone = moment_ops.triton_relu_mean(on(mean), on(std)).cpu()
         out[name + "_mean"] = {"values": worst_error([phi_alone], references, POINTS, dtype)}
         out[name + "_tail"] = tail_errors(device, dtype, g)
         out[name + "_elbo_steps"] = elbo_step_errors(device, dtype, g)

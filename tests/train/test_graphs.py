@@ -103,7 +103,7 @@ def test_a_batch_loss_trains_as_the_gather_inside_with_its_gather_outside_the_gr
     """A :class:`BatchLoss`: the same parameters as the eager loop and as a loss that gathers its
     rows itself; the captured work gathers nothing, the fill before each replay gathers the batch
     into the static buffers (one gather a data tensor) and nothing else."""
-    from cfbnn_cli.moments.kernel_count import count_kernels
+    from kernel_count import count_kernels
 
     eager, _, _ = _train(graphed=False)
     graphed, loop, stand_in = _train(graphed=True, batch_loss=True)

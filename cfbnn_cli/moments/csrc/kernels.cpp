@@ -1,17 +1,15 @@
 /* cfbnn's CPU kernels: activation moments and the closed-form ELBO's passes.
  *
- * Built at first use by cfbnn_cli/moments/kernel_build.py (the system C++ compiler, cached per user),
- * together with cfbnn_ops.cpp, the cfbnn:: torch operators' CPU kernels, which call the entry
- * points declared in cfbnn_kernels.h (included here too, so that a definition cannot drift from
- * its declaration). cfbnn_cli/moments/fast.py calls the other entry points through ctypes.
+ * Compiled when the package is installed (setup.py), beside the operators' units (family_ops.cpp,
+ * piecewise_ops.cpp, elbo_ops.cpp), which call the kernels declared in kernels.h (included here too,
+ * so that a definition cannot drift from its declaration) and register them with torch's dispatcher.
  *
  * This unit needs no torch headers: the kernels take raw pointers (contiguous float32/float64
- * arrays), so it compiles in 10-20 s once per machine without the seconds that torch's
- * headers add to a translation unit.
+ * arrays), so it compiles with the fastest flags the machine takes (-march=native, OpenMP, glibc's
+ * vector math library) without the seconds that torch's headers add to a translation unit.
  *
- * Numerics are those of `cfbnn_cli.moments.gaussian` and
- * `cfbnn_cli.moments.activations` (the reference path):
- *
+ * Numerics are those of the operators' reference kernels (`cfbnn_cli.moments.gaussian`,
+ * `cfbnn_cli.moments.relu_family`, `cfbnn_cli.moments.piecewise_polynomial`):
  * * the Normal mass on the far side of a kink from the mean is the *small tail*
  *   `S_k = E[w^k 1{w>0}]`, `w ~ N(-|d|, std^2)`, with `S_k = std^k u_k(x)`,
  *   `x = |d|/std`, `u_k = phi(x) J_k(x)` and `J_k(x) = int_0^inf v^k e^{-xv - v^2/2} dv`;
@@ -46,7 +44,7 @@
 #include <initializer_list>
 #include <limits>
 #include <type_traits>
-#include "cfbnn_kernels.h"
+#include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -56,14 +54,12 @@
 #endif
 
 #if defined(CFBNN_MVEC)
-extern "C" {
+/* glibc's vector variants (libmvec): math.h's functions, redeclared with their SIMD clones */
 __attribute__((simd("notinbranch"))) double erfc(double) noexcept;
 __attribute__((simd("notinbranch"))) double exp(double) noexcept;
 __attribute__((simd("notinbranch"))) float expf(float) noexcept;
-}
 #endif
 
-#define CFBNN_ABI 18
 #define INLINE static inline __attribute__((always_inline))
 #define RS __restrict__
 
@@ -79,16 +75,6 @@ static const double INV_SQRT_2PI = 0.39894228040143267793994605993;
 static const float INV_SQRT_2PI_F = 0.398942280f;
 #define MAX_K 32
 #define MAX_B 64
-
-extern "C" int cfbnn_abi(void) { return CFBNN_ABI; }
-
-extern "C" int cfbnn_openmp(void) {
-#ifdef _OPENMP
-  return 1;
-#else
-  return 0;
-#endif
-}
 
 /* Float32 kernels flush denormals (results below FLT_MIN are not held to any accuracy,
    and denormal operands cost microcode assists); restored on exit. */
@@ -143,10 +129,8 @@ static const float XF = 13.14f;  // phi(x) >= FLT_MIN up to here; beyond, the fl
    variables: with a compile-time constant, gcc rewrites expf(min(x, C)) as a select between
    expf(x) and the folded expf(C) -- and expf of the unclamped x underflows, which sends the
    vector expf to its scalar fallback (10x slower). */
-extern "C" {
 float cfbnn_float_clamp = 13.14f;
 double cfbnn_double_clamp = 37.5;
-}
 static const float KT = 4.0f;
 
 template <int N>
@@ -1220,20 +1204,6 @@ static void normal_output_gradients(int64_t H, const double* cols, const T* w_ph
   }
 }
 
-/* --------------------------------------------------------------------- identity */
-
-template <typename T>
-static void identity_forward(int64_t n, const T* m, const T* s, T* o_phi, T* o_ups, T* o_var, int nthreads) {
-#pragma omp parallel for simd schedule(static) num_threads(nthreads) if (nthreads > 1 && n >= 4 * PAR_MIN)
-  for (int64_t i = 0; i < n; i++) {
-    double mi = (double)m[i], si = (double)s[i];
-    T vf = (T)(si * si), pf = m[i];
-    o_phi[i] = pf;
-    o_ups[i] = (T)((double)vf + mi * mi);
-    if (o_var) o_var[i] = vf;
-  }
-}
-
 /* ------------------------------------------------- the piecewise-polynomial engine */
 
 /* A piecewise polynomial with B breakpoints, P = B + 1 pieces of degree <= D; K = 2 D.
@@ -1247,7 +1217,7 @@ static void identity_forward(int64_t n, const T* m, const T* s, T* o_phi, T* o_u
      jumps[B][4]                p_j(b_j), p_{j+1}(b_j), p_j'(b_j), p_{j+1}'(b_j)
      gl[32]                     16-point Gauss-Legendre nodes, then weights
      coef32[P][D+1], bp32[B]    float32 copies for the std == 0 limit of float32 data
-   (activations.py, PiecewisePolynomial: the same centring, tail differences,
+   (piecewise_polynomial.py, PiecewisePolynomial: the same centring, tail differences,
    full-line Taylor expansion and Gauss-Legendre choice, per element.) */
 struct Spec {
   int B, D, K, P;
@@ -1965,7 +1935,7 @@ static void hs_backward_f32(int64_t n, const float* m, const float* s, const Spe
    cfbnn_cli/moments/relu_family.py: ACTIVATION_KINDS): 0 ReLU, 1 leaky ReLU, 2 ReLU^2. The one list of the kinds in
    C++: a new member is one more case here, and its moments where act_f32_range, act_f64_range,
    store_outputs and variance_gradients branch on the kind. The operators check the kind first (family_size). */
-static const int FAMILY_SIZE = 3;
+static_assert(cfbnn::kernels::FAMILY_SIZE == 3, "by_kind has one case per member");
 template <typename F>
 INLINE void by_kind(int kind, F&& body) {
   switch (kind) {
@@ -1974,7 +1944,6 @@ INLINE void by_kind(int kind, F&& body) {
     default: body(std::integral_constant<int, 2>{}); break;
   }
 }
-extern "C" int family_size(void) { return FAMILY_SIZE; }
 
 /* A member's backward: from the four partials its forward computes (act_backward); ReLU's from
    its own Gaussian factors (relu_backward), the overload taken for kind 0. */
@@ -1990,35 +1959,35 @@ static void family_backward(std::integral_constant<int, 0>, int64_t n, const T* 
   relu_backward<T>(n, m, s, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);
 }
 
-/* ---------------------------------------------------------------- C entry points */
+/* ---------------------------------------------------------------- the kernels of kernels.h */
+
+namespace cfbnn {
+namespace kernels {
 
 #define BOTH(MACRO) MACRO(float, f32) MACRO(double, f64)
 
 #define ACT_ENTRIES(T, SUF)                                                                                      \
-  extern "C" void family_forward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, T* phi, T* ups,  \
+  void family_forward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, T* phi, T* ups,  \
                                        T* var, int nt) {                                                         \
     by_kind(kind, [&](auto k) {                                                                                  \
       act_forward<T, decltype(k)::value>(n, m, s, eps, phi, ups, var, nullptr, nullptr, nullptr, nullptr, nt, false);           \
     });                                                                                                          \
   }                                                                                                              \
-  extern "C" void relu_mean_##SUF(int64_t n, const T* m, const T* s, T* phi, int nt) {                          \
+  void relu_mean_##SUF(int64_t n, const T* m, const T* s, T* phi, int nt) {                          \
     act_forward<T, 0>(n, m, s, 0.0, phi, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nt, true);        \
   }                                                                                                              \
-  extern "C" void family_backward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, const T* phi,   \
+  void family_backward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, const T* phi,   \
                                         const T* gp, int gps, const T* gu, int gus, const T* gv, int gvs, T* gm, \
                                         T* gs, int nt) {                                                         \
     by_kind(kind, [&](auto k) { family_backward<T>(k, n, m, s, eps, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt); }); \
   }                                                                                                              \
-  extern "C" void partials_backward_##SUF(int64_t n, const T* phi, const T* pm, const T* ps, const T* vm,       \
+  void partials_backward_##SUF(int64_t n, const T* phi, const T* pm, const T* ps, const T* vm,       \
                                           const T* vs, const T* gp, int gps, const T* gu, int gus, const T* gv,  \
                                           int gvs, T* gm, T* gs, int nt) {                                       \
     partials_backward<T>(n, phi, pm, ps, vm, vs, gp, gps, gu, gus, gv, gvs, gm, gs, nt);                          \
   }                                                                                                              \
-  extern "C" void identity_forward_##SUF(int64_t n, const T* m, const T* s, T* phi, T* ups, T* var, int nt) {   \
-    identity_forward<T>(n, m, s, phi, ups, var, nt);                                                             \
-  }                                                                                                              \
-  extern "C" int64_t count_negative_##SUF(int64_t n, const T* s, int nt) { return count_negative<T>(n, s, nt); } \
-  extern "C" void tail_pass_##SUF(int kind, int mode, int64_t rows, int64_t H, const T* m, const T* s,         \
+  int64_t count_negative_##SUF(int64_t n, const T* s, int nt) { return count_negative<T>(n, s, nt); } \
+  void tail_pass_##SUF(int kind, int mode, int64_t rows, int64_t H, const T* m, const T* s,         \
                                   double eps, const T* wp, const T* wv, const T* wu, const T* ru, const T* rk,   \
                                   const T* y, double mb, double uu, double ku, T* om, T* osp, T* ogm, T* ogs,    \
                                   double* ocols, int nt) {                                                       \
@@ -2026,29 +1995,29 @@ static void family_backward(std::integral_constant<int, 0>, int64_t n, const T* 
       tail_pass<T, decltype(k)::value>(mode, rows, H, m, s, eps, wp, wv, wu, ru, rk, y, mb, uu, ku, om, osp, ogm, ogs, ocols, nt); \
     });                                                                                                          \
   }                                                                                                              \
-  extern "C" void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps,       \
+  void hidden_pass_##SUF(int kind, int backward, int64_t n, const T* m, const T* v, double eps,       \
                                     T* op, T* ou, T* ov, const T* gp, const T* gu, const T* gv, T* ogm, T* ogv,   \
                                     int64_t w, int nt) {                                                         \
     by_kind(kind, [&](auto k) {                                                                                  \
       hidden_pass<T, decltype(k)::value>(backward, n, m, v, eps, op, ou, ov, gp, gu, gv, ogm, ogv, w, nt);                      \
     });                                                                                                          \
   }                                                                                                              \
-  extern "C" void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt) {       \
+  void diag_kl_sums_##SUF(int64_t n, const T* loc, const T* ls, double* out, T* var, int nt) {       \
     diag_kl_sums<T>(n, loc, ls, out, var, nt);                                                                   \
   }                                                                                                              \
-  extern "C" void diag_kl_table_##SUF(int64_t n, const T* loc, const T* ls, int64_t block, double* rows, T* var, \
+  void diag_kl_table_##SUF(int64_t n, const T* loc, const T* ls, int64_t block, double* rows, T* var, \
                                       T* lsq, int nt) {                                                          \
     diag_kl_table<T>(n, loc, ls, block, rows, var, lsq, nt);                                                     \
   }                                                                                                              \
-  extern "C" void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double e, double a, double c, \
+  void diag_gradient_finish_##SUF(int64_t n, const T* loc, const T* var, double e, double a, double c, \
                                              double b, T* gl, T* gv, int nt) {                                   \
     diag_gradient_finish<T>(n, loc, var, e, a, c, b, gl, gv, nt);                                                \
   }                                                                                                              \
-  extern "C" void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl,       \
+  void diag_kl_backward_##SUF(int64_t n, const T* loc, const T* ls, double a, double b, T* gl,       \
                                          T* gs, int nt) {                                                        \
     diag_kl_backward<T>(n, loc, ls, a, b, gl, gs, nt);                                                           \
   }                                                                                                              \
-  extern "C" void pw_forward_##SUF(int64_t n, const T* m, const T* s, int B, int D, const double* bp,           \
+  void pw_forward_##SUF(int64_t n, const T* m, const T* s, int B, int D, const double* bp,           \
                                    const double* coef, const double* deriv, const double* side,                  \
                                    const double* tails, const double* jumps, const double* gl,                   \
                                    const float* coef32, const float* bp32, T* phi, T* ups, T* var, T* pm, T* ps, \
@@ -2064,25 +2033,25 @@ static void family_backward(std::integral_constant<int, 0>, int64_t n, const T* 
 BOTH(ACT_ENTRIES)
 
 #define NORMAL_ROW_ENTRIES(T, SUF)                                                                               \
-  extern "C" void augment_pair_##SUF(int64_t rows, int64_t D, const T* x, T* aug, T* sq, int nt) {              \
+  void augment_pair_##SUF(int64_t rows, int64_t D, const T* x, T* aug, T* sq, int nt) {              \
     augment_pair<T>(rows, D, x, aug, sq, nt);                                                                    \
   }                                                                                                              \
-  extern "C" double normal_rows_##SUF(int64_t rows, const T* mean, const T* spread, const T* y, double mb,      \
+  double normal_rows_##SUF(int64_t rows, const T* mean, const T* spread, const T* y, double mb,      \
                                       double sb, double beta, double lt, T* res, T* sq, T* ell) {               \
     return normal_rows<T>(rows, mean, spread, y, mb, sb, beta, lt, res, sq, ell);                                \
   }                                                                                                              \
-  extern "C" void normal_row_gradients_##SUF(int64_t rows, const T* g, const T* res, const T* sq, double beta,   \
+  void normal_row_gradients_##SUF(int64_t rows, const T* g, const T* res, const T* sq, double beta,   \
                                              T* u, T* k, double* sums) {                                         \
     normal_row_gradients<T>(rows, g, res, sq, beta, u, k, sums);                                                 \
   }                                                                                                              \
-  extern "C" void normal_output_gradients_##SUF(int64_t H, const double* cols, const T* wp, int bias, double su,  \
+  void normal_output_gradients_##SUF(int64_t H, const double* cols, const T* wp, int bias, double su,  \
                                                 double sk, double cs, T* gl, T* gv) {                            \
     normal_output_gradients<T>(H, cols, wp, bias, su, sk, cs, gl, gv);                                          \
   }
 
 BOTH(NORMAL_ROW_ENTRIES)
 
-extern "C" void hs_forward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp,
+void hs_forward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp,
                                const double* coef, const double* deriv, const double* side, const double* tails,
                                const double* jumps, const double* gl, const float* coef32, const float* bp32, double a,
                                double sign, float* phi, float* ups, float* var, float* pm, float* ps, float* vm,
@@ -2091,11 +2060,11 @@ extern "C" void hs_forward_f32(int64_t n, const float* m, const float* s, int B,
   sp.B = B; sp.D = D; sp.K = 2 * D; sp.P = B + 1;
   sp.bp = bp; sp.coef = coef; sp.deriv = deriv; sp.side = side; sp.tails = tails; sp.jumps = jumps;
   sp.gl = gl; sp.coef32 = coef32; sp.bp32 = bp32;
-  hs_forward_f32(n, m, s, sp, (float)a, (float)sign, phi, ups, var, pm, ps, vm, vs, nt);
+  ::hs_forward_f32(n, m, s, sp, (float)a, (float)sign, phi, ups, var, pm, ps, vm, vs, nt);
   propagate_nan_all<float>(n, m, s, {phi, ups, var, pm, ps, vm, vs});
 }
 
-extern "C" void hs_backward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp,
+void hs_backward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp,
                                 const double* coef, const double* deriv, const double* side, const double* tails,
                                 const double* jumps, const double* gl, const float* coef32, const float* bp32,
                                 double a, double sign, const float* phi, const float* gp, int gps, const float* gu,
@@ -2104,9 +2073,11 @@ extern "C" void hs_backward_f32(int64_t n, const float* m, const float* s, int B
   sp.B = B; sp.D = D; sp.K = 2 * D; sp.P = B + 1;
   sp.bp = bp; sp.coef = coef; sp.deriv = deriv; sp.side = side; sp.tails = tails; sp.jumps = jumps;
   sp.gl = gl; sp.coef32 = coef32; sp.bp32 = bp32;
-  hs_backward_f32(n, m, s, sp, (float)a, (float)sign, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);
+  ::hs_backward_f32(n, m, s, sp, (float)a, (float)sign, phi, gp, gps, gu, gus, gv, gvs, gm, gs, nt);
   propagate_nan_all<float>(n, m, s, {gm, gs});
 }
 
-extern "C" int pw_max_breakpoints(void) { return MAX_B; }
-extern "C" int pw_max_degree(void) { return MAX_K / 2; }
+static_assert(MAX_BREAKPOINTS == MAX_B && MAX_DEGREE == MAX_K / 2, "kernels.h: the engine's table sizes");
+
+}  // namespace kernels
+}  // namespace cfbnn

@@ -1,12 +1,21 @@
-/* The C entry points of cfbnn_moments.cpp that cfbnn_ops.cpp calls, declared once.
+/* The kernels of kernels.cpp that the operators' units (family_ops.cpp, piecewise_ops.cpp, elbo_ops.cpp)
+ * call, declared once.
  *
- * cfbnn_moments.cpp includes this header too, so a definition whose signature drifts from
- * its declaration here fails to compile instead of corrupting memory at run time. Each kernel
- * exists for float32 (_f32) and float64 (_f64) arrays; every pointer is a contiguous array. */
+ * kernels.cpp includes this header too, so a definition whose signature drifts from its declaration
+ * here fails to compile instead of corrupting memory at run time. Each kernel exists for float32
+ * (_f32) and float64 (_f64) arrays; every pointer is a contiguous array; `nt` is the thread count. */
 #ifndef CFBNN_KERNELS_H
 #define CFBNN_KERNELS_H
 
 #include <stdint.h>
+
+namespace cfbnn {
+namespace kernels {
+
+/* The ReLU family's members, kinds 0 .. FAMILY_SIZE - 1 (cfbnn_cli/moments/relu_family.py: ACTIVATION_KINDS). */
+constexpr int FAMILY_SIZE = 3;
+/* The general piecewise engine's largest tables. */
+constexpr int MAX_BREAKPOINTS = 64, MAX_DEGREE = 16;
 
 #define CFBNN_KERNEL_DECLARATIONS(T, SUF)                                                                        \
   void family_forward_##SUF(int kind, int64_t n, const T* m, const T* s, double eps, T* phi, T* ups, T* var,  \
@@ -41,16 +50,12 @@
                                const T* gp, int gps, const T* gu, int gus, const T* gv, int gvs, T* gm, T* gs,  \
                                int nt);
 
-extern "C" {
-int family_size(void);  // the ReLU family's kinds: 0 .. family_size() - 1
 CFBNN_KERNEL_DECLARATIONS(float, f32)
 CFBNN_KERNEL_DECLARATIONS(double, f64)
-}
 
 #undef CFBNN_KERNEL_DECLARATIONS
 
 /* The hard sigmoid's unrolled float32 kernels (the general engine's tables, a = |alpha|, sign). */
-extern "C" {
 void hs_forward_f32(int64_t n, const float* m, const float* s, int B, int D, const double* bp, const double* coef,
                     const double* deriv, const double* side, const double* tails, const double* jumps,
                     const double* gl, const float* coef32, const float* bp32, double a, double sign, float* phi,
@@ -60,6 +65,8 @@ void hs_backward_f32(int64_t n, const float* m, const float* s, int B, int D, co
                      const double* gl, const float* coef32, const float* bp32, double a, double sign,
                      const float* phi, const float* gp, int gps, const float* gu, int gus, const float* gv, int gvs,
                      float* gm, float* gs, int nt);
-}
+
+}  // namespace kernels
+}  // namespace cfbnn
 
 #endif

@@ -1,6 +1,6 @@
 """The kernels a call would launch on CUDA, counted on any device: each Triton launch, and each torch
 operation that launches a kernel on CUDA (not a view, an allocation or a detach). On the CPU under
-Triton's interpreter inside :func:`~.cuda_twin.cuda_twin` that is the count of the CUDA route,
+Triton's interpreter inside :func:`cuda_twin.cuda_twin` (tests/) that is the count of the CUDA route,
 so a test without a GPU can bound the kernels of a training step (tests/test_kernel_count.py); on
 a GPU, ``benchmarks/bench_operators.py --list-kernels`` counts the real launches with the profiler.
 
