@@ -95,6 +95,25 @@ def test_an_adam_fit_stopped_and_resumed_ends_with_the_numbers_of_one_never_stop
     assert len(pd.read_csv(tmp_path / "cut" / "metrics.csv")) == 12
 
 
+@pytest.mark.parametrize("transform", ["none", "log"])
+def test_adam_epochs_are_recorded_per_row_and_in_the_targets_units(tables, tmp_path, transform):
+    """metrics.csv's Adam rows: the training ELBO per row (not the whole data's, N times as large)
+    and the validation log-likelihood in the target's units, as fit.md's held-out one (a target in
+    the thousands: its standardized log-likelihood is log(s.d.) ~ 6.8 nats higher; a log target's
+    density is y's, log y ~ 8.5 nats lower than log y's)."""
+    frame = pd.read_csv(tables / "r.csv")
+    frame["y"] = 5000 + 1000 * frame["y"]  # positive, s.d. ~ 900
+    frame.to_csv(tmp_path / "thousands.csv", index=False)
+    options = ["fit.full_batch_max_rows=50", "trainer.epochs=12", "fit.evaluate_every=1", "trainer.batch_size=64"]
+    cfg = _regression(tables, *options, f"data.path={tmp_path / 'thousands.csv'}", f"data.target_transform={transform}")
+    (tmp_path / "run").mkdir()
+    held_out = regression.run(cfg, tmp_path / "run")["metrics"]["fit/test_ll"]
+    rows = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert len(rows) == 12 and rows["train_elbo_per_point"].iloc[1:].between(-5, 5).all(), rows
+    validation = rows["validation_ll"].iloc[-1]
+    assert abs(validation - held_out) < 1.0, (validation, held_out)  # other rows of the same model
+
+
 def test_a_classifier_stopped_and_resumed_ends_with_the_numbers_of_one_never_stopped(tables, tmp_path, monkeypatch):
     monkeypatch.setattr(fit_records, "PERSIST_SECONDS", 0.0)
     (tmp_path / "whole").mkdir()
