@@ -148,6 +148,17 @@ def _network(
     )
 
 
+@torch.no_grad()
+def heteroscedastic_noise_std(model: BayesianNetwork, x: torch.Tensor, estimator) -> float:
+    """A heteroscedastic network's noise s.d. on the rows ``x``, in one number: the median row's
+    ``sqrt(exp(l))``, ``l`` the log noise variance output's mean. The median, not the root mean
+    square: a few rows far out in the inputs can get a noise many orders above the rest (on
+    diamonds, 8 epochs of Adam: a root mean square of 9.4e5 beside a held-out RMSE of 755), and a
+    good fit then read as one whose noise is the target's whole spread."""
+    mean, _ = model.output_moments(x, estimator=estimator, noise=())
+    return float(mean[..., 1].median().mul(0.5).exp())
+
+
 def _validation_split(num_train: int, fraction: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(fit rows, validation rows)`` of the training rows, drawn from ``seed``."""
     order = torch.randperm(num_train, generator=torch.Generator().manual_seed(seed))
@@ -296,12 +307,10 @@ def _fit_closed_form(covariance, split: Split, cfg, device, generator, method: O
             x * inputs[0], estimator=estimator, num_samples=cfg.uci.predictive_samples, generator=sampler
         )
 
-    def noise_std():  # the learned noise, or for a heteroscedastic net root mean exp(l) over the training inputs
+    def noise_std():  # the learned noise, or for a heteroscedastic net the median training row's
         if likelihood == "normal":
             return float(model.precision.detach()) ** -0.5
-        with torch.no_grad():
-            mean, _ = model.output_moments(data.x_train * inputs[0], estimator=estimator, noise=())
-        return float(mean[..., 1].exp().mean().sqrt())
+        return heteroscedastic_noise_std(model, data.x_train * inputs[0], estimator)
 
     def trained():  # the input scale into the first layer: the model takes the standardized inputs
         if inputs[0] != 1.0:
