@@ -82,16 +82,21 @@ def test_an_lbfgs_fit_stopped_and_resumed_ends_with_the_numbers_of_one_never_sto
     assert rows["iteration"].iloc[-1] == whole["fit/iterations"]
 
 
-def test_an_adam_fit_stopped_and_resumed_ends_with_the_numbers_of_one_never_stopped(tables, tmp_path, monkeypatch):
+def test_an_adam_fit_stopped_and_resumed_ends_with_the_numbers_of_one_never_stopped(
+    tables, tmp_path, monkeypatch, caplog
+):
     options = ["fit.full_batch_max_rows=50", "trainer.epochs=12", "fit.evaluate_every=1", "trainer.batch_size=64"]
     (tmp_path / "whole").mkdir()
     whole = regression.run(_regression(tables, *options), tmp_path / "whole")["metrics"]
     # the loop's first checkpoint is after epoch 1, the next 10 s later: epochs 2-5 are redone on resume
-    resumed = _stopped_then_resumed(
-        regression, lambda *o: _regression(tables, *options, *o), tmp_path / "cut", monkeypatch, 5
-    )
+    with caplog.at_level(logging.INFO, logger="cfbnn_cli.train.fit_records"):
+        resumed = _stopped_then_resumed(
+            regression, lambda *o: _regression(tables, *options, *o), tmp_path / "cut", monkeypatch, 5
+        )
     for key in ("fit/test_ll", "fit/test_rmse", "fit/iterations"):
         assert resumed[key] == whole[key], key
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("fit: resumed from") and "after epoch 1 of 12" in line for line in lines), lines
     assert len(pd.read_csv(tmp_path / "cut" / "metrics.csv")) == 12
 
 
