@@ -54,3 +54,12 @@ def test_the_readme_is_a_short_guide_whose_links_resolve():
     assert len(text.splitlines()) <= 200
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
         assert (README.parent / target).exists(), target
+
+
+def test_no_document_holds_an_unfilled_placeholder():
+    """A number left for later (``PREDICT_NUMBERS``, ``TODO``) must not reach a reader of the docs."""
+    root = README.parent
+    pattern = re.compile(r"\b(?:[A-Z]+_)+NUMBERS\b|\b(?:TODO|TBD|FIXME|XXX)\b")
+    for path in [README, root / "benchmarks" / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            assert not pattern.search(line), f"{path.relative_to(root)}:{number}: {line.strip()}"

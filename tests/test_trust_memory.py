@@ -65,7 +65,7 @@ def test_a_full_covariance_fit_counts_its_factors(tmp_path, monkeypatch):
             f"data.path={table}",
             "data.target=y",
             "fit.method=closed_form_full",
-            "likelihood=normal",
+            "likelihood=normal",  # closed_form_full has no heteroscedastic form (the fit's default)
             "model.hidden_sizes=[20000]",
         ],
     )

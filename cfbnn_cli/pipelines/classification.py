@@ -174,6 +174,7 @@ class _Fit:
                 },
                 after_epoch=lambda epoch, row: bar.note(epoch_note(loop, epoch)),
                 select=("validation_ll", "max"),
+                objective_scale=1.0 / len(fit_rows),  # metrics.csv: the ELBO per row, not the whole data's
                 patience=cfg.fit.patience,
                 evaluate_every=cfg.fit.evaluate_every,
                 cuda_graphs=cfg.trainer.cuda_graphs,

@@ -144,10 +144,13 @@ def run_adam_phase(loop, records: Optional[FitRecords]):
     """``loop.run()`` (a :class:`~cfbnn_cli.train.loop.TrainingLoop` built with
     :meth:`FitRecords.loop_options`), restored first where resuming; a phase its checkpoint marks
     finished is not trained again. Returns ``(history, stopped_early)``."""
-    if records is not None and loop.restore() and loop.extra.get("finished"):
+    restored = loop.restore() if records is not None else 0
+    if restored and loop.extra.get("finished"):
         log.info("%s: finished before (%s); not trained again", loop.label, loop.last_path)
         history, stopped = loop.history, bool(loop.extra.get("stopped_early"))
     else:
+        if restored:  # the loop's own line is hushed with its per-epoch ones (uci_methods.quiet)
+            log.info("%s: resumed from %s after epoch %d of %d", loop.label, loop.last_path, restored, loop.epochs)
         result = loop.run()
         history, stopped = result.history, loop.stopped_early
         if records is not None:

@@ -124,3 +124,33 @@ def test_a_heteroscedastic_fit_predicts_its_noise_per_row_in_the_cli_and_the_lib
     np.testing.assert_allclose(written["noise"], saved.predict(rows).noise, rtol=1e-5)
     width = written["upper_90"] - written["lower_90"]
     assert width[1] > 2.5 * width[0]  # each row's interval follows its own noise
+
+
+def test_a_heteroscedastic_fits_noise_is_the_median_rows_not_swamped_by_a_few_far_out_rows():
+    """fit.md's noise s.d. (and the learned-nothing check on it) of a heteroscedastic network: a few
+    rows far out in the inputs, where the log-variance output extrapolates to hundreds, move it by
+    less than the spread of the ordinary rows' noise (their mean would multiply it by > 100)."""
+    from cfbnn_cli.bnn.estimators import ClosedForm
+    from cfbnn_cli.bnn.likelihoods import HeteroscedasticNormalLikelihood
+    from cfbnn_cli.bnn.network import BayesianNetwork
+    from cfbnn_cli.pipelines.regression.uci_methods import heteroscedastic_noise_std
+
+    generator = torch.Generator().manual_seed(0)
+    network = BayesianNetwork(
+        3, [20], 2, likelihood=HeteroscedasticNormalLikelihood(), init_scale=0.1, generator=generator
+    )
+    with torch.no_grad():  # the log-variance output rises with every hidden unit: it grows far out
+        network.layers[-1].loc[1, :-1].abs_()
+    x = torch.randn(400, 3, generator=generator)
+    with torch.no_grad():
+        l_out = network.output_moments(torch.cat([x, -x]) * 300, estimator=ClosedForm(), noise=())[0][..., 1]
+    far = (torch.cat([x, -x]) * 300)[l_out.argsort(descending=True)[:3]]  # the 3 rows of the largest noise
+    both = torch.cat([x, far])
+    with torch.no_grad():
+        l = network.output_moments(both, estimator=ClosedForm(), noise=())[0][..., 1]
+    ordinary = l[:400].mul(0.5).exp()
+    assert float(l[400:].min()) > float(l[:400].max()) + 20  # the far rows' noise is e^10 times larger
+    assert float(l.exp().mean().sqrt()) > 100 * float(ordinary.median())  # what a root mean square reads
+    value = heteroscedastic_noise_std(network, both, ClosedForm())
+    low, high = torch.quantile(ordinary, torch.tensor([0.4, 0.6], dtype=ordinary.dtype))
+    assert float(low) <= value <= float(high)

@@ -82,17 +82,41 @@ def test_an_lbfgs_fit_stopped_and_resumed_ends_with_the_numbers_of_one_never_sto
     assert rows["iteration"].iloc[-1] == whole["fit/iterations"]
 
 
-def test_an_adam_fit_stopped_and_resumed_ends_with_the_numbers_of_one_never_stopped(tables, tmp_path, monkeypatch):
+def test_an_adam_fit_stopped_and_resumed_ends_with_the_numbers_of_one_never_stopped(
+    tables, tmp_path, monkeypatch, caplog
+):
     options = ["fit.full_batch_max_rows=50", "trainer.epochs=12", "fit.evaluate_every=1", "trainer.batch_size=64"]
     (tmp_path / "whole").mkdir()
     whole = regression.run(_regression(tables, *options), tmp_path / "whole")["metrics"]
     # the loop's first checkpoint is after epoch 1, the next 10 s later: epochs 2-5 are redone on resume
-    resumed = _stopped_then_resumed(
-        regression, lambda *o: _regression(tables, *options, *o), tmp_path / "cut", monkeypatch, 5
-    )
+    with caplog.at_level(logging.INFO, logger="cfbnn_cli.train.fit_records"):
+        resumed = _stopped_then_resumed(
+            regression, lambda *o: _regression(tables, *options, *o), tmp_path / "cut", monkeypatch, 5
+        )
     for key in ("fit/test_ll", "fit/test_rmse", "fit/iterations"):
         assert resumed[key] == whole[key], key
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("fit: resumed from") and "after epoch 1 of 12" in line for line in lines), lines
     assert len(pd.read_csv(tmp_path / "cut" / "metrics.csv")) == 12
+
+
+@pytest.mark.parametrize("transform", ["none", "log"])
+def test_adam_epochs_are_recorded_per_row_and_in_the_targets_units(tables, tmp_path, transform):
+    """metrics.csv's Adam rows: the training ELBO per row (not the whole data's, N times as large)
+    and the validation log-likelihood in the target's units, as fit.md's held-out one (a target in
+    the thousands: its standardized log-likelihood is log(s.d.) ~ 6.8 nats higher; a log target's
+    density is y's, log y ~ 8.5 nats lower than log y's)."""
+    frame = pd.read_csv(tables / "r.csv")
+    frame["y"] = 5000 + 1000 * frame["y"]  # positive, s.d. ~ 900
+    frame.to_csv(tmp_path / "thousands.csv", index=False)
+    options = ["fit.full_batch_max_rows=50", "trainer.epochs=12", "fit.evaluate_every=1", "trainer.batch_size=64"]
+    cfg = _regression(tables, *options, f"data.path={tmp_path / 'thousands.csv'}", f"data.target_transform={transform}")
+    (tmp_path / "run").mkdir()
+    held_out = regression.run(cfg, tmp_path / "run")["metrics"]["fit/test_ll"]
+    rows = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert len(rows) == 12 and rows["train_elbo_per_point"].iloc[1:].between(-5, 5).all(), rows
+    validation = rows["validation_ll"].iloc[-1]
+    assert abs(validation - held_out) < 1.0, (validation, held_out)  # other rows of the same model
 
 
 def test_a_classifier_stopped_and_resumed_ends_with_the_numbers_of_one_never_stopped(tables, tmp_path, monkeypatch):

@@ -103,6 +103,10 @@ def test_bundled_data_and_minibatch_training(tmp_path):
     assert "Adam" in (tmp_path / "run" / "classification.md").read_text()
     assert (tmp_path / "run" / "classification.png").is_file()
     assert load_model(tmp_path / "run" / "model.pt").classes == ["setosa", "versicolor", "virginica"]
+    # metrics.csv: the ELBO per row (a log-probability less KL / N: below 0, a few nats at most), not
+    # the whole data's (~120 times as large)
+    elbo = pd.read_csv(tmp_path / "run" / "metrics.csv")["train_elbo_per_point"]
+    assert elbo.iloc[1:].between(-10, 0).all(), elbo
 
 
 def test_numeric_labels_are_ordered_as_numbers(tmp_path):

@@ -250,7 +250,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             "90 % interval coverage",
             "50 % interval coverage",
             "noise s.d. (learned"
-            + (", root mean square over the rows" if method.startswith("heteroscedastic") else "")
+            + (", the median training row's" if method.startswith("heteroscedastic") else "")
             + (f", log({table.target}) units)" if log_target else ")"),
             "training",
             "RMSE of the training mean",
