@@ -115,6 +115,25 @@ def test_a_full_disk_in_report_keeps_the_old_report_whole(tmp_path, capsys, monk
     assert _report_files(tmp_path) == old and _no_temporary_files(tmp_path)
 
 
+def test_a_full_disk_in_reports_second_table_prints_no_table_as_written(tmp_path, capsys, monkeypatch):
+    """Two tables (two pipelines); the disk fills while the second is written: nothing on stdout
+    points at a file (before: the first table's ``-> report_...`` line, for files never renamed in)."""
+    _results(tmp_path / "a", 0, 1.0)
+    (tmp_path / "v").mkdir()
+    vae = {"pipeline": "vae", "schema": 1, "status": "complete", "config": {"seed": 0, "variant": "V1"}}
+    (tmp_path / "v" / "results.json").write_text(json.dumps({**vae, "metrics": {"test_ll": -100.0}}))
+    monkeypatch.setattr(atomic_io, "os", _FullDisk(room=5))  # the first table's four files, and one more
+    assert aggregate.main([str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "->" not in captured.out, captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "no space left on the device" in lines[0], lines
+    assert not _report_files(tmp_path) and _no_temporary_files(tmp_path)
+    monkeypatch.setattr(atomic_io, "os", os)
+    assert aggregate.main([str(tmp_path)]) == 0  # the same report, with room: both tables, and their lines
+    assert capsys.readouterr().out.count("->") == 2
+
+
 def test_a_full_disk_in_a_run_is_one_line_and_the_run_does_not_look_finished(tmp_path, capsys, monkeypatch):
     """The run's task maps the error to one line naming the file and saying how to continue; no
     results.json or done is left, so the dir reads as unfinished (resume=true continues it)."""

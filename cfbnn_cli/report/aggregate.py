@@ -62,12 +62,15 @@ def report(path, out: Optional[Path] = None, paper: bool = False) -> Dict[str, L
             what = "a file" if out.is_file() else describe_file(out)
             raise DataError(f"--out {shown_path(out)} is {what}, not a folder; name a folder (it is made if missing)")
         with file_set():  # the report's files appear together, or none of them (a full disk, Ctrl-C)
-            return _report(path, out, paper)
+            written, shown = _report(path, out, paper)
     except OSError as error:  # the report's folder or a file in it cannot be made or written
         message = output_error(error, out, "pass --out a folder you can write (it is made if missing)")
         if message is None:
             raise
         raise DataError(message) from None
+    for text in shown:  # once the files are there: a failed write shows no "-> file" line
+        print(text)
+    return written
 
 
 def report_folder(path, out: Optional[Path] = None) -> Path:
@@ -75,7 +78,8 @@ def report_folder(path, out: Optional[Path] = None) -> Path:
     return Path(out) if out is not None else (Path(path) if Path(path).is_dir() else Path(path).parent)
 
 
-def _report(path, out: Path, paper: bool) -> Dict[str, List[str]]:
+def _report(path, out: Path, paper: bool) -> Tuple[Dict[str, List[str]], List[str]]:
+    """``(written files by table key, the text to print)``: the tables written into ``out``."""
     runs = collect(path)
     runs, duplicates = drop_duplicates(runs)
     for duplicate, kept in duplicates:
@@ -87,6 +91,7 @@ def _report(path, out: Path, paper: bool) -> Dict[str, List[str]]:
     written: Dict[str, List[str]] = {}
     used_names: set = set()
     built: List[Tuple[Section, pd.DataFrame]] = []
+    shown: List[str] = []
     for section in sections(runs):
         name = section.name
         while name in used_names:  # two odd names that clean up alike must not overwrite each other
@@ -119,10 +124,12 @@ def _report(path, out: Path, paper: bool) -> Dict[str, List[str]]:
             if figure is not None and figure(section.runs, out / f"{stem}.png", keys):
                 part_files.append(f"{stem}.png")
             files += part_files
-            print(f"{title}\n\n{table.to_markdown(index=False)}\n\n-> {', '.join(str(out / f) for f in part_files)}\n")
+            shown.append(
+                f"{title}\n\n{table.to_markdown(index=False)}\n\n-> {', '.join(str(out / f) for f in part_files)}\n"
+            )
         written[section.key] = files
     if duplicates:
-        print(
+        shown.append(
             f"{len(duplicates)} duplicate run(s) left out (same configuration and seed as a kept run); see the lines above\n"
         )
     if paper:
@@ -136,8 +143,10 @@ def _report(path, out: Path, paper: bool) -> Dict[str, List[str]]:
         text = frame.to_markdown(index=False)
         atomic_write_text(out / "paper_reproduction.md", text + "\n")
         written["paper"] = ["paper_reproduction.md", "paper_reproduction.csv"]
-        print(f"Reproducing the paper (paper_reproduction.md):\n\n{text}\n\n-> {out / 'paper_reproduction.md'}\n")
-    return written
+        shown.append(
+            f"Reproducing the paper (paper_reproduction.md):\n\n{text}\n\n-> {out / 'paper_reproduction.md'}\n"
+        )
+    return written, shown
 
 
 HELP = """Aggregate every results.json under PATH (a run dir, a sweep dir, any folder): one table per
