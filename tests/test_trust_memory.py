@@ -73,6 +73,34 @@ def test_a_full_covariance_fit_counts_its_factors(tmp_path, monkeypatch):
         regression_fit.run(cfg, tmp_path / "run")  # 800 M numbers: the output layer's 20001 x 20001 factor
 
 
+def test_the_uci_protocol_counts_each_methods_network_before_writing_anything(tmp_path, monkeypatch):
+    """The UCI protocol's widths are counted per method (the deep methods' own widths, a full
+    covariance's factors) before its splits file is written; the default methods pass."""
+    from cfbnn_cli.pipelines.regression import uci_protocol
+
+    _small_machine(monkeypatch)
+    common = ["experiment=uci", "data=boston", "uci.n_splits=1", "device=cpu"]
+    for overrides, pattern in [
+        (["model.hidden_sizes=[900000]"], r"^model.hidden_sizes=\[900000\] \(uci.methods: closed_form_diagonal\)"),
+        (
+            ["uci.methods=[deterministic_2_hidden]", "uci.deep_hidden_sizes=[12000,12000]"],
+            r"^uci.deep_hidden_sizes=\[12000, 12000\] \(uci.methods: deterministic_2_hidden\)",
+        ),
+        (
+            ["uci.methods=[closed_form_full]", "model.hidden_sizes=[20000]"],
+            # 13 inputs: 20000 x (14 + 14 + 14 x 14) + 196 (mask), output 2 x 20001 + 2 x 20001^2 (factor, mask)
+            r"\(804,600,200 parameters, the covariance factors included\)",
+        ),
+    ]:
+        cfg = compose_config("train_regression", common + overrides)
+        with pytest.raises(ConfigError, match=pattern):
+            uci_protocol.run(cfg, tmp_path)
+        assert not list(tmp_path.iterdir())
+    cfg = compose_config("train_regression", common)
+    table = uci_protocol.load_regression_table(cfg.data)
+    uci_protocol._require_memory(cfg, uci_protocol.validate(cfg), table.x.shape[1], 455, 51, [])
+
+
 def test_table_1s_study_counts_its_network_before_building_it(tmp_path, monkeypatch):
     from conftest import TRUST_REGRESSION
 

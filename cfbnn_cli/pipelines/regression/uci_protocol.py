@@ -72,6 +72,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from ...bnn.calibration import NOMINAL_LEVELS
+from ...bnn.footprint import require_fit_memory
 from ...bnn.network import PRIORS
 from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
@@ -300,6 +301,31 @@ def _to_device(data: RegressionData, device) -> RegressionData:
     return data
 
 
+def _require_memory(
+    cfg, methods: List[str], input_dim: int, train_rows: int, test_rows: int, minibatch: List[str]
+) -> None:
+    """Each method's network and the rows it holds at once (a split's training rows for L-BFGS, a
+    minibatch for Adam), counted before anything is allocated: one line naming the widths."""
+    for method in methods:
+        likelihood, deep = DETERMINISTIC_METHODS.get(method, ("normal", False))
+        setting = "uci.deep_hidden_sizes" if deep else "model.hidden_sizes"
+        sizes = [int(h) for h in OmegaConf.select(cfg, setting)]
+        kind = method.removeprefix("closed_form_") if method.startswith("closed_form_") else "diagonal"
+        adam = method in minibatch
+        require_fit_memory(
+            f"{setting}={sizes} (uci.methods: {method})",
+            input_dim,
+            sizes,
+            2 if likelihood == "heteroscedastic" else 1,
+            rows=min(int(cfg.trainer.batch_size), train_rows) if adam else train_rows,
+            optimizer="adam" if adam else "lbfgs",
+            prediction_rows=test_rows,
+            covariance=[kind] * len(sizes) + ["full" if kind == "full" else "diagonal"],
+            rank=int(cfg.model.rank),
+            fix=f"lower {setting}, or leave {method} out of uci.methods",
+        )
+
+
 def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     run_dir = Path(run_dir)
     methods = validate(cfg)
@@ -317,6 +343,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
             f"trainer.batch_size={batch_size} exceeds the {n_fit} rows a split trains {', '.join(minibatch)} on "
             f"(its training rows less uci.validation_fraction={cfg.uci.validation_fraction}); lower it"
         )
+    _require_memory(cfg, methods, table.x.shape[1], n_train, len(splits[0][1]), minibatch)
     atomic_write_json(
         run_dir / "splits.json",
         {
