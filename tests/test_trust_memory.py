@@ -101,6 +101,19 @@ def test_the_uci_protocol_counts_each_methods_network_before_writing_anything(tm
     uci_protocol._require_memory(cfg, uci_protocol.validate(cfg), table.x.shape[1], 455, 51, [])
 
 
+def test_the_vaes_decoder_is_counted_before_it_is_built(tmp_path, monkeypatch):
+    """The decoder's width within every count's bound, beyond the machine: one line naming both
+    widths, nothing written; the paper's sizes pass on the same small machine."""
+    from cfbnn_cli.pipelines import vae
+
+    _small_machine(monkeypatch)
+    cfg = compose_config("vae", ["model.decoder_hidden=900000", "device=cpu"])
+    with pytest.raises(ConfigError, match=r"^model.encoder_hidden=\[500, 500\], model.decoder_hidden=900000 on 64 "):
+        vae.run(cfg, tmp_path)
+    assert not list(tmp_path.iterdir())
+    vae._require_memory(compose_config("vae", ["device=cpu"]), 784)  # Fashion-MNIST's size, the paper's widths
+
+
 def test_table_1s_study_counts_its_network_before_building_it(tmp_path, monkeypatch):
     from conftest import TRUST_REGRESSION
 

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ..bnn.footprint import parameter_count, per_row_floats, training_bytes
 from ..bnn.vae import VARIANTS, BayesianDecoderVAE
 from ..data.unsupervised import UnsupervisedData, load_unsupervised_data
 from ..moments import ACTIVATIONS, validate_args
@@ -44,6 +45,7 @@ from ..runtime.checks import (
 )
 from ..runtime.cuda_graphs import GraphedCall
 from ..runtime.errors import ConfigError
+from ..runtime.memory import require_memory
 from ..runtime.progress import progress_bar
 from ..runtime.seed import seed_everything
 from ..train import TrainingLoop, loop_from_config, optimizers
@@ -412,6 +414,24 @@ def supports_distributed(cfg: DictConfig) -> bool:
     return False
 
 
+def _require_memory(cfg, data_dim: int) -> None:
+    """The networks and a minibatch's activations, counted before anything is built: the Bayesian
+    decoder (latent -> ``model.decoder_hidden`` -> the data, its means and scales) and the encoder's
+    point weights (the data -> ``model.encoder_hidden`` -> the latent's mean and scale), under Adam."""
+    m = cfg.model
+    encoder = [int(data_dim), *[int(h) for h in m.encoder_hidden], 2 * int(m.latent_dim)]
+    encoder_weights = sum((a + 1) * b for a, b in zip(encoder[:-1], encoder[1:]))
+    decoder = (int(m.latent_dim), [int(m.decoder_hidden)], int(data_dim))
+    parameters = parameter_count(*decoder) + encoder_weights
+    floats = per_row_floats(*decoder) + sum(encoder[1:])
+    require_memory(
+        training_bytes(parameters, int(cfg.trainer.batch_size), floats, "adam"),
+        f"model.encoder_hidden={list(encoder[1:-1])}, model.decoder_hidden={m.decoder_hidden} on {data_dim} "
+        f"dimensions ({parameters:,} parameters) with trainer.batch_size={cfg.trainer.batch_size}",
+        "lower model.decoder_hidden or model.encoder_hidden",
+    )
+
+
 def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
     run_dir = Path(run_dir)
     variants = validate(cfg)
@@ -422,6 +442,7 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         raise ConfigError(
             f"trainer.batch_size={cfg.trainer.batch_size} exceeds the {len(data.x_train)} training rows; lower it"
         )
+    _require_memory(cfg, data.x_train.shape[1])
     data.x_train, data.x_val, data.x_test = data.x_train.to(device), data.x_val.to(device), data.x_test.to(device)
     log.info(
         "VAE on %s (%d train / %d validation / %d test rows, %d dims), variants %s, device=%s",
