@@ -58,7 +58,7 @@ def test_a_fit_that_learned_nothing_fails_with_the_reason_and_a_suggestion(tmp_p
     with pytest.raises(FitFailedError) as failed:
         regression.run(_cfg(tmp_path / "t.csv", "model.hidden_sizes=[200,200]", "fit.refit=true"), run)
     message = str(failed.value)
-    assert message.startswith("the fit failed: closed_form_diagonal on t:")
+    assert message.startswith("the fit failed: closed_form_diagonal with hidden layers [200, 200] on t:")
     assert "explain less than 5 % of the target's variance" in message and "model.hidden_sizes=[50]" in message
     assert failed.value.exit_code == 1 and "fit/test_ll" in failed.value.metrics and "fit.md" in failed.value.tables
     assert "FAILED: " in (run / "fit.md").read_text()

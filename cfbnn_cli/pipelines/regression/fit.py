@@ -265,13 +265,17 @@ def run(cfg: DictConfig, run_dir, values: Optional[RunValues] = None) -> dict:
         frame,
         run_dir,
         "fit",
-        caption=f"{method} on {table.name}: a random {100 * float(cfg.data.test_fraction):g} % of the rows held out "
+        caption=f"{method}, hidden layers {sizes}, on {table.name}: a random {100 * float(cfg.data.test_fraction):g} % of the rows held out "
         f"(seed {cfg.data.seed}); units of {table.target}",
         data=data_frame,
     )
     if problems:
         advice = suggestion(sizes, data.input_dim, 1, len(train), bool(fitted.converged or fitted.stopped_early))
-        raise FitFailedError(failure_message(f"{method} on {table.name}:", problems, advice, run_dir), metrics, tables)
+        raise FitFailedError(
+            failure_message(f"{method} with hidden layers {sizes} on {table.name}:", problems, advice, run_dir),
+            metrics,
+            tables,
+        )
     save_regression_model(run_dir, model, scaled, estimator.name, method)
     return {"metrics": metrics, "tables": tables, "figures": {"fit": figure}, "device": device, "main_table": "fit.md"}
 
