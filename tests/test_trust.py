@@ -97,6 +97,16 @@ def _copy_run(source, target):
 # ----------------------------------------------------------------------------- 1. no code from a checkpoint
 
 
+def _plant_temporary_files(run):
+    """The temporary files a killed write leaves in ``run`` (the names atomic_write_bytes gives
+    them), and a user's own and another run's, which are not the CLI's."""
+    (run / ".results.json.cfbnn-k1ll3d.tmp").write_text("half")
+    (run / "checkpoints" / ".last.pt.cfbnn-abc123.tmp").write_bytes(b"half")
+    (run / ".notes.tmp").write_text("mine")
+    (run / "nested_run").mkdir()
+    (run / "nested_run" / ".results.json.cfbnn-other.tmp").write_text("another run's")
+
+
 @pytest.fixture(scope="module")
 def resumed_runs(finished_run, tmp_path_factory):
     """The three CLI runs into copies of the finished run, started at once: one whose last.pt is a
@@ -106,6 +116,7 @@ def resumed_runs(finished_run, tmp_path_factory):
     folder = tmp_path_factory.mktemp("resumed")
     crafted, run, twin = (_copy_run(finished_run, folder / name) for name in ("crafted", "run", "twin"))
     (crafted / "done").unlink()  # as if killed: resume will load the checkpoint
+    _plant_temporary_files(twin)  # (test_temporary_files_of_a_killed_write_are_removed_on_the_next_run)
     marker = folder / "PWNED"
     torch.save({"model": RunsCode(marker)}, crafted / "checkpoints" / "last.pt")
     processes = {
@@ -544,16 +555,10 @@ def test_atomic_files_get_the_normal_umask_mode(tmp_path):
     assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o644
 
 
-def test_temporary_files_of_a_killed_write_are_removed_on_the_next_run(finished_run, tmp_path):
-    run = _copy_run(finished_run, tmp_path / "run")
-    # the names atomic_write_bytes gives its temporary files
-    (run / ".results.json.cfbnn-k1ll3d.tmp").write_text("half")
-    (run / "checkpoints" / ".last.pt.cfbnn-abc123.tmp").write_bytes(b"half")
-    # a user's own temporary files, and another run's inside this folder, are not the CLI's
-    (run / ".notes.tmp").write_text("mine")
-    (run / "nested_run").mkdir()
-    (run / "nested_run" / ".results.json.cfbnn-other.tmp").write_text("another run's")
-    out = cfbnn("train", "regression", f"hydra.run.dir={run}", "resume=true", *REGRESSION)
+def test_temporary_files_of_a_killed_write_are_removed_on_the_next_run(resumed_runs):
+    # the resumed run with its own config (resumed_runs' "same", into a copy of the finished run
+    # holding _plant_temporary_files' files): the next run, without a CLI start of its own
+    run, out = resumed_runs["same"]
     assert out.returncode == 0
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*.tmp")) == [
         ".notes.tmp",

@@ -63,7 +63,9 @@ def test_deterministic_prediction_is_the_monte_carlo_limit_for_a_narrow_posterio
     head = bayesian_head(6, [16, 16], 5, init_scale=0.02).double()
     x = torch.randn(400, 6, dtype=torch.float64)
     deterministic = head.output_mean(x).argmax(-1)
-    assert float((deterministic == _predictive_argmax(head, x)).double().mean()) > 0.99
+    # 4,096 draws (6 s -> 1.5 s): one row of the 400 has a top-2 margin under 3 standard errors of
+    # the brute force's mean (z = 1.6; 3.2 with 16,384), and the bound lets 4 rows differ
+    assert float((deterministic == _predictive_argmax(head, x, samples=4096)).double().mean()) > 0.99
     agreement = monte_carlo_accuracy(head, x, deterministic, 512, [1, 512], 200, torch.Generator().manual_seed(2))
     assert float(agreement[512][0].mean()) > 0.99 and float(agreement[1][0].mean()) <= float(agreement[512][0].mean())
 

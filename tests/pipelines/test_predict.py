@@ -95,6 +95,10 @@ def trained_csv_run(tmp_path_factory):
             "model.hidden_sizes=[32]",
             "likelihood=normal",  # one noise: its interval is the Normal's (heteroscedastic: test_fit_recipes.py)
             "fit.refit=false",  # the model tested on the held-out rows is the one saved (half the time)
+            # L-BFGS stopped at 400 of its 3000 iterations: the predict tests read the saved model, not
+            # the fit's convergence; held-out RMSE 0.0941 and noise s.d. 0.104 against 0.0938 and 0.104
+            # converged (2990 iterations), 11 s -> 5 s on 2 cores
+            "fit.max_iterations=400",
             "device=cpu",
         ],
     )

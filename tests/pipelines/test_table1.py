@@ -185,28 +185,25 @@ def test_invalid_config_fails_before_work(tmp_path, override, key, regression_cf
     assert not (tmp_path / "metrics.csv").exists()
 
 
-def test_cli_end_to_end_small(tmp_path, cfbnn_all, tiny_overrides):
+def test_cli_end_to_end_small(tmp_path, cfbnn, tiny_overrides):
     run_dir = tmp_path / "run"
-    runs = cfbnn_all(  # two independent runs, started at once
-        {
-            "run": ["train", "regression", f"hydra.run.dir={run_dir}", *tiny_overrides["train_regression"]],
-            "missing": [
-                "train",
-                "regression",
-                f"hydra.run.dir={tmp_path / 'r2'}",
-                "data=year_prediction_msd",
-                f"data.path={tmp_path}/none.txt",
-            ],
-        }
-    )
-    out = runs["run"]
+    out = cfbnn("train", "regression", f"hydra.run.dir={run_dir}", *tiny_overrides["train_regression"])
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads((run_dir / "results.json").read_text())
     assert record["pipeline"] == "train_regression" and record["status"] == "complete"
     assert record["config"]["trainer"]["epochs"] == 3
     assert "gradient_variance.csv" in record["tables"] and record["figures"]["training"] == "training.png"
     assert (run_dir / "done").exists()
-    missing = runs["missing"]
+
+
+@pytest.mark.slow  # a CLI start of its own (5 s); by default the message is
+# tests/data/test_regression_data.py::test_missing_msd_names_the_script and a data error's one line and
+# exit 2 from the CLI tests/test_trust_inputs.py::test_each_bad_input_is_one_line_on_stderr_and_exit_2
+def test_cli_names_the_fetch_script_for_missing_msd_data(tmp_path, cfbnn):
+    missing = cfbnn(
+        "train", "regression", f"hydra.run.dir={tmp_path / 'r2'}", "data=year_prediction_msd",
+        f"data.path={tmp_path}/none.txt",
+    )  # fmt: skip
     assert missing.returncode == 2 and "fetch_year_prediction_msd.py" in missing.stdout + missing.stderr
 
 
