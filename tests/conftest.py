@@ -22,58 +22,6 @@ import torch  # noqa: E402  (after the OpenMP setting above)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# The default suite's dearest files (seconds per file on 2 busy cores, measured with --durations=0),
-# dearest first. Under `-n 2 --dist loadfile` a file is one unit of work and pytest-xdist hands
-# the units out in order; by default it orders them by their number of tests, which sent the
-# one-test files that take 25-50 s (kernel compiles, the distributed run) out last, where the
-# other worker waited on them (709 s for 638 s of work per worker). Handing out the dearest first
-# (the longest-processing-time rule) lets the many cheap files fill in at the end. A file not
-# listed keeps its place after these; a stale number only costs balance, never a test.
-DEAR_FILES = {
-    "tests/test_cli.py": 91,
-    "tests/pipelines/test_uci.py": 85,
-    "tests/pipelines/test_table1.py": 83,
-    "tests/test_trust.py": 70,
-    "tests/moments/test_ops.py": 58,
-    "tests/pipelines/test_imagenet.py": 54,
-    "tests/moments/test_every_kernel_compiles.py": 50,
-    "tests/pipelines/test_regression_fit.py": 49,
-    "tests/pipelines/test_predict.py": 38,
-    "tests/test_trust_inputs.py": 38,
-    "tests/moments/test_triton_float32.py": 36,
-    "tests/bnn/test_deterministic.py": 33,
-    "tests/test_kernel_count.py": 28,
-    "tests/pipelines/test_vae.py": 27,
-    "tests/pipelines/test_distributed.py": 26,
-    "tests/test_cuda_twin.py": 26,
-    "tests/pipelines/test_fit_recipes.py": 25,
-    "tests/moments/test_piecewise_ops.py": 24,
-    "tests/moments/test_moments_quadrature.py": 23,
-    "tests/test_trust_outputs.py": 22,
-    "tests/test_trust_lines.py": 21,
-    "tests/moments/test_tail_ops.py": 20,
-    "tests/bnn/test_pyro_glue.py": 20,
-    "tests/test_trust_files.py": 20,
-    "tests/pipelines/test_fit_resume.py": 19,
-}
-
-
-def pytest_configure(config):
-    """On the xdist controller: hand the files out in the order of the collection, which
-    :func:`pytest_collection_modifyitems` puts dearest first, not by their number of tests."""
-    if getattr(config.option, "dist", "no") == "loadfile":
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    """In an xdist worker (its collection is what the controller schedules from): the files in
-    ``DEAR_FILES`` first, dearest first; each file's tests keep their order."""
-    if not hasattr(config, "workerinput"):
-        return
-    rank = {path: -seconds for path, seconds in DEAR_FILES.items()}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], 0))  # stable: the rest keep their order
-
-
 # small but real settings of each command (seconds, not minutes, on 2 cores)
 TINY_REGRESSION = [
     "data.n_train=400",
