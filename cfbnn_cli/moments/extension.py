@@ -26,6 +26,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..runtime.safefs import read_bounded
 from .build_record import RECORD_LIMIT, RECORD_NAME, mismatch, sources_digest
 
 __all__ = ["library_path", "load", "status"]
@@ -73,26 +74,15 @@ def _open_checked(path: Path) -> int:
 LIBRARY_LIMIT = 256 << 20  # bytes: a larger library is not read (nor loaded)
 
 
-def _read(fd: int, limit: int) -> bytes:
-    chunks, size = [], 0
-    while size <= limit:
-        block = os.read(fd, min(1 << 20, limit + 1 - size))
-        if not block:
-            break
-        chunks.append(block)
-        size += len(block)
-    return b"".join(chunks)
-
-
 def _check_record(path: Path, fd: int) -> None:
     """The library open at ``fd`` against its build record (:mod:`.build_record`)."""
     record = _open_checked(path.with_name(RECORD_NAME))
     try:
-        data = _read(record, RECORD_LIMIT)
+        data = read_bounded(record, RECORD_LIMIT)
     finally:
         os.close(record)
     reason = mismatch(
-        data, _read(fd, LIBRARY_LIMIT), torch.__version__, sources_digest(Path(__file__).with_name("csrc"))
+        data, read_bounded(fd, LIBRARY_LIMIT), torch.__version__, sources_digest(Path(__file__).with_name("csrc"))
     )
     if reason:
         raise Refused(f"{path}: {reason}")

@@ -385,6 +385,19 @@ def _private_regular(path: PathLike, info: os.stat_result) -> os.stat_result:
     return info
 
 
+def read_bounded(fd: int, limit: int) -> bytes:
+    """What the open file ``fd`` holds, read in 1 MiB blocks, but never more than ``limit + 1``
+    bytes: a result longer than ``limit`` says the file is larger than allowed (or grew)."""
+    chunks, size = [], 0
+    while size <= limit:
+        block = os.read(fd, min(1 << 20, limit + 1 - size))
+        if not block:
+            break
+        chunks.append(block)
+        size += len(block)
+    return b"".join(chunks)
+
+
 def read_private_file(path: PathLike, limit: int) -> bytes:
     """The bytes of ``path`` (at most ``limit``), read from one open file that was checked first.
 
@@ -406,16 +419,10 @@ def read_private_file(path: PathLike, limit: int) -> bytes:
         info = _private_regular(path, os.fstat(fd))  # the open file's, not the name's
         if info.st_size > limit:
             raise UnsafePathError(f"{path} is {info.st_size} bytes, more than the {limit} expected")
-        chunks, size = [], 0
-        while size <= limit:
-            block = os.read(fd, min(1 << 20, limit + 1 - size))
-            if not block:
-                break
-            chunks.append(block)
-            size += len(block)
-        if size > limit:  # grew while being read
+        data = read_bounded(fd, limit)
+        if len(data) > limit:  # grew while being read
             raise UnsafePathError(f"{path} is more than the {limit} bytes expected")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 
