@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ...bnn.footprint import require_fit_memory, rows_at_once
+from ...bnn.footprint import rows_at_once
 from ...bnn.model_file import FILE_NAME
 from ...bnn.network import PRIORS
 from ...bnn.target_units import in_target_units
@@ -60,7 +60,7 @@ from ...train.fit_records import FitRecords
 from ...train.fit_settings import validate_fit_settings
 from .log_target import held_out_metrics
 from .model_file import save_regression_model
-from .uci_methods import Fitted, Split, fit_method, quiet, test_metrics
+from .uci_methods import Fitted, Split, fit_method, quiet, require_method_memory, test_metrics
 
 log = logging.getLogger(__name__)
 METHODS = ("closed_form_diagonal", "closed_form_full", "closed_form_lowrank", "deterministic_2_hidden")
@@ -119,22 +119,18 @@ def _to_device(data: RegressionData, device) -> RegressionData:
 def _require_memory(cfg, method: str, table: RegressionTable, train_rows: int, test_rows: int) -> None:
     """The method's network and the rows a fit holds at once, counted before anything is allocated."""
     deep = method.endswith("_2_hidden")
-    sizes = list(cfg.fit.deep_hidden_sizes if deep else cfg.model.hidden_sizes)
-    # the heteroscedastic methods are mean-field, with a second output: the log noise variance
-    kind = method.removeprefix("closed_form_") if method.startswith("closed_form_") else "diagonal"
-    outputs = 2 if method.startswith("heteroscedastic") else 1
     rows, optimizer = rows_at_once(
         train_rows, cfg.fit.full_batch_max_rows, cfg.trainer.batch_size, len(table.y) if cfg.fit.refit else 0
     )
-    require_fit_memory(
-        f"{'fit.deep_hidden_sizes' if deep else 'model.hidden_sizes'}={sizes} (fit.method={method})",
+    require_method_memory(
+        method,
+        f"fit.method={method}",
+        "fit.deep_hidden_sizes" if deep else "model.hidden_sizes",
+        list(cfg.fit.deep_hidden_sizes if deep else cfg.model.hidden_sizes),
         table.x.shape[1],
-        sizes,
-        outputs,
         rows=rows,
         optimizer=optimizer,
         prediction_rows=test_rows,
-        covariance=[kind] * len(sizes) + ["full" if kind == "full" else "diagonal"],
         rank=int(cfg.model.rank),
         fix="lower the widths or choose fit.method=closed_form_diagonal (or lower fit.full_batch_max_rows, to "
         "train on minibatches)",

@@ -17,6 +17,7 @@ import torch
 
 from ...bnn.calibration import NOMINAL_LEVELS, coverage_curve, mixture_cdf
 from ...bnn.estimators import ClosedForm, Estimator
+from ...bnn.footprint import require_fit_memory
 from ...bnn.likelihoods import HeteroscedasticNormalLikelihood, NormalLikelihood
 from ...bnn.network import BayesianNetwork
 from ...bnn.predictive import mixture_log_likelihood, mixture_mean
@@ -59,6 +60,29 @@ DETERMINISTIC_METHODS = {
     "heteroscedastic": ("heteroscedastic", False),
     "heteroscedastic_2_hidden": ("heteroscedastic", True),
 }
+
+
+def require_method_memory(
+    method: str, label: str, setting: str, sizes: Sequence[int], input_dim: int, *, rows: int, optimizer: str, **counts
+) -> None:
+    """``method``'s network (hidden ``sizes``, read from the config key ``setting``; the message names
+    it as ``label``) and ``rows`` at
+    once, counted before anything is allocated (:func:`~cfbnn_cli.bnn.footprint.require_fit_memory`,
+    which takes ``prediction_rows``, ``rank`` and ``fix``): a closed form's covariance in every
+    Gaussian layer (the output layer's diagonal unless full), the heteroscedastic methods' second
+    output (the log noise variance)."""
+    likelihood, _ = DETERMINISTIC_METHODS.get(method, ("normal", False))
+    kind = method.removeprefix("closed_form_") if method.startswith("closed_form_") else "diagonal"
+    require_fit_memory(
+        f"{setting}={list(sizes)} ({label})",
+        input_dim,
+        sizes,
+        2 if likelihood == "heteroscedastic" else 1,
+        rows=rows,
+        optimizer=optimizer,
+        covariance=[kind] * len(sizes) + ["full" if kind == "full" else "diagonal"],
+        **counts,
+    )
 
 
 def original_units(log_likelihood: torch.Tensor, squared_error: torch.Tensor, target_std: float) -> Tuple[float, float]:

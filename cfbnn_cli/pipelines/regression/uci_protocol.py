@@ -72,7 +72,6 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from ...bnn.calibration import NOMINAL_LEVELS
-from ...bnn.footprint import require_fit_memory
 from ...bnn.network import PRIORS
 from ...data.regression import RegressionData, RegressionTable, load_regression_table, validate_data_config
 from ...moments import ACTIVATIONS, validate_args
@@ -88,7 +87,16 @@ from ...runtime.progress import progress_bar
 from ...runtime.rundir import config_fingerprint, refuse_other_config
 from ...train.fit_settings import require_prior_scale
 from .model_file import save_regression_model
-from .uci_methods import DETERMINISTIC_METHODS, METHODS, Fitted, Split, fit_method, quiet, test_metrics
+from .uci_methods import (
+    DETERMINISTIC_METHODS,
+    METHODS,
+    Fitted,
+    Split,
+    fit_method,
+    quiet,
+    require_method_memory,
+    test_metrics,
+)
 from .uci_report import mean_and_standard_error, plot_coverage, plot_paired_differences, summary_data, summary_table
 
 log = logging.getLogger(__name__)
@@ -307,20 +315,19 @@ def _require_memory(
     """Each method's network and the rows it holds at once (a split's training rows for L-BFGS, a
     minibatch for Adam), counted before anything is allocated: one line naming the widths."""
     for method in methods:
-        likelihood, deep = DETERMINISTIC_METHODS.get(method, ("normal", False))
-        setting = "uci.deep_hidden_sizes" if deep else "model.hidden_sizes"
-        sizes = [int(h) for h in OmegaConf.select(cfg, setting)]
-        kind = method.removeprefix("closed_form_") if method.startswith("closed_form_") else "diagonal"
+        setting = (
+            "uci.deep_hidden_sizes" if DETERMINISTIC_METHODS.get(method, (None, False))[1] else "model.hidden_sizes"
+        )
         adam = method in minibatch
-        require_fit_memory(
-            f"{setting}={sizes} (uci.methods: {method})",
+        require_method_memory(
+            method,
+            f"uci.methods: {method}",
+            setting,
+            [int(h) for h in OmegaConf.select(cfg, setting)],
             input_dim,
-            sizes,
-            2 if likelihood == "heteroscedastic" else 1,
             rows=min(int(cfg.trainer.batch_size), train_rows) if adam else train_rows,
             optimizer="adam" if adam else "lbfgs",
             prediction_rows=test_rows,
-            covariance=[kind] * len(sizes) + ["full" if kind == "full" else "diagonal"],
             rank=int(cfg.model.rank),
             fix=f"lower {setting}, or leave {method} out of uci.methods",
         )
